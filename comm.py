@@ -1,0 +1,184 @@
+"""
+comm.py: process-group setup and every collective nanoscale uses, each one counted.
+
+    env = init_distributed(cfg)      # reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK; gloo on CPU, nccl on GPU
+    all_reduce(grad, group=dp_group) # the same call as torch.distributed, plus bytes accounting
+    COMM.bytes_sent                  # bytes this rank sent since the last COMM.reset()
+
+Bytes are counted under the standard ring algorithms (DESIGN.md section 2), S = the full tensor's bytes,
+n = group size, counting what *this rank sends*:
+    all_reduce 2(n-1)/n * S     reduce_scatter (n-1)/n * S of its input    all_gather (n-1)/n * S of its output
+    all_to_all: the bytes of its input that go to other ranks (= (n-1)/n * S for even splits)
+    send S (recv 0)             broadcast (n-1)/n * S (pipelined chain)
+So one convention holds everywhere and DP, ZeRO-1/2 and ZeRO-3 come out at 2P, 2P and 3P times (n-1)/n.
+
+Every process group is created with a timeout (--dist_timeout), so a dead or diverged rank raises an error
+instead of hanging forever.
+"""
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renamed the flat-tensor collectives and warns on the old names; older torch only has those.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommCounter:
+    """Bytes sent by this rank, in total and per operation, since the last reset()."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.bytes_sent = 0.0
+        self.by_op = defaultdict(float)
+        self.calls = defaultdict(int)
+
+    def add(self, op, nbytes):
+        self.bytes_sent += nbytes
+        self.by_op[op] += nbytes
+        self.calls[op] += 1
+
+
+COMM = CommCounter()
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def _group_size(group):
+    return dist.get_world_size(group)
+
+
+def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    n = _group_size(group)
+    COMM.add("all_reduce", 2 * (n - 1) / n * _nbytes(tensor))
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather(output, input, group=None, async_op=False):
+    """Gather equal-sized flat shards into `output` (n * input.numel() elements)."""
+    n = _group_size(group)
+    COMM.add("all_gather", (n - 1) / n * _nbytes(output))
+    return _all_gather_flat(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """Sum `input` across the group and keep this rank's 1/n slice in `output`."""
+    n = _group_size(group)
+    COMM.add("reduce_scatter", (n - 1) / n * _nbytes(input))
+    return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    """all_to_all_single along dim 0; counts the rows of `input` that leave this rank."""
+    n, rank = _group_size(group), dist.get_rank(group)
+    row_bytes = _nbytes(input) / max(input.shape[0], 1)
+    if input_split_sizes is None:
+        sent = (n - 1) / n * _nbytes(input)
+    else:
+        sent = (sum(input_split_sizes) - input_split_sizes[rank]) * row_bytes
+    COMM.add("all_to_all", sent)
+    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                  async_op=async_op)
+
+
+def broadcast(tensor, src, group=None, async_op=False):
+    n = _group_size(group)
+    COMM.add("broadcast", (n - 1) / n * _nbytes(tensor))
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def send(tensor, dst, group=None):
+    COMM.add("send", _nbytes(tensor))
+    return dist.send(tensor, dst=dst, group=group)
+
+
+def recv(tensor, src, group=None):
+    return dist.recv(tensor, src=src, group=group)
+
+
+def p2p_op(kind, tensor, peer, group=None):
+    """A P2POp for batch_isend_irecv: kind is 'send' or 'recv'; peer is a global rank."""
+    fn = dist.isend if kind == "send" else dist.irecv
+    return dist.P2POp(fn, tensor, peer, group=group)
+
+
+def batch_isend_irecv(ops):
+    """Launch a batch of P2POps at once (sends and receives paired without deadlock); returns the works."""
+    for op in ops:
+        if op.op is dist.isend:
+            COMM.add("send", _nbytes(op.tensor))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# process-group setup
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+def world_size_from_env():
+    """WORLD_SIZE as torchrun sets it (1 when launched with plain python); usable before init."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def pick_device(requested, local_rank):
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        requested = f"cuda:{local_rank}"
+    device = torch.device(requested)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {requested} requested but CUDA is not available")
+        torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(cfg, need_group=True):
+    """Device and (optionally) the default process group, from torchrun's environment variables.
+
+    Launched with plain `python` (no RANK in the environment), a script that needs a group gets a
+    one-process group on an in-memory store, so every script also runs on a single device."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = world_size_from_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(cfg.device, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if need_group and not dist.is_initialized():
+        timeout = timedelta(seconds=cfg.dist_timeout)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistEnv(rank, world_size, local_rank, device, backend)
+
+
+def new_group(ranks, timeout_s=None):
+    """A subgroup (every rank of the world must call this with the same ranks, in the same order)."""
+    kwargs = {} if timeout_s is None else dict(timeout=timedelta(seconds=timeout_s))
+    return dist.new_group(ranks, **kwargs)
+
+
+def destroy():
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,176 @@
+"""
+config.py: the one command line every nanoscale script shares (DESIGN.md section 2).
+
+    cfg = parse_config(argv, techniques=("tp", "sp"))          # only the flags that apply to the script
+
+Flags are `--key value` or `--key=value`. Booleans are `--compile` / `--no-compile`. A bad configuration
+exits with one `error: ...` line and exit code 2 before any work starts (`ConfigError` -> `fail`).
+"""
+import argparse
+import os
+import sys
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class Config:
+    # model (vocab size comes from the dataset's meta.json)
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    block_size: int = 256
+    dropout: float = 0.0
+    # batch: grad_acc = global_batch_size / (micro_batch_size * dp)
+    global_batch_size: int = 32
+    micro_batch_size: int = 8
+    # optimizer: AdamW, linear warmup then cosine decay to min_lr at max_steps
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    max_steps: int = 2000
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    # system
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+    seed: int = 1337
+    recompute: str = "none"
+    dist_timeout: float = 300.0
+    # io and logging
+    data_dir: str = os.path.join("data", "stdlib")
+    out_dir: str = "out"
+    eval_interval: int = 250
+    eval_iters: int = 20
+    log_interval: int = 10
+    save_interval: int = 0
+    resume: bool = False
+    stop_step: int = 0
+    sample_tokens: int = 200
+    # technique flags: each script enables the ones that apply
+    dp: int = 0
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    cp_layout: str = "zigzag"
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    n_microbatches: int = 0
+    zero_stage: int = 0
+    ep: int = 1
+    n_experts: int = 0
+    top_k: int = 2
+    bucket_mb: float = 25.0
+
+
+HELP = dict(
+    n_layer="transformer blocks", n_head="attention heads", n_embd="model width h",
+    block_size="sequence length T", dropout="dropout probability (0 for parity tests)",
+    global_batch_size="sequences per optimizer step, the same in every layout",
+    micro_batch_size="sequences per forward/backward on one rank",
+    lr="peak learning rate", min_lr="learning rate at the end of the cosine decay",
+    warmup_steps="linear warmup steps", max_steps="optimizer steps in the schedule",
+    weight_decay="AdamW weight decay (applied to >= 2-D parameters only)",
+    grad_clip="clip the global gradient norm to this (0 disables)",
+    device="auto | cpu | cuda | cuda:N (auto: the local GPU if there is one)",
+    dtype="auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)",
+    compile="torch.compile the model", seed="seed of init, data order and dropout",
+    recompute="activation recomputation: none | selective (attention core) | full (whole block)",
+    dist_timeout="seconds before a stuck collective raises instead of hanging",
+    data_dir="directory with train.bin, val.bin, meta.json (the default corpus is prepared on first use)",
+    out_dir="metrics.jsonl and checkpoints go here",
+    eval_interval="evaluate on val every N steps (0 disables)", eval_iters="micro-batches per evaluation",
+    log_interval="print a progress line every N steps", save_interval="checkpoint every N steps (0: only at the end)",
+    resume="continue from the checkpoint in out_dir, appending to metrics.jsonl",
+    stop_step="stop before this step, keeping the --max_steps schedule (0: run to max_steps); for time-limited jobs",
+    sample_tokens="tokens to generate as a sample at the end (0 disables)",
+    dp="data-parallel degree (default: world / (tp*cp*pp))", tp="tensor-parallel degree",
+    sp="sequence parallelism on top of tensor parallelism", cp="context-parallel degree",
+    cp_layout="ring | zigzag | allgather", pp="pipeline-parallel degree",
+    pp_schedule="afab | 1f1b | interleaved | zb1", pp_virtual="model chunks per pipeline rank (interleaved)",
+    n_microbatches="pipeline micro-batches per step (default: global / (micro * dp))",
+    zero_stage="ZeRO stage 0 | 1 | 2 | 3", ep="expert-parallel degree", n_experts="experts per MoE layer (0: dense)",
+    top_k="experts per token", bucket_mb="gradient bucket size in MiB",
+)
+CHOICES = dict(recompute=["none", "selective", "full"], dtype=["auto", "float32", "bfloat16", "float16"],
+               cp_layout=["ring", "zigzag", "allgather"], pp_schedule=["afab", "1f1b", "interleaved", "zb1"],
+               zero_stage=[0, 1, 2, 3])
+TECHNIQUE_FLAGS = ("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp_virtual", "n_microbatches",
+                   "zero_stage", "ep", "n_experts", "top_k", "bucket_mb")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration, reported as one line before any work starts."""
+
+
+def check(condition, message):
+    if not condition:
+        raise ConfigError(message)
+
+
+def fail(message):
+    """Print one clear error line (once, on rank 0) and exit with code 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def build_parser(description, techniques):
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in fields(Config):
+        if f.name in TECHNIQUE_FLAGS and f.name not in techniques:
+            continue
+        if f.type in (bool, "bool"):
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
+                           help=HELP[f.name])
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
+            p.add_argument(f"--{f.name}", type=kind, default=f.default, choices=CHOICES.get(f.name),
+                           help=HELP[f.name])
+    return p
+
+
+def parse_config(argv=None, techniques=(), description=None, extra_args=None, validate=None):
+    """Parse argv into a Config; `extra_args(parser)` adds script-only flags (set as attributes),
+    `validate(cfg)` adds script-only checks (use `check`). Any ConfigError exits with code 2."""
+    parser = build_parser(description, techniques)
+    if extra_args is not None:
+        extra_args(parser)
+    args = parser.parse_args(argv)          # argparse itself exits 2 on unknown flags / bad choices
+    names = {f.name for f in fields(Config)}
+    cfg = Config(**{k: v for k, v in vars(args).items() if k in names})
+    for k, v in vars(args).items():
+        if k not in names:
+            setattr(cfg, k, v)
+    try:
+        validate_common(cfg)
+        if validate is not None:
+            validate(cfg)
+    except ConfigError as e:
+        fail(str(e))
+    return cfg
+
+
+def validate_common(cfg):
+    for name in ("n_layer", "n_head", "n_embd", "block_size", "global_batch_size", "micro_batch_size",
+                 "max_steps", "eval_iters", "log_interval"):
+        check(getattr(cfg, name) > 0, f"--{name} must be positive, got {getattr(cfg, name)}")
+    check(0.0 <= cfg.dropout < 1.0, f"--dropout must be in [0, 1), got {cfg.dropout}")
+    check(cfg.n_embd % cfg.n_head == 0, f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+    check((cfg.n_embd // cfg.n_head) % 2 == 0,
+          f"head dim n_embd/n_head={cfg.n_embd // cfg.n_head} must be even for rotary embeddings")
+    check(cfg.warmup_steps >= 0 and cfg.min_lr <= cfg.lr, "need warmup_steps >= 0 and min_lr <= lr")
+
+
+def grad_accum_steps(cfg, dp):
+    """global = micro * grad_acc * dp; anything else is a configuration error."""
+    check(cfg.global_batch_size % (cfg.micro_batch_size * dp) == 0,
+          f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size * dp = "
+          f"{cfg.micro_batch_size} * {dp}")
+    return cfg.global_batch_size // (cfg.micro_batch_size * dp)
+
+
+def config_dict(cfg):
+    return {**asdict(cfg), **{k: v for k, v in vars(cfg).items() if k not in asdict(cfg)}}

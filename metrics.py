@@ -1,0 +1,129 @@
+"""
+metrics.py: MFU, peak memory and the metrics.jsonl / progress-line logger every script uses.
+
+MFU = achieved model FLOP/s / peak FLOP/s of the devices used, with model FLOPs from
+`model.flops_per_token` (6N + 12*L*h*T). Peaks:
+- GPU: a per-device table of dense bf16 tensor-core peaks (vendor datasheets); an unknown GPU gets a warning
+  and MFU reported as null rather than a guess;
+- CPU: measured once per process as the best of a few large fp32 matmuls on the threads torch uses.
+Peak memory: torch.cuda.max_memory_allocated on GPU; on CPU there is no allocator counter, so what is reported
+is the process's peak resident set size (ru_maxrss): model, optimizer, activations *and* the Python/torch runtime.
+"""
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+# dense bf16 TFLOP/s (no sparsity), matched against torch.cuda.get_device_name()
+GPU_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
+                   ("A100", 312.0), ("A10G", 70.0), ("L40S", 362.0), ("L4", 121.0), ("V100", 125.0),
+                   ("B200", 2250.0)]
+_cpu_peak_cache = {}
+
+
+def measure_cpu_matmul_flops(n=1024, repeats=5):
+    """Best achieved fp32 FLOP/s of an n x n matmul on this process's threads (cached)."""
+    key = (n, torch.get_num_threads())
+    if key not in _cpu_peak_cache:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b                                               # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        _cpu_peak_cache[key] = 2 * n ** 3 / best
+    return _cpu_peak_cache[key]
+
+
+def device_peak_flops(device):
+    """Peak FLOP/s of one device, or None when unknown (then MFU is not reported)."""
+    if device.type == "cpu":
+        return measure_cpu_matmul_flops()
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in GPU_PEAK_TFLOPS:
+        if key in name:
+            return tflops * 1e12
+    print(f"warning: no peak FLOP/s known for GPU {name!r}; MFU will be reported as null", file=sys.stderr)
+    return None
+
+
+def peak_memory_bytes(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+
+
+def format_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def format_duration(seconds):
+    seconds = int(max(seconds, 0))
+    h, m, s = seconds // 3600, seconds % 3600 // 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLogger:
+    """Rank 0 appends one JSON row per optimizer step to out_dir/metrics.jsonl and prints a progress line
+    every log_interval steps. Throughput and MFU are computed here, from the step time."""
+
+    def __init__(self, cfg, env, flops_per_token, n_devices, tokens_per_step, resume=False):
+        self.cfg, self.env, self.active = cfg, env, env.rank == 0
+        self.flops_per_token, self.tokens_per_step = flops_per_token, tokens_per_step
+        peak = device_peak_flops(env.device)
+        self.peak_total = None if peak is None else peak * n_devices
+        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        self.file = None
+        if self.active:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            self.file = open(self.path, "a" if resume else "w")
+        self.step_times = []
+
+    def log_step(self, step, loss, lr, grad_norm, step_time_s, comm_bytes, **extra):
+        if not self.active:
+            return None
+        tokens_per_s = self.tokens_per_step / step_time_s
+        mfu = None if self.peak_total is None else tokens_per_s * self.flops_per_token / self.peak_total
+        row = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=(step + 1) * self.tokens_per_step,
+                   step_time_s=step_time_s, tokens_per_s=tokens_per_s, mfu=mfu,
+                   peak_mem_bytes=peak_memory_bytes(self.env.device), comm_bytes=comm_bytes, **extra)
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        self.step_times.append(step_time_s)
+        last = self.cfg.stop_step or self.cfg.max_steps
+        if step % self.cfg.log_interval == 0 or step == last - 1:
+            recent = sorted(self.step_times[-self.cfg.log_interval:])
+            eta = recent[len(recent) // 2] * (last - step - 1)
+            mfu_txt = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+            print(f"step {step:5d}/{self.cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                  f"{tokens_per_s / 1e3:.1f}k tok/s | MFU {mfu_txt} | mem {format_bytes(row['peak_mem_bytes'])} | "
+                  f"ETA {format_duration(eta)}", flush=True)
+        return row
+
+    def log_eval(self, step, val_loss):
+        if self.active:
+            print(f"step {step:5d} | val loss {val_loss:.4f}", flush=True)
+            self.file.write(json.dumps(dict(step=step, val_loss=val_loss)) + "\n")
+            self.file.flush()
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def read_metrics(out_dir):
+    """Training rows of metrics.jsonl, the later row winning when a step appears twice (resume)."""
+    rows = {}
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if "loss" in row:
+                rows[row["step"]] = row
+    return [rows[s] for s in sorted(rows)]

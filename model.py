@@ -1,0 +1,264 @@
+"""
+model.py: the one GPT every nanoscale script trains, plus the accounting that goes with it.
+
+A GPT-2-style pre-LayerNorm decoder in plain single-device PyTorch:
+
+    idx -> wte -> dropout -> [ x + attn(ln_1(x)) ; x + mlp(ln_2(x)) ] x n_layer -> ln_f -> wte^T -> logits
+
+- attention: causal F.scaled_dot_product_attention with rotary position embeddings (RoPE), so there is
+  no learned position table and a sequence chunk only needs its global positions (context parallelism);
+- MLP: Linear(h, 4h) -> exact erf GeLU -> Linear(4h, h), all linears with biases;
+- input and output embeddings tied; the vocabulary is padded up to a multiple of 64.
+
+Parallelism is applied *to* this model by the train_*.py scripts (module swaps, sharding, wrapping), never
+written into it. To make those swaps one-liners, the pieces a technique replaces are modules of their own:
+`CausalSelfAttention.core` (the softmax(QK^T)V part: ring attention, flash kernels) and `GPT.lm_head`.
+
+Deterministic init (DESIGN.md section 3): every parameter is drawn from its own seed, derived from
+(seed, parameter name), by `init_parameter`. A sharded layout calls it for one full parameter at a time and
+keeps its slice, so every layout starts from bit-identical weights without ever materialising the model.
+
+Parameter count (the Ultra-Scale Playbook's formula, exact for this model, v = padded vocab):
+    N = h*v + L*(12*h^2 + 13*h) + 2*h
+"""
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256     # real vocabulary (from the dataset's meta.json)
+    block_size: int = 256     # maximum sequence length
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    recompute: str = "none"   # none | selective (attention core only) | full (whole block)
+    rope_base: float = 10000.0
+
+    @property
+    def padded_vocab_size(self):
+        # a multiple of 64 keeps the LM-head matmul on fast paths and divides any tp up to 64
+        return (self.vocab_size + 63) // 64 * 64
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rotary position embedding
+
+def rope_cache(head_dim, positions, base=10000.0):
+    """cos/sin tables [T, head_dim/2] for the given (global) token positions."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each (first-half, second-half) pair of x [B, H, T, D] by its position's angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the blocks
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d)) v with a causal mask: the part context parallelism and kernels replace."""
+
+    def __init__(self, dropout):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q, k, v):
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0, "n_embd must be divisible by n_head"
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)   # rows: [q | k | v]
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.core = AttentionCore(cfg.dropout)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.selective_recompute = cfg.recompute == "selective"
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        # n_head is read off the weight, so a tensor-parallel shard of c_attn just works with fewer heads
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        head_dim = cos.shape[-1] * 2
+        q, k, v = (t.view(B, T, -1, head_dim).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.selective_recompute and self.training:
+            # keep q, k, v; recompute the T x T scores in backward (Korthikanti et al. 2022)
+            y = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            y = self.core(q, k, v)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.gelu = nn.GELU()                                  # exact erf GeLU
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.ln_1(x), cos, sin)
+        return x + self.mlp(self.ln_2(x))
+
+
+class LMHead(nn.Module):
+    """Logits with the tied embedding weight, and the mean cross-entropy when targets are given."""
+
+    def __init__(self, wte):
+        super().__init__()
+        self.weight = wte.weight                               # tied, not a second parameter
+
+    def forward(self, x, targets=None):
+        logits = F.linear(x, self.weight)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg, seed=0):
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.padded_vocab_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            ln_f=nn.LayerNorm(cfg.n_embd),
+        ))
+        self.lm_head = LMHead(self.transformer.wte)
+        init_weights(self, seed)
+
+    def forward(self, idx, targets=None, pos=None):
+        """idx, targets: [B, T] token ids. pos: [T] global positions (default 0..T-1; CP passes its chunk's)."""
+        if pos is None:
+            pos = torch.arange(idx.size(1), device=idx.device)
+        head_dim = self.cfg.n_embd // self.cfg.n_head
+        cos, sin = rope_cache(head_dim, pos, self.cfg.rope_base)
+        x = self.transformer.drop(self.transformer.wte(idx))
+        for block in self.transformer.h:
+            if self.cfg.recompute == "full" and self.training:
+                # store only each block's input; the whole block is recomputed in backward
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        return self.lm_head(self.transformer.ln_f(x), targets)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Sample tokens autoregressively (no KV cache: this is for a short sample at the end of training)."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.block_size:])
+            logits = logits[:, -1, : self.cfg.vocab_size] / max(temperature, 1e-6)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
+        return idx
+
+
+# ----------------------------------------------------------------------------------------------------------
+# deterministic, per-parameter initialisation
+
+def parameter_seed(seed, name):
+    """A seed that depends only on (seed, name): identical on every rank, process and layout."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
+
+
+def init_parameter(name, shape, n_layer, seed):
+    """The full initial value of parameter `name` (fp32, CPU). Sharded layouts slice this."""
+    if name.endswith(".bias") or name.endswith("ln_1.weight") or name.endswith("ln_2.weight") \
+            or name.endswith("ln_f.weight"):
+        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+    std = 0.02
+    if name.endswith("c_proj.weight"):
+        std = 0.02 / math.sqrt(2 * n_layer)        # residual projections (GPT-2 paper)
+    g = torch.Generator().manual_seed(parameter_seed(seed, name))
+    return torch.randn(shape, generator=g) * std
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    for name, p in model.named_parameters():
+        p.copy_(init_parameter(name, p.shape, model.cfg.n_layer, seed))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# accounting: parameters, FLOPs, memory
+
+def num_params(cfg):
+    """N = h*v + L*(12h^2 + 13h) + 2h: tied embedding, per-block attention/MLP/LayerNorms, final LayerNorm."""
+    h, L, v = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size
+    return h * v + L * (12 * h * h + 13 * h) + 2 * h
+
+
+def flops_per_token(cfg, seq_len=None):
+    """Training FLOPs per token, forward + backward: 6N + 12*L*h*T.
+
+    Convention (PaLM appendix B, as nanoGPT): 6N for every matmul with a weight (embedding included, as its
+    tied weight is the LM head), plus 12*L*h*T for the attention scores QK^T and the weighted sum AV, counted
+    as if unmasked (the causal mask's skipped half is not subtracted)."""
+    T = seq_len or cfg.block_size
+    return 6 * num_params(cfg) + 12 * cfg.n_layer * cfg.n_embd * T
+
+
+def model_state_bytes_per_param(recipe="fp32"):
+    """Bytes per parameter of params + grads + optimizer state for AdamW (ZeRO paper's accounting).
+
+    fp32: 4 (param) + 4 (grad) + 8 (Adam m, v)                          = 16
+    bf16: 2 (param) + 2 (grad) + 12 (fp32 master copy + Adam m, v), K=12 = 16"""
+    table = {"fp32": dict(params=4, grads=4, optim=8), "bf16": dict(params=2, grads=2, optim=12)}
+    if recipe not in table:
+        raise ValueError(f"unknown precision recipe {recipe!r}; expected one of {sorted(table)}")
+    return table[recipe]
+
+
+def activation_bytes_per_layer(seq_len, batch, cfg, bytes_per_value=2, recompute="none", dropout=True):
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, eq. 2).
+
+    With 16-bit activations: s*b*h*(34 + 5*a*s/h). Of the 34, 32 are sixteen tensors of s*b*h values stored
+    for backward (attention: qkv input, q, k, v, projection input; MLP: fc input, GeLU input and output (4h
+    each); two LayerNorm inputs) and 2 are two 1-byte dropout masks; the 5*a*s/h term is the a*s*s softmax
+    output, its dropout mask and the dropped-out probabilities.
+    bytes_per_value=4 (fp32): the stored values double, the masks do not: s*b*h*66 + 9*a*s^2*b.
+    recompute='selective' (attention core recomputed): the a*s^2 term disappears.
+    recompute='full': only the block input is stored: s*b*h*bytes_per_value.
+    dropout=False drops the mask bytes (no masks are stored when p = 0)."""
+    s, b, h, a = seq_len, batch, cfg.n_embd, cfg.n_head
+    mask = 1 if dropout else 0
+    if recompute == "full":
+        return s * b * h * bytes_per_value
+    per_sbh = 16 * bytes_per_value + 2 * mask
+    per_as2b = 0 if recompute == "selective" else 2 * bytes_per_value + mask
+    return s * b * h * per_sbh + a * s * s * b * per_as2b

@@ -1,0 +1,55 @@
+"""
+optim.py: AdamW parameter groups, the learning-rate schedule, and gradient-norm clipping that also works
+when gradients are sharded across ranks.
+"""
+import math
+
+import torch
+
+from comm import all_reduce
+
+
+def configure_optimizer(named_params, cfg, device_type="cpu"):
+    """AdamW with weight decay on >= 2-D parameters (matmul weights, embeddings) only, not biases/LayerNorms."""
+    named_params = [(n, p) for n, p in named_params if p.requires_grad]
+    decay = [p for n, p in named_params if p.dim() >= 2]
+    no_decay = [p for n, p in named_params if p.dim() < 2]
+    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                             fused=device_type == "cuda" or None)
+
+
+def lr_at(step, cfg):
+    """Linear warmup to lr over warmup_steps, then cosine decay to min_lr at max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if step >= cfg.max_steps:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def set_lr(optimizer, lr):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+@torch.no_grad()
+def clip_grad_norm(grads, max_norm, group=None, device=None):
+    """Global L2 norm of `grads` and, if max_norm > 0, scale them in place so it is at most max_norm.
+
+    With `group`, each rank passes only the gradients it owns (a shard, or a parameter held by one rank)
+    and the squared norms are summed across the group, so every rank gets the same global norm. A gradient
+    replicated on several ranks of the group must be passed by exactly one of them."""
+    grads = [g for g in grads if g is not None]
+    if grads:
+        sq = torch.nn.utils.get_total_norm(grads, 2.0).float().pow(2)
+    else:                                   # a rank may own no gradients (e.g. an empty shard)
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+    if group is not None:
+        all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    if max_norm > 0 and grads:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+    return norm

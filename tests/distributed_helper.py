@@ -1,0 +1,67 @@
+"""
+Run a function on N gloo worker processes on CPU and collect what each rank returns.
+
+    results = run_workers(fn, world_size=2, args=(...))   # fn(rank, world_size, *args), a module-level function
+
+Each worker gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and one
+thread, so `comm.init_distributed` and the train scripts' main() work inside it unchanged. A worker's exception
+comes back with its traceback; a worker that hangs is killed after `timeout` seconds and the test fails.
+"""
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # SystemExit too: a config error inside a worker must surface
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn, world_size, args=(), timeout=300):
+    """fn(rank, world_size, *args) on world_size processes; returns [result of rank 0, rank 1, ...]."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"--- rank {rank} failed ---\n{payload}")
+                break   # the other ranks may now be stuck in a collective: stop waiting
+    except Exception as e:  # queue.Empty: a hang
+        errors.append(f"workers did not finish within {timeout}s ({type(e).__name__}); "
+                      f"finished ranks: {sorted(results)}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,181 @@
+"""
+train_single.py: the first rung. Train model.py's GPT on one device; every other script must reproduce
+this one's loss curve for the same seed and global batch (DESIGN.md section 3).
+
+    python train_single.py                                  # default corpus, CPU-sized model
+    python train_single.py --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 --global_batch_size 12 \
+        --micro_batch_size 12 --max_steps 500 --eval_interval 100       # a few minutes on a laptop CPU
+    python train_single.py --device cuda --compile                       # bf16 autocast on a GPU
+
+What a step does (the loop at the bottom of main reads top to bottom):
+
+    for micro in range(grad_acc):            global_batch = micro_batch_size * grad_acc
+        loss = model(x_micro, y_micro) / grad_acc ; loss.backward()      grads accumulate in .grad
+    clip the global grad norm ; AdamW step with lr_at(step) ; zero grads
+
+Memory levers here: gradient accumulation (activations of one micro-batch at a time) and activation
+recomputation (--recompute selective: recompute the T x T attention scores; full: recompute every block from
+its input). Precision: bf16 autocast on GPU, fp16 autocast with a GradScaler, fp32 on CPU.
+"""
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state, unwrap
+from comm import COMM, init_distributed
+from config import check, fail, grad_accum_steps, parse_config, config_dict
+from data import GlobalBatchLoader, ensure_dataset
+from metrics import MetricsLogger
+from model import GPT, GPTConfig, flops_per_token
+from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building blocks the other train_*.py scripts import
+
+def resolve_dtype(cfg, device):
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[cfg.dtype]
+
+
+def autocast_context(dtype, device):
+    """Mixed precision by autocast: matmuls in 16 bits, parameters and optimizer state stay fp32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def prepare_data(cfg, env):
+    """The deterministic loader; rank 0 prepares the default corpus on first use while the others wait."""
+    try:
+        if env.rank == 0:
+            ensure_dataset(cfg.data_dir)
+        if dist.is_initialized():
+            dist.barrier()
+        ensure_dataset(cfg.data_dir)
+        loader = GlobalBatchLoader(cfg.data_dir, cfg.block_size, cfg.global_batch_size, cfg.seed, env.device)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    return loader
+
+
+def gpt_config(cfg, vocab_size):
+    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, dropout=cfg.dropout, recompute=cfg.recompute)
+
+
+@torch.no_grad()
+def evaluate(loss_fn, loader, cfg):
+    """Mean validation loss over eval_iters fixed micro-batches; loss_fn(x, y) -> scalar loss."""
+    losses = [float(loss_fn(*loader.micro_batch(i, 0, cfg.micro_batch_size, split="val")))
+              for i in range(cfg.eval_iters)]
+    return sum(losses) / len(losses)
+
+
+def decode(tokens, meta):
+    if meta.get("tokenizer") == "gpt2":
+        import tiktoken
+        return tiktoken.get_encoding("gpt2").decode(tokens)
+    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+
+def print_sample(model, loader, cfg, env):
+    """Generate a short continuation of a validation snippet: the eyeball test that training worked."""
+    if cfg.sample_tokens <= 0 or env.rank != 0:
+        return
+    model.eval()
+    prompt, _ = loader.micro_batch(0, 0, 1, split="val")
+    prompt = prompt[:, : min(32, cfg.block_size)]
+    torch.manual_seed(cfg.seed)
+    out = model.generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50)
+    try:
+        text = decode(out[0].tolist(), loader.meta)
+    except Exception as e:  # e.g. tiktoken cannot fetch its vocabulary offline
+        text = f"<cannot decode: {e}>"
+    print(f"---- sample ----\n{text}\n----------------", flush=True)
+
+
+def save_training_state(cfg, model, optimizer, next_step, rank=None):
+    state = dict(model=unwrap(model).state_dict(), optimizer=optimizer.state_dict(), step=next_step,
+                 rng=rng_state(), config=config_dict(cfg))
+    save_checkpoint(checkpoint_path(cfg.out_dir, rank), state)
+
+
+def load_training_state(cfg, model, optimizer, rank=None):
+    """Restore model, optimizer and RNG; returns the step to continue from."""
+    state = load_checkpoint(checkpoint_path(cfg.out_dir, rank))
+    unwrap(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    return state["step"]
+
+
+def should_save(cfg, step, last_step):
+    return step == last_step - 1 or (cfg.save_interval > 0 and (step + 1) % cfg.save_interval == 0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    cfg = parse_config(argv, description=__doc__.split("\n\n")[0],
+                       validate=lambda c: check(grad_accum_steps(c, 1) > 0, "empty batch"))
+    env = init_distributed(cfg, need_group=False)
+    grad_acc = grad_accum_steps(cfg, 1)
+    loader = prepare_data(cfg, env)
+    if env.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    dtype = resolve_dtype(cfg, env.device)
+
+    model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device)
+    optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
+    scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
+    torch.manual_seed(cfg.seed)                      # dropout stream, identical in every run with this seed
+    start = load_training_state(cfg, model, optimizer) if cfg.resume else 0
+    train_model = torch.compile(model) if cfg.compile else model
+    amp = autocast_context(dtype, env.device)
+    last_step = cfg.stop_step or cfg.max_steps
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=1,
+                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    print(f"train_single: {sum(p.numel() for p in model.parameters()):,} parameters, grad_acc {grad_acc}, "
+          f"{dtype}, {env.device}, steps {start}..{last_step - 1}", flush=True)
+
+    for step in range(start, last_step):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        set_lr(optimizer, lr)
+        loss_sum = 0.0
+        for micro in range(grad_acc):
+            x, y = loader.micro_batch(step, micro, cfg.micro_batch_size)
+            with amp:
+                _, loss = train_model(x, y)
+            scaler.scale(loss / grad_acc).backward()   # mean over the global batch = mean of micro means
+            loss_sum += loss.detach()
+        scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm([p.grad for p in model.parameters()], cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss_sum) / grad_acc        # the .item() also waits for the GPU: honest timing
+        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent)
+
+        if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
+            model.eval()
+            with amp:
+                val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
+            model.train()
+            logger.log_eval(step, val)
+        if should_save(cfg, step, last_step):
+            save_training_state(cfg, model, optimizer, step + 1)
+    logger.close()
+    print_sample(model, loader, cfg, env)
+    return dict(model=model, cfg=cfg)
+
+
+if __name__ == "__main__":
+    main()
