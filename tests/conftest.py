@@ -13,3 +13,13 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:
     pass
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A directory with train.bin / val.bin / meta.json of synthetic tokens (vocab 64)."""
+    from train_helpers import make_tiny_dataset
+    return make_tiny_dataset(str(tmp_path_factory.mktemp("tiny_data")))
