@@ -1,0 +1,126 @@
+"""
+bench/harness.py: run competing commands side by side and write a markdown results table.
+
+    python bench/harness.py --name single --repeats 3 --warmup 3 \
+        --run "ours=python train_single.py --max_steps 20 --out_dir {out}" \
+        --run "nanoGPT=python bench/peer_nanogpt.py --max_steps 20 --out_dir {out}"
+
+Each --run is LABEL=COMMAND; `{out}` becomes a fresh output directory. Every command must write
+{out}/metrics.jsonl in the nanoscale format (DESIGN.md section 2): peers are wrapped to do so. The runs are
+executed alternately (A B A B ...) so slow drifts of a shared machine hit all of them alike; a run's
+throughput is the median tokens_per_s over its steps after --warmup, and the table reports the median over
+repeats and the ratio to the first run (the baseline). The table goes to bench/results/NAME.md.
+"""
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def machine_description():
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            cpu = f"{names[0]} ({len(names)} logical cores)"
+    except OSError:
+        pass
+    try:
+        import torch
+        if torch.cuda.is_available():
+            cpu = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}; host {cpu}"
+        version = torch.__version__
+    except ImportError:
+        version = "?"
+    return f"{cpu}; torch {version}; python {platform.python_version()}"
+
+
+def read_rows(out_dir):
+    rows = {}
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if "tokens_per_s" in row:
+                rows[row["step"]] = row
+    return [rows[s] for s in sorted(rows)]
+
+
+def run_once(label, command, out_dir, warmup, timeout):
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = command.replace("{out}", out_dir)
+    t0 = time.time()
+    proc = subprocess.run(cmd, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        sys.exit(f"bench: {label} failed (exit {proc.returncode}):\n$ {cmd}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    rows = read_rows(out_dir)[warmup:]
+    if not rows:
+        sys.exit(f"bench: {label} wrote no steps after the {warmup} warm-up steps ({out_dir})")
+    med = lambda key: statistics.median(r[key] for r in rows) if all(r.get(key) is not None for r in rows) else None
+    return dict(tokens_per_s=med("tokens_per_s"), mfu=med("mfu"), peak_mem_bytes=max(r["peak_mem_bytes"] for r in rows),
+                comm_bytes=med("comm_bytes"), wall_s=time.time() - t0)
+
+
+def fmt(value, kind):
+    if value is None:
+        return "n/a"
+    if kind == "mfu":
+        return f"{100 * value:.1f}%"
+    if kind == "bytes":
+        return f"{value / 2**20:.1f} MiB" if value >= 2**20 else f"{value / 2**10:.1f} KiB" if value else "0"
+    return f"{value:,.0f}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--name", required=True, help="results go to bench/results/NAME.md")
+    p.add_argument("--title", default=None, help="heading of the table")
+    p.add_argument("--run", action="append", required=True, help="LABEL=COMMAND, {out} = output dir")
+    p.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians over them")
+    p.add_argument("--warmup", type=int, default=3, help="steps ignored at the start of every run")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--note", default="", help="a line printed under the table")
+    a = p.parse_args(argv)
+    runs = [r.split("=", 1) for r in a.run]
+    results = {label: [] for label, _ in runs}
+    for rep in range(a.repeats):
+        for label, command in runs:
+            out = os.path.join(ROOT, "bench", "runs", a.name, f"{label.replace(' ', '_')}_{rep}")
+            res = run_once(label, command, out, a.warmup, a.timeout)
+            results[label].append(res)
+            print(f"bench {a.name}: round {rep + 1}/{a.repeats} {label}: {res['tokens_per_s']:,.0f} tok/s", flush=True)
+
+    base = statistics.median(r["tokens_per_s"] for r in results[runs[0][0]])
+    lines = [f"### {a.title or a.name}", "",
+             f"Machine: {machine_description()}. {a.repeats} alternating rounds, median of steps after "
+             f"{a.warmup} warm-up steps, then median over rounds.", "",
+             "| run | tokens/s | ratio vs first | MFU | peak memory | comm bytes/step | command |",
+             "|---|---|---|---|---|---|---|"]
+    for label, command in runs:
+        rs = results[label]
+        tps = statistics.median(r["tokens_per_s"] for r in rs)
+        mfus = [r["mfu"] for r in rs if r["mfu"] is not None]
+        mfu = statistics.median(mfus) if mfus else None
+        lines.append(f"| {label} | {fmt(tps, 'n')} | {tps / base:.2f} | {fmt(mfu, 'mfu')} | "
+                     f"{fmt(max(r['peak_mem_bytes'] for r in rs), 'bytes')} | "
+                     f"{fmt(statistics.median(r['comm_bytes'] for r in rs), 'bytes')} | `{command.replace('{out}', 'OUT')}` |")
+    if a.note:
+        lines += ["", a.note]
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    path = os.path.join(HERE, "results", f"{a.name}.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"bench: wrote {os.path.relpath(path, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
