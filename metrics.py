@@ -28,7 +28,8 @@ def measure_cpu_matmul_flops(n=1024, repeats=5):
     """Best achieved fp32 FLOP/s of an n x n matmul on this process's threads (cached)."""
     key = (n, torch.get_num_threads())
     if key not in _cpu_peak_cache:
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        g = torch.Generator().manual_seed(0)            # private: must not disturb the training RNG
+        a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
         a @ b                                               # warm-up
         best = float("inf")
         for _ in range(repeats):
