@@ -1,0 +1,55 @@
+"""
+kernels/backend.py: which implementation of a kernel runs, decided in one place.
+
+    backend="auto"    Triton when the tensor lives on a GPU and triton imports, else the plain-torch reference
+    backend="triton"  always the Triton kernel (CPU tensors need TRITON_INTERPRET=1, set before triton imports)
+    backend="torch"   always the plain-torch reference (the definition the kernel is tested against)
+    backend="compile" the plain-torch reference through torch.compile (a fused path where Triton can't run)
+
+triton is imported here, guarded, so every kernel file works on a machine without it.
+"""
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:        # CPU-only installs: every kernel falls back to its torch reference
+    triton, tl = None, None
+    HAS_TRITON = False
+
+BACKENDS = ("auto", "triton", "torch", "compile")
+
+
+def use_triton(x, backend):
+    """True when `backend` selects the Triton kernel for tensor x; raises a clear error when it can't run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        return HAS_TRITON and x.is_cuda
+    if backend != "triton":
+        return False
+    if not HAS_TRITON:
+        raise RuntimeError("backend='triton' but triton is not installed (pip install triton)")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+    return True
+
+
+def maybe_compiled(fn, backend):
+    """fn itself, or fn through torch.compile for backend='compile' (compiled once, on first use)."""
+    if backend != "compile":
+        return fn
+    return _compiled(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def next_pow2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())

@@ -1,0 +1,202 @@
+"""
+kernels/flash_attention.py: FlashAttention-2 style tiled attention in Triton, forward and backward, returning
+the log-sum-exp so context parallelism can merge partial results (train_cp.py's ring). Replaces model.py's
+AttentionCore (F.scaled_dot_product_attention) via apply_kernels.
+
+    o, lse = flash_attention(q, k, v, causal=True)      # q [B, H, Tq, D], k, v [B, H, Tk, D]; lse [B, H, Tq] fp32
+
+Forward, per (batch*head, block of BLOCK_M queries), streaming over blocks of BLOCK_N keys (online softmax):
+    s = q k^T / sqrt(D);  m' = max(m, rowmax s);  l = l * e^(m - m') + rowsum e^(s - m');
+    acc = acc * e^(m - m') + e^(s - m') v;   at the end  o = acc / l,  lse = m + log l
+Backward recomputes p = e^(s - lse) tile by tile from the saved lse (no T x T matrix is ever stored):
+    delta = rowsum(do * o);  dv = p^T do;  dp = do v^T;  ds = p * (dp - delta);  dq = ds k / sqrt(D);  dk = ds^T q / sqrt(D)
+(one kernel per key block for dk, dv and one per query block for dq: no atomics).
+
+Memory: eager attention writes and re-reads the [Tq, Tk] scores and probabilities per head (and keeps the
+probabilities for backward: B*H*T^2 values); this kernel keeps O(T*D) per head in HBM, only o and lse.
+Causal masking is top-left aligned (key j visible to query i when j <= i), as F.scaled_dot_product_attention's
+is_causal; ragged tails (T not a multiple of the block) and head dims that are not a power of two are masked.
+"""
+import math
+
+import torch
+
+from kernels.backend import HAS_TRITON, next_pow2, tl, triton, use_triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _tile(ptr, rows, d, T, D, stride_t):
+        """A [rows, BLOCK_D] tile of one head's [T, D] matrix, zero outside it."""
+        return tl.load(ptr + rows[:, None] * stride_t + d[None, :], mask=(rows[:, None] < T) & (d[None, :] < D),
+                       other=0.0)
+
+    @triton.jit
+    def _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+        """p = exp(q k^T * scale - lse), zero where masked: the probabilities rebuilt in backward."""
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        valid = (rows[:, None] < Tq) & (cols[None, :] < Tk)
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        return tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+
+    @triton.jit
+    def _attn_fwd(Q, K, V, O, LSE, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, H, Tq, Tk, D, scale,
+                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PREC: tl.constexpr):
+        pid_m, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        q = _tile(Q + b * sqb + h * sqh, rows, d, Tq, D, sqt)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M) if CAUSAL else Tk     # causal: skip blocks above the diagonal
+        for start_n in range(0, hi, BLOCK_N):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            k = _tile(K + b * skb + h * skh, cols, d, Tk, D, skt)
+            v = _tile(V + b * svb + h * svh, cols, d, Tk, D, svt)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            valid = cols[None, :] < Tk
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= rows[:, None])
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))      # finite: every row sees key 0 in the first block
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        tl.store(O + bh * Tq * D + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty),
+                 mask=(rows[:, None] < Tq) & (d[None, :] < D))
+        tl.store(LSE + bh * Tq + rows, m_i + tl.log(l_i), mask=rows < Tq)
+
+    @triton.jit
+    def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+                       H, Tq, Tk, D, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+        pid_n, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, BLOCK_D)
+        k = _tile(K + b * skb + h * skh, cols, d, Tk, D, skt)
+        v = _tile(V + b * svb + h * svh, cols, d, Tk, D, svt)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0    # causal: queries before this block can't see it
+        for start_m in range(lo, Tq, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            q = _tile(Q + b * sqb + h * sqh, rows, d, Tq, D, sqt)
+            do = _tile(DO + bh * Tq * D, rows, d, Tq, D, D)
+            lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
+            delta = tl.load(Delta + bh * Tq + rows, mask=rows < Tq, other=0.0)
+            p = _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PREC)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        out = bh * Tk * D + cols[:, None] * D + d[None, :]
+        m = (cols[:, None] < Tk) & (d[None, :] < D)
+        tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=m)
+        tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+                     H, Tq, Tk, D, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+        pid_m, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        q = _tile(Q + b * sqb + h * sqh, rows, d, Tq, D, sqt)
+        do = _tile(DO + bh * Tq * D, rows, d, Tq, D, D)
+        lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
+        delta = tl.load(Delta + bh * Tq + rows, mask=rows < Tq, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M) if CAUSAL else Tk
+        for start_n in range(0, hi, BLOCK_N):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            k = _tile(K + b * skb + h * skh, cols, d, Tk, D, skt)
+            v = _tile(V + b * svb + h * svh, cols, d, Tk, D, svt)
+            p = _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PREC)
+            ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        tl.store(DQ + bh * Tq * D + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+                 mask=(rows[:, None] < Tq) & (d[None, :] < D))
+
+
+def _launch_args(q, k, v):
+    """Strides (batch, head, time) of q, k, v and the kernel meta-parameters; the last dim must be dense."""
+    B, H, Tq, D = q.shape
+    BLOCK = 64 if q.is_cuda else 16                          # small tiles keep the CPU interpreter quick
+    meta = dict(BLOCK_M=BLOCK, BLOCK_N=BLOCK if D <= 64 else BLOCK // 2, BLOCK_D=max(16, next_pow2(D)),
+                PREC="ieee" if q.dtype == torch.float32 else "tf32")    # fp32 stays fp32 (no TF32 rounding)
+    strides = [s for t in (q, k, v) for s in t.stride()[:3]]
+    return strides, (H, Tq, k.shape[2], D, 1.0 / math.sqrt(D)), meta
+
+
+def _dense_last(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def flash_attention_forward(q, k, v, causal=True):
+    """The Triton forward alone: (o [B, H, Tq, D] contiguous, lse [B, H, Tq] fp32). For callers with their own
+    backward (ring attention)."""
+    q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
+    B, H, Tq, D = q.shape
+    o = torch.empty(B, H, Tq, D, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, H, Tq, device=q.device, dtype=torch.float32)
+    strides, shape, meta = _launch_args(q, k, v)
+    _attn_fwd[(triton.cdiv(Tq, meta["BLOCK_M"]), B * H)](q, k, v, o, lse, *strides, *shape, CAUSAL=causal, **meta)
+    return o, lse
+
+
+def flash_attention_backward(do, q, k, v, o, lse, causal=True):
+    """The Triton backward alone: (dq, dk, dv) given the output gradient, the inputs, o and lse.
+    (lse may come from a merge of several partial attentions: then o must be the merged output.)"""
+    q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
+    do = do.contiguous()
+    B, H, Tq, D = q.shape
+    delta = (o.float() * do.float()).sum(-1).contiguous()    # rowsum(do * o) = rowsum(p * dp)
+    dq = torch.empty(B, H, Tq, D, device=q.device, dtype=q.dtype)
+    dk, dv = torch.empty(k.shape, device=q.device, dtype=k.dtype), torch.empty(v.shape, device=q.device, dtype=v.dtype)
+    strides, shape, meta = _launch_args(q, k, v)
+    lse = lse.contiguous()
+    _attn_bwd_dkdv[(triton.cdiv(k.shape[2], meta["BLOCK_N"]), B * H)](
+        q, k, v, do, lse, delta, dk, dv, *strides, *shape, CAUSAL=causal, **meta)
+    _attn_bwd_dq[(triton.cdiv(Tq, meta["BLOCK_M"]), B * H)](
+        q, k, v, do, lse, delta, dq, *strides, *shape, CAUSAL=causal, **meta)
+    return dq, dk, dv
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        o, lse = flash_attention_forward(q, k, v, causal)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal = causal
+        ctx.mark_non_differentiable(lse)       # lse is an output for merging, its gradient is not propagated
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*flash_attention_backward(do, q, k, v, o, lse, ctx.causal), None)
+
+
+def attention_reference(q, k, v, causal=True):
+    """The definition, with the full [Tq, Tk] scores: (softmax(q k^T / sqrt(D)) v, logsumexp of the scores)."""
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        Tq, Tk = q.shape[-2], k.shape[-2]
+        s = s.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s.float(), dim=-1)
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v, lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def flash_attention(q, k, v, causal=True, backend="auto"):
+    """(softmax(q k^T / sqrt(D)) v, lse): q [B, H, Tq, D], k, v [B, H, Tk, D]; lse [B, H, Tq] in fp32."""
+    if use_triton(q, backend):
+        return FlashAttentionFunction.apply(q, k, v, causal)
+    return attention_reference(q, k, v, causal)

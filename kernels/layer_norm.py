@@ -1,0 +1,124 @@
+"""
+kernels/layer_norm.py: fused LayerNorm, forward in one pass over each row, backward with the weight and
+bias gradients reduced in Triton. Replaces model.py's nn.LayerNorm (ln_1, ln_2, ln_f) via apply_kernels.
+
+    y = (x - mean) * rstd * w + b,   rstd = 1 / sqrt(var + eps)        (one program per row of x [M, N])
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * w,   xhat = (x - mean) * rstd
+    dw = sum_rows dy * xhat,  db = sum_rows dy    (per-program partial sums [G, N], then a column reduction)
+
+Memory traffic (bytes of M*N values, s bytes each): eager PyTorch's LayerNorm forward already fuses mean,
+var and the affine into one kernel (read x, write y: 2s); the win of writing it by hand is the backward:
+one kernel reads x, dy once and writes dx (3s) while the G x N partials for dw/db stay tiny, instead of
+separate passes for dx, dw, db. Only the per-row mean and rstd (8 bytes a row) are saved for backward.
+
+    from kernels import layer_norm
+    y = layer_norm(x, weight, bias, eps=1e-5)              # backend: auto | triton | torch | compile
+"""
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import HAS_TRITON, maybe_compiled, next_pow2, tl, triton, use_triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _ln_fwd(X, Y, W, B, Mean, Rstd, N, eps, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / N
+        xc = tl.where(mask, x - mean, 0.0)                # the ragged tail must not count in the variance
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row * N + cols, (xc * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
+        tl.store(Mean + row, mean)
+        tl.store(Rstd + row, rstd)
+
+    @triton.jit
+    def _ln_bwd(X, DY, DX, W, Mean, Rstd, DWp, DBp, M, N, G, BLOCK_N: tl.constexpr):
+        # program p handles rows p, p+G, p+2G, ... and keeps its share of dw, db in registers
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for row in range(pid, M, G):
+            x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(Mean + row)
+            rstd = tl.load(Rstd + row)
+            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+            g = dy * w
+            c1 = tl.sum(xhat * g, axis=0) / N
+            c2 = tl.sum(g, axis=0) / N
+            dx = (g - c2 - xhat * c1) * rstd
+            tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += dy * xhat
+            db += dy
+        tl.store(DWp + pid * N + cols, dw, mask=mask)
+        tl.store(DBp + pid * N + cols, db, mask=mask)
+
+    @triton.jit
+    def _sum_rows(P, Out, G, N, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Out[c] = sum_g P[g, c]: the final reduction of the per-program partials
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for g0 in range(0, G, BLOCK_G):
+            rows = g0 + tl.arange(0, BLOCK_G)
+            m = (rows[:, None] < G) & (cols[None, :] < N)
+            acc += tl.sum(tl.load(P + rows[:, None] * N + cols[None, :], mask=m, other=0.0), axis=0)
+        tl.store(Out + cols, acc.to(Out.dtype.element_ty), mask=cols < N)
+
+
+def _n_partials(M, device):
+    """Programs in the backward: enough to fill a GPU, few on the (serial) interpreter."""
+    if device.type == "cuda":
+        return max(1, min(M, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(M, 4))
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        shape, N = x.shape, x.shape[-1]
+        x2 = x.reshape(-1, N).contiguous()
+        M = x2.shape[0]
+        y = torch.empty_like(x2)
+        mean = torch.empty(M, device=x.device, dtype=torch.float32)
+        rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+        _ln_fwd[(M,)](x2, y, weight.contiguous(), bias.contiguous(), mean, rstd, N, eps,
+                      BLOCK_N=next_pow2(N))
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.shape = shape
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, mean, rstd = ctx.saved_tensors
+        M, N = x2.shape
+        dy2 = dy.reshape(-1, N).contiguous()
+        dx = torch.empty_like(x2)
+        G = _n_partials(M, x2.device)
+        dw_part = torch.empty(G, N, device=x2.device, dtype=torch.float32)
+        db_part = torch.empty(G, N, device=x2.device, dtype=torch.float32)
+        _ln_bwd[(G,)](x2, dy2, dx, weight.contiguous(), mean, rstd, dw_part, db_part, M, N, G,
+                      BLOCK_N=next_pow2(N))
+        dw, db = torch.empty_like(weight), torch.empty_like(weight)
+        BLOCK_C = min(128, next_pow2(N))
+        for part, out in ((dw_part, dw), (db_part, db)):
+            _sum_rows[(triton.cdiv(N, BLOCK_C),)](part, out, G, N, BLOCK_G=min(32, next_pow2(G)), BLOCK_C=BLOCK_C)
+        return dx.view(ctx.shape), dw, db, None
+
+
+def layer_norm_reference(x, weight, bias, eps=1e-5):
+    """The definition: PyTorch's own LayerNorm over the last dimension."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def layer_norm(x, weight, bias, eps=1e-5, backend="auto"):
+    """LayerNorm over the last dimension of x with affine weight and bias [N]."""
+    if use_triton(x, backend):
+        return LayerNormFunction.apply(x, weight, bias, eps)
+    return maybe_compiled(layer_norm_reference, backend)(x, weight, bias, eps)
