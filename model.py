@@ -8,7 +8,11 @@ A GPT-2-style pre-LayerNorm decoder in plain single-device PyTorch:
 - attention: causal F.scaled_dot_product_attention with rotary position embeddings (RoPE), so there is
   no learned position table and a sequence chunk only needs its global positions (context parallelism);
 - MLP: Linear(h, 4h) -> exact erf GeLU -> Linear(4h, h), all linears with biases;
-- input and output embeddings tied; the vocabulary is padded up to a multiple of 64.
+- input and output embeddings tied; the vocabulary is padded up to a multiple of 64;
+- optional mixture of experts (n_experts > 0) in every moe_every-th block: E GeLU MLPs, each token sent to
+  its top_k by a softmax router, y = sum_k p_k(x) expert_k(x); Switch load-balancing loss E * sum_e f_e P_e
+  (f_e: share of assignments to e, P_e: mean router probability; 1 if balanced) times aux_loss_coef.
+  Dropless unless capacity_factor > 0: then an expert keeps ceil(cf * tokens * top_k / E), first choices first.
 
 Parallelism is applied *to* this model by the train_*.py scripts (module swaps, sharding, wrapping), never
 written into it. To make those swaps one-liners, the pieces a technique replaces are modules of their own:
@@ -19,11 +23,12 @@ Deterministic init (DESIGN.md section 3): every parameter is drawn from its own 
 keeps its slice, so every layout starts from bit-identical weights without ever materialising the model.
 
 Parameter count (the Ultra-Scale Playbook's formula, exact for this model, v = padded vocab):
-    N = h*v + L*(12*h^2 + 13*h) + 2*h
+    N = h*v + L*(12*h^2 + 13*h) + 2*h        (dense; each MoE block adds E*h + (E-1)*(8h^2 + 5h))
 """
 import math
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -41,6 +46,14 @@ class GPTConfig:
     dropout: float = 0.0
     recompute: str = "none"   # none | selective (attention core only) | full (whole block)
     rope_base: float = 10000.0
+    n_experts: int = 0            # experts per MoE block; 0: dense MLP everywhere
+    top_k: int = 2                # experts each token is sent to
+    moe_every: int = 1            # MoE in blocks moe_every-1, 2*moe_every-1, ... (2: every other block)
+    aux_loss_coef: float = 0.01   # weight of the load-balancing loss
+    capacity_factor: float = 0.0  # 0: dropless (every routed token computed)
+
+    def is_moe_block(self, i):
+        return self.n_experts > 0 and i % self.moe_every == self.moe_every - 1
 
     @property
     def padded_vocab_size(self):
@@ -119,13 +132,73 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class Block(nn.Module):
+class Routing(NamedTuple):
+    token: torch.Tensor    # [A] token index of each kept assignment (token-major: token t's slots together)
+    expert: torch.Tensor   # [A] its expert
+    gate: torch.Tensor     # [A] its router probability (fp32)
+    counts: torch.Tensor   # [E] assignments routed to each expert, before any dropping
+    aux_loss: torch.Tensor  # scalar Switch load-balancing loss, differentiable w.r.t. the router
+
+    def stats(self):
+        """[tokens per expert..., dropped, aux loss, 1]: summed over a step's forwards for the metrics."""
+        dropped = self.counts.sum() - len(self.token)
+        extra = torch.stack([dropped, self.aux_loss.detach(), self.counts.new_ones(())]).double()
+        return torch.cat([self.counts.double(), extra])
+
+
+def route(logits, top_k, capacity_factor=0.0):
+    """Top-k softmax routing of N tokens ([N, E] router logits) and which assignments an expert keeps."""
+    N, E = logits.shape
+    probs = F.softmax(logits.float(), dim=-1)
+    gate, expert = probs.topk(top_k, dim=-1)                        # [N, k], best first
+    counts = torch.bincount(expert.reshape(-1), minlength=E)
+    aux_loss = E * (counts.float() / (N * top_k) * probs.mean(0)).sum()
+    token = torch.arange(N, device=logits.device).repeat_interleave(top_k)
+    expert, gate = expert.reshape(-1), gate.reshape(-1)
+    if capacity_factor > 0:
+        capacity = math.ceil(capacity_factor * N * top_k / E)
+        # queue position of each assignment at its expert, all first choices ahead of all second choices
+        slot_major = F.one_hot(expert.view(N, top_k).t().reshape(-1), E)
+        position = ((slot_major.cumsum(0) - 1) * slot_major).sum(-1)
+        keep = (position < capacity).view(top_k, N).t().reshape(-1)
+        token, expert, gate = token[keep], expert[keep], gate[keep]
+    return Routing(token, expert, gate, counts, aux_loss)
+
+
+def combine(n_tokens, token, gate, expert_out):
+    """y[t] = sum of gate * expert output over token t's kept assignments (none kept: y[t] = 0)."""
+    y = expert_out.new_zeros(n_tokens, expert_out.shape[-1])
+    return y.index_add_(0, token, expert_out * gate[:, None].to(expert_out.dtype))
+
+
+class MoE(nn.Module):
+    """The reference mixture of experts: route, group the assignments by expert, run each expert on its
+    rows, scatter back weighted by the gates. train_ep.py sends the same groups to other ranks instead."""
+
     def __init__(self, cfg):
+        super().__init__()
+        self.top_k, self.capacity_factor = cfg.top_k, cfg.capacity_factor
+        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList([MLP(cfg) for _ in range(cfg.n_experts)])
+        self.routing, self.stats = None, None       # the last forward's Routing; per-step sums (GPT.forward)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        r = self.routing = route(self.router(x), self.top_k, self.capacity_factor)
+        order = torch.argsort(r.expert, stable=True)                 # rows of expert 0, then 1, ...
+        rows = x[r.token[order]].split(torch.bincount(r.expert, minlength=len(self.experts)).tolist())
+        out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, rows)])
+        return combine(x.shape[0], r.token[order], r.gate[order], out).view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, moe=False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if moe else MLP(cfg)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.ln_1(x), cos, sin)
@@ -154,7 +227,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(cfg.padded_vocab_size, cfg.n_embd),
             drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            h=nn.ModuleList([Block(cfg, cfg.is_moe_block(i)) for i in range(cfg.n_layer)]),
             ln_f=nn.LayerNorm(cfg.n_embd),
         ))
         self.lm_head = LMHead(self.transformer.wte)
@@ -173,7 +246,13 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
-        return self.lm_head(self.transformer.ln_f(x), targets)
+        logits, loss = self.lm_head(self.transformer.ln_f(x), targets)
+        moe = [b.mlp for b in self.transformer.h if getattr(b.mlp, "routing", None) is not None]
+        if moe and loss is not None and self.training:
+            for m in moe:   # summed here, not in MoE.forward: a recomputed block (--recompute full) counts once
+                m.stats = m.routing.stats() + (0 if m.stats is None else m.stats)
+            loss = loss + self.cfg.aux_loss_coef * sum(m.routing.aux_loss for m in moe)
+        return logits, loss
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -217,20 +296,25 @@ def init_weights(model, seed):
 # ----------------------------------------------------------------------------------------------------------
 # accounting: parameters, FLOPs, memory
 
-def num_params(cfg):
-    """N = h*v + L*(12h^2 + 13h) + 2h: tied embedding, per-block attention/MLP/LayerNorms, final LayerNorm."""
+def num_params(cfg, experts_per_token=None):
+    """N = h*v + L*(12h^2 + 13h) + 2h: tied embedding, per-block attention/MLP/LayerNorms, final LayerNorm.
+    An MoE block has a router (E*h) and E MLPs (8h^2 + 5h each) instead of one; experts_per_token=k counts
+    only the k experts a token uses (the 'active' parameters that set the FLOPs)."""
     h, L, v = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size
-    return h * v + L * (12 * h * h + 13 * h) + 2 * h
+    n_moe = sum(cfg.is_moe_block(i) for i in range(L))
+    experts = cfg.n_experts if experts_per_token is None else experts_per_token
+    moe_extra = n_moe * (cfg.n_experts * h + (experts - 1) * (8 * h * h + 5 * h))
+    return h * v + L * (12 * h * h + 13 * h) + 2 * h + moe_extra
 
 
 def flops_per_token(cfg, seq_len=None):
-    """Training FLOPs per token, forward + backward: 6N + 12*L*h*T.
+    """Training FLOPs per token, forward + backward: 6N + 12*L*h*T (N: active parameters for an MoE).
 
     Convention (PaLM appendix B, as nanoGPT): 6N for every matmul with a weight (embedding included, as its
     tied weight is the LM head), plus 12*L*h*T for the attention scores QK^T and the weighted sum AV, counted
     as if unmasked (the causal mask's skipped half is not subtracted)."""
     T = seq_len or cfg.block_size
-    return 6 * num_params(cfg) + 12 * cfg.n_layer * cfg.n_embd * T
+    return 6 * num_params(cfg, cfg.top_k if cfg.n_experts else None) + 12 * cfg.n_layer * cfg.n_embd * T
 
 
 def model_state_bytes_per_param(recipe="fp32"):
