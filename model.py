@@ -105,9 +105,10 @@ class CausalSelfAttention(nn.Module):
         self.selective_recompute = cfg.recompute == "selective"
 
     def forward(self, x, cos, sin):
-        B, T, _ = x.shape
+        qkv = self.c_attn(x)
+        B, T, _ = qkv.shape    # read after c_attn: under sequence parallelism c_attn gathers the full sequence
         # n_head is read off the weight, so a tensor-parallel shard of c_attn just works with fewer heads
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        q, k, v = qkv.chunk(3, dim=-1)
         head_dim = cos.shape[-1] * 2
         q, k, v = (t.view(B, T, -1, head_dim).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
