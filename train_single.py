@@ -6,6 +6,7 @@ this one's loss curve for the same seed and global batch (DESIGN.md section 3).
     python train_single.py --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 --global_batch_size 12 \
         --micro_batch_size 12 --max_steps 500 --eval_interval 100       # a few minutes on a laptop CPU
     python train_single.py --device cuda --compile                       # bf16 autocast on a GPU
+    python train_single.py --n_experts 8 --top_k 2                       # mixture-of-experts MLPs (model.py)
 
 What a step does (the loop at the bottom of main reads top to bottom):
 
@@ -33,6 +34,7 @@ from model import GPT, GPTConfig, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MOE_FLAGS = ("n_experts", "top_k", "moe_every", "aux_loss_coef", "capacity_factor")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -67,7 +69,34 @@ def prepare_data(cfg, env):
 
 def gpt_config(cfg, vocab_size):
     return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, dropout=cfg.dropout, recompute=cfg.recompute)
+                     n_embd=cfg.n_embd, dropout=cfg.dropout, recompute=cfg.recompute,
+                     **{name: getattr(cfg, name) for name in MOE_FLAGS})
+
+
+def check_moe(cfg):
+    """The MoE flags' bad values, as one clear error before any work."""
+    check(cfg.n_experts >= 0 and cfg.moe_every >= 1, "need --n_experts >= 0 and --moe_every >= 1")
+    check(cfg.capacity_factor >= 0 and cfg.aux_loss_coef >= 0,
+          "need --capacity_factor >= 0 and --aux_loss_coef >= 0")
+    check(cfg.n_experts == 0 or 1 <= cfg.top_k <= cfg.n_experts,
+          f"--top_k {cfg.top_k} must be between 1 and --n_experts {cfg.n_experts}")
+
+
+def router_metrics(model, reduce=None):
+    """The step's router statistics, then reset: tokens per expert (min/max over MoE blocks and experts),
+    dropped assignments, mean aux loss; {} for a dense model. `reduce` sums the stacked per-block sums
+    [blocks, E + 3] (see model.Routing.stats) over the ranks that each routed a part of the batch."""
+    moe = [m for m in unwrap(model).modules() if getattr(m, "stats", None) is not None]
+    if not moe:
+        return {}
+    stats = torch.stack([m.stats for m in moe])
+    for m in moe:
+        m.stats = None
+    if reduce is not None:
+        reduce(stats)
+    counts = stats[:, :-3]
+    return dict(tokens_per_expert_min=int(counts.min()), tokens_per_expert_max=int(counts.max()),
+                dropped_tokens=int(stats[:, -3].sum()), aux_loss=float(stats[:, -2].sum() / stats[:, -1].sum()))
 
 
 @torch.no_grad()
@@ -123,8 +152,8 @@ def should_save(cfg, step, last_step):
 # ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
-    cfg = parse_config(argv, description=__doc__.split("\n\n")[0],
-                       validate=lambda c: check(grad_accum_steps(c, 1) > 0, "empty batch"))
+    cfg = parse_config(argv, techniques=MOE_FLAGS, description=__doc__.split("\n\n")[0],
+                       validate=lambda c: (check_moe(c), check(grad_accum_steps(c, 1) > 0, "empty batch")))
     env = init_distributed(cfg, need_group=False)
     grad_acc = grad_accum_steps(cfg, 1)
     loader = prepare_data(cfg, env)
@@ -162,7 +191,8 @@ def main(argv=None):
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss_sum) / grad_acc        # the .item() also waits for the GPU: honest timing
-        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent)
+        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent,
+                        **router_metrics(model))
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
             model.eval()
