@@ -1,0 +1,207 @@
+"""
+pipeline_schedules.py: the pipeline schedules of train_pp.py as plain action lists, and a simulator that
+replays them to count bubbles and in-flight micro-batches. Needs only the standard library.
+
+    python pipeline_schedules.py --pp 4 --n_microbatches 8 --schedule 1f1b     # print the timeline
+
+A schedule is, for every pipeline rank, the ordered list of what it does in one optimizer step:
+Action(kind, mb, chunk) with kind F (forward), B (backward) or W (weight gradient). Schedules without W
+actions do the whole backward in B; zb1 splits it into B (input gradient, on the critical path) and W
+(weight gradient, which nothing downstream waits for, so it can fill the bubbles).
+Virtual stage s = chunk * p + rank: with V chunks per rank the model is cut into p*V stages dealt out
+round-robin (stage 0 on rank 0, stage p on rank 0 again, ...).
+
+    1f1b, p=4, m=8, F=B=W=1 (a full backward lasts 2):     bubble = (p-1)(F+B+W) per rank
+    rank 0: F0 F1 F2 F3 .  .  .  .  .  .  B0 B0 F4 B1 B1 F5 ...
+    rank 3: .  .  .  F0 B0 B0 F1 B1 B1 F2 ...
+Idle fraction of a step: (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(V*m+p-1) interleaved (bubble / V);
+zb1's bubble is (p-1)(F+B-W), with at most p micro-batches in flight per rank like 1f1b.
+"""
+import argparse
+from collections import namedtuple
+
+Action = namedtuple("Action", "kind mb chunk")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb1")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the generators: one ordered action list per rank
+
+def afab(p, m, rank):
+    """GPipe: all forwards, then all backwards (in the same micro-batch order, so grads sum in order)."""
+    return [Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
+
+
+def one_f_one_b(p, m, rank):
+    """Warm-up of p-rank-1 forwards, then one forward / one backward, then the remaining backwards.
+    At most p-rank micro-batches are in flight instead of m."""
+    warmup = min(p - rank - 1, m)
+    acts = [Action("F", i, 0) for i in range(warmup)]
+    for i in range(m - warmup):
+        acts += [Action("F", warmup + i, 0), Action("B", i, 0)]
+    return acts + [Action("B", i, 0) for i in range(m - warmup, m)]
+
+
+def interleaved(p, m, rank, v):
+    """1F1B over V chunks per rank (Megatron's order): micro-batches go through a chunk in groups of p,
+    forwards chunk 0 -> V-1, backwards V-1 -> 0. Needs m divisible by p."""
+    total = m * v
+
+    def unit(k, backward):
+        chunk = (k // p) % v
+        return (k // (p * v)) * p + k % p, (v - 1 - chunk if backward else chunk)
+
+    warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
+    acts = [Action("F", *unit(k, False)) for k in range(warmup)]
+    for k in range(total - warmup):
+        acts += [Action("F", *unit(warmup + k, False)), Action("B", *unit(k, True))]
+    return acts + [Action("B", *unit(k, True)) for k in range(total - warmup, total)]
+
+
+def zb_h1(p, m, rank):
+    """ZB-H1 (Qi et al. 2023): 1F1B's order with the backward split in B and W, and rank r running each W
+    r micro-batches late, after a later B. So the input gradients race down the pipeline at B per hop instead
+    of B+W, the late Ws fill what was cool-down bubble, and a rank holds at most (p-r) + r = p micro-batches."""
+    warmup = min(p - rank - 1, m)
+    acts = [Action("F", i, 0) for i in range(warmup)]
+    for i in range(m):
+        if warmup + i < m:
+            acts.append(Action("F", warmup + i, 0))
+        acts.append(Action("B", i, 0))
+        if i - rank >= 0:
+            acts.append(Action("W", i - rank, 0))
+    return acts + [Action("W", i, 0) for i in range(max(m - rank, 0), m)]
+
+
+def make_schedule(name, p, m, v=1):
+    """Action lists of all p ranks."""
+    if name == "interleaved":
+        return [interleaved(p, m, r, v) for r in range(p)]
+    gen = {"afab": afab, "1f1b": one_f_one_b, "zb1": zb_h1}[name]
+    return [gen(p, m, r) for r in range(p)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# who talks to whom: shared by the simulator and by train_pp.py's receiver, which posts its receives in the
+# order the sender sends (so NCCL, which matches point-to-point messages in order, gets them right)
+
+def stage_of(rank, chunk, p):
+    return chunk * p + rank
+
+
+def sends_of(action, rank, p, v):
+    """(dst_rank, message) sent after `action`: message = (what, mb, receiving stage)."""
+    s, last = stage_of(rank, action.chunk, p), p * v - 1
+    if action.kind == "F" and s < last:
+        return [((s + 1) % p, ("act", action.mb, s + 1))]
+    if action.kind == "B" and s > 0:
+        return [((s - 1) % p, ("grad", action.mb, s - 1))]
+    return []
+
+
+def recvs_of(action, rank, p, v):
+    """(src_rank, message) that `action` must receive before it can run."""
+    s, last = stage_of(rank, action.chunk, p), p * v - 1
+    if action.kind == "F" and s > 0:
+        return [((s - 1) % p, ("act", action.mb, s))]
+    if action.kind == "B" and s < last:
+        return [((s + 1) % p, ("grad", action.mb, s))]
+    return []
+
+
+def message_order(schedules, src, dst, p, v):
+    """The messages rank src sends to rank dst in one step, in sending order."""
+    return [msg for a in schedules[src] for d, msg in sends_of(a, src, p, v) if d == dst]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the simulator
+
+def simulate(schedules, p, v=1, f=1, b=1, w=1):
+    """Replay the action lists with costs F=f, B=b, W=w per chunk (a B with no W in the schedule costs b+w)
+    and free, instant communication: each rank runs its list in order, an action starting as soon as the
+    rank is free and what it receives has been produced. Returns a dict with per-rank `timeline`
+    [(start, end, action)], `makespan`, `idle` per rank and `peak_in_flight` (micro-batch-chunks whose
+    activations are held: forward done, weight gradient not yet)."""
+    split = any(a.kind == "W" for acts in schedules for a in acts)
+    cost = dict(F=f, B=b if split else b + w, W=w)
+    done = {}                                   # (kind, mb, stage) -> end time
+    free, pos = [0] * p, [0] * p
+    timeline = [[] for _ in range(p)]
+    remaining = sum(len(a) for a in schedules)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(schedules[r]):
+                a = schedules[r][pos[r]]
+                s = stage_of(r, a.chunk, p)
+                deps = [("F", a.mb, s)] if a.kind != "F" else []
+                deps += [("B", a.mb, s)] if a.kind == "W" else []
+                deps += [(("F", m_, st - 1) if what == "act" else ("B", m_, st + 1))
+                         for _, (what, m_, st) in recvs_of(a, r, p, v)]
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d] for d in deps])
+                free[r] = done[(a.kind, a.mb, s)] = start + cost[a.kind]
+                timeline[r].append((start, free[r], a))
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: schedules[r][pos[r]] for r in range(p) if pos[r] < len(schedules[r])}
+            raise RuntimeError(f"schedule deadlocks: ranks wait forever at {stuck}")
+    makespan = max(free)
+    busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
+    return dict(timeline=timeline, makespan=makespan, idle=[makespan - x for x in busy],
+                peak_in_flight=[peak_in_flight(acts) for acts in schedules])
+
+
+def peak_in_flight(actions):
+    """Most micro-batch-chunks whose activations one rank holds at once (freed by B, or by W when split)."""
+    release = "W" if any(a.kind == "W" for a in actions) else "B"
+    held = peak = 0
+    for a in actions:
+        held += (a.kind == "F") - (a.kind == release)
+        peak = max(peak, held)
+    return peak
+
+
+def theory_idle_fraction(name, p, m, v=1):
+    """Textbook bubble / step time with F=B=W: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), zb1 a third
+    of 1f1b's bubble: (p-1)(F+B-W) = (p-1) units in a step of 3m + (p-1)."""
+    if name == "zb1":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / ((v if name == "interleaved" else 1) * m + p - 1)
+
+
+def render(sim, v=1):
+    """ASCII timeline: one row per rank, one cell per time unit, F3 = forward of micro-batch 3
+    (F3.1: of chunk 1), '.' = idle. Costs must be integers."""
+    cells = []
+    for tl in sim["timeline"]:
+        row = ["."] * sim["makespan"]
+        for start, end, a in tl:
+            for t in range(start, end):
+                row[t] = f"{a.kind}{a.mb}" + (f".{a.chunk}" if v > 1 else "")
+        cells.append(row)
+    width = max(len(c) for row in cells for c in row)
+    return "\n".join(f"rank {r}: " + " ".join(c.ljust(width) for c in row) for r, row in enumerate(cells))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Print a pipeline schedule and its simulated bubble.")
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--n_microbatches", type=int, default=8)
+    ap.add_argument("--pp_virtual", type=int, default=2)
+    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    a = ap.parse_args(argv)
+    v = a.pp_virtual if a.schedule == "interleaved" else 1
+    sim = simulate(make_schedule(a.schedule, a.pp, a.n_microbatches, v), a.pp, v)
+    print(render(sim, v))
+    print(f"idle fraction {sim['idle'][0] / sim['makespan']:.3f} (theory "
+          f"{theory_idle_fraction(a.schedule, a.pp, a.n_microbatches, v):.3f}), "
+          f"peak in flight per rank {sim['peak_in_flight']}")
+
+
+if __name__ == "__main__":
+    main()
