@@ -1,0 +1,125 @@
+"""
+kernels/linear_cross_entropy.py: the LM head and the cross-entropy loss fused and chunked over tokens, so the
+[tokens, vocab] logits never exist at once; the gradients for h and the weight are computed in the same pass.
+Replaces model.py's LMHead (F.linear + F.cross_entropy) via apply_kernels.
+
+    loss = linear_cross_entropy(h, weight, targets)    # h [N, C], weight [V, C], targets [N] -> mean CE (fp32)
+
+For each chunk of n tokens (n*V ~ N*C, so the chunk's logits are about as big as h itself):
+    z = h_c W^T                                 [n, V], the only vocab-sized buffer, reused in place:
+    loss_c = sum_i (logsumexp(z_i) - z_i[t_i])  one Triton program per row: online max/sum, then
+    z <- (softmax(z) - onehot(t)) / N_valid     the logit gradient written over the logits
+    dh_c = z W ;  dW += z^T h_c                 two matmuls, then the chunk's buffer is reused
+backward only scales the stored dh, dW by the incoming gradient (the loss is the graph's end in training).
+
+Memory (fp32, N tokens, vocab V): the unfused head keeps N*V logits, makes an fp32 copy for the loss, the
+softmax and the logit gradient: about 3-4 x 4*N*V bytes at peak. Fused: 4*n*V for one chunk plus dh (N*C)
+and dW (V*C). At GPT-2's V = 50304, C = 768 that is ~66x fewer vocab-sized bytes per token.
+Targets equal to ignore_index (-100, as F.cross_entropy) count neither in the loss nor in the mean.
+"""
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import HAS_TRITON, maybe_compiled, next_pow2, tl, triton, use_triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _ce_grad_rows(Z, T, Loss, V, stride, inv_n, ignore_index, BLOCK_V: tl.constexpr):
+        """Row r of Z: Loss[r] = lse - z[t]; Z[r] <- (softmax - onehot(t)) * inv_n, in place."""
+        row = tl.program_id(0)
+        z_row = Z + row.to(tl.int64) * stride
+        t = tl.load(T + row)
+        m = float("-inf")
+        s = 0.0
+        for v0 in range(0, V, BLOCK_V):         # pass 1: online max and sum of exponentials
+            cols = v0 + tl.arange(0, BLOCK_V)
+            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        valid = t != ignore_index
+        z_t = tl.load(z_row + t, mask=valid, other=0.0).to(tl.float32)
+        tl.store(Loss + row, tl.where(valid, lse - z_t, 0.0))
+        scale = tl.where(valid, inv_n, 0.0)
+        for v0 in range(0, V, BLOCK_V):         # pass 2: the gradient, written over the logits
+            cols = v0 + tl.arange(0, BLOCK_V)
+            z = tl.load(z_row + cols, mask=cols < V, other=0.0).to(tl.float32)
+            g = (tl.exp(z - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
+            tl.store(z_row + cols, g.to(Z.dtype.element_ty), mask=cols < V)
+
+
+def _at_least_fp32(z):
+    return z if z.dtype == torch.float64 else z.float()
+
+
+def ce_grad_reference(z, targets, inv_n, ignore_index=-100):
+    """Torch version of the row kernel: returns per-row losses and the logit gradient (new tensors)."""
+    zf = _at_least_fp32(z)
+    valid = targets != ignore_index
+    t = targets.clamp_min(0)
+    lse = torch.logsumexp(zf, dim=-1)
+    loss = (lse - zf.gather(1, t[:, None]).squeeze(1)) * valid
+    g = torch.softmax(zf, dim=-1) - F.one_hot(t, zf.shape[1]).to(zf.dtype)
+    return loss, g * (valid[:, None] * inv_n)
+
+
+def _ce_grad_(z, targets, inv_n, ignore_index, backend):
+    """Per-row losses; z is overwritten with the logit gradient."""
+    if use_triton(z, backend):
+        loss = torch.empty(z.shape[0], device=z.device, dtype=torch.float32)
+        _ce_grad_rows[(z.shape[0],)](z, targets, loss, z.shape[1], z.stride(0), inv_n, ignore_index,
+                                     BLOCK_V=min(4096 if z.is_cuda else 64, next_pow2(z.shape[1])))
+        return loss
+    loss, g = maybe_compiled(ce_grad_reference, backend)(z, targets, inv_n, ignore_index)
+    z.copy_(g)
+    return loss
+
+
+def default_chunk(n_tokens, vocab, channels):
+    """Tokens per chunk so that a chunk's logits are about the size of h (Liger-Kernel's heuristic)."""
+    return min(n_tokens, next_pow2(cdiv(n_tokens, cdiv(vocab, channels))))
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, ignore_index, chunk, backend):
+        N, C = h.shape
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        n_valid = int((targets != ignore_index).sum())
+        inv_n = 1.0 / max(n_valid, 1)
+        loss = torch.zeros((), device=h.device, dtype=torch.float32)
+        dh = torch.empty_like(h) if need_grad else None
+        dw = torch.zeros(weight.shape, device=h.device, dtype=torch.float32) if need_grad else None
+        for i in range(0, N, chunk):
+            hc, tc = h[i:i + chunk], targets[i:i + chunk]
+            z = hc @ weight.t()                                  # [n, V]: the only vocab-sized buffer
+            loss += _ce_grad_(z, tc, inv_n, ignore_index, backend).sum()
+            if need_grad:
+                torch.mm(z, weight, out=dh[i:i + chunk])
+                dw += (z.t() @ hc).float()                       # fp32 accumulation over chunks
+        ctx.save_for_backward(dh, dw.to(weight.dtype) if need_grad else None)
+        return loss * inv_n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dh, dw = ctx.saved_tensors
+        return dh * grad_loss.to(dh.dtype), dw * grad_loss.to(dw.dtype), None, None, None, None
+
+
+def linear_cross_entropy_reference(h, weight, targets, ignore_index=-100):
+    """The definition: full logits, then F.cross_entropy in fp32 (as model.py's LMHead)."""
+    return F.cross_entropy(_at_least_fp32(h @ weight.t()), targets, ignore_index=ignore_index)
+
+
+def linear_cross_entropy(h, weight, targets, ignore_index=-100, chunk=None, backend="auto"):
+    """mean over tokens of cross_entropy(h @ weight^T, targets), never materialising all the logits.
+    h [..., C], targets [...]; backend 'torch' / 'compile' chunk the same way with torch ops per chunk."""
+    h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    chunk = chunk or default_chunk(h2.shape[0], weight.shape[0], weight.shape[1])
+    backend = "triton" if use_triton(h2, backend) else ("torch" if backend == "auto" else backend)
+    return LinearCrossEntropyFunction.apply(h2.contiguous(), weight, t.contiguous(), ignore_index, chunk, backend)
