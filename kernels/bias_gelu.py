@@ -97,7 +97,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         seed = int(torch.randint(0, 2 ** 31 - 1, (1,))) if dropout else 0
         _bias_dropout_add_fwd[_grid(x.numel())](x, bias, residual, y, x.numel(), bias.numel(), p, seed,
                                                 BLOCK=BLOCK, DROPOUT=dropout)
-        ctx.dropout, ctx.p, ctx.seed = dropout, p, seed
+        ctx.dropout, ctx.p, ctx.seed, ctx.x_dtype = dropout, p, seed, x.dtype
         ctx.save_for_backward(bias)
         return y
 
@@ -109,7 +109,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         if ctx.dropout:
             dx = torch.empty_like(dy)
             _dropout_bwd[_grid(dy.numel())](dy, dx, dy.numel(), ctx.p, ctx.seed, BLOCK=BLOCK)
-        return dx, _sum_to_bias(dx, bias), dy, None, None
+        return dx.to(ctx.x_dtype), _sum_to_bias(dx, bias), dy, None, None
 
 
 def bias_gelu_reference(x, bias):

@@ -1,0 +1,120 @@
+"""
+kernels/apply.py: swap model.py's modules for the fused ones in place, keeping every parameter (same
+Parameter objects, so names, init and optimizer groups are unchanged):
+
+    nn.LayerNorm (ln_1, ln_2, ln_f)          -> FusedLayerNorm              (layer_norm)
+    Block's MLP: c_fc bias + GeLU            -> bias_gelu
+                 c_proj bias + dropout + x   -> bias_dropout_add            (FusedBlock)
+    CausalSelfAttention.core (sdpa)          -> FlashAttentionCore          (flash_attention; triton only:
+                                                sdpa already is a fused kernel in torch)
+    GPT.lm_head (logits + cross-entropy)     -> FusedLMHead                 (linear_cross_entropy, chunked)
+
+Modes (--kernels): triton (the Triton kernels), compile (the same fusions from torch.compile of the torch
+references: a fused path on CPU), torch (model.py untouched: the reference), auto (triton on CUDA, else torch).
+"""
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.backend import HAS_TRITON
+from kernels.bias_gelu import bias_dropout_add, bias_gelu
+from kernels.flash_attention import flash_attention
+from kernels.layer_norm import layer_norm
+from kernels.linear_cross_entropy import linear_cross_entropy
+
+MODES = ("auto", "triton", "torch", "compile")
+
+
+def resolve_mode(mode, device):
+    """The mode that will run on `device`; ValueError (one clear line) when it cannot."""
+    device = torch.device(device)
+    if mode not in MODES:
+        raise ValueError(f"--kernels must be one of {MODES}, got {mode!r}")
+    if mode == "auto":
+        return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
+    if mode == "triton" and not HAS_TRITON:
+        raise ValueError("--kernels triton needs triton (pip install triton); use --kernels torch or compile")
+    if mode == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--kernels triton on CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                         "(slow; for testing) or use --kernels compile")
+    return mode
+
+
+class FusedLayerNorm(nn.Module):
+    def __init__(self, ln, backend):
+        super().__init__()
+        self.weight, self.bias, self.eps, self.backend = ln.weight, ln.bias, ln.eps, backend
+
+    def forward(self, x):
+        return layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+
+
+class FlashAttentionCore(nn.Module):
+    """Causal attention by the Triton kernel; attention dropout is not in the kernel, so a training run with
+    dropout > 0 keeps sdpa (said once, at swap time)."""
+
+    def __init__(self, backend):
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, q, k, v):
+        return flash_attention(q, k, v, causal=True, backend=self.backend)[0]
+
+
+class FusedBlock(nn.Module):
+    """model.Block with the MLP's bias+GeLU and bias+dropout+residual fused; same children, same names."""
+
+    def __init__(self, block, backend):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
+        self.backend = backend
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.ln_1(x), cos, sin)
+        mlp = self.mlp
+        h = bias_gelu(F.linear(self.ln_2(x), mlp.c_fc.weight), mlp.c_fc.bias, backend=self.backend)
+        return bias_dropout_add(F.linear(h, mlp.c_proj.weight), mlp.c_proj.bias, x, mlp.dropout.p,
+                                self.training, backend=self.backend)
+
+
+class FusedLMHead(nn.Module):
+    """The tied LM head; with targets it returns (None, loss) and never builds the [tokens, vocab] logits."""
+
+    def __init__(self, head, backend):
+        super().__init__()
+        self.weight, self.backend = head.weight, backend
+
+    def forward(self, x, targets=None):
+        if targets is None:
+            return F.linear(x, self.weight), None
+        h, w = x, self.weight
+        if torch.is_autocast_enabled(x.device.type):
+            # what autocast would do to F.linear, done by hand: the fused function runs outside autocast
+            dtype = torch.get_autocast_dtype(x.device.type)
+            h, w = h.to(dtype), w.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return None, linear_cross_entropy(h, w, targets, backend=self.backend)
+
+
+def apply_kernels(model, mode="auto"):
+    """Swap the fused modules into a model.py GPT in place (see the table above); returns the mode used."""
+    from model import AttentionCore, Block
+    device = next(model.parameters()).device
+    mode = resolve_mode(mode, device)
+    if mode == "torch":
+        return mode
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.LayerNorm):
+                setattr(module, child_name, FusedLayerNorm(child, mode))
+            elif type(child) is Block and type(child.mlp.c_fc) is nn.Linear and type(child.mlp.c_proj) is nn.Linear:
+                setattr(module, child_name, FusedBlock(child, mode))   # (FP8 MLPs keep their own Linears)
+            elif isinstance(child, AttentionCore) and mode == "triton":
+                if child.dropout > 0:
+                    print(f"kernels: {name}.{child_name} keeps sdpa (attention dropout is not in the kernel)")
+                else:
+                    setattr(module, child_name, FlashAttentionCore(mode))
+    model.lm_head = FusedLMHead(model.lm_head, mode)
+    return mode
