@@ -36,6 +36,7 @@ class Config:
     compile: bool = False
     seed: int = 1337
     recompute: str = "none"
+    kernels: str = "auto"
     dist_timeout: float = 300.0
     # io and logging
     data_dir: str = os.path.join("data", "stdlib")
@@ -80,6 +81,8 @@ HELP = dict(
     dtype="auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)",
     compile="torch.compile the model", seed="seed of init, data order and dropout",
     recompute="activation recomputation: none | selective (attention core) | full (whole block)",
+    kernels="fused kernels (kernels/): triton | torch (model.py as is) | compile (torch.compile'd fusions) | "
+            "auto (triton on CUDA, torch on CPU)",
     dist_timeout="seconds before a stuck collective raises instead of hanging",
     data_dir="directory with train.bin, val.bin, meta.json (the default corpus is prepared on first use)",
     out_dir="metrics.jsonl and checkpoints go here",
@@ -98,7 +101,7 @@ HELP = dict(
     aux_loss_coef="weight of the Switch load-balancing loss", bucket_mb="gradient bucket size in MiB",
     capacity_factor="MoE expert capacity = ceil(cf * tokens * top_k / n_experts), overflow dropped (0: dropless)",
 )
-CHOICES = dict(recompute=["none", "selective", "full"], dtype=["auto", "float32", "bfloat16", "float16"],
+CHOICES = dict(recompute=["none", "selective", "full"], kernels=["auto", "triton", "torch", "compile"], dtype=["auto", "float32", "bfloat16", "float16"],
                cp_layout=["ring", "zigzag", "allgather"], pp_schedule=["afab", "1f1b", "interleaved", "zb1"],
                zero_stage=[0, 1, 2, 3])
 TECHNIQUE_FLAGS = ("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp_virtual", "n_microbatches",
