@@ -1,0 +1,451 @@
+"""
+train_tp.py: tensor parallelism (Megatron-LM) and sequence parallelism, over train_single.py.
+
+    torchrun --nproc_per_node 2 train_tp.py --tp 2                  # heads and MLP columns split over 2 ranks
+    torchrun --nproc_per_node 4 train_tp.py --tp 4 --sp             # + LayerNorm/dropout regions split by sequence
+    torchrun --nproc_per_node 2 train_tp.py --tp 2 --tp_overlap     # grad all-reduce overlaps the grad-weight matmul
+
+Every weight matrix is split over the tp ranks so that one block needs two all-reduces forward, two backward:
+
+    x --f--> [c_attn: my heads' rows of q|k|v] -> attention on my heads --> [c_proj: my columns] --g--> + x
+    x --f--> [c_fc:   my 4h/tp rows]           -> GeLU, no communication --> [c_proj: my columns] --g--> + x
+    f: identity forward, all-reduce backward          g: all-reduce forward, identity backward
+
+The tied embedding / LM head weight is split by vocabulary rows. The lookup zeroes ids outside my rows, then g
+sums; the cross-entropy all-reduces the max, the target logit and the sum of exponentials (one number per
+token each), so no rank ever holds the [tokens, vocab] logits and the backward needs no communication.
+
+--sp (Korthikanti et al. 2022): outside the TP regions (LayerNorm, dropout, the residual stream) each rank keeps
+T/tp of the sequence. f becomes an all-gather along the sequence and g a reduce-scatter: an all-reduce *is* a
+reduce-scatter then an all-gather, so the forward moves the same bytes. The column layers keep only their input
+shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
+    single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
+"""
+import contextlib
+import dataclasses
+import io
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from comm import COMM, all_gather, all_reduce, init_distributed, reduce_scatter, world_size_from_env
+from config import check, fail, grad_accum_steps, parse_config
+from metrics import MetricsLogger
+from model import GPT, flops_per_token, init_parameter
+from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
+                          print_sample, resolve_dtype, save_training_state, should_save)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# collectives along the sequence: activations are [B, T, h] and SP splits T (dim 1), while the flat
+# collectives split dim 0, hence the transposes. Each returns (result, work); result is valid after work.wait().
+
+def gather_seq(x, group, async_op=False):
+    """[B, T/n, ...] on each rank -> [B, T, ...] on every rank."""
+    xt = x.transpose(0, 1).contiguous()
+    out = xt.new_empty((dist.get_world_size(group) * xt.shape[0],) + xt.shape[1:])
+    work = all_gather(out, xt, group=group, async_op=async_op)
+    return out.transpose(0, 1), work
+
+
+def reduce_scatter_seq(x, group, async_op=False):
+    """[B, T, ...] partial sums on each rank -> [B, T/n, ...]: the sum over ranks of my chunk of the sequence."""
+    xt = x.transpose(0, 1).contiguous()
+    out = xt.new_empty((xt.shape[0] // dist.get_world_size(group),) + xt.shape[1:])
+    work = reduce_scatter(out, xt, group=group, async_op=async_op)
+    return out.transpose(0, 1), work
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the conjugate pairs: what one does forward, the other does backward
+
+class CopyToTP(torch.autograd.Function):
+    """f: enter a TP region. Forward: every rank already holds x. Backward: each rank's input gradient covers
+    only its own columns' contribution, so the gradients are summed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: leave a TP region. Forward: sum the partial outputs. Backward: the sum's gradient goes to every part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ReduceScatterToSP(torch.autograd.Function):
+    """g under SP: sum the partial outputs and keep my sequence chunk. Backward: all-gather the chunks' grads."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(x, group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_seq(grad, ctx.group)[0], None
+
+
+class ColumnLinearFn(torch.autograd.Function):
+    """f fused with the column-parallel matmul, for two things autograd's composition cannot do:
+    - SP: keep only the input's sequence shard for backward (the all-gathered copy is dropped, then gathered
+      again in backward), which is what makes every activation of the layer 1/tp-sized;
+    - overlap: launch the input-gradient all-reduce (reduce-scatter under SP) asynchronously and compute the
+      weight gradient while it travels."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sp, overlap):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.sp, ctx.overlap, ctx.has_bias = group, sp, overlap, bias is not None
+        full = gather_seq(x, group)[0] if sp else x
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        if ctx.sp:
+            x = gather_seq(x, ctx.group)[0]
+        grad_in = grad_out @ weight.to(grad_out.dtype)          # my columns' share of dL/dx
+        if ctx.sp:
+            grad_in, work = reduce_scatter_seq(grad_in, ctx.group, async_op=ctx.overlap)
+        else:
+            work = all_reduce(grad_in, group=ctx.group, async_op=ctx.overlap)
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])            # (overlap: this runs while the sum travels)
+        grad_w = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype)
+        grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        if work is not None:
+            work.wait()
+        return grad_in, grad_w, grad_b, None, None, None
+
+
+def column_parallel(x, weight, bias, group, sp, overlap):
+    if sp or overlap:
+        return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap)
+    return F.linear(CopyToTP.apply(x, group), weight, bias)      # the textbook form: f, then a local matmul
+
+
+def leave_tp_region(x, group, sp):
+    return ReduceScatterToSP.apply(x, group) if sp else ReduceFromTP.apply(x, group)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the parallel layers. A sharded parameter carries `tp_split = (dim, parts)`: the full tensor is `parts`
+# equal blocks along `dim` (3 for c_attn's q|k|v) and a rank keeps its 1/tp slice of each block.
+
+def shard_param(shape, dim, parts, group, device):
+    shape = list(shape)
+    shape[dim] //= dist.get_world_size(group)
+    p = nn.Parameter(torch.empty(shape, device=device))
+    p.tp_split = (dim, parts)
+    return p
+
+
+def shard_of(full, dim, parts, rank, n):
+    return torch.cat([block.chunk(n, dim)[rank] for block in full.chunk(parts, dim)], dim)
+
+
+def unshard(pieces, dim, parts):
+    """Inverse of shard_of: pieces[r] is rank r's shard."""
+    blocks = [piece.chunk(parts, dim) for piece in pieces]
+    return torch.cat([torch.cat([b[j] for b in blocks], dim) for j in range(parts)], dim)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[:, my rows] = x W[my rows]^T + b[my rows]: the output stays split over ranks (no communication)."""
+
+    def __init__(self, in_features, out_features, group, sp=False, overlap=False, parts=1, device=None):
+        super().__init__()
+        self.group, self.sp, self.overlap = group, sp, overlap
+        self.weight = shard_param((out_features, in_features), 0, parts, group, device)
+        self.bias = shard_param((out_features,), 0, parts, group, device)
+
+    def forward(self, x):
+        return column_parallel(x, self.weight, self.bias, self.group, self.sp, self.overlap)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x[:, my cols] W[:, my cols]^T, then + b (replicated; added once, after the sum)."""
+
+    def __init__(self, in_features, out_features, group, sp=False, device=None):
+        super().__init__()
+        self.group, self.sp = group, sp
+        self.weight = shard_param((out_features, in_features), 1, 1, group, device)
+        self.bias = nn.Parameter(torch.empty(out_features, device=device))
+        self.bias.sequence_parallel = sp           # under SP each rank sees a sequence chunk: partial grad
+
+    def forward(self, x):
+        return leave_tp_region(F.linear(x, self.weight), self.group, self.sp) + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds vocabulary rows [r*V/tp, (r+1)*V/tp): look up the ids it owns, zeros elsewhere, then sum."""
+
+    def __init__(self, vocab_size, dim, group, sp=False, device=None):
+        super().__init__()
+        self.group, self.sp = group, sp
+        self.weight = shard_param((vocab_size, dim), 0, 1, group, device)
+        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+
+    def forward(self, idx):
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
+        return leave_tp_region(x, self.group, self.sp)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from vocabulary-split logits [N, V/tp]: loss = log(sum_v e^(z_v - m)) - (z_target - m)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        m = logits.max(dim=-1).values                            # max for a stable exp
+        all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        z = logits - m[:, None]
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < z.shape[-1])              # the target id is in my rows
+        local = local.clamp(0, z.shape[-1] - 1)
+        target_z = z.gather(1, local[:, None]).squeeze(1) * mine  # the one owner contributes, the others 0
+        all_reduce(target_z, group=group)
+        exp = z.exp_()
+        sum_exp = exp.sum(dim=-1)
+        all_reduce(sum_exp, group=group)
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), local, mine)   # my slice of the softmax
+        return (sum_exp.log() - target_z).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors                 # dL/dz = (softmax - onehot(target)) / N
+        grad_z = softmax.scatter_add(1, local[:, None], -mine[:, None].to(softmax.dtype))
+        return grad_z * (grad / softmax.shape[0]), None, None, None
+
+
+class VocabParallelLMHead(nn.Module):
+    """logits[:, my vocab rows] with the tied embedding shard, and the vocab-parallel cross-entropy."""
+
+    def __init__(self, wte, group, sp=False, overlap=False):
+        super().__init__()
+        self.weight, self.vocab_start = wte.weight, wte.vocab_start
+        self.group, self.sp, self.overlap = group, sp, overlap
+
+    def forward(self, x, targets=None):
+        logits = column_parallel(x, self.weight, None, self.group, self.sp, self.overlap)   # [B, T, V/tp]
+        if targets is None:          # generation: gather the vocabulary (the only place full logits exist)
+            parts = logits.movedim(-1, 0).contiguous()
+            full = parts.new_empty((dist.get_world_size(self.group) * parts.shape[0],) + parts.shape[1:])
+            all_gather(full, parts, group=self.group)
+            return full.movedim(0, -1), None
+        loss = VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.reshape(-1),
+                                               self.vocab_start, self.group)
+        return logits, loss
+
+
+@contextlib.contextmanager
+def rank_rng(group, device):
+    """A random stream of this TP rank's own, for dropout on data that differs per rank (my heads, my sequence
+    chunk). Its seed is drawn from the shared stream, identical on all TP ranks and replayed exactly by
+    activation recomputation, then offset by the rank. Dropout in replicated regions uses the shared stream."""
+    seed = int(torch.randint(0, 2 ** 62, (1,)))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed(seed + dist.get_rank(group))
+        yield
+
+
+class RankRNG(nn.Module):
+    """Run a module (attention core, dropout) under this rank's own random stream."""
+
+    def __init__(self, module, group, device):
+        super().__init__()
+        self.module, self.group, self.device = module, group, device
+
+    def forward(self, *args):
+        with rank_rng(self.group, self.device):
+            return self.module(*args)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# applying TP to model.py's GPT
+
+def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
+    """Swap model.py's layers for tensor-parallel ones, in place (model.py is untouched). Build the model on the
+    meta device: new parameters are allocated here, empty, on `device`; fill them with init_tp_weights."""
+    device = torch.device(device)
+    rng = (lambda mod: RankRNG(mod, group, device)) if model.cfg.dropout > 0 else (lambda mod: mod)
+    for block in model.transformer.h:
+        attn, mlp, h = block.attn, block.mlp, model.cfg.n_embd
+        attn.c_attn = ColumnParallelLinear(h, 3 * h, group, sp, overlap, parts=3, device=device)
+        attn.c_proj = RowParallelLinear(h, h, group, sp, device)
+        attn.core = rng(attn.core)                               # attention dropout: my heads
+        mlp.c_fc = ColumnParallelLinear(h, 4 * h, group, sp, overlap, device=device)
+        mlp.c_proj = RowParallelLinear(4 * h, h, group, sp, device)
+        if sp:                                                   # residual dropout: my sequence chunk
+            attn.resid_dropout, mlp.dropout = rng(attn.resid_dropout), rng(mlp.dropout)
+    wte = VocabParallelEmbedding(model.cfg.padded_vocab_size, model.cfg.n_embd, group, sp, device)
+    model.transformer.wte = wte
+    model.lm_head = VocabParallelLMHead(wte, group, sp, overlap)
+    if sp:
+        model.transformer.drop = rng(model.transformer.drop)
+    # what is still on the meta device is replicated on every TP rank: the LayerNorms and row-parallel biases
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(module, name, nn.Parameter(torch.empty_like(p, device=device)))
+                getattr(module, name).sequence_parallel = sp and isinstance(module, nn.LayerNorm)
+    return model
+
+
+@torch.no_grad()
+def init_tp_weights(model, seed, group):
+    """Each parameter's full initial value from model.init_parameter, one at a time; keep this rank's slice."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        if hasattr(p, "tp_split"):
+            dim, parts = p.tp_split
+            shape[dim] *= n
+            p.copy_(shard_of(init_parameter(name, shape, model.cfg.n_layer, seed), dim, parts, rank, n))
+        else:
+            p.copy_(init_parameter(name, shape, model.cfg.n_layer, seed))
+
+
+@torch.no_grad()
+def gather_full_weights(model, group):
+    """{name: full tensor}, as train_single.py's model would hold it (for parity checks and exports)."""
+    n, out = dist.get_world_size(group), {}
+    for name, p in model.named_parameters():
+        if hasattr(p, "tp_split"):
+            flat = p.new_empty(n * p.numel())
+            all_gather(flat, p.detach().contiguous().view(-1), group=group)
+            out[name] = unshard(flat.view(n, *p.shape).unbind(0), *p.tp_split).cpu()
+        else:
+            out[name] = p.detach().cpu().clone()
+    return out
+
+
+def all_reduce_sequence_parallel_grads(model, group):
+    """Under SP each rank's LayerNorms and row biases saw only its sequence chunk: sum their grads (one bucket)."""
+    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, group=group)
+        for g, v in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(v.view_as(g))
+
+
+def clip_tp_grads(model, max_norm, group):
+    """The global grad norm: shards are counted by every rank, replicated parameters by TP rank 0 only."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    owned = [p.grad for p in params if hasattr(p, "tp_split") or dist.get_rank(group) == 0]
+    norm = clip_grad_norm(owned, 0.0, group, device=params[0].device)
+    if max_norm > 0:                                             # scale all grads, replicated ones too
+        torch._foreach_mul_([p.grad for p in params], torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+def build_tp_model(cfg, vocab_size, group, device):
+    with torch.device("meta"):
+        model = GPT(gpt_config(cfg, vocab_size), seed=cfg.seed)
+    if model.cfg.padded_vocab_size % dist.get_world_size(group):
+        fail(f"padded vocabulary {model.cfg.padded_vocab_size} is not divisible by tp={dist.get_world_size(group)}")
+    apply_tp(model, group, cfg.sp, cfg.tp_overlap, device)
+    init_tp_weights(model, cfg.seed, group)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def extra_args(parser):
+    parser.add_argument("--tp_overlap", action="store_true",
+                        help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
+
+
+def validate(cfg):
+    world = world_size_from_env()
+    check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
+                           f"combine with data parallelism in train_5d.py")
+    check(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp}")
+    check(4 * cfg.n_embd % cfg.tp == 0, f"MLP width 4*n_embd={4 * cfg.n_embd} is not divisible by tp={cfg.tp}")
+    check(not cfg.sp or cfg.block_size % cfg.tp == 0,
+          f"--sp: sequence length block_size={cfg.block_size} is not divisible by tp={cfg.tp}")
+    check(cfg.dtype != "float16", "train_tp supports float32 and bfloat16 (no fp16 loss scaling across TP ranks)")
+    grad_accum_steps(cfg, 1)
+
+
+def main(argv=None):
+    cfg = parse_config(argv, techniques=("tp", "sp"), description=__doc__.split("\n\n")[0],
+                       extra_args=extra_args, validate=validate)
+    env = init_distributed(cfg)
+    group = dist.group.WORLD                     # train_5d.py passes its grid's TP axis instead
+    grad_acc = grad_accum_steps(cfg, 1)          # every TP rank processes the same micro-batches
+    loader = prepare_data(cfg, env)
+    dtype = resolve_dtype(cfg, env.device)
+    model = build_tp_model(cfg, loader.vocab_size, group, env.device)
+    optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
+    torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank
+    start = load_training_state(cfg, model, optimizer, rank=env.rank) if cfg.resume else 0
+    train_model = torch.compile(model) if cfg.compile else model
+    amp = autocast_context(dtype, env.device)
+    last_step = cfg.stop_step or cfg.max_steps
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=cfg.tp,
+                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    if env.is_main:
+        print(f"train_tp: tp={cfg.tp} sp={cfg.sp} overlap={cfg.tp_overlap}, "
+              f"{sum(p.numel() for p in model.parameters()):,} parameters per rank, grad_acc {grad_acc}, "
+              f"{dtype}, {env.device}, steps {start}..{last_step - 1}", flush=True)
+
+    for step in range(start, last_step):
+        COMM.reset()
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        set_lr(optimizer, lr)
+        loss_sum = 0.0
+        for micro in range(grad_acc):
+            x, y = loader.micro_batch(step, micro, cfg.micro_batch_size)
+            with amp:
+                _, loss = train_model(x, y)          # the same full loss on every TP rank
+            (loss / grad_acc).backward()
+            loss_sum += loss.detach()
+        if cfg.sp:
+            all_reduce_sequence_parallel_grads(model, group)
+        grad_norm = clip_tp_grads(model, cfg.grad_clip, group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss_sum) / grad_acc
+        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent)
+
+        if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
+            model.eval()
+            with amp:
+                val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
+            model.train()
+            logger.log_eval(step, val)
+        if should_save(cfg, step, last_step):
+            save_training_state(cfg, model, optimizer, step + 1, rank=env.rank)
+    logger.close()
+    if cfg.sample_tokens > 0 and not cfg.sp:     # every rank runs the forward (collectives), rank 0 prints
+        with contextlib.redirect_stdout(io.StringIO()) if not env.is_main else contextlib.nullcontext():
+            print_sample(model, loader, cfg, dataclasses.replace(env, rank=0))
+    return dict(model=model, cfg=cfg, group=group)
+
+
+if __name__ == "__main__":
+    main()
