@@ -1,0 +1,249 @@
+"""
+train_ep.py: expert parallelism, over train_single.py's mixture-of-experts model. The E experts of every MoE
+block are split over the ep ranks of an expert-parallel group (E/ep each); everything else (attention, router,
+embeddings, LayerNorms) is replicated and gradient-averaged exactly like data parallelism (train_ddp.py).
+Each rank routes its own tokens and ships every token to the rank that owns its expert and back:
+
+    torchrun --nproc_per_node 2 train_ep.py --ep 2 --n_experts 8 --top_k 2
+    torchrun --nproc_per_node 4 train_ep.py --ep 2 --n_experts 4 --top_k 1 --moe_every 2   # 2 EP groups
+    torchrun --nproc_per_node 2 train_ep.py --ep 2 --n_experts 4 --capacity_factor 1.25    # drop overflow
+
+One MoE block on rank r (ep=2, E=4: rank 0 owns experts 0-1, rank 1 owns experts 2-3):
+
+    tokens -> router -> top-k -> sort the (token, expert) rows by expert: [ e0 e0 e1 | e2 e2 e2 e3 ]
+                                                                         to rank 0 | to rank 1
+    all_gather the row counts [ep, E]: every rank now knows every split of the exchange
+    all_to_all_single (variable splits)   -> rows from every rank for my experts, grouped by source
+    regroup by local expert, run each expert MLP, restore the arrival order
+    all_to_all_single (splits swapped)    -> my rows come back, in the order I sent them
+    y[token] += gate * expert_out          (model.combine, the same code as the single-device MoE)
+Backward runs the two exchanges again with the splits swapped, so gradients reach the router and the input.
+
+Dropless by default (every routed row is computed), which is why this reproduces train_single.py exactly.
+Bytes this rank sends per MoE block per micro-batch (DESIGN's convention: only rows leaving the rank count):
+    all_to_all = 2 * (S + R) * h * bytes     S rows sent to other ranks, R rows received from them
+(dispatch S + combine R forward, and the same amounts backward), plus the all_gather of the counts.
+Parameters per rank: P_dense + n_moe_blocks * (E/ep) * (8h^2 + 5h): the expert weights shrink by ep.
+"""
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from comm import COMM, all_gather, all_reduce, all_to_all, init_distributed, new_group, world_size_from_env
+from config import check, grad_accum_steps, parse_config
+from metrics import MetricsLogger
+from model import GPT, MLP, combine, flops_per_token, init_parameter, route
+from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from train_ddp import DataParallelGrads, mean_over_group
+from train_single import (MOE_FLAGS, autocast_context, check_moe, decode, evaluate, gpt_config,
+                          load_training_state, prepare_data, resolve_dtype, router_metrics, save_training_state,
+                          should_save)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building blocks (train_5d.py imports these)
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with variable splits; its gradient is the same exchange with the splits
+    swapped (what I sent to rank j comes back from rank j)."""
+
+    @staticmethod
+    def forward(ctx, rows, recv_splits, send_splits, group):
+        ctx.splits, ctx.group = (recv_splits, send_splits), group
+        out = rows.new_empty(sum(recv_splits), rows.shape[1])
+        all_to_all(out, rows.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_splits, send_splits = ctx.splits
+        out = grad.new_empty(sum(send_splits), grad.shape[1])
+        all_to_all(out, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def gather_counts(counts, group):
+    """[ep, E] table: entry (s, e) = rows rank s sends to expert e. One small all_gather instead of a
+    second all_to_all, so the all_to_all bytes are exactly the routed rows."""
+    n = dist.get_world_size(group)
+    table = counts.new_empty(n * counts.numel())
+    all_gather(table, counts.contiguous(), group=group)
+    return table.view(n, -1)
+
+
+class ExpertParallelMoE(nn.Module):
+    """model.MoE with only this rank's E/ep experts: a drop-in for the MLP of MoE block `block_index`.
+    Its parameters keep the single-device names (experts are keyed by their global index), so each one is
+    initialised by model.init_parameter exactly as in model.GPT and checkpoints read the same."""
+
+    def __init__(self, cfg, block_index, group, seed):
+        super().__init__()
+        self.top_k, self.capacity_factor, self.n_experts = cfg.top_k, cfg.capacity_factor, cfg.n_experts
+        self.group, self.ep, rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.n_local = cfg.n_experts // self.ep
+        self.first = rank * self.n_local                       # my experts: first .. first + n_local - 1
+        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(self.first, self.first + self.n_local)})
+        self.routing, self.stats = None, None                   # as model.MoE (read by GPT.forward)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(init_parameter(f"transformer.h.{block_index}.mlp.{name}", p.shape, cfg.n_layer, seed))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        r = self.routing = route(self.router(x), self.top_k, self.capacity_factor)   # my tokens only
+        order = torch.argsort(r.expert, stable=True)            # rows grouped by expert = by destination rank
+        table = gather_counts(torch.bincount(r.expert, minlength=self.n_experts), self.group)
+        mine = table[:, self.first:self.first + self.n_local]   # [ep, n_local]: rows each rank sends me
+        send_splits = table[dist.get_rank(self.group)].view(self.ep, self.n_local).sum(1).tolist()
+        recv_splits = mine.sum(1).tolist()
+        rows = AllToAll.apply(x[r.token[order]], recv_splits, send_splits, self.group)
+        out = AllToAll.apply(self.run_experts(rows, mine), send_splits, recv_splits, self.group)
+        return combine(x.shape[0], r.token[order], r.gate[order], out).view(shape)
+
+    def run_experts(self, rows, mine):
+        """rows arrive grouped by source rank, then by my local expert; regroup them by expert, run each
+        expert once on all its rows, and return the outputs in arrival order."""
+        local = torch.arange(self.n_local, device=rows.device).repeat(self.ep)
+        perm = torch.argsort(local.repeat_interleave(mine.reshape(-1)), stable=True)
+        chunks = rows[perm].split(mine.sum(0).tolist())
+        out = torch.cat([expert(c) for expert, c in zip(self.experts.values(), chunks)])
+        return out[torch.argsort(perm)]
+
+
+def expert_parallel_gpt(gcfg, seed, ep_group):
+    """model.GPT with each MoE block's MLP replaced by its ExpertParallelMoE. The model is first built dense
+    (one plain MLP per block, dropped at once), so no rank ever materialises all E experts."""
+    model = GPT(dataclasses.replace(gcfg, n_experts=0), seed=seed)
+    model.cfg = gcfg                                             # GPT.forward reads aux_loss_coef from it
+    for i, block in enumerate(model.transformer.h):
+        if gcfg.is_moe_block(i):
+            block.mlp = ExpertParallelMoE(gcfg, i, ep_group, seed)
+    return model
+
+
+def expert_groups(world_size, ep):
+    """Every rank's (EP group, expert-replica group): EP groups are ep consecutive ranks; rank r's experts are
+    replicated on the ranks with the same r % ep in the other EP groups. Every rank creates every group."""
+    ep_groups = [new_group(list(range(g, g + ep))) for g in range(0, world_size, ep)]
+    replica_groups = [new_group(list(range(j, world_size, ep))) for j in range(ep)]
+    rank = dist.get_rank()
+    return ep_groups[rank // ep], replica_groups[rank % ep]
+
+
+def is_expert_param(name):
+    return ".mlp.experts." in name
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def validate(cfg):
+    world = world_size_from_env()
+    check_moe(cfg)
+    check(cfg.n_experts > 0, "expert parallelism needs --n_experts > 0")
+    check(cfg.ep >= 1 and world % cfg.ep == 0, f"world size {world} is not divisible by --ep {cfg.ep}")
+    check(cfg.n_experts % cfg.ep == 0, f"--n_experts {cfg.n_experts} is not divisible by --ep {cfg.ep}")
+    check(cfg.moe_every <= cfg.n_layer, f"--moe_every {cfg.moe_every} > --n_layer {cfg.n_layer}: no MoE block")
+    check(grad_accum_steps(cfg, world) > 0, "empty batch")
+
+
+def print_sample_all_ranks(model, loader, cfg, env):
+    """As train_single.print_sample, but every rank generates (the experts are spread over the ranks, so
+    each forward is collective); same seed and prompt, hence the same tokens everywhere; rank 0 prints."""
+    if cfg.sample_tokens <= 0:
+        return
+    model.eval()
+    prompt, _ = loader.micro_batch(0, 0, 1, split="val")
+    torch.manual_seed(cfg.seed)
+    out = model.generate(prompt[:, : min(32, cfg.block_size)], cfg.sample_tokens, temperature=0.8, top_k=50)
+    if env.is_main:
+        print(f"---- sample ----\n{decode(out[0].tolist(), loader.meta)}\n----------------", flush=True)
+
+
+def main(argv=None):
+    cfg = parse_config(argv, techniques=("ep",) + MOE_FLAGS, description=__doc__.split("\n\n")[0],
+                       validate=validate)
+    env = init_distributed(cfg)
+    world = env.world_size
+    ep_group, replica_group = expert_groups(world, cfg.ep)
+    grad_acc = grad_accum_steps(cfg, world)
+    loader = prepare_data(cfg, env)
+    dtype = resolve_dtype(cfg, env.device)
+
+    model = expert_parallel_gpt(gpt_config(cfg, loader.vocab_size), cfg.seed, ep_group).to(env.device)
+    named = list(model.named_parameters())
+    dense = [p for n, p in named if not is_expert_param(n)]
+    experts = [p for n, p in named if is_expert_param(n)]
+    optimizer = configure_optimizer(named, cfg, env.device.type)
+    scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
+    torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
+    start = load_training_state(cfg, model, optimizer, rank=env.rank) if cfg.resume else 0
+    # dense grads: mean over all ranks (DP). Expert grads already sum the tokens of the whole EP group:
+    # mean over the expert's replicas, then / ep, which is the same 1/world average.
+    dense_grads = DataParallelGrads(dense, dist.group.WORLD, "bucket", cfg.bucket_mb)
+    expert_grads = DataParallelGrads(experts, replica_group, "bucket", cfg.bucket_mb)
+    train_model = torch.compile(model) if cfg.compile else model
+    amp = autocast_context(dtype, env.device)
+    last_step = cfg.stop_step or cfg.max_steps
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=world,
+                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if env.is_main:
+        print(f"train_ep: world {world}, ep {cfg.ep}, {len(experts)} expert tensors ({cfg.n_experts // cfg.ep} "
+              f"experts per MoE block here), {param_bytes / 2**20:.1f} MiB params per rank, grad_acc {grad_acc}, "
+              f"{dtype}, {env.device}, steps {start}..{last_step - 1}", flush=True)
+
+    for step in range(start, last_step):
+        t0 = time.perf_counter()
+        COMM.reset()
+        lr = lr_at(step, cfg)
+        set_lr(optimizer, lr)
+        loss_sum = 0.0
+        for micro in range(grad_acc):
+            for g in (dense_grads, expert_grads):
+                g.require_sync(micro == grad_acc - 1)
+            x, y = loader.micro_batch(step, micro, cfg.micro_batch_size, env.rank, world)
+            with amp:
+                _, loss = train_model(x, y)
+            scaler.scale(loss / grad_acc).backward()   # the all_to_alls run again, splits swapped
+            loss_sum += loss.detach()
+        dense_grads.finish()
+        expert_grads.finish()
+        torch._foreach_div_(expert_grads.grads(), cfg.ep)
+        comm = dict(COMM.by_op)                        # this step's traffic, before the logging reductions
+        scaler.unscale_(optimizer)
+        # global norm over the EP group: every rank adds its experts, its rank 0 the (identical) dense grads
+        owned = expert_grads.grads() + (dense_grads.grads() if dist.get_rank(ep_group) == 0 else [])
+        grad_norm = clip_grad_norm(owned, 0.0, group=ep_group, device=env.device)      # the norm only
+        if cfg.grad_clip > 0:                          # then scale every gradient, as optim.clip_grad_norm
+            scale = torch.clamp(cfg.grad_clip / (grad_norm + 1e-6), max=1.0)
+            torch._foreach_mul_(dense_grads.grads() + expert_grads.grads(), scale)
+        scaler.step(optimizer)
+        scaler.update()
+        dense_grads.zero_grad()
+        expert_grads.zero_grad()
+        loss_value = mean_over_group(loss_sum / grad_acc, dist.group.WORLD)
+        router = router_metrics(model, reduce=lambda t: all_reduce(t, group=dist.group.WORLD))
+        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, sum(comm.values()),
+                        a2a_bytes=comm.get("all_to_all", 0.0), counts_bytes=comm.get("all_gather", 0.0),
+                        grad_bytes=comm.get("all_reduce", 0.0), param_bytes=param_bytes, **router)
+
+        if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
+            model.eval()                               # every rank evaluates: the experts are collective
+            with amp:
+                val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
+            model.train()
+            logger.log_eval(step, val)
+        if should_save(cfg, step, last_step):
+            save_training_state(cfg, model, optimizer, step + 1, rank=env.rank)   # each rank its experts
+    logger.close()
+    print_sample_all_ranks(model, loader, cfg, env)
+    return dict(model=model, cfg=cfg)
+
+
+if __name__ == "__main__":
+    main()
