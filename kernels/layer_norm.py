@@ -2,7 +2,7 @@
 kernels/layer_norm.py: fused LayerNorm, forward in one pass over each row, backward with the weight and
 bias gradients reduced in Triton. Replaces model.py's nn.LayerNorm (ln_1, ln_2, ln_f) via apply_kernels.
 
-    y = (x - mean) * rstd * w + b,   rstd = 1 / sqrt(var + eps)        (one program per row of x [M, N])
+    y = (x - mean) * rstd * w + b,   rstd = 1 / sqrt(var + eps)        (a program per row(s) of x [M, N])
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * w,   xhat = (x - mean) * rstd
     dw = sum_rows dy * xhat,  db = sum_rows dy    (per-program partial sums [G, N], then a column reduction)
 
@@ -21,44 +21,48 @@ from kernels.backend import HAS_TRITON, maybe_compiled, next_pow2, tl, triton, u
 
 if HAS_TRITON:
     @triton.jit
-    def _ln_fwd(X, Y, W, B, Mean, Rstd, N, eps, BLOCK_N: tl.constexpr):
-        row = tl.program_id(0)
+    def _ln_fwd(X, Y, W, B, Mean, Rstd, M, N, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        # ROWS rows per program (1 on a GPU for wide rows; more under the interpreter, where programs are costly)
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)
-        mask = cols < N
-        x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=0) / N
-        xc = tl.where(mask, x - mean, 0.0)                # the ragged tail must not count in the variance
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + row * N + cols, (xc * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
-        tl.store(Mean + row, mean)
-        tl.store(Rstd + row, rstd)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None] * N + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)       # the ragged tail must not count in the variance
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        b = tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(Y + offs, (xc * rstd[:, None] * w[None, :] + b[None, :]).to(Y.dtype.element_ty), mask=mask)
+        tl.store(Mean + rows, mean, mask=rows < M)
+        tl.store(Rstd + rows, rstd, mask=rows < M)
 
     @triton.jit
-    def _ln_bwd(X, DY, DX, W, Mean, Rstd, DWp, DBp, M, N, G, BLOCK_N: tl.constexpr):
-        # program p handles rows p, p+G, p+2G, ... and keeps its share of dw, db in registers
+    def _ln_bwd(X, DY, DX, W, Mean, Rstd, DWp, DBp, M, N, G, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        # program p handles row tiles p, p+G, p+2G, ... and keeps its share of dw, db in registers
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
-        mask = cols < N
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for row in range(pid, M, G):
-            x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(Mean + row)
-            rstd = tl.load(Rstd + row)
-            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-            g = dy * w
-            c1 = tl.sum(xhat * g, axis=0) / N
-            c2 = tl.sum(g, axis=0) / N
-            dx = (g - c2 - xhat * c1) * rstd
-            tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
-            dw += dy * xhat
-            db += dy
-        tl.store(DWp + pid * N + cols, dw, mask=mask)
-        tl.store(DBp + pid * N + cols, db, mask=mask)
+        for tile in range(pid, tl.cdiv(M, ROWS), G):
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            offs = rows[:, None] * N + cols[None, :]
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(Mean + rows, mask=rows < M, other=0.0)
+            rstd = tl.load(Rstd + rows, mask=rows < M, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            g = dy * w[None, :]
+            c1 = tl.sum(xhat * g, axis=1) / N
+            c2 = tl.sum(g, axis=1) / N
+            dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += tl.sum(dy * xhat, axis=0)
+            db += tl.sum(dy, axis=0)
+        tl.store(DWp + pid * N + cols, dw, mask=cols < N)
+        tl.store(DBp + pid * N + cols, db, mask=cols < N)
 
     @triton.jit
     def _sum_rows(P, Out, G, N, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -72,11 +76,15 @@ if HAS_TRITON:
         tl.store(Out + cols, acc.to(Out.dtype.element_ty), mask=cols < N)
 
 
-def _n_partials(M, device):
+def _rows_per_program(x):
+    return 1 if x.is_cuda else 16
+
+
+def _n_partials(n_tiles, device):
     """Programs in the backward: enough to fill a GPU, few on the (serial) interpreter."""
     if device.type == "cuda":
-        return max(1, min(M, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(M, 4))
+        return max(1, min(n_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(n_tiles, 2))
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -88,8 +96,9 @@ class LayerNormFunction(torch.autograd.Function):
         y = torch.empty_like(x2)
         mean = torch.empty(M, device=x.device, dtype=torch.float32)
         rstd = torch.empty(M, device=x.device, dtype=torch.float32)
-        _ln_fwd[(M,)](x2, y, weight.contiguous(), bias.contiguous(), mean, rstd, N, eps,
-                      BLOCK_N=next_pow2(N))
+        R = _rows_per_program(x2)
+        _ln_fwd[(triton.cdiv(M, R),)](x2, y, weight.contiguous(), bias.contiguous(), mean, rstd, M, N, eps,
+                                      ROWS=R, BLOCK_N=next_pow2(N))
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.shape = shape
         return y.view(shape)
@@ -100,11 +109,12 @@ class LayerNormFunction(torch.autograd.Function):
         M, N = x2.shape
         dy2 = dy.reshape(-1, N).contiguous()
         dx = torch.empty_like(x2)
-        G = _n_partials(M, x2.device)
+        R = _rows_per_program(x2)
+        G = _n_partials(triton.cdiv(M, R), x2.device)
         dw_part = torch.empty(G, N, device=x2.device, dtype=torch.float32)
         db_part = torch.empty(G, N, device=x2.device, dtype=torch.float32)
         _ln_bwd[(G,)](x2, dy2, dx, weight.contiguous(), mean, rstd, dw_part, db_part, M, N, G,
-                      BLOCK_N=next_pow2(N))
+                      ROWS=R, BLOCK_N=next_pow2(N))
         dw, db = torch.empty_like(weight), torch.empty_like(weight)
         BLOCK_C = min(128, next_pow2(N))
         for part, out in ((dw_part, dw), (db_part, db)):

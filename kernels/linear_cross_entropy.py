@@ -7,7 +7,7 @@ Replaces model.py's LMHead (F.linear + F.cross_entropy) via apply_kernels.
 
 For each chunk of n tokens (n*V ~ N*C, so the chunk's logits are about as big as h itself):
     z = h_c W^T                                 [n, V], the only vocab-sized buffer, reused in place:
-    loss_c = sum_i (logsumexp(z_i) - z_i[t_i])  one Triton program per row: online max/sum, then
+    loss_c = sum_i (logsumexp(z_i) - z_i[t_i])  a Triton program per row: online max/sum, then
     z <- (softmax(z) - onehot(t)) / N_valid     the logit gradient written over the logits
     dh_c = z W ;  dW += z^T h_c                 two matmuls, then the chunk's buffer is reused
 backward only scales the stored dh, dW by the incoming gradient (the loss is the graph's end in training).
@@ -24,29 +24,33 @@ from kernels.backend import HAS_TRITON, maybe_compiled, next_pow2, tl, triton, u
 
 if HAS_TRITON:
     @triton.jit
-    def _ce_grad_rows(Z, T, Loss, V, stride, inv_n, ignore_index, BLOCK_V: tl.constexpr):
-        """Row r of Z: Loss[r] = lse - z[t]; Z[r] <- (softmax - onehot(t)) * inv_n, in place."""
-        row = tl.program_id(0)
-        z_row = Z + row.to(tl.int64) * stride
-        t = tl.load(T + row)
-        m = float("-inf")
-        s = 0.0
+    def _ce_grad_rows(Z, T, Loss, M, V, stride, inv_n, ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Rows r of Z (ROWS per program): Loss[r] = lse - z[t]; Z[r] <- (softmax - onehot(t)) * inv_n, in place."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = rows < M
+        z_rows = Z + rows.to(tl.int64)[:, None] * stride
+        t = tl.load(T + rows, mask=live, other=ignore_index)
+        m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        s = tl.zeros([ROWS], dtype=tl.float32)
         for v0 in range(0, V, BLOCK_V):         # pass 1: online max and sum of exponentials
             cols = v0 + tl.arange(0, BLOCK_V)
-            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            z = tl.load(z_rows + cols[None, :], mask=live[:, None] & (cols[None, :] < V),
+                        other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            m_new = tl.where(live, m_new, 0.0)  # rows past the end stay finite (they are never stored)
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
             m = m_new
-        lse = m + tl.log(s)
-        valid = t != ignore_index
-        z_t = tl.load(z_row + t, mask=valid, other=0.0).to(tl.float32)
-        tl.store(Loss + row, tl.where(valid, lse - z_t, 0.0))
+        lse = m + tl.log(tl.where(live, s, 1.0))
+        valid = live & (t != ignore_index)
+        z_t = tl.load(Z + rows.to(tl.int64) * stride + t, mask=valid, other=0.0).to(tl.float32)
+        tl.store(Loss + rows, tl.where(valid, lse - z_t, 0.0), mask=live)
         scale = tl.where(valid, inv_n, 0.0)
         for v0 in range(0, V, BLOCK_V):         # pass 2: the gradient, written over the logits
             cols = v0 + tl.arange(0, BLOCK_V)
-            z = tl.load(z_row + cols, mask=cols < V, other=0.0).to(tl.float32)
-            g = (tl.exp(z - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
-            tl.store(z_row + cols, g.to(Z.dtype.element_ty), mask=cols < V)
+            mask = live[:, None] & (cols[None, :] < V)
+            z = tl.load(z_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            g = (tl.exp(z - lse[:, None]) - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)) * scale[:, None]
+            tl.store(z_rows + cols[None, :], g.to(Z.dtype.element_ty), mask=mask)
 
 
 def _at_least_fp32(z):
@@ -68,8 +72,10 @@ def _ce_grad_(z, targets, inv_n, ignore_index, backend):
     """Per-row losses; z is overwritten with the logit gradient."""
     if use_triton(z, backend):
         loss = torch.empty(z.shape[0], device=z.device, dtype=torch.float32)
-        _ce_grad_rows[(z.shape[0],)](z, targets, loss, z.shape[1], z.stride(0), inv_n, ignore_index,
-                                     BLOCK_V=min(4096 if z.is_cuda else 64, next_pow2(z.shape[1])))
+        M, V = z.shape
+        R = 1 if z.is_cuda else 16        # rows per program: the interpreter pays per program
+        _ce_grad_rows[(cdiv(M, R),)](z, targets, loss, M, V, z.stride(0), inv_n, ignore_index,
+                                     ROWS=R, BLOCK_V=min(4096 if z.is_cuda else 64, next_pow2(V)))
         return loss
     loss, g = maybe_compiled(ce_grad_reference, backend)(z, targets, inv_n, ignore_index)
     z.copy_(g)
