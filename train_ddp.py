@@ -1,0 +1,294 @@
+"""
+train_ddp.py: data parallelism written by hand, over train_single.py. Every rank holds the whole model, runs
+its own slice of the global batch, and the gradients are averaged across ranks before the optimizer step.
+
+    torchrun --nproc_per_node 2 train_ddp.py                          # bucketed, overlapped all-reduce
+    torchrun --nproc_per_node 4 train_ddp.py --ddp_mode naive         # one blocking all-reduce per tensor
+    torchrun --nproc_per_node 2 train_ddp.py --ddp_mode bucket --bucket_mb 1 --global_batch_size 32
+
+The three --ddp_mode values are the three steps of the classic optimization (switchable to measure each):
+
+    naive    backward ................................ | AR p1 | AR p2 | ... | AR pk |  step
+    overlap  backward [AR pk] [AR pk-1] ... (async, launched as each grad is final)   | wait | step
+    bucket   backward [AR bucket 0 ] [AR bucket 1 ] ...  (few large messages, grads are views of them)
+
+Gradient accumulation: only the last micro-step of an optimizer step synchronizes (the `no_sync` idea);
+the decision is made *before* that micro-step's forward, so hooks know whether to communicate.
+    global_batch_size = micro_batch_size * grad_acc * dp
+
+Communication per optimizer step (DESIGN's ring convention), P parameters of b bytes, n ranks:
+    comm_bytes = 2 (n-1)/n * P * b              in every mode, independent of grad_acc
+"""
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from comm import COMM, all_reduce, init_distributed, world_size_from_env
+from config import check, fail, grad_accum_steps, parse_config
+from metrics import MetricsLogger
+from model import GPT, flops_per_token
+from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
+                          print_sample, resolve_dtype, save_training_state, should_save)
+
+MODES = ("naive", "overlap", "bucket")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building blocks (train_zero.py and train_5d.py import these)
+
+def assign_buckets(params, bucket_bytes):
+    """Split `params` (in the order gradients are expected) into consecutive groups of at most
+    bucket_bytes; a parameter larger than that gets a bucket of its own."""
+    buckets, current, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class GradBucket:
+    """Consecutive parameters whose gradients live in one flat buffer, padded to a multiple of `pad_to`
+    (ZeRO shards a bucket n ways). `pending` counts gradients not yet final in this backward."""
+
+    def __init__(self, params, pad_to=1):
+        self.params = params
+        self.offsets, total = [], 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.padded_numel = -(-total // pad_to) * pad_to
+        self.buffer = None
+        self.work = None
+        self.pending = len(params)
+
+    def allocate(self):
+        p = self.params[0]
+        self.buffer = torch.zeros(self.padded_numel, dtype=p.dtype, device=p.device)
+
+    def view(self, i):
+        """The slice of the flat buffer that holds parameter i's gradient, shaped like the parameter."""
+        p = self.params[i]
+        return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+
+    def attach_grads(self):
+        """Make every param.grad a view into the buffer: autograd then accumulates straight into it."""
+        for i, p in enumerate(self.params):
+            p.grad = self.view(i)
+
+
+class DataParallelGrads:
+    """Averages the gradients of `params` over `group` (the building block; not a module wrapper).
+
+    Use: `require_sync(flag)` before each micro-step's forward, `finish()` after the last backward (waits
+    for the in-flight reductions and averages), then the optimizer step, then `zero_grad()`.
+    Subclasses (ZeRO) change what a ready bucket does by overriding `launch` and `complete`."""
+
+    def __init__(self, params, group, mode="bucket", bucket_mb=25.0, pad_to=1, attach=True):
+        assert mode in MODES, mode
+        self.params = [p for p in params if p.requires_grad]
+        self.group, self.mode = group, mode
+        self.n = dist.get_world_size(group)
+        self.sync = True
+        self.buckets = []
+        if mode == "bucket":
+            # backward produces gradients roughly in reverse order of use: last layers' buckets fill first
+            order = list(reversed(self.params))
+            self.buckets = [GradBucket(ps, pad_to) for ps in assign_buckets(order, bucket_mb * 2 ** 20)]
+            self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+            if attach:
+                for b in self.buckets:
+                    b.allocate()
+                    b.attach_grads()
+        self.next_bucket = 0             # buckets launch in index order: the same order on every rank
+        self.param_works = []
+        if mode in ("overlap", "bucket"):
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def require_sync(self, flag):
+        """Decide, before a micro-step's forward, whether its backward communicates (False = no_sync)."""
+        self.sync = flag
+
+    def _grad_ready(self, p):
+        """Called by autograd the moment p.grad holds this backward's full gradient."""
+        if not self.sync or self.n == 1:
+            return
+        if self.mode == "overlap":
+            self.param_works.append(all_reduce(p.grad, group=self.group, async_op=True))
+            return
+        bucket, i = self.bucket_of[id(p)]
+        self.grad_landed(bucket, i, p)
+        bucket.pending -= 1
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
+            self.launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
+
+    def grad_landed(self, bucket, i, p):
+        """Hook for subclasses: p's gradient is final (DDP: it already sits in the bucket)."""
+
+    def launch(self, bucket):
+        bucket.work = all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def complete(self, bucket):
+        bucket.work.wait()
+        bucket.work = None
+        bucket.buffer.div_(self.n)        # sum -> mean over ranks
+
+    def finish(self):
+        """Wait for every reduction of this step and average; after it, gradients are identical on all ranks."""
+        if self.n == 1:
+            return
+        if self.mode == "naive":
+            for p in self.params:
+                all_reduce(p.grad, group=self.group)
+                p.grad.div_(self.n)
+        elif self.mode == "overlap":
+            for work in self.param_works:
+                work.wait()
+            self.param_works = []
+            for p in self.params:
+                p.grad.div_(self.n)
+        else:
+            while self.next_bucket < len(self.buckets):      # parameters that got no gradient this step
+                self.launch(self.buckets[self.next_bucket])
+                self.next_bucket += 1
+            for b in self.buckets:
+                self.complete(b)
+                b.pending = len(b.params)
+            self.next_bucket = 0
+
+    def grads(self):
+        """The gradient tensors to clip and measure (the flat buffers in bucket mode: fewer, larger ops)."""
+        if self.mode == "bucket":
+            return [b.buffer for b in self.buckets]
+        return [p.grad for p in self.params]
+
+    def zero_grad(self):
+        if self.mode == "bucket":
+            for b in self.buckets:
+                b.buffer.zero_()          # keep the buffers: param.grad are views of them
+        else:
+            for p in self.params:
+                p.grad = None
+
+
+class ReplicaMismatch(ValueError):
+    """Ranks that should hold identical weights do not."""
+
+
+@torch.no_grad()
+def check_replicas_agree(params, group):
+    """Cheap start-up check that every rank built the same weights: an exact integer checksum of the bits
+    of every parameter, compared across `group` with one all-reduce of [c, -c] under MAX."""
+    checksum = torch.zeros((), dtype=torch.int64)
+    for i, p in enumerate(params):
+        bits = p.detach().reshape(-1).view({8: torch.int64, 4: torch.int32, 2: torch.int16}[p.element_size()])
+        checksum += (i + 1) * bits.to(torch.int64).sum().cpu()   # integer sums: exact in any order
+    t = torch.stack([checksum, -checksum]).to(params[0].device)
+    all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if int(t[0]) != -int(t[1]):
+        raise ReplicaMismatch(f"model replicas differ across ranks at start-up (weight checksums range "
+                              f"{-int(t[1])}..{int(t[0])}): same --seed and code on every rank?")
+
+
+def mean_over_group(value, group):
+    """Mean of a scalar over the group (for logging the global-batch loss)."""
+    t = value.detach().float().reshape(1).clone()
+    all_reduce(t, group=group)
+    return float(t) / dist.get_world_size(group)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def add_args(parser):
+    parser.add_argument("--ddp_mode", default="bucket", choices=MODES,
+                        help="naive: all-reduce each gradient after backward; overlap: async all-reduce from "
+                             "a hook as each gradient is final; bucket: flat buckets of --bucket_mb")
+
+
+def validate(cfg):
+    dp = world_size_from_env()
+    check(grad_accum_steps(cfg, dp) > 0, "empty batch")
+    check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
+
+
+def main(argv=None):
+    cfg = parse_config(argv, techniques=("bucket_mb",), description=__doc__.split("\n\n")[0],
+                       extra_args=add_args, validate=validate)
+    env = init_distributed(cfg)
+    group, dp = dist.group.WORLD, env.world_size
+    grad_acc = grad_accum_steps(cfg, dp)
+    if dp == 1 and env.is_main:
+        print("warning: world size 1: there is nothing to average; this is train_single.py with extra "
+              "steps (launch with torchrun --nproc_per_node N)", file=sys.stderr, flush=True)
+    loader = prepare_data(cfg, env)
+    dtype = resolve_dtype(cfg, env.device)
+
+    model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device)
+    try:
+        check_replicas_agree(list(model.parameters()), group)
+    except ReplicaMismatch as e:
+        fail(str(e))
+    optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
+    scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
+    torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
+    start = load_training_state(cfg, model, optimizer) if cfg.resume else 0
+    grads = DataParallelGrads(model.parameters(), group, cfg.ddp_mode, cfg.bucket_mb)
+    train_model = torch.compile(model) if cfg.compile else model
+    amp = autocast_context(dtype, env.device)
+    last_step = cfg.stop_step or cfg.max_steps
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=dp,
+                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    if env.is_main:
+        print(f"train_ddp: dp {dp}, mode {cfg.ddp_mode}, {len(grads.buckets)} buckets, grad_acc {grad_acc}, "
+              f"{dtype}, {env.device}, steps {start}..{last_step - 1}", flush=True)
+
+    for step in range(start, last_step):
+        t0 = time.perf_counter()
+        COMM.reset()
+        lr = lr_at(step, cfg)
+        set_lr(optimizer, lr)
+        loss_sum = 0.0
+        for micro in range(grad_acc):
+            grads.require_sync(micro == grad_acc - 1)      # no_sync on all but the last micro-step
+            x, y = loader.micro_batch(step, micro, cfg.micro_batch_size, env.rank, dp)
+            with amp:
+                _, loss = train_model(x, y)
+            scaler.scale(loss / grad_acc).backward()       # bucket hooks fire during this call
+            loss_sum += loss.detach()
+        grads.finish()                                     # wait for the all-reduces, divide by dp
+        comm_bytes, calls = COMM.bytes_sent, COMM.calls["all_reduce"]   # gradient traffic of this step
+        scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(grads.grads(), cfg.grad_clip)   # replicated grads: no group needed
+        scaler.step(optimizer)
+        scaler.update()
+        grads.zero_grad()
+        loss_value = mean_over_group(loss_sum / grad_acc, group)   # logging only, not in comm_bytes
+        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
+                        comm_calls=calls)
+
+        if env.is_main and cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
+            model.eval()
+            with amp:
+                val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
+            model.train()
+            logger.log_eval(step, val)
+        if env.is_main and should_save(cfg, step, last_step):
+            save_training_state(cfg, model, optimizer, step + 1)   # replicas agree: rank 0 saves for all
+    logger.close()
+    print_sample(model, loader, cfg, env)
+    return dict(model=model, cfg=cfg, grads=grads)
+
+
+if __name__ == "__main__":
+    main()
