@@ -31,9 +31,17 @@ if HAS_TRITON:
                        other=0.0)
 
     @triton.jit
-    def _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+        """a @ b with fp32 accumulation. UPCAST (CPU interpreter only, whose bf16 dot is wrong): compute on
+        the fp32 copies, which is exact for 16-bit inputs, as the tensor cores' products are."""
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        return tl.dot(a, b, input_precision=PREC)
+
+    @triton.jit
+    def _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
         """p = exp(q k^T * scale - lse), zero where masked: the probabilities rebuilt in backward."""
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale
         valid = (rows[:, None] < Tq) & (cols[None, :] < Tk)
         if CAUSAL:
             valid = valid & (cols[None, :] <= rows[:, None])
@@ -42,7 +50,7 @@ if HAS_TRITON:
     @triton.jit
     def _attn_fwd(Q, K, V, O, LSE, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, H, Tq, Tk, D, scale,
                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PREC: tl.constexpr):
+                  PREC: tl.constexpr, UPCAST: tl.constexpr):
         pid_m, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -56,7 +64,7 @@ if HAS_TRITON:
             cols = start_n + tl.arange(0, BLOCK_N)
             k = _tile(K + b * skb + h * skh, cols, d, Tk, D, skt)
             v = _tile(V + b * svb + h * svh, cols, d, Tk, D, svt)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            s = _dot(q, tl.trans(k), PREC, UPCAST) * scale
             valid = cols[None, :] < Tk
             if CAUSAL:
                 valid = valid & (cols[None, :] <= rows[:, None])
@@ -65,7 +73,7 @@ if HAS_TRITON:
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
             m_i = m_new
         o = acc / l_i[:, None]
         tl.store(O + bh * Tq * D + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty),
@@ -75,7 +83,7 @@ if HAS_TRITON:
     @triton.jit
     def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
                        H, Tq, Tk, D, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+                       BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
         pid_n, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,11 +99,11 @@ if HAS_TRITON:
             do = _tile(DO + bh * Tq * D, rows, d, Tq, D, D)
             lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
             delta = tl.load(Delta + bh * Tq + rows, mask=rows < Tq, other=0.0)
-            p = _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PREC)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            p = _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PREC, UPCAST)
+            dv += _dot(tl.trans(p.to(do.dtype)), do, PREC, UPCAST)
+            dp = _dot(do, tl.trans(v), PREC, UPCAST)
             ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, PREC, UPCAST)
         out = bh * Tk * D + cols[:, None] * D + d[None, :]
         m = (cols[:, None] < Tk) & (d[None, :] < D)
         tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=m)
@@ -104,7 +112,7 @@ if HAS_TRITON:
     @triton.jit
     def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
                      H, Tq, Tk, D, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+                     BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
         pid_m, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -119,9 +127,9 @@ if HAS_TRITON:
             cols = start_n + tl.arange(0, BLOCK_N)
             k = _tile(K + b * skb + h * skh, cols, d, Tk, D, skt)
             v = _tile(V + b * svb + h * svh, cols, d, Tk, D, svt)
-            p = _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PREC)
-            ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+            p = _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PREC, UPCAST)
+            ds = p * (_dot(do, tl.trans(v), PREC, UPCAST) - delta[:, None])
+            dq += _dot(ds.to(k.dtype), k, PREC, UPCAST)
         tl.store(DQ + bh * Tq * D + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=(rows[:, None] < Tq) & (d[None, :] < D))
 
@@ -131,7 +139,8 @@ def _launch_args(q, k, v):
     B, H, Tq, D = q.shape
     BLOCK = 64 if q.is_cuda else 16                          # small tiles keep the CPU interpreter quick
     meta = dict(BLOCK_M=BLOCK, BLOCK_N=BLOCK if D <= 64 else BLOCK // 2, BLOCK_D=max(16, next_pow2(D)),
-                PREC="ieee" if q.dtype == torch.float32 else "tf32")    # fp32 stays fp32 (no TF32 rounding)
+                PREC="ieee" if q.dtype == torch.float32 else "tf32",    # fp32 stays fp32 (no TF32 rounding)
+                UPCAST=not q.is_cuda)
     strides = [s for t in (q, k, v) for s in t.stride()[:3]]
     return strides, (H, Tq, k.shape[2], D, 1.0 / math.sqrt(D)), meta
 
