@@ -29,6 +29,7 @@ from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpo
 from comm import COMM, init_distributed
 from config import check, fail, grad_accum_steps, parse_config, config_dict
 from data import GlobalBatchLoader, ensure_dataset
+from kernels import apply_kernels
 from metrics import MetricsLogger
 from model import GPT, GPTConfig, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
@@ -162,6 +163,10 @@ def main(argv=None):
     dtype = resolve_dtype(cfg, env.device)
 
     model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device)
+    try:
+        apply_kernels(model, cfg.kernels)            # --kernels: fused modules swapped in, same parameters
+    except ValueError as e:
+        fail(str(e))
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     torch.manual_seed(cfg.seed)                      # dropout stream, identical in every run with this seed
