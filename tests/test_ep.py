@@ -107,3 +107,100 @@ def check_dispatch_case(world, n_experts, top_k, dtype, idle, capacity, results)
         assert (r["kept"] < r["routed"]) == (capacity > 0)
     if idle == [2, 3]:
         assert results[1]["received"] == 0 and results[0]["received"] > 0   # the empty exchange was exercised
+
+
+# ----------------------------------------------------------------------------------------------------------
+# training parity with train_single.py --n_experts, and the counted quantities of a training step
+
+MICRO = 2     # global batch 8: grad_acc 4 on one device, 2 at world 2, 1 at world 4 (same micro-batches)
+
+
+def _train_ep_runs(rank, world, runs):
+    """Several train_ep.main configurations in one process group; each rank returns its parameters
+    (rank 0 all of its own, the others only their experts)."""
+    import train_ep
+    out = []
+    for argv in runs:
+        model = train_ep.main(argv)["model"]
+        out.append(_to_numpy({n: p.detach() for n, p in model.named_parameters()
+                              if rank == 0 or ".experts." in n}))
+    return out
+
+
+def _argv(data, out, **kw):
+    return tiny_argv(data, out, micro_batch_size=MICRO, **kw)
+
+
+
+def _expert_numel(h):
+    return 8 * h * h + 5 * h
+
+
+def check_counts(rows, world, ep, n_experts, n_moe, a2a_per_micro=None, h=32, dense_numel=None,
+                 local_expert_numel=None):
+    """DESIGN's byte convention, per optimizer step on rank 0."""
+    grad_acc = 8 // (MICRO * world)
+    replicas = world // ep
+    grad_bytes = 2 * (world - 1) / world * dense_numel * 4
+    if replicas > 1:
+        grad_bytes += 2 * (replicas - 1) / replicas * local_expert_numel * 4
+    for row in rows:
+        assert row["counts_bytes"] == n_moe * grad_acc * (ep - 1) * n_experts * 8
+        assert row["grad_bytes"] == pytest.approx(grad_bytes, rel=1e-12)
+        assert row["param_bytes"] == (dense_numel + local_expert_numel) * 4
+        assert row["comm_bytes"] == pytest.approx(row["a2a_bytes"] + row["counts_bytes"] + row["grad_bytes"])
+        if a2a_per_micro is not None:
+            assert row["a2a_bytes"] == n_moe * grad_acc * a2a_per_micro
+
+
+@pytest.mark.parametrize("world,runs", [
+    # (ep, n_experts, top_k, extra model flags, steps)
+    (2, [(2, 4, 1, {}, 20), (2, 4, 2, dict(capacity_factor=1.0, moe_every=2), 10), (2, 2, 2, {}, 3)]),
+    (4, [(4, 8, 2, {}, 20), (2, 4, 1, {}, 20)]),      # the second: two EP groups, each expert on 2 ranks
+])
+def test_ep_reproduces_single_device_moe(tiny_data, tmp_path, world, runs):
+    from model import GPTConfig, num_params
+    argvs = [_argv(tiny_data, str(tmp_path / f"ep{i}"), n_experts=E, top_k=k, max_steps=steps, ep=ep, **kw)
+             for i, (ep, E, k, kw, steps) in enumerate(runs)]
+    results = run_workers(_train_ep_runs, world, args=(argvs,), timeout=600)
+    for i, (ep, E, k, kw, steps) in enumerate(runs):
+        ref_losses, ref_state = run_single(_argv(tiny_data, str(tmp_path / f"single{i}"), n_experts=E, top_k=k,
+                                                 max_steps=steps, **kw))
+        ref_rows, rows = read_metrics(str(tmp_path / f"single{i}")), read_metrics(str(tmp_path / f"ep{i}"))
+        assert_same_losses(ref_losses, [r["loss"] for r in rows])
+        # the full model: dense weights from rank 0, each expert from the rank of EP group 0 that owns it
+        got = {n: torch.from_numpy(a) for r in results[:ep] for n, a in r[i].items()}
+        assert_same_weights(ref_state, got)
+        for replica in range(ep, world):         # the other EP groups hold identical copies of the experts
+            for n, a in results[replica][i].items():
+                torch.testing.assert_close(torch.from_numpy(a), got[n], rtol=0, atol=0)
+        for a, b in zip(ref_rows, rows):         # router statistics of the whole global batch
+            for key in ("tokens_per_expert_min", "tokens_per_expert_max", "dropped_tokens"):
+                assert a[key] == b[key], (key, a[key], b[key])
+            assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-5)
+        if kw.get("capacity_factor"):
+            assert sum(r["dropped_tokens"] for r in rows) > 0, "the capacity case should drop something"
+        cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=32, n_experts=E, top_k=k,
+                        moe_every=kw.get("moe_every", 1))
+        n_moe = sum(cfg.is_moe_block(b) for b in range(cfg.n_layer))
+        local = n_moe * (E // ep) * _expert_numel(32)
+        dense = num_params(cfg) - n_moe * E * _expert_numel(32)
+        # top_k = E: every token visits every expert, so the routed rows are known in advance:
+        # S = N (E - E/ep) rows sent away, R = (ep - 1) N E/ep rows received, N tokens per micro-batch
+        N = MICRO * 16
+        a2a = 2 * (N * (E - E // ep) + (ep - 1) * N * E // ep) * 32 * 4 if k == E else None
+        check_counts(rows, world, ep, E, n_moe, a2a, dense_numel=dense, local_expert_numel=local)
+
+
+def test_bad_input_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys):
+    import train_ep
+    monkeypatch.setenv("WORLD_SIZE", "2")             # validated before any process group exists
+    for flags, message in [(dict(ep=2, n_experts=3), "not divisible by --ep"),
+                           (dict(ep=2, n_experts=4, top_k=5), "--top_k 5 must be between 1 and --n_experts 4"),
+                           (dict(ep=4, n_experts=4), "world size 2 is not divisible by --ep 4"),
+                           (dict(ep=2, n_experts=0), "needs --n_experts > 0")]:
+        with pytest.raises(SystemExit) as e:
+            train_ep.main(tiny_argv(tiny_data, str(tmp_path), **flags))
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
