@@ -1,0 +1,130 @@
+"""train_pp.py on gloo: every schedule reproduces train_single.py (losses and final weights), schedules with
+the same arithmetic agree bit for bit, the tied embedding's two copies stay identical, and the bytes each rank
+sends equal m activations forward and m gradients back per stage boundary, exactly."""
+import numpy as np
+import pytest
+import torch
+
+from distributed_helper import run_workers
+from metrics import read_metrics
+from train_helpers import assert_same_losses, assert_same_weights, run_single, tiny_argv
+
+H, T, VOCAB_PADDED = 32, 16, 64          # tiny_argv's n_embd and block_size; the tiny dataset's vocab (64)
+
+
+def _pp_runs(rank, world_size, runs):
+    """Several train_pp.main configurations in one process group; per run: rank's bytes, and on rank 0 the
+    gathered full weights and the metrics rows. Tensors travel as numpy (by value)."""
+    import train_pp
+    out = []
+    for argv in runs:
+        r = train_pp.main(argv)
+        v = r["cfg"].pp_virtual
+        full = train_pp.gather_full_state(r["chunks"], r["gcfg"], r["group"], v, torch.device("cpu"))
+        tied = {n: p.detach().numpy().copy() for n, p in r["chunks"].named_parameters()
+                if n.endswith(("wte.weight", "lm_head.weight"))}
+        out.append(dict(p2p=r["p2p_bytes"], comm=r["comm_bytes"], tied=tied, idle=r["idle"],
+                        full=None if full is None else {n: t.numpy().copy() for n, t in full.items()},
+                        rows=read_metrics(r["cfg"].out_dir) if rank == 0 else None))
+    return out
+
+
+def _expected_bytes(rank, p, v, m, micro):
+    """Point-to-point bytes of one step: m activations (fp32, micro*T*h) out of every stage but the last,
+    m gradients out of every stage but the first."""
+    boundaries = 2 * v - (rank == 0) - (rank == p - 1)
+    return m * micro * T * H * 4 * boundaries
+
+
+def _expected_total(rank, p, v, m, micro):
+    """Plus the step's three collectives: the tied embedding's gradient all-reduce between first and last
+    rank (2 ranks: S), the squared grad norm all-reduce (2(p-1)/p * 4 bytes) and the loss broadcast."""
+    tied = VOCAB_PADDED * H * 4 if rank in (0, p - 1) else 0
+    return _expected_bytes(rank, p, v, m, micro) + tied + 2 * (p - 1) / p * 4 + (p - 1) / p * 4
+
+
+def _check_against_single(tmp_path, tiny_data, world, cases):
+    """cases: [(name, overrides)]; runs them all on `world` ranks, checks each against train_single."""
+    runs = [tiny_argv(tiny_data, str(tmp_path / name), pp=world, **kw) for name, kw in cases]
+    results = run_workers(_pp_runs, world, args=(runs,), timeout=600)
+    refs = {}
+    for i, (name, kw) in enumerate(cases):
+        key = tuple(sorted((k, v) for k, v in kw.items() if k in ("n_layer", "global_batch_size",
+                                                                    "micro_batch_size", "grad_clip")))
+        if key not in refs:
+            single_kw = dict(key)
+            refs[key] = run_single(tiny_argv(tiny_data, str(tmp_path / f"single{len(refs)}"), **single_kw))
+        ref_losses, ref_state = refs[key]
+        per_rank = [r[i] for r in results]
+        rows = per_rank[0]["rows"]
+        assert_same_losses(ref_losses, [row["loss"] for row in rows])
+        assert_same_weights(ref_state, {n: torch.from_numpy(a) for n, a in per_rank[0]["full"].items()})
+        # counted bytes: exactly theory, on every rank, and in every metrics row of rank 0
+        v = kw.get("pp_virtual", 1)
+        micro = kw.get("micro_batch_size", 4)
+        m = kw.get("global_batch_size", 8) // micro
+        for r, res in enumerate(per_rank):
+            assert res["p2p"] == _expected_bytes(r, world, v, m, micro), (name, r, res["p2p"])
+            assert res["comm"] == pytest.approx(_expected_total(r, world, v, m, micro), rel=1e-12), (name, r)
+        assert all(row["p2p_bytes"] == _expected_bytes(0, world, v, m, micro) for row in rows)
+        # the tied embedding: the copy on the last stage is bit-identical to the first stage's
+        first = [a for n, a in per_rank[0]["tied"].items() if n.endswith("wte.weight")][0]
+        last = [a for n, a in per_rank[-1]["tied"].items() if n.endswith(("lm_head.weight", "wte.weight"))][-1]
+        np.testing.assert_array_equal(first, last)
+        print(f"{name}: measured idle per rank {[round(x, 3) for x in per_rank[0]['idle']]}, "
+              f"simulated {rows[-1]['bubble_sim']:.3f}")
+    return {name: [row["loss"] for row in r["rows"]] for (name, _), r in zip(cases, results[0])}
+
+
+def test_pp2_every_schedule_matches_single(tmp_path, tiny_data):
+    cases = [
+        ("afab_m2", dict(pp_schedule="afab")),
+        ("1f1b_m2", dict(pp_schedule="1f1b")),
+        ("zb1_m2", dict(pp_schedule="zb1")),
+        ("1f1b_m4", dict(pp_schedule="1f1b", micro_batch_size=2)),
+        ("zb1_m4", dict(pp_schedule="zb1", micro_batch_size=2)),
+        ("afab_m3", dict(pp_schedule="afab", global_batch_size=6, micro_batch_size=2)),
+        ("1f1b_m3", dict(pp_schedule="1f1b", global_batch_size=6, micro_batch_size=2)),
+        ("zb1_m3", dict(pp_schedule="zb1", global_batch_size=6, micro_batch_size=2)),
+        # without clipping: the global norm sums per-rank partial norms, whose rounding depends on the split
+        ("1f1b_L4", dict(pp_schedule="1f1b", n_layer=4, grad_clip=0.0)),
+        ("interleaved_m2", dict(pp_schedule="interleaved", pp_virtual=2, n_layer=4, grad_clip=0.0)),
+        ("interleaved_m4", dict(pp_schedule="interleaved", pp_virtual=2, n_layer=4, micro_batch_size=2)),
+    ]
+    losses = _check_against_single(tmp_path, tiny_data, 2, cases)
+    # the same arithmetic in a different order of work: bit-identical fp32 losses
+    assert losses["afab_m2"] == losses["1f1b_m2"]
+    assert losses["afab_m3"] == losses["1f1b_m3"]
+    assert losses["interleaved_m2"] == losses["1f1b_L4"]
+
+
+def test_pp4_schedules_match_single(tmp_path, tiny_data):
+    cases = [
+        ("1f1b_m4", dict(pp_schedule="1f1b", n_layer=4, micro_batch_size=2)),
+        ("zb1_m5", dict(pp_schedule="zb1", n_layer=4, global_batch_size=10, micro_batch_size=2)),
+        ("afab_m4", dict(pp_schedule="afab", n_layer=4, micro_batch_size=2)),
+        ("interleaved_m4", dict(pp_schedule="interleaved", pp_virtual=2, n_layer=8, micro_batch_size=2)),
+    ]
+    losses = _check_against_single(tmp_path, tiny_data, 4, cases)
+    assert losses["afab_m4"] == losses["1f1b_m4"]
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (dict(pp=2, n_layer=3), 2, "does not split evenly"),
+    (dict(pp=2, n_layer=1), 2, "fewer than pp*pp_virtual"),
+    (dict(pp=4, n_layer=4, pp_schedule="1f1b"), 4, "at least as many micro-batches"),
+    (dict(pp=2, pp_schedule="interleaved", pp_virtual=1), 2, "needs --pp_virtual >= 2"),
+    (dict(pp=2, pp_schedule="interleaved", pp_virtual=2, n_layer=4, global_batch_size=12), 2, "divisible by --pp"),
+    (dict(pp=2, pp_virtual=2, n_layer=4), 2, "applies only to --pp_schedule interleaved"),
+    (dict(pp=2, global_batch_size=10), 2, "not divisible by micro_batch_size"),
+    (dict(pp=2, n_microbatches=3), 2, "not divisible by --n_microbatches"),
+    (dict(pp=2), 4, "must equal the world size"),
+])
+def test_bad_input_is_one_clear_error(tmp_path, tiny_data, monkeypatch, capsys, overrides, world, message):
+    import train_pp
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as e:
+        train_pp.main(tiny_argv(tiny_data, str(tmp_path), **overrides))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and err.count("\n") == 1, err

@@ -1,0 +1,464 @@
+"""
+train_pp.py: pipeline parallelism over train_single.py. The GPT is cut into contiguous stages of blocks, one
+per rank (or V per rank, interleaved); micro-batches flow forward through the stages and their gradients
+flow back, activations and gradients crossing stage boundaries by point-to-point send/recv.
+
+    torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule 1f1b --n_microbatches 8
+    torchrun --nproc_per_node 2 train_pp.py --pp 2 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
+    python pipeline_schedules.py --pp 4 --n_microbatches 8 --schedule zb1     # just print a schedule
+
+Stage s of S = p*V holds blocks [s*L/S, (s+1)*L/S); stage 0 also embeds, stage S-1 also applies ln_f and
+the LM head with its loss. Stage s lives on rank s % p (chunk s // p). The tied embedding weight is a copy
+on the first and on the last stage, kept equal by all-reducing its gradient between the two.
+
+Schedules (pipeline_schedules.py has the action lists, the simulator and the pictures), idle share of a step
+with F = B = W:  afab (GPipe) and 1f1b (p-1)/(m+p-1); interleaved (p-1)/(V*m+p-1); zb1 (ZB-H1, backward split
+into input-gradient B and weight-gradient W, the Ws filling the bubbles) bubble (p-1)(F+B-W).
+Each stage boundary carries m activations forward and m gradients back per step: a rank sends
+m * b*T*h * 4 bytes * (2V - [first rank] - [last rank]).
+
+Loss scaling: the last stage backpropagates loss / m, so gradients equal train_single's for the same global
+batch. Tokens are read by the first and last stage from the deterministic loader, never sent.
+Dropout draws from each rank's own RNG stream, so runs with --dropout > 0 do not match train_single bit for bit.
+"""
+import time
+from collections import deque
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import comm
+from comm import COMM, init_distributed, world_size_from_env
+from config import check, parse_config
+from metrics import MetricsLogger
+from model import GPT, Block, LMHead, flops_per_token, init_parameter, rope_cache
+from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from pipeline_schedules import make_schedule, message_order, recvs_of, render, sends_of, simulate, stage_of
+from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
+                          print_sample, resolve_dtype, save_training_state, should_save)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# stages: contiguous slices of model.py's GPT, with the same parameter names
+
+def layer_split(n_layer, n_stages):
+    """Blocks of each stage; with an uneven split (--pp_uneven) the first n_layer % S stages get one more."""
+    sizes = [n_layer // n_stages + (s < n_layer % n_stages) for s in range(n_stages)]
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+class PipelineStage(nn.Module):
+    """Blocks `layers` of the GPT; the first stage embeds tokens, the last one returns the mean loss.
+    Parameter names are the GPT's (transformer.h.5.attn.c_attn.weight ...), except the last stage's copy of
+    the tied embedding, lm_head.weight."""
+
+    def __init__(self, gcfg, layers, first, last):
+        super().__init__()
+        self.cfg, self.first, self.last = gcfg, first, last
+        self.transformer = nn.ModuleDict()
+        if first:
+            self.transformer["wte"] = nn.Embedding(gcfg.padded_vocab_size, gcfg.n_embd)
+            self.transformer["drop"] = nn.Dropout(gcfg.dropout)
+        self.transformer["h"] = nn.ModuleDict({str(i): Block(gcfg) for i in layers})
+        if last:
+            self.transformer["ln_f"] = nn.LayerNorm(gcfg.n_embd)
+            # one stage model: the head shares wte as in GPT; else it owns a copy (synced by sync_tied_grads)
+            self.lm_head = LMHead(self.transformer["wte"] if first
+                                  else nn.Embedding(gcfg.padded_vocab_size, gcfg.n_embd))
+
+    def forward(self, x, targets=None):
+        """x: token ids [b, T] on the first stage, else the previous stage's activations [b, T, h]."""
+        T = x.shape[1]
+        cos, sin = rope_cache(self.cfg.n_embd // self.cfg.n_head, torch.arange(T, device=x.device),
+                              self.cfg.rope_base)
+        if self.first:
+            x = self.transformer["drop"](self.transformer["wte"](x))
+        for block in self.transformer["h"].values():
+            if self.cfg.recompute == "full" and self.training:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        if self.last:
+            return self.lm_head(self.transformer["ln_f"](x), targets)[1]
+        return x
+
+
+def gpt_name(name):
+    return "transformer.wte.weight" if name == "lm_head.weight" else name
+
+
+def build_stages(gcfg, rank, p, v, seed, device):
+    """This rank's V chunks (stages rank, rank+p, ...), each parameter from model.init_parameter."""
+    ranges = layer_split(gcfg.n_layer, p * v)
+    chunks = nn.ModuleList()
+    for c in range(v):
+        s = stage_of(rank, c, p)
+        chunk = PipelineStage(gcfg, ranges[s], s == 0, s == p * v - 1)
+        with torch.no_grad():
+            for name, param in chunk.named_parameters():
+                param.copy_(init_parameter(gpt_name(name), param.shape, gcfg.n_layer, seed))
+        chunks.append(chunk.to(device))
+    return chunks
+
+
+def tied_grads_sync(chunks, tied_group):
+    """Sum the tied embedding's gradient over its two copies (first and last stage) and give both the sum."""
+    params = [p for n, p in chunks.named_parameters() if n.endswith(("wte.weight", "lm_head.weight"))]
+    if not params:
+        return
+    total = sum(p.grad for p in params)
+    if tied_group is not None:
+        comm.all_reduce(total, group=tied_group)
+    for p in params:
+        p.grad = total.clone() if len(params) > 1 else total
+
+
+# ----------------------------------------------------------------------------------------------------------
+# zb1: the backward split into an input-gradient pass (B) and a deferred weight-gradient pass (W)
+
+class WeightGradStore:
+    """Linear layers stash (layer, input, output gradient) during B; W(mb) computes their dW = gy^T x."""
+
+    def __init__(self):
+        self.pending, self.saved = [], {}
+
+    def close(self, key):
+        self.saved[key], self.pending = self.pending, []
+
+    @torch.no_grad()
+    def compute(self, key):
+        for layer, x, gy in self.saved.pop(key):
+            gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1]).to(gy.dtype)
+            grads = [(layer.weight, gy2.t() @ x2)] + ([(layer.bias, gy2.sum(0))] if layer.bias is not None else [])
+            for p, g in grads:
+                p.grad = g.to(p.dtype) if p.grad is None else p.grad.add_(g.to(p.dtype))
+
+
+class _LinearInputGradOnly(torch.autograd.Function):
+    """y = x W^T + b whose backward returns only dx and leaves dW, db to the store."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, store):
+        ctx.save_for_backward(x, weight)
+        ctx.layer, ctx.store = layer, store
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        ctx.store.pending.append((ctx.layer, x, gy))
+        return (gy @ weight.to(gy.dtype)).to(x.dtype), None, None, None, None
+
+
+class DeferredWeightGradLinear(nn.Module):
+    """Drop-in for a block's nn.Linear (same parameters, same names) under the zb1 schedule."""
+
+    def __init__(self, linear, store):
+        super().__init__()
+        self.weight, self.bias, self.store = linear.weight, linear.bias, store
+
+    def forward(self, x):
+        return _LinearInputGradOnly.apply(x, self.weight, self.bias, self, self.store)
+
+
+def defer_weight_grads(module, store):
+    """Swap every nn.Linear inside `module` (the blocks' four matmuls) for DeferredWeightGradLinear."""
+    for parent in list(module.modules()):
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:
+                setattr(parent, name, DeferredWeightGradLinear(child, store))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the interpreter: runs this rank's action list with its point-to-point traffic
+
+class PipelineRunner:
+    """Runs one rank's actions of a schedule over `group` (the pipeline ranks, in stage order).
+
+    Receives are posted in the order the sender sends (known: every rank has every rank's action list), so
+    in-order matching is always right; sends wait in `pending` and go out in one batch with the next
+    receives (Megatron's send_forward_recv_backward pairing), and a sent activation's storage is freed as
+    soon as the send completes: backward needs only its autograd graph (the last op, an add, saves nothing)."""
+
+    def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None):
+        self.chunks, self.group, self.schedules, self.n_micro = chunks, group, schedules, n_micro
+        self.rank, self.p, self.v = dist.get_rank(group), dist.get_world_size(group), len(chunks)
+        self.act_shape, self.device, self.store, self.amp = act_shape, device, store, amp
+        self.peer = [dist.get_global_rank(group, r) for r in range(self.p)]
+
+    # ---- messages
+    def _new_buffer(self):
+        return torch.empty(self.act_shape, device=self.device, dtype=torch.float32)
+
+    def _exchange(self, needed):
+        """Launch pending sends with the receives needed now (and any the sender sends before them)."""
+        ops, sends, recvs = [], self.pending, []
+        for dst, _, t in sends:
+            ops.append(dist.P2POp(dist.isend, t, self.peer[dst], self.group))
+        for src, msg in needed:
+            while src != self.rank and msg not in self.posted and msg not in [r[0] for r in recvs]:
+                nxt, buf = self.expected[src].popleft(), self._new_buffer()
+                ops.append(dist.P2POp(dist.irecv, buf, self.peer[src], self.group))
+                recvs.append((nxt, buf))
+        works = comm.batch_isend_irecv(ops) if ops else []
+        per_op = len(works) == len(ops)          # gloo: one work per op; NCCL: one for the whole batch
+        work_of = (lambda i: works[i]) if per_op else (lambda i: works[0])
+        self.sending += [(work_of(i), out) for i, (_, _, out) in enumerate(sends)]
+        self.posted.update({msg: (work_of(len(sends) + i), buf) for i, (msg, buf) in enumerate(recvs)})
+        self.pending = []
+        out = []
+        for src, msg in needed:
+            if src == self.rank:
+                out.append(self.local.pop(msg))
+            else:
+                work, buf = self.posted.pop(msg)
+                work.wait()
+                out.append(buf)
+        return out
+
+    def _send(self, action, tensor):
+        for dst, msg in sends_of(action, self.rank, self.p, self.v):
+            if dst == self.rank:                 # next stage on this rank (p == 1): hand over directly
+                self.local[msg] = tensor.detach()
+            else:
+                self.pending.append((dst, msg, tensor))
+
+    def _free_sent(self, wait=False):
+        """Release the storage of sent tensors whose send completed (a forward output keeps its graph)."""
+        keep = []
+        for work, t in self.sending:
+            if wait:
+                work.wait()
+            if wait or work.is_completed():
+                t.untyped_storage().resize_(0)
+            else:
+                keep.append((work, t))
+        self.sending = keep
+
+    # ---- actions
+    def _forward(self, a, received, get_batch):
+        stage = self.chunks[a.chunk]
+        x, y = get_batch(a.mb) if (stage.first or stage.last) else (None, None)
+        inp = x if stage.first else received[0].requires_grad_()
+        with self.amp:
+            out = stage(inp, y if stage.last else None)
+        if stage.last:
+            self.loss_sum += out.detach().float()
+            out = out / self.n_micro             # mean over the global batch = mean of micro-batch means
+        else:
+            self._send(a, out.detach())
+        self.saved[(a.mb, a.chunk)] = (inp, out)
+
+    def _backward(self, a, received):
+        inp, out = self.saved.pop((a.mb, a.chunk))
+        torch.autograd.backward(out, received[0] if received else None)
+        if self.store is not None:
+            self.store.close((a.mb, a.chunk))
+        if not self.chunks[a.chunk].first:
+            self._send(a, inp.grad)
+
+    def step(self, actions, get_batch):
+        """Run one optimizer step's actions; returns the summed micro-batch losses (0 off the last stage)."""
+        self.pending, self.sending, self.posted, self.local, self.saved = [], [], {}, {}, {}
+        self.expected = {src: deque(message_order(self.schedules, src, self.rank, self.p, self.v))
+                         for src in range(self.p) if src != self.rank}
+        self.loss_sum, self.busy = torch.zeros((), device=self.device), 0.0
+        for a in actions:
+            self._free_sent()
+            received = self._exchange(recvs_of(a, self.rank, self.p, self.v))   # also flushes the sends
+            t0 = time.perf_counter()
+            if a.kind == "F":
+                self._forward(a, received, get_batch)
+            elif a.kind == "B":
+                self._backward(a, received)
+            else:
+                self.store.compute((a.mb, a.chunk))
+            self.busy += time.perf_counter() - t0     # idle = step time - busy: waits for messages
+        self._exchange([])                       # the last sends
+        self._free_sent(wait=True)
+        assert not self.saved and not self.posted and not any(self.expected.values()), "schedule left work"
+        return self.loss_sum
+
+    @torch.no_grad()
+    def forward_only_loss(self, x, y):
+        """Mean loss of one batch through all stages in order (evaluation); every rank gets it."""
+        S, loss = self.p * self.v, torch.zeros((), device=self.device)
+        for s in range(S):
+            if s % self.p != self.rank:
+                continue
+            stage = self.chunks[s // self.p]
+            if s > 0 and (s - 1) % self.p != self.rank:
+                h = torch.empty(x.shape + (self.act_shape[-1],), device=self.device)
+                comm.recv(h, self.peer[(s - 1) % self.p], group=self.group)
+            with self.amp:
+                h = stage(x if s == 0 else h, y if s == S - 1 else None).float()
+            if s == S - 1:
+                loss = h
+            elif (s + 1) % self.p != self.rank:
+                comm.send(h, self.peer[(s + 1) % self.p], group=self.group)
+        comm.broadcast(loss, self.peer[(S - 1) % self.p], group=self.group)
+        return loss
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the full model back on one rank (for the sample at the end, and for the parity tests)
+
+def gather_full_state(chunks, gcfg, group, v, device):
+    """{GPT parameter name: tensor} on pipeline rank 0 (None elsewhere), every other rank sending its own."""
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    ranges, full = layer_split(gcfg.n_layer, p * v), {}
+    for s in range(p * v):
+        owner = s % p
+        if rank not in (0, owner):
+            continue
+        if owner == rank:
+            params = dict(chunks[s // p].named_parameters())
+        else:                                    # rank 0 learns names and shapes without allocating
+            with torch.device("meta"):
+                params = dict(PipelineStage(gcfg, ranges[s], s == 0, s == p * v - 1).named_parameters())
+        for name, param in params.items():
+            if name == "lm_head.weight":         # the tied copy: rank 0 has wte
+                continue
+            if rank == owner == 0:
+                full[name] = param.detach().clone()
+            elif rank == owner:
+                comm.send(param.detach().contiguous(), dist.get_global_rank(group, 0), group=group)
+            else:
+                full[name] = torch.empty(param.shape, device=device)
+                comm.recv(full[name], dist.get_global_rank(group, owner), group=group)
+    return full if rank == 0 else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def n_microbatches(cfg):
+    """(m, micro-batch size): --n_microbatches M sets the micro-batch to global / M."""
+    if cfg.n_microbatches > 0:
+        check(cfg.global_batch_size % cfg.n_microbatches == 0,
+              f"global_batch_size={cfg.global_batch_size} is not divisible by --n_microbatches {cfg.n_microbatches}")
+        return cfg.n_microbatches, cfg.global_batch_size // cfg.n_microbatches
+    check(cfg.global_batch_size % cfg.micro_batch_size == 0,
+          f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size={cfg.micro_batch_size}")
+    return cfg.global_batch_size // cfg.micro_batch_size, cfg.micro_batch_size
+
+
+def validate(cfg):
+    world, p, v, name = world_size_from_env(), cfg.pp, cfg.pp_virtual, cfg.pp_schedule
+    check(p >= 1 and world == p, f"train_pp.py is pipeline parallel only: --pp {p} must equal the world size "
+                                 f"{world} (combine pp with dp/tp/cp in train_5d.py)")
+    m, _ = n_microbatches(cfg)
+    if name == "interleaved":
+        check(v >= 2, f"--pp_schedule interleaved needs --pp_virtual >= 2, got {v}")
+        check(m % p == 0, f"interleaved 1F1B needs n_microbatches ({m}) divisible by --pp {p}")
+    else:
+        check(v == 1, f"--pp_virtual {v} applies only to --pp_schedule interleaved")
+    check(name == "afab" or m >= p, f"--pp_schedule {name} needs at least as many micro-batches as stages: "
+                                    f"n_microbatches={m} < --pp {p} (use more micro-batches, or afab)")
+    check(cfg.n_layer >= p * v, f"n_layer={cfg.n_layer} is fewer than pp*pp_virtual={p * v} stages")
+    check(cfg.pp_uneven or cfg.n_layer % (p * v) == 0,
+          f"n_layer={cfg.n_layer} does not split evenly into pp*pp_virtual={p * v} stages (pass --pp_uneven "
+          f"to give the first stages one block more)")
+    check(cfg.dtype != "float16", "train_pp.py supports float32 and bfloat16 (fp16 needs a pipeline-wide "
+                                  "GradScaler)")
+
+
+def extra_args(parser):
+    parser.add_argument("--pp_uneven", action="store_true", help="allow n_layer not divisible by pp*pp_virtual")
+    parser.add_argument("--pp_print_schedule", action="store_true",
+                        help="print the schedule as an ASCII timeline (simulated, F=B=W=1) before training")
+
+
+def main(argv=None):
+    cfg = parse_config(argv, techniques=("pp", "pp_schedule", "pp_virtual", "n_microbatches"),
+                       description=__doc__.split("\n\n")[0], extra_args=extra_args, validate=validate)
+    env = init_distributed(cfg)
+    group, p, v = dist.group.WORLD, cfg.pp, cfg.pp_virtual
+    rank, (m, micro) = env.rank, n_microbatches(cfg)
+    cfg.micro_batch_size = micro                 # what evaluation uses too
+    loader = prepare_data(cfg, env)
+    dtype = resolve_dtype(cfg, env.device)
+    gcfg = gpt_config(cfg, loader.vocab_size)
+
+    chunks = build_stages(gcfg, rank, p, v, cfg.seed, env.device)
+    store = WeightGradStore() if cfg.pp_schedule == "zb1" else None
+    if store is not None:
+        defer_weight_grads(chunks, store)
+    tied_group = comm.new_group([0, p - 1]) if p > 1 else None   # every rank creates it, two use it
+    schedules = make_schedule(cfg.pp_schedule, p, m, v)
+    sim = simulate(schedules, p, v)
+    runner = PipelineRunner(chunks, group, schedules, m, (micro, cfg.block_size, cfg.n_embd), env.device,
+                            store, autocast_context(dtype, env.device))
+    optimizer = configure_optimizer(chunks.named_parameters(), cfg, env.device.type)
+    torch.manual_seed(cfg.seed + rank)           # this rank's dropout stream
+    start = load_training_state(cfg, chunks, optimizer, rank=rank) if cfg.resume else 0
+    last_step = cfg.stop_step or cfg.max_steps
+    logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=p,
+                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    if env.is_main:
+        if cfg.pp_print_schedule:
+            print(render(sim, v), flush=True)
+        print(f"train_pp: {p} stages x {v} chunks, schedule {cfg.pp_schedule}, {m} micro-batches of {micro}, "
+              f"simulated bubble {sim['idle'][0] / sim['makespan']:.3f}, {dtype}, steps {start}..{last_step - 1}",
+              flush=True)
+    dist.barrier(group=group)                    # every pipeline rank is up before the first send
+    idle_fracs = []
+
+    for step in range(start, last_step):
+        COMM.reset()
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        set_lr(optimizer, lr)
+        loss_sum = runner.step(schedules[rank], lambda mb: loader.micro_batch(step, mb, micro))
+        p2p_bytes = COMM.bytes_sent
+        tied_grads_sync(chunks, tied_group)
+        # the global norm over all stages; the tied weight's last-stage copy is left out (counted once)
+        owned = [q.grad for n, q in chunks.named_parameters() if not n.endswith("lm_head.weight")]
+        grad_norm = clip_grad_norm(owned, 0.0, group=group, device=env.device)
+        if cfg.grad_clip > 0:
+            torch._foreach_mul_([q.grad for q in chunks.parameters()],
+                                torch.clamp(cfg.grad_clip / (grad_norm + 1e-6), max=1.0))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        comm.broadcast(loss_sum, dist.get_global_rank(group, p - 1), group=group)   # the last stage has it
+        loss_value = float(loss_sum) / m
+        step_time = time.perf_counter() - t0
+        idle_fracs.append(1.0 - runner.busy / step_time)
+        step_bytes = COMM.bytes_sent
+        logger.log_step(step, loss_value, lr, float(grad_norm), step_time, step_bytes,
+                        p2p_bytes=p2p_bytes, idle_frac=idle_fracs[-1],
+                        bubble_sim=sim["idle"][rank] / sim["makespan"])
+
+        if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
+            chunks.eval()
+            val = evaluate(runner.forward_only_loss, loader, cfg)
+            chunks.train()
+            logger.log_eval(step, val)
+        if should_save(cfg, step, last_step):
+            save_training_state(cfg, chunks, optimizer, step + 1, rank=rank)
+    logger.close()
+
+    # measured idle share per rank (median over steps after the first) next to the simulator's
+    steady = sorted(idle_fracs[1:] or idle_fracs)
+    idle = torch.tensor([steady[len(steady) // 2] if steady else 0.0], device=env.device)
+    idle_all = torch.empty(p, device=env.device)
+    comm.all_gather(idle_all, idle, group=group)
+    if env.is_main:
+        print("idle per rank, measured " + " ".join(f"{x:.3f}" for x in idle_all.tolist()) + " | simulated "
+              + " ".join(f"{i / sim['makespan']:.3f}" for i in sim["idle"]), flush=True)
+    if cfg.sample_tokens > 0:
+        full = gather_full_state(chunks, gcfg, group, v, env.device)
+        if env.is_main:
+            model = GPT(gcfg, seed=cfg.seed).to(env.device)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.copy_(full[name])
+            print_sample(model, loader, cfg, env)
+    return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, group=group, p2p_bytes=p2p_bytes, comm_bytes=step_bytes,
+                idle=idle_all.tolist(), sim=sim)
+
+
+if __name__ == "__main__":
+    main()
