@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from comm import COMM, all_gather, all_reduce, init_distributed, reduce_scatter, world_size_from_env
 from config import check, fail, grad_accum_steps, parse_config
 from metrics import MetricsLogger
-from model import GPT, flops_per_token, init_parameter
+from model import GPT, activation_bytes_per_layer, flops_per_token, init_parameter
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
                           print_sample, resolve_dtype, save_training_state, should_save)
@@ -361,6 +361,19 @@ def clip_tp_grads(model, max_norm, group):
     return norm
 
 
+def tp_activation_bytes_per_layer(seq_len, batch, cfg, tp, sp=False, **kw):
+    """Korthikanti et al.'s activation bytes per layer under TP (and SP), from model.activation_bytes_per_layer's
+    single-device count (same keyword arguments). TP splits everything inside the TP regions; what stays whole
+    is the two LayerNorm inputs, the inputs of c_attn and c_fc (4 values per token and channel) and the two
+    residual dropout masks. SP splits those along the sequence too, so everything is 1/tp."""
+    full = activation_bytes_per_layer(seq_len, batch, cfg, **kw)
+    if sp:
+        return full / tp
+    bpv, masks = kw.get("bytes_per_value", 2), 2 if kw.get("dropout", True) else 0
+    whole = full if kw.get("recompute") == "full" else seq_len * batch * cfg.n_embd * (4 * bpv + masks)
+    return whole + (full - whole) / tp
+
+
 def build_tp_model(cfg, vocab_size, group, device):
     with torch.device("meta"):
         model = GPT(gpt_config(cfg, vocab_size), seed=cfg.seed)
@@ -382,8 +395,8 @@ def validate(cfg):
     world = world_size_from_env()
     check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
                            f"combine with data parallelism in train_5d.py")
+    # (n_head | tp also splits the MLP width 4h = 4 * n_head * head_dim evenly)
     check(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp}")
-    check(4 * cfg.n_embd % cfg.tp == 0, f"MLP width 4*n_embd={4 * cfg.n_embd} is not divisible by tp={cfg.tp}")
     check(not cfg.sp or cfg.block_size % cfg.tp == 0,
           f"--sp: sequence length block_size={cfg.block_size} is not divisible by tp={cfg.tp}")
     check(cfg.dtype != "float16", "train_tp supports float32 and bfloat16 (no fp16 loss scaling across TP ranks)")
