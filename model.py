@@ -136,7 +136,7 @@ class MLP(nn.Module):
 class Routing(NamedTuple):
     token: torch.Tensor    # [A] token index of each kept assignment (token-major: token t's slots together)
     expert: torch.Tensor   # [A] its expert
-    gate: torch.Tensor     # [A] its router probability (fp32)
+    gate: torch.Tensor     # [A] its router probability (fp32, or fp64 for an fp64 model)
     counts: torch.Tensor   # [E] assignments routed to each expert, before any dropping
     aux_loss: torch.Tensor  # scalar Switch load-balancing loss, differentiable w.r.t. the router
 
@@ -150,10 +150,10 @@ class Routing(NamedTuple):
 def route(logits, top_k, capacity_factor=0.0):
     """Top-k softmax routing of N tokens ([N, E] router logits) and which assignments an expert keeps."""
     N, E = logits.shape
-    probs = F.softmax(logits.float(), dim=-1)
+    probs = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     gate, expert = probs.topk(top_k, dim=-1)                        # [N, k], best first
     counts = torch.bincount(expert.reshape(-1), minlength=E)
-    aux_loss = E * (counts.float() / (N * top_k) * probs.mean(0)).sum()
+    aux_loss = E * (counts.to(probs.dtype) / (N * top_k) * probs.mean(0)).sum()
     token = torch.arange(N, device=logits.device).repeat_interleave(top_k)
     expert, gate = expert.reshape(-1), gate.reshape(-1)
     if capacity_factor > 0:
