@@ -1,0 +1,152 @@
+"""
+Context parallelism (train_cp.py) on CPU/gloo:
+- the distributed attention (ring, zigzag, allgather; cp = 2, 3, 4; lengths that are not powers of two)
+  equals single-process causal attention: output, log-sum-exp and dQ/dK/dV (float64 to 1e-10, float32 to 1e-5);
+- per-rank attention work: zig-zag exactly balanced, every layout's total equal to the causal count;
+- bytes sent equal the formulas of train_cp.py's docstring, exactly (attention alone and the whole step);
+- train_cp.py at cp = 2 and 4 reproduces train_single.py's losses and weights in every layout;
+- a sequence length the layout cannot split is one clear error.
+"""
+import json
+import os
+import types
+
+import pytest
+import torch
+
+from distributed_helper import run_workers
+from train_helpers import assert_same_losses, assert_same_weights, losses, run_single, tiny_argv
+
+LAYOUTS = ("ring", "zigzag", "allgather")
+B, H, D = 2, 3, 4
+
+
+def seq_len_for(layout, cp):
+    """Odd chunk lengths, so T is never a power of two."""
+    return 5 * cp if layout == "ring" else 3 * 2 * cp
+
+
+def reference_attention(q, k, v):
+    """Naive causal attention on the full sequence, independent of train_cp's block functions."""
+    s = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    T = q.shape[-2]
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+def attention_worker(rank, world_size):
+    """cp = 2, 3 and 4 on groups of the first cp ranks of a 4-rank world: the blocks take any group."""
+    import torch.distributed as dist
+    import train_cp
+    from comm import COMM, init_distributed, new_group
+    init_distributed(types.SimpleNamespace(device="cpu", dist_timeout=60.0))
+    results = {}
+    for cp in (2, 3, 4):
+        group = new_group(list(range(cp)))          # every rank creates every group, members use it
+        if rank >= cp:
+            continue
+        for layout in LAYOUTS:
+            T = seq_len_for(layout, cp)
+            pos = train_cp.local_positions(layout, T, cp, dist.get_rank(group))
+            for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+                g = torch.Generator().manual_seed(7)
+                q, k, v, dout = (torch.randn(B, H, T, D, generator=g, dtype=dtype) for _ in range(4))
+                full = [t.clone().requires_grad_() for t in (q, k, v)]
+                ref_out, ref_lse = reference_attention(*full)
+                ref_out.backward(dout)
+                local = [t[..., pos, :].clone().requires_grad_() for t in (q, k, v)]
+                COMM.reset()
+                train_cp.WORK.score_elements = 0
+                out, lse = train_cp.context_parallel_attention(*local, group, layout)
+                out.backward(dout[..., pos, :])
+                for name, got, want in (("out", out, ref_out[..., pos, :]), ("lse", lse, ref_lse[..., pos]),
+                                        *((f"d{n}", t.grad, f.grad[..., pos, :]) for n, t, f in zip("qkv", local, full))):
+                    err = (got.double() - want.double()).abs().max().item()
+                    assert err <= tol * max(1.0, want.abs().max().item()), \
+                        f"cp={cp} {layout} {dtype} {name}: error {err}"
+                results[cp, layout, str(dtype)] = (COMM.bytes_sent, train_cp.WORK.score_elements, T)
+    return results
+
+
+def test_distributed_attention_matches_full_attention():
+    per_rank = run_workers(attention_worker, 4, timeout=300)
+    for cp, layout in ((cp, layout) for cp in (2, 3, 4) for layout in LAYOUTS):
+        for dtype in ("torch.float64", "torch.float32"):
+            sent = [r[cp, layout, dtype][0] for r in per_rank[:cp]]
+            work = [r[cp, layout, dtype][1] for r in per_rank[:cp]]
+            T = per_rank[0][cp, layout, dtype][2]
+            # bytes: KV = this rank's K and V in the input dtype, dKV = the same in fp32 (or fp64)
+            kv = 2 * B * H * (T // cp) * D * (8 if dtype == "torch.float64" else 4)
+            expected = (cp - 1) * 2 * kv + (cp if layout != "allgather" else cp - 1) * kv
+            assert sent == [expected] * cp, f"cp={cp} {layout} {dtype}: bytes sent {sent}, theory {expected}"
+            # every causal (query, key) pair is computed exactly once, somewhere
+            assert sum(work) == B * H * T * (T + 1) // 2, f"cp={cp} {layout}: work {work}"
+            if layout != "ring":
+                assert max(work) == min(work), f"cp={cp} {layout} must be balanced, got {work}"
+            else:       # rank r computes the causal diagonal plus r full blocks of c x c
+                c = T // cp
+                assert work == [B * H * (c * (c + 1) // 2 + r * c * c) for r in range(cp)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# end to end: train_cp.py vs train_single.py
+
+def train_worker(rank, world_size, data_dir, out_root, steps):
+    import torch
+    import train_cp
+    results = {}
+    for layout in LAYOUTS:
+        out_dir = os.path.join(out_root, f"{layout}{world_size}")
+        argv = tiny_argv(data_dir, out_dir, max_steps=steps, cp=world_size, cp_layout=layout)
+        model = train_cp.main(argv)["model"]
+        if rank == 0:
+            results[layout] = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    # activation bytes of the same model on one device (a one-rank group) and the full sequence
+    from comm import new_group
+    solo = new_group([0])
+    if rank == 0:
+        train_cp.swap_attention_cores(model, lambda: train_cp.ContextParallelAttentionCore(solo, "ring"))
+        idx = torch.randint(0, 64, (4, 16))
+        with train_cp.SavedActivationBytes(model) as saved:
+            model(idx, idx.roll(1, dims=1))
+        results["act_bytes_one_device"] = saved.bytes
+    return results
+
+
+def step_comm_theory(cp, layout, n_params, n_layer=2, micro=4, grad_acc=2, block=16, h=32):
+    """Bytes rank 0 sends in one optimizer step (fp32): attention hops + gradient and loss all-reduces."""
+    kv = 2 * micro * (block // cp) * h * 4
+    attention = (cp - 1) * 2 * kv + (cp if layout != "allgather" else cp - 1) * kv
+    return grad_acc * n_layer * attention + 2 * (cp - 1) / cp * 4 * (n_params + 1)
+
+
+@pytest.mark.parametrize("cp,steps", [(2, 20), (4, 8)])
+def test_train_cp_matches_single(tiny_data, tmp_path, cp, steps):
+    ref_losses, ref_weights = run_single(tiny_argv(tiny_data, str(tmp_path / "single"), max_steps=steps))
+    weights = run_workers(train_worker, cp, args=(tiny_data, str(tmp_path), steps), timeout=600)[0]
+    n_params = sum(p.numel() for p in ref_weights.values())
+    for layout in LAYOUTS:
+        out_dir = str(tmp_path / f"{layout}{cp}")
+        assert_same_losses(ref_losses, losses(out_dir))
+        assert_same_weights(ref_weights, {n: torch.from_numpy(a) for n, a in weights[layout].items()})
+        rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+        for row in rows:
+            assert row["comm_bytes"] == step_comm_theory(cp, layout, n_params), (layout, row["comm_bytes"])
+        # activations are per token, so a rank keeps exactly 1/cp of one device's; the one exception is
+        # cross-entropy's fp32 total-weight scalar (4 bytes), the same at every length
+        single = weights["act_bytes_one_device"]
+        assert all(cp * (row["act_bytes"] - 4) == single - 4 for row in rows), (rows[0]["act_bytes"], single)
+
+
+def test_block_size_not_divisible_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys):
+    import train_cp
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for layout, block, multiple in (("ring", 15, 2), ("zigzag", 18, 4), ("allgather", 6, 4)):
+        with pytest.raises(SystemExit) as e:
+            train_cp.main(tiny_argv(tiny_data, str(tmp_path), cp=2, cp_layout=layout, block_size=block))
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"multiple of {multiple}" in err[0], err
+    with pytest.raises(SystemExit):
+        train_cp.main(tiny_argv(tiny_data, str(tmp_path), cp=4))      # cp must equal the world size
+    assert "must equal the number of processes" in capsys.readouterr().err
