@@ -1,0 +1,174 @@
+"""
+Fused kernels (kernels/) against float64 references: forward and every gradient, odd shapes, non-contiguous
+inputs, random upstream gradients. On CPU the Triton code runs in the interpreter (conftest sets
+TRITON_INTERPRET=1), so shapes stay tiny. Then: a model with apply_kernels trains like train_single.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("triton")
+import kernels  # noqa: E402
+from kernels import (attention_reference, bias_dropout_add, bias_gelu, flash_attention, layer_norm,  # noqa: E402
+                     linear_cross_entropy)
+from kernels.linear_cross_entropy import linear_cross_entropy_reference  # noqa: E402
+
+FP32_RTOL = 1e-5
+
+
+def rel_err(got, ref):
+    return float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def grads(fn, inputs, upstream):
+    """Output and gradients of every input, for a random upstream gradient (not ones: see the issue)."""
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    return [out.detach()] + list(torch.autograd.grad(out, inputs, upstream.to(out.dtype)))
+
+
+def check_against_float64(fn_kernel, fn_ref, inputs, upstream, rtol=FP32_RTOL):
+    got = grads(fn_kernel, inputs, upstream)
+    ref = grads(fn_ref, [t.double() for t in inputs], upstream.double())
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert rel_err(g, r) <= rtol, f"{'output' if i == 0 else f'grad of input {i - 1}'}: {rel_err(g, r):.2e}"
+
+
+def check_bf16(fn_kernel, fn_torch, inputs):
+    """A bf16 kernel is no worse than 2x PyTorch's own bf16 result, both against float64."""
+    ref = fn_torch(*[t.double() for t in inputs])
+    ours = fn_kernel(*[t.bfloat16() if t.is_floating_point() else t for t in inputs])
+    theirs = fn_torch(*[t.bfloat16() if t.is_floating_point() else t for t in inputs])
+    assert rel_err(ours, ref) <= 2 * rel_err(theirs, ref) + 1e-6, (rel_err(ours, ref), rel_err(theirs, ref))
+
+
+def test_layer_norm_fp32_odd_shapes_noncontiguous():
+    torch.manual_seed(0)
+    x = torch.randn(37, 3, 5).transpose(0, 2)            # [5, 3, 37]: non-contiguous, 15 rows of 37 (odd)
+    w, b = torch.randn(37), torch.randn(37)
+    check_against_float64(lambda *a: layer_norm(*a, backend="triton"), lambda *a: layer_norm(*a, backend="torch"),
+                          [x, w, b], torch.randn(5, 3, 37))
+    check_bf16(lambda x, w, b: layer_norm(x, w, b, backend="triton"),
+               lambda x, w, b: F.layer_norm(x, (37,), w, b), [torch.randn(19, 37), w, b])
+
+
+def test_bias_gelu_fp32_and_bf16():
+    torch.manual_seed(1)
+    x, b = torch.randn(6, 53)[:, 1:50], torch.randn(49)    # non-contiguous rows of 49
+    check_against_float64(lambda *a: bias_gelu(*a, backend="triton"), lambda x, b: F.gelu(x + b),
+                          [x, b], torch.randn(6, 49))
+    check_bf16(lambda x, b: bias_gelu(x, b, backend="triton"), lambda x, b: F.gelu(x + b),
+               [torch.randn(7, 49) * 3, b])
+
+
+def test_bias_dropout_add():
+    torch.manual_seed(2)
+    x, b, r, g = torch.randn(5, 41), torch.randn(41), torch.randn(5, 41), torch.randn(5, 41)
+    for training in (True, False):   # p = 0 or eval: exactly the reference
+        check_against_float64(lambda x, b, r: bias_dropout_add(x, b, r, 0.0 if training else 0.5, training,
+                                                               backend="triton"),
+                              lambda x, b, r: r + x + b, [x, b, r], g)
+    # p > 0: kept elements scaled by 1/(1-p), dropped ones zero, and backward regenerates the same mask
+    xs, bs, rs = (t.clone().requires_grad_() for t in (x, b, r))
+    y = bias_dropout_add(xs, bs, rs, 0.25, True, backend="triton")
+    dx, db, dr = torch.autograd.grad(y, (xs, bs, rs), g)
+    keep = (y - r).detach() != 0
+    assert 0.6 < keep.float().mean() < 0.9, keep.float().mean()
+    torch.testing.assert_close((y - r).detach()[keep], ((x + b) / 0.75)[keep], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dx, g * keep / 0.75, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(db, dx.sum(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dr, g)
+
+
+@pytest.mark.parametrize("B,H,Tq,Tk,D,causal", [(1, 2, 37, 37, 32, True), (1, 1, 21, 45, 64, False),
+                                                (1, 1, 19, 19, 128, True), (2, 1, 23, 23, 24, False)])
+def test_flash_attention_fp32(B, H, Tq, Tk, D, causal):
+    torch.manual_seed(3)
+    q = torch.randn(B, Tq, H, D).transpose(1, 2)           # the model's layout: a non-contiguous view
+    k, v = torch.randn(B, H, Tk, D), torch.randn(B, Tk, H, D).transpose(1, 2)
+    check_against_float64(lambda *a: flash_attention(*a, causal, backend="triton"),
+                          lambda *a: attention_reference(*a, causal), [q, k, v], torch.randn(B, H, Tq, D))
+    _, lse = flash_attention(q, k, v, causal, backend="triton")
+    _, lse_ref = attention_reference(q.double(), k.double(), v.double(), causal)
+    assert lse.dtype == torch.float32 and rel_err(lse, lse_ref) <= FP32_RTOL
+
+
+def test_flash_attention_bf16():
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 29, 32) for _ in range(3))
+    check_bf16(lambda q, k, v: flash_attention(q, k, v, True, backend="triton")[0],
+               lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_linear_cross_entropy(backend):
+    torch.manual_seed(5)
+    N, C, V = 45, 19, 101
+    h, w, t = torch.randn(N, C), torch.randn(V, C), torch.randint(0, V, (N,))
+    t[[3, 17]] = -100                                        # ignored, as F.cross_entropy's ignore_index
+    check_against_float64(lambda h, w: linear_cross_entropy(h, w, t, chunk=16, backend=backend),
+                          lambda h, w: linear_cross_entropy_reference(h, w, t), [h, w], torch.randn(()))
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor (in bytes) any op produces (the interpreter's byte-storage copies included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(o, torch.Tensor):
+                self.largest = max(self.largest, o.numel() * o.element_size())
+        return out
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_linear_cross_entropy_never_materializes_logits(backend):
+    N, C, V = 64, 16, 128
+    h, w = torch.randn(N, C, requires_grad=True), torch.randn(V, C, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    with LargestAllocation() as fused:
+        loss = linear_cross_entropy(h, w, t, backend=backend)
+        loss.backward()
+    with LargestAllocation() as unfused:                      # the check itself can fail: the reference trips it
+        linear_cross_entropy_reference(h, w, t).backward()
+    logits_bytes = N * V * 4
+    assert unfused.largest >= logits_bytes
+    assert fused.largest <= logits_bytes // 4, f"largest tensor {fused.largest} bytes, logits are {logits_bytes}"
+    torch.testing.assert_close(loss, F.cross_entropy(h @ w.t(), t), rtol=1e-6, atol=1e-6)
+
+
+def test_kernels_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch, tiny_data, tmp_path, capsys):
+    import train_single
+    from train_helpers import tiny_argv
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as e:
+        train_single.main(tiny_argv(tiny_data, str(tmp_path), kernels="triton", max_steps=1))
+    assert e.value.code == 2 and "TRITON_INTERPRET" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["triton", "compile"])
+def test_apply_kernels_trains_like_train_single(mode, tiny_data, tmp_path):
+    """The swapped model (same parameter names and init) reproduces train_single's curve and weights."""
+    from train_helpers import assert_same_losses, assert_same_weights, run_single, tiny_argv
+    small = dict(n_layer=1, global_batch_size=4, micro_batch_size=2, max_steps=4, warmup_steps=2)
+    ref_losses, ref_state = run_single(tiny_argv(tiny_data, str(tmp_path / "ref"), kernels="torch", **small))
+    losses, state = run_single(tiny_argv(tiny_data, str(tmp_path / mode), kernels=mode, **small))
+    assert_same_losses(ref_losses, losses)
+    assert_same_weights(ref_state, state)
+
+
+def test_apply_kernels_keeps_parameters():
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    before = dict(model.named_parameters())
+    assert kernels.apply_kernels(model, "triton") == "triton"
+    after = dict(model.named_parameters())
+    assert list(before) == list(after) and all(before[n] is after[n] for n in before)
+    assert type(model.transformer.h[0]).__name__ == "FusedBlock"
+    assert type(model.transformer.h[0].attn.core).__name__ == "FlashAttentionCore"
