@@ -13,18 +13,17 @@ Layouts (T = sequence length, c = T/cp for ring, T/(2cp) for zigzag and allgathe
     zigzag:    rank0 [0 | 7]   rank1 [1 | 6]   rank2 [2 | 5]   rank3 [3 | 4]       8 chunks of T/8
 
 ring / zigzag: at ring step s, rank r holds the K/V of rank r-s and sends them on to r+1 (async, overlapped
-with this step's block). Each block gives a partial output and log-sum-exp, merged exactly in fp32:
+with this step's blocks). Each block gives a partial output and log-sum-exp, merged exactly in fp32:
     lse = log(e^lse_a + e^lse_b),   out = out_a * e^(lse_a - lse) + out_b * e^(lse_b - lse)
-Causal blocks that are fully masked are skipped. In plain ring, rank r computes 1/2 + r blocks of c x c, so
-rank 0 idles while rank cp-1 works; in zigzag every rank does the causal diagonal plus cp-1 half blocks:
-exactly equal work. Backward: dQ accumulates locally; dK/dV travel around the ring with K/V and take one
-last hop home. allgather (Llama 3): K/V all-gathered, local queries attend to the prefix they need; dK/dV
-reduce-scattered back. Bytes sent per layer and micro-batch (KV = this rank's K and V, dKV = the same in
-fp32): ring/zigzag (cp-1)*KV forward, (cp-1)*KV + cp*dKV backward; allgather (cp-1)*(2*KV + dKV).
-Plus the CP all-reduce of all gradients, 2(cp-1)/cp * 4 bytes * N: every rank holds the full model.
-
-The block attention (attention_forward / attention_backward below) is plain torch and the reference; a
-fused kernel with the same signatures can be passed as `kernel=(forward, backward)`.
+Fully masked blocks are skipped: in ring, rank r computes 1/2 + r blocks of c x c (rank 0 idles while rank
+cp-1 works); in zigzag every rank computes the causal diagonal plus cp-1 half blocks, exactly equal work.
+Backward: dQ accumulates locally; dK/dV travel around the ring with K/V and take one last hop home.
+allgather (Llama 3): K/V all-gathered, local queries attend to what they can see, dK/dV reduce-scattered.
+Bytes sent per layer and micro-batch (KV = this rank's K and V, dKV = the same in fp32): ring and zigzag
+(cp-1)*KV forward, (cp-1)*KV + cp*dKV backward; allgather (cp-1)*(2*KV + dKV). Plus the all-reduce of
+every gradient over CP, 2(cp-1)/cp * 4N bytes, as every rank holds the whole model.
+Block attention is plain torch (attention_forward/backward: the reference); --kernels triton swaps in
+kernels/flash_attention.py's pair with the same signatures.
 """
 import time
 
@@ -35,7 +34,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from comm import COMM, all_gather, all_reduce, batch_isend_irecv, init_distributed, p2p_op, reduce_scatter, \
     world_size_from_env
-from config import check, grad_accum_steps, parse_config
+from config import check, fail, grad_accum_steps, parse_config
+from kernels import apply_kernels
+from kernels.flash_attention import flash_attention_backward, flash_attention_forward
 from metrics import MetricsLogger
 from model import GPT, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
@@ -46,68 +47,78 @@ from train_single import autocast_context, evaluate, gpt_config, load_training_s
 # ----------------------------------------------------------------------------------------------------------
 # block attention: queries against one block of keys, returning the output and the log-sum-exp
 
-def causal_mask(q_len, k_len, device):
-    """True where query i may see key j. Bottom-right aligned (as flash-attn): the queries are the last q_len
-    positions of the keys, so q_len == k_len is the usual causal mask."""
-    i = torch.arange(q_len, device=device)[:, None]
-    j = torch.arange(k_len, device=device)[None, :]
-    return j <= i + (k_len - q_len)
+def block_scores(q, k, causal):
+    """q k^T / sqrt(D). causal: the diagonal block, q and k at the same positions (Tq == Tk), so query i sees
+    keys j <= i (top-left and bottom-right alignment agree: any flash kernel's causal mode fits)."""
+    s = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return s
 
 
-def attention_forward(q, k, v, causal, scale=None):
+def attention_forward(q, k, v, causal):
     """q [B, H, Tq, D], k/v [B, H, Tk, D] -> out [B, H, Tq, D] (q's dtype), lse [B, H, Tq] (fp32 or fp64)."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
-    if causal:
-        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    s = block_scores(q.to(acc), k.to(acc), causal)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse[..., None]), v.to(acc))
-    return out.to(q.dtype), lse
+    return torch.matmul(torch.exp(s - lse[..., None]), v.to(acc)).to(q.dtype), lse
 
 
-def attention_backward(dout, q, k, v, out, lse, causal, scale=None):
+def attention_backward(dout, q, k, v, out, lse, causal):
     """Gradients of one block given the *final* out and lse of these queries (over all blocks): with
     P = exp(S - lse) the block's exact share of softmax, dS = P * (dO V^T - rowsum(dO * O))."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if causal:
-        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
-    p = torch.exp(s - lse[..., None])
+    p = torch.exp(block_scores(q, k, causal) - lse[..., None])
     dv = torch.matmul(p.transpose(-2, -1), dout)
     ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
+    scale = q.shape[-1] ** -0.5
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
 
 
-PLAIN_TORCH = (attention_forward, attention_backward)
+PLAIN_TORCH = (attention_forward, attention_backward)   # kernels/flash_attention.py has the same pair
 
 
 def merge_partial(out, lse, block_out, block_lse):
     """Fold one block's (out, lse) into the running fp32 accumulators, in place (stable log-sum-exp)."""
     new_lse = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new_lse)[..., None]).add_(block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None])
+    out.mul_(torch.exp(lse - new_lse)[..., None])
+    out.add_(block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None])
     lse.copy_(new_lse)
 
 
-class WorkCounter:
-    """Attention score elements this rank computes (unmasked (query, key) pairs x B x H, forward)."""
-
-    def __init__(self):
-        self.score_elements = 0
-
-    def add(self, q, k_len, causal):
-        B, H, q_len, _ = q.shape
-        pairs = q_len * (k_len - q_len) + q_len * (q_len + 1) // 2 if causal else q_len * k_len
-        self.score_elements += B * H * pairs
+class WORK:
+    """Attention score elements this rank computed in forward (unmasked (query, key) pairs x B x H)."""
+    score_elements = 0
 
 
-WORK = WorkCounter()
+def attend(q, k, v, blocks, out, lse, kernel):
+    """Queries q[rows] against k/v[cols] for each (rows, cols, causal) block, merged into out/lse."""
+    for rows, cols, causal in blocks:
+        B, H, q_len, k_len = *q.shape[:2], rows.stop - rows.start, cols.stop - cols.start
+        WORK.score_elements += B * H * (q_len * (q_len + 1) // 2 if causal else q_len * k_len)
+        o, l = kernel[0](q[..., rows, :], k[..., cols, :], v[..., cols, :], causal)
+        merge_partial(out[..., rows, :], lse[..., rows], o, l)
+
+
+def attend_backward(dout, q, k, v, out, lse, blocks, kernel, dq):
+    """Backward of `attend`: adds into dq, returns [(cols, dk, dv)] for the caller to place."""
+    grads = []
+    for rows, cols, causal in blocks:
+        dq_b, dk_b, dv_b = kernel[1](dout[..., rows, :], q[..., rows, :], k[..., cols, :], v[..., cols, :],
+                                     out[..., rows, :], lse[..., rows], causal)
+        dq[..., rows, :] += dq_b
+        grads.append((cols, dk_b, dv_b))
+    return grads
+
+
+def add_kv_grads(dkv, grads):
+    for cols, dk, dv in grads:
+        dkv[:, ..., cols, :] += torch.stack([dk, dv])
 
 
 # ----------------------------------------------------------------------------------------------------------
-# sequence layouts
+# sequence layouts and which blocks each rank computes
 
 def chunk_runs(layout, seq_len, cp, rank):
     """(global start, length) of each contiguous run of positions `rank` holds, in local order."""
@@ -135,21 +146,40 @@ def ring_step_blocks(layout, rank, src, local_len):
     return [(slice(half, local_len), full, False)]             # only my late chunk sees src's two chunks
 
 
+def allgather_blocks(layout, seq_len, cp, rank):
+    """Each local run against the gathered sequence: its own positions (causal) and everything before."""
+    blocks, local = [], 0
+    for start, length in chunk_runs(layout, seq_len, cp, rank):
+        rows = slice(local, local + length)
+        blocks.append((rows, slice(start, start + length), True))    # first: every row gets a finite lse
+        if start > 0:
+            blocks.append((rows, slice(0, start), False))
+        local += length
+    return blocks
+
+
 # ----------------------------------------------------------------------------------------------------------
 # ring attention (ring and zigzag layouts)
 
 def ring_shift(t, group):
-    """Send t to the next rank of the ring and receive the previous rank's into a new buffer (async)."""
+    """Start sending t to the next rank of the ring and receiving the previous rank's; returns a function
+    that waits for both and gives the received tensor."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     recv = torch.empty_like(t)
-    ops = [p2p_op("send", t, dist.get_global_rank(group, (r + 1) % n), group),
-           p2p_op("recv", recv, dist.get_global_rank(group, (r - 1) % n), group)]
-    return recv, batch_isend_irecv(ops)
+    works = batch_isend_irecv([p2p_op("send", t, dist.get_global_rank(group, (r + 1) % n), group),
+                               p2p_op("recv", recv, dist.get_global_rank(group, (r - 1) % n), group)])
+
+    def arrived():
+        for w in works:
+            w.wait()
+        return recv
+    return arrived
 
 
-def wait(works):
-    for w in works:
-        w.wait()
+def new_accumulators(q):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    return (torch.zeros(q.shape, dtype=acc, device=q.device),
+            torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device))
 
 
 class RingAttention(torch.autograd.Function):
@@ -158,21 +188,15 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, kernel):
         n, r = dist.get_world_size(group), dist.get_rank(group)
-        acc = torch.promote_types(q.dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
-            out = torch.zeros(q.shape, dtype=acc, device=q.device)
-            lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+            out, lse = new_accumulators(q)
             kv = torch.stack([k, v])           # one message per hop
             for s in range(n):
                 if s + 1 < n:
-                    next_kv, works = ring_shift(kv, group)   # in flight while this block computes
-                for qs, ks, causal in ring_step_blocks(layout, r, (r - s) % n, q.shape[-2]):
-                    WORK.add(q[..., qs, :], ks.stop - ks.start, causal)
-                    o, l = kernel[0](q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], causal)
-                    merge_partial(out[..., qs, :], lse[..., qs], o, l)
+                    next_kv = ring_shift(kv, group)   # in flight while this step's blocks compute
+                attend(q, kv[0], kv[1], ring_step_blocks(layout, r, (r - s) % n, q.shape[-2]), out, lse, kernel)
                 if s + 1 < n:
-                    wait(works)
-                    kv = next_kv
+                    kv = next_kv()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.layout, ctx.kernel = group, layout, kernel
@@ -183,39 +207,34 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         group, n, r = ctx.group, dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        acc = torch.promote_types(q.dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
-            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+            dq = new_accumulators(q)[0]
             kv = torch.stack([k, v])
-            dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)   # dK/dV of the block held now
+            dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)   # dK/dV of the block held now
             for s in range(n):
                 if s + 1 < n:
-                    next_kv, kv_works = ring_shift(kv, group)
-                grads = []
-                for qs, ks, causal in ring_step_blocks(ctx.layout, r, (r - s) % n, q.shape[-2]):
-                    dq_b, dk_b, dv_b = ctx.kernel[1](dout[..., qs, :], q[..., qs, :], kv[0][..., ks, :],
-                                                     kv[1][..., ks, :], out[..., qs, :], lse[..., qs], causal)
-                    dq[..., qs, :] += dq_b
-                    grads.append((ks, dk_b, dv_b))
+                    next_kv = ring_shift(kv, group)
+                blocks = ring_step_blocks(ctx.layout, r, (r - s) % n, q.shape[-2])
+                grads = attend_backward(dout, q, kv[0], kv[1], out, lse, blocks, ctx.kernel, dq)
                 if s > 0:
-                    wait(dkv_works)            # this block's dK/dV, accumulated by the ranks before us
-                    dkv = next_dkv
-                for ks, dk_b, dv_b in grads:
-                    dkv[0][..., ks, :] += dk_b
-                    dkv[1][..., ks, :] += dv_b
+                    dkv = next_dkv()           # this block's dK/dV, accumulated by the ranks before us
+                add_kv_grads(dkv, grads)
                 if n > 1:                      # pass it on; after the last step this is the hop home
-                    next_dkv, dkv_works = ring_shift(dkv, group)
+                    next_dkv = ring_shift(dkv, group)
                 if s + 1 < n:
-                    wait(kv_works)
-                    kv = next_kv
+                    kv = next_kv()
             if n > 1:
-                wait(dkv_works)
-                dkv = next_dkv
+                dkv = next_dkv()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
 # all-gather KV attention (Llama 3), on the zigzag layout so that the work is balanced
+
+def global_order(layout, seq_len, cp, device):
+    """Index that sorts the rank-major concatenation of all local chunks into global position order."""
+    return torch.cat([local_positions(layout, seq_len, cp, i) for i in range(cp)]).argsort().to(device)
+
 
 def gather_sequence(local, group, layout, seq_len):
     """[..., T_local, D] of every rank -> [..., T, D] in global position order."""
@@ -224,11 +243,6 @@ def gather_sequence(local, group, layout, seq_len):
     all_gather(parts, local.contiguous().view(-1), group=group)
     parts = parts.view(n, *local.shape)
     return torch.cat([parts[i] for i in range(n)], dim=-2)[..., global_order(layout, seq_len, n, local.device), :]
-
-
-def global_order(layout, seq_len, cp, device):
-    """Index that sorts the rank-major concatenation of all local chunks into global position order."""
-    return torch.cat([local_positions(layout, seq_len, cp, i) for i in range(cp)]).argsort().to(device)
 
 
 def scatter_sequence_grad(full, group, layout, seq_len):
@@ -243,7 +257,7 @@ def scatter_sequence_grad(full, group, layout, seq_len):
 
 
 class AllGatherKVAttention(torch.autograd.Function):
-    """Each run of local queries attends to the gathered keys up to its last position; returns (out, lse)."""
+    """Local queries against the all-gathered K/V (only the blocks they can see); returns (out, lse)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, layout, kernel):
@@ -251,15 +265,9 @@ class AllGatherKVAttention(torch.autograd.Function):
         seq_len = q.shape[-2] * n
         with torch.autocast(q.device.type, enabled=False):
             kv = gather_sequence(torch.stack([k, v]), group, layout, seq_len)
-            outs, lses, local = [], [], 0
-            for start, length in chunk_runs(layout, seq_len, n, r):
-                qr = q[..., local:local + length, :]
-                WORK.add(qr, start + length, True)
-                o, l = kernel[0](qr, kv[0][..., :start + length, :], kv[1][..., :start + length, :], True)
-                outs.append(o)
-                lses.append(l)
-                local += length
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+            out, lse = new_accumulators(q)
+            attend(q, kv[0], kv[1], allgather_blocks(layout, seq_len, n, r), out, lse, kernel)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)   # not the gathered K/V: re-gathered in backward
         ctx.group, ctx.layout, ctx.kernel = group, layout, kernel
         ctx.mark_non_differentiable(lse)
@@ -270,21 +278,14 @@ class AllGatherKVAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         seq_len = q.shape[-2] * n
-        acc = torch.promote_types(q.dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
             kv = gather_sequence(torch.stack([k, v]), ctx.group, ctx.layout, seq_len)
-            dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-            dqs, local = [], 0
-            for start, length in chunk_runs(ctx.layout, seq_len, n, r):
-                rows, end = slice(local, local + length), start + length
-                dq, dk, dv = ctx.kernel[1](dout[..., rows, :], q[..., rows, :], kv[0][..., :end, :],
-                                           kv[1][..., :end, :], out[..., rows, :], lse[..., rows], True)
-                dqs.append(dq)
-                dkv[0][..., :end, :] += dk
-                dkv[1][..., :end, :] += dv
-                local += length
+            dq = new_accumulators(q)[0]
+            dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)
+            blocks = allgather_blocks(ctx.layout, seq_len, n, r)
+            add_kv_grads(dkv, attend_backward(dout, q, kv[0], kv[1], out, lse, blocks, ctx.kernel, dq))
             dkv = scatter_sequence_grad(dkv, ctx.group, ctx.layout, seq_len)
-        return torch.cat(dqs, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def context_parallel_attention(q, k, v, group, layout, kernel=PLAIN_TORCH):
@@ -331,25 +332,22 @@ class SavedActivationBytes:
     counted once): the activation memory of one micro-batch, exact on any device."""
 
     def __init__(self, model):
-        self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.bytes = 0
+        self.skip, self.bytes = {p.untyped_storage().data_ptr() for p in model.parameters()}, 0
 
     def pack(self, t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.param_storages and storage.data_ptr() not in self.seen:
-            self.seen.add(storage.data_ptr())
-            self.bytes += storage.nbytes()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.skip and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.bytes += t.untyped_storage().nbytes()
         return t
 
     def __enter__(self):
         self.seen, self.bytes = set(), 0
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
+        return self.hooks.__enter__() or self
 
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
-        self.seen = set()
 
 
 def validate(cfg):
@@ -376,7 +374,12 @@ def main(argv=None):
     dtype = resolve_dtype(cfg, env.device)
 
     model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device)
-    local_cores = swap_attention_cores(model, lambda: ContextParallelAttentionCore(group, cfg.cp_layout))
+    try:
+        mode = apply_kernels(model, cfg.kernels)     # --kernels: fused modules, same parameters
+    except ValueError as e:
+        fail(str(e))
+    kernel = (flash_attention_forward, flash_attention_backward) if mode == "triton" else PLAIN_TORCH
+    local_cores = swap_attention_cores(model, lambda: ContextParallelAttentionCore(group, cfg.cp_layout, kernel))
     pos = local_positions(cfg.cp_layout, cfg.block_size, cp, dist.get_rank(group), env.device)
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
@@ -389,9 +392,9 @@ def main(argv=None):
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
     activations = SavedActivationBytes(model)
     if env.is_main:
-        print(f"train_cp: {sum(p.numel() for p in model.parameters()):,} parameters, cp {cp} "
-              f"({cfg.cp_layout}), {len(pos)} of {cfg.block_size} positions per rank, grad_acc {grad_acc}, "
-              f"{dtype}, {env.device}, steps {start}..{last_step - 1}", flush=True)
+        print(f"train_cp: {sum(p.numel() for p in model.parameters()):,} parameters, cp {cp} ({cfg.cp_layout}), "
+              f"{len(pos)} of {cfg.block_size} positions per rank, grad_acc {grad_acc}, {dtype}, {env.device}, "
+              f"kernels {mode}, steps {start}..{last_step - 1}", flush=True)
 
     def local_loss(x, y):                      # this rank's chunk of every sequence, at its global positions
         return train_model(x[:, pos], y[:, pos], pos=pos)[1]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from distributed_helper import run_workers
+from kernels.backend import HAS_TRITON
 from train_helpers import assert_same_losses, assert_same_weights, losses, run_single, tiny_argv
 
 LAYOUTS = ("ring", "zigzag", "allgather")
@@ -34,6 +35,17 @@ def reference_attention(q, k, v):
     return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
 
 
+def cases(cp):
+    """(dtype, tolerance, block kernel): the plain-torch blocks everywhere, the Triton flash kernel (CPU
+    interpreter here) through the same ring at cp = 2."""
+    import train_cp
+    plain = [(torch.float64, 1e-10, train_cp.PLAIN_TORCH), (torch.float32, 1e-5, train_cp.PLAIN_TORCH)]
+    if cp != 2 or not HAS_TRITON:
+        return plain
+    from kernels.flash_attention import flash_attention_backward, flash_attention_forward
+    return plain + [(torch.float32, 1e-5, (flash_attention_forward, flash_attention_backward))]
+
+
 def attention_worker(rank, world_size):
     """cp = 2, 3 and 4 on groups of the first cp ranks of a 4-rank world: the blocks take any group."""
     import torch.distributed as dist
@@ -48,7 +60,7 @@ def attention_worker(rank, world_size):
         for layout in LAYOUTS:
             T = seq_len_for(layout, cp)
             pos = train_cp.local_positions(layout, T, cp, dist.get_rank(group))
-            for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+            for dtype, tol, kernel in cases(cp):
                 g = torch.Generator().manual_seed(7)
                 q, k, v, dout = (torch.randn(B, H, T, D, generator=g, dtype=dtype) for _ in range(4))
                 full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -57,35 +69,35 @@ def attention_worker(rank, world_size):
                 local = [t[..., pos, :].clone().requires_grad_() for t in (q, k, v)]
                 COMM.reset()
                 train_cp.WORK.score_elements = 0
-                out, lse = train_cp.context_parallel_attention(*local, group, layout)
+                out, lse = train_cp.context_parallel_attention(*local, group, layout, kernel)
                 out.backward(dout[..., pos, :])
                 for name, got, want in (("out", out, ref_out[..., pos, :]), ("lse", lse, ref_lse[..., pos]),
                                         *((f"d{n}", t.grad, f.grad[..., pos, :]) for n, t, f in zip("qkv", local, full))):
                     err = (got.double() - want.double()).abs().max().item()
                     assert err <= tol * max(1.0, want.abs().max().item()), \
-                        f"cp={cp} {layout} {dtype} {name}: error {err}"
-                results[cp, layout, str(dtype)] = (COMM.bytes_sent, train_cp.WORK.score_elements, T)
+                        f"cp={cp} {layout} {dtype} {kernel[0].__name__} {name}: error {err}"
+                results[cp, layout, str(dtype), kernel[0].__name__] = (COMM.bytes_sent, train_cp.WORK.score_elements, T)
     return results
 
 
 def test_distributed_attention_matches_full_attention():
     per_rank = run_workers(attention_worker, 4, timeout=300)
-    for cp, layout in ((cp, layout) for cp in (2, 3, 4) for layout in LAYOUTS):
-        for dtype in ("torch.float64", "torch.float32"):
-            sent = [r[cp, layout, dtype][0] for r in per_rank[:cp]]
-            work = [r[cp, layout, dtype][1] for r in per_rank[:cp]]
-            T = per_rank[0][cp, layout, dtype][2]
-            # bytes: KV = this rank's K and V in the input dtype, dKV = the same in fp32 (or fp64)
-            kv = 2 * B * H * (T // cp) * D * (8 if dtype == "torch.float64" else 4)
-            expected = (cp - 1) * 2 * kv + (cp if layout != "allgather" else cp - 1) * kv
-            assert sent == [expected] * cp, f"cp={cp} {layout} {dtype}: bytes sent {sent}, theory {expected}"
-            # every causal (query, key) pair is computed exactly once, somewhere
-            assert sum(work) == B * H * T * (T + 1) // 2, f"cp={cp} {layout}: work {work}"
-            if layout != "ring":
-                assert max(work) == min(work), f"cp={cp} {layout} must be balanced, got {work}"
-            else:       # rank r computes the causal diagonal plus r full blocks of c x c
-                c = T // cp
-                assert work == [B * H * (c * (c + 1) // 2 + r * c * c) for r in range(cp)]
+    assert len(per_rank[0]) == 3 * len(LAYOUTS) * 2 + (len(LAYOUTS) if HAS_TRITON else 0)
+    for (cp, layout, dtype, kernel), (_, _, T) in per_rank[0].items():
+        case = f"cp={cp} {layout} {dtype} {kernel}"
+        sent = [r[cp, layout, dtype, kernel][0] for r in per_rank[:cp]]
+        work = [r[cp, layout, dtype, kernel][1] for r in per_rank[:cp]]
+        # bytes: KV = this rank's K and V in the input dtype, dKV = the same in fp32 (or fp64)
+        kv = 2 * B * H * (T // cp) * D * (8 if dtype == "torch.float64" else 4)
+        expected = (cp - 1) * 2 * kv + (cp if layout != "allgather" else cp - 1) * kv
+        assert sent == [expected] * cp, f"{case}: bytes sent {sent}, theory {expected}"
+        # every causal (query, key) pair is computed exactly once, somewhere
+        assert sum(work) == B * H * T * (T + 1) // 2, f"{case}: work {work}"
+        if layout != "ring":
+            assert max(work) == min(work), f"{case} must be balanced, got {work}"
+        else:       # rank r computes the causal diagonal plus r full blocks of c x c
+            c = T // cp
+            assert work == [B * H * (c * (c + 1) // 2 + r * c * c) for r in range(cp)], f"{case}: {work}"
 
 
 # ----------------------------------------------------------------------------------------------------------
