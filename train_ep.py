@@ -25,7 +25,9 @@ Bytes this rank sends per MoE block per micro-batch (DESIGN's convention: only r
 (dispatch S + combine R forward, and the same amounts backward), plus the all_gather of the counts.
 Parameters per rank: P_dense + n_moe_blocks * (E/ep) * (8h^2 + 5h): the expert weights shrink by ep.
 """
+import contextlib
 import dataclasses
+import io
 import time
 
 import torch
@@ -38,8 +40,8 @@ from metrics import MetricsLogger
 from model import GPT, MLP, combine, flops_per_token, init_parameter, route
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_ddp import DataParallelGrads, mean_over_group
-from train_single import (MOE_FLAGS, autocast_context, check_moe, decode, evaluate, gpt_config,
-                          load_training_state, prepare_data, resolve_dtype, router_metrics, save_training_state,
+from train_single import (MOE_FLAGS, autocast_context, check_moe, evaluate, gpt_config, load_training_state,
+                          prepare_data, print_sample, resolve_dtype, router_metrics, save_training_state,
                           should_save)
 
 
@@ -151,19 +153,6 @@ def validate(cfg):
     check(grad_accum_steps(cfg, world) > 0, "empty batch")
 
 
-def print_sample_all_ranks(model, loader, cfg, env):
-    """As train_single.print_sample, but every rank generates (the experts are spread over the ranks, so
-    each forward is collective); same seed and prompt, hence the same tokens everywhere; rank 0 prints."""
-    if cfg.sample_tokens <= 0:
-        return
-    model.eval()
-    prompt, _ = loader.micro_batch(0, 0, 1, split="val")
-    torch.manual_seed(cfg.seed)
-    out = model.generate(prompt[:, : min(32, cfg.block_size)], cfg.sample_tokens, temperature=0.8, top_k=50)
-    if env.is_main:
-        print(f"---- sample ----\n{decode(out[0].tolist(), loader.meta)}\n----------------", flush=True)
-
-
 def main(argv=None):
     cfg = parse_config(argv, techniques=("ep",) + MOE_FLAGS, description=__doc__.split("\n\n")[0],
                        validate=validate)
@@ -193,8 +182,8 @@ def main(argv=None):
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if env.is_main:
-        print(f"train_ep: world {world}, ep {cfg.ep}, {len(experts)} expert tensors ({cfg.n_experts // cfg.ep} "
-              f"experts per MoE block here), {param_bytes / 2**20:.1f} MiB params per rank, grad_acc {grad_acc}, "
+        print(f"train_ep: world {world}, ep {cfg.ep}, {cfg.n_experts // cfg.ep} of {cfg.n_experts} experts per "
+              f"MoE block on each rank, {param_bytes / 2**20:.1f} MiB params per rank, grad_acc {grad_acc}, "
               f"{dtype}, {env.device}, steps {start}..{last_step - 1}", flush=True)
 
     for step in range(start, last_step):
@@ -241,7 +230,10 @@ def main(argv=None):
         if should_save(cfg, step, last_step):
             save_training_state(cfg, model, optimizer, step + 1, rank=env.rank)   # each rank its experts
     logger.close()
-    print_sample_all_ranks(model, loader, cfg, env)
+    # every rank generates (each forward is collective over the experts), with the same seed and prompt,
+    # hence the same tokens; only rank 0's text is shown
+    with contextlib.nullcontext() if env.is_main else contextlib.redirect_stdout(io.StringIO()):
+        print_sample(model, loader, cfg, dataclasses.replace(env, rank=0))
     return dict(model=model, cfg=cfg)
 
 

@@ -1,5 +1,6 @@
 """train_ep.py: the all_to_all dispatch/combine equals the single-device MoE layer (outputs and gradients),
 EP training reproduces train_single.py with --n_experts, and the counted bytes equal the routed rows."""
+import json
 import os
 
 import pytest
@@ -66,7 +67,8 @@ def _dispatch_worker(rank, world, n_experts, top_k, dtype_name, idle, capacity_f
                 router_ref=ref.router.weight.grad, router_ep=ep.router.weight.grad, expert_ref=expert_grads,
                 expert_ep={n: p.grad for n, p in ep.named_parameters() if n.startswith("experts.")},
                 counted=counted, expected_a2a=2 * (sent + received) * H * x.element_size(),
-                expected_gather=(world - 1) * n_experts * 8, received=received, kept=int(kept.sum()), routed=int(ref.routing.counts.sum())))
+                expected_gather=(world - 1) * n_experts * 8, received=received, kept=int(kept.sum()),
+                routed=int(ref.routing.counts.sum())))
 
 
 def _dispatch_cases(rank, world, cases):
@@ -127,6 +129,11 @@ def _train_ep_runs(rank, world, runs):
     return out
 
 
+def _val_losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [row["val_loss"] for row in map(json.loads, f) if "val_loss" in row]
+
+
 def _argv(data, out, **kw):
     return tiny_argv(data, out, micro_batch_size=MICRO, **kw)
 
@@ -153,16 +160,25 @@ def check_counts(rows, world, ep, n_experts, n_moe, a2a_per_micro=None, h=32, de
             assert row["a2a_bytes"] == n_moe * grad_acc * a2a_per_micro
 
 
-@pytest.mark.parametrize("world,runs", [
+@pytest.mark.parametrize("world,runs,resume", [
     # (ep, n_experts, top_k, extra model flags, steps)
-    (2, [(2, 4, 1, {}, 20), (2, 4, 2, dict(capacity_factor=1.0, moe_every=2), 10), (2, 2, 2, {}, 3)]),
-    (4, [(4, 8, 2, {}, 20), (2, 4, 1, {}, 20)]),      # the second: two EP groups, each expert on 2 ranks
+    (2, [(2, 4, 1, {}, 20), (2, 4, 2, dict(capacity_factor=1.0, moe_every=2), 10),
+         (2, 2, 2, dict(eval_interval=2, eval_iters=2, sample_tokens=3), 3)], True),
+    (4, [(4, 8, 2, {}, 20), (2, 4, 1, {}, 20)], False),      # the second: two EP groups, each expert on 2 ranks
 ])
-def test_ep_reproduces_single_device_moe(tiny_data, tmp_path, world, runs):
+def test_ep_reproduces_single_device_moe(tiny_data, tmp_path, world, runs, resume):
     from model import GPTConfig, num_params
     argvs = [_argv(tiny_data, str(tmp_path / f"ep{i}"), n_experts=E, top_k=k, max_steps=steps, ep=ep, **kw)
              for i, (ep, E, k, kw, steps) in enumerate(runs)]
+    resumed, base = str(tmp_path / "resumed"), argvs[-1]
+    if resume:      # the last run again, stopped after 2 steps and resumed from its per-rank checkpoints
+        out_at = base.index("--out_dir") + 1
+        argvs += [base[:out_at] + [resumed] + base[out_at + 1:] + extra for extra in (["--stop_step", "2"],
+                                                                                       ["--resume"])]
     results = run_workers(_train_ep_runs, world, args=(argvs,), timeout=600)
+    if resume:
+        assert [r["loss"] for r in read_metrics(resumed)] == pytest.approx(
+            [r["loss"] for r in read_metrics(str(tmp_path / f"ep{len(runs) - 1}"))], rel=1e-7)
     for i, (ep, E, k, kw, steps) in enumerate(runs):
         ref_losses, ref_state = run_single(_argv(tiny_data, str(tmp_path / f"single{i}"), n_experts=E, top_k=k,
                                                  max_steps=steps, **kw))
@@ -178,6 +194,9 @@ def test_ep_reproduces_single_device_moe(tiny_data, tmp_path, world, runs):
             for key in ("tokens_per_expert_min", "tokens_per_expert_max", "dropped_tokens"):
                 assert a[key] == b[key], (key, a[key], b[key])
             assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-5)
+        if kw.get("eval_interval"):               # evaluation is collective too, and agrees
+            val = [_val_losses(str(tmp_path / name)) for name in (f"single{i}", f"ep{i}")]
+            assert len(val[0]) == 2 and val[1] == pytest.approx(val[0], rel=1e-5)
         if kw.get("capacity_factor"):
             assert sum(r["dropped_tokens"] for r in rows) > 0, "the capacity case should drop something"
         cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=32, n_experts=E, top_k=k,
