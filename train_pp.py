@@ -65,29 +65,26 @@ class PipelineStage(nn.Module):
         self.transformer["h"] = nn.ModuleDict({str(i): Block(gcfg) for i in layers})
         if last:
             self.transformer["ln_f"] = nn.LayerNorm(gcfg.n_embd)
-            # one stage model: the head shares wte as in GPT; else it owns a copy (synced by sync_tied_grads)
+            # a one-stage model shares wte as GPT does; else the head owns a copy (see tied_grads_sync)
             self.lm_head = LMHead(self.transformer["wte"] if first
                                   else nn.Embedding(gcfg.padded_vocab_size, gcfg.n_embd))
 
-    def forward(self, x, targets=None):
-        """x: token ids [b, T] on the first stage, else the previous stage's activations [b, T, h]."""
-        T = x.shape[1]
-        cos, sin = rope_cache(self.cfg.n_embd // self.cfg.n_head, torch.arange(T, device=x.device),
-                              self.cfg.rope_base)
+    def body(self, x):
+        """Token ids [b, T] (first stage) or the previous stage's activations [b, T, h] -> [b, T, h]."""
+        # RoPE needs only global positions: every stage rebuilds the same small table
+        pos = torch.arange(x.shape[1], device=x.device)
+        cos, sin = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base)
         if self.first:
             x = self.transformer["drop"](self.transformer["wte"](x))
         for block in self.transformer["h"].values():
-            if self.cfg.recompute == "full" and self.training:
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cos, sin)
-        if self.last:
-            return self.lm_head(self.transformer["ln_f"](x), targets)[1]
+            full = self.cfg.recompute == "full" and self.training
+            x = checkpoint(block, x, cos, sin, use_reentrant=False) if full else block(x, cos, sin)
         return x
 
-
-def gpt_name(name):
-    return "transformer.wte.weight" if name == "lm_head.weight" else name
+    def forward(self, x, targets=None):
+        """The activations for the next stage, or on the last stage the mean loss over the micro-batch."""
+        x = self.body(x)
+        return self.lm_head(self.transformer["ln_f"](x), targets)[1] if self.last else x
 
 
 def build_stages(gcfg, rank, p, v, seed, device):
@@ -99,7 +96,8 @@ def build_stages(gcfg, rank, p, v, seed, device):
         chunk = PipelineStage(gcfg, ranges[s], s == 0, s == p * v - 1)
         with torch.no_grad():
             for name, param in chunk.named_parameters():
-                param.copy_(init_parameter(gpt_name(name), param.shape, gcfg.n_layer, seed))
+                name = "transformer.wte.weight" if name == "lm_head.weight" else name   # the tied copy
+                param.copy_(init_parameter(name, param.shape, gcfg.n_layer, seed))
         chunks.append(chunk.to(device))
     return chunks
 
@@ -107,13 +105,12 @@ def build_stages(gcfg, rank, p, v, seed, device):
 def tied_grads_sync(chunks, tied_group):
     """Sum the tied embedding's gradient over its two copies (first and last stage) and give both the sum."""
     params = [p for n, p in chunks.named_parameters() if n.endswith(("wte.weight", "lm_head.weight"))]
-    if not params:
-        return
-    total = sum(p.grad for p in params)
-    if tied_group is not None:
-        comm.all_reduce(total, group=tied_group)
-    for p in params:
-        p.grad = total.clone() if len(params) > 1 else total
+    if params:                                   # ranks in the middle hold neither copy
+        total = sum(p.grad for p in params)      # both copies on this rank when p == 1
+        if tied_group is not None:
+            comm.all_reduce(total, group=tied_group)
+        for p in params:                         # identical grads + identical AdamW = identical copies
+            p.grad = total.clone()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -189,33 +186,27 @@ class PipelineRunner:
         self.act_shape, self.device, self.store, self.amp = act_shape, device, store, amp
         self.peer = [dist.get_global_rank(group, r) for r in range(self.p)]
 
-    # ---- messages
-    def _new_buffer(self):
-        return torch.empty(self.act_shape, device=self.device, dtype=torch.float32)
-
+    # ---- messages: (what, micro-batch, receiving stage), see pipeline_schedules.sends_of
     def _exchange(self, needed):
         """Launch pending sends with the receives needed now (and any the sender sends before them)."""
-        ops, sends, recvs = [], self.pending, []
-        for dst, _, t in sends:
-            ops.append(dist.P2POp(dist.isend, t, self.peer[dst], self.group))
+        ops = [dist.P2POp(dist.isend, t, self.peer[dst], self.group) for dst, _, t in self.pending]
+        recvs = {}
         for src, msg in needed:
-            while src != self.rank and msg not in self.posted and msg not in [r[0] for r in recvs]:
-                nxt, buf = self.expected[src].popleft(), self._new_buffer()
+            # a message can only be matched after all that its sender sent us before it: post those first
+            while src != self.rank and msg not in self.posted and msg not in recvs:
+                recvs[self.expected[src].popleft()] = buf = torch.empty(self.act_shape, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, buf, self.peer[src], self.group))
-                recvs.append((nxt, buf))
         works = comm.batch_isend_irecv(ops) if ops else []
-        per_op = len(works) == len(ops)          # gloo: one work per op; NCCL: one for the whole batch
-        work_of = (lambda i: works[i]) if per_op else (lambda i: works[0])
-        self.sending += [(work_of(i), out) for i, (_, _, out) in enumerate(sends)]
-        self.posted.update({msg: (work_of(len(sends) + i), buf) for i, (msg, buf) in enumerate(recvs)})
-        self.pending = []
-        out = []
+        work = (lambda i: works[i]) if len(works) == len(ops) else (lambda i: works[0])  # NCCL: one per batch
+        self.sending += [(work(i), t) for i, (_, _, t) in enumerate(self.pending)]
+        self.posted.update({msg: (work(len(self.pending) + i), buf) for i, (msg, buf) in enumerate(recvs.items())})
+        self.pending, out = [], []
         for src, msg in needed:
             if src == self.rank:
                 out.append(self.local.pop(msg))
             else:
-                work, buf = self.posted.pop(msg)
-                work.wait()
+                w, buf = self.posted.pop(msg)
+                w.wait()
                 out.append(buf)
         return out
 
@@ -336,13 +327,10 @@ def gather_full_state(chunks, gcfg, group, v, device):
 
 def n_microbatches(cfg):
     """(m, micro-batch size): --n_microbatches M sets the micro-batch to global / M."""
-    if cfg.n_microbatches > 0:
-        check(cfg.global_batch_size % cfg.n_microbatches == 0,
-              f"global_batch_size={cfg.global_batch_size} is not divisible by --n_microbatches {cfg.n_microbatches}")
-        return cfg.n_microbatches, cfg.global_batch_size // cfg.n_microbatches
-    check(cfg.global_batch_size % cfg.micro_batch_size == 0,
-          f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size={cfg.micro_batch_size}")
-    return cfg.global_batch_size // cfg.micro_batch_size, cfg.micro_batch_size
+    by, name = (cfg.n_microbatches, "--n_microbatches") if cfg.n_microbatches > 0 else \
+        (cfg.micro_batch_size, "micro_batch_size")
+    check(cfg.global_batch_size % by == 0, f"global_batch_size={cfg.global_batch_size} is not divisible by {name}={by}")
+    return (by, cfg.global_batch_size // by) if cfg.n_microbatches > 0 else (cfg.global_batch_size // by, by)
 
 
 def validate(cfg):
@@ -361,8 +349,7 @@ def validate(cfg):
     check(cfg.pp_uneven or cfg.n_layer % (p * v) == 0,
           f"n_layer={cfg.n_layer} does not split evenly into pp*pp_virtual={p * v} stages (pass --pp_uneven "
           f"to give the first stages one block more)")
-    check(cfg.dtype != "float16", "train_pp.py supports float32 and bfloat16 (fp16 needs a pipeline-wide "
-                                  "GradScaler)")
+    check(cfg.dtype != "float16", "train_pp.py supports float32 and bfloat16 (fp16 needs a pipeline GradScaler)")
 
 
 def extra_args(parser):
@@ -384,8 +371,11 @@ def main(argv=None):
 
     chunks = build_stages(gcfg, rank, p, v, cfg.seed, env.device)
     store = WeightGradStore() if cfg.pp_schedule == "zb1" else None
-    if store is not None:
+    if store is not None:                        # zb1: the blocks' Linears leave dW to the W actions
         defer_weight_grads(chunks, store)
+    if cfg.compile:                              # block by block: what crosses stages stays plain tensors
+        for block in (b for chunk in chunks for b in chunk.transformer["h"].values()):
+            block.compile()
     tied_group = comm.new_group([0, p - 1]) if p > 1 else None   # every rank creates it, two use it
     schedules = make_schedule(cfg.pp_schedule, p, m, v)
     sim = simulate(schedules, p, v)
@@ -404,7 +394,7 @@ def main(argv=None):
               f"simulated bubble {sim['idle'][0] / sim['makespan']:.3f}, {dtype}, steps {start}..{last_step - 1}",
               flush=True)
     dist.barrier(group=group)                    # every pipeline rank is up before the first send
-    idle_fracs = []
+    idle_fracs = []                              # per step: 1 - busy / step time (waiting for messages)
 
     for step in range(start, last_step):
         COMM.reset()
@@ -426,8 +416,7 @@ def main(argv=None):
         loss_value = float(loss_sum) / m
         step_time = time.perf_counter() - t0
         idle_fracs.append(1.0 - runner.busy / step_time)
-        step_bytes = COMM.bytes_sent
-        logger.log_step(step, loss_value, lr, float(grad_norm), step_time, step_bytes,
+        logger.log_step(step, loss_value, lr, float(grad_norm), step_time, step_bytes := COMM.bytes_sent,
                         p2p_bytes=p2p_bytes, idle_frac=idle_fracs[-1],
                         bubble_sim=sim["idle"][rank] / sim["makespan"])
 
@@ -440,21 +429,18 @@ def main(argv=None):
             save_training_state(cfg, chunks, optimizer, step + 1, rank=rank)
     logger.close()
 
-    # measured idle share per rank (median over steps after the first) next to the simulator's
-    steady = sorted(idle_fracs[1:] or idle_fracs)
-    idle = torch.tensor([steady[len(steady) // 2] if steady else 0.0], device=env.device)
+    # measured idle share per rank (median over the steps after the first) next to the simulator's
+    steady = sorted(idle_fracs[1:] or idle_fracs or [0.0])
     idle_all = torch.empty(p, device=env.device)
-    comm.all_gather(idle_all, idle, group=group)
+    comm.all_gather(idle_all, torch.tensor([steady[len(steady) // 2]], device=env.device), group=group)
     if env.is_main:
         print("idle per rank, measured " + " ".join(f"{x:.3f}" for x in idle_all.tolist()) + " | simulated "
               + " ".join(f"{i / sim['makespan']:.3f}" for i in sim["idle"]), flush=True)
-    if cfg.sample_tokens > 0:
+    if cfg.sample_tokens > 0:                    # the whole model on rank 0, for the eyeball test
         full = gather_full_state(chunks, gcfg, group, v, env.device)
         if env.is_main:
             model = GPT(gcfg, seed=cfg.seed).to(env.device)
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    param.copy_(full[name])
+            model.load_state_dict({**full, "lm_head.weight": full["transformer.wte.weight"]})
             print_sample(model, loader, cfg, env)
     return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, group=group, p2p_bytes=p2p_bytes, comm_bytes=step_bytes,
                 idle=idle_all.tolist(), sim=sim)
