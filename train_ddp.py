@@ -93,17 +93,21 @@ class DataParallelGrads:
     for the in-flight reductions and averages), then the optimizer step, then `zero_grad()`.
     Subclasses (ZeRO) change what a ready bucket does by overriding `launch` and `complete`."""
 
-    def __init__(self, params, group, mode="bucket", bucket_mb=25.0, pad_to=1, attach=True):
+    def __init__(self, params, group, mode="bucket", bucket_mb=25.0, pad_to=1, attach=True, groups=None):
+        """groups: explicit parameter groups as buckets, in launch order (ZeRO-3 passes its units);
+        attach=False: no persistent buffers, a subclass copies gradients in `grad_landed` instead."""
         assert mode in MODES, mode
         self.params = [p for p in params if p.requires_grad]
         self.group, self.mode = group, mode
         self.n = dist.get_world_size(group)
+        self.communicate = self.n > 1       # a one-rank group has nothing to average
         self.sync = True
         self.buckets = []
         if mode == "bucket":
             # backward produces gradients roughly in reverse order of use: last layers' buckets fill first
-            order = list(reversed(self.params))
-            self.buckets = [GradBucket(ps, pad_to) for ps in assign_buckets(order, bucket_mb * 2 ** 20)]
+            if groups is None:
+                groups = assign_buckets(list(reversed(self.params)), bucket_mb * 2 ** 20)
+            self.buckets = [GradBucket(ps, pad_to) for ps in groups]
             self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
             if attach:
                 for b in self.buckets:
@@ -121,7 +125,7 @@ class DataParallelGrads:
 
     def _grad_ready(self, p):
         """Called by autograd the moment p.grad holds this backward's full gradient."""
-        if not self.sync or self.n == 1:
+        if not self.sync or not self.communicate:
             return
         if self.mode == "overlap":
             self.param_works.append(all_reduce(p.grad, group=self.group, async_op=True))
@@ -140,13 +144,16 @@ class DataParallelGrads:
         bucket.work = all_reduce(bucket.buffer, group=self.group, async_op=True)
 
     def complete(self, bucket):
+        if bucket.work is None:
+            return
         bucket.work.wait()
         bucket.work = None
         bucket.buffer.div_(self.n)        # sum -> mean over ranks
 
     def finish(self):
-        """Wait for every reduction of this step and average; after it, gradients are identical on all ranks."""
-        if self.n == 1:
+        """Wait for every reduction of this step and average; after it, gradients are identical on all ranks.
+        A no-op after a no_sync micro-step."""
+        if not self.sync or not self.communicate:
             return
         if self.mode == "naive":
             for p in self.params:

@@ -1,0 +1,476 @@
+"""
+train_zero.py: ZeRO stages 1, 2 and 3 (ZeRO-3 = FSDP) written by hand, over train_ddp.py (its gradient buckets
+and post-accumulate-grad hooks, with new actions for a ready bucket). Each bucket / unit of parameters is one
+flat buffer padded to a multiple of N ranks; rank r owns elements [r*s, (r+1)*s), s = padded/N.
+
+    torchrun --nproc_per_node 2 train_zero.py --zero_stage 1               # sharded AdamW state
+    torchrun --nproc_per_node 4 train_zero.py --zero_stage 2               # + sharded gradients
+    torchrun --nproc_per_node 2 train_zero.py --zero_stage 3 --no-prefetch # + sharded parameters
+    torchrun --nproc_per_node 2 train_zero.py --zero_stage 3 --device cuda --dtype bfloat16
+
+Precision recipes (bytes per parameter, from model.model_state_bytes_per_param):
+    float32:  params 4, grads 4, AdamW m+v 8          (the fp32 parameter shard is its own master copy)
+    bfloat16: params 2, grads 2, fp32 master + m + v 12 (K = 12)
+Model-state bytes per rank (P parameters, padded to P' with P' - P < N * buckets, N ranks):
+    stage 0 (DP)  2P + 2P + 12P          stage 2  2P' + (2P' + 12P')/N
+    stage 1       2P' + 2P' + 12P'/N     stage 3  (2P' + 2P' + 12P')/N  (+ gathered units in flight)
+Communication per step, b bytes per value, g = grad_acc (DESIGN's ring convention):
+    stage 1  reduce-scatter + all-gather          2 (N-1)/N P' b        (= one all-reduce)
+    stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay full)
+    stage 3  all-gather fwd + bwd + reduce-scatter 3 g (N-1)/N P' b
+    stages 1-3 also all-reduce one fp32 scalar (the squared gradient norm): + 2 (N-1)/N * 4 bytes.
+ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre-backward: gather (prefetch
+previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
+"""
+import argparse
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from comm import COMM, all_gather, init_distributed, reduce_scatter, world_size_from_env
+from config import check, config_dict, fail, grad_accum_steps, parse_config
+from metrics import MetricsLogger
+from model import GPT, flops_per_token, init_parameter, model_state_bytes_per_param
+from optim import clip_grad_norm, configure_optimizer, lr_at
+from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
+from train_single import evaluate, gpt_config, prepare_data, resolve_dtype, should_save
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building blocks: one shard of a flat parameter group, its optimizer, its gradient reduction
+
+class Shard:
+    """One bucket (stages 0-2) or unit (stage 3) of parameters: a flat compute-dtype buffer `full` whose
+    views are the model's parameters, this rank's slice `shard`, and the fp32 optimizer state of that
+    slice (master, exp_avg, exp_avg_sq). Stage 3 keeps only `shard` at rest: `full` has its storage
+    resized to zero except between `gather()` and `free()`."""
+
+    def __init__(self, names, params, stage, group, dtype, device, n_layer, seed, tracker=None):
+        self.names, self.stage, self.group = names, stage, group
+        n, rank = (1, 0) if stage == 0 else (dist.get_world_size(group), dist.get_rank(group))
+        self.offsets, total = [], 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.padded = -(-total // n) * n
+        self.lo, self.hi = rank * (self.padded // n), (rank + 1) * (self.padded // n)
+        init = torch.zeros(self.padded)                 # one unit at a time, in fp32 (the master's values)
+        for name, p, off in zip(names, params, self.offsets):
+            init[off: off + p.numel()] = init_parameter(name, p.shape, n_layer, seed).reshape(-1)
+        self.full = init.to(device=device, dtype=dtype)
+        self.params = [torch.nn.Parameter(self.full[off: off + p.numel()].view(p.shape))
+                       for p, off in zip(params, self.offsets)]
+        own = init[self.lo: self.hi].to(device)
+        self.shard = own.to(dtype).clone() if stage == 3 else self.full[self.lo: self.hi]
+        self.master = self.shard if dtype == torch.float32 else own.clone()
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(own), torch.zeros_like(own)
+        self.grad = None                                # this rank's gradient slice (set by ShardedGrads)
+        # AdamW decays >= 2-D parameters only (as optim.configure_optimizer): their runs inside the shard
+        self.decay_runs = [(max(off, self.lo) - self.lo, min(off + p.numel(), self.hi) - self.lo)
+                           for p, off in zip(params, self.offsets)
+                           if p.dim() >= 2 and off < self.hi and off + p.numel() > self.lo]
+        self.tracker, self.handle, self.in_backward = tracker, None, False
+        if stage == 3:
+            self.full.untyped_storage().resize_(0)      # at rest: only the shard
+
+    def gather(self):
+        """Stage 3: start the all-gather of the full parameters (async); `wait()` before use."""
+        if self.handle is None and self.full.untyped_storage().nbytes() == 0:
+            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+            self.tracker.add(self.padded * self.full.element_size())
+            # into `.data`: same memory, own version counter. Autograd saved these parameters for backward,
+            # and refilling them with the same values is not a modification it must see.
+            self.handle = all_gather(self.full.data, self.shard, group=self.group, async_op=True)
+
+    def wait(self):
+        self.gather()
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+    def free(self):
+        nbytes = self.full.untyped_storage().nbytes()
+        if nbytes:
+            self.full.untyped_storage().resize_(0)      # parameter views keep their shape, lose their memory
+            if self.tracker is not None:
+                self.tracker.add(-nbytes)
+        self.in_backward = False
+
+    @torch.no_grad()
+    def publish(self):
+        """After the optimizer step: the new master values into the compute-dtype shard, and (stages 1-2)
+        all-gather the updated shards so every rank's full parameters agree again."""
+        if self.shard is not self.master:
+            self.shard.copy_(self.master)
+        if self.stage in (1, 2):
+            all_gather(self.full, self.shard, group=self.group)
+
+
+class GatheredBytes:
+    """Bytes of ZeRO-3 parameters gathered right now, and the most at any moment."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+
+    def add(self, nbytes):
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+
+class ShardedAdamW:
+    """AdamW on the flat fp32 shards (elementwise, so a shard is stepped exactly like the full tensor),
+    in the same operation order as torch.optim.AdamW's foreach path, with optim.py's hyperparameters."""
+
+    def __init__(self, shards, cfg):
+        defaults = configure_optimizer([], cfg).defaults
+        (self.beta1, self.beta2), self.eps, self.wd = defaults["betas"], defaults["eps"], cfg.weight_decay
+        self.shards, self.steps = shards, 0
+
+    @torch.no_grad()
+    def step(self, lr, grads):
+        self.steps += 1
+        masters = [s.master for s in self.shards]
+        m, v = [s.exp_avg for s in self.shards], [s.exp_avg_sq for s in self.shards]
+        for s in self.shards:
+            for a, b in s.decay_runs:
+                s.master[a:b].mul_(1 - lr * self.wd)
+        torch._foreach_lerp_(m, grads, 1 - self.beta1)
+        torch._foreach_mul_(v, self.beta2)
+        torch._foreach_addcmul_(v, grads, grads, 1 - self.beta2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, (1 - self.beta2 ** self.steps) ** 0.5)
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_addcdiv_(masters, m, denom, -lr / (1 - self.beta1 ** self.steps))
+
+
+class ShardedGrads(DataParallelGrads):
+    """train_ddp's buckets and hooks with ZeRO's action for a ready bucket: reduce-scatter it into this
+    rank's gradient shard. Stage 1 keeps DDP's persistent bucket buffers (param.grad views, no_sync
+    accumulation); stages 2-3 copy each final gradient into a bucket buffer that lives only until its
+    reduce-scatter is done, and accumulate the reduced slices in the shard across micro-steps."""
+
+    def __init__(self, shards, group, stage):
+        n = 1 if stage == 0 else dist.get_world_size(group)
+        super().__init__([p for s in shards for p in s.params], group, "bucket", pad_to=n,
+                         attach=stage <= 1, groups=[s.params for s in shards])
+        self.stage, self.communicate, self.in_flight = stage, True, []
+        for b, s in zip(self.buckets, shards):
+            assert b.padded_numel == s.padded
+            b.shard = s
+            # stage 0 all-reduces the whole buffer; stage 1 reduce-scatters it in place into its own slice
+            s.grad = b.buffer[s.lo: s.hi] if stage <= 1 else torch.zeros_like(s.shard)
+
+    def grad_landed(self, bucket, i, p):
+        if self.stage >= 2:
+            if bucket.buffer is None:
+                bucket.allocate()
+            bucket.view(i).copy_(p.grad)
+            p.grad = None                               # the full-size gradient is freed at once
+
+    def launch(self, bucket):
+        if self.stage == 0:
+            return super().launch(bucket)
+        s = bucket.shard
+        if self.stage == 3:
+            s.free()                                    # this unit's backward is over
+        if bucket.buffer is None:                       # no parameter of it got a gradient
+            bucket.allocate()
+        out = s.grad if self.stage == 1 else torch.empty_like(s.grad)
+        bucket.work = reduce_scatter(out, bucket.buffer, group=self.group, async_op=True)
+        bucket.out = out
+        if self.stage >= 2:                             # keep at most two buffers in flight
+            self.in_flight.append(bucket)
+            if len(self.in_flight) > 2:
+                self.complete(self.in_flight.pop(0))
+
+    def complete(self, bucket):
+        if self.stage == 0 or bucket.work is None:
+            return super().complete(bucket)
+        bucket.work.wait()
+        bucket.work = None
+        if self.stage == 1:
+            bucket.shard.grad.div_(self.n)
+        else:
+            bucket.shard.grad.add_(bucket.out.div_(self.n))
+            bucket.buffer = None                       # the non-owned part of the gradients is gone
+        bucket.out = None
+
+    def finish(self):
+        super().finish()
+        self.in_flight = []
+
+    def grads(self):
+        return [b.shard.grad for b in self.buckets]
+
+    def zero_grad(self):
+        for b in self.buckets:
+            (b.buffer if self.stage <= 1 else b.shard.grad).zero_()
+
+
+def replace_parameter(model, old, new):
+    """Point every module attribute holding `old` (tied weights: several) at `new`."""
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is old:
+                module._parameters[key] = new
+
+
+def shard_model(model, cfg, stage, group, dtype, device, tracker):
+    """Swap the model's parameters for views of flat per-bucket (stage 0-2) or per-unit (stage 3) Shards."""
+    named = {p: n for n, p in model.named_parameters()}
+    if stage == 3:   # units: blocks in backward order, then the root (embedding, final LayerNorm)
+        blocks = [list(b.parameters()) for b in model.transformer.h]
+        root = [p for p in model.parameters() if all(p is not q for blk in blocks for q in blk)]
+        groups = list(reversed(blocks)) + [root]
+    else:
+        groups = assign_buckets(list(reversed(list(model.parameters()))), cfg.bucket_mb * 2 ** 20)
+    shards = []
+    for params in groups:
+        s = Shard([named[p] for p in params], params, stage, group, dtype, device, cfg.n_layer, cfg.seed, tracker)
+        for old, new in zip(params, s.params):
+            replace_parameter(model, old, new)
+        shards.append(s)
+    return shards
+
+
+def install_zero3_hooks(model, shards, prefetch):
+    """Gather a block's parameters just before its forward and its backward, free them right after;
+    with prefetch, start the all-gather of the block that runs next while this one computes."""
+    blocks, root = list(reversed(shards[:-1])), shards[-1]     # blocks in forward order
+
+    def pre_backward(i):
+        def hook(grad):
+            unit = root if i is None else blocks[i]
+            unit.in_backward = True
+            unit.wait()
+            nxt = len(blocks) - 1 if i is None else i - 1
+            if prefetch and nxt >= 0:
+                blocks[nxt].gather()
+        return hook
+
+    def pre_forward(i):
+        def hook(module, args):
+            if blocks[i].in_backward:                  # a recompute (--recompute full) inside backward
+                return
+            blocks[i].wait()
+            if prefetch and i + 1 < len(blocks):
+                blocks[i + 1].gather()
+        return hook
+
+    def post_forward(i):
+        def hook(module, args, out):
+            if blocks[i].in_backward:
+                return
+            blocks[i].free()
+            if out.requires_grad:
+                out.register_hook(pre_backward(i))
+        return hook
+
+    def root_post_forward(module, args, out):
+        root.free()
+        first = next((t for t in out if t is not None and t.requires_grad), None)
+        if first is not None:
+            first.register_hook(pre_backward(None))
+
+    for i, block in enumerate(model.transformer.h):
+        block.register_forward_pre_hook(pre_forward(i))
+        block.register_forward_hook(post_forward(i))
+    model.register_forward_pre_hook(lambda module, args: root.wait())
+    model.register_forward_hook(root_post_forward)
+
+
+def model_state_bytes(model, shards, grads):
+    """Bytes of the parameter, gradient and optimizer-state tensors alive on this rank, each storage once."""
+    seen, out = set(), dict(params=0, grads=0, optim=0)
+
+    def add(kind, t):
+        if t is None:
+            return
+        st = t.untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            out[kind] += st.nbytes()
+    for p in model.parameters():
+        add("params", p)
+        add("grads", p.grad)
+    for s in shards:
+        add("params", s.shard)
+    for b in grads.buckets:
+        add("grads", b.buffer)
+        add("grads", b.shard.grad)
+    for s in shards:
+        for t in (s.master, s.exp_avg, s.exp_avg_sq):
+            add("optim", t)
+    return out
+
+
+def expected_state_bytes(stage, recipe, n_params, padded, n):
+    """The ZeRO paper's formulas with this recipe's bytes per parameter; padded = P' (sum of padded buckets)."""
+    b = model_state_bytes_per_param(recipe)
+    if stage == 0:
+        return dict(params=b["params"] * n_params, grads=b["grads"] * n_params, optim=b["optim"] * n_params)
+    return dict(params=b["params"] * padded // (1 if stage < 3 else n),
+                grads=b["grads"] * padded // (1 if stage < 2 else n), optim=b["optim"] * padded // n)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoints: always consolidated to train_single.py's layout, so any stage / world size can resume any other
+
+@torch.no_grad()
+def full_values(shards, attr):
+    """{parameter name: full fp32 tensor} of the master weights or an AdamW moment, gathered from the shards."""
+    out = {}
+    for s in shards:
+        local = getattr(s, attr)
+        full = local
+        if s.stage > 0:
+            full = torch.empty(s.padded, dtype=local.dtype, device=local.device)
+            all_gather(full, local, group=s.group)
+        for name, p, off in zip(s.names, s.params, s.offsets):
+            out[name] = full[off: off + p.numel()].view(p.shape).cpu().clone()
+    return out
+
+
+def optimizer_layout(model, cfg):
+    """Parameter names in the order of a single-device AdamW's state_dict, and its param_groups."""
+    names = {p: n for n, p in model.named_parameters()}
+    reference = configure_optimizer(model.named_parameters(), cfg)       # holds no state: layout only
+    order = [names[p] for g in reference.param_groups for p in g["params"]]
+    return order, reference.state_dict()["param_groups"]
+
+
+def save_consolidated(cfg, model, shards, optimizer, next_step, rank):
+    weights, m, v = (full_values(shards, a) for a in ("master", "exp_avg", "exp_avg_sq"))   # every rank
+    if rank != 0:
+        return
+    order, param_groups = optimizer_layout(model, cfg)
+    names = {p: n for n, p in model.named_parameters()}
+    step = torch.tensor(float(optimizer.steps))
+    state = {i: dict(step=step.clone(), exp_avg=m[n], exp_avg_sq=v[n]) for i, n in enumerate(order)}
+    model_state = {k: weights[names[p]] for k, p in model.state_dict(keep_vars=True).items()}
+    save_checkpoint(checkpoint_path(cfg.out_dir), dict(
+        model=model_state, optimizer=dict(state=state, param_groups=param_groups), step=next_step,
+        rng=rng_state(), config=config_dict(cfg)))
+
+
+@torch.no_grad()
+def load_consolidated(cfg, model, shards, optimizer):
+    """Every rank reads the consolidated checkpoint and keeps its shard; returns the step to continue from."""
+    path = checkpoint_path(cfg.out_dir)
+    try:
+        state = load_checkpoint(path)
+    except FileNotFoundError as e:
+        fail(str(e))
+    order, _ = optimizer_layout(model, cfg)
+    moments = {n: state["optimizer"]["state"].get(i) for i, n in enumerate(order)}
+    for s in shards:
+        full = torch.zeros(3, s.padded)                 # weights, exp_avg, exp_avg_sq
+        for name, p, off in zip(s.names, s.params, s.offsets):
+            value = state["model"].get(name)
+            if value is None or value.shape != p.shape:
+                fail(f"checkpoint {path} does not match this model: parameter {name} "
+                     f"{None if value is None else tuple(value.shape)} vs {tuple(p.shape)}")
+            full[0, off: off + p.numel()] = value.reshape(-1).float()
+            if moments[name] is not None:
+                full[1, off: off + p.numel()] = moments[name]["exp_avg"].reshape(-1)
+                full[2, off: off + p.numel()] = moments[name]["exp_avg_sq"].reshape(-1)
+        if s.stage < 3:
+            s.full.copy_(full[0])
+        for t, row in ((s.master, 0), (s.exp_avg, 1), (s.exp_avg_sq, 2)):
+            t.copy_(full[row, s.lo: s.hi])
+        if s.shard is not s.master:
+            s.shard.copy_(s.master)
+    steps = [m["step"] for m in moments.values() if m is not None]
+    optimizer.steps = int(steps[0]) if steps else 0
+    set_rng_state(state["rng"])
+    return state["step"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def add_args(parser):
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                        help="ZeRO-3: start the next block's all-gather while the current block computes")
+
+
+def validate(cfg):
+    check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
+    check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
+    check(cfg.dtype in ("auto", "float32", "bfloat16"),
+          f"train_zero.py supports --dtype float32 or bfloat16 (fp32 master weights), got {cfg.dtype}")
+
+
+def main(argv=None):
+    cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb"), description=__doc__.split("\n\n")[0],
+                       extra_args=add_args, validate=validate)
+    env = init_distributed(cfg)
+    group, dp, stage = dist.group.WORLD, env.world_size, cfg.zero_stage
+    grad_acc = grad_accum_steps(cfg, dp)
+    if dp == 1 and env.is_main:
+        print(f"warning: world size 1: ZeRO-{stage} has nothing to shard (launch with torchrun "
+              f"--nproc_per_node N)", file=sys.stderr, flush=True)
+    loader = prepare_data(cfg, env)
+    dtype = resolve_dtype(cfg, env.device)
+    recipe = "fp32" if dtype == torch.float32 else "bf16"
+
+    with torch.device("meta"):                          # shapes only: each Shard builds its own values
+        model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed)
+    gathered = GatheredBytes()
+    shards = shard_model(model, cfg, stage, group, dtype, env.device, gathered)
+    if stage == 3:
+        install_zero3_hooks(model, shards, cfg.prefetch)
+    grads = ShardedGrads(shards, group, stage)
+    optimizer = ShardedAdamW(shards, cfg)
+    torch.manual_seed(cfg.seed + env.rank)
+    start = load_consolidated(cfg, model, shards, optimizer) if cfg.resume else 0
+    train_model = torch.compile(model) if cfg.compile else model
+    last_step = cfg.stop_step or cfg.max_steps
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=dp,
+                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    padded = sum(s.padded for s in shards)
+    if env.is_main:
+        print(f"train_zero: ZeRO-{stage}, dp {dp}, {len(shards)} {'units' if stage == 3 else 'buckets'}, "
+              f"{padded:,} padded parameters, {recipe}, grad_acc {grad_acc}, steps {start}..{last_step - 1}",
+              flush=True)
+
+    for step in range(start, last_step):
+        t0 = time.perf_counter()
+        COMM.reset()
+        lr = lr_at(step, cfg)
+        loss_sum = 0.0
+        for micro in range(grad_acc):
+            grads.require_sync(stage >= 2 or micro == grad_acc - 1)   # stages 2-3 never keep full grads
+            x, y = loader.micro_batch(step, micro, cfg.micro_batch_size, env.rank, dp)
+            _, loss = train_model(x, y)
+            (loss / grad_acc).backward()
+            grads.finish()
+            loss_sum += loss.detach()
+        state_bytes = model_state_bytes(model, shards, grads)           # params + grads + optimizer, alive
+        g = [t if t.dtype == torch.float32 else t.float() for t in grads.grads()]
+        grad_norm = clip_grad_norm(g, cfg.grad_clip, group=group if stage > 0 else None, device=env.device)
+        optimizer.step(lr, g)
+        for s in shards:
+            s.publish()
+        grads.zero_grad()
+        comm_bytes = COMM.bytes_sent
+        loss_value = mean_over_group(loss_sum / grad_acc, group)        # logging only, not in comm_bytes
+        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
+                        padded_params=padded, gathered_peak_bytes=gathered.peak,
+                        **{f"state_bytes_{k}": v for k, v in state_bytes.items()})
+
+        if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
+            model.eval()                                # every rank: ZeRO-3's forward gathers collectively
+            val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
+            model.train()
+            logger.log_eval(step, val)
+        if should_save(cfg, step, last_step):
+            save_consolidated(cfg, model, shards, optimizer, step + 1, env.rank)
+    logger.close()
+    return dict(model=model, cfg=cfg, shards=shards, grads=grads, optimizer=optimizer)
+
+
+if __name__ == "__main__":
+    main()
