@@ -138,7 +138,6 @@ def _argv(data, out, **kw):
     return tiny_argv(data, out, micro_batch_size=MICRO, **kw)
 
 
-
 def _expert_numel(h):
     return 8 * h * h + 5 * h
 
