@@ -21,6 +21,7 @@ reduce-scatter then an all-gather, so the forward moves the same bytes. The colu
 shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
 """
+import argparse
 import contextlib
 import dataclasses
 import io
@@ -387,7 +388,7 @@ def build_tp_model(cfg, vocab_size, group, device):
 # ----------------------------------------------------------------------------------------------------------
 
 def extra_args(parser):
-    parser.add_argument("--tp_overlap", action="store_true",
+    parser.add_argument("--tp_overlap", action=argparse.BooleanOptionalAction, default=False,
                         help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
 
 

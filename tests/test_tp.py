@@ -119,3 +119,183 @@ def test_parallel_layers_equal_dense_layers():
     torch.manual_seed(5)
     torch.randint(0, 2 ** 62, (1,))                  # the context consumed exactly its one seed draw
     assert after[0] == torch.rand(4).tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# training: parity with train_single.py, dropout determinism, bytes and parameters per rank; one TP block's
+# collectives and saved activations
+
+DROP = dict(dropout=0.1, max_steps=4, recompute="full")
+RUNS = {2: dict(tp={}, sp_overlap=dict(sp=True, tp_overlap=True), dropout_a=DROP, dropout_b=DROP,
+                dropout_sp=dict(DROP, sp=True, recompute="none")),
+        4: dict(overlap=dict(tp_overlap=True), sp=dict(sp=True))}
+PARITY = [(2, "tp"), (2, "sp_overlap"), (4, "overlap"), (4, "sp")]
+
+
+def _saved_activation_bytes(fn, skip):
+    """Run fn, return (its result, bytes of distinct storages autograd saved for backward, except `skip`)."""
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(saved.values())
+
+
+def _block_report(n):
+    """Per mode (single, tp, sp): bytes saved by one block's forward, and its collectives forward / backward."""
+    import torch.distributed as dist
+    import model as M
+    import train_tp as tp
+    from comm import COMM
+    g, s, b = dist.group.WORLD, 32, 2
+    # 8 heads: >= 2 per rank, so the attention output's reshape copies as it does on one device
+    cfg = M.GPTConfig(vocab_size=64, block_size=s, n_layer=1, n_head=8, n_embd=64)
+    cos, sin = M.rope_cache(8, torch.arange(s))
+    report = {}
+    for mode in ("single", "tp", "sp"):
+        if mode == "single":
+            gpt = M.GPT(cfg)
+        else:
+            with torch.device("meta"):
+                gpt = M.GPT(cfg)
+            tp.apply_tp(gpt, g, sp=mode == "sp")
+            tp.init_tp_weights(gpt, 0, g)
+        block = gpt.transformer.h[0]
+        x = torch.randn(b, s // n if mode == "sp" else s, 64, requires_grad=True)
+        skip = {t.untyped_storage().data_ptr() for t in [*block.parameters(), cos, sin]}
+        COMM.reset()
+        y, saved = _saved_activation_bytes(lambda: block(x, cos, sin), skip)
+        fwd = (dict(COMM.calls), COMM.bytes_sent)
+        COMM.reset()
+        y.sum().backward()
+        report[mode] = dict(saved=saved, fwd=fwd, bwd=(dict(COMM.calls), COMM.bytes_sent))
+    return report
+
+
+def _world_worker(rank, n, argvs):
+    import train_tp
+    runs = []
+    for argv in argvs:
+        result = train_tp.main(argv)
+        model, group = result["model"], result["group"]
+        full = train_tp.gather_full_weights(model, group)
+        replicated = {name: p for name, p in model.named_parameters() if not hasattr(p, "tp_split")}
+        runs.append(dict(full=_numpy(full) if rank == 0 else None, replicated=_numpy(replicated),
+                         n_params=sum(p.numel() for p in model.parameters())))
+    return dict(runs=runs, block=_block_report(n))
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tiny_data, tmp_path_factory):
+    out = {}
+    for n, runs in RUNS.items():
+        dirs = {name: str(tmp_path_factory.mktemp(f"tp{n}_{name}")) for name in runs}
+        argvs = [tiny_argv(tiny_data, dirs[name], tp=n, **opts) for name, opts in runs.items()]
+        results = run_workers(_world_worker, n, args=(argvs,))
+        out[n] = dict(block=results[0]["block"], runs={
+            name: dict(dir=dirs[name], opts=runs[name], ranks=[r["runs"][i] for r in results])
+            for i, name in enumerate(runs)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_run(tiny_data, tmp_path_factory):
+    return run_single(tiny_argv(tiny_data, str(tmp_path_factory.mktemp("single"))))
+
+
+@pytest.mark.parametrize("n,name", PARITY)
+def test_tp_matches_single(tp_runs, single_run, n, name):
+    ref_losses, ref_weights = single_run
+    run = tp_runs[n]["runs"][name]
+    assert_same_losses(ref_losses, losses(run["dir"]))
+    assert_same_weights(ref_weights, {k: torch.from_numpy(a) for k, a in run["ranks"][0]["full"].items()})
+
+
+def test_dropout_is_deterministic_and_replicas_stay_equal(tp_runs, single_run):
+    runs = tp_runs[2]["runs"]
+    a, b = losses(runs["dropout_a"]["dir"]), losses(runs["dropout_b"]["dir"])
+    assert a == b, "same seed, same dropout masks: identical losses"
+    assert abs(a[0] - single_run[0][0]) > 1e-4, "dropout 0.1 must change the step-0 loss"
+    for name in ("dropout_a", "dropout_sp"):
+        r0, r1 = (r["replicated"] for r in runs[name]["ranks"])
+        for k in r0:   # LayerNorms, row biases: same updates on every TP rank (no drifting replicas)
+            assert (r0[k] == r1[k]).all(), f"{name}: replicated {k} differs between TP ranks"
+
+
+def expected_step_comm_bytes(n, sp, L, h, B, T, grad_acc, recompute="none"):
+    """Bytes one rank sends per step (fp32, ring convention): S = B*T*h*4 per activation, N = B*T tokens."""
+    S, N = B * T * h * 4, B * T
+    ar, part = 2 * (n - 1) / n, (n - 1) / n          # all-reduce ; all-gather or reduce-scatter
+    if not sp:   # per block 2 all-reduces forward + 2 backward; embedding output; LM-head input grad
+        micro = (4 * L + 2) * ar * S
+    else:        # block: fwd 2 AG + 2 RS, bwd 2 RS + 2 AG + 2 re-gathers; embedding RS + AG; head AG + AG + RS
+        micro = (10 * L + 5) * part * S
+    if recompute == "full":                           # each block's forward runs again in backward
+        micro += L * (2 * ar * S if not sp else 4 * part * S)
+    micro += 3 * ar * N * 4                           # cross-entropy: max, target logit, sum of exps
+    step = grad_acc * micro + ar * 4                  # + the squared grad norm
+    if sp:                                            # LayerNorm (4h) + row-bias (2h) grads per block, ln_f
+        step += ar * 4 * (6 * h * L + 2 * h)
+    return step
+
+
+def test_comm_bytes_and_params_per_rank_equal_theory(tp_runs):
+    L, h, T, B = TINY["n_layer"], TINY["n_embd"], TINY["block_size"], TINY["micro_batch_size"]
+    grad_acc = TINY["global_batch_size"] // B
+    for n, world in tp_runs.items():
+        for name, run in world["runs"].items():
+            rows = read_metrics(run["dir"])
+            opts = run["opts"]
+            want = expected_step_comm_bytes(n, opts.get("sp", False), L, h, B, T, grad_acc, opts.get("recompute"))
+            for row in rows:
+                assert row["comm_bytes"] == pytest.approx(want, rel=1e-12), f"tp={n} {name} step {row['step']}"
+            sharded = h * TINY["vocab"] + L * (12 * h * h + 7 * h)   # wte, c_attn, c_proj W, c_fc, c_proj W
+            replicated = L * 6 * h + 2 * h                           # 2 LayerNorms + 2 row biases, ln_f
+            assert sharded + replicated == num_params(GPTConfig(vocab_size=64, n_layer=L, n_embd=h))
+            for r in run["ranks"]:
+                assert r["n_params"] == sharded // n + replicated
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_block_collectives_and_activation_memory(tp_runs, n):
+    from train_tp import tp_activation_bytes_per_layer
+    from model import activation_bytes_per_layer
+    rep = tp_runs[n]["block"]
+    S, part = 2 * 32 * 64 * 4, (n - 1) / n
+    assert rep["single"]["fwd"] == ({}, 0) and rep["single"]["bwd"] == ({}, 0)
+    assert rep["tp"]["fwd"] == ({"all_reduce": 2}, pytest.approx(2 * 2 * part * S, rel=1e-12))
+    assert rep["tp"]["bwd"] == ({"all_reduce": 2}, pytest.approx(2 * 2 * part * S, rel=1e-12))
+    assert rep["sp"]["fwd"] == ({"all_gather": 2, "reduce_scatter": 2}, pytest.approx(4 * part * S, rel=1e-12))
+    assert rep["sp"]["bwd"] == ({"reduce_scatter": 2, "all_gather": 4}, pytest.approx(6 * part * S, rel=1e-12))
+    # SP: every saved activation is split along the sequence, exactly 1/tp
+    assert rep["sp"]["saved"] * n == rep["single"]["saved"]
+    # TP: Korthikanti's split (replicated LayerNorm/linear inputs, the rest 1/tp). fp32, no dropout; the CPU sdpa
+    # kernel keeps no s x s scores, which is the formula's 'selective' case
+    cfg, kw = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=8, n_embd=64), \
+        dict(bytes_per_value=4, recompute="selective", dropout=False)
+    predicted = tp_activation_bytes_per_layer(32, 2, cfg, n, **kw) / activation_bytes_per_layer(32, 2, cfg, **kw)
+    measured = rep["tp"]["saved"] / rep["single"]["saved"]
+    assert abs(measured / predicted - 1) <= 0.10, f"TP keeps {measured:.3f} of the activations, predicted {predicted:.3f}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bad input: one error line, exit 2, before any work
+
+@pytest.mark.parametrize("world,overrides,message", [
+    (3, dict(tp=3), "n_head=4 is not divisible by tp=3"),
+    (2, dict(tp=2, sp=True, block_size=15), "block_size=15 is not divisible by tp=2"),
+    (2, dict(tp=4), "must equal the number of processes (2)"),
+])
+def test_bad_input_fails_early(tiny_data, tmp_path, monkeypatch, capsys, world, overrides, message):
+    import train_tp
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as exc:
+        train_tp.main(tiny_argv(tiny_data, str(tmp_path), **overrides))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err
