@@ -5,7 +5,7 @@ comm.py: process-group setup and every collective nanoscale uses, each one count
     all_reduce(grad, group=dp_group) # the same call as torch.distributed, plus bytes accounting
     COMM.bytes_sent                  # bytes this rank sent since the last COMM.reset()
 
-Bytes are counted under the standard ring algorithms (DESIGN.md section 2), S = the full tensor's bytes,
+Bytes are counted under the standard ring algorithms (README, "Metrics"), S = the full tensor's bytes,
 n = group size, counting what *this rank sends*:
     all_reduce 2(n-1)/n * S     reduce_scatter (n-1)/n * S of its input    all_gather (n-1)/n * S of its output
     all_to_all: the bytes of its input that go to other ranks (= (n-1)/n * S for even splits)

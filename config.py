@@ -1,5 +1,5 @@
 """
-config.py: the one command line every nanoscale script shares (DESIGN.md section 2).
+config.py: the one command line every nanoscale script shares (README, "Metrics").
 
     cfg = parse_config(argv, techniques=("tp", "sp"))          # only the flags that apply to the script
 

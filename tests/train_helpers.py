@@ -1,6 +1,6 @@
 """
 Helpers for parity tests: a tiny dataset, a tiny config, train_single's reference run, and the comparison
-DESIGN.md section 3 asks for (step-0 loss to 1e-6 relative, the curve to 1e-4, final weights to 1e-4 norm).
+the README's parity contract asks for (step-0 loss to 1e-6 relative, the curve to 1e-4, final weights to 1e-4 norm).
 """
 import os
 
