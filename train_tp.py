@@ -45,12 +45,12 @@ from train_single import (autocast_context, evaluate, gpt_config, load_training_
 # collectives along the sequence: activations are [B, T, h] and SP splits T (dim 1), while the flat
 # collectives split dim 0, hence the transposes. Each returns (result, work); result is valid after work.wait().
 
-def gather_seq(x, group, async_op=False):
-    """[B, T/n, ...] on each rank -> [B, T, ...] on every rank."""
-    xt = x.transpose(0, 1).contiguous()
+def gather_seq(x, group, async_op=False, dim=1):
+    """[B, T/n, ...] on each rank -> [B, T, ...] on every rank (or along another dim)."""
+    xt = x.transpose(0, dim).contiguous()
     out = xt.new_empty((dist.get_world_size(group) * xt.shape[0],) + xt.shape[1:])
     work = all_gather(out, xt, group=group, async_op=async_op)
-    return out.transpose(0, 1), work
+    return out.transpose(0, dim), work
 
 
 def reduce_scatter_seq(x, group, async_op=False):
@@ -108,11 +108,9 @@ class ReduceScatterToSP(torch.autograd.Function):
 
 
 class ColumnLinearFn(torch.autograd.Function):
-    """f fused with the column-parallel matmul, for two things autograd's composition cannot do:
-    - SP: keep only the input's sequence shard for backward (the all-gathered copy is dropped, then gathered
-      again in backward), which is what makes every activation of the layer 1/tp-sized;
-    - overlap: launch the input-gradient all-reduce (reduce-scatter under SP) asynchronously and compute the
-      weight gradient while it travels."""
+    """f fused with the column-parallel matmul, for two things autograd's composition cannot do. SP: keep only
+    the input's sequence shard for backward and all-gather it again there, so every activation is 1/tp-sized.
+    Overlap: launch the input-gradient all-reduce (or reduce-scatter) async, compute dW while it travels."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sp, overlap):
@@ -154,8 +152,7 @@ def leave_tp_region(x, group, sp):
 # equal blocks along `dim` (3 for c_attn's q|k|v) and a rank keeps its 1/tp slice of each block.
 
 def shard_param(shape, dim, parts, group, device):
-    shape = list(shape)
-    shape[dim] //= dist.get_world_size(group)
+    shape = [size // dist.get_world_size(group) if i == dim else size for i, size in enumerate(shape)]
     p = nn.Parameter(torch.empty(shape, device=device))
     p.tp_split = (dim, parts)
     return p
@@ -165,8 +162,7 @@ def shard_of(full, dim, parts, rank, n):
     return torch.cat([block.chunk(n, dim)[rank] for block in full.chunk(parts, dim)], dim)
 
 
-def unshard(pieces, dim, parts):
-    """Inverse of shard_of: pieces[r] is rank r's shard."""
+def unshard(pieces, dim, parts):                                 # inverse of shard_of; pieces[r]: rank r's
     blocks = [piece.chunk(parts, dim) for piece in pieces]
     return torch.cat([torch.cat([b[j] for b in blocks], dim) for j in range(parts)], dim)
 
@@ -251,35 +247,27 @@ class VocabParallelLMHead(nn.Module):
     def forward(self, x, targets=None):
         logits = column_parallel(x, self.weight, None, self.group, self.sp, self.overlap)   # [B, T, V/tp]
         if targets is None:          # generation: gather the vocabulary (the only place full logits exist)
-            parts = logits.movedim(-1, 0).contiguous()
-            full = parts.new_empty((dist.get_world_size(self.group) * parts.shape[0],) + parts.shape[1:])
-            all_gather(full, parts, group=self.group)
-            return full.movedim(0, -1), None
+            return gather_seq(logits, self.group, dim=2)[0], None
         loss = VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.reshape(-1),
                                                self.vocab_start, self.group)
         return logits, loss
 
 
-@contextlib.contextmanager
-def rank_rng(group, device):
-    """A random stream of this TP rank's own, for dropout on data that differs per rank (my heads, my sequence
-    chunk). Its seed is drawn from the shared stream, identical on all TP ranks and replayed exactly by
-    activation recomputation, then offset by the rank. Dropout in replicated regions uses the shared stream."""
-    seed = int(torch.randint(0, 2 ** 62, (1,)))
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-        torch.manual_seed(seed + dist.get_rank(group))
-        yield
-
-
 class RankRNG(nn.Module):
-    """Run a module (attention core, dropout) under this rank's own random stream."""
+    """Run a module (attention core, dropout) under a random stream of this TP rank's own: dropout on data that
+    differs per rank (my heads, my sequence chunk). Its seed is drawn from the shared stream (identical on all TP
+    ranks, and replayed exactly by activation recomputation), then offset by the rank. Dropout in replicated
+    regions draws from the shared stream itself, so every TP rank drops the same values."""
 
     def __init__(self, module, group, device):
         super().__init__()
-        self.module, self.group, self.device = module, group, device
+        self.module, self.group, self.device = module, group, torch.device(device)
 
     def forward(self, *args):
-        with rank_rng(self.group, self.device):
+        seed = int(torch.randint(0, 2 ** 62, (1,)))
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, device_type=self.device.type):
+            torch.manual_seed(seed + dist.get_rank(self.group))
             return self.module(*args)
 
 
@@ -289,7 +277,6 @@ class RankRNG(nn.Module):
 def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
     """Swap model.py's layers for tensor-parallel ones, in place (model.py is untouched). Build the model on the
     meta device: new parameters are allocated here, empty, on `device`; fill them with init_tp_weights."""
-    device = torch.device(device)
     rng = (lambda mod: RankRNG(mod, group, device)) if model.cfg.dropout > 0 else (lambda mod: mod)
     for block in model.transformer.h:
         attn, mlp, h = block.attn, block.mlp, model.cfg.n_embd
@@ -348,8 +335,7 @@ def all_reduce_sequence_parallel_grads(model, group):
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
         all_reduce(flat, group=group)
-        for g, v in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(v.view_as(g))
+        torch._foreach_copy_(grads, [v.view_as(g) for g, v in zip(grads, flat.split([g.numel() for g in grads]))])
 
 
 def clip_tp_grads(model, max_norm, group):
@@ -422,9 +408,9 @@ def main(argv=None):
     logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=cfg.tp,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
     if env.is_main:
-        print(f"train_tp: tp={cfg.tp} sp={cfg.sp} overlap={cfg.tp_overlap}, "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters per rank, grad_acc {grad_acc}, "
-              f"{dtype}, {env.device}, steps {start}..{last_step - 1}", flush=True)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"train_tp: tp={cfg.tp} sp={cfg.sp} overlap={cfg.tp_overlap}, {n_params:,} parameters per rank, "
+              f"grad_acc {grad_acc}, {dtype}, {env.device}, steps {start}..{last_step - 1}", flush=True)
 
     for step in range(start, last_step):
         COMM.reset()
@@ -438,13 +424,12 @@ def main(argv=None):
                 _, loss = train_model(x, y)          # the same full loss on every TP rank
             (loss / grad_acc).backward()
             loss_sum += loss.detach()
-        if cfg.sp:
-            all_reduce_sequence_parallel_grads(model, group)
+        all_reduce_sequence_parallel_grads(model, group)   # SP only: LayerNorm grads summed over TP ranks
         grad_norm = clip_tp_grads(model, cfg.grad_clip, group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss_value = float(loss_sum) / grad_acc
-        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent)
+        logger.log_step(step, float(loss_sum) / grad_acc, lr, float(grad_norm), time.perf_counter() - t0,
+                        COMM.bytes_sent)
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
             model.eval()
