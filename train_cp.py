@@ -4,13 +4,11 @@ across --cp ranks; everything except attention (embeddings, LayerNorms, MLP, LM 
 local chunk with no communication, RoPE using the chunk's *global* positions. Attention, where every token
 needs the keys/values of all earlier tokens, is swapped for a distributed one:
 
-    torchrun --nproc_per_node=4 train_cp.py --cp 4 --cp_layout zigzag --block_size 1024
-    torchrun --nproc_per_node=2 train_cp.py --cp 2 --cp_layout ring           # or allgather
+    torchrun --nproc_per_node=4 train_cp.py --cp 4 --cp_layout zigzag --block_size 1024   # ring | allgather
 
-Layouts (T = sequence length, c = T/cp for ring, T/(2cp) for zigzag and allgather), cp = 4:
-
-    ring:      rank0 [0]       rank1 [1]       rank2 [2]       rank3 [3]           4 chunks of T/4
-    zigzag:    rank0 [0 | 7]   rank1 [1 | 6]   rank2 [2 | 5]   rank3 [3 | 4]       8 chunks of T/8
+Layouts at cp = 4 (T = sequence length; allgather uses the zigzag layout, as Llama 3 does):
+    ring:      rank0 [0]       rank1 [1]       rank2 [2]       rank3 [3]           4 chunks of c = T/4
+    zigzag:    rank0 [0 | 7]   rank1 [1 | 6]   rank2 [2 | 5]   rank3 [3 | 4]       8 chunks of c = T/8
 
 ring / zigzag: at ring step s, rank r holds the K/V of rank r-s and sends them on to r+1 (async, overlapped
 with this step's blocks). Each block gives a partial output and log-sum-exp, merged exactly in fp32:
@@ -22,8 +20,8 @@ allgather (Llama 3): K/V all-gathered, local queries attend to what they can see
 Bytes sent per layer and micro-batch (KV = this rank's K and V, dKV = the same in fp32): ring and zigzag
 (cp-1)*KV forward, (cp-1)*KV + cp*dKV backward; allgather (cp-1)*(2*KV + dKV). Plus the all-reduce of
 every gradient over CP, 2(cp-1)/cp * 4N bytes, as every rank holds the whole model.
-Block attention is plain torch (attention_forward/backward: the reference); --kernels triton swaps in
-kernels/flash_attention.py's pair with the same signatures.
+Block attention: the plain-torch reference pair below, torch's fused CPU kernel on CPU, or with --kernels
+triton kernels/flash_attention.py's pair (same signatures).
 """
 import time
 
@@ -60,7 +58,7 @@ def attention_forward(q, k, v, causal):
     """q [B, H, Tq, D], k/v [B, H, Tk, D] -> out [B, H, Tq, D] (q's dtype), lse [B, H, Tq] (fp32 or fp64)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     s = block_scores(q.to(acc), k.to(acc), causal)
-    lse = torch.logsumexp(s, dim=-1)
+    lse = torch.logsumexp(s, dim=-1)           # log of the softmax denominator: all a merge needs
     return torch.matmul(torch.exp(s - lse[..., None]), v.to(acc)).to(q.dtype), lse
 
 
@@ -69,7 +67,7 @@ def attention_backward(dout, q, k, v, out, lse, causal):
     P = exp(S - lse) the block's exact share of softmax, dS = P * (dO V^T - rowsum(dO * O))."""
     acc = torch.promote_types(q.dtype, torch.float32)
     q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
-    p = torch.exp(block_scores(q, k, causal) - lse[..., None])
+    p = torch.exp(block_scores(q, k, causal) - lse[..., None])   # final probabilities, not block-local ones
     dv = torch.matmul(p.transpose(-2, -1), dout)
     ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
     scale = q.shape[-1] ** -0.5
@@ -77,12 +75,16 @@ def attention_backward(dout, q, k, v, out, lse, causal):
 
 
 PLAIN_TORCH = (attention_forward, attention_backward)   # kernels/flash_attention.py has the same pair
+# torch's fused CPU attention exposes the same pair as (private) aten ops: ~9x faster than PLAIN_TORCH on CPU
+SDPA_CPU = (lambda q, k, v, causal: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal),
+            lambda do, q, k, v, o, lse, causal: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, q, k, v, o, lse, 0.0, causal))
 
 
 def merge_partial(out, lse, block_out, block_lse):
     """Fold one block's (out, lse) into the running fp32 accumulators, in place (stable log-sum-exp)."""
-    new_lse = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new_lse)[..., None])
+    new_lse = torch.logaddexp(lse, block_lse)              # never exponentiates a large number
+    out.mul_(torch.exp(lse - new_lse)[..., None])          # each part re-weighted by its share of the total
     out.add_(block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None])
     lse.copy_(new_lse)
 
@@ -122,9 +124,8 @@ def add_kv_grads(dkv, grads):
 
 def chunk_runs(layout, seq_len, cp, rank):
     """(global start, length) of each contiguous run of positions `rank` holds, in local order."""
-    if layout == "ring":
-        c = seq_len // cp
-        return [(rank * c, c)]
+    if layout == "ring":                       # one contiguous chunk per rank
+        return [(rank * (seq_len // cp), seq_len // cp)]
     c = seq_len // (2 * cp)                    # zigzag and allgather: chunks rank and 2cp-1-rank
     return [(rank * c, c), ((2 * cp - 1 - rank) * c, c)]
 
@@ -241,7 +242,7 @@ def gather_sequence(local, group, layout, seq_len):
     n = dist.get_world_size(group)
     parts = torch.empty(n * local.numel(), dtype=local.dtype, device=local.device)   # flat: gloo wants 1-D
     all_gather(parts, local.contiguous().view(-1), group=group)
-    parts = parts.view(n, *local.shape)
+    parts = parts.view(n, *local.shape)        # rank-major: rank i's chunks, then rank i+1's
     return torch.cat([parts[i] for i in range(n)], dim=-2)[..., global_order(layout, seq_len, n, local.device), :]
 
 
@@ -321,7 +322,7 @@ def allreduce_grads(params, group):
     """Sum gradients over `group` in one flat all-reduce: each CP rank's gradient covers only the paths
     through its own chunk (K/V gradients from other ranks' queries already came home in backward)."""
     grads = [p.grad for p in params if p.grad is not None]
-    flat = _flatten_dense_tensors(grads)
+    flat = _flatten_dense_tensors(grads)       # one collective instead of one per parameter
     all_reduce(flat, group=group)
     for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(reduced)
@@ -331,7 +332,7 @@ class SavedActivationBytes:
     """Bytes of the tensors autograd keeps for backward during a forward, parameters excluded (each storage
     counted once): the activation memory of one micro-batch, exact on any device."""
 
-    def __init__(self, model):
+    def __init__(self, model):                 # weights are saved by reference too: not activations
         self.skip, self.bytes = {p.untyped_storage().data_ptr() for p in model.parameters()}, 0
 
     def pack(self, t):
@@ -378,12 +379,13 @@ def main(argv=None):
         mode = apply_kernels(model, cfg.kernels)     # --kernels: fused modules, same parameters
     except ValueError as e:
         fail(str(e))
-    kernel = (flash_attention_forward, flash_attention_backward) if mode == "triton" else PLAIN_TORCH
+    kernel = {"triton": (flash_attention_forward, flash_attention_backward), "cpu": SDPA_CPU}.get(
+        mode if mode == "triton" else env.device.type, PLAIN_TORCH)
     local_cores = swap_attention_cores(model, lambda: ContextParallelAttentionCore(group, cfg.cp_layout, kernel))
-    pos = local_positions(cfg.cp_layout, cfg.block_size, cp, dist.get_rank(group), env.device)
+    pos = local_positions(cfg.cp_layout, cfg.block_size, cp, dist.get_rank(group), env.device)  # for RoPE, too
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)                # same stream as train_single (no dropout here, though)
     start = load_training_state(cfg, model, optimizer) if cfg.resume else 0
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
@@ -418,8 +420,8 @@ def main(argv=None):
             act_bytes = activations.bytes if micro == 0 else act_bytes
             scaler.scale(loss / (grad_acc * cp)).backward()   # global mean = mean of the cp local means
             loss_sum += loss.detach().float()
-        allreduce_grads(model.parameters(), group)
-        all_reduce(loss_sum, group=group)
+        allreduce_grads(model.parameters(), group)   # sum of partial grads: the replicas stay identical
+        all_reduce(loss_sum, group=group)      # the logged loss covers every token of the global batch
         scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm([p.grad for p in model.parameters()], cfg.grad_clip)  # grads replicated
         scaler.step(optimizer)

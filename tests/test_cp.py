@@ -35,11 +35,17 @@ def reference_attention(q, k, v):
     return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
 
 
+def kernel_name(kernel):
+    import train_cp
+    return {train_cp.PLAIN_TORCH: "plain torch", train_cp.SDPA_CPU: "sdpa cpu"}.get(kernel, "triton flash")
+
+
 def cases(cp):
     """(dtype, tolerance, block kernel): the plain-torch blocks everywhere, the Triton flash kernel (CPU
     interpreter here) through the same ring at cp = 2."""
     import train_cp
-    plain = [(torch.float64, 1e-10, train_cp.PLAIN_TORCH), (torch.float32, 1e-5, train_cp.PLAIN_TORCH)]
+    plain = [(torch.float64, 1e-10, train_cp.PLAIN_TORCH), (torch.float32, 1e-5, train_cp.PLAIN_TORCH),
+             (torch.float64, 1e-10, train_cp.SDPA_CPU)]
     if cp != 2 or not HAS_TRITON:
         return plain
     from kernels.flash_attention import flash_attention_backward, flash_attention_forward
@@ -75,14 +81,14 @@ def attention_worker(rank, world_size):
                                         *((f"d{n}", t.grad, f.grad[..., pos, :]) for n, t, f in zip("qkv", local, full))):
                     err = (got.double() - want.double()).abs().max().item()
                     assert err <= tol * max(1.0, want.abs().max().item()), \
-                        f"cp={cp} {layout} {dtype} {kernel[0].__name__} {name}: error {err}"
-                results[cp, layout, str(dtype), kernel[0].__name__] = (COMM.bytes_sent, train_cp.WORK.score_elements, T)
+                        f"cp={cp} {layout} {dtype} {kernel_name(kernel)} {name}: error {err}"
+                results[cp, layout, str(dtype), kernel_name(kernel)] = (COMM.bytes_sent, train_cp.WORK.score_elements, T)
     return results
 
 
 def test_distributed_attention_matches_full_attention():
     per_rank = run_workers(attention_worker, 4, timeout=300)
-    assert len(per_rank[0]) == 3 * len(LAYOUTS) * 2 + (len(LAYOUTS) if HAS_TRITON else 0)
+    assert len(per_rank[0]) == 3 * len(LAYOUTS) * 3 + (len(LAYOUTS) if HAS_TRITON else 0)
     for (cp, layout, dtype, kernel), (_, _, T) in per_rank[0].items():
         case = f"cp={cp} {layout} {dtype} {kernel}"
         sent = [r[cp, layout, dtype, kernel][0] for r in per_rank[:cp]]
