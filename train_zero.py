@@ -25,6 +25,7 @@ previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final L
 import argparse
 import sys
 import time
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpo
 from comm import COMM, all_gather, init_distributed, reduce_scatter, world_size_from_env
 from config import check, config_dict, fail, grad_accum_steps, parse_config
 from metrics import MetricsLogger
-from model import GPT, flops_per_token, init_parameter, model_state_bytes_per_param
+from model import GPT, flops_per_token, init_parameter
 from optim import clip_grad_norm, configure_optimizer, lr_at
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
 from train_single import evaluate, gpt_config, prepare_data, resolve_dtype, should_save
@@ -51,10 +52,8 @@ class Shard:
     def __init__(self, names, params, stage, group, dtype, device, n_layer, seed, tracker=None):
         self.names, self.stage, self.group = names, stage, group
         n, rank = (1, 0) if stage == 0 else (dist.get_world_size(group), dist.get_rank(group))
-        self.offsets, total = [], 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.numel()
+        self.offsets = list(accumulate((p.numel() for p in params), initial=0))
+        total = self.offsets.pop()
         self.padded = -(-total // n) * n
         self.lo, self.hi = rank * (self.padded // n), (rank + 1) * (self.padded // n)
         init = torch.zeros(self.padded)                 # one unit at a time, in fp32 (the master's values)
@@ -111,9 +110,7 @@ class Shard:
 
 class GatheredBytes:
     """Bytes of ZeRO-3 parameters gathered right now, and the most at any moment."""
-
-    def __init__(self):
-        self.now = self.peak = 0
+    now = peak = 0
 
     def add(self, nbytes):
         self.now += nbytes
@@ -210,14 +207,6 @@ class ShardedGrads(DataParallelGrads):
             (b.buffer if self.stage <= 1 else b.shard.grad).zero_()
 
 
-def replace_parameter(model, old, new):
-    """Point every module attribute holding `old` (tied weights: several) at `new`."""
-    for module in model.modules():
-        for key, p in module._parameters.items():
-            if p is old:
-                module._parameters[key] = new
-
-
 def shard_model(model, cfg, stage, group, dtype, device, tracker):
     """Swap the model's parameters for views of flat per-bucket (stage 0-2) or per-unit (stage 3) Shards."""
     named = {p: n for n, p in model.named_parameters()}
@@ -230,8 +219,10 @@ def shard_model(model, cfg, stage, group, dtype, device, tracker):
     shards = []
     for params in groups:
         s = Shard([named[p] for p in params], params, stage, group, dtype, device, cfg.n_layer, cfg.seed, tracker)
-        for old, new in zip(params, s.params):
-            replace_parameter(model, old, new)
+        new = {id(old): p for old, p in zip(params, s.params)}
+        for module in model.modules():                 # every attribute holding one (tied weights: two)
+            for key, p in module._parameters.items():
+                module._parameters[key] = new.get(id(p), p)
         shards.append(s)
     return shards
 
@@ -305,15 +296,6 @@ def model_state_bytes(model, shards, grads):
         for t in (s.master, s.exp_avg, s.exp_avg_sq):
             add("optim", t)
     return out
-
-
-def expected_state_bytes(stage, recipe, n_params, padded, n):
-    """The ZeRO paper's formulas with this recipe's bytes per parameter; padded = P' (sum of padded buckets)."""
-    b = model_state_bytes_per_param(recipe)
-    if stage == 0:
-        return dict(params=b["params"] * n_params, grads=b["grads"] * n_params, optim=b["optim"] * n_params)
-    return dict(params=b["params"] * padded // (1 if stage < 3 else n),
-                grads=b["grads"] * padded // (1 if stage < 2 else n), optim=b["optim"] * padded // n)
 
 
 # ----------------------------------------------------------------------------------------------------------
