@@ -216,7 +216,8 @@ def test_bad_input_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys):
     for flags, message in [(dict(ep=2, n_experts=3), "not divisible by --ep"),
                            (dict(ep=2, n_experts=4, top_k=5), "--top_k 5 must be between 1 and --n_experts 4"),
                            (dict(ep=4, n_experts=4), "world size 2 is not divisible by --ep 4"),
-                           (dict(ep=2, n_experts=0), "needs --n_experts > 0")]:
+                           (dict(ep=2, n_experts=0), "needs --n_experts > 0"),
+                           (dict(ep=2, n_experts=4, moe_every=3), "no MoE block")]:
         with pytest.raises(SystemExit) as e:
             train_ep.main(tiny_argv(tiny_data, str(tmp_path), **flags))
         assert e.value.code == 2
