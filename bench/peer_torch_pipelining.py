@@ -1,0 +1,103 @@
+"""
+bench/peer_torch_pipelining.py: the peer of train_pp.py. The same stages (train_pp.build_stages: same split,
+same initial weights, same tied-embedding gradient sync), data, optimizer and loop, with the schedule run by
+torch.distributed.pipelining (ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B) instead of by our
+action-list interpreter; writes the same metrics.jsonl, so bench/harness.py measures both alike.
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/peer_torch_pipelining.py --pp 2 --pp_schedule 1f1b \
+        --n_microbatches 4 --max_steps 20 --out_dir OUT
+
+torch's stages talk through their own send/recv, bypassing comm.py's counters, so comm_bytes adds what they
+send under DESIGN's convention (m activations / gradients per boundary, as train_pp.py) to what is counted.
+There is no zb1 here: torch's zero-bubble schedules (ZBV, interleaved zero bubble) are different schedules.
+"""
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import comm                                                           # noqa: E402
+from comm import COMM, init_distributed                               # noqa: E402
+from config import check, parse_config                                # noqa: E402
+from metrics import MetricsLogger                                     # noqa: E402
+from model import flops_per_token                                     # noqa: E402
+from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr  # noqa: E402
+from pipeline_schedules import stage_of                               # noqa: E402
+from train_pp import build_stages, extra_args, n_microbatches, tied_grads_sync, validate   # noqa: E402
+from train_single import autocast_context, gpt_config, prepare_data, resolve_dtype        # noqa: E402
+
+SCHEDULES = {"afab": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+class LogitsStage(nn.Module):
+    """torch's schedules want the last stage to return logits and apply loss_fn themselves."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x):
+        h = self.stage.body(x)
+        return self.stage.lm_head(self.stage.transformer["ln_f"](h))[0] if self.stage.last else h
+
+
+def main(argv=None):
+    cfg = parse_config(argv, techniques=("pp", "pp_schedule", "pp_virtual", "n_microbatches"),
+                       description=__doc__.split("\n\n")[0], extra_args=extra_args,
+                       validate=lambda c: (validate(c), check(c.pp_schedule in SCHEDULES, "no zb1 peer")))
+    env = init_distributed(cfg)
+    p, v, rank = cfg.pp, cfg.pp_virtual, env.rank
+    m, micro = n_microbatches(cfg)
+    loader = prepare_data(cfg, env)
+    dtype = resolve_dtype(cfg, env.device)
+    gcfg = gpt_config(cfg, loader.vocab_size)
+    chunks = build_stages(gcfg, rank, p, v, cfg.seed, env.device)
+    stages = [PipelineStage(LogitsStage(c), stage_of(rank, i, p), p * v, env.device) for i, c in enumerate(chunks)]
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    schedule = SCHEDULES[cfg.pp_schedule](stages if cfg.pp_schedule == "interleaved" else stages[0], m,
+                                          loss_fn=loss_fn)      # scale_grads: each micro-batch's loss / m
+    tied_group = comm.new_group([0, p - 1]) if p > 1 else None
+    optimizer = configure_optimizer(chunks.named_parameters(), cfg, env.device.type)
+    amp = autocast_context(dtype, env.device)
+    act_bytes = micro * cfg.block_size * cfg.n_embd * 4
+    p2p_bytes = m * act_bytes * (2 * v - (rank == 0) - (rank == p - 1))
+    logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=p,
+                           tokens_per_step=cfg.global_batch_size * cfg.block_size)
+    for step in range(cfg.stop_step or cfg.max_steps):
+        COMM.reset()
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        set_lr(optimizer, lr)
+        x, y = loader.micro_batch(step, 0, cfg.global_batch_size)   # the whole global batch; torch splits it
+        losses = []
+        with amp:
+            if rank == 0:
+                schedule.step(x, target=y if p == 1 else None, losses=losses if p == 1 else None)
+            else:
+                schedule.step(target=y if rank == p - 1 else None, losses=losses if rank == p - 1 else None)
+        tied_grads_sync(chunks, tied_group)
+        owned = [q.grad for n, q in chunks.named_parameters() if not n.endswith("lm_head.weight")]
+        grad_norm = clip_grad_norm(owned, 0.0, group=dist.group.WORLD, device=env.device)
+        if cfg.grad_clip > 0:
+            torch._foreach_mul_([q.grad for q in chunks.parameters()],
+                                torch.clamp(cfg.grad_clip / (grad_norm + 1e-6), max=1.0))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.stack(losses).detach().float().mean() if losses else torch.zeros((), device=env.device)
+        comm.broadcast(loss, p - 1)
+        logger.log_step(step, float(loss), lr, float(grad_norm), time.perf_counter() - t0,
+                        COMM.bytes_sent + p2p_bytes)
+    logger.close()
+
+
+if __name__ == "__main__":
+    main()
