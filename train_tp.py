@@ -37,13 +37,14 @@ from config import check, fail, grad_accum_steps, parse_config
 from metrics import MetricsLogger
 from model import GPT, activation_bytes_per_layer, flops_per_token, init_parameter
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from train_cp import SavedActivationBytes
 from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
                           print_sample, resolve_dtype, save_training_state, should_save)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# collectives along the sequence: activations are [B, T, h] and SP splits T (dim 1), while the flat
-# collectives split dim 0, hence the transposes. Each returns (result, work); result is valid after work.wait().
+# collectives along the sequence: SP splits T of [B, T, h] but the flat collectives split dim 0, hence the
+# transposes. Each returns (result, work); the result is valid after work.wait() (or at once when not async).
 
 def gather_seq(x, group, async_op=False, dim=1):
     """[B, T/n, ...] on each rank -> [B, T, ...] on every rank (or along another dim)."""
@@ -223,10 +224,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         local = local.clamp(0, z.shape[-1] - 1)
         target_z = z.gather(1, local[:, None]).squeeze(1) * mine  # the one owner contributes, the others 0
         all_reduce(target_z, group=group)
-        exp = z.exp_()
-        sum_exp = exp.sum(dim=-1)
+        sum_exp = z.exp_().sum(dim=-1)                           # (z now holds exp(z - m))
         all_reduce(sum_exp, group=group)
-        ctx.save_for_backward(exp.div_(sum_exp[:, None]), local, mine)   # my slice of the softmax
+        ctx.save_for_backward(z.div_(sum_exp[:, None]), local, mine)     # my slice of the softmax
         return (sum_exp.log() - target_z).mean()
 
     @staticmethod
@@ -278,8 +278,9 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
     """Swap model.py's layers for tensor-parallel ones, in place (model.py is untouched). Build the model on the
     meta device: new parameters are allocated here, empty, on `device`; fill them with init_tp_weights."""
     rng = (lambda mod: RankRNG(mod, group, device)) if model.cfg.dropout > 0 else (lambda mod: mod)
+    h = model.cfg.n_embd
     for block in model.transformer.h:
-        attn, mlp, h = block.attn, block.mlp, model.cfg.n_embd
+        attn, mlp = block.attn, block.mlp
         attn.c_attn = ColumnParallelLinear(h, 3 * h, group, sp, overlap, parts=3, device=device)
         attn.c_proj = RowParallelLinear(h, h, group, sp, device)
         attn.core = rng(attn.core)                               # attention dropout: my heads
@@ -287,8 +288,7 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
         mlp.c_proj = RowParallelLinear(4 * h, h, group, sp, device)
         if sp:                                                   # residual dropout: my sequence chunk
             attn.resid_dropout, mlp.dropout = rng(attn.resid_dropout), rng(mlp.dropout)
-    wte = VocabParallelEmbedding(model.cfg.padded_vocab_size, model.cfg.n_embd, group, sp, device)
-    model.transformer.wte = wte
+    model.transformer.wte = wte = VocabParallelEmbedding(model.cfg.padded_vocab_size, h, group, sp, device)
     model.lm_head = VocabParallelLMHead(wte, group, sp, overlap)
     if sp:
         model.transformer.drop = rng(model.transformer.drop)
@@ -371,8 +371,7 @@ def build_tp_model(cfg, vocab_size, group, device):
     return model
 
 
-# ----------------------------------------------------------------------------------------------------------
-
+# ---------------------------------------------------------------------------------------------- the script
 def extra_args(parser):
     parser.add_argument("--tp_overlap", action=argparse.BooleanOptionalAction, default=False,
                         help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
@@ -382,8 +381,8 @@ def validate(cfg):
     world = world_size_from_env()
     check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
                            f"combine with data parallelism in train_5d.py")
-    # (n_head | tp also splits the MLP width 4h = 4 * n_head * head_dim evenly)
-    check(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp}")
+    check(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp} (the heads, and so "
+                                    f"the MLP width 4*n_embd, are split over the TP ranks)")
     check(not cfg.sp or cfg.block_size % cfg.tp == 0,
           f"--sp: sequence length block_size={cfg.block_size} is not divisible by tp={cfg.tp}")
     check(cfg.dtype != "float16", "train_tp supports float32 and bfloat16 (no fp16 loss scaling across TP ranks)")
@@ -403,7 +402,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank
     start = load_training_state(cfg, model, optimizer, rank=env.rank) if cfg.resume else 0
     train_model = torch.compile(model) if cfg.compile else model
-    amp = autocast_context(dtype, env.device)
+    amp, activations = autocast_context(dtype, env.device), SavedActivationBytes(model)
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=cfg.tp,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
@@ -420,8 +419,9 @@ def main(argv=None):
         loss_sum = 0.0
         for micro in range(grad_acc):
             x, y = loader.micro_batch(step, micro, cfg.micro_batch_size)
-            with amp:
+            with amp, activations:                   # counts what the forward keeps for backward
                 _, loss = train_model(x, y)          # the same full loss on every TP rank
+            act_bytes = activations.bytes if micro == 0 else act_bytes
             (loss / grad_acc).backward()
             loss_sum += loss.detach()
         all_reduce_sequence_parallel_grads(model, group)   # SP only: LayerNorm grads summed over TP ranks
@@ -429,7 +429,7 @@ def main(argv=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         logger.log_step(step, float(loss_sum) / grad_acc, lr, float(grad_norm), time.perf_counter() - t0,
-                        COMM.bytes_sent)
+                        COMM.bytes_sent, act_bytes=act_bytes)
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
             model.eval()

@@ -131,26 +131,13 @@ RUNS = {2: dict(tp={}, sp_overlap=dict(sp=True, tp_overlap=True), dropout_a=DROP
 PARITY = [(2, "tp"), (2, "sp_overlap"), (4, "overlap"), (4, "sp")]
 
 
-def _saved_activation_bytes(fn, skip):
-    """Run fn, return (its result, bytes of distinct storages autograd saved for backward, except `skip`)."""
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(saved.values())
-
-
 def _block_report(n):
     """Per mode (single, tp, sp): bytes saved by one block's forward, and its collectives forward / backward."""
     import torch.distributed as dist
     import model as M
     import train_tp as tp
     from comm import COMM
+    from train_cp import SavedActivationBytes
     g, s, b = dist.group.WORLD, 32, 2
     # 8 heads: >= 2 per rank, so the attention output's reshape copies as it does on one device
     cfg = M.GPTConfig(vocab_size=64, block_size=s, n_layer=1, n_head=8, n_embd=64)
@@ -166,13 +153,15 @@ def _block_report(n):
             tp.init_tp_weights(gpt, 0, g)
         block = gpt.transformer.h[0]
         x = torch.randn(b, s // n if mode == "sp" else s, 64, requires_grad=True)
-        skip = {t.untyped_storage().data_ptr() for t in [*block.parameters(), cos, sin]}
+        activations = SavedActivationBytes(block)
+        activations.skip |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
         COMM.reset()
-        y, saved = _saved_activation_bytes(lambda: block(x, cos, sin), skip)
+        with activations:
+            y = block(x, cos, sin)
         fwd = (dict(COMM.calls), COMM.bytes_sent)
         COMM.reset()
         y.sum().backward()
-        report[mode] = dict(saved=saved, fwd=fwd, bwd=(dict(COMM.calls), COMM.bytes_sent))
+        report[mode] = dict(saved=activations.bytes, fwd=fwd, bwd=(dict(COMM.calls), COMM.bytes_sent))
     return report
 
 
