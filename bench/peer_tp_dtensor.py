@@ -13,7 +13,10 @@ Where it differs from train_tp.py, and why:
   functional head), so every rank computes the full [tokens, vocab] logits and cross-entropy;
 - the loss and gradients are the same as train_single's; the gradient norm is that of the local gradients
   (DTensor grads are reduced to their local shards), so run both with --grad_clip 0 for a like-for-like step;
-- DTensor's collectives bypass comm.py's counters: comm_bytes is logged as null.
+- DTensor's collectives bypass comm.py's counters: comm_bytes is what the plan sends in theory (ring convention,
+  S = micro*T*h*4): per block and micro-batch 2 all-reduces of S forward and 2 backward; with SP 4 all-gathers /
+  reduce-scatters forward and 4 backward (the gathered inputs are kept, not gathered again), plus the
+  embedding-output gather, the head-input gather and the LayerNorm-grad all-reduces.
 """
 import os
 import sys
@@ -61,6 +64,15 @@ def apply_dtensor_tp(model, mesh, sp):
     return model
 
 
+def plan_comm_bytes(cfg, grad_acc):
+    n, L, h = cfg.tp, cfg.n_layer, cfg.n_embd
+    S = cfg.micro_batch_size * cfg.block_size * h * 4
+    ar, part = 2 * (n - 1) / n, (n - 1) / n
+    if not cfg.sp:
+        return grad_acc * 4 * L * ar * S
+    return grad_acc * ((8 * L + 2) * part * S + ar * 4 * (2 * L + 1) * 2 * h)
+
+
 def main(argv=None):
     cfg = parse_config(argv, techniques=("tp", "sp"), description=__doc__.split("\n\n")[0],
                        extra_args=extra_args, validate=validate)
@@ -93,7 +105,8 @@ def main(argv=None):
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        logger.log_step(step, float(loss_sum) / grad_acc, lr, float(grad_norm), time.perf_counter() - t0, None)
+        logger.log_step(step, float(loss_sum) / grad_acc, lr, float(grad_norm), time.perf_counter() - t0,
+                        plan_comm_bytes(cfg, grad_acc))
     logger.close()
     return dict(model=model, cfg=cfg)
 
