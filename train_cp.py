@@ -183,6 +183,15 @@ def new_accumulators(q):
             torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device))
 
 
+def keep_for_backward(ctx, q, k, v, out, lse, group, layout, kernel):
+    """Keep the local q, k, v and the merged out, lse (never the other ranks' K/V: they travel again)."""
+    out = out.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.group, ctx.layout, ctx.kernel = group, layout, kernel
+    ctx.mark_non_differentiable(lse)           # lse is returned for tests and merging, not differentiated
+    return out, lse
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention over a sequence split across `group` by `layout`; returns (out, lse)."""
 
@@ -198,11 +207,7 @@ class RingAttention(torch.autograd.Function):
                 attend(q, kv[0], kv[1], ring_step_blocks(layout, r, (r - s) % n, q.shape[-2]), out, lse, kernel)
                 if s + 1 < n:
                     kv = next_kv()
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.kernel = group, layout, kernel
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        return keep_for_backward(ctx, q, k, v, out, lse, group, layout, kernel)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -268,11 +273,7 @@ class AllGatherKVAttention(torch.autograd.Function):
             kv = gather_sequence(torch.stack([k, v]), group, layout, seq_len)
             out, lse = new_accumulators(q)
             attend(q, kv[0], kv[1], allgather_blocks(layout, seq_len, n, r), out, lse, kernel)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)   # not the gathered K/V: re-gathered in backward
-        ctx.group, ctx.layout, ctx.kernel = group, layout, kernel
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        return keep_for_backward(ctx, q, k, v, out, lse, group, layout, kernel)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -356,9 +357,8 @@ def validate(cfg):
     check(cfg.cp == world, f"--cp {cfg.cp} must equal the number of processes ({world}): train_cp.py is "
           f"context parallel only (combine with data parallelism in train_5d.py)")
     multiple = cfg.cp if cfg.cp_layout == "ring" else 2 * cfg.cp
-    check(cfg.block_size % multiple == 0,
-          f"--block_size {cfg.block_size} must be a multiple of {multiple} for --cp_layout {cfg.cp_layout} "
-          f"at cp={cfg.cp} (" + ("cp chunks" if cfg.cp_layout == "ring" else "2*cp chunks") + ")")
+    check(cfg.block_size % multiple == 0, f"--block_size {cfg.block_size} must be a multiple of {multiple} "
+          f"(--cp_layout {cfg.cp_layout} cuts every sequence into {multiple} equal chunks at cp={cfg.cp})")
     check(cfg.dropout == 0.0, "--dropout must be 0: the distributed attention has no attention dropout")
     grad_accum_steps(cfg, 1)
 

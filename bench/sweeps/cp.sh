@@ -8,7 +8,7 @@ CP_COMMON="--warmup_steps 2 --eval_interval 0 --sample_tokens 0 --log_interval 1
 CP_MODEL="--n_layer 4 --n_head 4 --n_embd 128 --block_size 1024 --global_batch_size 2 --micro_batch_size 2"
 
 harness --name cp --title "train_cp cp=2 (2 ranks x 1 thread) vs train_single (1 thread), L4 H4 h128 T1024 B2" \
-  --note "Same global batch in every run; each CP rank holds 512 of the 1024 positions. ring: contiguous halves (rank 1 does 3x rank 0's attention); zigzag and allgather: chunks (r, 2cp-1-r), equal work. Attention in train_cp is the plain-torch block reference (scores materialised per block); train_single uses torch's fused sdpa." \
+  --note "Same global batch in every run; each CP rank holds 512 of the 1024 positions. ring: contiguous halves (rank 1 does 3x rank 0's attention); zigzag and allgather: chunks (r, 2cp-1-r), equal work. Both use torch's fused CPU attention kernel (train_cp calls it per block, for out + lse). Bytes/step (counted = theory): ring/zigzag 4 layers x (fwd KV + bwd KV + 2 dKV) = 16 MiB, allgather 4 x 3 = 12 MiB, plus the CP gradient all-reduce 2(cp-1)/cp x 4N = 3.15 MiB." \
   --run "single=OMP_NUM_THREADS=1 $PYTHON train_single.py $CP_MODEL $CP_COMMON --max_steps $STEPS" \
   --run "cp2 ring=$CP_RUN 2 train_cp.py --cp 2 --cp_layout ring $CP_MODEL $CP_COMMON --max_steps $STEPS" \
   --run "cp2 zigzag=$CP_RUN 2 train_cp.py --cp 2 --cp_layout zigzag $CP_MODEL $CP_COMMON --max_steps $STEPS" \
