@@ -113,6 +113,16 @@ def tied_grads_sync(chunks, tied_group):
             p.grad = total.clone()
 
 
+def clip_stage_grads(chunks, max_norm, group, device):
+    """The global grad norm over all stages of `group` (the tied weight counted once: its last-stage copy is
+    left out), and every gradient, both copies included, scaled to at most max_norm (0: no clipping)."""
+    owned = [q.grad for n, q in chunks.named_parameters() if not n.endswith("lm_head.weight")]
+    norm = clip_grad_norm(owned, 0.0, group=group, device=device)
+    if max_norm > 0:
+        torch._foreach_mul_([q.grad for q in chunks.parameters()], torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
 # ----------------------------------------------------------------------------------------------------------
 # zb1: the backward split into an input-gradient pass (B) and a deferred weight-gradient pass (W)
 
@@ -128,7 +138,7 @@ class WeightGradStore:
     @torch.no_grad()
     def compute(self, key):
         for layer, x, gy in self.saved.pop(key):
-            gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1]).to(gy.dtype)
+            gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1]).to(gy.dtype)  # tokens as rows
             grads = [(layer.weight, gy2.t() @ x2)] + ([(layer.bias, gy2.sum(0))] if layer.bias is not None else [])
             for p, g in grads:
                 p.grad = g.to(p.dtype) if p.grad is None else p.grad.add_(g.to(p.dtype))
@@ -147,7 +157,7 @@ class _LinearInputGradOnly(torch.autograd.Function):
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
         ctx.store.pending.append((ctx.layer, x, gy))
-        return (gy @ weight.to(gy.dtype)).to(x.dtype), None, None, None, None
+        return (gy @ weight.to(gy.dtype)).to(x.dtype), None, None, None, None   # dx: the critical path
 
 
 class DeferredWeightGradLinear(nn.Module):
@@ -221,31 +231,29 @@ class PipelineRunner:
         """Release the storage of sent tensors whose send completed (a forward output keeps its graph)."""
         keep = []
         for work, t in self.sending:
-            if wait:
-                work.wait()
             if wait or work.is_completed():
+                work.wait()
                 t.untyped_storage().resize_(0)
             else:
                 keep.append((work, t))
         self.sending = keep
 
-    # ---- actions
     def _forward(self, a, received, get_batch):
         stage = self.chunks[a.chunk]
         x, y = get_batch(a.mb) if (stage.first or stage.last) else (None, None)
-        inp = x if stage.first else received[0].requires_grad_()
+        inp = x if stage.first else received[0].requires_grad_()   # a leaf: B sends back its .grad
         with self.amp:
             out = stage(inp, y if stage.last else None)
         if stage.last:
             self.loss_sum += out.detach().float()
             out = out / self.n_micro             # mean over the global batch = mean of micro-batch means
         else:
-            self._send(a, out.detach())
-        self.saved[(a.mb, a.chunk)] = (inp, out)
+            self._send(a, out.detach().float())   # the residual stream: fp32 even under autocast
+        self.saved[(a.mb, a.chunk)] = (inp, out)    # held until this micro-batch's B: the in-flight memory
 
     def _backward(self, a, received):
         inp, out = self.saved.pop((a.mb, a.chunk))
-        torch.autograd.backward(out, received[0] if received else None)
+        torch.autograd.backward(out, received[0] if received else None)   # last stage: out = loss / m
         if self.store is not None:
             self.store.close((a.mb, a.chunk))
         if not self.chunks[a.chunk].first:
@@ -253,6 +261,7 @@ class PipelineRunner:
 
     def step(self, actions, get_batch):
         """Run one optimizer step's actions; returns the summed micro-batch losses (0 off the last stage)."""
+        # sends not yet launched / in progress; receives posted; same-rank hand-overs; what B needs
         self.pending, self.sending, self.posted, self.local, self.saved = [], [], {}, {}, {}
         self.expected = {src: deque(message_order(self.schedules, src, self.rank, self.p, self.v))
                          for src in range(self.p) if src != self.rank}
@@ -277,9 +286,7 @@ class PipelineRunner:
     def forward_only_loss(self, x, y):
         """Mean loss of one batch through all stages in order (evaluation); every rank gets it."""
         S, loss = self.p * self.v, torch.zeros((), device=self.device)
-        for s in range(S):
-            if s % self.p != self.rank:
-                continue
+        for s in range(self.rank, S, self.p):    # this rank's stages, in pipeline order
             stage = self.chunks[s // self.p]
             if s > 0 and (s - 1) % self.p != self.rank:
                 h = torch.empty(x.shape + (self.act_shape[-1],), device=self.device)
@@ -338,11 +345,9 @@ def validate(cfg):
     check(p >= 1 and world == p, f"train_pp.py is pipeline parallel only: --pp {p} must equal the world size "
                                  f"{world} (combine pp with dp/tp/cp in train_5d.py)")
     m, _ = n_microbatches(cfg)
-    if name == "interleaved":
-        check(v >= 2, f"--pp_schedule interleaved needs --pp_virtual >= 2, got {v}")
-        check(m % p == 0, f"interleaved 1F1B needs n_microbatches ({m}) divisible by --pp {p}")
-    else:
-        check(v == 1, f"--pp_virtual {v} applies only to --pp_schedule interleaved")
+    check(v == 1 or name == "interleaved", f"--pp_virtual {v} applies only to --pp_schedule interleaved")
+    check(name != "interleaved" or v >= 2, f"--pp_schedule interleaved needs --pp_virtual >= 2, got {v}")
+    check(name != "interleaved" or m % p == 0, f"interleaved 1F1B needs n_microbatches ({m}) divisible by --pp {p}")
     check(name == "afab" or m >= p, f"--pp_schedule {name} needs at least as many micro-batches as stages: "
                                     f"n_microbatches={m} < --pp {p} (use more micro-batches, or afab)")
     check(cfg.n_layer >= p * v, f"n_layer={cfg.n_layer} is fewer than pp*pp_virtual={p * v} stages")
@@ -404,12 +409,7 @@ def main(argv=None):
         loss_sum = runner.step(schedules[rank], lambda mb: loader.micro_batch(step, mb, micro))
         p2p_bytes = COMM.bytes_sent
         tied_grads_sync(chunks, tied_group)
-        # the global norm over all stages; the tied weight's last-stage copy is left out (counted once)
-        owned = [q.grad for n, q in chunks.named_parameters() if not n.endswith("lm_head.weight")]
-        grad_norm = clip_grad_norm(owned, 0.0, group=group, device=env.device)
-        if cfg.grad_clip > 0:
-            torch._foreach_mul_([q.grad for q in chunks.parameters()],
-                                torch.clamp(cfg.grad_clip / (grad_norm + 1e-6), max=1.0))
+        grad_norm = clip_stage_grads(chunks, cfg.grad_clip, group, env.device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         comm.broadcast(loss_sum, dist.get_global_rank(group, p - 1), group=group)   # the last stage has it

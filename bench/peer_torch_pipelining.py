@@ -27,9 +27,10 @@ from comm import COMM, init_distributed                               # noqa: E4
 from config import check, parse_config                                # noqa: E402
 from metrics import MetricsLogger                                     # noqa: E402
 from model import flops_per_token                                     # noqa: E402
-from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr  # noqa: E402
+from optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
 from pipeline_schedules import stage_of                               # noqa: E402
-from train_pp import build_stages, extra_args, n_microbatches, tied_grads_sync, validate   # noqa: E402
+from train_pp import (build_stages, clip_stage_grads, extra_args, n_microbatches, tied_grads_sync,  # noqa: E402
+                      validate)
 from train_single import autocast_context, gpt_config, prepare_data, resolve_dtype        # noqa: E402
 
 SCHEDULES = {"afab": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
@@ -85,11 +86,7 @@ def main(argv=None):
             else:
                 schedule.step(target=y if rank == p - 1 else None, losses=losses if rank == p - 1 else None)
         tied_grads_sync(chunks, tied_group)
-        owned = [q.grad for n, q in chunks.named_parameters() if not n.endswith("lm_head.weight")]
-        grad_norm = clip_grad_norm(owned, 0.0, group=dist.group.WORLD, device=env.device)
-        if cfg.grad_clip > 0:
-            torch._foreach_mul_([q.grad for q in chunks.parameters()],
-                                torch.clamp(cfg.grad_clip / (grad_norm + 1e-6), max=1.0))
+        grad_norm = clip_stage_grads(chunks, cfg.grad_clip, dist.group.WORLD, env.device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = torch.stack(losses).detach().float().mean() if losses else torch.zeros((), device=env.device)
