@@ -1,7 +1,8 @@
 """
 Context parallelism (train_cp.py) on CPU/gloo:
 - the distributed attention (ring, zigzag, allgather; cp = 2, 3, 4; lengths that are not powers of two)
-  equals single-process causal attention: output, log-sum-exp and dQ/dK/dV (float64 to 1e-10, float32 to 1e-5);
+  equals single-process causal attention: output, log-sum-exp and dQ/dK/dV (float64 to 1e-10, float32 to 1e-5),
+  with each block kernel: plain torch, torch's fused CPU attention, the Triton flash kernel (interpreter);
 - per-rank attention work: zig-zag exactly balanced, every layout's total equal to the causal count;
 - bytes sent equal the formulas of train_cp.py's docstring, exactly (attention alone and the whole step);
 - train_cp.py at cp = 2 and 4 reproduces train_single.py's losses and weights in every layout;
@@ -41,8 +42,8 @@ def kernel_name(kernel):
 
 
 def cases(cp):
-    """(dtype, tolerance, block kernel): the plain-torch blocks everywhere, the Triton flash kernel (CPU
-    interpreter here) through the same ring at cp = 2."""
+    """(dtype, tolerance, block kernel): the plain-torch and torch's fused CPU blocks everywhere, the Triton
+    flash kernel (CPU interpreter here, slow) at cp = 2 only."""
     import train_cp
     plain = [(torch.float64, 1e-10, train_cp.PLAIN_TORCH), (torch.float32, 1e-5, train_cp.PLAIN_TORCH),
              (torch.float64, 1e-10, train_cp.SDPA_CPU)]
