@@ -265,7 +265,7 @@ class PipelineRunner:
         self.pending, self.sending, self.posted, self.local, self.saved = [], [], {}, {}, {}
         self.expected = {src: deque(message_order(self.schedules, src, self.rank, self.p, self.v))
                          for src in range(self.p) if src != self.rank}
-        self.loss_sum, self.busy = torch.zeros((), device=self.device), 0.0
+        self.loss_sum, self.busy, t_step = torch.zeros((), device=self.device), 0.0, time.perf_counter()
         for a in actions:
             self._free_sent()
             received = self._exchange(recvs_of(a, self.rank, self.p, self.v))   # also flushes the sends
@@ -276,10 +276,11 @@ class PipelineRunner:
                 self._backward(a, received)
             else:
                 self.store.compute((a.mb, a.chunk))
-            self.busy += time.perf_counter() - t0     # idle = step time - busy: waits for messages
+            self.busy += time.perf_counter() - t0
         self._exchange([])                       # the last sends
         self._free_sent(wait=True)
         assert not self.saved and not self.posted and not any(self.expected.values()), "schedule left work"
+        self.elapsed = time.perf_counter() - t_step   # idle = elapsed - busy: waiting for messages
         return self.loss_sum
 
     @torch.no_grad()
@@ -371,8 +372,7 @@ def main(argv=None):
     rank, (m, micro) = env.rank, n_microbatches(cfg)
     cfg.micro_batch_size = micro                 # what evaluation uses too
     loader = prepare_data(cfg, env)
-    dtype = resolve_dtype(cfg, env.device)
-    gcfg = gpt_config(cfg, loader.vocab_size)
+    dtype, gcfg = resolve_dtype(cfg, env.device), gpt_config(cfg, loader.vocab_size)
 
     chunks = build_stages(gcfg, rank, p, v, cfg.seed, env.device)
     store = WeightGradStore() if cfg.pp_schedule == "zb1" else None
@@ -399,7 +399,7 @@ def main(argv=None):
               f"simulated bubble {sim['idle'][0] / sim['makespan']:.3f}, {dtype}, steps {start}..{last_step - 1}",
               flush=True)
     dist.barrier(group=group)                    # every pipeline rank is up before the first send
-    idle_fracs = []                              # per step: 1 - busy / step time (waiting for messages)
+    idle_fracs = []                              # per step: the schedule's share of time spent waiting
 
     for step in range(start, last_step):
         COMM.reset()
@@ -415,7 +415,7 @@ def main(argv=None):
         comm.broadcast(loss_sum, dist.get_global_rank(group, p - 1), group=group)   # the last stage has it
         loss_value = float(loss_sum) / m
         step_time = time.perf_counter() - t0
-        idle_fracs.append(1.0 - runner.busy / step_time)
+        idle_fracs.append(1.0 - runner.busy / runner.elapsed)
         logger.log_step(step, loss_value, lr, float(grad_norm), step_time, step_bytes := COMM.bytes_sent,
                         p2p_bytes=p2p_bytes, idle_frac=idle_fracs[-1],
                         bubble_sim=sim["idle"][rank] / sim["makespan"])

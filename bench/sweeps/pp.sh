@@ -1,6 +1,7 @@
 # Sweep "pp": train_pp.py's schedules side by side with torch.distributed.pipelining on the same split
 # (bench/peer_torch_pipelining.py: same stages, weights, data, optimizer), 2 ranks x 1 thread, m = 8; then
-# zb1 vs 1f1b (ours). Below each table: the median measured idle share per step (rank 0, from metrics.jsonl)
+# zb1 vs 1f1b (ours). Below each table: the median share of its pipeline schedule that rank 0 spent waiting for
+# messages (idle_frac in metrics.jsonl; optimizer step excluded)
 # next to the simulator's bubble for F = B = W (pipeline_schedules.py).
 # Sourced by bench.sh (harness, STEPS, WARMUP, PYTHON are set there).
 PP_RUN="OMP_NUM_THREADS=1 $PYTHON -m torch.distributed.run --standalone --nproc_per_node 2"
@@ -10,7 +11,7 @@ pp_idle() {  # name: append measured idle share (median over runs and steps afte
   $PYTHON - "$1" "$WARMUP" <<'PY'
 import glob, json, os, statistics, sys
 name, warmup = sys.argv[1], int(sys.argv[2])
-lines = ["", "| run | measured idle share of a step (rank 0) | simulated bubble, F = B = W |", "|---|---|---|"]
+lines = ["", "| run | measured idle share of the schedule (rank 0) | simulated bubble, F = B = W |", "|---|---|---|"]
 for label in sorted({os.path.basename(d).rsplit("_", 1)[0] for d in glob.glob(f"bench/runs/{name}/*_[0-9]*")}):
     rows = [json.loads(l) for d in glob.glob(f"bench/runs/{name}/{label}_[0-9]*") for l in open(f"{d}/metrics.jsonl")]
     rows = [r for r in rows if "idle_frac" in r and r["step"] >= warmup]
