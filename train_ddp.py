@@ -72,8 +72,9 @@ class GradBucket:
         self.pending = len(params)
 
     def allocate(self):
-        p = self.params[0]
-        self.buffer = torch.zeros(self.padded_numel, dtype=p.dtype, device=p.device)
+        if self.buffer is None:
+            p = self.params[0]
+            self.buffer = torch.zeros(self.padded_numel, dtype=p.dtype, device=p.device)
 
     def view(self, i):
         """The slice of the flat buffer that holds parameter i's gradient, shaped like the parameter."""

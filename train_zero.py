@@ -5,8 +5,7 @@ flat buffer padded to a multiple of N ranks; rank r owns elements [r*s, (r+1)*s)
 
     torchrun --nproc_per_node 2 train_zero.py --zero_stage 1               # sharded AdamW state
     torchrun --nproc_per_node 4 train_zero.py --zero_stage 2               # + sharded gradients
-    torchrun --nproc_per_node 2 train_zero.py --zero_stage 3 --no-prefetch # + sharded parameters
-    torchrun --nproc_per_node 2 train_zero.py --zero_stage 3 --device cuda --dtype bfloat16
+    torchrun --nproc_per_node 2 train_zero.py --zero_stage 3 --dtype bfloat16  # + sharded parameters
 
 Precision recipes (bytes per parameter, from model.model_state_bytes_per_param):
     float32:  params 4, grads 4, AdamW m+v 8          (the fp32 parameter shard is its own master copy)
@@ -23,6 +22,9 @@ ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
 """
 import argparse
+import contextlib
+import dataclasses
+import io
 import sys
 import time
 from itertools import accumulate
@@ -37,7 +39,7 @@ from metrics import MetricsLogger
 from model import GPT, flops_per_token, init_parameter
 from optim import clip_grad_norm, configure_optimizer, lr_at
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
-from train_single import evaluate, gpt_config, prepare_data, resolve_dtype, should_save
+from train_single import evaluate, gpt_config, prepare_data, print_sample, resolve_dtype, should_save
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -56,9 +58,8 @@ class Shard:
         total = self.offsets.pop()
         self.padded = -(-total // n) * n
         self.lo, self.hi = rank * (self.padded // n), (rank + 1) * (self.padded // n)
-        init = torch.zeros(self.padded)                 # one unit at a time, in fp32 (the master's values)
-        for name, p, off in zip(names, params, self.offsets):
-            init[off: off + p.numel()] = init_parameter(name, p.shape, n_layer, seed).reshape(-1)
+        # the full initial values of this bucket / unit only, in fp32 (the master's values)
+        init = flatten(self, {n: init_parameter(n, p.shape, n_layer, seed) for n, p in zip(names, params)})
         self.full = init.to(device=device, dtype=dtype)
         self.params = [torch.nn.Parameter(self.full[off: off + p.numel()].view(p.shape))
                        for p, off in zip(params, self.offsets)]
@@ -66,7 +67,6 @@ class Shard:
         self.shard = own.to(dtype).clone() if stage == 3 else self.full[self.lo: self.hi]
         self.master = self.shard if dtype == torch.float32 else own.clone()
         self.exp_avg, self.exp_avg_sq = torch.zeros_like(own), torch.zeros_like(own)
-        self.grad = None                                # this rank's gradient slice (set by ShardedGrads)
         # AdamW decays >= 2-D parameters only (as optim.configure_optimizer): their runs inside the shard
         self.decay_runs = [(max(off, self.lo) - self.lo, min(off + p.numel(), self.hi) - self.lo)
                            for p, off in zip(params, self.offsets)
@@ -80,8 +80,7 @@ class Shard:
         if self.handle is None and self.full.untyped_storage().nbytes() == 0:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
             self.tracker.add(self.padded * self.full.element_size())
-            # into `.data`: same memory, own version counter. Autograd saved these parameters for backward,
-            # and refilling them with the same values is not a modification it must see.
+            # into `.data` (same memory, own version counter): refilling saved parameters is no modification
             self.handle = all_gather(self.full.data, self.shard, group=self.group, async_op=True)
 
     def wait(self):
@@ -155,15 +154,13 @@ class ShardedGrads(DataParallelGrads):
                          attach=stage <= 1, groups=[s.params for s in shards])
         self.stage, self.communicate, self.in_flight = stage, True, []
         for b, s in zip(self.buckets, shards):
-            assert b.padded_numel == s.padded
             b.shard = s
             # stage 0 all-reduces the whole buffer; stage 1 reduce-scatters it in place into its own slice
             s.grad = b.buffer[s.lo: s.hi] if stage <= 1 else torch.zeros_like(s.shard)
 
     def grad_landed(self, bucket, i, p):
         if self.stage >= 2:
-            if bucket.buffer is None:
-                bucket.allocate()
+            bucket.allocate()                           # on the bucket's first gradient
             bucket.view(i).copy_(p.grad)
             p.grad = None                               # the full-size gradient is freed at once
 
@@ -173,11 +170,9 @@ class ShardedGrads(DataParallelGrads):
         s = bucket.shard
         if self.stage == 3:
             s.free()                                    # this unit's backward is over
-        if bucket.buffer is None:                       # no parameter of it got a gradient
-            bucket.allocate()
-        out = s.grad if self.stage == 1 else torch.empty_like(s.grad)
-        bucket.work = reduce_scatter(out, bucket.buffer, group=self.group, async_op=True)
-        bucket.out = out
+        bucket.allocate()                               # in case no parameter of it got a gradient
+        bucket.out = s.grad if self.stage == 1 else torch.empty_like(s.grad)
+        bucket.work = reduce_scatter(bucket.out, bucket.buffer, group=self.group, async_op=True)
         if self.stage >= 2:                             # keep at most two buffers in flight
             self.in_flight.append(bucket)
             if len(self.in_flight) > 2:
@@ -194,10 +189,6 @@ class ShardedGrads(DataParallelGrads):
             bucket.shard.grad.add_(bucket.out.div_(self.n))
             bucket.buffer = None                       # the non-owned part of the gradients is gone
         bucket.out = None
-
-    def finish(self):
-        super().finish()
-        self.in_flight = []
 
     def grads(self):
         return [b.shard.grad for b in self.buckets]
@@ -278,23 +269,17 @@ def model_state_bytes(model, shards, grads):
     seen, out = set(), dict(params=0, grads=0, optim=0)
 
     def add(kind, t):
-        if t is None:
-            return
-        st = t.untyped_storage()
-        if st.nbytes() and st.data_ptr() not in seen:
+        st = None if t is None else t.untyped_storage()
+        if st is not None and st.nbytes() and st.data_ptr() not in seen:
             seen.add(st.data_ptr())
             out[kind] += st.nbytes()
     for p in model.parameters():
         add("params", p)
         add("grads", p.grad)
-    for s in shards:
-        add("params", s.shard)
-    for b in grads.buckets:
-        add("grads", b.buffer)
-        add("grads", b.shard.grad)
-    for s in shards:
-        for t in (s.master, s.exp_avg, s.exp_avg_sq):
-            add("optim", t)
+    for b, s in zip(grads.buckets, shards):           # fp32: the master *is* the parameter shard, counted once
+        for kind, t in (("params", s.shard), ("grads", b.buffer), ("grads", s.grad), ("optim", s.master),
+                        ("optim", s.exp_avg), ("optim", s.exp_avg_sq)):
+            add(kind, t)
     return out
 
 
@@ -338,6 +323,15 @@ def save_consolidated(cfg, model, shards, optimizer, next_step, rank):
         rng=rng_state(), config=config_dict(cfg)))
 
 
+def flatten(s, values):
+    """Full tensors (by parameter name) laid out as shard `s`'s zero-padded flat buffer, in fp32."""
+    full = torch.zeros(s.padded)
+    for name, off in zip(s.names, s.offsets):
+        value = values[name].reshape(-1)
+        full[off: off + value.numel()] = value
+    return full
+
+
 @torch.no_grad()
 def load_consolidated(cfg, model, shards, optimizer):
     """Every rank reads the consolidated checkpoint and keeps its shard; returns the step to continue from."""
@@ -346,27 +340,23 @@ def load_consolidated(cfg, model, shards, optimizer):
         state = load_checkpoint(path)
     except FileNotFoundError as e:
         fail(str(e))
+    for name, p in model.named_parameters():
+        value = state["model"].get(name)
+        if value is None or value.shape != p.shape:
+            fail(f"checkpoint {path} does not match this model: parameter {name} "
+                 f"{None if value is None else tuple(value.shape)} vs {tuple(p.shape)}")
     order, _ = optimizer_layout(model, cfg)
-    moments = {n: state["optimizer"]["state"].get(i) for i, n in enumerate(order)}
+    opt = state["optimizer"]["state"]
+    m, v = ({n: opt[i][key] for i, n in enumerate(order)} for key in ("exp_avg", "exp_avg_sq"))
     for s in shards:
-        full = torch.zeros(3, s.padded)                 # weights, exp_avg, exp_avg_sq
-        for name, p, off in zip(s.names, s.params, s.offsets):
-            value = state["model"].get(name)
-            if value is None or value.shape != p.shape:
-                fail(f"checkpoint {path} does not match this model: parameter {name} "
-                     f"{None if value is None else tuple(value.shape)} vs {tuple(p.shape)}")
-            full[0, off: off + p.numel()] = value.reshape(-1).float()
-            if moments[name] is not None:
-                full[1, off: off + p.numel()] = moments[name]["exp_avg"].reshape(-1)
-                full[2, off: off + p.numel()] = moments[name]["exp_avg_sq"].reshape(-1)
+        weights = flatten(s, state["model"])
         if s.stage < 3:
-            s.full.copy_(full[0])
-        for t, row in ((s.master, 0), (s.exp_avg, 1), (s.exp_avg_sq, 2)):
-            t.copy_(full[row, s.lo: s.hi])
+            s.full.copy_(weights)
+        for t, full in ((s.master, weights), (s.exp_avg, flatten(s, m)), (s.exp_avg_sq, flatten(s, v))):
+            t.copy_(full[s.lo: s.hi])
         if s.shard is not s.master:
             s.shard.copy_(s.master)
-    steps = [m["step"] for m in moments.values() if m is not None]
-    optimizer.steps = int(steps[0]) if steps else 0
+    optimizer.steps = int(opt[0]["step"])
     set_rng_state(state["rng"])
     return state["step"]
 
@@ -381,6 +371,8 @@ def add_args(parser):
 def validate(cfg):
     check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
+    check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3 (its "
+          "hooks resize parameter storage between modules)")
     check(cfg.dtype in ("auto", "float32", "bfloat16"),
           f"train_zero.py supports --dtype float32 or bfloat16 (fp32 master weights), got {cfg.dtype}")
 
@@ -392,11 +384,10 @@ def main(argv=None):
     group, dp, stage = dist.group.WORLD, env.world_size, cfg.zero_stage
     grad_acc = grad_accum_steps(cfg, dp)
     if dp == 1 and env.is_main:
-        print(f"warning: world size 1: ZeRO-{stage} has nothing to shard (launch with torchrun "
-              f"--nproc_per_node N)", file=sys.stderr, flush=True)
+        print(f"warning: world size 1: ZeRO-{stage} has nothing to shard (torchrun --nproc_per_node N)",
+              file=sys.stderr, flush=True)
     loader = prepare_data(cfg, env)
     dtype = resolve_dtype(cfg, env.device)
-    recipe = "fp32" if dtype == torch.float32 else "bf16"
 
     with torch.device("meta"):                          # shapes only: each Shard builds its own values
         model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed)
@@ -414,9 +405,8 @@ def main(argv=None):
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
     padded = sum(s.padded for s in shards)
     if env.is_main:
-        print(f"train_zero: ZeRO-{stage}, dp {dp}, {len(shards)} {'units' if stage == 3 else 'buckets'}, "
-              f"{padded:,} padded parameters, {recipe}, grad_acc {grad_acc}, steps {start}..{last_step - 1}",
-              flush=True)
+        print(f"train_zero: ZeRO-{stage}, dp {dp}, {len(shards)} {'units' if stage == 3 else 'buckets'}, {padded:,} "
+              f"padded parameters, {dtype}, grad_acc {grad_acc}, steps {start}..{last_step - 1}", flush=True)
 
     for step in range(start, last_step):
         t0 = time.perf_counter()
@@ -451,6 +441,8 @@ def main(argv=None):
         if should_save(cfg, step, last_step):
             save_consolidated(cfg, model, shards, optimizer, step + 1, env.rank)
     logger.close()
+    with contextlib.redirect_stdout(io.StringIO()) if env.rank else contextlib.nullcontext():
+        print_sample(model, loader, cfg, dataclasses.replace(env, rank=0) if stage == 3 else env)
     return dict(model=model, cfg=cfg, shards=shards, grads=grads, optimizer=optimizer)
 
 

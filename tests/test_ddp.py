@@ -72,7 +72,8 @@ def test_parity_and_comm_bytes(dp, reference, tiny_data, tmp_path):
     for (mode, grad_acc), r0, r_last in zip(labels, results[0], results[-1]):
         assert_same_losses(ref_losses, r0["losses"])
         assert_same_weights(ref_state, _torch_state(r0["state"]))
-        assert_same_weights(_torch_state(r0["state"]), _torch_state(r_last["state"]), rtol=0.0)  # replicas agree       # replicas stay bit-identical
+        # replicas stay bit-identical
+        assert_same_weights(_torch_state(r0["state"]), _torch_state(r_last["state"]), rtol=0.0)
         n_tensors = len(r0["param_ids"])
         expected_calls = len(r0["buckets"]) if mode == "bucket" else n_tensors
         for row in r0["rows"]:
