@@ -114,7 +114,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         dh, dw = ctx.saved_tensors
-        return dh * grad_loss.to(dh.dtype), dw * grad_loss.to(dw.dtype), None, None, None, None
+        # scaled in place: no second vocab x C buffer (so this graph can be backpropagated only once)
+        return dh.mul_(grad_loss.to(dh.dtype)), dw.mul_(grad_loss.to(dw.dtype)), None, None, None, None
 
 
 def linear_cross_entropy_reference(h, weight, targets, ignore_index=-100):
