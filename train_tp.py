@@ -47,7 +47,7 @@ from train_single import (autocast_context, evaluate, gpt_config, load_training_
 # transposes. Each returns (result, work); the result is valid after work.wait() (or at once when not async).
 
 def gather_seq(x, group, async_op=False, dim=1):
-    """[B, T/n, ...] on each rank -> [B, T, ...] on every rank (or along another dim)."""
+    """[B, T/n, ...] on each rank -> [B, T, ...] on every rank (or along another dim: vocabulary, shards)."""
     xt = x.transpose(0, dim).contiguous()
     out = xt.new_empty((dist.get_world_size(group) * xt.shape[0],) + xt.shape[1:])
     work = all_gather(out, xt, group=group, async_op=async_op)
@@ -85,8 +85,7 @@ class ReduceFromTP(torch.autograd.Function):
     """g: leave a TP region. Forward: sum the partial outputs. Backward: the sum's gradient goes to every part."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous()
+    def forward(ctx, x, group):                # x: a fresh matmul / lookup output, summed in place
         all_reduce(x, group=group)
         return x
 
@@ -138,12 +137,14 @@ class ColumnLinearFn(torch.autograd.Function):
         return grad_in, grad_w, grad_b, None, None, None
 
 
+@torch.compiler.disable      # collectives (and comm.py's byte counters) run eagerly: a graph break under --compile
 def column_parallel(x, weight, bias, group, sp, overlap):
     if sp or overlap:
         return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap)
     return F.linear(CopyToTP.apply(x, group), weight, bias)      # the textbook form: f, then a local matmul
 
 
+@torch.compiler.disable
 def leave_tp_region(x, group, sp):
     return ReduceScatterToSP.apply(x, group) if sp else ReduceFromTP.apply(x, group)
 
@@ -224,9 +225,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         local = local.clamp(0, z.shape[-1] - 1)
         target_z = z.gather(1, local[:, None]).squeeze(1) * mine  # the one owner contributes, the others 0
         all_reduce(target_z, group=group)
-        sum_exp = z.exp_().sum(dim=-1)                           # (z now holds exp(z - m))
+        exp = z.exp()                                            # (out of place: torch.compile traces this)
+        sum_exp = exp.sum(dim=-1)
         all_reduce(sum_exp, group=group)
-        ctx.save_for_backward(z.div_(sum_exp[:, None]), local, mine)     # my slice of the softmax
+        ctx.save_for_backward(exp / sum_exp[:, None], local, mine)       # my slice of the softmax
         return (sum_exp.log() - target_z).mean()
 
     @staticmethod
@@ -244,6 +246,7 @@ class VocabParallelLMHead(nn.Module):
         self.weight, self.vocab_start = wte.weight, wte.vocab_start
         self.group, self.sp, self.overlap = group, sp, overlap
 
+    @torch.compiler.disable
     def forward(self, x, targets=None):
         logits = column_parallel(x, self.weight, None, self.group, self.sp, self.overlap)   # [B, T, V/tp]
         if targets is None:          # generation: gather the vocabulary (the only place full logits exist)
@@ -265,8 +268,7 @@ class RankRNG(nn.Module):
 
     def forward(self, *args):
         seed = int(torch.randint(0, 2 ** 62, (1,)))
-        cuda = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda, device_type=self.device.type):
+        with torch.random.fork_rng([self.device] if self.device.type == "cuda" else [], device_type=self.device.type):
             torch.manual_seed(seed + dist.get_rank(self.group))
             return self.module(*args)
 
@@ -318,12 +320,10 @@ def init_tp_weights(model, seed, group):
 @torch.no_grad()
 def gather_full_weights(model, group):
     """{name: full tensor}, as train_single.py's model would hold it (for parity checks and exports)."""
-    n, out = dist.get_world_size(group), {}
+    out = {}
     for name, p in model.named_parameters():
-        if hasattr(p, "tp_split"):
-            flat = p.new_empty(n * p.numel())
-            all_gather(flat, p.detach().contiguous().view(-1), group=group)
-            out[name] = unshard(flat.view(n, *p.shape).unbind(0), *p.tp_split).cpu()
+        if hasattr(p, "tp_split"):                               # all shards: [n, *shard shape]
+            out[name] = unshard(gather_seq(p.detach()[None], group, dim=0)[0].unbind(0), *p.tp_split).cpu()
         else:
             out[name] = p.detach().cpu().clone()
     return out
@@ -349,10 +349,9 @@ def clip_tp_grads(model, max_norm, group):
 
 
 def tp_activation_bytes_per_layer(seq_len, batch, cfg, tp, sp=False, **kw):
-    """Korthikanti et al.'s activation bytes per layer under TP (and SP), from model.activation_bytes_per_layer's
-    single-device count (same keyword arguments). TP splits everything inside the TP regions; what stays whole
-    is the two LayerNorm inputs, the inputs of c_attn and c_fc (4 values per token and channel) and the two
-    residual dropout masks. SP splits those along the sequence too, so everything is 1/tp."""
+    """Korthikanti et al.'s activation bytes per layer under TP (+SP), from model.activation_bytes_per_layer (same
+    keywords). TP splits all inside the TP regions; the two LayerNorm inputs, the inputs of c_attn and c_fc and the
+    two residual dropout masks stay whole. SP splits those along the sequence too: everything is 1/tp."""
     full = activation_bytes_per_layer(seq_len, batch, cfg, **kw)
     if sp:
         return full / tp
