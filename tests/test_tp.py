@@ -193,14 +193,18 @@ def tp_runs(tiny_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single_run(tiny_data, tmp_path_factory):
-    return run_single(tiny_argv(tiny_data, str(tmp_path_factory.mktemp("single"))))
+    out = str(tmp_path_factory.mktemp("single"))
+    return (*run_single(tiny_argv(tiny_data, out)), [row["grad_norm"] for row in read_metrics(out)])
 
 
 @pytest.mark.parametrize("n,name", PARITY)
 def test_tp_matches_single(tp_runs, single_run, n, name):
-    ref_losses, ref_weights = single_run
+    ref_losses, ref_weights, ref_norms = single_run
     run = tp_runs[n]["runs"][name]
     assert_same_losses(ref_losses, losses(run["dir"]))
+    # the global grad norm over shards + replicated parts (clipping is active: the norms exceed --grad_clip 1)
+    assert max(ref_norms) > 1
+    assert [row["grad_norm"] for row in read_metrics(run["dir"])] == pytest.approx(ref_norms, rel=1e-4)
     assert_same_weights(ref_weights, {k: torch.from_numpy(a) for k, a in run["ranks"][0]["full"].items()})
 
 
