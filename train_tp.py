@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import dataclasses
 import io
+import math
 import time
 
 import torch
@@ -33,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from comm import COMM, all_gather, all_reduce, init_distributed, reduce_scatter, world_size_from_env
-from config import check, fail, grad_accum_steps, parse_config
+from config import check, grad_accum_steps, parse_config
 from metrics import MetricsLogger
 from model import GPT, activation_bytes_per_layer, flops_per_token, init_parameter
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
@@ -122,8 +123,7 @@ class ColumnLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        if ctx.sp:
-            x = gather_seq(x, ctx.group)[0]
+        x = gather_seq(x, ctx.group)[0] if ctx.sp else x      # SP: the full sequence again
         grad_in = grad_out @ weight.to(grad_out.dtype)          # my columns' share of dL/dx
         if ctx.sp:
             grad_in, work = reduce_scatter_seq(grad_in, ctx.group, async_op=ctx.overlap)
@@ -156,7 +156,7 @@ def leave_tp_region(x, group, sp):
 def shard_param(shape, dim, parts, group, device):
     shape = [size // dist.get_world_size(group) if i == dim else size for i, size in enumerate(shape)]
     p = nn.Parameter(torch.empty(shape, device=device))
-    p.tp_split = (dim, parts)
+    p.tp_split, p.tp_pad = (dim, parts), 0       # tp_pad: zero rows appended to the full tensor (vocabulary)
     return p
 
 
@@ -201,9 +201,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size, dim, group, sp=False, device=None):
         super().__init__()
-        self.group, self.sp = group, sp
-        self.weight = shard_param((vocab_size, dim), 0, 1, group, device)
-        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+        self.group, self.sp, n = group, sp, dist.get_world_size(group)
+        rows = -(-vocab_size // n)                 # the vocabulary is padded with zero rows up to a multiple of tp
+        self.weight = shard_param((rows * n, dim), 0, 1, group, device)
+        self.weight.tp_pad = rows * n - vocab_size
+        self.vocab_start = dist.get_rank(group) * rows
+        self.n_valid = max(0, min(rows, vocab_size - self.vocab_start))    # my rows that are real tokens
 
     def forward(self, idx):
         local = idx - self.vocab_start
@@ -223,7 +226,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         local = targets - vocab_start
         mine = (local >= 0) & (local < z.shape[-1])              # the target id is in my rows
         local = local.clamp(0, z.shape[-1] - 1)
-        target_z = z.gather(1, local[:, None]).squeeze(1) * mine  # the one owner contributes, the others 0
+        target_z = torch.where(mine, z.gather(1, local[:, None]).squeeze(1), 0.0)   # only the owner's counts
         all_reduce(target_z, group=group)
         exp = z.exp()                                            # (out of place: torch.compile traces this)
         sum_exp = exp.sum(dim=-1)
@@ -243,12 +246,14 @@ class VocabParallelLMHead(nn.Module):
 
     def __init__(self, wte, group, sp=False, overlap=False):
         super().__init__()
-        self.weight, self.vocab_start = wte.weight, wte.vocab_start
+        self.weight, self.vocab_start, self.n_valid = wte.weight, wte.vocab_start, wte.n_valid
         self.group, self.sp, self.overlap = group, sp, overlap
 
     @torch.compiler.disable
     def forward(self, x, targets=None):
         logits = column_parallel(x, self.weight, None, self.group, self.sp, self.overlap)   # [B, T, V/tp]
+        if self.n_valid < logits.shape[-1]:        # padding rows: probability 0, gradient 0
+            logits = logits.masked_fill(torch.arange(logits.shape[-1], device=x.device) >= self.n_valid, -math.inf)
         if targets is None:          # generation: gather the vocabulary (the only place full logits exist)
             return gather_seq(logits, self.group, dim=2)[0], None
         loss = VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.reshape(-1),
@@ -257,10 +262,9 @@ class VocabParallelLMHead(nn.Module):
 
 
 class RankRNG(nn.Module):
-    """Run a module (attention core, dropout) under a random stream of this TP rank's own: dropout on data that
-    differs per rank (my heads, my sequence chunk). Its seed is drawn from the shared stream (identical on all TP
-    ranks, and replayed exactly by activation recomputation), then offset by the rank. Dropout in replicated
-    regions draws from the shared stream itself, so every TP rank drops the same values."""
+    """Run a module (attention core, dropout) under this TP rank's own random stream, for data that differs per
+    rank (my heads, my sequence chunk): seeded from the shared stream (the same on all TP ranks, replayed by
+    recomputation) plus the rank. Dropout in replicated regions uses the shared stream: the same on every rank."""
 
     def __init__(self, module, group, device):
         super().__init__()
@@ -308,25 +312,24 @@ def init_tp_weights(model, seed, group):
     """Each parameter's full initial value from model.init_parameter, one at a time; keep this rank's slice."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     for name, p in model.named_parameters():
-        shape = list(p.shape)
-        if hasattr(p, "tp_split"):
-            dim, parts = p.tp_split
-            shape[dim] *= n
-            p.copy_(shard_of(init_parameter(name, shape, model.cfg.n_layer, seed), dim, parts, rank, n))
-        else:
-            p.copy_(init_parameter(name, shape, model.cfg.n_layer, seed))
+        if not hasattr(p, "tp_split"):                           # replicated: the full value
+            p.copy_(init_parameter(name, p.shape, model.cfg.n_layer, seed))
+            continue
+        dim, parts = p.tp_split
+        shape = [size * n - p.tp_pad if i == dim else size for i, size in enumerate(p.shape)]
+        full = init_parameter(name, shape, model.cfg.n_layer, seed)
+        full = torch.cat([full, full.new_zeros(p.tp_pad, *shape[1:])])    # padding rows (dim 0) are zeros
+        p.copy_(shard_of(full, dim, parts, rank, n))
 
 
 @torch.no_grad()
 def gather_full_weights(model, group):
     """{name: full tensor}, as train_single.py's model would hold it (for parity checks and exports)."""
-    out = {}
-    for name, p in model.named_parameters():
-        if hasattr(p, "tp_split"):                               # all shards: [n, *shard shape]
-            out[name] = unshard(gather_seq(p.detach()[None], group, dim=0)[0].unbind(0), *p.tp_split).cpu()
-        else:
-            out[name] = p.detach().cpu().clone()
-    return out
+    def full(p):                                                 # all shards [n, *shard], padding dropped
+        whole = unshard(gather_seq(p.detach()[None], group, dim=0)[0].unbind(0), *p.tp_split)
+        return whole[: len(whole) - p.tp_pad]
+    return {name: (full(p) if hasattr(p, "tp_split") else p.detach()).cpu().clone()
+            for name, p in model.named_parameters()}
 
 
 def all_reduce_sequence_parallel_grads(model, group):
@@ -363,8 +366,6 @@ def tp_activation_bytes_per_layer(seq_len, batch, cfg, tp, sp=False, **kw):
 def build_tp_model(cfg, vocab_size, group, device):
     with torch.device("meta"):
         model = GPT(gpt_config(cfg, vocab_size), seed=cfg.seed)
-    if model.cfg.padded_vocab_size % dist.get_world_size(group):
-        fail(f"padded vocabulary {model.cfg.padded_vocab_size} is not divisible by tp={dist.get_world_size(group)}")
     apply_tp(model, group, cfg.sp, cfg.tp_overlap, device)
     init_tp_weights(model, cfg.seed, group)
     return model

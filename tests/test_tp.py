@@ -25,7 +25,7 @@ def _rel_err(a, b):
     return float((a - b).detach().abs().max() / b.detach().abs().max())
 
 
-def _layers_worker(rank, n):
+def _layers_worker(rank, n, argv):
     import torch.distributed as dist
     import train_tp as tp
     from comm import all_reduce
@@ -102,12 +102,21 @@ def _layers_worker(rank, n):
     # the per-rank stream: different inside the context, the shared stream identical (and advanced) after it
     torch.manual_seed(5)
     inside = tp.RankRNG(torch.nn.Dropout(0.5), g, "cpu")(torch.ones(16)).tolist()
-    return errs, inside, torch.rand(4).tolist()
+    after = torch.rand(4).tolist()
+    result = tp.main(argv)                           # tp=3: the vocabulary (64) is padded to 66 rows
+    full = tp.gather_full_weights(result["model"], result["group"])
+    return errs, inside, after, _numpy(full) if rank == 0 else None
 
 
-def test_parallel_layers_equal_dense_layers():
-    results = run_workers(_layers_worker, 3)
-    for errs, _, _ in results:
+def test_parallel_layers_equal_dense_layers_and_odd_tp_trains_like_single(tiny_data, tmp_path):
+    # odd tp: 6 heads of 8, T=18 for SP, 64 tokens over 3 ranks (22 rows each, 2 of them zero padding)
+    odd = dict(n_head=6, n_embd=48, block_size=18, max_steps=8)
+    argv = tiny_argv(tiny_data, str(tmp_path / "tp3"), tp=3, sp=True, tp_overlap=True, **odd)
+    results = run_workers(_layers_worker, 3, args=(argv,))
+    ref_losses, ref_weights = run_single(tiny_argv(tiny_data, str(tmp_path / "single"), **odd))
+    assert_same_losses(ref_losses, losses(str(tmp_path / "tp3")))
+    assert_same_weights(ref_weights, {k: torch.from_numpy(a) for k, a in results[0][3].items()})
+    for errs, _, _, _ in results:
         assert len(errs) == 2 * (4 * 4 + 2 * 4 + 2 * 2 + 2)    # dtypes x (layer modes x checked tensors)
         for key, err in errs.items():
             assert err <= (1e-10 if "float64" in key else 2e-6), f"{key}: relative error {err:.1e}"
