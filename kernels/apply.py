@@ -9,8 +9,9 @@ Parameter objects, so names, init and optimizer groups are unchanged):
                                                 sdpa already is a fused kernel in torch)
     GPT.lm_head (logits + cross-entropy)     -> FusedLMHead                 (linear_cross_entropy, chunked)
 
-Modes (--kernels): triton (the Triton kernels), compile (the same fusions from torch.compile of the torch
-references: a fused path on CPU), torch (model.py untouched: the reference), auto (triton on CUDA, else torch).
+Modes (--kernels): triton (the Triton kernels), compile (the same fusions by torch.compile: each FusedBlock
+compiled whole, ln_f and the LM head's row kernel from their compiled torch references: a fused path on CPU),
+torch (model.py untouched: the reference), auto (triton on CUDA, else torch).
 """
 import os
 
@@ -98,23 +99,38 @@ class FusedLMHead(nn.Module):
             return None, linear_cross_entropy(h, w, targets, backend=self.backend)
 
 
+def _plain_mlp(mlp, mlp_class):
+    """A dense MLP of plain Linears (MoE blocks and FP8 Linears keep their own forward)."""
+    return type(mlp) is mlp_class and type(mlp.c_fc) is nn.Linear and type(mlp.c_proj) is nn.Linear
+
+
 def apply_kernels(model, mode="auto"):
     """Swap the fused modules into a model.py GPT in place (see the table above); returns the mode used."""
-    from model import AttentionCore, Block
+    from model import MLP, AttentionCore, Block
     device = next(model.parameters()).device
     mode = resolve_mode(mode, device)
     if mode == "torch":
         return mode
+    # leaves first (LayerNorms, attention cores), then the blocks that hold them
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.LayerNorm):
                 setattr(module, child_name, FusedLayerNorm(child, mode))
-            elif type(child) is Block and type(child.mlp.c_fc) is nn.Linear and type(child.mlp.c_proj) is nn.Linear:
-                setattr(module, child_name, FusedBlock(child, mode))   # (FP8 MLPs keep their own Linears)
             elif isinstance(child, AttentionCore) and mode == "triton":
                 if child.dropout > 0:
                     print(f"kernels: {name}.{child_name} keeps sdpa (attention dropout is not in the kernel)")
                 else:
                     setattr(module, child_name, FlashAttentionCore(mode))
+    for blocks in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+        for i, block in enumerate(blocks):
+            if type(block) is not Block or not _plain_mlp(block.mlp, MLP):
+                continue
+            if mode == "compile":
+                # regional compilation: inductor fuses the whole block's torch references (LayerNorms, RoPE,
+                # bias+GeLU, bias+residual); Module.compile() works in place, so no _orig_mod. in names
+                blocks[i] = FusedBlock(block, "torch")
+                blocks[i].compile()
+            else:
+                blocks[i] = FusedBlock(block, mode)
     model.lm_head = FusedLMHead(model.lm_head, mode)
     return mode

@@ -9,7 +9,8 @@ Forward, per (batch*head, block of BLOCK_M queries), streaming over blocks of BL
     s = q k^T / sqrt(D);  m' = max(m, rowmax s);  l = l * e^(m - m') + rowsum e^(s - m');
     acc = acc * e^(m - m') + e^(s - m') v;   at the end  o = acc / l,  lse = m + log l
 Backward recomputes p = e^(s - lse) tile by tile from the saved lse (no T x T matrix is ever stored):
-    delta = rowsum(do * o);  dv = p^T do;  dp = do v^T;  ds = p * (dp - delta);  dq = ds k / sqrt(D);  dk = ds^T q / sqrt(D)
+    delta = rowsum(do * o);  dv = p^T do;  dp = do v^T;  ds = p * (dp - delta)
+    dq = ds k / sqrt(D);  dk = ds^T q / sqrt(D)
 (one kernel per key block for dk, dv and one per query block for dq: no atomics).
 
 Memory: eager attention writes and re-reads the [Tq, Tk] scores and probabilities per head (and keeps the
@@ -39,7 +40,8 @@ if HAS_TRITON:
         return tl.dot(a, b, input_precision=PREC)
 
     @triton.jit
-    def _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    def _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+               UPCAST: tl.constexpr):
         """p = exp(q k^T * scale - lse), zero where masked: the probabilities rebuilt in backward."""
         s = _dot(q, tl.trans(k), PREC, UPCAST) * scale
         valid = (rows[:, None] < Tq) & (cols[None, :] < Tk)
@@ -200,8 +202,8 @@ def attention_reference(q, k, v, causal=True):
     if causal:
         Tq, Tk = q.shape[-2], k.shape[-2]
         s = s.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s.float(), dim=-1)
-    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v, lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    s = s if s.dtype == torch.float64 else s.float()          # softmax in fp32 at least (float64 stays)
+    return torch.softmax(s, dim=-1).to(q.dtype) @ v, torch.logsumexp(s, dim=-1)
 
 
 def flash_attention(q, k, v, causal=True, backend="auto"):

@@ -5,7 +5,7 @@ Replaces model.py's LMHead (F.linear + F.cross_entropy) via apply_kernels.
 
     loss = linear_cross_entropy(h, weight, targets)    # h [N, C], weight [V, C], targets [N] -> mean CE (fp32)
 
-For each chunk of n tokens (n*V ~ N*C, so the chunk's logits are about as big as h itself):
+For each chunk of n tokens (n*V ~ N*C, so the chunk's logits are about as big as h itself; n >= 256):
     z = h_c W^T                                 [n, V], the only vocab-sized buffer, reused in place:
     loss_c = sum_i (logsumexp(z_i) - z_i[t_i])  a Triton program per row: online max/sum, then
     z <- (softmax(z) - onehot(t)) / N_valid     the logit gradient written over the logits
@@ -14,7 +14,7 @@ backward only scales the stored dh, dW by the incoming gradient (the loss is the
 
 Memory (fp32, N tokens, vocab V): the unfused head keeps N*V logits, makes an fp32 copy for the loss, the
 softmax and the logit gradient: about 3-4 x 4*N*V bytes at peak. Fused: 4*n*V for one chunk plus dh (N*C)
-and dW (V*C). At GPT-2's V = 50304, C = 768 that is ~66x fewer vocab-sized bytes per token.
+and dW (V*C). Measured at 4096 tokens, C = 768, V = 50304 (bench/sweeps/kernels.sh): see the README table.
 Targets equal to ignore_index (-100, as F.cross_entropy) count neither in the loss nor in the mean.
 """
 import torch
@@ -64,7 +64,8 @@ def ce_grad_reference(z, targets, inv_n, ignore_index=-100):
     t = targets.clamp_min(0)
     lse = torch.logsumexp(zf, dim=-1)
     loss = (lse - zf.gather(1, t[:, None]).squeeze(1)) * valid
-    g = torch.softmax(zf, dim=-1) - F.one_hot(t, zf.shape[1]).to(zf.dtype)
+    g = torch.exp(zf - lse[:, None])                          # softmax, from the lse we already have
+    g = g.scatter_add(1, t[:, None], -torch.ones_like(lse)[:, None])     # - onehot(t), without a [n, V] one-hot
     return loss, g * (valid[:, None] * inv_n)
 
 
@@ -82,9 +83,11 @@ def _ce_grad_(z, targets, inv_n, ignore_index, backend):
     return loss
 
 
-def default_chunk(n_tokens, vocab, channels):
-    """Tokens per chunk so that a chunk's logits are about the size of h (Liger-Kernel's heuristic)."""
-    return min(n_tokens, next_pow2(cdiv(n_tokens, cdiv(vocab, channels))))
+def default_chunk(n_tokens, vocab, channels, min_chunk=256):
+    """Tokens per chunk: a chunk's logits about the size of h (Liger-Kernel's heuristic), but at least
+    min_chunk tokens, or each chunk's three GEMMs stream the whole [V, C] weight for too little work
+    (16-token chunks run ~5x slower than unfused on a CPU)."""
+    return min(n_tokens, max(min_chunk, next_pow2(cdiv(n_tokens, cdiv(vocab, channels)))))
 
 
 def cdiv(a, b):
@@ -107,7 +110,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             loss += _ce_grad_(z, tc, inv_n, ignore_index, backend).sum()
             if need_grad:
                 torch.mm(z, weight, out=dh[i:i + chunk])
-                dw += (z.t() @ hc).float()                       # fp32 accumulation over chunks
+                if z.dtype == torch.float32:
+                    dw.addmm_(z.t(), hc)                         # in place: no [V, C] temporary per chunk
+                else:
+                    dw += (z.t() @ hc).float()                   # fp32 accumulation over chunks
         ctx.save_for_backward(dh, dw.to(weight.dtype) if need_grad else None)
         return loss * inv_n
 
