@@ -11,9 +11,9 @@ Every weight matrix is split over the tp ranks so that one block needs two all-r
     x --f--> [c_fc:   my 4h/tp rows]           -> GeLU, no communication --> [c_proj: my columns] --g--> + x
     f: identity forward, all-reduce backward          g: all-reduce forward, identity backward
 
-The tied embedding / LM head weight is split by vocabulary rows. The lookup zeroes ids outside my rows, then g
-sums; the cross-entropy all-reduces the max, the target logit and the sum of exponentials (one number per
-token each), so no rank ever holds the [tokens, vocab] logits and the backward needs no communication.
+The tied embedding / LM head weight is split by vocabulary rows (zero rows pad it to a multiple of tp). The
+lookup zeroes ids outside my rows, then g sums; the cross-entropy all-reduces the max, the target logit and the
+sum of exponentials (a number per token each): no rank holds [tokens, vocab] logits, the backward sends nothing.
 
 --sp (Korthikanti et al. 2022): outside the TP regions (LayerNorm, dropout, the residual stream) each rank keeps
 T/tp of the sequence. f becomes an all-gather along the sequence and g a reduce-scatter: an all-reduce *is* a
