@@ -15,7 +15,7 @@ Model-state bytes per rank (P parameters, padded to P' with P' - P < N * buckets
     stage 1       2P' + 2P' + 12P'/N     stage 3  (2P' + 2P' + 12P')/N  (+ gathered units in flight)
 Communication per step, b bytes per value, g = grad_acc (DESIGN's ring convention):
     stage 1  reduce-scatter + all-gather          2 (N-1)/N P' b        (= one all-reduce)
-    stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay full)
+    stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay whole)
     stage 3  all-gather fwd + bwd + reduce-scatter 3 g (N-1)/N P' b
     stages 1-3 also all-reduce one fp32 scalar (the squared gradient norm): + 2 (N-1)/N * 4 bytes.
 ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre-backward: gather (prefetch
@@ -79,7 +79,9 @@ class Shard:
         """Stage 3: start the all-gather of the full parameters (async); `wait()` before use."""
         if self.handle is None and self.full.untyped_storage().nbytes() == 0:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-            self.tracker.add(self.padded * self.full.element_size())
+            t = self.tracker                            # bytes gathered now, and the most at any moment
+            t["now"] += self.padded * self.full.element_size()
+            t["peak"] = max(t["peak"], t["now"])
             # into `.data` (same memory, own version counter): refilling saved parameters is no modification
             self.handle = all_gather(self.full.data, self.shard, group=self.group, async_op=True)
 
@@ -93,8 +95,7 @@ class Shard:
         nbytes = self.full.untyped_storage().nbytes()
         if nbytes:
             self.full.untyped_storage().resize_(0)      # parameter views keep their shape, lose their memory
-            if self.tracker is not None:
-                self.tracker.add(-nbytes)
+            self.tracker["now"] -= nbytes
         self.in_backward = False
 
     @torch.no_grad()
@@ -105,15 +106,6 @@ class Shard:
             self.shard.copy_(self.master)
         if self.stage in (1, 2):
             all_gather(self.full, self.shard, group=self.group)
-
-
-class GatheredBytes:
-    """Bytes of ZeRO-3 parameters gathered right now, and the most at any moment."""
-    now = peak = 0
-
-    def add(self, nbytes):
-        self.now += nbytes
-        self.peak = max(self.peak, self.now)
 
 
 class ShardedAdamW:
@@ -145,8 +137,9 @@ class ShardedAdamW:
 class ShardedGrads(DataParallelGrads):
     """train_ddp's buckets and hooks with ZeRO's action for a ready bucket: reduce-scatter it into this
     rank's gradient shard. Stage 1 keeps DDP's persistent bucket buffers (param.grad views, no_sync
-    accumulation); stages 2-3 copy each final gradient into a bucket buffer that lives only until its
-    reduce-scatter is done, and accumulate the reduced slices in the shard across micro-steps."""
+    accumulation). Stage 2 copies each final gradient into a bucket buffer, stage 3 attaches param.grad to
+    one as the unit's backward starts; either lives only until its reduce-scatter is done, and the reduced
+    slices accumulate in the shard across micro-steps."""
 
     def __init__(self, shards, group, stage):
         n = 1 if stage == 0 else dist.get_world_size(group)
@@ -158,8 +151,14 @@ class ShardedGrads(DataParallelGrads):
             # stage 0 all-reduces the whole buffer; stage 1 reduce-scatters it in place into its own slice
             s.grad = b.buffer[s.lo: s.hi] if stage <= 1 else torch.zeros_like(s.shard)
 
+    def prepare(self, shard):
+        """Stage 3, as a unit's backward starts: a fresh buffer whose views are its param.grad (no copy)."""
+        bucket = self.bucket_of[id(shard.params[0])][0]
+        bucket.allocate()
+        bucket.attach_grads()
+
     def grad_landed(self, bucket, i, p):
-        if self.stage >= 2:
+        if self.stage == 2:
             bucket.allocate()                           # on the bucket's first gradient
             bucket.view(i).copy_(p.grad)
             p.grad = None                               # the full-size gradient is freed at once
@@ -170,6 +169,8 @@ class ShardedGrads(DataParallelGrads):
         s = bucket.shard
         if self.stage == 3:
             s.free()                                    # this unit's backward is over
+            for p in bucket.params:
+                p.grad = None                           # the buffer lives until its reduce-scatter is done
         bucket.allocate()                               # in case no parameter of it got a gradient
         bucket.out = s.grad if self.stage == 1 else torch.empty_like(s.grad)
         bucket.work = reduce_scatter(bucket.out, bucket.buffer, group=self.group, async_op=True)
@@ -183,10 +184,9 @@ class ShardedGrads(DataParallelGrads):
             return super().complete(bucket)
         bucket.work.wait()
         bucket.work = None
-        if self.stage == 1:
-            bucket.shard.grad.div_(self.n)
-        else:
-            bucket.shard.grad.add_(bucket.out.div_(self.n))
+        bucket.out.div_(self.n)                         # stage 1: this is the shard's gradient itself
+        if self.stage >= 2:
+            bucket.shard.grad.add_(bucket.out)
             bucket.buffer = None                       # the non-owned part of the gradients is gone
         bucket.out = None
 
@@ -218,7 +218,7 @@ def shard_model(model, cfg, stage, group, dtype, device, tracker):
     return shards
 
 
-def install_zero3_hooks(model, shards, prefetch):
+def install_zero3_hooks(model, shards, grads, prefetch):
     """Gather a block's parameters just before its forward and its backward, free them right after;
     with prefetch, start the all-gather of the block that runs next while this one computes."""
     blocks, root = list(reversed(shards[:-1])), shards[-1]     # blocks in forward order
@@ -228,6 +228,7 @@ def install_zero3_hooks(model, shards, prefetch):
             unit = root if i is None else blocks[i]
             unit.in_backward = True
             unit.wait()
+            grads.prepare(unit)
             nxt = len(blocks) - 1 if i is None else i - 1
             if prefetch and nxt >= 0:
                 blocks[nxt].gather()
@@ -315,8 +316,8 @@ def save_consolidated(cfg, model, shards, optimizer, next_step, rank):
         return
     order, param_groups = optimizer_layout(model, cfg)
     names = {p: n for n, p in model.named_parameters()}
-    step = torch.tensor(float(optimizer.steps))
-    state = {i: dict(step=step.clone(), exp_avg=m[n], exp_avg_sq=v[n]) for i, n in enumerate(order)}
+    state = {i: dict(step=torch.tensor(float(optimizer.steps)), exp_avg=m[n], exp_avg_sq=v[n])
+             for i, n in enumerate(order)}
     model_state = {k: weights[names[p]] for k, p in model.state_dict(keep_vars=True).items()}
     save_checkpoint(checkpoint_path(cfg.out_dir), dict(
         model=model_state, optimizer=dict(state=state, param_groups=param_groups), step=next_step,
@@ -371,8 +372,7 @@ def add_args(parser):
 def validate(cfg):
     check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
-    check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3 (its "
-          "hooks resize parameter storage between modules)")
+    check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3")
     check(cfg.dtype in ("auto", "float32", "bfloat16"),
           f"train_zero.py supports --dtype float32 or bfloat16 (fp32 master weights), got {cfg.dtype}")
 
@@ -391,11 +391,11 @@ def main(argv=None):
 
     with torch.device("meta"):                          # shapes only: each Shard builds its own values
         model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed)
-    gathered = GatheredBytes()
+    gathered = dict(now=0, peak=0)
     shards = shard_model(model, cfg, stage, group, dtype, env.device, gathered)
-    if stage == 3:
-        install_zero3_hooks(model, shards, cfg.prefetch)
     grads = ShardedGrads(shards, group, stage)
+    if stage == 3:
+        install_zero3_hooks(model, shards, grads, cfg.prefetch)
     optimizer = ShardedAdamW(shards, cfg)
     torch.manual_seed(cfg.seed + env.rank)
     start = load_consolidated(cfg, model, shards, optimizer) if cfg.resume else 0
@@ -430,7 +430,7 @@ def main(argv=None):
         comm_bytes = COMM.bytes_sent
         loss_value = mean_over_group(loss_sum / grad_acc, group)        # logging only, not in comm_bytes
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
-                        padded_params=padded, gathered_peak_bytes=gathered.peak,
+                        padded_params=padded, gathered_peak_bytes=gathered["peak"],
                         **{f"state_bytes_{k}": v for k, v in state_bytes.items()})
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
