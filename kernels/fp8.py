@@ -157,8 +157,10 @@ class _Float8LinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         x_amax, w_amax = ctx.amaxes
         dy_amax = delayed_amax(ctx.history[2], dy2) if ctx.recipe == "delayed" else None
-        dx = fp8_matmul(dy2, weight.t(), E5M2, E4M3, ctx.recipe, dy_amax, w_amax)
-        dw = fp8_matmul(dy2.t(), x2.t(), E5M2, E4M3, ctx.recipe, dy_amax, x_amax, b_is_weight=False)
+        # cuBLASLt's row-scaled FP8 GEMMs take e4m3 operands only (torchao's rowwise recipe does the same)
+        g = E4M3 if dy.is_cuda and ctx.recipe in ("rowwise", "blockwise") else E5M2
+        dx = fp8_matmul(dy2, weight.t(), g, E4M3, ctx.recipe, dy_amax, w_amax)
+        dw = fp8_matmul(dy2.t(), x2.t(), g, E4M3, ctx.recipe, dy_amax, x_amax, b_is_weight=False)
         return dx.to(x2.dtype).view(ctx.x_shape), dw.to(weight.dtype), None, None
 
 
