@@ -41,7 +41,7 @@ def use_triton(x, backend):
 
 def maybe_compiled(fn, backend):
     """fn itself, or fn through torch.compile for backend='compile' (compiled once, on first use)."""
-    if backend != "compile":
+    if backend != "compile" or torch.compiler.is_compiling():   # inside a compiled region: already fused
         return fn
     return _compiled(fn)
 
