@@ -13,7 +13,7 @@ Precision recipes (bytes per parameter, from model.model_state_bytes_per_param):
 Model-state bytes per rank (P parameters, padded to P' with P' - P < N * buckets, N ranks):
     stage 0 (DP)  2P + 2P + 12P          stage 2  2P' + (2P' + 12P')/N
     stage 1       2P' + 2P' + 12P'/N     stage 3  (2P' + 2P' + 12P')/N  (+ gathered units in flight)
-Communication per step, b bytes per value, g = grad_acc (DESIGN's ring convention):
+Communication per step, b bytes per value, g = grad_acc (the README's ring convention):
     stage 1  reduce-scatter + all-gather          2 (N-1)/N P' b        (= one all-reduce)
     stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay whole)
     stage 3  all-gather fwd + bwd + reduce-scatter 3 g (N-1)/N P' b

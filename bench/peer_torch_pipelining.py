@@ -8,7 +8,7 @@ action-list interpreter; writes the same metrics.jsonl, so bench/harness.py meas
         --n_microbatches 4 --max_steps 20 --out_dir OUT
 
 torch's stages talk through their own send/recv, bypassing comm.py's counters, so comm_bytes adds what they
-send under DESIGN's convention (m activations / gradients per boundary, as train_pp.py) to what is counted.
+send under the README's convention (m activations / gradients per boundary, as train_pp.py) to what is counted.
 There is no zb1 here: torch's zero-bubble schedules (ZBV, interleaved zero bubble) are different schedules.
 """
 import os

@@ -77,7 +77,7 @@ def test_parity_and_comm_bytes(dp, reference, tiny_data, tmp_path):
         n_tensors = len(r0["param_ids"])
         expected_calls = len(r0["buckets"]) if mode == "bucket" else n_tensors
         for row in r0["rows"]:
-            # DESIGN's convention: all_reduce = 2(n-1)/n * S, once per optimizer step whatever grad_acc is
+            # the README's convention: all_reduce = 2(n-1)/n * S, once per optimizer step whatever grad_acc is
             assert row["comm_bytes"] == 2 * (dp - 1) / dp * P_bytes, (mode, grad_acc, row)
             assert row["comm_calls"] == expected_calls, (mode, grad_acc, row)
         if mode == "bucket":
@@ -174,5 +174,5 @@ def test_world_size_one_warns_and_matches_single(tiny_data, tmp_path, capsys):
             dist.destroy_process_group()
     assert "warning: world size 1" in capsys.readouterr().err
     assert_same_losses(ref_losses, losses(str(tmp_path / "ddp")))
-    # not bit-identical (the clipping norm is summed over flat buckets, not tensor by tensor): DESIGN's 1e-4
+    # not bit-identical (the clipping norm is summed over flat buckets, not tensor by tensor): the parity contract's 1e-4
     assert_same_weights(ref_state, {n: p.detach() for n, p in result["model"].named_parameters()})
