@@ -6,6 +6,7 @@ MFU = achieved model FLOP/s / peak FLOP/s of the devices used, with model FLOPs 
 - GPU: a per-device table of dense bf16 tensor-core peaks (vendor datasheets); an unknown GPU gets a warning
   and MFU reported as null rather than a guess;
 - CPU: measured once per process as the best of a few large fp32 matmuls on the threads torch uses.
+SavedActivationBytes counts the activation bytes autograd keeps for backward (train_cp, train_tp).
 Peak memory: torch.cuda.max_memory_allocated on GPU; on CPU there is no allocator counter, so what is reported
 is the process's peak resident set size (ru_maxrss): model, optimizer, activations *and* the Python/torch runtime.
 """
@@ -56,6 +57,29 @@ def peak_memory_bytes(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+
+
+class SavedActivationBytes:
+    """Bytes of the tensors autograd keeps for backward during a forward, parameters excluded (each storage
+    counted once): the activation memory of one micro-batch, exact on any device."""
+
+    def __init__(self, model):                 # weights are saved by reference too: not activations
+        self.skip, self.bytes = {p.untyped_storage().data_ptr() for p in model.parameters()}, 0
+
+    def pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.skip and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self):
+        self.seen, self.bytes = set(), 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        return self.hooks.__enter__() or self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
 
 
 def format_bytes(n):

@@ -35,7 +35,7 @@ from comm import COMM, all_gather, all_reduce, batch_isend_irecv, init_distribut
 from config import check, fail, grad_accum_steps, parse_config
 from kernels import apply_kernels
 from kernels.flash_attention import flash_attention_backward, flash_attention_forward
-from metrics import MetricsLogger
+from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import autocast_context, evaluate, gpt_config, load_training_state, prepare_data, \
@@ -327,29 +327,6 @@ def allreduce_grads(params, group):
     all_reduce(flat, group=group)
     for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(reduced)
-
-
-class SavedActivationBytes:
-    """Bytes of the tensors autograd keeps for backward during a forward, parameters excluded (each storage
-    counted once): the activation memory of one micro-batch, exact on any device."""
-
-    def __init__(self, model):                 # weights are saved by reference too: not activations
-        self.skip, self.bytes = {p.untyped_storage().data_ptr() for p in model.parameters()}, 0
-
-    def pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.skip and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.bytes += t.untyped_storage().nbytes()
-        return t
-
-    def __enter__(self):
-        self.seen, self.bytes = set(), 0
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-        return self.hooks.__enter__() or self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
 
 
 def validate(cfg):

@@ -35,10 +35,9 @@ import torch.nn.functional as F
 
 from comm import COMM, all_gather, all_reduce, init_distributed, reduce_scatter, world_size_from_env
 from config import check, grad_accum_steps, parse_config
-from metrics import MetricsLogger
+from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, activation_bytes_per_layer, flops_per_token, init_parameter
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
-from train_cp import SavedActivationBytes
 from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
                           print_sample, resolve_dtype, save_training_state, should_save)
 

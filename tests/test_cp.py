@@ -17,6 +17,7 @@ import torch
 
 from distributed_helper import run_workers
 from kernels.backend import HAS_TRITON
+from metrics import SavedActivationBytes
 from train_helpers import assert_same_losses, assert_same_weights, losses, run_single, tiny_argv
 
 LAYOUTS = ("ring", "zigzag", "allgather")
@@ -126,7 +127,7 @@ def train_worker(rank, world_size, data_dir, out_root, steps):
     if rank == 0:
         train_cp.swap_attention_cores(model, lambda: train_cp.ContextParallelAttentionCore(solo, "ring"))
         idx = torch.randint(0, 64, (4, 16))
-        with train_cp.SavedActivationBytes(model) as saved:
+        with SavedActivationBytes(model) as saved:
             model(idx, idx.roll(1, dims=1))
         results["act_bytes_one_device"] = saved.bytes
     return results

@@ -146,7 +146,7 @@ def _block_report(n):
     import model as M
     import train_tp as tp
     from comm import COMM
-    from train_cp import SavedActivationBytes
+    from metrics import SavedActivationBytes
     g, s, b = dist.group.WORLD, 32, 2
     # 8 heads: >= 2 per rank, so the attention output's reshape copies as it does on one device
     cfg = M.GPTConfig(vocab_size=64, block_size=s, n_layer=1, n_head=8, n_embd=64)
