@@ -12,7 +12,6 @@ throughput is the median tokens_per_s over its steps after --warmup, and the tab
 repeats and the ratio to the first run (the baseline). The table goes to bench/results/NAME.md.
 """
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -23,6 +22,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from metrics import read_metrics  # noqa: E402  (the repo root is not on the path when run as a script)
 
 
 def machine_description():
@@ -44,16 +45,6 @@ def machine_description():
     return f"{cpu}; torch {version}; python {platform.python_version()}"
 
 
-def read_rows(out_dir):
-    rows = {}
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            if "tokens_per_s" in row:
-                rows[row["step"]] = row
-    return [rows[s] for s in sorted(rows)]
-
-
 def run_once(label, command, out_dir, warmup, timeout):
     os.makedirs(out_dir, exist_ok=True)
     cmd = command.replace("{out}", out_dir)
@@ -61,7 +52,7 @@ def run_once(label, command, out_dir, warmup, timeout):
     proc = subprocess.run(cmd, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         sys.exit(f"bench: {label} failed (exit {proc.returncode}):\n$ {cmd}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    rows = read_rows(out_dir)[warmup:]
+    rows = read_metrics(out_dir)[warmup:]
     if not rows:
         sys.exit(f"bench: {label} wrote no steps after the {warmup} warm-up steps ({out_dir})")
     med = lambda key: statistics.median(r[key] for r in rows) if all(r.get(key) is not None for r in rows) else None
