@@ -37,6 +37,7 @@ class Config:
     seed: int = 1337
     recompute: str = "none"
     kernels: str = "auto"
+    fp8: str = "none"
     dist_timeout: float = 300.0
     # io and logging
     data_dir: str = os.path.join("data", "stdlib")
@@ -83,6 +84,8 @@ HELP = dict(
     recompute="activation recomputation: none | selective (attention core) | full (whole block)",
     kernels="fused kernels (kernels/): triton | torch (model.py as is) | compile (torch.compile'd fusions) | "
             "auto (triton on CUDA, torch on CPU)",
+    fp8="FP8 matmuls in the blocks' Linear layers (kernels/fp8.py): none | tensorwise | rowwise | blockwise | "
+        "delayed; embedding, LM head, norms, softmax and router stay in high precision",
     dist_timeout="seconds before a stuck collective raises instead of hanging",
     data_dir="directory with train.bin, val.bin, meta.json (the default corpus is prepared on first use)",
     out_dir="metrics.jsonl and checkpoints go here",
@@ -101,12 +104,13 @@ HELP = dict(
     aux_loss_coef="weight of the Switch load-balancing loss", bucket_mb="gradient bucket size in MiB",
     capacity_factor="MoE expert capacity = ceil(cf * tokens * top_k / n_experts), overflow dropped (0: dropless)",
 )
-CHOICES = dict(recompute=["none", "selective", "full"], kernels=["auto", "triton", "torch", "compile"], dtype=["auto", "float32", "bfloat16", "float16"],
+CHOICES = dict(recompute=["none", "selective", "full"], kernels=["auto", "triton", "torch", "compile"],
+               fp8=["none", "tensorwise", "rowwise", "blockwise", "delayed"], dtype=["auto", "float32", "bfloat16", "float16"],
                cp_layout=["ring", "zigzag", "allgather"], pp_schedule=["afab", "1f1b", "interleaved", "zb1"],
                zero_stage=[0, 1, 2, 3])
 TECHNIQUE_FLAGS = ("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp_virtual", "n_microbatches",
                    "zero_stage", "ep", "n_experts", "top_k", "moe_every", "aux_loss_coef", "capacity_factor",
-                   "bucket_mb")
+                   "bucket_mb", "fp8")
 
 
 class ConfigError(ValueError):

@@ -29,7 +29,8 @@ from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpo
 from comm import COMM, init_distributed
 from config import check, fail, grad_accum_steps, parse_config, config_dict
 from data import GlobalBatchLoader, ensure_dataset
-from kernels import apply_kernels
+from kernels import apply_kernels, convert_to_float8
+from kernels.fp8 import check_fp8_support
 from metrics import MetricsLogger
 from model import GPT, GPTConfig, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
@@ -153,7 +154,7 @@ def should_save(cfg, step, last_step):
 # ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
-    cfg = parse_config(argv, techniques=MOE_FLAGS, description=__doc__.split("\n\n")[0],
+    cfg = parse_config(argv, techniques=MOE_FLAGS + ("fp8",), description=__doc__.split("\n\n")[0],
                        validate=lambda c: (check_moe(c), check(grad_accum_steps(c, 1) > 0, "empty batch")))
     env = init_distributed(cfg, need_group=False)
     grad_acc = grad_accum_steps(cfg, 1)
@@ -165,7 +166,10 @@ def main(argv=None):
     model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device)
     try:
         apply_kernels(model, cfg.kernels)            # --kernels: fused modules swapped in, same parameters
-    except ValueError as e:
+        if cfg.fp8 != "none":                        # --fp8: the blocks' big GEMMs in FP8, same parameters
+            check_fp8_support(env.device)
+            convert_to_float8(model, recipe=cfg.fp8)
+    except (ValueError, RuntimeError) as e:
         fail(str(e))
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
