@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from comm import COMM, all_gather, all_reduce, batch_isend_irecv, init_distributed, p2p_op, reduce_scatter, \
+from comm import COMM, destroy, all_gather, all_reduce, batch_isend_irecv, init_distributed, p2p_op, reduce_scatter, \
     world_size_from_env
 from config import check, fail, grad_accum_steps, parse_config
 from kernels import apply_kernels
@@ -425,3 +425,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads

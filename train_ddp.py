@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from comm import COMM, all_reduce, init_distributed, world_size_from_env
+from comm import COMM, destroy, all_reduce, init_distributed, world_size_from_env
 from config import check, fail, grad_accum_steps, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token
@@ -300,3 +300,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from comm import COMM, all_gather, all_reduce, all_to_all, init_distributed, new_group, world_size_from_env
+from comm import COMM, destroy, all_gather, all_reduce, all_to_all, init_distributed, new_group, world_size_from_env
 from config import check, grad_accum_steps, parse_config
 from metrics import MetricsLogger
 from model import GPT, MLP, combine, flops_per_token, init_parameter, route
@@ -239,3 +239,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads

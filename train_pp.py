@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import comm
-from comm import COMM, init_distributed, world_size_from_env
+from comm import COMM, destroy, init_distributed, world_size_from_env
 from config import check, parse_config
 from metrics import MetricsLogger
 from model import GPT, Block, LMHead, flops_per_token, init_parameter, rope_cache
@@ -448,3 +448,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from comm import COMM, all_gather, all_reduce, init_distributed, reduce_scatter, world_size_from_env
+from comm import COMM, destroy, all_gather, all_reduce, init_distributed, reduce_scatter, world_size_from_env
 from config import check, grad_accum_steps, parse_config
 from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, activation_bytes_per_layer, flops_per_token, init_parameter
@@ -447,3 +447,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads

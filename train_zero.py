@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from comm import COMM, all_gather, init_distributed, reduce_scatter, world_size_from_env
+from comm import COMM, destroy, all_gather, init_distributed, reduce_scatter, world_size_from_env
 from config import check, config_dict, fail, grad_accum_steps, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token, init_parameter
@@ -448,3 +448,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads
