@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from comm import init_distributed                                    # noqa: E402
+from comm import destroy, init_distributed                                # noqa: E402
 from config import grad_accum_steps, parse_config                     # noqa: E402
 from metrics import MetricsLogger                                     # noqa: E402
 from model import GPT, flops_per_token, init_parameter                # noqa: E402
@@ -81,3 +81,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    destroy()   # every rank leaves the group together (as the train_*.py scripts do)

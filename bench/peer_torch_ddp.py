@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from comm import init_distributed                                    # noqa: E402
+from comm import destroy, init_distributed                                # noqa: E402
 from config import grad_accum_steps, parse_config                     # noqa: E402
 from metrics import MetricsLogger                                     # noqa: E402
 from model import GPT, flops_per_token                                # noqa: E402
@@ -67,3 +67,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    destroy()   # every rank leaves the group together (as the train_*.py scripts do)

@@ -23,7 +23,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comm                                                           # noqa: E402
-from comm import COMM, init_distributed                               # noqa: E402
+from comm import COMM, destroy, init_distributed                           # noqa: E402
 from config import check, parse_config                                # noqa: E402
 from metrics import MetricsLogger                                     # noqa: E402
 from model import flops_per_token                                     # noqa: E402
@@ -98,3 +98,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    destroy()   # every rank leaves the group together (as the train_*.py scripts do)
