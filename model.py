@@ -65,17 +65,21 @@ class GPTConfig:
 # rotary position embedding
 
 def rope_cache(head_dim, positions, base=10000.0):
-    """cos/sin tables [T, head_dim/2] for the given (global) token positions."""
+    """The rotations e^(i pos theta_j), a complex64 [T, head_dim/2] table for these (global) positions."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
-    return angles.cos(), angles.sin()
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x, cos, sin):
-    """Rotate each (first-half, second-half) pair of x [B, H, T, D] by its position's angle."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+def apply_rope(x, rope):
+    """Rotate each adjacent pair (x[2j], x[2j+1]) of x [B, H, T, D] by its position's angle (the GPT-J / Llama
+    pairing), in fp32 or wider so that bf16 activations get an accurate rotation."""
+    if torch.compiler.is_compiling():   # inductor generates no code for complex ops; this real form fuses
+        (a, b), c, s = x.unflatten(-1, (-1, 2)).unbind(-1), rope.real, rope.imag
+        return torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2).to(x.dtype)
+    # eager: one complex multiply is one pass over x, where the real form takes six ops and a copy
+    pairs = torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rope).flatten(-2).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -104,14 +108,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.selective_recompute = cfg.recompute == "selective"
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, rope):
         qkv = self.c_attn(x)
         B, T, _ = qkv.shape    # read after c_attn: under sequence parallelism c_attn gathers the full sequence
         # n_head is read off the weight, so a tensor-parallel shard of c_attn just works with fewer heads
         q, k, v = qkv.chunk(3, dim=-1)
-        head_dim = cos.shape[-1] * 2
+        head_dim = rope.shape[-1] * 2
         q, k, v = (t.view(B, T, -1, head_dim).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.selective_recompute and self.training:
             # keep q, k, v; recompute the T x T scores in backward (Korthikanti et al. 2022)
             y = checkpoint(self.core, q, k, v, use_reentrant=False)
@@ -201,8 +205,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MoE(cfg) if moe else MLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.ln_1(x), cos, sin)
+    def forward(self, x, rope):
+        x = x + self.attn(self.ln_1(x), rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -236,17 +240,16 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, pos=None):
         """idx, targets: [B, T] token ids. pos: [T] global positions (default 0..T-1; CP passes its chunk's)."""
-        if pos is None:
-            pos = torch.arange(idx.size(1), device=idx.device)
+        pos = torch.arange(idx.size(1), device=idx.device) if pos is None else pos
         head_dim = self.cfg.n_embd // self.cfg.n_head
-        cos, sin = rope_cache(head_dim, pos, self.cfg.rope_base)
+        rope = rope_cache(head_dim, pos, self.cfg.rope_base)
         x = self.transformer.drop(self.transformer.wte(idx))
         for block in self.transformer.h:
             if self.cfg.recompute == "full" and self.training:
                 # store only each block's input; the whole block is recomputed in backward
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, rope, use_reentrant=False)
             else:
-                x = block(x, cos, sin)
+                x = block(x, rope)
         logits, loss = self.lm_head(self.transformer.ln_f(x), targets)
         moe = [b.mlp for b in self.transformer.h if getattr(b.mlp, "routing", None) is not None]
         if moe and loss is not None and self.training:
@@ -278,8 +281,7 @@ def parameter_seed(seed, name):
 
 def init_parameter(name, shape, n_layer, seed):
     """The full initial value of parameter `name` (fp32, CPU). Sharded layouts slice this."""
-    if name.endswith(".bias") or name.endswith("ln_1.weight") or name.endswith("ln_2.weight") \
-            or name.endswith("ln_f.weight"):
+    if name.endswith((".bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
         return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
     std = 0.02
     if name.endswith("c_proj.weight"):
@@ -341,9 +343,8 @@ def activation_bytes_per_layer(seq_len, batch, cfg, bytes_per_value=2, recompute
     recompute='full': only the block input is stored: s*b*h*bytes_per_value.
     dropout=False drops the mask bytes (no masks are stored when p = 0)."""
     s, b, h, a = seq_len, batch, cfg.n_embd, cfg.n_head
-    mask = 1 if dropout else 0
     if recompute == "full":
         return s * b * h * bytes_per_value
-    per_sbh = 16 * bytes_per_value + 2 * mask
-    per_as2b = 0 if recompute == "selective" else 2 * bytes_per_value + mask
+    per_sbh = 16 * bytes_per_value + 2 * int(dropout)
+    per_as2b = 0 if recompute == "selective" else 2 * bytes_per_value + int(dropout)
     return s * b * h * per_sbh + a * s * s * b * per_as2b

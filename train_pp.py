@@ -73,12 +73,12 @@ class PipelineStage(nn.Module):
         """Token ids [b, T] (first stage) or the previous stage's activations [b, T, h] -> [b, T, h]."""
         # RoPE needs only global positions: every stage rebuilds the same small table
         pos = torch.arange(x.shape[1], device=x.device)
-        cos, sin = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base)
+        rope = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base)
         if self.first:
             x = self.transformer["drop"](self.transformer["wte"](x))
         for block in self.transformer["h"].values():
             full = self.cfg.recompute == "full" and self.training
-            x = checkpoint(block, x, cos, sin, use_reentrant=False) if full else block(x, cos, sin)
+            x = checkpoint(block, x, rope, use_reentrant=False) if full else block(x, rope)
         return x
 
     def forward(self, x, targets=None):

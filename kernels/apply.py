@@ -72,8 +72,8 @@ class FusedBlock(nn.Module):
         self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
         self.backend = backend
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.ln_1(x), cos, sin)
+    def forward(self, x, rope):
+        x = x + self.attn(self.ln_1(x), rope)
         mlp = self.mlp
         h = bias_gelu(F.linear(self.ln_2(x), mlp.c_fc.weight), mlp.c_fc.bias, backend=self.backend)
         return bias_dropout_add(F.linear(h, mlp.c_proj.weight), mlp.c_proj.bias, x, mlp.dropout.p,

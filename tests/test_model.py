@@ -57,6 +57,27 @@ def test_init_is_per_parameter_and_deterministic():
     assert torch.equal(init_parameter("transformer.ln_f.weight", (8,), 2, 0), torch.ones(8))
 
 
+def test_rope_rotates_adjacent_pairs_and_keeps_relative_positions():
+    from model import apply_rope, rope_cache
+    D, pos = 8, torch.tensor([0, 1, 5, 9])
+    x = torch.randn(2, 3, 4, D, dtype=torch.float64)
+    y = apply_rope(x, rope_cache(D, pos))
+    assert y.dtype == torch.float64
+    theta = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angle = pos[:, None] * theta                                   # [T, D/2]
+    a, b = x[..., 0::2], x[..., 1::2]
+    expected = torch.stack([a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()], -1).flatten(-2)
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)  # the table is complex64
+    # q.k after rotation depends only on the distance between the two positions
+    q, k = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
+    rot = lambda v, p: apply_rope(v.view(1, 1, 1, D), rope_cache(D, torch.tensor([p]))).flatten()
+    assert abs(rot(q, 7) @ rot(k, 3) - rot(q, 104) @ rot(k, 100)) < 1e-5
+    assert abs(rot(q, 7) @ rot(k, 3) - rot(q, 7) @ rot(k, 5)) > 1e-3
+    # under torch.compile the same rotation is written without complex numbers (inductor has no complex codegen)
+    compiled = torch.compile(apply_rope, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, rope_cache(D, pos)), y, rtol=1e-12, atol=1e-12)
+
+
 def test_rope_positions_and_causality():
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
     model = GPT(cfg).eval()

@@ -150,7 +150,7 @@ def _block_report(n):
     g, s, b = dist.group.WORLD, 32, 2
     # 8 heads: >= 2 per rank, so the attention output's reshape copies as it does on one device
     cfg = M.GPTConfig(vocab_size=64, block_size=s, n_layer=1, n_head=8, n_embd=64)
-    cos, sin = M.rope_cache(8, torch.arange(s))
+    rope = M.rope_cache(8, torch.arange(s))
     report = {}
     for mode in ("single", "tp", "sp"):
         if mode == "single":
@@ -163,10 +163,10 @@ def _block_report(n):
         block = gpt.transformer.h[0]
         x = torch.randn(b, s // n if mode == "sp" else s, 64, requires_grad=True)
         activations = SavedActivationBytes(block)
-        activations.skip |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+        activations.skip.add(rope.untyped_storage().data_ptr())
         COMM.reset()
         with activations:
-            y = block(x, cos, sin)
+            y = block(x, rope)
         fwd = (dict(COMM.calls), COMM.bytes_sent)
         COMM.reset()
         y.sum().backward()
