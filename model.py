@@ -65,21 +65,21 @@ class GPTConfig:
 # rotary position embedding
 
 def rope_cache(head_dim, positions, base=10000.0):
-    """The rotations e^(i pos theta_j), a complex64 [T, head_dim/2] table for these (global) positions."""
+    """The rotations e^(i pos theta_j) for these (global) positions, as view_as_real stores them: [T, D/2, 2]."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_rope(x, rope):
     """Rotate each adjacent pair (x[2j], x[2j+1]) of x [B, H, T, D] by its position's angle (the GPT-J / Llama
     pairing), in fp32 or wider so that bf16 activations get an accurate rotation."""
     if torch.compiler.is_compiling():   # inductor generates no code for complex ops; this real form fuses
-        (a, b), c, s = x.unflatten(-1, (-1, 2)).unbind(-1), rope.real, rope.imag
+        (a, b), (c, s) = x.unflatten(-1, (-1, 2)).unbind(-1), rope.unbind(-1)
         return torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2).to(x.dtype)
     # eager: one complex multiply is one pass over x, where the real form takes six ops and a copy
     pairs = torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rope).flatten(-2).to(x.dtype)
+    return torch.view_as_real(pairs * torch.view_as_complex(rope)).flatten(-2).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = qkv.shape    # read after c_attn: under sequence parallelism c_attn gathers the full sequence
         # n_head is read off the weight, so a tensor-parallel shard of c_attn just works with fewer heads
         q, k, v = qkv.chunk(3, dim=-1)
-        head_dim = rope.shape[-1] * 2
+        head_dim = rope.shape[-2] * 2
         q, k, v = (t.view(B, T, -1, head_dim).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.selective_recompute and self.training:
