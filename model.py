@@ -72,14 +72,14 @@ def rope_cache(head_dim, positions, base=10000.0):
 
 
 def apply_rope(x, rope):
-    """Rotate each adjacent pair (x[2j], x[2j+1]) of x [B, H, T, D] by its position's angle (the GPT-J / Llama
-    pairing), in fp32 or wider so that bf16 activations get an accurate rotation."""
+    """Rotate each adjacent pair (x[2j], x[2j+1]) of x [B, T, heads, D] by its position's angle (the GPT-J /
+    Llama pairing), in fp32 or wider so that bf16 activations get an accurate rotation."""
     if torch.compiler.is_compiling():   # inductor generates no code for complex ops; this real form fuses
-        (a, b), (c, s) = x.unflatten(-1, (-1, 2)).unbind(-1), rope.unbind(-1)
+        (a, b), (c, s) = x.unflatten(-1, (-1, 2)).unbind(-1), rope[:, None].unbind(-1)
         return torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2).to(x.dtype)
     # eager: one complex multiply is one pass over x, where the real form takes six ops and a copy
     pairs = torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * torch.view_as_complex(rope)).flatten(-2).to(x.dtype)
+    return torch.view_as_real(pairs * torch.view_as_complex(rope)[:, None]).flatten(-2).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -110,12 +110,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, rope):
         qkv = self.c_attn(x)
-        B, T, _ = qkv.shape    # read after c_attn: under sequence parallelism c_attn gathers the full sequence
+        B, T, width = qkv.shape  # read after c_attn: under sequence parallelism c_attn gathers the full sequence
         # n_head is read off the weight, so a tensor-parallel shard of c_attn just works with fewer heads
-        q, k, v = qkv.chunk(3, dim=-1)
         head_dim = rope.shape[-2] * 2
-        q, k, v = (t.view(B, T, -1, head_dim).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        qk, v = (t.view(B, T, -1, head_dim) for t in qkv.split([2 * width // 3, width // 3], dim=-1))
+        qk = apply_rope(qk, rope)                                     # the q and k heads, rotated in one go
+        (q, k), v = qk.transpose(1, 2).chunk(2, dim=1), v.transpose(1, 2)  # [B, H, T, D]
         if self.selective_recompute and self.training:
             # keep q, k, v; recompute the T x T scores in backward (Korthikanti et al. 2022)
             y = checkpoint(self.core, q, k, v, use_reentrant=False)

@@ -60,11 +60,11 @@ def test_init_is_per_parameter_and_deterministic():
 def test_rope_rotates_adjacent_pairs_and_keeps_relative_positions():
     from model import apply_rope, rope_cache
     D, pos = 8, torch.tensor([0, 1, 5, 9])
-    x = torch.randn(2, 3, 4, D, dtype=torch.float64)
+    x = torch.randn(2, 4, 3, D, dtype=torch.float64)                # [B, T, heads, D]
     y = apply_rope(x, rope_cache(D, pos))
     assert y.dtype == torch.float64
     theta = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    angle = pos[:, None] * theta                                   # [T, D/2]
+    angle = (pos[:, None] * theta)[:, None]                        # [T, 1, D/2]
     a, b = x[..., 0::2], x[..., 1::2]
     expected = torch.stack([a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()], -1).flatten(-2)
     torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)  # the table is complex64
