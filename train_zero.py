@@ -109,8 +109,8 @@ class Shard:
 
 
 class ShardedAdamW:
-    """AdamW on the flat fp32 shards (elementwise, so a shard is stepped exactly like the full tensor),
-    in the same operation order as torch.optim.AdamW's foreach path, with optim.py's hyperparameters."""
+    """AdamW on the flat fp32 shards (elementwise, so a shard is stepped exactly like the full tensor) with
+    optim.py's hyperparameters and the one-pass kernel behind torch.optim.AdamW(fused=True)."""
 
     def __init__(self, shards, cfg):
         defaults = configure_optimizer([], cfg).defaults
@@ -122,16 +122,12 @@ class ShardedAdamW:
         self.steps += 1
         masters = [s.master for s in self.shards]
         m, v = [s.exp_avg for s in self.shards], [s.exp_avg_sq for s in self.shards]
-        for s in self.shards:
+        for s in self.shards:        # decoupled decay, only on the runs of >= 2-D parameters inside the shard
             for a, b in s.decay_runs:
                 s.master[a:b].mul_(1 - lr * self.wd)
-        torch._foreach_lerp_(m, grads, 1 - self.beta1)
-        torch._foreach_mul_(v, self.beta2)
-        torch._foreach_addcmul_(v, grads, grads, 1 - self.beta2)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, (1 - self.beta2 ** self.steps) ** 0.5)
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(masters, m, denom, -lr / (1 - self.beta1 ** self.steps))
+        steps = [torch.tensor(float(self.steps), device=t.device) for t in masters]
+        torch._fused_adamw_(masters, grads, m, v, [], steps, lr=lr, beta1=self.beta1, beta2=self.beta2,
+                            weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False)
 
 
 class ShardedGrads(DataParallelGrads):

@@ -9,7 +9,10 @@ Each --run is LABEL=COMMAND; `{out}` becomes a fresh output directory. Every com
 {out}/metrics.jsonl in the nanoscale format (README, "Metrics"): peers are wrapped to do so. The runs are
 executed alternately (A B A B ...) so slow drifts of a shared machine hit all of them alike; a run's
 throughput is the median tokens_per_s over its steps after --warmup, and the table reports the median over
-repeats and the ratio to the first run (the baseline). The table goes to bench/results/NAME.md.
+repeats and the ratio to the first run (the baseline) in two ways: the ratio of the two medians, and the
+median (and range) of the per-round ratios, each round's run divided by the baseline run just before it. On a
+machine whose speed drifts between rounds the paired ratio is the steadier of the two. The table goes to
+bench/results/NAME.md.
 """
 import argparse
 import os
@@ -89,18 +92,21 @@ def main(argv=None):
             results[label].append(res)
             print(f"bench {a.name}: round {rep + 1}/{a.repeats} {label}: {res['tokens_per_s']:,.0f} tok/s", flush=True)
 
-    base = statistics.median(r["tokens_per_s"] for r in results[runs[0][0]])
+    base_rounds = [r["tokens_per_s"] for r in results[runs[0][0]]]
+    base = statistics.median(base_rounds)
     lines = [f"### {a.title or a.name}", "",
              f"Machine: {machine_description()}. {a.repeats} alternating rounds, median of steps after "
              f"{a.warmup} warm-up steps, then median over rounds.", "",
-             "| run | tokens/s | ratio vs first | MFU | peak memory | comm bytes/step | command |",
-             "|---|---|---|---|---|---|---|"]
+             "| run | tokens/s | ratio vs first | paired ratio (range) | MFU | peak memory | comm bytes/step | command |",
+             "|---|---|---|---|---|---|---|---|"]
     for label, command in runs:
         rs = results[label]
         tps = statistics.median(r["tokens_per_s"] for r in rs)
         mfus = [r["mfu"] for r in rs if r["mfu"] is not None]
         mfu = statistics.median(mfus) if mfus else None
-        lines.append(f"| {label} | {fmt(tps, 'n')} | {tps / base:.2f} | {fmt(mfu, 'mfu')} | "
+        paired = [r["tokens_per_s"] / b for r, b in zip(rs, base_rounds)]
+        lines.append(f"| {label} | {fmt(tps, 'n')} | {tps / base:.2f} | {statistics.median(paired):.2f} "
+                     f"({min(paired):.2f}-{max(paired):.2f}) | {fmt(mfu, 'mfu')} | "
                      f"{fmt(max(r['peak_mem_bytes'] for r in rs), 'bytes')} | "
                      f"{fmt(statistics.median(r['comm_bytes'] for r in rs), 'bytes')} | `{command.replace('{out}', 'OUT')}` |")
     if a.note:
