@@ -37,7 +37,7 @@ from comm import COMM, destroy, all_gather, init_distributed, reduce_scatter, wo
 from config import check, config_dict, fail, grad_accum_steps, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token, init_parameter
-from optim import clip_grad_norm, configure_optimizer, lr_at
+from optim import BETAS, EPS, clip_grad_norm, configure_optimizer, lr_at
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
 from train_single import evaluate, gpt_config, prepare_data, print_sample, resolve_dtype, should_save
 
@@ -113,8 +113,7 @@ class ShardedAdamW:
     optim.py's hyperparameters and the one-pass kernel behind torch.optim.AdamW(fused=True)."""
 
     def __init__(self, shards, cfg):
-        defaults = configure_optimizer([], cfg).defaults
-        (self.beta1, self.beta2), self.eps, self.wd = defaults["betas"], defaults["eps"], cfg.weight_decay
+        (self.beta1, self.beta2), self.eps, self.wd = BETAS, EPS, cfg.weight_decay
         self.shards, self.steps = shards, 0
 
     @torch.no_grad()

@@ -12,7 +12,7 @@ Where it differs from train_tp.py, and why:
 - the tied embedding / LM head stays replicated (a plan cannot shard one weight shared by an Embedding and a
   functional head), so every rank computes the full [tokens, vocab] logits and cross-entropy;
 - the loss and gradients are the same as train_single's; the gradient norm is that of the local gradients
-  (DTensor grads are reduced to their local shards), so run both with --grad_clip 0 for a like-for-like step;
+  (DTensor grads are reduced to their local shards), so the peer takes --grad_clip 0 only (and so should ours);
 - DTensor's collectives bypass comm.py's counters: comm_bytes is what the plan sends in theory (ring convention,
   S = micro*T*h*4): per block and micro-batch 2 all-reduces of S forward and 2 backward; with SP 4 all-gathers /
   reduce-scatters forward and 4 backward (the gathered inputs are kept, not gathered again), plus the
@@ -30,12 +30,12 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from comm import destroy, init_distributed                                # noqa: E402
-from config import grad_accum_steps, parse_config                     # noqa: E402
+from config import check, grad_accum_steps, parse_config              # noqa: E402
 from metrics import MetricsLogger                                     # noqa: E402
 from model import GPT, flops_per_token                                # noqa: E402
 from optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
 from train_single import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
-from train_tp import extra_args, shard_of, validate                   # noqa: E402
+from train_tp import extra_args, shard_of, validate as validate_tp    # noqa: E402
 
 
 def apply_dtensor_tp(model, mesh, sp):
@@ -73,6 +73,12 @@ def plan_comm_bytes(cfg, grad_acc):
     return grad_acc * ((8 * L + 2) * part * S + ar * 4 * (2 * L + 1) * 2 * h)
 
 
+def validate(cfg):
+    validate_tp(cfg)
+    check(cfg.grad_clip == 0, f"--grad_clip {cfg.grad_clip}: this peer has no global norm over DTensor shards; "
+                              "pass --grad_clip 0 (to both scripts, for a like-for-like step)")
+
+
 def main(argv=None):
     cfg = parse_config(argv, techniques=("tp", "sp"), description=__doc__.split("\n\n")[0],
                        extra_args=extra_args, validate=validate)
@@ -100,9 +106,7 @@ def main(argv=None):
             (loss / grad_acc).backward()
             loss_sum += loss.detach()
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
-        grad_norm = torch.nn.utils.get_total_norm(grads)
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, grad_norm)
+        grad_norm = torch.nn.utils.get_total_norm(grads)        # of the local shards: logged only (validate)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         logger.log_step(step, float(loss_sum) / grad_acc, lr, float(grad_norm), time.perf_counter() - t0,

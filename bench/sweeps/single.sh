@@ -17,3 +17,10 @@ single_row single_tiny "train_single vs nanoGPT, nanoGPT's CPU config (L4 H4 h12
   "--n_layer 4 --n_head 4 --n_embd 128 --block_size 64 --global_batch_size 12 --micro_batch_size 12"
 single_row single_compute "train_single vs nanoGPT, compute-bound config (L6 H6 h384 T256 B8), 1 thread" \
   "--n_layer 6 --n_head 6 --n_embd 384 --block_size 256 --global_batch_size 8 --micro_batch_size 8"
+# the same two shapes, model + optimizer only, one step at a time in one process (resolves ~1% differences)
+if [ -n "${NANOGPT_DIR:-}" ]; then
+  $PYTHON bench/nanogpt_step_ab.py --name single_tiny_steps --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 \
+    --batch_size 12 --steps 300
+  $PYTHON bench/nanogpt_step_ab.py --name single_compute_steps --n_layer 6 --n_head 6 --n_embd 384 \
+    --block_size 256 --batch_size 8 --steps 30 --warmup 3
+fi
