@@ -57,8 +57,7 @@ class PipelineStage(nn.Module):
 
     def __init__(self, gcfg, layers, first, last):
         super().__init__()
-        self.cfg, self.first, self.last = gcfg, first, last
-        self.transformer = nn.ModuleDict()
+        self.cfg, self.first, self.last, self.transformer = gcfg, first, last, nn.ModuleDict()
         if first:
             self.transformer["wte"] = nn.Embedding(gcfg.padded_vocab_size, gcfg.n_embd)
             self.transformer["drop"] = nn.Dropout(gcfg.dropout)
