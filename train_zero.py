@@ -124,7 +124,7 @@ class ShardedAdamW:
         for s in self.shards:        # decoupled decay, only on the runs of >= 2-D parameters inside the shard
             for a, b in s.decay_runs:
                 s.master[a:b].mul_(1 - lr * self.wd)
-        steps = [torch.tensor(float(self.steps), device=t.device) for t in masters]
+        steps = [torch.tensor(float(self.steps), device=masters[0].device)] * len(masters)   # read, not written
         torch._fused_adamw_(masters, grads, m, v, [], steps, lr=lr, beta1=self.beta1, beta2=self.beta2,
                             weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False)
 
