@@ -18,10 +18,31 @@ import time
 
 import torch
 
-# dense bf16 TFLOP/s (no sparsity), matched against torch.cuda.get_device_name()
-GPU_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
-                   ("A100", 312.0), ("A10G", 70.0), ("L40S", 362.0), ("L4", 121.0), ("V100", 125.0),
-                   ("B200", 2250.0)]
+# Dense bf16 tensor-core TFLOP/s (no 2:4 sparsity) per (chip, board), from the vendor's datasheets, which print
+# the sparse figure: dense = sparse / 2. A device name is split into words and matched exactly: the chip is the
+# first word after "NVIDIA" (so "L40" is never "L4"), the board is "PCIe" or "NVL" when such a word is present,
+# else "" (the default board: SXM for A100/H100/H200/H800, e.g. "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB").
+A100_SHEET = "NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16 312 | 624 sparse"
+H100_SHEET = "NVIDIA H100 datasheet (resources.nvidia.com, nvidia-tensor-core-gpu-datasheet): BF16 sparse"
+GPU_PEAK_TFLOPS = {
+    # (chip, board): (dense bf16 TFLOP/s, source)
+    ("A100", ""): (312.0, A100_SHEET + " (SXM4 40/80GB)"),
+    ("A100", "PCIe"): (312.0, A100_SHEET + " (PCIe 40/80GB)"),
+    ("A800", ""): (312.0, "NVIDIA A800 datasheet: BF16 312 | 624 sparse (A100 compute, export-limited NVLink)"),
+    ("A800", "PCIe"): (312.0, "NVIDIA A800 PCIe datasheet: BF16 312 | 624 sparse"),
+    ("H100", ""): (989.5, H100_SHEET + " 1,979 (H100 SXM)"),
+    ("H100", "PCIe"): (756.5, H100_SHEET + " 1,513 (H100 PCIe)"),
+    ("H100", "NVL"): (835.5, H100_SHEET + " 1,671 (H100 NVL, per GPU)"),
+    ("H800", ""): (989.5, "NVIDIA H800 datasheet: BF16 1,979 sparse (H800 SXM; H100 compute, export-limited NVLink)"),
+    ("H800", "PCIe"): (756.5, "NVIDIA H800 PCIe datasheet: BF16 1,513 sparse"),
+    ("H200", ""): (989.5, "NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): BF16 1,979 sparse (H200 SXM)"),
+    ("H200", "NVL"): (835.5, "NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): BF16 1,671 sparse (H200 NVL)"),
+    ("B200", ""): (2250.0, "NVIDIA HGX B200 specifications: FP16/BF16 4.5 PFLOPS per GPU, sparse"),
+    ("L4", ""): (121.0, "NVIDIA L4 datasheet (nvidia.com/en-us/data-center/l4): BF16 242 sparse"),
+    ("L40", ""): (181.05, "NVIDIA L40 datasheet: BF16 181.05 | 362.1 sparse"),
+    ("L40S", ""): (362.05, "NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s): BF16 362.05 | 733 sparse"),
+    ("A10", ""): (125.0, "NVIDIA A10 datasheet (nvidia.com/en-us/data-center/products/a10-gpu): BF16 125 | 250 sparse"),
+}
 _cpu_peak_cache = {}
 
 
@@ -41,16 +62,38 @@ def measure_cpu_matmul_flops(n=1024, repeats=5):
     return _cpu_peak_cache[key]
 
 
+def gpu_chip_and_board(name):
+    """(chip, board) of a CUDA device name: 'NVIDIA H100 NVL' -> ('H100', 'NVL'), 'NVIDIA A100-PCIE-40GB' ->
+    ('A100', 'PCIe'), 'NVIDIA L40S' -> ('L40S', ''). Words are split at spaces and hyphens and compared whole."""
+    words = name.replace("-", " ").split()
+    if words and words[0] in ("NVIDIA", "Tesla"):
+        words = words[1:]
+    chip = words[0] if words else ""
+    board = ""
+    for word in words[1:]:
+        if word.upper() == "PCIE":
+            board = "PCIe"
+        elif word.upper() == "NVL":
+            board = "NVL"
+    return chip, board
+
+
+def gpu_peak_flops(name):
+    """Dense bf16 peak FLOP/s of the GPU named `name` (torch.cuda.get_device_name), or None (with a warning)
+    when the table has no row for it: a wrong peak would make every MFU figure wrong, so none is guessed."""
+    row = GPU_PEAK_TFLOPS.get(gpu_chip_and_board(name))
+    if row is None:
+        print(f"warning: no peak FLOP/s known for GPU {name!r}; MFU will be reported as null "
+              f"(add its dense bf16 datasheet figure to metrics.GPU_PEAK_TFLOPS)", file=sys.stderr)
+        return None
+    return row[0] * 1e12
+
+
 def device_peak_flops(device):
     """Peak FLOP/s of one device, or None when unknown (then MFU is not reported)."""
     if device.type == "cpu":
         return measure_cpu_matmul_flops()
-    name = torch.cuda.get_device_name(device)
-    for key, tflops in GPU_PEAK_TFLOPS:
-        if key in name:
-            return tflops * 1e12
-    print(f"warning: no peak FLOP/s known for GPU {name!r}; MFU will be reported as null", file=sys.stderr)
-    return None
+    return gpu_peak_flops(torch.cuda.get_device_name(device))
 
 
 def peak_memory_bytes(device):
