@@ -79,7 +79,8 @@ HELP = dict(
     weight_decay="AdamW weight decay (applied to >= 2-D parameters only)",
     grad_clip="clip the global gradient norm to this (0 disables)",
     device="auto | cpu | cuda | cuda:N (auto: the local GPU if there is one)",
-    dtype="auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)",
+    dtype="auto | float32 | bfloat16 | float16 | float64 (auto: bfloat16 on GPU, float32 on CPU; float64: the "
+          "exactness check of README's parity section, everything in float64)",
     compile="torch.compile the model", seed="seed of init, data order and dropout",
     recompute="activation recomputation: none | selective (attention core) | full (whole block)",
     kernels="fused kernels (kernels/): triton | torch (model.py as is) | compile (torch.compile'd fusions) | "
@@ -105,7 +106,7 @@ HELP = dict(
     capacity_factor="MoE expert capacity = ceil(cf * tokens * top_k / n_experts), overflow dropped (0: dropless)",
 )
 CHOICES = dict(recompute=["none", "selective", "full"], kernels=["auto", "triton", "torch", "compile"],
-               fp8=["none", "tensorwise", "rowwise", "blockwise", "delayed"], dtype=["auto", "float32", "bfloat16", "float16"],
+               fp8=["none", "tensorwise", "rowwise", "blockwise", "delayed"], dtype=["auto", "float32", "bfloat16", "float16", "float64"],
                cp_layout=["ring", "zigzag", "allgather"], pp_schedule=["afab", "1f1b", "interleaved", "zb1"],
                zero_stage=[0, 1, 2, 3])
 TECHNIQUE_FLAGS = ("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp_virtual", "n_microbatches",

@@ -42,17 +42,19 @@ def set_lr(optimizer, lr):
 
 
 @torch.no_grad()
-def clip_grad_norm(grads, max_norm, group=None, device=None):
+def clip_grad_norm(grads, max_norm, group=None, device=None, dtype=torch.float32):
     """Global L2 norm of `grads` and, if max_norm > 0, scale them in place so it is at most max_norm.
 
     With `group`, each rank passes only the gradients it owns (a shard, or a parameter held by one rank)
     and the squared norms are summed across the group, so every rank gets the same global norm. A gradient
-    replicated on several ranks of the group must be passed by exactly one of them."""
+    replicated on several ranks of the group must be passed by exactly one of them. `dtype`: the norm's dtype
+    on a rank that owns no gradients (it must match the other ranks' for the all-reduce: float64 runs pass it)."""
     grads = [g for g in grads if g is not None]
     if grads:
-        sq = torch.nn.utils.get_total_norm(grads, 2.0).float().pow(2)
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        sq = norm.to(torch.promote_types(norm.dtype, torch.float32)).pow(2)   # float64 grads keep float64
     else:                                   # a rank may own no gradients (e.g. an empty shard)
-        sq = torch.zeros((), dtype=torch.float32, device=device)
+        sq = torch.zeros((), dtype=dtype, device=device)
     if group is not None:
         all_reduce(sq, group=group)
     norm = sq.sqrt()

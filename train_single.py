@@ -35,7 +35,7 @@ from metrics import MetricsLogger
 from model import GPT, GPTConfig, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MOE_FLAGS = ("n_experts", "top_k", "moe_every", "aux_loss_coef", "capacity_factor")
 
 
@@ -48,9 +48,15 @@ def resolve_dtype(cfg, device):
     return DTYPES[cfg.dtype]
 
 
+def param_dtype(dtype):
+    """Parameters, gradients and optimizer state: fp32 (16-bit compute comes from autocast), or float64 for
+    the exactness check (README, "Parity"), where every tensor of the run is float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def autocast_context(dtype, device):
     """Mixed precision by autocast: matmuls in 16 bits, parameters and optimizer state stay fp32."""
-    if dtype == torch.float32:
+    if dtype in (torch.float32, torch.float64):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
 
@@ -163,7 +169,7 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = True
     dtype = resolve_dtype(cfg, env.device)
 
-    model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device)
+    model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device, param_dtype(dtype))
     try:
         apply_kernels(model, cfg.kernels)            # --kernels: fused modules swapped in, same parameters
         if cfg.fp8 != "none":                        # --fp8: the blocks' big GEMMs in FP8, same parameters

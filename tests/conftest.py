@@ -23,3 +23,10 @@ def tiny_data(tmp_path_factory):
     """A directory with train.bin / val.bin / meta.json of synthetic tokens (vocab 64)."""
     from train_helpers import make_tiny_dataset
     return make_tiny_dataset(str(tmp_path_factory.mktemp("tiny_data")))
+
+
+@pytest.fixture(scope="session")
+def text_data(tmp_path_factory):
+    """Real text (a few standard-library modules as bytes, vocab 256): the exactness checks' data."""
+    from train_helpers import make_text_dataset
+    return make_text_dataset(str(tmp_path_factory.mktemp("text_data")))

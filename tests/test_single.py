@@ -1,4 +1,5 @@
 """train_single.py: determinism, grad-accumulation and recompute equivalence, exact resume, CLI errors."""
+import math
 import os
 import subprocess
 import sys
@@ -8,7 +9,8 @@ import torch
 
 import train_single
 from metrics import read_metrics
-from train_helpers import assert_same_losses, assert_same_weights, losses, run_single, tiny_argv
+from train_helpers import (EXACT, assert_exact, assert_same_losses, assert_same_weights, losses, run_single,
+                           text_argv, tiny_argv)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,6 +29,44 @@ def test_grad_accumulation_equivalence(tiny_data, tmp_path):
     four, w4 = run_single(tiny_argv(tiny_data, str(tmp_path / "4x2"), global_batch_size=8, micro_batch_size=2))
     assert_same_losses(one, four)
     assert_same_weights(w1, w4)
+
+
+def test_float64_reference_crosses_a_spike(text_data, tmp_path):
+    """The exactness checks' reference run: float64 everywhere, and its real text has a gradient spike."""
+    (loss, norms), weights = run_single(text_argv(text_data, str(tmp_path / "ref"), micro_batch_size=8),
+                                         both_curves=True)
+    assert all(w.dtype == torch.float64 for w in weights.values())
+    jumps = [norms[s] / max(norms[max(0, s - 5):s]) for s in range(3, len(norms))]
+    assert max(jumps) > 10, f"no gradient spike in the exactness check's run: grad norms {norms}"
+    assert loss[-1] < loss[0] - 1.0
+
+
+def test_float64_is_float64_throughout(text_data):
+    """Nothing in the forward is silently downcast: the RoPE table, logits and loss follow the model's dtype."""
+    import model as model_py
+    from model import GPT, GPTConfig
+    gpt = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=16)).double()
+    seen = []
+    real = model_py.apply_rope
+    model_py.apply_rope = lambda x, rope: (seen.append(rope.dtype), real(x, rope))[1]
+    try:
+        idx = torch.randint(0, 256, (2, 32))
+        logits, loss = gpt(idx, idx)
+    finally:
+        model_py.apply_rope = real
+    assert seen == [torch.float64] and logits.dtype == loss.dtype == torch.float64
+    # the rotation angles of a large position are exact in float64 (fp32 angles are off by ~1e-4 there)
+    pos = torch.tensor([100_000])
+    exact = torch.tensor([[[math.cos(100_000.0), math.sin(100_000.0)]]], dtype=torch.float64)
+    assert torch.allclose(model_py.rope_cache(16, pos, dtype=torch.float64)[:, :1], exact, rtol=0, atol=1e-12)
+
+
+def test_float64_grad_accumulation_exact(text_data, tmp_path):
+    """Four micro-batches of 2 vs one of 8 across a spike: reordering noise only, far below 1e-9."""
+    ref, w_ref = run_single(text_argv(text_data, str(tmp_path / "1x8"), micro_batch_size=8), both_curves=True)
+    got, w_got = run_single(text_argv(text_data, str(tmp_path / "4x2"), micro_batch_size=2), both_curves=True)
+    assert_exact(ref, got)
+    assert_same_weights(w_ref, w_got, rtol=EXACT)
 
 
 def test_recompute_equivalence(tiny_data, tmp_path):

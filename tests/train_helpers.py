@@ -24,6 +24,28 @@ def make_tiny_dataset(path, vocab_size=64, n_train=20_000, n_val=4_000, seed=0):
     return path
 
 
+TEXT_FILES = ("argparse.py", "inspect.py", "typing.py", "tarfile.py")   # stable stdlib modules, ~600 KB
+
+
+def make_text_dataset(path, n_val=20_000):
+    """Real text: a few standard-library modules as byte tokens (vocab 256), the default corpus in small.
+
+    Unlike random tokens, real text has sharp points where a gradient jumps tens of times (README, "Parity"):
+    the place where a reordering bug and fp32 noise look alike, and where float64 tells them apart."""
+    import json
+    import sysconfig
+    os.makedirs(path, exist_ok=True)
+    root = sysconfig.get_paths()["stdlib"]
+    text = b"".join(open(os.path.join(root, name), "rb").read() for name in TEXT_FILES)
+    tokens = np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
+    tokens[:-n_val].tofile(os.path.join(path, "train.bin"))
+    tokens[-n_val:].tofile(os.path.join(path, "val.bin"))
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(dict(vocab_size=256, tokenizer="byte", source="stdlib: " + ", ".join(TEXT_FILES),
+                       train_tokens=len(tokens) - n_val, val_tokens=n_val), f)
+    return path
+
+
 def tiny_argv(data_dir, out_dir, **overrides):
     """argv for a model small enough for many multi-process runs on two CPU cores."""
     args = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, global_batch_size=8, micro_batch_size=4,
@@ -40,18 +62,47 @@ def tiny_argv(data_dir, out_dir, **overrides):
     return argv
 
 
+# The exactness check (README, "Parity"): float64 on real text (make_text_dataset), clipping on, 30 steps at a
+# learning rate that crosses a gradient spike (global batch 8: the grad norm jumps 26x at step 18, from 1.0 to
+# 26.4) without turning chaotic: reordering (micro-batches of 2 vs 8) differs by < 1e-12 at every step here.
+# At lr 1.5e-2 the same model amplifies float64 noise to 3e-7: there no tolerance could tell noise from a bug.
+SPIKY = dict(dtype="float64", seed=1, lr=1e-2, min_lr=3e-4, max_steps=30, warmup_steps=5, grad_clip=1.0,
+             block_size=32, global_batch_size=8)
+EXACT = 1e-9        # float64 reordering noise is ~1e-13 here; a bug is far above this
+
+
+def text_argv(data_dir, out_dir, **overrides):
+    """tiny_argv with the exactness-check settings (SPIKY), for a make_text_dataset directory."""
+    return tiny_argv(data_dir, out_dir, **{**SPIKY, **overrides})
+
+
+def curves(out_dir):
+    """(losses, grad norms) per step from metrics.jsonl."""
+    rows = read_metrics(out_dir)
+    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+
+
+def assert_exact(ref, got, rtol=EXACT):
+    """The float64 contract: per-step loss and grad norm within rtol relative; ref, got are curves() pairs."""
+    assert len(ref[0]) == len(got[0]), f"{len(got[0])} steps, expected {len(ref[0])}"
+    for what, a_list, b_list in (("loss", ref[0], got[0]), ("grad_norm", ref[1], got[1])):
+        for s, (a, b) in enumerate(zip(a_list, b_list)):
+            assert abs(a - b) <= rtol * abs(a), f"step {s}: {what} {b!r} vs single-device {a!r} (rtol {rtol})"
+
+
 def losses(out_dir):
     return [row["loss"] for row in read_metrics(out_dir)]
 
 
-def run_single(argv):
-    """Run train_single.main in this process; returns (losses, {name: final parameter})."""
+def run_single(argv, both_curves=False):
+    """Run train_single.main in this process; returns (losses, {name: final parameter}), or with both_curves
+    ((losses, grad norms), {name: final parameter})."""
     import train_single
     torch.set_num_threads(1)
     result = train_single.main(argv)
     state = {n: p.detach().clone() for n, p in result["model"].named_parameters()}
     out_dir = argv[argv.index("--out_dir") + 1]
-    return losses(out_dir), state
+    return (curves(out_dir) if both_curves else losses(out_dir)), state
 
 
 def assert_same_losses(ref, got, rtol=1e-4, rtol_first=1e-6):
@@ -64,7 +115,7 @@ def assert_same_losses(ref, got, rtol=1e-4, rtol_first=1e-6):
 def assert_same_weights(ref, got, rtol=1e-4):
     assert set(ref) == set(got), f"parameter names differ: {sorted(set(ref) ^ set(got))}"
     for name in ref:
-        a, b = ref[name].float(), got[name].float()
+        a, b = ref[name].double(), got[name].double()
         assert a.shape == b.shape, f"{name}: shape {tuple(b.shape)} vs {tuple(a.shape)}"
         err = (a - b).norm() / a.norm().clamp_min(1e-12)
         assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol}"
