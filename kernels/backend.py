@@ -53,3 +53,13 @@ def _compiled(fn):
 
 def next_pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+if HAS_TRITON:
+    @triton.jit
+    def block_offsets(pid, BLOCK: tl.constexpr):
+        """pid * BLOCK + [0, BLOCK) in int64. Program ids and int arguments are int32 in Triton, so the plain
+        product wraps around once a tensor has 2^31 elements (tokens * 4h of the MLP passes that at scale)."""
+        return tl.cast(pid, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+else:
+    block_offsets = None

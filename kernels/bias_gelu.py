@@ -16,14 +16,14 @@ in backward from (seed, offset) by the Philox counter-based generator instead of
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import HAS_TRITON, maybe_compiled, tl, triton, use_triton
+from kernels.backend import HAS_TRITON, block_offsets, maybe_compiled, tl, triton, use_triton
 
 BLOCK = 1024
 
 if HAS_TRITON:
     @triton.jit
     def _bias_gelu_fwd(X, Bias, Y, numel, N, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs = block_offsets(tl.program_id(0), BLOCK)
         mask = offs < numel
         z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) \
             + tl.load(Bias + offs % N, mask=mask, other=0.0).to(tl.float32)
@@ -32,7 +32,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _bias_gelu_bwd(X, Bias, DY, DX, numel, N, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs = block_offsets(tl.program_id(0), BLOCK)
         mask = offs < numel
         z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) \
             + tl.load(Bias + offs % N, mask=mask, other=0.0).to(tl.float32)
@@ -43,7 +43,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _bias_dropout_add_fwd(X, Bias, R, Y, numel, N, p, seed, BLOCK: tl.constexpr, DROPOUT: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs = block_offsets(tl.program_id(0), BLOCK)
         mask = offs < numel
         z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) \
             + tl.load(Bias + offs % N, mask=mask, other=0.0).to(tl.float32)
@@ -55,7 +55,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _dropout_bwd(DY, DX, numel, p, seed, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs = block_offsets(tl.program_id(0), BLOCK)
         mask = offs < numel
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         keep = tl.rand(seed, offs) >= p

@@ -26,6 +26,18 @@ from kernels.backend import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 if HAS_TRITON:
     @triton.jit
+    def _head_start(bh, H, stride_b, stride_h):
+        """Offset of head bh = b*H + h in a strided [B, H, T, D] tensor, in int64: program ids are int32 and
+        b * stride_b wraps around once the tensor has 2^31 elements."""
+        bh = tl.cast(bh, tl.int64)
+        return (bh // H) * stride_b + (bh % H) * stride_h
+
+    @triton.jit
+    def _dense_head_start(bh, T, D):
+        """Offset of head bh in a contiguous [B*H, T, D] tensor (o, do, dq, dk, dv; lse and delta: D = 1), int64."""
+        return tl.cast(bh, tl.int64) * T * D
+
+    @triton.jit
     def _tile(ptr, rows, d, T, D, stride_t):
         """A [rows, BLOCK_D] tile of one head's [T, D] matrix, zero outside it."""
         return tl.load(ptr + rows[:, None] * stride_t + d[None, :], mask=(rows[:, None] < T) & (d[None, :] < D),
@@ -54,18 +66,19 @@ if HAS_TRITON:
                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   PREC: tl.constexpr, UPCAST: tl.constexpr):
         pid_m, bh = tl.program_id(0), tl.program_id(1)
-        b, h = bh // H, bh % H
+        Q, K, V = Q + _head_start(bh, H, sqb, sqh), K + _head_start(bh, H, skb, skh), V + _head_start(bh, H, svb, svh)
+        O, LSE = O + _dense_head_start(bh, Tq, D), LSE + _dense_head_start(bh, Tq, 1)     # this head's rows
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
-        q = _tile(Q + b * sqb + h * sqh, rows, d, Tq, D, sqt)
+        q = _tile(Q, rows, d, Tq, D, sqt)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M) if CAUSAL else Tk     # causal: skip blocks above the diagonal
         for start_n in range(0, hi, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
-            k = _tile(K + b * skb + h * skh, cols, d, Tk, D, skt)
-            v = _tile(V + b * svb + h * svh, cols, d, Tk, D, svt)
+            k = _tile(K, cols, d, Tk, D, skt)
+            v = _tile(V, cols, d, Tk, D, svt)
             s = _dot(q, tl.trans(k), PREC, UPCAST) * scale
             valid = cols[None, :] < Tk
             if CAUSAL:
@@ -78,35 +91,37 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
             m_i = m_new
         o = acc / l_i[:, None]
-        tl.store(O + bh * Tq * D + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty),
+        tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty),
                  mask=(rows[:, None] < Tq) & (d[None, :] < D))
-        tl.store(LSE + bh * Tq + rows, m_i + tl.log(l_i), mask=rows < Tq)
+        tl.store(LSE + rows, m_i + tl.log(l_i), mask=rows < Tq)
 
     @triton.jit
     def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
                        H, Tq, Tk, D, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
         pid_n, bh = tl.program_id(0), tl.program_id(1)
-        b, h = bh // H, bh % H
+        Q, K, V = Q + _head_start(bh, H, sqb, sqh), K + _head_start(bh, H, skb, skh), V + _head_start(bh, H, svb, svh)
+        DO = DO + _dense_head_start(bh, Tq, D)
+        LSE, Delta = LSE + _dense_head_start(bh, Tq, 1), Delta + _dense_head_start(bh, Tq, 1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         d = tl.arange(0, BLOCK_D)
-        k = _tile(K + b * skb + h * skh, cols, d, Tk, D, skt)
-        v = _tile(V + b * svb + h * svh, cols, d, Tk, D, svt)
+        k = _tile(K, cols, d, Tk, D, skt)
+        v = _tile(V, cols, d, Tk, D, svt)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0    # causal: queries before this block can't see it
         for start_m in range(lo, Tq, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
-            q = _tile(Q + b * sqb + h * sqh, rows, d, Tq, D, sqt)
-            do = _tile(DO + bh * Tq * D, rows, d, Tq, D, D)
-            lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
-            delta = tl.load(Delta + bh * Tq + rows, mask=rows < Tq, other=0.0)
+            q = _tile(Q, rows, d, Tq, D, sqt)
+            do = _tile(DO, rows, d, Tq, D, D)
+            lse = tl.load(LSE + rows, mask=rows < Tq, other=0.0)
+            delta = tl.load(Delta + rows, mask=rows < Tq, other=0.0)
             p = _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PREC, UPCAST)
             dv += _dot(tl.trans(p.to(do.dtype)), do, PREC, UPCAST)
             dp = _dot(do, tl.trans(v), PREC, UPCAST)
             ds = p * (dp - delta[:, None])
             dk += _dot(tl.trans(ds.to(q.dtype)), q, PREC, UPCAST)
-        out = bh * Tk * D + cols[:, None] * D + d[None, :]
+        out = _dense_head_start(bh, Tk, D) + cols[:, None] * D + d[None, :]
         m = (cols[:, None] < Tk) & (d[None, :] < D)
         tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=m)
         tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=m)
@@ -116,23 +131,25 @@ if HAS_TRITON:
                      H, Tq, Tk, D, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
         pid_m, bh = tl.program_id(0), tl.program_id(1)
-        b, h = bh // H, bh % H
+        Q, K, V = Q + _head_start(bh, H, sqb, sqh), K + _head_start(bh, H, skb, skh), V + _head_start(bh, H, svb, svh)
+        DO, DQ = DO + _dense_head_start(bh, Tq, D), DQ + _dense_head_start(bh, Tq, D)
+        LSE, Delta = LSE + _dense_head_start(bh, Tq, 1), Delta + _dense_head_start(bh, Tq, 1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
-        q = _tile(Q + b * sqb + h * sqh, rows, d, Tq, D, sqt)
-        do = _tile(DO + bh * Tq * D, rows, d, Tq, D, D)
-        lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
-        delta = tl.load(Delta + bh * Tq + rows, mask=rows < Tq, other=0.0)
+        q = _tile(Q, rows, d, Tq, D, sqt)
+        do = _tile(DO, rows, d, Tq, D, D)
+        lse = tl.load(LSE + rows, mask=rows < Tq, other=0.0)
+        delta = tl.load(Delta + rows, mask=rows < Tq, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M) if CAUSAL else Tk
         for start_n in range(0, hi, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
-            k = _tile(K + b * skb + h * skh, cols, d, Tk, D, skt)
-            v = _tile(V + b * svb + h * svh, cols, d, Tk, D, svt)
+            k = _tile(K, cols, d, Tk, D, skt)
+            v = _tile(V, cols, d, Tk, D, svt)
             p = _probs(q, k, lse, rows, cols, Tq, Tk, scale, CAUSAL, PREC, UPCAST)
             ds = p * (_dot(do, tl.trans(v), PREC, UPCAST) - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, PREC, UPCAST)
-        tl.store(DQ + bh * Tq * D + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+        tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=(rows[:, None] < Tq) & (d[None, :] < D))
 
 

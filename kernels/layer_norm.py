@@ -17,13 +17,13 @@ separate passes for dx, dw, db. Only the per-row mean and rstd (8 bytes a row) a
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import HAS_TRITON, maybe_compiled, next_pow2, tl, triton, use_triton
+from kernels.backend import HAS_TRITON, block_offsets, maybe_compiled, next_pow2, tl, triton, use_triton
 
 if HAS_TRITON:
     @triton.jit
     def _ln_fwd(X, Y, W, B, Mean, Rstd, M, N, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         # ROWS rows per program (1 on a GPU for wide rows; more under the interpreter, where programs are costly)
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rows = block_offsets(tl.program_id(0), ROWS)     # int64: rows * N passes 2^31 at scale
         cols = tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         offs = rows[:, None] * N + cols[None, :]
@@ -46,7 +46,7 @@ if HAS_TRITON:
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
         for tile in range(pid, tl.cdiv(M, ROWS), G):
-            rows = tile * ROWS + tl.arange(0, ROWS)
+            rows = block_offsets(tile, ROWS)
             mask = (rows[:, None] < M) & (cols[None, :] < N)
             offs = rows[:, None] * N + cols[None, :]
             x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)

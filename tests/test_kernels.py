@@ -1,7 +1,9 @@
 """
 Fused kernels (kernels/) against float64 references: forward and every gradient, odd shapes, non-contiguous
-inputs, random upstream gradients. On CPU the Triton code runs in the interpreter (conftest sets
-TRITON_INTERPRET=1), so shapes stay tiny. Then: a model with apply_kernels trains like train_single.
+inputs, random upstream gradients. With a GPU the tensors live on it and the compiled kernels run; without one
+the Triton code runs on CPU tensors in the interpreter (conftest sets TRITON_INTERPRET=1), so shapes stay tiny.
+Then: the int64 offset arithmetic at sizes past 2^31 elements, and a model with apply_kernels trains like
+train_single.
 """
 import pytest
 import torch
@@ -12,9 +14,16 @@ pytest.importorskip("triton")
 import kernels  # noqa: E402
 from kernels import (attention_reference, bias_dropout_add, bias_gelu, flash_attention, layer_norm,  # noqa: E402
                      linear_cross_entropy)
+from kernels.backend import block_offsets, tl, triton  # noqa: E402
+from kernels.flash_attention import _dense_head_start, _head_start  # noqa: E402
 from kernels.linear_cross_entropy import linear_cross_entropy_reference  # noqa: E402
 
 FP32_RTOL = 1e-5
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"    # CPU: the conftest put Triton in interpreter mode
+
+
+def randn(*shape, **kwargs):
+    return torch.randn(*shape, device=DEVICE, **kwargs)
 
 
 def rel_err(got, ref):
@@ -46,26 +55,26 @@ def check_bf16(fn_kernel, fn_torch, inputs):
 
 def test_layer_norm_fp32_odd_shapes_noncontiguous():
     torch.manual_seed(0)
-    x = torch.randn(37, 3, 5).transpose(0, 2)            # [5, 3, 37]: non-contiguous, 15 rows of 37 (odd)
-    w, b = torch.randn(37), torch.randn(37)
+    x = randn(37, 3, 5).transpose(0, 2)            # [5, 3, 37]: non-contiguous, 15 rows of 37 (odd)
+    w, b = randn(37), randn(37)
     check_against_float64(lambda *a: layer_norm(*a, backend="triton"), lambda *a: layer_norm(*a, backend="torch"),
-                          [x, w, b], torch.randn(5, 3, 37))
+                          [x, w, b], randn(5, 3, 37))
     check_bf16(lambda x, w, b: layer_norm(x, w, b, backend="triton"),
-               lambda x, w, b: F.layer_norm(x, (37,), w, b), [torch.randn(19, 37), w, b])
+               lambda x, w, b: F.layer_norm(x, (37,), w, b), [randn(19, 37), w, b])
 
 
 def test_bias_gelu_fp32_and_bf16():
     torch.manual_seed(1)
-    x, b = torch.randn(6, 53)[:, 1:50], torch.randn(49)    # non-contiguous rows of 49
+    x, b = randn(6, 53)[:, 1:50], randn(49)    # non-contiguous rows of 49
     check_against_float64(lambda *a: bias_gelu(*a, backend="triton"), lambda x, b: F.gelu(x + b),
-                          [x, b], torch.randn(6, 49))
+                          [x, b], randn(6, 49))
     check_bf16(lambda x, b: bias_gelu(x, b, backend="triton"), lambda x, b: F.gelu(x + b),
-               [torch.randn(7, 49) * 3, b])
+               [randn(7, 49) * 3, b])
 
 
 def test_bias_dropout_add():
     torch.manual_seed(2)
-    x, b, r, g = torch.randn(5, 41), torch.randn(41), torch.randn(5, 41), torch.randn(5, 41)
+    x, b, r, g = randn(5, 41), randn(41), randn(5, 41), randn(5, 41)
     for training in (True, False):   # p = 0 or eval: exactly the reference
         check_against_float64(lambda x, b, r: bias_dropout_add(x, b, r, 0.0 if training else 0.5, training,
                                                                backend="triton"),
@@ -86,10 +95,10 @@ def test_bias_dropout_add():
                                                 (1, 1, 19, 19, 128, True), (2, 1, 23, 23, 24, False)])
 def test_flash_attention_fp32(B, H, Tq, Tk, D, causal):
     torch.manual_seed(3)
-    q = torch.randn(B, Tq, H, D).transpose(1, 2)           # the model's layout: a non-contiguous view
-    k, v = torch.randn(B, H, Tk, D), torch.randn(B, Tk, H, D).transpose(1, 2)
+    q = randn(B, Tq, H, D).transpose(1, 2)           # the model's layout: a non-contiguous view
+    k, v = randn(B, H, Tk, D), randn(B, Tk, H, D).transpose(1, 2)
     check_against_float64(lambda *a: flash_attention(*a, causal, backend="triton"),
-                          lambda *a: attention_reference(*a, causal), [q, k, v], torch.randn(B, H, Tq, D))
+                          lambda *a: attention_reference(*a, causal), [q, k, v], randn(B, H, Tq, D))
     _, lse = flash_attention(q, k, v, causal, backend="triton")
     _, lse_ref = attention_reference(q.double(), k.double(), v.double(), causal)
     assert lse.dtype == torch.float32 and rel_err(lse, lse_ref) <= FP32_RTOL
@@ -97,7 +106,7 @@ def test_flash_attention_fp32(B, H, Tq, Tk, D, causal):
 
 def test_flash_attention_bf16():
     torch.manual_seed(4)
-    q, k, v = (torch.randn(1, 2, 29, 32) for _ in range(3))
+    q, k, v = (randn(1, 2, 29, 32) for _ in range(3))
     check_bf16(lambda q, k, v: flash_attention(q, k, v, True, backend="triton")[0],
                lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v])
 
@@ -106,10 +115,10 @@ def test_flash_attention_bf16():
 def test_linear_cross_entropy(backend):
     torch.manual_seed(5)
     N, C, V = 45, 19, 101
-    h, w, t = torch.randn(N, C), torch.randn(V, C), torch.randint(0, V, (N,))
+    h, w, t = randn(N, C), randn(V, C), torch.randint(0, V, (N,), device=DEVICE)
     t[[3, 17]] = -100                                        # ignored, as F.cross_entropy's ignore_index
     check_against_float64(lambda h, w: linear_cross_entropy(h, w, t, chunk=16, backend=backend),
-                          lambda h, w: linear_cross_entropy_reference(h, w, t), [h, w], torch.randn(()))
+                          lambda h, w: linear_cross_entropy_reference(h, w, t), [h, w], randn(()))
 
 
 class LargestAllocation(TorchDispatchMode):
@@ -130,8 +139,8 @@ class LargestAllocation(TorchDispatchMode):
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_linear_cross_entropy_never_materializes_logits(backend):
     N, C, V = 64, 16, 128
-    h, w = torch.randn(N, C, requires_grad=True), torch.randn(V, C, requires_grad=True)
-    t = torch.randint(0, V, (N,))
+    h, w = randn(N, C, requires_grad=True), randn(V, C, requires_grad=True)
+    t = torch.randint(0, V, (N,), device=DEVICE)
     with LargestAllocation() as fused:
         loss = linear_cross_entropy(h, w, t, chunk=16, backend=backend)
         loss.backward()
@@ -141,6 +150,33 @@ def test_linear_cross_entropy_never_materializes_logits(backend):
     assert unfused.largest >= logits_bytes
     assert fused.largest <= logits_bytes // 4, f"largest tensor {fused.largest} bytes, logits are {logits_bytes}"
     torch.testing.assert_close(loss, F.cross_entropy(h @ w.t(), t), rtol=1e-6, atol=1e-6)
+
+
+@triton.jit
+def _store_block_offsets(Out, pid, BLOCK: tl.constexpr):
+    tl.store(Out + tl.arange(0, BLOCK), block_offsets(pid, BLOCK))
+
+
+@triton.jit
+def _store_head_starts(Out, bh, H, stride_b, stride_h, T, D):
+    tl.store(Out, _head_start(bh, H, stride_b, stride_h))
+    tl.store(Out + 1, _dense_head_start(bh, T, D))
+
+
+def test_offsets_past_2_31_elements_do_not_wrap():
+    """The kernels' offset helpers at the program ids of tensors with more than 2^31 elements (too big to
+    allocate here): int32 products would wrap around, on a GPU and in the interpreter alike."""
+    pid, BLOCK = 2 ** 22 + 5, 1024          # a late block of bias_gelu on [2^20 tokens, 4h = 4096]: 2^32 elements
+    out = torch.zeros(BLOCK, dtype=torch.int64, device=DEVICE)
+    _store_block_offsets[(1,)](out, pid, BLOCK=BLOCK)
+    assert out.tolist() == list(range(pid * BLOCK, (pid + 1) * BLOCK)) and pid * BLOCK > 2 ** 31
+    # flash attention: head bh = b*H + h of q [B, H, T, D] stored as the model's [B, T, H, D], and of the
+    # contiguous outputs [B*H, T, D]; B*H*T*D = 2^35 at B = 2^11
+    bh, H, T, D = 40001, 16, 8192, 128
+    out = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    _store_head_starts[(1,)](out, bh, H, T * H * D, D, T, D)
+    assert out.tolist() == [(bh // H) * T * H * D + (bh % H) * D, bh * T * D]
+    assert min(out.tolist()) > 2 ** 31
 
 
 def test_kernels_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch, tiny_data, tmp_path, capsys):
@@ -156,7 +192,7 @@ def test_kernels_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch,
 def test_apply_kernels_trains_like_train_single(mode, tiny_data, tmp_path):
     """The swapped model (same parameter names and init) reproduces train_single's curve and weights."""
     from train_helpers import assert_same_losses, assert_same_weights, run_single, tiny_argv
-    small = dict(n_layer=1, global_batch_size=4, micro_batch_size=2, max_steps=4, warmup_steps=2)
+    small = dict(n_layer=1, global_batch_size=4, micro_batch_size=2, max_steps=4, warmup_steps=2, device=DEVICE)
     ref_losses, ref_state = run_single(tiny_argv(tiny_data, str(tmp_path / "ref"), kernels="torch", **small))
     losses, state = run_single(tiny_argv(tiny_data, str(tmp_path / mode), kernels=mode, **small))
     assert_same_losses(ref_losses, losses)
@@ -165,7 +201,7 @@ def test_apply_kernels_trains_like_train_single(mode, tiny_data, tmp_path):
 
 def test_apply_kernels_keeps_parameters():
     from model import GPT, GPTConfig
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)).to(DEVICE)
     before = dict(model.named_parameters())
     assert kernels.apply_kernels(model, "triton") == "triton"
     after = dict(model.named_parameters())
