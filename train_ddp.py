@@ -31,7 +31,7 @@ from metrics import MetricsLogger
 from model import GPT, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
-                          print_sample, resolve_dtype, save_training_state, should_save)
+                          param_dtype, print_sample, resolve_dtype, save_training_state, should_save)
 
 MODES = ("naive", "overlap", "bucket")
 
@@ -211,7 +211,7 @@ def check_replicas_agree(params, group):
 
 def mean_over_group(value, group):
     """Mean of a scalar over the group (for logging the global-batch loss)."""
-    t = value.detach().float().reshape(1).clone()
+    t = value.detach().to(torch.promote_types(value.dtype, torch.float32)).reshape(1).clone()   # float64 stays
     all_reduce(t, group=group)
     return float(t) / dist.get_world_size(group)
 
@@ -242,7 +242,7 @@ def main(argv=None):
     loader = prepare_data(cfg, env)
     dtype = resolve_dtype(cfg, env.device)
 
-    model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device)
+    model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device, param_dtype(dtype))
     try:
         check_replicas_agree(list(model.parameters()), group)
     except ReplicaMismatch as e:

@@ -39,7 +39,7 @@ from metrics import MetricsLogger
 from model import GPT, flops_per_token, init_parameter
 from optim import BETAS, EPS, clip_grad_norm, configure_optimizer, lr_at
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
-from train_single import evaluate, gpt_config, prepare_data, print_sample, resolve_dtype, should_save
+from train_single import evaluate, gpt_config, param_dtype, prepare_data, print_sample, resolve_dtype, should_save
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -47,8 +47,8 @@ from train_single import evaluate, gpt_config, prepare_data, print_sample, resol
 
 class Shard:
     """One bucket (stages 0-2) or unit (stage 3) of parameters: a flat compute-dtype buffer `full` whose
-    views are the model's parameters, this rank's slice `shard`, and the fp32 optimizer state of that
-    slice (master, exp_avg, exp_avg_sq). Stage 3 keeps only `shard` at rest: `full` has its storage
+    views are the model's parameters, this rank's slice `shard`, and the fp32 (float64 in a float64 run)
+    optimizer state of that slice (master, exp_avg, exp_avg_sq). Stage 3 keeps only `shard` at rest: `full` has its storage
     resized to zero except between `gather()` and `free()`."""
 
     def __init__(self, names, params, stage, group, dtype, device, n_layer, seed, tracker=None):
@@ -58,14 +58,15 @@ class Shard:
         total = self.offsets.pop()
         self.padded = -(-total // n) * n
         self.lo, self.hi = rank * (self.padded // n), (rank + 1) * (self.padded // n)
-        # the full initial values of this bucket / unit only, in fp32 (the master's values)
+        # the full initial values of this bucket / unit only, in the master's dtype
+        self.master_dtype = param_dtype(dtype)
         init = flatten(self, {n: init_parameter(n, p.shape, n_layer, seed) for n, p in zip(names, params)})
         self.full = init.to(device=device, dtype=dtype)
         self.params = [torch.nn.Parameter(self.full[off: off + p.numel()].view(p.shape))
                        for p, off in zip(params, self.offsets)]
         own = init[self.lo: self.hi].to(device)
         self.shard = own.to(dtype).clone() if stage == 3 else self.full[self.lo: self.hi]
-        self.master = self.shard if dtype == torch.float32 else own.clone()
+        self.master = self.shard if dtype == self.master_dtype else own.clone()
         self.exp_avg, self.exp_avg_sq = torch.zeros_like(own), torch.zeros_like(own)
         # AdamW decays >= 2-D parameters only (as optim.configure_optimizer): their runs inside the shard
         self.decay_runs = [(max(off, self.lo) - self.lo, min(off + p.numel(), self.hi) - self.lo)
@@ -284,7 +285,7 @@ def model_state_bytes(model, shards, grads):
 
 @torch.no_grad()
 def full_values(shards, attr):
-    """{parameter name: full fp32 tensor} of the master weights or an AdamW moment, gathered from the shards."""
+    """{parameter name: full fp32 (or float64) tensor} of the master weights or an AdamW moment, gathered from the shards."""
     out = {}
     for s in shards:
         local = getattr(s, attr)
@@ -320,8 +321,8 @@ def save_consolidated(cfg, model, shards, optimizer, next_step, rank):
 
 
 def flatten(s, values):
-    """Full tensors (by parameter name) laid out as shard `s`'s zero-padded flat buffer, in fp32."""
-    full = torch.zeros(s.padded)
+    """Full tensors (by parameter name) laid out as shard `s`'s zero-padded flat buffer, in the master's dtype."""
+    full = torch.zeros(s.padded, dtype=s.master_dtype)
     for name, off in zip(s.names, s.offsets):
         value = values[name].reshape(-1)
         full[off: off + value.numel()] = value
@@ -368,8 +369,8 @@ def validate(cfg):
     check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
     check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3")
-    check(cfg.dtype in ("auto", "float32", "bfloat16"),
-          f"train_zero.py supports --dtype float32 or bfloat16 (fp32 master weights), got {cfg.dtype}")
+    check(cfg.dtype in ("auto", "float32", "bfloat16", "float64"),
+          f"train_zero.py supports --dtype float32, bfloat16 (fp32 master weights) or float64, got {cfg.dtype}")
 
 
 def main(argv=None):
@@ -416,8 +417,9 @@ def main(argv=None):
             grads.finish()
             loss_sum += loss.detach()
         state_bytes = model_state_bytes(model, shards, grads)           # params + grads + optimizer, alive
-        g = [t if t.dtype == torch.float32 else t.float() for t in grads.grads()]
-        grad_norm = clip_grad_norm(g, cfg.grad_clip, group=group if stage > 0 else None, device=env.device)
+        g = [t.to(s.master_dtype) for t, s in zip(grads.grads(), shards)]   # the optimizer's dtype
+        grad_norm = clip_grad_norm(g, cfg.grad_clip, group=group if stage > 0 else None, device=env.device,
+                                   dtype=shards[0].master_dtype)
         optimizer.step(lr, g)
         for s in shards:
             s.publish()

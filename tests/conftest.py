@@ -30,3 +30,12 @@ def text_data(tmp_path_factory):
     """Real text (a few standard-library modules as bytes, vocab 256): the exactness checks' data."""
     from train_helpers import make_text_dataset
     return make_text_dataset(str(tmp_path_factory.mktemp("text_data")))
+
+
+@pytest.fixture(scope="session")
+def text_reference(text_data, tmp_path_factory):
+    """train_single's float64 exactness-check run on text_data (one micro-batch of 8): ((losses, grad norms),
+    {name: final parameter}), what every technique's float64 parity test compares against."""
+    from train_helpers import run_single, text_argv
+    out = str(tmp_path_factory.mktemp("text_reference"))
+    return run_single(text_argv(text_data, out, micro_batch_size=8), both_curves=True)

@@ -83,11 +83,15 @@ def curves(out_dir):
 
 
 def assert_exact(ref, got, rtol=EXACT):
-    """The float64 contract: per-step loss and grad norm within rtol relative; ref, got are curves() pairs."""
+    """The float64 contract: per-step loss and grad norm within rtol relative; ref, got are curves() pairs.
+    Returns the worst relative difference seen (README's parity table reports it per technique)."""
     assert len(ref[0]) == len(got[0]), f"{len(got[0])} steps, expected {len(ref[0])}"
+    worst = 0.0
     for what, a_list, b_list in (("loss", ref[0], got[0]), ("grad_norm", ref[1], got[1])):
         for s, (a, b) in enumerate(zip(a_list, b_list)):
             assert abs(a - b) <= rtol * abs(a), f"step {s}: {what} {b!r} vs single-device {a!r} (rtol {rtol})"
+            worst = max(worst, abs(a - b) / abs(a))
+    return worst
 
 
 def losses(out_dir):
