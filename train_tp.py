@@ -39,7 +39,7 @@ from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, activation_bytes_per_layer, flops_per_token, init_parameter
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
-                          print_sample, resolve_dtype, save_training_state, should_save)
+                          param_dtype, print_sample, resolve_dtype, save_training_state, should_save)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -255,7 +255,8 @@ class VocabParallelLMHead(nn.Module):
             logits = logits.masked_fill(torch.arange(logits.shape[-1], device=x.device) >= self.n_valid, -math.inf)
         if targets is None:          # generation: gather the vocabulary (the only place full logits exist)
             return gather_seq(logits, self.group, dim=2)[0], None
-        loss = VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.reshape(-1),
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, float64 stays
+        loss = VocabParallelCrossEntropy.apply(wide.flatten(0, 1), targets.reshape(-1),
                                                self.vocab_start, self.group)
         return logits, loss
 
@@ -362,12 +363,13 @@ def tp_activation_bytes_per_layer(seq_len, batch, cfg, tp, sp=False, **kw):
     return whole + (full - whole) / tp
 
 
-def build_tp_model(cfg, vocab_size, group, device):
+def build_tp_model(cfg, vocab_size, group, device, dtype=torch.float32):
+    """The GPT with TP layers, this rank's shards only, parameters in `dtype` (fp32, or float64)."""
     with torch.device("meta"):
         model = GPT(gpt_config(cfg, vocab_size), seed=cfg.seed)
     apply_tp(model, group, cfg.sp, cfg.tp_overlap, device)
     init_tp_weights(model, cfg.seed, group)
-    return model
+    return model.to(dtype)        # in place: the Parameters (and their tp_split tags) are kept
 
 
 # ---------------------------------------------------------------------------------------------- the script
@@ -384,7 +386,8 @@ def validate(cfg):
                                     f"the MLP width 4*n_embd, are split over the TP ranks)")
     check(not cfg.sp or cfg.block_size % cfg.tp == 0,
           f"--sp: sequence length block_size={cfg.block_size} is not divisible by tp={cfg.tp}")
-    check(cfg.dtype != "float16", "train_tp supports float32 and bfloat16 (no fp16 loss scaling across TP ranks)")
+    check(cfg.dtype != "float16", "train_tp supports float32, bfloat16 and float64 (no fp16 loss scaling across TP "
+                                  "ranks)")
     grad_accum_steps(cfg, 1)
 
 
@@ -396,7 +399,7 @@ def main(argv=None):
     grad_acc = grad_accum_steps(cfg, 1)          # every TP rank processes the same micro-batches
     loader = prepare_data(cfg, env)
     dtype = resolve_dtype(cfg, env.device)
-    model = build_tp_model(cfg, loader.vocab_size, group, env.device)
+    model = build_tp_model(cfg, loader.vocab_size, group, env.device, param_dtype(dtype))
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank
     start = load_training_state(cfg, model, optimizer, rank=env.rank) if cfg.resume else 0
