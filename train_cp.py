@@ -39,7 +39,7 @@ from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import autocast_context, evaluate, gpt_config, load_training_state, prepare_data, \
-    print_sample, resolve_dtype, save_training_state, should_save
+    param_dtype, print_sample, resolve_dtype, save_training_state, should_save
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -350,8 +350,9 @@ def main(argv=None):
     if env.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     dtype = resolve_dtype(cfg, env.device)
+    wide = param_dtype(dtype)                  # losses summed over ranks in fp32 (float64 in a float64 run)
 
-    model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device)
+    model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device, param_dtype(dtype))
     try:
         mode = apply_kernels(model, cfg.kernels)     # --kernels: fused modules, same parameters
     except ValueError as e:
@@ -379,7 +380,7 @@ def main(argv=None):
         return train_model(x[:, pos], y[:, pos], pos=pos)[1]
 
     def eval_loss(x, y):                       # the mean over the whole sequence, on every rank
-        loss = local_loss(x, y).float()
+        loss = local_loss(x, y).to(wide)
         all_reduce(loss, group=group)
         return loss / cp
 
@@ -389,14 +390,14 @@ def main(argv=None):
         WORK.score_elements = 0
         lr = lr_at(step, cfg)
         set_lr(optimizer, lr)
-        loss_sum = torch.zeros((), device=env.device)
+        loss_sum = torch.zeros((), device=env.device, dtype=wide)
         for micro in range(grad_acc):
             x, y = loader.micro_batch(step, micro, cfg.micro_batch_size)
             with amp, activations:
                 loss = local_loss(x, y)        # mean over local tokens; every rank holds B*T/cp of them
             act_bytes = activations.bytes if micro == 0 else act_bytes
             scaler.scale(loss / (grad_acc * cp)).backward()   # global mean = mean of the cp local means
-            loss_sum += loss.detach().float()
+            loss_sum += loss.detach().to(wide)
         allreduce_grads(model.parameters(), group)   # sum of partial grads: the replicas stay identical
         all_reduce(loss_sum, group=group)      # the logged loss covers every token of the global batch
         scaler.unscale_(optimizer)
