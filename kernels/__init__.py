@@ -5,7 +5,8 @@ kernels/: fused Triton kernels and FP8, each with a plain-torch reference path (
     from kernels import apply_kernels, Float8Linear, convert_to_float8
     apply_kernels(model, "triton")      # swap model.py's modules for the fused ones, parameters unchanged
 
-Every function takes backend="auto" | "triton" | "torch" | "compile" (auto: Triton on CUDA when installed).
+Every function takes backend="auto" | "triton" | "torch" | "compile" (auto: torch until a Triton kernel is
+measured faster on a GPU; see apply.py).
 """
 from kernels.apply import MODES, apply_kernels, resolve_mode
 from kernels.backend import HAS_TRITON

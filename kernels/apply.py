@@ -11,7 +11,13 @@ Parameter objects, so names, init and optimizer groups are unchanged):
 
 Modes (--kernels): triton (the Triton kernels), compile (the same fusions by torch.compile: each FusedBlock
 compiled whole, ln_f and the LM head's row kernel from their compiled torch references: a fused path on CPU),
-torch (model.py untouched: the reference), auto (triton on CUDA, else torch).
+torch (model.py untouched: the reference), auto (= torch, on every device).
+
+Why auto is torch, on GPUs too: auto must pick the path measured fastest, and no Triton kernel here has yet been
+timed against torch on a GPU, while torch's own path there is already fused where it matters (sdpa dispatches
+to FlashAttention / cuDNN / memory-efficient kernels; cuBLAS GEMMs; --compile fuses the elementwise ops). Once
+bench/gpu_check.sh measures a Triton kernel faster, auto can name it. FP8 (convert_to_float8) composes with
+every mode: a FusedBlock runs a Float8Linear's FP8 GEMM and only fuses the bias after it.
 """
 import os
 
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 from kernels.backend import HAS_TRITON
 from kernels.bias_gelu import bias_dropout_add, bias_gelu
 from kernels.flash_attention import flash_attention
+from kernels.fp8 import Float8Linear
 from kernels.layer_norm import layer_norm
 from kernels.linear_cross_entropy import linear_cross_entropy
 
@@ -34,7 +41,7 @@ def resolve_mode(mode, device):
     if mode not in MODES:
         raise ValueError(f"--kernels must be one of {MODES}, got {mode!r}")
     if mode == "auto":
-        return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
+        return "torch"             # the measured-fastest path until a Triton kernel wins on a GPU (docstring)
     if mode == "triton" and not HAS_TRITON:
         raise ValueError("--kernels triton needs triton (pip install triton); use --kernels torch or compile")
     if mode == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -75,9 +82,21 @@ class FusedBlock(nn.Module):
     def forward(self, x, rope):
         x = x + self.attn(self.ln_1(x), rope)
         mlp = self.mlp
-        h = bias_gelu(F.linear(self.ln_2(x), mlp.c_fc.weight), mlp.c_fc.bias, backend=self.backend)
-        return bias_dropout_add(F.linear(h, mlp.c_proj.weight), mlp.c_proj.bias, x, mlp.dropout.p,
+        h = bias_gelu(matmul_without_bias(mlp.c_fc, self.ln_2(x)), mlp.c_fc.bias, backend=self.backend)
+        return bias_dropout_add(matmul_without_bias(mlp.c_proj, h), mlp.c_proj.bias, x, mlp.dropout.p,
                                 self.training, backend=self.backend)
+
+
+def matmul_without_bias(linear, x):
+    """x W^T of one of the MLP's Linears, its bias left to the fused kernel after it. Through the module, so a
+    later swap of the Linear is honoured: a Float8Linear (convert_to_float8, before or after apply_kernels)
+    runs its FP8 GEMMs; any other kind would be bypassed silently, so it is refused."""
+    if isinstance(linear, Float8Linear):
+        return linear.matmul(x)
+    if type(linear) is not nn.Linear:
+        raise TypeError(f"FusedBlock fuses the bias of an nn.Linear or Float8Linear, not a {type(linear).__name__} "
+                        f"(swap it in before apply_kernels, which then keeps the block unfused)")
+    return F.linear(x, linear.weight)
 
 
 class FusedLMHead(nn.Module):
@@ -100,8 +119,10 @@ class FusedLMHead(nn.Module):
 
 
 def _plain_mlp(mlp, mlp_class):
-    """A dense MLP of plain Linears (MoE blocks and FP8 Linears keep their own forward)."""
-    return type(mlp) is mlp_class and type(mlp.c_fc) is nn.Linear and type(mlp.c_proj) is nn.Linear
+    """A dense MLP of plain or FP8 Linears (MoE blocks and other Linear kinds, e.g. tensor-parallel ones,
+    keep their own forward)."""
+    linears = (nn.Linear, Float8Linear)
+    return type(mlp) is mlp_class and type(mlp.c_fc) in linears and type(mlp.c_proj) in linears
 
 
 def apply_kernels(model, mode="auto"):

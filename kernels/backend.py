@@ -1,7 +1,8 @@
 """
 kernels/backend.py: which implementation of a kernel runs, decided in one place.
 
-    backend="auto"    Triton when the tensor lives on a GPU and triton imports, else the plain-torch reference
+    backend="auto"    the plain-torch reference, on GPUs too: no Triton kernel has yet been measured faster
+                      than torch on a GPU (kernels/apply.py's docstring); auto is where that choice will live
     backend="triton"  always the Triton kernel (CPU tensors need TRITON_INTERPRET=1, set before triton imports)
     backend="torch"   always the plain-torch reference (the definition the kernel is tested against)
     backend="compile" the plain-torch reference through torch.compile (a fused path where Triton can't run)
@@ -29,7 +30,7 @@ def use_triton(x, backend):
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        return HAS_TRITON and x.is_cuda
+        return False
     if backend != "triton":
         return False
     if not HAS_TRITON:

@@ -5,7 +5,8 @@ AttentionCore (F.scaled_dot_product_attention) via apply_kernels.
 
     o, lse = flash_attention(q, k, v, causal=True)      # q [B, H, Tq, D], k, v [B, H, Tk, D]; lse [B, H, Tq] fp32
 
-Forward, per (batch*head, block of BLOCK_M queries), streaming over blocks of BLOCK_N keys (online softmax):
+Forward, per (batch*head, block of BLOCK_M queries), streaming over blocks of BLOCK_N keys (online softmax;
+the tile shape is autotuned on a GPU):
     s = q k^T / sqrt(D);  m' = max(m, rowmax s);  l = l * e^(m - m') + rowsum e^(s - m');
     acc = acc * e^(m - m') + e^(s - m') v;   at the end  o = acc / l,  lse = m + log l
 Backward recomputes p = e^(s - lse) tile by tile from the saved lse (no T x T matrix is ever stored):
@@ -19,12 +20,25 @@ Causal masking is top-left aligned (key j visible to query i when j <= i), as F.
 is_causal; ragged tails (T not a multiple of the block) and head dims that are not a power of two are masked.
 """
 import math
+import os
 
 import torch
 
 from kernels.backend import HAS_TRITON, next_pow2, tl, triton, use_triton
 
+def _tile_configs():
+    """Tile shapes to try: on a GPU the autotuner times each once per (Tq, Tk, D, causal, dtypes) and keeps the
+    fastest (a shape that exceeds shared memory or registers there is skipped, not fatal); the interpreter, which
+    runs programs one by one in Python, gets one small tile."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4)]
+    shapes = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2))
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
+
+
 if HAS_TRITON:
+    autotune = triton.autotune(configs=_tile_configs(), key=["Tq", "Tk", "D", "CAUSAL"])
+
     @triton.jit
     def _head_start(bh, H, stride_b, stride_h):
         """Offset of head bh = b*H + h in a strided [B, H, T, D] tensor, in int64: program ids are int32 and
@@ -61,6 +75,7 @@ if HAS_TRITON:
             valid = valid & (cols[None, :] <= rows[:, None])
         return tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
 
+    @autotune
     @triton.jit
     def _attn_fwd(Q, K, V, O, LSE, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, H, Tq, Tk, D, scale,
                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -95,6 +110,7 @@ if HAS_TRITON:
                  mask=(rows[:, None] < Tq) & (d[None, :] < D))
         tl.store(LSE + rows, m_i + tl.log(l_i), mask=rows < Tq)
 
+    @autotune
     @triton.jit
     def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
                        H, Tq, Tk, D, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -126,6 +142,7 @@ if HAS_TRITON:
         tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=m)
         tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=m)
 
+    @autotune
     @triton.jit
     def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
                      H, Tq, Tk, D, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -154,10 +171,10 @@ if HAS_TRITON:
 
 
 def _launch_args(q, k, v):
-    """Strides (batch, head, time) of q, k, v and the kernel meta-parameters; the last dim must be dense."""
+    """Strides (batch, head, time) of q, k, v and the kernel meta-parameters other than the tile shape (which
+    the autotuner picks); the last dim must be dense."""
     B, H, Tq, D = q.shape
-    BLOCK = 64 if q.is_cuda else 16                          # small tiles keep the CPU interpreter quick
-    meta = dict(BLOCK_M=BLOCK, BLOCK_N=BLOCK if D <= 64 else BLOCK // 2, BLOCK_D=max(16, next_pow2(D)),
+    meta = dict(BLOCK_D=max(16, next_pow2(D)),
                 PREC="ieee" if q.dtype == torch.float32 else "tf32",    # fp32 stays fp32 (no TF32 rounding)
                 UPCAST=not q.is_cuda)
     strides = [s for t in (q, k, v) for s in t.stride()[:3]]
@@ -176,7 +193,10 @@ def flash_attention_forward(q, k, v, causal=True):
     o = torch.empty(B, H, Tq, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, H, Tq, device=q.device, dtype=torch.float32)
     strides, shape, meta = _launch_args(q, k, v)
-    _attn_fwd[(triton.cdiv(Tq, meta["BLOCK_M"]), B * H)](q, k, v, o, lse, *strides, *shape, CAUSAL=causal, **meta)
+    def query_blocks(tile):                 # a program per block of queries; the autotuner picks BLOCK_M
+        return triton.cdiv(Tq, tile["BLOCK_M"]), B * H
+
+    _attn_fwd[query_blocks](q, k, v, o, lse, *strides, *shape, CAUSAL=causal, **meta)
     return o, lse
 
 
@@ -191,10 +211,14 @@ def flash_attention_backward(do, q, k, v, o, lse, causal=True):
     dk, dv = torch.empty(k.shape, device=q.device, dtype=k.dtype), torch.empty(v.shape, device=q.device, dtype=v.dtype)
     strides, shape, meta = _launch_args(q, k, v)
     lse = lse.contiguous()
-    _attn_bwd_dkdv[(triton.cdiv(k.shape[2], meta["BLOCK_N"]), B * H)](
-        q, k, v, do, lse, delta, dk, dv, *strides, *shape, CAUSAL=causal, **meta)
-    _attn_bwd_dq[(triton.cdiv(Tq, meta["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, *strides, *shape, CAUSAL=causal, **meta)
+    def key_blocks(tile):
+        return triton.cdiv(k.shape[2], tile["BLOCK_N"]), B * H
+
+    def query_blocks(tile):
+        return triton.cdiv(Tq, tile["BLOCK_M"]), B * H
+
+    _attn_bwd_dkdv[key_blocks](q, k, v, do, lse, delta, dk, dv, *strides, *shape, CAUSAL=causal, **meta)
+    _attn_bwd_dq[query_blocks](q, k, v, do, lse, delta, dq, *strides, *shape, CAUSAL=causal, **meta)
     return dq, dk, dv
 
 

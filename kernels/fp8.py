@@ -184,8 +184,13 @@ class Float8Linear(nn.Linear):
         new.amax_history = torch.zeros(3, history_len, device=linear.weight.device)
         return new
 
+    def matmul(self, x):
+        """x W^T in FP8, without the bias: for a fused kernel that adds the bias itself (kernels/apply.py's
+        FusedBlock), so FP8 and the fused kernels compose."""
+        return _Float8LinearFunction.apply(x, self.weight, self.recipe, self.amax_history)
+
     def forward(self, x):
-        y = _Float8LinearFunction.apply(x, self.weight, self.recipe, self.amax_history)
+        y = self.matmul(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self):

@@ -25,8 +25,10 @@ from kernels.backend import HAS_TRITON, maybe_compiled, next_pow2, tl, triton, u
 
 if HAS_TRITON:
     @triton.jit
-    def _ce_grad_rows(Z, T, Loss, M, V, stride, inv_n, ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
-        """Rows r of Z (ROWS per program): Loss[r] = lse - z[t]; Z[r] <- (softmax - onehot(t)) * inv_n, in place."""
+    def _ce_grad_rows(Z, T, Loss, InvN, M, V, stride, ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Rows r of Z (ROWS per program): Loss[r] = lse - z[t]; Z[r] <- (softmax - onehot(t)) * inv_n, in place.
+        inv_n is read from device memory: the host never waits for the count of valid targets."""
+        inv_n = tl.load(InvN).to(tl.float32)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = rows < M
         z_rows = Z + rows.to(tl.int64)[:, None] * stride
@@ -59,7 +61,8 @@ def _at_least_fp32(z):
 
 
 def ce_grad_reference(z, targets, inv_n, ignore_index=-100):
-    """Torch version of the row kernel: returns per-row losses and the logit gradient (new tensors)."""
+    """Torch version of the row kernel: returns per-row losses and the logit gradient (new tensors); inv_n is a
+    0-d tensor."""
     zf = _at_least_fp32(z)
     valid = targets != ignore_index
     t = targets.clamp_min(0)
@@ -67,7 +70,7 @@ def ce_grad_reference(z, targets, inv_n, ignore_index=-100):
     loss = (lse - zf.gather(1, t[:, None]).squeeze(1)) * valid
     g = torch.exp(zf - lse[:, None])                          # softmax, from the lse we already have
     g = g.scatter_add(1, t[:, None], -torch.ones_like(lse)[:, None])     # - onehot(t), without a [n, V] one-hot
-    return loss, g * (valid[:, None] * inv_n)
+    return loss, g * (valid[:, None] * inv_n.to(zf.dtype))
 
 
 def _ce_grad_(z, targets, inv_n, ignore_index, backend):
@@ -76,7 +79,7 @@ def _ce_grad_(z, targets, inv_n, ignore_index, backend):
         loss = torch.empty(z.shape[0], device=z.device, dtype=torch.float32)
         M, V = z.shape
         R = 1 if z.is_cuda else 16        # rows per program: the interpreter pays per program
-        _ce_grad_rows[(cdiv(M, R),)](z, targets, loss, M, V, z.stride(0), inv_n, ignore_index,
+        _ce_grad_rows[(cdiv(M, R),)](z, targets, loss, inv_n, M, V, z.stride(0), ignore_index,
                                      ROWS=R, BLOCK_V=min(4096 if z.is_cuda else 64, next_pow2(V)))
         return loss
     loss, g = maybe_compiled(ce_grad_reference, backend)(z, targets, inv_n, ignore_index)
@@ -100,9 +103,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, h, weight, targets, ignore_index, chunk, backend):
         N, C = h.shape
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        n_valid = int((targets != ignore_index).sum())
-        inv_n = 1.0 / max(n_valid, 1)
-        loss = torch.zeros((), device=h.device, dtype=torch.float32)
+        # 1 / (number of counted targets) as a float64 device scalar: int() of the count would make the host wait
+        # for the GPU on every micro-step
+        inv_n = (targets != ignore_index).sum().clamp_min(1).double().reciprocal()
+        loss = torch.zeros((), device=h.device, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
         dh = torch.empty_like(h) if need_grad else None
         dw = torch.zeros(weight.shape, device=h.device, dtype=torch.float32) if need_grad else None
         for i in range(0, N, chunk):
@@ -116,7 +120,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 else:
                     dw += (z.t() @ hc).float()                   # fp32 accumulation over chunks
         ctx.save_for_backward(dh, dw.to(weight.dtype) if need_grad else None)
-        return loss * inv_n
+        return loss * inv_n.to(loss.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -119,3 +119,43 @@ def test_fp8_training_tracks_fp32(recipe):
     (ref, first), (fp8, _) = train_toy_gpt(None), train_toy_gpt(recipe)
     assert ref < 0.5 * first                                  # it learned something
     assert abs(fp8 - ref) <= 0.01 * ref, (fp8, ref)
+
+
+
+def tiny_gpt(kernel_mode, fp8, device):
+    """A 1-layer GPT with --kernels kernel_mode and delayed-scaling FP8 swapped in after the kernels (fp8 =
+    'after', train_single's order), before them ('before'), or not at ('none'); returns (model, FP8 names)."""
+    from kernels import apply_kernels
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32), seed=0).to(device)
+    swapped = convert_to_float8(model, "delayed") if fp8 == "before" else []
+    apply_kernels(model, kernel_mode)
+    swapped += convert_to_float8(model, "delayed") if fp8 == "after" else []
+    return model, swapped
+
+
+@pytest.mark.parametrize("mode,fp8", [("torch", "after"), ("triton", "after"), ("triton", "before"),
+                                      ("compile", "after")])
+def test_every_selected_linear_runs_fp8_under_each_kernels_mode(mode, fp8):
+    """Each Linear the FP8 rule selects runs its FP8 GEMMs under every --kernels choice (the fused MLP once read
+    c_fc / c_proj's weights itself and skipped them). Witness per layer: delayed scaling pushes the amaxes of
+    x and W (forward) and of dy (backward) into the layer's history, which only its FP8 GEMMs do; and the loss
+    is the unfused FP8 model's, not the high-precision one's."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if mode == "triton":
+        pytest.importorskip("triton")
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability >= 8.9")
+    idx = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0)).to(device)
+    model, swapped = tiny_gpt(mode, fp8, device)
+    assert len(swapped) == 4
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    modules = dict(model.named_modules())
+    for name in swapped:
+        assert type(modules[name]) is Float8Linear, name
+        assert (modules[name].amax_history[:, 0] > 0).all(), f"{name} skipped FP8 under --kernels {mode}"
+    fp8_loss = tiny_gpt("torch", "after", device)[0](idx[:, :-1], idx[:, 1:])[1].item()
+    high_precision_loss = tiny_gpt("torch", "none", device)[0](idx[:, :-1], idx[:, 1:])[1].item()
+    assert abs(loss.item() - fp8_loss) <= 1e-5 * fp8_loss
+    assert abs(loss.item() - high_precision_loss) > 10 * abs(loss.item() - fp8_loss)

@@ -152,6 +152,31 @@ def test_linear_cross_entropy_never_materializes_logits(backend):
     torch.testing.assert_close(loss, F.cross_entropy(h @ w.t(), t), rtol=1e-6, atol=1e-6)
 
 
+class HostReads(TorchDispatchMode):
+    """Counts reads of a tensor's value by the host (.item(), int(), bool(): aten._local_scalar_dense), each of
+    which waits for the GPU to finish all queued work when the tensor lives there."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_linear_cross_entropy_never_waits_for_the_device(backend):
+    h, w = randn(40, 16, requires_grad=True), randn(96, 16, requires_grad=True)
+    t = torch.randint(0, 96, (40,), device=DEVICE)
+    t[5] = -100
+    with HostReads() as reads:
+        loss = linear_cross_entropy(h, w, t, chunk=16, backend=backend)
+        loss.backward()
+    assert reads.count == 0
+    torch.testing.assert_close(loss, F.cross_entropy(h @ w.t(), t), rtol=1e-6, atol=1e-6)
+
+
 @triton.jit
 def _store_block_offsets(Out, pid, BLOCK: tl.constexpr):
     tl.store(Out + tl.arange(0, BLOCK), block_offsets(pid, BLOCK))
