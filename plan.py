@@ -188,19 +188,20 @@ def zero_state_bytes(groups, n, stage, recipe):
 # ----------------------------------------------------------------------------------------------------------
 # memory: activations
 
-def layer_activation_bytes(job, lay, moe=False):
+def layer_activation_bytes(job, lay, moe=False, extras=True):
     """Bytes one block keeps for backward for one micro-batch of b sequences of s = seq/cp tokens:
     train_tp.tp_activation_bytes_per_layer (Korthikanti eq. 2 with TP: sbh(10 + 24/t + 5as/(ht)), TP+SP: /t; with
     flash attention the 5as/h scores term is not stored, as with selective recompute), plus what this model keeps
     beyond the paper's count: q and k before and after RoPE (+2sbh/t values), the fp32 log-sum-exp of the fused
     attention (a*s*b*4/t bytes, gone with selective recompute) and two LayerNorms' mean and rstd (16sb bytes, /t
-    under SP). An MoE block stores the MLP part (h + 8h/t values per token) once per routed expert (x top_k)."""
+    under SP; extras=False: the paper's count alone). An MoE block stores its MLP part (h + 8h/t values per token)
+    once per routed expert (x top_k)."""
     cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
     s, b, h = job.cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     rc = "selective" if (job.attn == "flash" and lay.recompute == "none") else lay.recompute
     base = tp_activation_bytes_per_layer(s, b, cfg, t, sp=lay.sp, bytes_per_value=bpv, recompute=rc,
                                          dropout=cfg.dropout > 0)
-    if lay.recompute == "full":
+    if lay.recompute == "full" or not extras:
         return base
     lse = cfg.n_head * s * b * 4 / t if (lay.recompute == "none" and job.attn == "flash") else 0
     extra = 2 * s * b * h * bpv / t + lse + 16 * s * b / (t if lay.sp else 1)

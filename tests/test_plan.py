@@ -1,0 +1,224 @@
+"""plan.py: its counts equal what the rungs count (ZeRO state bytes and comm bytes of a live train_zero run, parameter
+lists of model.py, saved activation bytes), the published tables (ZeRO paper, Korthikanti et al. 2022), pipeline
+in-flight counts, the JSON contract and one-line errors for bad input."""
+import json
+
+import pytest
+import torch
+
+import plan
+from distributed_helper import run_workers
+from model import GPT, GPTConfig, num_params
+from train_ddp import assign_buckets
+from train_helpers import tiny_argv
+
+ZERO_WORLD, ZERO_MODEL = 3, dict(n_layer=2, n_head=4, n_embd=40, bucket_mb=0.004)   # 13h = 520: 3 does not divide
+
+
+def job_for(cfg, **kw):
+    return plan.Job(cfg, kw.pop("gpus", 1), kw.pop("gpus_per_node", 8), kw.pop("gpu", "h100"),
+                    kw.pop("global_seqs", 8), **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# model states
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_paper_table(stage):
+    """ZeRO (Rajbhandari et al. 2020), Figure 1: 7.5B parameters, 64 GPUs, K = 12: 120 / 31.4 / 16.6 / 1.9 GB."""
+    st = plan.zero_state_bytes([7_500_000_000], 64, stage, "bf16")
+    total = st["params"] + st["grads"] + st["optimizer"]
+    assert round(total / 1e9, 1) == [120.0, 31.4, 16.6, 1.9][stage]
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_parameter_groups_match_the_model(moe):
+    """Unsharded, plan's per-block parameter lists are model.py's, and its buckets are assign_buckets' over them."""
+    cfg = GPTConfig(vocab_size=100, n_layer=3, n_head=4, n_embd=32, n_experts=4 if moe else 0, moe_every=2)
+    model = GPT(cfg)
+    shape = plan.Job(cfg, 1, 1, "h100", 1).shape
+    numels = [p.numel() for p in model.parameters()]
+    assert sum(plan.flat_groups(shape, 1, 1, 1, 1, 0, 3, 25.0)) == sum(numels) == num_params(cfg)
+    units = [sum(p.numel() for p in b.parameters()) for b in reversed(model.transformer.h)]
+    assert list(plan.flat_groups(shape, 1, 1, 1, 1, 0, 3, 25.0))[:-1] == units
+    buckets = assign_buckets(list(reversed(list(model.parameters()))), 0.01 * 2 ** 20)
+    assert list(plan.flat_groups(shape, 1, 1, 1, 1, 0, 1, 0.01)) == [sum(p.numel() for p in b) for b in buckets]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_shard_sizes(tp):
+    """A tp rank holds 1/tp of every split parameter and all of the replicated ones (LayerNorms, the row-parallel
+    biases), as train_tp.py shards them; pp stages split the blocks and both ends hold the tied embedding."""
+    cfg = GPTConfig(vocab_size=100, n_layer=4, n_head=4, n_embd=32)
+    replicated = ("ln_1", "ln_2", "ln_f", "attn.c_proj.bias", "mlp.c_proj.bias")
+    expect = sum(p.numel() // (1 if any(r in n for r in replicated) else tp) for n, p in GPT(cfg).named_parameters())
+    shape = plan.Job(cfg, 1, 1, "h100", 1).shape
+    assert sum(plan.flat_groups(shape, tp, 1, 1, 1, 0, 0, 25.0)) == expect
+    first, last = (sum(plan.flat_groups(shape, tp, 1, 2, 1, r, 0, 25.0)) for r in (0, 1))
+    assert first + last == expect + cfg.padded_vocab_size * 32 // tp     # the tied embedding twice
+    assert last - first == 2 * 32                                         # ln_f
+
+
+def _zero_worker(rank, world, data_dir, out_root):
+    import train_zero
+    from metrics import read_metrics
+    out = {}
+    for stage in (1, 2, 3):
+        out_dir = f"{out_root}/z{stage}"
+        argv = tiny_argv(data_dir, out_dir, max_steps=1, global_batch_size=12, micro_batch_size=2, zero_stage=stage,
+                         **{k: v for k, v in ZERO_MODEL.items()})
+        train_zero.main(argv)
+        if rank == 0:
+            out[stage] = read_metrics(out_dir)[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_rows(tiny_data, tmp_path_factory):
+    return run_workers(_zero_worker, ZERO_WORLD, args=(tiny_data, str(tmp_path_factory.mktemp("plan_zero"))))[0]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_and_comm_bytes_equal_train_zero(zero_rows, stage):
+    """A live 3-rank train_zero run (fp32, tiny buckets, padding needed): the state bytes per rank it counts equal
+    plan's exactly, and so do the bytes it sends (plan's dp bytes + the all-reduce of one fp32 norm scalar)."""
+    row = zero_rows[stage]
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=40)
+    job = job_for(cfg, gpus=ZERO_WORLD, global_seqs=12, precision="fp32", bucket_mb=ZERO_MODEL["bucket_mb"])
+    lay = plan.Layout(dp=ZERO_WORLD, zero_stage=stage, micro_batch_size=2)
+    mem = plan.memory(job, lay)
+    assert mem["padded_params"] == row["padded_params"] > num_params(cfg)
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == \
+        (row["state_bytes_params"], row["state_bytes_grads"], row["state_bytes_optim"])
+    part = (ZERO_WORLD - 1) / ZERO_WORLD
+    predicted = plan.comm_bytes(job, lay, mem["padded_params"])["dp"] + 2 * part * 4
+    assert predicted == pytest.approx(row["comm_bytes"], rel=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# activations
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("shape", [(2, 64, 4, 32, 2, 64), (3, 96, 4, 128, 1, 512)])
+def test_activation_bytes_equal_saved_tensors(recompute, shape):
+    """What autograd keeps for backward in one forward of model.py's GPT (metrics.SavedActivationBytes, fp32, CPU's
+    fused attention) equals plan's prediction within 2% (it is within a few bytes)."""
+    from metrics import SavedActivationBytes
+    L, h, a, s, b, v = shape
+    cfg = GPTConfig(vocab_size=v, block_size=s, n_layer=L, n_head=a, n_embd=h, recompute=recompute)
+    model = GPT(cfg)
+    idx = torch.randint(0, v, (b, s), generator=torch.Generator().manual_seed(0))
+    with SavedActivationBytes(model) as saved:
+        model(idx, idx)
+    job = job_for(cfg, global_seqs=b, precision="fp32")
+    predicted = plan.activation_bytes(job, plan.Layout(dp=1, micro_batch_size=b, recompute=recompute), 0)
+    assert abs(predicted / saved.bytes - 1) < 0.02
+
+
+def test_korthikanti_cases():
+    """Korthikanti et al. 2022, Table 2, GPT-3 175B shape (a=96, h=12288, s=2048, b=1), t=8, 16-bit, dropout, no
+    flash attention: per-layer bytes sbh * (34 + 5as/h), TP (10 + 24/t + 5as/(ht)), TP+SP (34 + 5as/h)/t,
+    TP+selective (10 + 24/t), TP+SP+selective 34/t, full 2; SP+selective keeps 5.4x less than TP alone."""
+    cfg = GPTConfig(vocab_size=51200, block_size=2048, n_layer=96, n_head=96, n_embd=12288, dropout=0.1)
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    job = job_for(cfg, gpus=8, attn="eager")
+    sbh, r = s * b * h, 5 * a * s / h
+
+    def per_layer(tp, sp=False, recompute="none"):
+        return plan.layer_activation_bytes(job, plan.Layout(dp=8 // tp, tp=tp, sp=sp, recompute=recompute),
+                                           extras=False)
+    assert per_layer(1) == sbh * (34 + r)
+    assert per_layer(t) == pytest.approx(sbh * (10 + 24 / t + r / t))
+    assert per_layer(t, sp=True) == pytest.approx(sbh * (34 + r) / t)
+    assert per_layer(t, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert per_layer(t, sp=True, recompute="selective") == pytest.approx(sbh * 34 / t)
+    assert per_layer(t, recompute="full") == sbh * 2
+    assert per_layer(t) / per_layer(t, sp=True, recompute="selective") == pytest.approx(5.41, abs=0.01)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# time and schedules
+
+@pytest.mark.parametrize("schedule,v,expected", [("afab", 1, 8), ("1f1b", 1, 4), ("zb1", 1, 4), ("interleaved", 2, 11)])
+def test_pipeline_in_flight_and_bubble(schedule, v, expected):
+    """Rank 0 of p=4, m=8 holds m (afab), p (1f1b, zb1) or, interleaved, its 2(p-1) + (v-1)p warm-up forwards + 1
+    micro-batch-chunks; the bubble costs compute * (p-1)/m for 1f1b, /v interleaved, a third of it for zb1."""
+    assert plan.in_flight(schedule, 4, 8, v, 0) == expected
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=8, n_head=4, n_embd=64)
+    job = job_for(cfg, gpus=4, global_seqs=8)
+    lay = plan.Layout(dp=1, pp=4, schedule=schedule, v=v)
+    t = plan.step_time(job, lay, plan.memory(job, lay))
+    ratio = {"afab": 3 / 8, "1f1b": 3 / 8, "zb1": 3 / 24, "interleaved": 3 / 16}[schedule]
+    assert t["bubble"] == pytest.approx(t["compute"] * ratio)
+
+
+def test_tp_and_cp_bytes_follow_the_rungs():
+    """Per block and micro-batch: TP 8 (SP 10) x (t-1)/t x S, as tests/test_tp.py counts; ring CP (cp-1) K/V hops
+    forward, (cp-1) K/V + cp fp32 dK/dV backward, as tests/test_cp.py counts."""
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, n_embd=32)
+    job = job_for(cfg, gpus=4, global_seqs=2, precision="fp32")
+    S = 2 * 64 * 32 * 4
+    for sp, k in ((False, 8), (True, 10)):
+        assert plan.comm_bytes(job, plan.Layout(dp=1, tp=4, sp=sp, micro_batch_size=2), 0)["tp"] == k * 3 / 4 * S
+    kv = 2 * 2 * 16 * 32 * 4
+    assert plan.comm_bytes(job, plan.Layout(dp=1, cp=4, micro_batch_size=2), 0)["cp"] == 3 * kv * 2 + 4 * kv
+
+
+def test_more_devices_never_need_more_state_memory():
+    """Sharding only helps: for a fixed layout otherwise, ZeRO stages 1-3 each cut model states below the last."""
+    cfg = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    job = job_for(cfg, gpus=8, global_seqs=64)
+    states = [sum(plan.memory(job, plan.Layout(dp=8, zero_stage=z))[k] for k in ("params", "grads", "optimizer"))
+              for z in range(4)]
+    assert states == sorted(states, reverse=True) and states[3] < states[0] / 7
+
+
+# ----------------------------------------------------------------------------------------------------------
+# command line
+
+def test_json_lists_every_valid_layout(capsys):
+    rows = plan.main(["--model", "gpt2", "--gpus", "8", "--gpu", "a100", "--seq", "1024", "--global_batch_tokens",
+                      "64K", "--json"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == len(rows) > 100
+    keys = {"dp", "tp", "cp", "pp", "ep", "zero_stage", "schedule", "micro_batch_size", "recompute", "mem_bytes",
+            "step_time_s", "tokens_per_s", "mfu", "oom"}
+    for r in lines:
+        assert keys <= set(r) and r["dp"] * r["tp"] * r["cp"] * r["pp"] == 8
+        parts = r["mem_bytes"]
+        assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+        assert r["oom"] == (parts["total"] > 0.95 * 80 * 2 ** 30)
+    fits = [r for r in lines if not r["oom"]]
+    assert fits[0]["tokens_per_s"] == max(r["tokens_per_s"] for r in fits)
+
+
+def test_table_and_launch_command(capsys):
+    plan.main(["--model", "gpt2", "--gpus", "16", "--gpu", "h100", "--seq", "1024", "--global_batch_tokens", "256K",
+               "--top", "3"])
+    out = capsys.readouterr().out
+    assert "torchrun --nnodes 2 --nproc_per_node 8 train_5d.py --dp" in out and "--global_batch_size 256" in out
+
+
+def test_big_model_needs_sharded_states():
+    """llama3-70b's shape (64.4B parameters, 16 bytes each in states) cannot fit 8 H100s at all; on 32 the best layout
+    fits, and every layout that shards nothing (tp = pp = 1, no ZeRO) is OOM."""
+    argv = ["--model", "llama3-70b", "--gpu", "h100", "--seq", "4096", "--global_batch_tokens", "256K", "--json"]
+    assert all(r["oom"] for r in plan.main(argv + ["--gpus", "8"]))
+    rows = plan.main(argv + ["--gpus", "32"])
+    assert not rows[0]["oom"] and (rows[0]["tp"] * rows[0]["pp"] > 1 or rows[0]["zero_stage"] > 0)
+    assert all(r["oom"] for r in rows if r["tp"] * r["pp"] == 1 and r["zero_stage"] == 0)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "gpt2", "--gpu", "x100"], "unknown GPU"),
+    (["--model", "gpt2", "--gpus", "8", "--layout", "tp=3"], "does not divide"),
+    (["--model", "gpt2", "--gpus", "8", "--layout", "tp=8"], "n_head=12 is not divisible by tp=8"),
+    (["--model", "gpt2", "--gpus", "8", "--layout", "pp=8,schedule=1f1b", "--seq", "1024"], "n_layer=12"),
+    (["--model", "gpt5"], "unknown model"),
+    (["--model", "gpt2", "--global_batch_tokens", "lots"], "cannot read"),
+])
+def test_bad_input_one_error_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        plan.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
