@@ -11,9 +11,10 @@ Stage s of S = p*V holds blocks [s*L/S, (s+1)*L/S); stage 0 also embeds, stage S
 the LM head with its loss. Stage s lives on rank s % p (chunk s // p). The tied embedding weight is a copy
 on the first and on the last stage, kept equal by all-reducing its gradient between the two.
 
-Schedules (pipeline_schedules.py has the action lists, the simulator and the pictures), idle share of a step
-with F = B = W:  afab (GPipe) and 1f1b (p-1)/(m+p-1); interleaved (p-1)/(V*m+p-1); zb1 (ZB-H1, backward split
-into input-gradient B and weight-gradient W, the Ws filling the bubbles) bubble (p-1)(F+B-W).
+Schedules (pipeline_schedules.py has the action lists, the simulator and the pictures;
+pipeline_weight_grads.py the split backward of zb1), idle share of a step with F = B = W: afab (GPipe) and
+1f1b (p-1)/(m+p-1); interleaved (p-1)/(V*m+p-1); zb1 (ZB-H1, backward split into input-gradient B and
+weight-gradient W, the Ws filling the bubbles) bubble (p-1)(F+B-W).
 Each stage boundary carries m activations forward and m gradients back per step: a rank sends
 m * b*T*h * 4 bytes * (2V - [first rank] - [last rank]).
 
@@ -33,11 +34,12 @@ import comm
 from comm import COMM, destroy, init_distributed, world_size_from_env
 from config import check, parse_config
 from metrics import MetricsLogger
-from model import GPT, Block, LMHead, flops_per_token, init_parameter, rope_cache
+from model import GPT, Block, LMHead, flops_per_token, init_parameter, rope_cache, rope_dtype
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from pipeline_schedules import make_schedule, message_order, recvs_of, render, sends_of, simulate, stage_of
+from pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
-                          print_sample, resolve_dtype, save_training_state, should_save)
+                          param_dtype, print_sample, resolve_dtype, save_training_state, should_save)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -58,6 +60,7 @@ class PipelineStage(nn.Module):
     def __init__(self, gcfg, layers, first, last):
         super().__init__()
         self.cfg, self.first, self.last, self.transformer = gcfg, first, last, nn.ModuleDict()
+        self.rope_dtype = torch.float32          # float64 for a float64 model (build_stages sets it)
         if first:
             self.transformer["wte"] = nn.Embedding(gcfg.padded_vocab_size, gcfg.n_embd)
             self.transformer["drop"] = nn.Dropout(gcfg.dropout)
@@ -72,7 +75,7 @@ class PipelineStage(nn.Module):
         """Token ids [b, T] (first stage) or the previous stage's activations [b, T, h] -> [b, T, h]."""
         # RoPE needs only global positions: every stage rebuilds the same small table
         pos = torch.arange(x.shape[1], device=x.device)
-        rope = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base)
+        rope = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base, self.rope_dtype)
         if self.first:
             x = self.transformer["drop"](self.transformer["wte"](x))
         for block in self.transformer["h"].values():
@@ -86,8 +89,8 @@ class PipelineStage(nn.Module):
         return self.lm_head(self.transformer["ln_f"](x), targets)[1] if self.last else x
 
 
-def build_stages(gcfg, rank, p, v, seed, device):
-    """This rank's V chunks (stages rank, rank+p, ...), each parameter from model.init_parameter."""
+def build_stages(gcfg, rank, p, v, seed, device, dtype=torch.float32):
+    """This rank's V chunks (stages rank, rank+p, ...), each parameter from model.init_parameter, in dtype."""
     ranges = layer_split(gcfg.n_layer, p * v)
     chunks = nn.ModuleList()
     for c in range(v):
@@ -97,7 +100,8 @@ def build_stages(gcfg, rank, p, v, seed, device):
             for name, param in chunk.named_parameters():
                 name = "transformer.wte.weight" if name == "lm_head.weight" else name   # the tied copy
                 param.copy_(init_parameter(name, param.shape, gcfg.n_layer, seed))
-        chunks.append(chunk.to(device))
+        chunk.rope_dtype = rope_dtype(dtype)
+        chunks.append(chunk.to(device, dtype))
     return chunks
 
 
@@ -123,62 +127,6 @@ def clip_stage_grads(chunks, max_norm, group, device):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# zb1: the backward split into an input-gradient pass (B) and a deferred weight-gradient pass (W)
-
-class WeightGradStore:
-    """Linear layers stash (layer, input, output gradient) during B; W(mb) computes their dW = gy^T x."""
-
-    def __init__(self):
-        self.pending, self.saved = [], {}
-
-    def close(self, key):
-        self.saved[key], self.pending = self.pending, []
-
-    @torch.no_grad()
-    def compute(self, key):
-        for layer, x, gy in self.saved.pop(key):
-            gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1]).to(gy.dtype)  # tokens as rows
-            grads = [(layer.weight, gy2.t() @ x2)] + ([(layer.bias, gy2.sum(0))] if layer.bias is not None else [])
-            for p, g in grads:
-                p.grad = g.to(p.dtype) if p.grad is None else p.grad.add_(g.to(p.dtype))
-
-
-class _LinearInputGradOnly(torch.autograd.Function):
-    """y = x W^T + b whose backward returns only dx and leaves dW, db to the store."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, layer, store):
-        ctx.save_for_backward(x, weight)
-        ctx.layer, ctx.store = layer, store
-        return nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
-        ctx.store.pending.append((ctx.layer, x, gy))
-        return (gy @ weight.to(gy.dtype)).to(x.dtype), None, None, None, None   # dx: the critical path
-
-
-class DeferredWeightGradLinear(nn.Module):
-    """Drop-in for a block's nn.Linear (same parameters, same names) under the zb1 schedule."""
-
-    def __init__(self, linear, store):
-        super().__init__()
-        self.weight, self.bias, self.store = linear.weight, linear.bias, store
-
-    def forward(self, x):
-        return _LinearInputGradOnly.apply(x, self.weight, self.bias, self, self.store)
-
-
-def defer_weight_grads(module, store):
-    """Swap every nn.Linear inside `module` (the blocks' four matmuls) for DeferredWeightGradLinear."""
-    for parent in list(module.modules()):
-        for name, child in parent.named_children():
-            if type(child) is nn.Linear:
-                setattr(parent, name, DeferredWeightGradLinear(child, store))
-
-
-# ----------------------------------------------------------------------------------------------------------
 # the interpreter: runs this rank's action list with its point-to-point traffic
 
 class PipelineRunner:
@@ -189,10 +137,12 @@ class PipelineRunner:
     receives (Megatron's send_forward_recv_backward pairing), and a sent activation's storage is freed as
     soon as the send completes: backward needs only its autograd graph (the last op, an add, saves nothing)."""
 
-    def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None):
+    def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None,
+                 act_dtype=torch.float32):
         self.chunks, self.group, self.schedules, self.n_micro = chunks, group, schedules, n_micro
         self.rank, self.p, self.v = dist.get_rank(group), dist.get_world_size(group), len(chunks)
         self.act_shape, self.device, self.store, self.amp = act_shape, device, store, amp
+        self.act_dtype = act_dtype               # what crosses stages: fp32 even under autocast (or float64)
         self.peer = [dist.get_global_rank(group, r) for r in range(self.p)]
 
     # ---- messages: (what, micro-batch, receiving stage), see pipeline_schedules.sends_of
@@ -203,7 +153,8 @@ class PipelineRunner:
         for src, msg in needed:
             # a message can only be matched after all that its sender sent us before it: post those first
             while src != self.rank and msg not in self.posted and msg not in recvs:
-                recvs[self.expected[src].popleft()] = buf = torch.empty(self.act_shape, device=self.device)
+                buf = torch.empty(self.act_shape, device=self.device, dtype=self.act_dtype)
+                recvs[self.expected[src].popleft()] = buf
                 ops.append(dist.P2POp(dist.irecv, buf, self.peer[src], self.group))
         works = comm.batch_isend_irecv(ops) if ops else []
         work = (lambda i: works[i]) if len(works) == len(ops) else (lambda i: works[0])  # NCCL: one per batch
@@ -244,10 +195,10 @@ class PipelineRunner:
         with self.amp:
             out = stage(inp, y if stage.last else None)
         if stage.last:
-            self.loss_sum += out.detach().float()
+            self.loss_sum += out.detach().to(self.act_dtype)
             out = out / self.n_micro             # mean over the global batch = mean of micro-batch means
         else:
-            self._send(a, out.detach().float())   # the residual stream: fp32 even under autocast
+            self._send(a, out.detach().to(self.act_dtype))   # the residual stream at full width
         self.saved[(a.mb, a.chunk)] = (inp, out)    # held until this micro-batch's B: the in-flight memory
 
     def _backward(self, a, received):
@@ -264,7 +215,8 @@ class PipelineRunner:
         self.pending, self.sending, self.posted, self.local, self.saved = [], [], {}, {}, {}
         self.expected = {src: deque(message_order(self.schedules, src, self.rank, self.p, self.v))
                          for src in range(self.p) if src != self.rank}
-        self.loss_sum, self.busy, t_step = torch.zeros((), device=self.device), 0.0, time.perf_counter()
+        self.loss_sum = torch.zeros((), device=self.device, dtype=self.act_dtype)
+        self.busy, t_step = 0.0, time.perf_counter()
         for a in actions:
             self._free_sent()
             received = self._exchange(recvs_of(a, self.rank, self.p, self.v))   # also flushes the sends
@@ -285,14 +237,14 @@ class PipelineRunner:
     @torch.no_grad()
     def forward_only_loss(self, x, y):
         """Mean loss of one batch through all stages in order (evaluation); every rank gets it."""
-        S, loss = self.p * self.v, torch.zeros((), device=self.device)
+        S, loss = self.p * self.v, torch.zeros((), device=self.device, dtype=self.act_dtype)
         for s in range(self.rank, S, self.p):    # this rank's stages, in pipeline order
             stage = self.chunks[s // self.p]
             if s > 0 and (s - 1) % self.p != self.rank:
-                h = torch.empty(x.shape + (self.act_shape[-1],), device=self.device)
+                h = torch.empty(x.shape + (self.act_shape[-1],), device=self.device, dtype=self.act_dtype)
                 comm.recv(h, self.peer[(s - 1) % self.p], group=self.group)
             with self.amp:
-                h = stage(x if s == 0 else h, y if s == S - 1 else None).float()
+                h = stage(x if s == 0 else h, y if s == S - 1 else None).to(self.act_dtype)
             if s == S - 1:
                 loss = h
             elif (s + 1) % self.p != self.rank:
@@ -325,7 +277,7 @@ def gather_full_state(chunks, gcfg, group, v, device):
             elif rank == owner:
                 comm.send(param.detach().contiguous(), dist.get_global_rank(group, 0), group=group)
             else:
-                full[name] = torch.empty(param.shape, device=device)
+                full[name] = torch.empty(param.shape, device=device, dtype=next(chunks.parameters()).dtype)
                 comm.recv(full[name], dist.get_global_rank(group, owner), group=group)
     return full if rank == 0 else None
 
@@ -354,7 +306,8 @@ def validate(cfg):
     check(cfg.pp_uneven or cfg.n_layer % (p * v) == 0,
           f"n_layer={cfg.n_layer} does not split evenly into pp*pp_virtual={p * v} stages (pass --pp_uneven "
           f"to give the first stages one block more)")
-    check(cfg.dtype != "float16", "train_pp.py supports float32 and bfloat16 (fp16 needs a pipeline GradScaler)")
+    check(cfg.dtype != "float16", "train_pp.py supports float32, bfloat16 and float64 (fp16 needs a pipeline "
+                                  "GradScaler)")
 
 
 def extra_args(parser):
@@ -373,7 +326,7 @@ def main(argv=None):
     loader = prepare_data(cfg, env)
     dtype, gcfg = resolve_dtype(cfg, env.device), gpt_config(cfg, loader.vocab_size)
 
-    chunks = build_stages(gcfg, rank, p, v, cfg.seed, env.device)
+    chunks = build_stages(gcfg, rank, p, v, cfg.seed, env.device, param_dtype(dtype))
     store = WeightGradStore() if cfg.pp_schedule == "zb1" else None
     if store is not None:                        # zb1: the blocks' Linears leave dW to the W actions
         defer_weight_grads(chunks, store)
@@ -384,7 +337,7 @@ def main(argv=None):
     schedules = make_schedule(cfg.pp_schedule, p, m, v)
     sim = simulate(schedules, p, v)
     runner = PipelineRunner(chunks, group, schedules, m, (micro, cfg.block_size, cfg.n_embd), env.device,
-                            store, autocast_context(dtype, env.device))
+                            store, autocast_context(dtype, env.device), param_dtype(dtype))
     optimizer = configure_optimizer(chunks.named_parameters(), cfg, env.device.type)
     torch.manual_seed(cfg.seed + rank)           # this rank's dropout stream
     start = load_training_state(cfg, chunks, optimizer, rank=rank) if cfg.resume else 0

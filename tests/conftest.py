@@ -33,9 +33,21 @@ def text_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def text_reference(text_data, tmp_path_factory):
-    """train_single's float64 exactness-check run on text_data (one micro-batch of 8): ((losses, grad norms),
-    {name: final parameter}), what every technique's float64 parity test compares against."""
-    from train_helpers import run_single, text_argv
-    out = str(tmp_path_factory.mktemp("text_reference"))
-    return run_single(text_argv(text_data, out, micro_batch_size=8), both_curves=True)
+def text_reference_for(text_data, tmp_path_factory):
+    """text_reference_for(model) -> train_single's float64 exactness-check run of train_helpers.MODELS[model] on
+    text_data (one micro-batch of 8): ((losses, grad norms), {name: final parameter}), run once per session."""
+    from train_helpers import MODELS, run_single, text_argv
+    cache = {}
+
+    def reference(model="L2"):
+        if model not in cache:
+            out = str(tmp_path_factory.mktemp(f"text_reference_{model}"))
+            cache[model] = run_single(text_argv(text_data, out, micro_batch_size=8, **MODELS[model]), both_curves=True)
+        return cache[model]
+    return reference
+
+
+@pytest.fixture(scope="session")
+def text_reference(text_reference_for):
+    """The float64 reference of the default tiny model (MODELS["L2"]), what most parity tests compare against."""
+    return text_reference_for("L2")

@@ -9,7 +9,7 @@ import torch
 
 import train_single
 from metrics import read_metrics
-from train_helpers import (EXACT, assert_exact, assert_same_losses, assert_same_weights, losses, run_single,
+from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, losses, run_single,
                            text_argv, tiny_argv)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,12 +61,18 @@ def test_float64_is_float64_throughout(text_data):
     assert torch.allclose(model_py.rope_cache(16, pos, dtype=torch.float64)[:, :1], exact, rtol=0, atol=1e-12)
 
 
-def test_float64_grad_accumulation_exact(text_data, tmp_path):
-    """Four micro-batches of 2 vs one of 8 across a spike: reordering noise only, far below 1e-9."""
-    ref, w_ref = run_single(text_argv(text_data, str(tmp_path / "1x8"), micro_batch_size=8), both_curves=True)
-    got, w_got = run_single(text_argv(text_data, str(tmp_path / "4x2"), micro_batch_size=2), both_curves=True)
-    assert_exact(ref, got)
-    assert_same_weights(w_ref, w_got, rtol=EXACT)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_float64_models_cross_a_spike_below_the_noise_floor(text_reference_for, text_data, tmp_path, model):
+    """Every model shape the exactness checks use crosses a gradient spike (> 5x), and its float64 reordering
+    noise (four micro-batches of 2 vs one of 8) stays below 1e-10 at every step: 10x under the 1e-9 contract
+    (measured: 3e-13 for L2, 4e-11 for L8), so a parity failure there is a bug, not chaos amplifying rounding."""
+    ref, w_ref = text_reference_for(model)
+    jumps = [ref[1][s] / max(ref[1][max(0, s - 5):s]) for s in range(3, len(ref[1]))]
+    assert max(jumps) > 5, f"{model}: no gradient spike, grad norms {ref[1]}"
+    got, w_got = run_single(text_argv(text_data, str(tmp_path / "4x2"), micro_batch_size=2, **MODELS[model]),
+                            both_curves=True)
+    assert_exact(ref, got, rtol=1e-10)
+    assert_same_weights(w_ref, w_got, rtol=1e-10)
 
 
 def test_recompute_equivalence(tiny_data, tmp_path):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from distributed_helper import run_workers
 from model import GPTConfig, num_params
-from train_helpers import (EXACT, assert_exact, assert_same_losses, assert_same_weights, curves, losses, run_single,
+from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, losses, run_single,
                            text_argv, tiny_argv)
 from metrics import read_metrics
 
@@ -228,12 +228,9 @@ def _float64_worker(rank, n, argvs):
     return out
 
 
-TP3 = dict(n_embd=48, n_head=6, block_size=48)     # 6 heads, 192 MLP columns, 48 positions: all split 3 ways
-
-
 @pytest.mark.parametrize("n,runs", [
     (2, [dict(), dict(sp=True), dict(sp=True, tp_overlap=True), dict(sp=True, grad_clip=0.0)]),
-    (3, [dict(sp=True, **TP3), dict(sp=True, grad_clip=0.0, **TP3)])])
+    (3, [dict(sp=True, **MODELS["TP3"]), dict(sp=True, grad_clip=0.0, **MODELS["TP3"])])])  # 6 heads, T=48
 def test_float64_parity_exact(text_reference, text_data, tmp_path, n, runs):
     """float64 on real text across a gradient spike (23-51x), with and without clipping: TP, SP and SP with
     overlap at tp=2 and 3 reproduce train_single within 1e-9 per step (loss and global grad norm) and in the

@@ -69,6 +69,11 @@ def tiny_argv(data_dir, out_dir, **overrides):
 SPIKY = dict(dtype="float64", seed=1, lr=1e-2, min_lr=3e-4, max_steps=30, warmup_steps=5, grad_clip=1.0,
              block_size=32, global_batch_size=8)
 EXACT = 1e-9        # float64 reordering noise is ~1e-13 here; a bug is far above this
+# Other model shapes the exactness checks use (pipelines need more layers, tp=3 needs 3 | heads and 3 | T), each
+# chosen the same way: it crosses a spike and its reordering noise stays < 1e-10 (test_single checks both). At
+# SPIKY's lr, 4 layers turn chaotic near step 27 (micro-batches of 2 vs 8 differ by 2e-8): lr 6e-3 there.
+MODELS = {"L2": dict(), "L4": dict(n_layer=4, lr=6e-3), "L8": dict(n_layer=8),
+          "TP3": dict(n_embd=48, n_head=6, block_size=48)}
 
 
 def text_argv(data_dir, out_dir, **overrides):
