@@ -2,11 +2,12 @@
 GPU readiness that a CPU can check: the MFU peak table's name matching (real torch.cuda.get_device_name strings)
 and bench/gpu_check.sh skipping cleanly where no GPU is visible.
 """
+import importlib.util
 import os
 import subprocess
-import sys
 
 import pytest
+import torch
 
 from metrics import GPU_PEAK_TFLOPS, gpu_chip_and_board, gpu_peak_flops
 
@@ -43,3 +44,25 @@ def test_unknown_gpu_warns_and_gives_none(name, capsys):
 def test_every_row_has_a_source():
     for key, (tflops, source) in GPU_PEAK_TFLOPS.items():
         assert tflops > 0 and ("datasheet" in source or "specifications" in source), key
+
+
+def test_gpu_check_skips_cleanly_without_a_gpu():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")          # no GPU visible, on any machine
+    r = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    assert (r.stdout + r.stderr).splitlines() == ["gpu_check: skipped (no CUDA GPU visible)"]
+
+
+def test_gpu_check_runs_every_train_script_after_its_reference(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))
+    rows = gpu_check.runs(8, 3, "out")
+    train_scripts = {f for f in os.listdir(ROOT) if f.startswith("train_") and f.endswith(".py")}
+    assert {gpu_check.script_of(command) for _, _, command, _, _ in rows} == train_scripts
+    seen = set()
+    for name, _, _, reference, _ in rows:
+        assert reference is None or reference in seen, name
+        seen.add(name)
+    assert gpu_check.grid_5d(8) == dict(tp=2, pp=2, dp=2, cp=1)
