@@ -410,14 +410,14 @@ def candidate_layouts(job):
 
 
 def rank_layouts(job):
-    """Every valid layout evaluated, best first: those that fit by tokens/s, then the OOM ones by memory."""
+    """Every valid layout evaluated, best first: those that fit by tokens/s (ties: less memory), then OOM by memory."""
     rows = []
     for lay in candidate_layouts(job):
         try:
             rows.append(evaluate(job, lay))
         except ConfigError:
             continue
-    return sorted(rows, key=lambda r: (r["oom"], r["mem_bytes"]["total"] if r["oom"] else -r["tokens_per_s"]))
+    return sorted(rows, key=lambda r: (r["oom"], 0 if r["oom"] else -r["tokens_per_s"], r["mem_bytes"]["total"]))
 
 
 def launch_command(job, row):
