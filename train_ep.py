@@ -41,7 +41,7 @@ from model import GPT, MLP, combine, flops_per_token, init_parameter, route
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_ddp import DataParallelGrads, mean_over_group
 from train_single import (MOE_FLAGS, autocast_context, check_moe, evaluate, gpt_config, load_training_state,
-                          prepare_data, print_sample, resolve_dtype, router_metrics, save_training_state,
+                          param_dtype, prepare_data, print_sample, resolve_dtype, router_metrics, save_training_state,
                           should_save)
 
 
@@ -163,7 +163,8 @@ def main(argv=None):
     loader = prepare_data(cfg, env)
     dtype = resolve_dtype(cfg, env.device)
 
-    model = expert_parallel_gpt(gpt_config(cfg, loader.vocab_size), cfg.seed, ep_group).to(env.device)
+    model = expert_parallel_gpt(gpt_config(cfg, loader.vocab_size), cfg.seed, ep_group).to(env.device,
+                                                                                         param_dtype(dtype))
     named = list(model.named_parameters())
     dense = [p for n, p in named if not is_expert_param(n)]
     experts = [p for n, p in named if is_expert_param(n)]
