@@ -106,19 +106,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # 1 / (number of counted targets) as a float64 device scalar: int() of the count would make the host wait
         # for the GPU on every micro-step
         inv_n = (targets != ignore_index).sum().clamp_min(1).double().reciprocal()
-        loss = torch.zeros((), device=h.device, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
+        acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32    # sums over chunks: >= fp32
+        loss = torch.zeros((), device=h.device, dtype=acc_dtype)
         dh = torch.empty_like(h) if need_grad else None
-        dw = torch.zeros(weight.shape, device=h.device, dtype=torch.float32) if need_grad else None
+        dw = torch.zeros(weight.shape, device=h.device, dtype=acc_dtype) if need_grad else None
         for i in range(0, N, chunk):
             hc, tc = h[i:i + chunk], targets[i:i + chunk]
             z = hc @ weight.t()                                  # [n, V]: the only vocab-sized buffer
             loss += _ce_grad_(z, tc, inv_n, ignore_index, backend).sum()
             if need_grad:
                 torch.mm(z, weight, out=dh[i:i + chunk])
-                if z.dtype == torch.float32:
+                if z.dtype == acc_dtype:
                     dw.addmm_(z.t(), hc)                         # in place: no [V, C] temporary per chunk
                 else:
-                    dw += (z.t() @ hc).float()                   # fp32 accumulation over chunks
+                    dw += (z.t() @ hc).to(acc_dtype)             # fp32 accumulation over chunks
         ctx.save_for_backward(dh, dw.to(weight.dtype) if need_grad else None)
         return loss * inv_n.to(loss.dtype)
 

@@ -121,6 +121,15 @@ def test_linear_cross_entropy(backend):
                           lambda h, w: linear_cross_entropy_reference(h, w, t), [h, w], randn(()))
 
 
+def test_linear_cross_entropy_float64_end_to_end():
+    """The float64 exactness runs (README, "Parity") keep the fused head in float64: loss and dW sums too."""
+    torch.manual_seed(5)
+    h, w, t = randn(45, 19, dtype=torch.float64), randn(101, 19, dtype=torch.float64), torch.randint(0, 101, (45,))
+    t = t.to(DEVICE)
+    check_against_float64(lambda h, w: linear_cross_entropy(h, w, t, chunk=16, backend="torch"),
+                          lambda h, w: linear_cross_entropy_reference(h, w, t), [h, w], randn(()), rtol=1e-12)
+
+
 class LargestAllocation(TorchDispatchMode):
     """Records the largest tensor (in bytes) any op produces (the interpreter's byte-storage copies included)."""
 
