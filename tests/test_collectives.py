@@ -38,8 +38,8 @@ def _init():
 
 
 def _all_collectives(rank, world_size, numels):
-    """(group, op, numel, group size, group rank, equal to torch's, bytes sent) for every collective, on the world and, with 3+
-    ranks, on a subgroup that skips global rank 0 (so group ranks differ from global ranks)."""
+    """(group, op, numel, group size, group rank, equal to torch's, bytes sent) for every collective, on the
+    world and, with 3+ ranks, on a subgroup without global rank 0 (so group ranks differ from global ones)."""
     import torch.distributed as dist
     import collectives
     _init()
@@ -67,7 +67,7 @@ def test_by_hand_equals_torch_and_counts_ring_bytes(world_size):
     for _, op, numel, size, group_rank, same, sent in rows:
         assert same, (op, numel, size, group_rank)
         if numel % size == 0:
-            assert sent == expected_bytes(op, 4 * numel, size, group_rank), (op, numel, size, group_rank, sent)
+            assert sent == expected_bytes(op, 4 * numel, size, group_rank), (op, numel, size, group_rank)
     # uneven: per rank the bytes depend on which chunk it skips, but summed over the ranks the ring ops
     # still move (n-1) (or 2(n-1)) full tensors, and gather / scatter everything but the root's chunk
     import collectives
@@ -86,7 +86,7 @@ def _barrier_holds(rank, world_size, delay_s):
     import collectives
     _init()
     leaves = []
-    for fn in (collectives.dissemination_barrier, collectives.torch_barrier):
+    for fn in (collectives.dissemination_barrier, collectives.COLLECTIVES["barrier"].torch):
         dist.barrier()
         t0 = time.perf_counter()
         time.sleep(delay_s * rank)                  # rank r arrives r * delay late
@@ -111,11 +111,12 @@ def _run_main(rank, world_size, argv):
 
 
 def test_walk_through_and_sweep_print_every_collective():
-    text = run_workers(_run_main, 2, args=(["--numel", "5", "--time_numel", "64"],), timeout=120)[0]
+    text = run_workers(_run_main, 2, args=(["--numel", "5"],), timeout=120)[0]
     assert text.count("by hand == torch.distributed: True") == 9
-    assert "== all_reduce" in text and "rank 1: [10 11 12" in text
-    sweep = run_workers(_run_main, 2, args=(["--size", "4K", "--reps", "2"],), timeout=120)[0]
-    rows = [line.split() for line in sweep.splitlines()[1:]]
+    assert "rank 1: [10, 11, 12, 13, 14]" in text and "-> [10, 12, 14, 16, 18]" in text   # all_reduce
+    sweep = run_workers(_run_main, 2, args=(["--size", "0.00390625"],), timeout=120)[0]
+    assert "busbw" in text and "busbw" in sweep and "== " not in sweep   # the walk-through ends with a 1 MiB sweep
+    rows = [line.split() for line in sweep.strip().splitlines()[1:]]
     assert [r[0] for r in rows] == ["broadcast", "reduce", "all_reduce", "gather", "all_gather", "scatter",
                                     "reduce_scatter", "all_to_all"]
     for row in rows:                               # bytes, then (us, algbw, busbw) for torch and by hand
