@@ -7,7 +7,6 @@ hand from send/recv beside torch.distributed's own, checked equal and timed side
     torchrun --nproc_per_node 4 collectives.py --size 1 16 64       # bandwidth sweep (MiB), nccl-tests style
 
 Ring all-reduce of S bytes over n ranks, the one picture to remember:
-
     reduce-scatter, n-1 steps: every rank sends one chunk to its right neighbour, which adds its own to it
         step 0:  r0 --c0--> r1    r1 --a1--> r2    r2 --b2--> r0
         step 1:  r0 --b20-> r1    r1 --c01-> r2    r2 --a12-> r0       (b20 = b2 + b0, ...)
@@ -90,7 +89,6 @@ def chain(out, inp, group=None, reduce=False, piece_bytes=1 << 18):
     p = order.index(r)
     for step in range(len(pieces) + n - 2):
         send_j, recv_j = step - p, step - p + 1          # the piece this rank forwards / receives now
-        # the chain's end forwards nothing, its start receives nothing
         sends = [(pieces[send_j], order[p + 1])] if p < n - 1 and 0 <= send_j < len(pieces) else []
         recvs = [(torch.empty_like(pieces[recv_j]), order[p - 1])] if p > 0 and 0 <= recv_j < len(pieces) else []
         exchange(group, sends, recvs)
@@ -139,11 +137,12 @@ def dissemination_barrier(out, inp, group=None):
         exchange(group, [(inp, (r + 2 ** i) % n)], [(torch.empty_like(inp), (r - 2 ** i) % n)])
 
 
-# torch's, same signature. Its flat all-gather / reduce-scatter and gather / scatter want equal shards, so
-# an uneven split is zero-padded to ceil(L/n) per rank and the padding dropped afterwards.
+# torch's, same signature. It wants equal shards: an uneven split is zero-padded to ceil(L/n) per rank.
 
 def padded_rows(x, n):
-    """[n, ceil(L/n)]: row i holds tensor_split chunk i of x, zero-padded."""
+    """[n, ceil(L/n)]: row i holds tensor_split chunk i of x, zero-padded; a view of x when n divides L."""
+    if x.numel() % n == 0:
+        return x.view(n, -1)                        # even: torch reads and writes x itself, no copies
     m = math.ceil(x.numel() / n)
     return torch.stack([F.pad(c, (0, m - c.numel())) for c in x.view(-1).tensor_split(n)])
 
@@ -157,7 +156,8 @@ def torch_all_gather(out, inp, group=None, to_root=False):
         dist.gather(shard, list(rows) if r == 0 else None, dst=peer(group, 0), group=group)
     else:
         comm.all_gather(rows.view(-1), shard, group=group)
-    out.copy_(torch.cat([row[:s] for row, s in zip(rows, chunk_sizes(out.numel(), n))]))
+    if out.numel() % n:                             # drop the padding
+        out.copy_(torch.cat([row[:s] for row, s in zip(rows, chunk_sizes(out.numel(), n))]))
 
 
 def torch_reduce_scatter(out, inp, group=None, from_root=False):

@@ -96,10 +96,9 @@ def _barrier_holds(rank, world_size, delay_s):
 
 
 def test_barrier_waits_for_the_last_rank():
-    delay = 0.1
-    for leaves in run_workers(_barrier_holds, 3, args=(delay,), timeout=120):
-        by_hand, torch_ = leaves
-        assert by_hand >= 2 * delay - 0.03 and torch_ >= 2 * delay - 0.03, leaves
+    delay = 0.2                                     # rank 2 arrives 0.4 s late; a broken barrier lets rank 0
+    for leaves in run_workers(_barrier_holds, 3, args=(delay,), timeout=120):   # go at once; allow skew
+        assert min(leaves) >= 1.5 * delay, leaves
 
 
 def _run_main(rank, world_size, argv):
