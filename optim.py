@@ -42,12 +42,13 @@ def set_lr(optimizer, lr):
 
 
 @torch.no_grad()
-def clip_grad_norm(grads, max_norm, group=None, device=None, dtype=torch.float32):
+def clip_grad_norm(grads, max_norm, group=None, device=None, dtype=torch.float32, replicas=()):
     """Global L2 norm of `grads` and, if max_norm > 0, scale them in place so it is at most max_norm.
 
     With `group`, each rank passes only the gradients it owns (a shard, or a parameter held by one rank)
     and the squared norms are summed across the group, so every rank gets the same global norm. A gradient
-    replicated on several ranks of the group must be passed by exactly one of them. `dtype`: the norm's dtype
+    replicated on several ranks of the group must be passed by exactly one of them; the others pass it in
+    `replicas`: left out of the norm, scaled like the rest (tensor-parallel replicas, a tied weight's copy). `dtype`: the norm's dtype
     on a rank that owns no gradients (it must match the other ranks' for the all-reduce: float64 runs pass it)."""
     grads = [g for g in grads if g is not None]
     if grads:
@@ -58,7 +59,8 @@ def clip_grad_norm(grads, max_norm, group=None, device=None, dtype=torch.float32
     if group is not None:
         all_reduce(sq, group=group)
     norm = sq.sqrt()
-    if max_norm > 0 and grads:
+    scaled = grads + [g for g in replicas if g is not None]
+    if max_norm > 0 and scaled:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+        torch._foreach_mul_(scaled, scale.to(scaled[0].dtype))
     return norm

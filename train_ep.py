@@ -207,11 +207,10 @@ def main(argv=None):
         comm = dict(COMM.by_op)                        # this step's traffic, before the logging reductions
         scaler.unscale_(optimizer)
         # global norm over the EP group: every rank adds its experts, its rank 0 the (identical) dense grads
-        owned = expert_grads.grads() + (dense_grads.grads() if dist.get_rank(ep_group) == 0 else [])
-        grad_norm = clip_grad_norm(owned, 0.0, group=ep_group, device=env.device)      # the norm only
-        if cfg.grad_clip > 0:                          # then scale every gradient, as optim.clip_grad_norm
-            scale = torch.clamp(cfg.grad_clip / (grad_norm + 1e-6), max=1.0)
-            torch._foreach_mul_(dense_grads.grads() + expert_grads.grads(), scale)
+        dense_is_mine = dist.get_rank(ep_group) == 0
+        grad_norm = clip_grad_norm(expert_grads.grads() + (dense_grads.grads() if dense_is_mine else []),
+                                   cfg.grad_clip, group=ep_group, device=env.device,
+                                   replicas=[] if dense_is_mine else dense_grads.grads())
         scaler.step(optimizer)
         scaler.update()
         dense_grads.zero_grad()

@@ -34,12 +34,13 @@ import comm
 from comm import COMM, destroy, init_distributed, world_size_from_env
 from config import check, parse_config
 from metrics import MetricsLogger
-from model import GPT, Block, LMHead, flops_per_token, init_parameter, rope_cache, rope_dtype
+from model import GPT, flops_per_token, init_weights, rope_cache, rope_dtype
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from pipeline_schedules import make_schedule, message_order, recvs_of, render, sends_of, simulate, stage_of
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
-                          param_dtype, print_sample, resolve_dtype, save_training_state, should_save)
+                          materialize, param_dtype, print_sample, resolve_dtype, save_training_state,
+                          should_save)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -52,33 +53,44 @@ def layer_split(n_layer, n_stages):
     return [range(a, a + n) for a, n in zip(starts, sizes)]
 
 
-class PipelineStage(nn.Module):
-    """Blocks `layers` of the GPT; the first stage embeds tokens, the last one returns the mean loss.
-    Parameter names are the GPT's (transformer.h.5.attn.c_attn.weight ...), except the last stage's copy of
-    the tied embedding, lm_head.weight."""
+class StageBlocks(nn.ModuleDict):
+    """A stage's blocks keyed by their index in the whole model (parameter names stay transformer.h.5.attn...),
+    iterated in order like GPT's ModuleList: code written for a GPT's blocks (train_tp.apply_tp, train_cp's
+    attention swap, kernels) runs on a stage unchanged."""
 
-    def __init__(self, gcfg, layers, first, last):
+    def __iter__(self):
+        return iter(self.values())
+
+
+class PipelineStage(nn.Module):
+    """A view of blocks `layers` of a GPT (its own modules, not copies); the first stage embeds tokens, the
+    last one applies ln_f and the LM head and returns the mean loss. Parameter names are the GPT's. The last
+    stage holds the tied embedding too (as transformer.wte): on another rank than the first stage it is a
+    copy, kept equal by tied_grads_sync."""
+
+    def __init__(self, gpt, layers, first, last):
         super().__init__()
-        self.cfg, self.first, self.last, self.transformer = gcfg, first, last, nn.ModuleDict()
-        self.rope_dtype = torch.float32          # float64 for a float64 model (build_stages sets it)
+        self.cfg, self.first, self.last = gpt.cfg, first, last
+        self.pos = None                          # global positions of this rank's tokens (CP); None: 0..T-1
+        self.transformer = nn.ModuleDict()
+        if first or last:
+            self.transformer["wte"] = gpt.transformer.wte
         if first:
-            self.transformer["wte"] = nn.Embedding(gcfg.padded_vocab_size, gcfg.n_embd)
-            self.transformer["drop"] = nn.Dropout(gcfg.dropout)
-        self.transformer["h"] = nn.ModuleDict({str(i): Block(gcfg) for i in layers})
+            self.transformer["drop"] = gpt.transformer.drop
+        self.transformer["h"] = StageBlocks({str(i): gpt.transformer.h[i] for i in layers})
         if last:
-            self.transformer["ln_f"] = nn.LayerNorm(gcfg.n_embd)
-            # a one-stage model shares wte as GPT does; else the head owns a copy (see tied_grads_sync)
-            self.lm_head = LMHead(self.transformer["wte"] if first
-                                  else nn.Embedding(gcfg.padded_vocab_size, gcfg.n_embd))
+            self.transformer["ln_f"] = gpt.transformer.ln_f
+            self.lm_head = gpt.lm_head
 
     def body(self, x):
         """Token ids [b, T] (first stage) or the previous stage's activations [b, T, h] -> [b, T, h]."""
         # RoPE needs only global positions: every stage rebuilds the same small table
-        pos = torch.arange(x.shape[1], device=x.device)
-        rope = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base, self.rope_dtype)
+        pos = torch.arange(x.shape[1], device=x.device) if self.pos is None else self.pos
+        dtype = rope_dtype(next(self.parameters()).dtype)          # float64 for a float64 model
+        rope = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base, dtype)
         if self.first:
             x = self.transformer["drop"](self.transformer["wte"](x))
-        for block in self.transformer["h"].values():
+        for block in self.transformer["h"]:
             full = self.cfg.recompute == "full" and self.training
             x = checkpoint(block, x, rope, use_reentrant=False) if full else block(x, rope)
         return x
@@ -89,41 +101,45 @@ class PipelineStage(nn.Module):
         return self.lm_head(self.transformer["ln_f"](x), targets)[1] if self.last else x
 
 
+def stage_views(gpt, rank, p, v):
+    """This rank's V chunks (stages rank, rank+p, ...) of `gpt`, as PipelineStage views."""
+    ranges, S = layer_split(gpt.cfg.n_layer, p * v), p * v
+    return nn.ModuleList([PipelineStage(gpt, ranges[s], s == 0, s == S - 1)
+                          for s in (stage_of(rank, c, p) for c in range(v))])
+
+
 def build_stages(gcfg, rank, p, v, seed, device, dtype=torch.float32):
-    """This rank's V chunks (stages rank, rank+p, ...), each parameter from model.init_parameter, in dtype."""
-    ranges = layer_split(gcfg.n_layer, p * v)
-    chunks = nn.ModuleList()
-    for c in range(v):
-        s = stage_of(rank, c, p)
-        chunk = PipelineStage(gcfg, ranges[s], s == 0, s == p * v - 1)
-        with torch.no_grad():
-            for name, param in chunk.named_parameters():
-                name = "transformer.wte.weight" if name == "lm_head.weight" else name   # the tied copy
-                param.copy_(init_parameter(name, param.shape, gcfg.n_layer, seed))
-        chunk.rope_dtype = rope_dtype(dtype)
-        chunks.append(chunk.to(device, dtype))
+    """This rank's V chunks of a GPT built on the meta device: only their parameters get memory, each filled
+    from model.init_parameter (the same values as train_single's), in dtype."""
+    with torch.device("meta"):
+        gpt = GPT(gcfg, seed=seed)
+    chunks = materialize(stage_views(gpt, rank, p, v), device, dtype)
+    for chunk in chunks:
+        init_weights(chunk, seed)                # by name: a stage's names are the GPT's
     return chunks
 
 
+def tied_weight(chunks):
+    """The tied embedding / LM-head weight on this rank (None in the middle of the pipeline): the first
+    stage's, or the last stage's copy (one Parameter when both stages are on this rank, p == 1)."""
+    return next((c.transformer["wte"].weight for c in chunks if "wte" in c.transformer), None)
+
+
 def tied_grads_sync(chunks, tied_group):
-    """Sum the tied embedding's gradient over its two copies (first and last stage) and give both the sum."""
-    params = [p for n, p in chunks.named_parameters() if n.endswith(("wte.weight", "lm_head.weight"))]
-    if params:                                   # ranks in the middle hold neither copy
-        total = sum(p.grad for p in params)      # both copies on this rank when p == 1
-        if tied_group is not None:
-            comm.all_reduce(total, group=tied_group)
-        for p in params:                         # identical grads + identical AdamW = identical copies
-            p.grad = total.clone()
+    """Sum the tied weight's gradient over its two copies (first and last stage), in place: identical grads
+    + identical AdamW = identical copies."""
+    w = tied_weight(chunks)
+    if w is not None and tied_group is not None:
+        comm.all_reduce(w.grad, group=tied_group)
 
 
 def clip_stage_grads(chunks, max_norm, group, device):
-    """The global grad norm over all stages of `group` (the tied weight counted once: its last-stage copy is
+    """The global grad norm over all stages of `group` (the tied weight counted once: the last stage's copy is
     left out), and every gradient, both copies included, scaled to at most max_norm (0: no clipping)."""
-    owned = [q.grad for n, q in chunks.named_parameters() if not n.endswith("lm_head.weight")]
-    norm = clip_grad_norm(owned, 0.0, group=group, device=device)
-    if max_norm > 0:
-        torch._foreach_mul_([q.grad for q in chunks.parameters()], torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm
+    copy = tied_weight(chunks) if not any(c.first for c in chunks) else None
+    owned = [q.grad for q in chunks.parameters() if q is not copy]
+    return clip_grad_norm(owned, max_norm, group=group, device=device, dtype=owned[0].dtype,
+                          replicas=[copy.grad] if copy is not None else [])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -260,6 +276,8 @@ def gather_full_state(chunks, gcfg, group, v, device):
     """{GPT parameter name: tensor} on pipeline rank 0 (None elsewhere), every other rank sending its own."""
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     ranges, full = layer_split(gcfg.n_layer, p * v), {}
+    with torch.device("meta"):
+        meta_gpt = GPT(gcfg)
     for s in range(p * v):
         owner = s % p
         if rank not in (0, owner):
@@ -267,10 +285,9 @@ def gather_full_state(chunks, gcfg, group, v, device):
         if owner == rank:
             params = dict(chunks[s // p].named_parameters())
         else:                                    # rank 0 learns names and shapes without allocating
-            with torch.device("meta"):
-                params = dict(PipelineStage(gcfg, ranges[s], s == 0, s == p * v - 1).named_parameters())
+            params = dict(PipelineStage(meta_gpt, ranges[s], s == 0, s == p * v - 1).named_parameters())
         for name, param in params.items():
-            if name == "lm_head.weight":         # the tied copy: rank 0 has wte
+            if name == "transformer.wte.weight" and s > 0:    # the tied copy: rank 0 has wte
                 continue
             if rank == owner == 0:
                 full[name] = param.detach().clone()

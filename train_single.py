@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state, unwrap
 from comm import COMM, init_distributed
@@ -73,6 +74,22 @@ def prepare_data(cfg, env):
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     return loader
+
+
+def materialize(module, device, dtype=torch.float32):
+    """Give every parameter still on the meta device real (uninitialised) memory on `device`, in place, keeping
+    its attributes (tensor-parallel tags) and its sharing (a tied weight stays one tensor). The way to build
+    a big model: GPT on the meta device, cut into stages / swap in sharded layers, materialize what this rank
+    keeps, then fill it from model.init_parameter (init_weights, or train_tp.init_tp_weights for shards)."""
+    new = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), p.requires_grad)
+                    new[id(p)].__dict__.update(p.__dict__)
+                m._parameters[name] = new[id(p)]
+    return module
 
 
 def gpt_config(cfg, vocab_size):

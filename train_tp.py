@@ -39,7 +39,8 @@ from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, activation_bytes_per_layer, flops_per_token, init_parameter
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
-                          param_dtype, print_sample, resolve_dtype, save_training_state, should_save)
+                          materialize, param_dtype, print_sample, resolve_dtype, save_training_state,
+                          should_save)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -282,7 +283,8 @@ class RankRNG(nn.Module):
 
 def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
     """Swap model.py's layers for tensor-parallel ones, in place (model.py is untouched). Build the model on the
-    meta device: new parameters are allocated here, empty, on `device`; fill them with init_tp_weights."""
+    meta device: new parameters are allocated here, empty, on `device` (which may be "meta" too); fill them
+    with init_tp_weights."""
     rng = (lambda mod: RankRNG(mod, group, device)) if model.cfg.dropout > 0 else (lambda mod: mod)
     h = model.cfg.n_embd
     for block in model.transformer.h:
@@ -298,13 +300,13 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
     model.lm_head = VocabParallelLMHead(wte, group, sp, overlap)
     if sp:
         model.transformer.drop = rng(model.transformer.drop)
-    # what is still on the meta device is replicated on every TP rank: the LayerNorms and row-parallel biases
     for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if p.is_meta:
-                setattr(module, name, nn.Parameter(torch.empty_like(p, device=device)))
-                getattr(module, name).sequence_parallel = sp and isinstance(module, nn.LayerNorm)
-    return model
+        if isinstance(module, nn.LayerNorm):     # under SP a LayerNorm sees my sequence chunk: partial grads
+            for p in module.parameters(recurse=False):
+                p.sequence_parallel = sp
+    # what is still on the meta device is replicated on every TP rank: the LayerNorms and row-parallel biases
+    # (device "meta": shapes only, for train_5d, which cuts the model into stages before materializing)
+    return model if torch.device(device).type == "meta" else materialize(model, device)
 
 
 @torch.no_grad()
@@ -341,14 +343,17 @@ def all_reduce_sequence_parallel_grads(model, group):
         torch._foreach_copy_(grads, [v.view_as(g) for g, v in zip(grads, flat.split([g.numel() for g in grads]))])
 
 
+def tp_owned(params, group):
+    """(gradients this rank counts in the global norm, the replicas another TP rank counts): every rank counts
+    its shards, TP rank 0 the replicated parameters (LayerNorms, row biases)."""
+    grads = [(p.grad, hasattr(p, "tp_split") or dist.get_rank(group) == 0) for p in params if p.grad is not None]
+    return [g for g, mine in grads if mine], [g for g, mine in grads if not mine]
+
+
 def clip_tp_grads(model, max_norm, group):
-    """The global grad norm: shards are counted by every rank, replicated parameters by TP rank 0 only."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    owned = [p.grad for p in params if hasattr(p, "tp_split") or dist.get_rank(group) == 0]
-    norm = clip_grad_norm(owned, 0.0, group, device=params[0].device)
-    if max_norm > 0:                                             # scale all grads, replicated ones too
-        torch._foreach_mul_([p.grad for p in params], torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm
+    """The global grad norm over the TP ranks, and every gradient (replicas too) scaled to at most max_norm."""
+    owned, replicas = tp_owned(model.parameters(), group)
+    return clip_grad_norm(owned, max_norm, group, device=owned[0].device, dtype=owned[0].dtype, replicas=replicas)
 
 
 def tp_activation_bytes_per_layer(seq_len, batch, cfg, tp, sp=False, **kw):
