@@ -29,7 +29,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 class CommCounter:
-    """Bytes sent by this rank, in total and per operation, since the last reset()."""
+    """Bytes sent by this rank, in total, per operation and per process group, since the last reset()
+    (train_5d.py names its groups' bytes by grid axis)."""
 
     def __init__(self):
         self.reset()
@@ -38,11 +39,13 @@ class CommCounter:
         self.bytes_sent = 0.0
         self.by_op = defaultdict(float)
         self.calls = defaultdict(int)
+        self.by_group = defaultdict(float)      # key: the group passed (None: the default group)
 
-    def add(self, op, nbytes):
+    def add(self, op, nbytes, group=None):
         self.bytes_sent += nbytes
         self.by_op[op] += nbytes
         self.calls[op] += 1
+        self.by_group[group] += nbytes
 
 
 COMM = CommCounter()
@@ -58,21 +61,21 @@ def _group_size(group):
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     n = _group_size(group)
-    COMM.add("all_reduce", 2 * (n - 1) / n * _nbytes(tensor))
+    COMM.add("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), group)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather(output, input, group=None, async_op=False):
     """Gather equal-sized flat shards into `output` (n * input.numel() elements)."""
     n = _group_size(group)
-    COMM.add("all_gather", (n - 1) / n * _nbytes(output))
+    COMM.add("all_gather", (n - 1) / n * _nbytes(output), group)
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
     """Sum `input` across the group and keep this rank's 1/n slice in `output`."""
     n = _group_size(group)
-    COMM.add("reduce_scatter", (n - 1) / n * _nbytes(input))
+    COMM.add("reduce_scatter", (n - 1) / n * _nbytes(input), group)
     return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
 
 
@@ -84,19 +87,19 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
         sent = (n - 1) / n * _nbytes(input)
     else:
         sent = (sum(input_split_sizes) - input_split_sizes[rank]) * row_bytes
-    COMM.add("all_to_all", sent)
+    COMM.add("all_to_all", sent, group)
     return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
                                   async_op=async_op)
 
 
 def broadcast(tensor, src, group=None, async_op=False):
     n = _group_size(group)
-    COMM.add("broadcast", (n - 1) / n * _nbytes(tensor))
+    COMM.add("broadcast", (n - 1) / n * _nbytes(tensor), group)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def send(tensor, dst, group=None):
-    COMM.add("send", _nbytes(tensor))
+    COMM.add("send", _nbytes(tensor), group)
     return dist.send(tensor, dst=dst, group=group)
 
 
@@ -114,7 +117,7 @@ def batch_isend_irecv(ops):
     """Launch a batch of P2POps at once (sends and receives paired without deadlock); returns the works."""
     for op in ops:
         if op.op is dist.isend:
-            COMM.add("send", _nbytes(op.tensor))
+            COMM.add("send", _nbytes(op.tensor), op.group)
     return dist.batch_isend_irecv(ops) if ops else []
 
 
