@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import plan
+from plan_inputs import Job
 from distributed_helper import run_workers
 from model import GPT, GPTConfig, num_params
 from train_ddp import assign_buckets
@@ -16,7 +17,7 @@ ZERO_WORLD, ZERO_MODEL = 3, dict(n_layer=2, n_head=4, n_embd=40, bucket_mb=0.004
 
 
 def job_for(cfg, **kw):
-    return plan.Job(cfg, kw.pop("gpus", 1), kw.pop("gpus_per_node", 8), kw.pop("gpu", "h100"),
+    return Job(cfg, kw.pop("gpus", 1), kw.pop("gpus_per_node", 8), kw.pop("gpu", "h100"),
                     kw.pop("global_seqs", 8), **kw)
 
 
@@ -36,7 +37,7 @@ def test_parameter_groups_match_the_model(moe):
     """Unsharded, plan's per-block parameter lists are model.py's, and its buckets are assign_buckets' over them."""
     cfg = GPTConfig(vocab_size=100, n_layer=3, n_head=4, n_embd=32, n_experts=4 if moe else 0, moe_every=2)
     model = GPT(cfg)
-    shape = plan.Job(cfg, 1, 1, "h100", 1).shape
+    shape = Job(cfg, 1, 1, "h100", 1).shape
     numels = [p.numel() for p in model.parameters()]
     assert sum(plan.flat_groups(shape, 1, 1, 1, 1, 0, 3, 25.0)) == sum(numels) == num_params(cfg)
     units = [sum(p.numel() for p in b.parameters()) for b in reversed(model.transformer.h)]
@@ -52,7 +53,7 @@ def test_tensor_parallel_shard_sizes(tp):
     cfg = GPTConfig(vocab_size=100, n_layer=4, n_head=4, n_embd=32)
     replicated = ("ln_1", "ln_2", "ln_f", "attn.c_proj.bias", "mlp.c_proj.bias")
     expect = sum(p.numel() // (1 if any(r in n for r in replicated) else tp) for n, p in GPT(cfg).named_parameters())
-    shape = plan.Job(cfg, 1, 1, "h100", 1).shape
+    shape = Job(cfg, 1, 1, "h100", 1).shape
     assert sum(plan.flat_groups(shape, tp, 1, 1, 1, 0, 0, 25.0)) == expect
     first, last = (sum(plan.flat_groups(shape, tp, 1, 2, 1, r, 0, 25.0)) for r in (0, 1))
     assert first + last == expect + cfg.padded_vocab_size * 32 // tp     # the tied embedding twice

@@ -1,0 +1,193 @@
+"""
+plan_inputs.py: what plan.py predicts for, as plain data: the GPU (datasheet numbers and a published efficiency per
+row), the model shape (presets or any), the precision recipe, the cluster and batch (Job), and one split of it
+(Layout), with the checks that the split divides them and plan.py's command line that builds both.
+Nothing here predicts anything; plan.py's formulas read these fields.
+
+    args = parse_args(argv, "...")                 # plan.py's flags (--help lists them)
+    job = build_job(args)                          # -> Job
+    lay = parse_layout("tp=4,zero_stage=1", job)   # dp defaults to gpus / (tp*cp*pp)
+    validate(job, lay)                             # ConfigError (one line) unless the layout divides the job
+
+A layout is valid when
+    dp * tp * cp * pp = gpus,   global_seqs = dp * micro_batch_size * grad_acc,   ep | dp and ep | n_experts,
+    tp | n_head and padded vocab,   2*cp | seq (zigzag),   pp * v | n_layer.
+"""
+import argparse
+from dataclasses import dataclass, fields
+
+from config import check
+from metrics import GPU_PEAK_TFLOPS
+from model import GPTConfig
+
+GIB = 2 ** 30
+# Per GPU. peak: metrics.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per
+# direction): NVIDIA datasheets (A100 80GB SXM: NVLink3 600 GB/s, DGX A100 8x HDR 200 Gb/s; H100 SXM: NVLink4
+# 900 GB/s, DGX H100 8x NDR 400 Gb/s; H200 141 GB; HGX B200 180 GB, NVLink5 1.8 TB/s).
+# eff: fraction of peak the model FLOPs reach with communication hidden, measured by MosaicML llm-foundry
+# (scripts/train/benchmarking/README.md: 7B, seq 2048, 8 GPUs, no activation checkpointing: A100-80GB 64.23%,
+# H100-80GB 46.44% MFU = HFU). H200 and B200 have no such row: they take H100's (an assumption).
+HARDWARE = {
+    "a100": dict(peak="A100", mem=80 * GIB, hbm=2.039e12, nvlink=300e9, net=25e9, eff=0.6423),
+    "h100": dict(peak="H100", mem=80 * GIB, hbm=3.35e12, nvlink=450e9, net=50e9, eff=0.4644),
+    "h200": dict(peak="H200", mem=141e9, hbm=4.8e12, nvlink=450e9, net=50e9, eff=0.4644),
+    "b200": dict(peak="B200", mem=180e9, hbm=8.0e12, nvlink=900e9, net=50e9, eff=0.4644),
+}
+LINK_EFF = 0.8          # NCCL bus bandwidth / link rate (nccl-tests all_reduce on DGX A100/H100: about 75-85%)
+USABLE = 0.95           # allocator fragmentation margin
+FRAMEWORK_BYTES = GIB   # CUDA context, cuBLAS workspace, NCCL buffers
+# model.py's GPT at these shapes (GeLU MLP of 4h, tied embeddings, full multi-head attention): the llama3-* presets
+# have Llama 3's depth, width, heads and vocabulary, not its SwiGLU / GQA (6.97B parameters for llama3-8b, not 8.03B)
+MODELS = {
+    "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab=50257),
+    "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25, vocab=50257),
+    "llama3-8b": dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256),
+    "llama3-70b": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256),
+    "llama3-405b": dict(n_layer=126, n_embd=16384, n_head=128, vocab=128256),
+    "gpt3-175b": dict(n_layer=96, n_embd=12288, n_head=96, vocab=51200),
+}
+PRECISION = {   # model-state recipe of model.model_state_bytes_per_param, bytes per activation value
+    "bf16": ("bf16", 2),   # bf16 params/grads + fp32 master and AdamW (train_zero.py --dtype bfloat16)
+    "amp": ("fp32", 2),    # fp32 params/grads/AdamW, bf16 autocast (train_single.py on GPU)
+    "fp32": ("fp32", 4),
+}
+RECOMPUTE = ("none", "selective", "full")
+SHAPE = ("n_layer", "n_embd", "n_head", "vocab")   # a MODELS entry; each also a command-line flag
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained on what: the model, the cluster and the batch."""
+    cfg: GPTConfig
+    gpus: int
+    gpus_per_node: int
+    gpu: str
+    global_seqs: int
+    precision: str = "bf16"  # a PRECISION key
+    attn: str = "flash"       # flash: no s x s scores stored (torch's fused SDPA); eager: Korthikanti's 5as/h term
+    bucket_mb: float = 25.0
+    eff: float = 0.0          # 0: the GPU's default
+
+    @property
+    def shape(self):
+        """The model config as a hashable key (for the cached flat_groups)."""
+        return tuple((k, getattr(self.cfg, k)) for k in ("vocab_size", "n_layer", "n_embd", "n_experts", "moe_every"))
+
+    @property
+    def hw(self):
+        """The GPU's HARDWARE row."""
+        return HARDWARE[self.gpu]
+
+    @property
+    def peak(self):
+        """Dense bf16 FLOP/s of the GPU's SXM board, from metrics.GPU_PEAK_TFLOPS (a datasheet cited per row)."""
+        return GPU_PEAK_TFLOPS[(self.hw["peak"], "")][0] * 1e12
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One split of a Job over its GPUs, as train_5d.py's flags name it (v: model chunks per rank, interleaved)."""
+    dp: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sp: bool = False
+    zero_stage: int = 0
+    schedule: str = "1f1b"
+    v: int = 1
+    micro_batch_size: int = 1
+    recompute: str = "none"
+
+    def grad_acc(self, job):
+        """Micro-batches per step on each data-parallel rank: global_seqs / (dp * micro_batch_size)."""
+        return job.global_seqs // (self.dp * self.micro_batch_size)
+
+
+def validate(job, lay):
+    """Raise ConfigError unless the layout divides the world, the model, the sequence and the batch."""
+    cfg = job.cfg
+    check(lay.dp * lay.tp * lay.cp * lay.pp == job.gpus,
+          f"dp*tp*cp*pp = {lay.dp}*{lay.tp}*{lay.cp}*{lay.pp} != {job.gpus} GPUs")
+    check(cfg.n_head % lay.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={lay.tp}")
+    check(cfg.padded_vocab_size % lay.tp == 0, f"padded vocab {cfg.padded_vocab_size} not divisible by tp={lay.tp}")
+    check(not lay.sp or lay.tp > 1, "sp needs tp > 1")
+    check(lay.cp == 1 or cfg.block_size % (2 * lay.cp) == 0, f"seq={cfg.block_size} not divisible by 2*cp (zigzag)")
+    check(lay.cp == 1 or job.attn == "flash", "eager attention is modelled without cp only")
+    check(cfg.n_layer % (lay.pp * lay.v) == 0, f"n_layer={cfg.n_layer} not divisible by pp*v={lay.pp * lay.v}")
+    check(job.global_seqs % (lay.dp * lay.micro_batch_size) == 0,
+          f"global batch of {job.global_seqs} sequences not divisible by dp*micro_batch_size = "
+          f"{lay.dp}*{lay.micro_batch_size}")
+    check(lay.schedule in ("afab", "1f1b", "interleaved", "zb1"), f"unknown schedule {lay.schedule!r}")
+    check((lay.v > 1) == (lay.schedule == "interleaved"), "v > 1 exactly when the schedule is interleaved")
+    check(lay.schedule != "interleaved" or lay.grad_acc(job) % lay.pp == 0, "interleaved needs micro-batches % pp == 0")
+    check(lay.zero_stage in (0, 1, 2, 3) and (lay.zero_stage < 3 or lay.pp == 1), "zero_stage 3 only with pp=1")
+    check(lay.recompute in RECOMPUTE, f"unknown recompute {lay.recompute!r}")
+    check(lay.ep == 1 or (cfg.n_experts % lay.ep == 0 and lay.dp % lay.ep == 0),
+          f"ep={lay.ep} must divide n_experts={cfg.n_experts} and dp={lay.dp}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# command line
+
+FLAGS = [("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", int, 2, "experts per token"),
+         ("gpus", int, 8, "GPUs in all"), ("gpus_per_node", int, 8, "GPUs sharing NVLink"),
+         ("gpu", str, "h100", f"one of {', '.join(HARDWARE)}"), ("seq", int, 4096, "sequence length"),
+         ("global_batch_tokens", str, "4M", "tokens per optimizer step (K/M/G binary)"),
+         ("precision", str, "bf16", "bf16 (train_zero) | amp (fp32 states, bf16 autocast) | fp32"),
+         ("attn", str, "flash", "flash (no s x s scores kept) | eager (Korthikanti's 5as/h term)"),
+         ("bucket_mb", float, 25.0, "gradient bucket MiB (ZeRO padding)"),
+         ("eff", float, 0.0, "compute efficiency (0: the GPU's default, see HARDWARE)"),
+         ("layout", str, None, "evaluate one layout, e.g. tp=8,zero_stage=1,micro_batch_size=2"),
+         ("top", int, 10, "rows printed")]
+
+
+def parse_args(argv, description):
+    """plan.py's flags: a --model preset or the SHAPE flags, then FLAGS, then --json."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", default=None, help=f"preset: {', '.join(MODELS)}")
+    for k in SHAPE:
+        ap.add_argument(f"--{k}", type=int, default=0, help="model shape (overrides the preset)")
+    for name, kind, default, text in FLAGS:
+        ap.add_argument(f"--{name}", type=kind, default=default, help=text,
+                        choices=dict(precision=list(PRECISION), attn=["flash", "eager"]).get(name))
+    ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
+    return ap.parse_args(argv)
+
+
+def parse_tokens(text):
+    """'4M' -> 4 * 2^20 tokens (K, M, G binary, as global batches are usually powers of two)."""
+    scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:].upper(), 1)
+    number = text[:-1] if scale > 1 else text
+    check(number.replace(".", "", 1).isdigit(), f"--global_batch_tokens: cannot read {text!r} (e.g. 4M, 524288)")
+    return int(float(number) * scale)
+
+
+def build_job(a):
+    """The Job of plan.py's parsed command line: a --model preset, any of whose shape flags override it."""
+    check(a.gpu in HARDWARE, f"unknown GPU {a.gpu!r}; known: {', '.join(HARDWARE)}")
+    check(a.model is None or a.model in MODELS, f"unknown model {a.model!r}; known: {', '.join(MODELS)}")
+    shape = {**MODELS.get(a.model, {}), **{k: getattr(a, k) for k in SHAPE if getattr(a, k)}}
+    check(len(shape) == 4, "give --model or all of --n_layer --n_embd --n_head --vocab")
+    check(shape["n_embd"] % shape["n_head"] == 0, "n_embd must be divisible by n_head")
+    check(min(a.gpus, a.gpus_per_node, a.seq) > 0, "--gpus, --gpus_per_node and --seq must be positive")
+    tokens = parse_tokens(a.global_batch_tokens)
+    check(tokens % a.seq == 0 and tokens >= a.seq, f"global batch of {tokens} tokens is not a multiple of seq={a.seq}")
+    cfg = GPTConfig(vocab_size=shape["vocab"], block_size=a.seq, n_layer=shape["n_layer"], n_head=shape["n_head"],
+                    n_embd=shape["n_embd"], n_experts=a.n_experts, top_k=a.top_k)
+    return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb, a.eff)
+
+
+def parse_layout(text, job):
+    """'tp=4,zero_stage=1,schedule=interleaved,...' (Layout's fields; dp defaults to gpus / (tp*cp*pp))."""
+    kinds = {f.name: f.type for f in fields(Layout)}
+    values = {}
+    for key, _, value in (item.partition("=") for item in text.split(",") if item):
+        check(key in kinds, f"--layout: unknown key {key!r}; known: {', '.join(kinds)}")
+        check(kinds[key] is not int or value.isdigit(), f"--layout: {key}={value!r} is not a positive integer")
+        values[key] = value in ("1", "true") if kinds[key] is bool else kinds[key](value)
+    rest = values.get("tp", 1) * values.get("cp", 1) * values.get("pp", 1)
+    check(rest > 0 and job.gpus % rest == 0, f"tp*cp*pp = {rest} does not divide {job.gpus} GPUs")
+    values.setdefault("dp", job.gpus // rest)
+    values.setdefault("v", 2 if values.get("schedule") == "interleaved" else 1)
+    return Layout(**values)
