@@ -190,8 +190,8 @@ class PipelineRunner:
         for dst, msg in sends_of(action, self.rank, self.p, self.v):
             if dst == self.rank:                 # next stage on this rank (p == 1): hand over directly
                 self.local[msg] = tensor.detach()
-            else:
-                self.pending.append((dst, msg, tensor))
+            else:                                # (p2p needs contiguous memory: SP outputs are transposed views)
+                self.pending.append((dst, msg, tensor.contiguous()))
 
     def _free_sent(self, wait=False):
         """Release the storage of sent tensors whose send completed (a forward output keeps its graph)."""

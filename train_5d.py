@@ -1,0 +1,315 @@
+"""
+train_5d.py: the rungs composed. Data, tensor, context and pipeline parallelism on one grid of ranks, each
+axis the building block of its own rung (imported, not rewritten), checked to train exactly like train_single.
+
+    torchrun --nproc_per_node=8 train_5d.py                                   # default grid: dp 2 x tp 2 x pp 2
+    torchrun --nproc_per_node=8 train_5d.py --tp 2 --sp --cp 2 --pp 2         # 4 axes (dp = 8 / 8 = 1)
+    torchrun --nproc_per_node=8 train_5d.py --dp 2 --pp 4 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 train_5d.py \\
+        --tp 8 --pp 2                                     # two nodes: tp inside a node, pp across the two
+
+The grid (Megatron's rank order: tp innermost so a TP group shares a node's NVLink, then cp, dp, pp outermost):
+
+    rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i          e.g. dp 2 x tp 2 x pp 2 on 8 ranks:
+                                                                     stage 0: [0 1] [2 3]   stage 1: [4 5] [6 7]
+                                                                               dp0   dp1             dp0   dp1
+What each axis does in one optimizer step (each from its rung):
+    tp  train_tp: heads / MLP columns / vocabulary rows split; 2 all-reduces per block forward and backward
+        (--sp: reduce-scatter + all-gather, activations sequence-split outside the TP regions)
+    cp  train_cp: the sequence cut into cp chunks (zigzag by default); attention's K/V travel around a ring
+    pp  train_pp: blocks cut into pp*pp_virtual stages; micro-batches flow through a schedule (afab, 1f1b,
+        interleaved, zb1), activations and their gradients sent point to point
+    dp  train_ddp: each (dp, cp) pair of coordinates holds its slice of the batch / sequence; gradients are
+        averaged over the dp x cp group in flat buckets (train_zero's ZeRO-1 shards the optimizer over it)
+A stage's blocks are tensor-parallel and their attention context-parallel (on the heads this TP rank holds).
+Loss: each rank's last stage gives the mean over its tokens; the global-batch mean is the average over dp x cp
+and micro-batches, exactly train_single's. Global grad norm: every shard counted once (TP replicas by TP rank 0,
+the tied weight by the first stage), reduced over tp x pp (the dp x cp replicas agree after averaging).
+
+Bytes per step (metrics.jsonl `comm_bytes_by_axis`, this rank, comm.py's ring convention) are each rung's own
+formula with the sizes of the composed step: tp its block all-reduces on [b, T/cp, h], cp its ring on this TP
+rank's heads, pp its p2p of [b, T/cp (/tp under SP), h], dp the all-reduce of this rank's gradient shards.
+"""
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import comm
+from comm import COMM, destroy, init_distributed, new_group, world_size_from_env
+from config import check, fail, parse_config
+from metrics import MetricsLogger
+from model import GPT, flops_per_token
+from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from pipeline_schedules import make_schedule, simulate
+from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_positions, swap_attention_cores
+from train_ddp import DataParallelGrads
+from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
+from pipeline_weight_grads import WeightGradStore, defer_weight_grads
+from train_single import (autocast_context, evaluate, gpt_config, load_training_state, materialize, param_dtype,
+                          prepare_data, resolve_dtype, save_training_state, should_save)
+from train_tp import all_reduce_sequence_parallel_grads, apply_tp, init_tp_weights, tp_owned
+
+AXES = ("tp", "cp", "dp", "pp")          # innermost first
+GROUPS = dict(tp=("tp",), cp=("cp",), dp=("dp",), pp=("pp",),
+              dp_cp=("dp", "cp"),        # gradient averaging, loss averaging: every copy of the same weights
+              mp=("tp", "pp"))           # model parallel: the ranks that together hold one copy (grad norm)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the grid: one rank order, every group derived from it
+
+def coords_of(rank, sizes):
+    """{axis: index} of a global rank, tp varying fastest."""
+    coords = {}
+    for axis in AXES:
+        coords[axis] = rank % sizes[axis]
+        rank //= sizes[axis]
+    return coords
+
+
+def partition(sizes, varying):
+    """Every group of global ranks that differ only along the `varying` axes, each in increasing rank order
+    (so a pp group lists stage 0 first)."""
+    groups = {}
+    for rank in range(math.prod(sizes.values())):
+        c = coords_of(rank, sizes)
+        groups.setdefault(tuple(c[a] for a in AXES if a not in varying), []).append(rank)
+    return list(groups.values())
+
+
+def tied_pairs(sizes):
+    """The first and last pipeline stage of each pp group: the two copies of the tied embedding."""
+    return [[g[0], g[-1]] for g in partition(sizes, ("pp",))] if sizes["pp"] > 1 else []
+
+
+@dataclass
+class Grid:
+    sizes: dict        # axis -> degree
+    coords: dict       # axis -> this rank's index
+    groups: dict       # name -> this rank's process group (GROUPS, and "tied" on the first / last stage)
+    members: dict      # name -> every group's global ranks (for the printout)
+
+
+def build_grid(sizes, rank, timeout_s):
+    """Create every group (all ranks create all of them, in the same order) and keep this rank's."""
+    groups, members = {}, {}
+    layout = {name: partition(sizes, axes) for name, axes in GROUPS.items()}
+    layout["tied"] = tied_pairs(sizes)
+    for name, rank_lists in layout.items():
+        members[name] = rank_lists
+        for ranks in rank_lists:
+            group = new_group(ranks, timeout_s)
+            if rank in ranks:
+                groups[name] = group
+    groups.setdefault("tied", None)              # middle stages, or pp == 1
+    return Grid(sizes, coords_of(rank, sizes), groups, members)
+
+
+def len_of_chunk(cfg, sizes):
+    return cfg.block_size // sizes["cp"]
+
+
+def print_grid(grid, cfg, act_shape, n_params_local):
+    sizes = grid.sizes
+    print(f"train_5d: dp {sizes['dp']} x tp {sizes['tp']} x cp {sizes['cp']} x pp {sizes['pp']} = "
+          f"{math.prod(sizes.values())} ranks (rank order: tp innermost, then cp, dp, pp)", flush=True)
+    for name in ("tp", "cp", "dp", "pp", "dp_cp", "tied"):
+        if name != "tied" or grid.members["tied"]:
+            rows = " ".join("[" + " ".join(map(str, g)) + "]" for g in grid.members[name])
+            print(f"  {name:6s} {rows}", flush=True)
+    b, t, h = act_shape
+    local_t, local_heads = cfg.block_size // sizes["cp"], cfg.n_head // sizes["tp"]
+    print(f"  messages: pp [{b}, {t}, {h}] activations (and their gradients) per micro-batch and stage boundary; "
+          f"tp [{b}, {local_t}, {h}] per block, 2 forward + 2 backward; cp K and V of {local_heads} heads x "
+          f"{len_of_chunk(cfg, sizes)} positions per ring step; dp {n_params_local:,} gradient values per step",
+          flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
+# stages; only then does anything get memory, and each parameter is filled from model.init_parameter
+
+def build_chunks(cfg, vocab_size, grid, device, dtype):
+    gcfg = gpt_config(cfg, vocab_size)
+    with torch.device("meta"):
+        gpt = GPT(gcfg, seed=cfg.seed)
+    if grid.sizes["tp"] > 1:
+        apply_tp(gpt, grid.groups["tp"], cfg.sp, device="meta")
+    if grid.sizes["cp"] > 1:
+        kernel = SDPA_CPU if device.type == "cpu" else PLAIN_TORCH
+        swap_attention_cores(gpt, lambda: ContextParallelAttentionCore(grid.groups["cp"], cfg.cp_layout, kernel))
+    chunks = materialize(stage_views(gpt, grid.coords["pp"], grid.sizes["pp"], cfg.pp_virtual), device, dtype)
+    pos = local_positions(cfg.cp_layout, cfg.block_size, grid.sizes["cp"], grid.coords["cp"], device)
+    for chunk in chunks:
+        init_tp_weights(chunk, cfg.seed, grid.groups["tp"])    # my TP slice of each full initial value
+        chunk.pos = pos                                        # RoPE at this CP rank's global positions
+    return chunks, gcfg, pos
+
+
+def clip_grid_grads(chunks, max_norm, grid):
+    """The global grad norm, each value counted once over the grid, and every gradient scaled by the clip."""
+    params = list(chunks.parameters())
+    copy = tied_weight(chunks) if not any(c.first for c in chunks) else None   # the last stage's copy
+    owned, replicas = tp_owned([p for p in params if p is not copy], grid.groups["tp"])
+    if copy is not None:
+        replicas.append(copy.grad)
+    return clip_grad_norm(owned, max_norm, group=grid.groups["mp"], device=params[0].device,
+                          dtype=params[0].dtype, replicas=replicas)
+
+
+def bytes_by_axis(grid):
+    """This step's counted bytes by grid axis (the tied-weight pair counts as pp, the norm's scalar as mp)."""
+    axis = dict(tied="pp", dp_cp="dp")
+    names = {group: axis.get(name, name) for name, group in grid.groups.items() if group is not None}
+    out = dict(dp=0.0, tp=0.0, cp=0.0, pp=0.0, mp=0.0)
+    for group, nbytes in COMM.by_group.items():
+        out[names.get(group, "mp")] += nbytes
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the command line
+
+def extra_args(parser):
+    parser.set_defaults(tp=0, cp=0, pp=0)      # 0: chosen by default_layout when no degree is given
+
+
+def default_layout(cfg, world):
+    """With no degree flag: tp 2 and pp 2 where they divide (the world, the heads, the layers), dp the rest."""
+    if cfg.tp or cfg.cp or cfg.pp or cfg.dp:
+        cfg.tp, cfg.cp, cfg.pp = cfg.tp or 1, cfg.cp or 1, cfg.pp or 1
+        return
+    cfg.tp = 2 if world % 2 == 0 and cfg.n_head % 2 == 0 else 1
+    cfg.pp = 2 if world % (2 * cfg.tp) == 0 and cfg.n_layer % 2 == 0 else 1
+    cfg.cp = 1
+
+
+def validate(cfg):
+    world = world_size_from_env()
+    default_layout(cfg, world)
+    tp, cp, pp = cfg.tp, cfg.cp, cfg.pp
+    for name in ("tp", "cp", "pp", "pp_virtual"):
+        check(getattr(cfg, name) >= 1, f"--{name} must be >= 1, got {getattr(cfg, name)}")
+    check(world % (tp * cp * pp) == 0, f"tp*cp*pp = {tp}*{cp}*{pp} = {tp * cp * pp} does not divide the world "
+                                       f"size {world}")
+    cfg.dp = cfg.dp or world // (tp * cp * pp)
+    check(cfg.dp * tp * cp * pp == world, f"dp*tp*cp*pp = {cfg.dp}*{tp}*{cp}*{pp} = {cfg.dp * tp * cp * pp} "
+                                          f"!= world size {world}")
+    check(cfg.n_head % tp == 0, f"n_head={cfg.n_head} is not divisible by tp={tp}")
+    multiple = cp if cfg.cp_layout == "ring" else 2 * cp
+    check(cp == 1 or cfg.block_size % multiple == 0, f"--block_size {cfg.block_size} must be a multiple of "
+          f"{multiple} (--cp_layout {cfg.cp_layout} cuts every sequence into {multiple} equal chunks at cp={cp})")
+    check(not cfg.sp or tp > 1, "--sp needs --tp > 1")
+    check(not cfg.sp or (cfg.block_size // cp) % tp == 0,
+          f"--sp: the {cfg.block_size // cp} positions per CP rank are not divisible by tp={tp}")
+    check(cp == 1 or cfg.dropout == 0.0, "--dropout must be 0 with --cp > 1 (the ring attention has no dropout)")
+    stages = pp * cfg.pp_virtual
+    check(cfg.n_layer % stages == 0, f"n_layer={cfg.n_layer} does not split into pp*pp_virtual={stages} stages")
+    check(cfg.global_batch_size % (cfg.micro_batch_size * cfg.dp) == 0,
+          f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size * dp = "
+          f"{cfg.micro_batch_size} * {cfg.dp}")
+    m = cfg.global_batch_size // (cfg.micro_batch_size * cfg.dp)
+    check(cfg.pp_virtual == 1 or cfg.pp_schedule == "interleaved", "--pp_virtual > 1 needs --pp_schedule interleaved")
+    check(cfg.pp_schedule != "interleaved" or (cfg.pp_virtual >= 2 and m % pp == 0),
+          f"interleaved needs --pp_virtual >= 2 and micro-batches per step ({m}) divisible by pp={pp}")
+    check(cfg.pp_schedule == "afab" or m >= pp, f"--pp_schedule {cfg.pp_schedule} needs at least pp={pp} "
+          f"micro-batches per step, got {m} (global / (micro * dp))")
+    check(cfg.pp_schedule != "zb1" or tp == 1, "zb1 defers the weight gradients of nn.Linear layers; with --tp > 1 "
+                                               "use afab, 1f1b or interleaved")
+    check(cfg.dtype != "float16", "train_5d supports float32, bfloat16 and float64 (no fp16 loss scaling)")
+    check(cfg.kernels in ("auto", "torch") and cfg.fp8 == "none",
+          "train_5d runs model.py's layers (--kernels torch); fused kernels and --fp8 are in train_single")
+    check(cfg.zero_stage == 0, "train_5d averages gradients over dp x cp (--zero_stage 0); ZeRO is in train_zero")
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    cfg = parse_config(argv, techniques=("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp_virtual",
+                                         "zero_stage", "bucket_mb", "fp8"),
+                       description=__doc__.split("\n\n")[0], extra_args=extra_args, validate=validate)
+    env = init_distributed(cfg)
+    sizes = dict(tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp)
+    grid = build_grid(sizes, env.rank, cfg.dist_timeout)
+    dp_rank, dp = grid.coords["dp"], cfg.dp
+    micro = cfg.micro_batch_size
+    m = cfg.global_batch_size // (micro * dp)                  # micro-batches per step on each dp rank
+    loader = prepare_data(cfg, env)
+    dtype = resolve_dtype(cfg, env.device)
+    if env.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    chunks, gcfg, pos = build_chunks(cfg, loader.vocab_size, grid, env.device, param_dtype(dtype))
+    store = WeightGradStore() if cfg.pp_schedule == "zb1" else None
+    if store is not None:
+        defer_weight_grads(chunks, store)
+    if cfg.compile:
+        for block in (b for chunk in chunks for b in chunk.transformer["h"]):
+            block.compile()
+    act_shape = (micro, len(pos) // (cfg.tp if cfg.sp else 1), cfg.n_embd)
+    schedules = make_schedule(cfg.pp_schedule, cfg.pp, m, cfg.pp_virtual)
+    sim = simulate(schedules, cfg.pp, cfg.pp_virtual)
+    runner = PipelineRunner(chunks, grid.groups["pp"], schedules, m, act_shape, env.device, store,
+                            autocast_context(dtype, env.device), param_dtype(dtype))
+    params = list(chunks.parameters())
+    optimizer = configure_optimizer(chunks.named_parameters(), cfg, env.device.type)
+    grads = DataParallelGrads(params, grid.groups["dp_cp"], "bucket", cfg.bucket_mb)
+    torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
+    start = load_training_state(cfg, chunks, optimizer, rank=env.rank) if cfg.resume else 0
+    last_step = cfg.stop_step or cfg.max_steps
+    logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=env.world_size,
+                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    if env.is_main:
+        print_grid(grid, cfg, act_shape, sum(p.numel() for p in params))
+        print(f"  schedule {cfg.pp_schedule}, {m} micro-batches of {micro} per dp rank, simulated bubble "
+              f"{sim['idle'][0] / sim['makespan']:.3f}, {dtype}, {env.device}, steps {start}..{last_step - 1}",
+              flush=True)
+
+    def batch(step, mb, split="train"):
+        """This rank's micro-batch: its dp slice of the global batch, its cp positions of every sequence."""
+        x, y = loader.micro_batch(step, mb, micro, dp_rank, dp, split)
+        return x[:, pos], y[:, pos]
+
+    def eval_loss(x, y):                       # every rank: the full loss of one validation micro-batch
+        loss = runner.forward_only_loss(x[:, pos], y[:, pos])
+        comm.all_reduce(loss, group=grid.groups["cp"])
+        return loss / cfg.cp
+
+    for step in range(start, last_step):
+        t0 = time.perf_counter()
+        COMM.reset()
+        lr = lr_at(step, cfg)
+        set_lr(optimizer, lr)
+        grads.require_sync(False)                # the pipeline runs every backward; reduce once, after it
+        loss_sum = runner.step(schedules[grid.coords["pp"]], lambda mb: batch(step, mb))
+        grads.require_sync(True)
+        grads.finish()                           # mean over dp x cp: every copy of these weights agrees
+        all_reduce_sequence_parallel_grads(chunks, grid.groups["tp"])   # SP: LayerNorm grads summed over tp
+        tied_grads_sync(chunks, grid.groups["tied"])                   # the two embedding copies: one gradient
+        grad_norm = clip_grid_grads(chunks, cfg.grad_clip, grid)
+        optimizer.step()
+        grads.zero_grad()
+        comm_bytes, by_axis = COMM.bytes_sent, bytes_by_axis(grid)     # this step's traffic, before logging
+        comm.all_reduce(loss_sum, group=grid.groups["dp_cp"])          # the last stage's mean over dp x cp
+        comm.broadcast(loss_sum, dist.get_global_rank(grid.groups["pp"], cfg.pp - 1), group=grid.groups["pp"])
+        loss_value = float(loss_sum) / (m * dp * cfg.cp)
+        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
+                        comm_bytes_by_axis=by_axis, bubble_sim=sim["idle"][grid.coords["pp"]] / sim["makespan"])
+
+        if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
+            chunks.eval()
+            val = evaluate(eval_loss, loader, cfg)
+            chunks.train()
+            logger.log_eval(step, val)
+        if should_save(cfg, step, last_step):
+            save_training_state(cfg, chunks, optimizer, step + 1, rank=env.rank)
+    logger.close()
+    return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, grid=grid)
+
+
+if __name__ == "__main__":
+    main()
+    destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads
