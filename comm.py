@@ -4,6 +4,7 @@ comm.py: process-group setup and every collective nanoscale uses, each one count
     env = init_distributed(cfg)      # reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK; gloo on CPU, nccl on GPU
     all_reduce(grad, group=dp_group) # the same call as torch.distributed, plus bytes accounting
     COMM.bytes_sent                  # bytes this rank sent since the last COMM.reset()
+    comm.LAUNCH_LOG = []             # record every launch in NCCL's groups, for nccl_check.py (default off)
 
 Bytes are counted under the standard ring algorithms (README, "Metrics"), S = the full tensor's bytes,
 n = group size, counting what *this rank sends*:
@@ -50,6 +51,23 @@ class CommCounter:
 
 COMM = CommCounter()
 
+# Off (None) by default. Set to a list to record every launch of this process, in order, as NCCL would run it:
+# one entry per group (a batch_isend_irecv, a lone send or recv, a collective), each a list of
+# (kind, peer global rank, nbytes, the group's global ranks) with kind "send", "recv" or "coll" (peer None).
+# nccl_check.py replays such records under NCCL's rules; gloo alone cannot show an ordering NCCL deadlocks on.
+LAUNCH_LOG = None
+
+
+def _log(ops):
+    """Append one group of (kind, peer, tensor, group) to LAUNCH_LOG; free when not recording."""
+    if LAUNCH_LOG is not None:
+        LAUNCH_LOG.append([(kind, peer, _nbytes(t), _ranks(group)) for kind, peer, t, group in ops])
+
+
+def _ranks(group):
+    """The group's global ranks: the same name for its communicator on every member."""
+    return tuple(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
+
 
 def _nbytes(t):
     return t.numel() * t.element_size()
@@ -62,6 +80,7 @@ def _group_size(group):
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     n = _group_size(group)
     COMM.add("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), group)
+    _log([("coll", None, tensor, group)])
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -69,6 +88,7 @@ def all_gather(output, input, group=None, async_op=False):
     """Gather equal-sized flat shards into `output` (n * input.numel() elements)."""
     n = _group_size(group)
     COMM.add("all_gather", (n - 1) / n * _nbytes(output), group)
+    _log([("coll", None, output, group)])
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
@@ -76,6 +96,7 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
     """Sum `input` across the group and keep this rank's 1/n slice in `output`."""
     n = _group_size(group)
     COMM.add("reduce_scatter", (n - 1) / n * _nbytes(input), group)
+    _log([("coll", None, input, group)])
     return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
 
 
@@ -88,6 +109,7 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
     else:
         sent = (sum(input_split_sizes) - input_split_sizes[rank]) * row_bytes
     COMM.add("all_to_all", sent, group)
+    _log([("coll", None, input, group)])
     return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
                                   async_op=async_op)
 
@@ -95,15 +117,18 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
 def broadcast(tensor, src, group=None, async_op=False):
     n = _group_size(group)
     COMM.add("broadcast", (n - 1) / n * _nbytes(tensor), group)
+    _log([("coll", None, tensor, group)])
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def send(tensor, dst, group=None):
     COMM.add("send", _nbytes(tensor), group)
+    _log([("send", dst, tensor, group)])
     return dist.send(tensor, dst=dst, group=group)
 
 
 def recv(tensor, src, group=None):
+    _log([("recv", src, tensor, group)])
     return dist.recv(tensor, src=src, group=group)
 
 
@@ -118,6 +143,8 @@ def batch_isend_irecv(ops):
     for op in ops:
         if op.op is dist.isend:
             COMM.add("send", _nbytes(op.tensor), op.group)
+    if ops:
+        _log([("send" if op.op is dist.isend else "recv", op.peer, op.tensor, op.group) for op in ops])
     return dist.batch_isend_irecv(ops) if ops else []
 
 

@@ -18,9 +18,10 @@ Idle fraction of a step: (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(V*m+p-1) interl
 zb1's bubble is (p-1)(F+B-W), with at most p micro-batches in flight per rank like 1f1b.
 """
 import argparse
-from collections import namedtuple
+from collections import defaultdict, namedtuple
 
 Action = namedtuple("Action", "kind mb chunk")
+Exchange = namedtuple("Exchange", "ops")     # one batch of point-to-point ops: ((kind, peer rank, message), ...)
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb1")
 
 
@@ -82,8 +83,8 @@ def make_schedule(name, p, m, v=1):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# who talks to whom: shared by the simulator and by train_pp.py's receiver, which posts its receives in the
-# order the sender sends (so NCCL, which matches point-to-point messages in order, gets them right)
+# who talks to whom: shared by the simulator and by train_pp.py's runner, which launches its sends and
+# receives in the batches of comm_plan (NCCL-safe: both sides of a message in the same round)
 
 def stage_of(rank, chunk, p):
     return chunk * p + rank
@@ -112,6 +113,36 @@ def recvs_of(action, rank, p, v):
 def message_order(schedules, src, dst, p, v):
     """The messages rank src sends to rank dst in one step, in sending order."""
     return [msg for a in schedules[src] for d, msg in sends_of(a, src, p, v) if d == dst]
+
+
+def comm_plan(schedules, p, v):
+    """Each rank's actions with the batches of point-to-point ops launched between them, NCCL-safe.
+
+    NCCL runs each batch as one group, a rank's groups one after another, and a group ends only when each op
+    has met its partner in the partner's running group (nccl_check.py). So every message gets a round: the
+    simulated time its producer ends. The sender sends it, and the receiver posts its receive, in the batch
+    of that round; a rank launches its rounds in time order, each just before its first action starting at
+    or after the round. The earliest unfinished round then runs on every rank that has it, holding both sides
+    of all its messages, and ends: no group ever waits on one its partner has not reached. The sender's batch
+    follows the producing action at once (overlap); the receiver's comes before the action that needs it.
+    A rank sends at most one message per round, so each pair sees its messages in the same order."""
+    sim = simulate(schedules, p, v)
+    rounds = [defaultdict(list) for _ in range(p)]      # rank -> round -> its ops
+    for r, timeline in enumerate(sim["timeline"]):
+        for _, end, a in timeline:
+            for dst, msg in sends_of(a, r, p, v):
+                if dst != r:                             # a message to this rank's own next chunk: no p2p
+                    rounds[r][end].append(("send", dst, msg))
+                    rounds[dst][end].append(("recv", r, msg))
+    plans = []
+    for r, timeline in enumerate(sim["timeline"]):
+        todo, plan = sorted(rounds[r].items()), []
+        for start, _, a in timeline:
+            while todo and todo[0][0] <= start:
+                plan.append(Exchange(tuple(todo.pop(0)[1])))
+            plan.append(a)
+        plans.append(plan + [Exchange(tuple(ops)) for _, ops in todo])
+    return plans
 
 
 # ----------------------------------------------------------------------------------------------------------

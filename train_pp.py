@@ -23,7 +23,6 @@ batch. Tokens are read by the first and last stage from the deterministic loader
 Dropout draws from each rank's own RNG stream, so runs with --dropout > 0 do not match train_single bit for bit.
 """
 import time
-from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,8 @@ from config import check, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token, init_weights, rope_cache, rope_dtype
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
-from pipeline_schedules import make_schedule, message_order, recvs_of, render, sends_of, simulate, stage_of
+from pipeline_schedules import (Exchange, comm_plan, make_schedule, recvs_of, render, sends_of, simulate,
+                                stage_of)
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
                           materialize, param_dtype, print_sample, resolve_dtype, save_training_state,
@@ -148,10 +148,14 @@ def clip_stage_grads(chunks, max_norm, group, device):
 class PipelineRunner:
     """Runs one rank's actions of a schedule over `group` (the pipeline ranks, in stage order).
 
-    Receives are posted in the order the sender sends (known: every rank has every rank's action list), so
-    in-order matching is always right; sends wait in `pending` and go out in one batch with the next
-    receives (Megatron's send_forward_recv_backward pairing), and a sent activation's storage is freed as
-    soon as the send completes: backward needs only its autograd graph (the last op, an add, saves nothing)."""
+    The point-to-point traffic follows pipeline_schedules.comm_plan, which every rank derives from every
+    rank's action list: each message goes out in one batch with the receives of its round, and its receiver
+    posts the receive in its batch of the same round (Megatron's send_forward_recv_backward pairing, made
+    general), so under NCCL's one-group-at-a-time rule no batch ever waits on a batch its partner has not
+    reached (nccl_check.py replays the launches to prove it). A batch goes out right after the action that
+    produced its sends and runs while the next actions compute; an action waits only for its own receives. A
+    sent activation's storage is freed once its send completes: backward needs only its autograd graph (the
+    last op, an add, saves nothing)."""
 
     def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None,
                  act_dtype=torch.float32):
@@ -160,29 +164,35 @@ class PipelineRunner:
         self.act_shape, self.device, self.store, self.amp = act_shape, device, store, amp
         self.act_dtype = act_dtype               # what crosses stages: fp32 even under autocast (or float64)
         self.peer = [dist.get_global_rank(group, r) for r in range(self.p)]
+        self.plan = comm_plan(schedules, self.p, self.v)[self.rank]   # actions and batches, in launch order
 
     # ---- messages: (what, micro-batch, receiving stage), see pipeline_schedules.sends_of
-    def _exchange(self, needed):
-        """Launch pending sends with the receives needed now (and any the sender sends before them)."""
-        ops = [dist.P2POp(dist.isend, t, self.peer[dst], self.group) for dst, _, t in self.pending]
-        recvs = {}
-        for src, msg in needed:
-            # a message can only be matched after all that its sender sent us before it: post those first
-            while src != self.rank and msg not in self.posted and msg not in recvs:
-                buf = torch.empty(self.act_shape, device=self.device, dtype=self.act_dtype)
-                recvs[self.expected[src].popleft()] = buf
-                ops.append(dist.P2POp(dist.irecv, buf, self.peer[src], self.group))
-        works = comm.batch_isend_irecv(ops) if ops else []
-        work = (lambda i: works[i]) if len(works) == len(ops) else (lambda i: works[0])  # NCCL: one per batch
-        self.sending += [(work(i), t) for i, (_, _, t) in enumerate(self.pending)]
-        self.posted.update({msg: (work(len(self.pending) + i), buf) for i, (msg, buf) in enumerate(recvs.items())})
-        self.pending, out = [], []
-        for src, msg in needed:
+    def _launch(self, exchange):
+        """One batch (one NCCL group): this round's sends, and receives posted for later actions."""
+        ops = []
+        for kind, peer, msg in exchange.ops:
+            if kind == "send":
+                tensor = self.outbox.pop(msg)
+            else:
+                tensor = torch.empty(self.act_shape, device=self.device, dtype=self.act_dtype)
+            ops.append(comm.p2p_op(kind, tensor, self.peer[peer], self.group))
+        works = comm.batch_isend_irecv(ops)
+        for i, ((kind, _, msg), op) in enumerate(zip(exchange.ops, ops)):
+            work = works[i] if len(works) == len(ops) else works[0]    # NCCL: one work for the whole batch
+            if kind == "send":
+                self.sending.append((work, op.tensor))
+            else:
+                self.posted[msg] = (work, op.tensor)
+
+    def _received(self, action):
+        """What `action` receives: from this rank's own previous chunk, or a posted receive, waited for."""
+        out = []
+        for src, msg in recvs_of(action, self.rank, self.p, self.v):
             if src == self.rank:
                 out.append(self.local.pop(msg))
             else:
-                w, buf = self.posted.pop(msg)
-                w.wait()
+                work, buf = self.posted.pop(msg)
+                work.wait()
                 out.append(buf)
         return out
 
@@ -190,8 +200,8 @@ class PipelineRunner:
         for dst, msg in sends_of(action, self.rank, self.p, self.v):
             if dst == self.rank:                 # next stage on this rank (p == 1): hand over directly
                 self.local[msg] = tensor.detach()
-            else:                                # (p2p needs contiguous memory: SP outputs are transposed views)
-                self.pending.append((dst, msg, tensor.contiguous()))
+            else:                                # goes out in the plan's next batch
+                self.outbox[msg] = tensor
 
     def _free_sent(self, wait=False):
         """Release the storage of sent tensors whose send completed (a forward output keeps its graph)."""
@@ -227,15 +237,18 @@ class PipelineRunner:
 
     def step(self, actions, get_batch):
         """Run one optimizer step's actions; returns the summed micro-batch losses (0 off the last stage)."""
+        assert list(actions) == [a for a in self.plan if not isinstance(a, Exchange)], \
+            "step's actions are not this rank's schedule the runner was built with"
         # sends not yet launched / in progress; receives posted; same-rank hand-overs; what B needs
-        self.pending, self.sending, self.posted, self.local, self.saved = [], [], {}, {}, {}
-        self.expected = {src: deque(message_order(self.schedules, src, self.rank, self.p, self.v))
-                         for src in range(self.p) if src != self.rank}
+        self.outbox, self.sending, self.posted, self.local, self.saved = {}, [], {}, {}, {}
         self.loss_sum = torch.zeros((), device=self.device, dtype=self.act_dtype)
         self.busy, t_step = 0.0, time.perf_counter()
-        for a in actions:
+        for a in self.plan:
             self._free_sent()
-            received = self._exchange(recvs_of(a, self.rank, self.p, self.v))   # also flushes the sends
+            if isinstance(a, Exchange):
+                self._launch(a)
+                continue
+            received = self._received(a)
             t0 = time.perf_counter()
             if a.kind == "F":
                 self._forward(a, received, get_batch)
@@ -244,9 +257,8 @@ class PipelineRunner:
             else:
                 self.store.compute((a.mb, a.chunk))
             self.busy += time.perf_counter() - t0
-        self._exchange([])                       # the last sends
         self._free_sent(wait=True)
-        assert not self.saved and not self.posted and not any(self.expected.values()), "schedule left work"
+        assert not (self.saved or self.posted or self.outbox or self.local), "schedule left work"
         self.elapsed = time.perf_counter() - t_step   # idle = elapsed - busy: waiting for messages
         return self.loss_sum
 
