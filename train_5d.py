@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 
 import comm
+from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from comm import COMM, destroy, init_distributed, new_group, world_size_from_env
-from config import check, fail, parse_config
+from config import check, config_dict, fail, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
@@ -48,9 +49,11 @@ from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_
 from train_ddp import DataParallelGrads
 from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
-from train_single import (autocast_context, evaluate, gpt_config, load_training_state, materialize, param_dtype,
-                          prepare_data, resolve_dtype, save_training_state, should_save)
-from train_tp import all_reduce_sequence_parallel_grads, apply_tp, init_tp_weights, tp_owned
+from train_single import (autocast_context, evaluate, gpt_config, materialize, param_dtype, prepare_data,
+                          resolve_dtype, should_save)
+from train_tp import (all_reduce_sequence_parallel_grads, apply_tp, full_shape, init_tp_weights, tp_gather, tp_owned,
+                      tp_slice)
+from train_zero import optimizer_layout
 
 AXES = ("tp", "cp", "dp", "pp")          # innermost first
 GROUPS = dict(tp=("tp",), cp=("cp",), dp=("dp",), pp=("pp",),
@@ -171,6 +174,68 @@ def bytes_by_axis(grid):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# checkpoints in train_single's layout, so any layout (or train_single) resumes any other: resharding resume
+
+def whole_state(chunks, optimizer, tp_group):
+    """{name: [weight, exp_avg, exp_avg_sq, step]} of this rank's parameters as whole CPU tensors (TP parts
+    gathered: every TP rank takes part)."""
+    out = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            st = optimizer.state[p]
+            out[name] = [tp_gather(p, t, tp_group).cpu() for t in (p, st["exp_avg"], st["exp_avg_sq"])]
+            out[name].append(st["step"].cpu())
+    return out
+
+
+def save_consolidated(cfg, chunks, optimizer, grid, gcfg, next_step):
+    """One ckpt.pt as train_single writes it: TP parts gathered over tp, the stages' parts sent over pp to
+    global rank 0 (the ranks of other dp / cp indices hold replicas of the same values and send nothing)."""
+    parts = whole_state(chunks, optimizer, grid.groups["tp"])
+    if grid.coords["tp"] or grid.coords["cp"] or grid.coords["dp"]:
+        return
+    pp = grid.groups["pp"]
+    gathered = [None] * grid.sizes["pp"] if grid.coords["pp"] == 0 else None
+    dist.gather_object(parts, gathered, dst=dist.get_global_rank(pp, 0), group=pp)
+    if grid.coords["pp"] != 0:
+        return
+    whole = {name: value for part in gathered for name, value in part.items()}
+    with torch.device("meta"):
+        gpt = GPT(gcfg)
+    order, param_groups = optimizer_layout(gpt, cfg)
+    model_state = {k: whole["transformer.wte.weight" if k == "lm_head.weight" else k][0] for k in gpt.state_dict()}
+    moments = {i: dict(step=whole[n][3], exp_avg=whole[n][1], exp_avg_sq=whole[n][2]) for i, n in enumerate(order)}
+    save_checkpoint(checkpoint_path(cfg.out_dir), dict(model=model_state, step=next_step, rng=rng_state(),
+                    optimizer=dict(state=moments, param_groups=param_groups), config=config_dict(cfg)))
+
+
+@torch.no_grad()
+def load_consolidated(cfg, chunks, optimizer, grid, gcfg):
+    """Every rank reads the one checkpoint and keeps its slice of each weight and AdamW moment."""
+    path, tp = checkpoint_path(cfg.out_dir), grid.groups["tp"]
+    try:
+        state = load_checkpoint(path)
+    except FileNotFoundError as e:
+        fail(str(e))
+    with torch.device("meta"):
+        gpt = GPT(gcfg)
+    order, _ = optimizer_layout(gpt, cfg)
+    moments = {name: state["optimizer"]["state"][i] for i, name in enumerate(order)}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            value = state["model"].get(name)
+            if value is None or tuple(value.shape) != full_shape(p, tp):
+                fail(f"checkpoint {path} does not match this model: parameter {name} is "
+                     f"{None if value is None else tuple(value.shape)}, expected {full_shape(p, tp)}")
+            p.copy_(tp_slice(p, value.to(p), tp))
+            m = moments[name]
+            optimizer.state[p] = dict(step=m["step"].to(p.device), exp_avg=tp_slice(p, m["exp_avg"].to(p), tp),
+                                      exp_avg_sq=tp_slice(p, m["exp_avg_sq"].to(p), tp))
+    set_rng_state(state["rng"])
+    return state["step"]
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the command line
 
 def extra_args(parser):
@@ -258,7 +323,7 @@ def main(argv=None):
     optimizer = configure_optimizer(chunks.named_parameters(), cfg, env.device.type)
     grads = DataParallelGrads(params, grid.groups["dp_cp"], "bucket", cfg.bucket_mb)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
-    start = load_training_state(cfg, chunks, optimizer, rank=env.rank) if cfg.resume else 0
+    start = load_consolidated(cfg, chunks, optimizer, grid, gcfg) if cfg.resume else 0
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=env.world_size,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
@@ -305,7 +370,7 @@ def main(argv=None):
             chunks.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_training_state(cfg, chunks, optimizer, step + 1, rank=env.rank)
+            save_consolidated(cfg, chunks, optimizer, grid, gcfg, step + 1)
     logger.close()
     return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, grid=grid)
 

@@ -309,29 +309,41 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
     return model if torch.device(device).type == "meta" else materialize(model, device)
 
 
+def full_shape(p, group):
+    """The shape of the whole tensor whose TP slice is parameter p (padding rows excluded)."""
+    if not hasattr(p, "tp_split"):
+        return tuple(p.shape)
+    n, dim = dist.get_world_size(group), p.tp_split[0]
+    return tuple(size * n - p.tp_pad if i == dim else size for i, size in enumerate(p.shape))
+
+
+def tp_slice(p, full, group):
+    """This rank's part of `full` (a whole value of parameter p: its weight, or an optimizer moment)."""
+    if not hasattr(p, "tp_split"):                               # replicated: the whole value
+        return full
+    full = torch.cat([full, full.new_zeros(p.tp_pad, *full.shape[1:])])    # padding rows (dim 0) are zeros
+    return shard_of(full, *p.tp_split, dist.get_rank(group), dist.get_world_size(group))
+
+
+@torch.no_grad()
+def tp_gather(p, local, group):
+    """Inverse of tp_slice: the whole value from every rank's part `local` (shaped like p), padding dropped."""
+    if not hasattr(p, "tp_split"):
+        return local.detach()
+    whole = unshard(gather_seq(local.detach()[None], group, dim=0)[0].unbind(0), *p.tp_split)
+    return whole[: len(whole) - p.tp_pad]
+
+
 @torch.no_grad()
 def init_tp_weights(model, seed, group):
     """Each parameter's full initial value from model.init_parameter, one at a time; keep this rank's slice."""
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
     for name, p in model.named_parameters():
-        if not hasattr(p, "tp_split"):                           # replicated: the full value
-            p.copy_(init_parameter(name, p.shape, model.cfg.n_layer, seed))
-            continue
-        dim, parts = p.tp_split
-        shape = [size * n - p.tp_pad if i == dim else size for i, size in enumerate(p.shape)]
-        full = init_parameter(name, shape, model.cfg.n_layer, seed)
-        full = torch.cat([full, full.new_zeros(p.tp_pad, *shape[1:])])    # padding rows (dim 0) are zeros
-        p.copy_(shard_of(full, dim, parts, rank, n))
+        p.copy_(tp_slice(p, init_parameter(name, full_shape(p, group), model.cfg.n_layer, seed), group))
 
 
-@torch.no_grad()
 def gather_full_weights(model, group):
     """{name: full tensor}, as train_single.py's model would hold it (for parity checks and exports)."""
-    def full(p):                                                 # all shards [n, *shard], padding dropped
-        whole = unshard(gather_seq(p.detach()[None], group, dim=0)[0].unbind(0), *p.tp_split)
-        return whole[: len(whole) - p.tp_pad]
-    return {name: (full(p) if hasattr(p, "tp_split") else p.detach()).cpu().clone()
-            for name, p in model.named_parameters()}
+    return {name: tp_gather(p, p, group).cpu().clone() for name, p in model.named_parameters()}
 
 
 def all_reduce_sequence_parallel_grads(model, group):

@@ -1,0 +1,150 @@
+"""train_5d.py: every axis alone and in combination reproduces train_single.py in float64 at 1e-9 per step (loss
+and grad norm) on real text across a gradient spike, clipping on; bytes per axis equal each rung's formula;
+with every degree 1 it is train_single bit for bit in fp32; bad layouts are one clear error."""
+import pytest
+import torch
+
+from distributed_helper import run_workers
+from metrics import read_metrics
+from train_helpers import MODELS, assert_exact, curves, losses, run_single, text_argv, tiny_argv
+
+H, T, HEADS, VOCAB = 32, 32, 4, 256        # the exactness checks' model (train_helpers.SPIKY, MODELS["L2"])
+
+
+def _runs(rank, world, argvs):
+    """train_5d.main for each argv in one process group; rank 0 returns its parameter count per run."""
+    import train_5d
+    out = []
+    for argv in argvs:
+        result = train_5d.main(argv)
+        out.append(dict(n_params=sum(p.numel() for p in result["chunks"].parameters()),
+                        sizes=result["grid"].sizes))
+    return out if rank == 0 else None
+
+
+def ar(n):
+    return 2 * (n - 1) / n        # all-reduce: bytes sent per byte of the tensor (comm.py's ring convention)
+
+
+def part(n):
+    return (n - 1) / n            # all-gather, reduce-scatter
+
+
+def expected_bytes_by_axis(dp=1, tp=1, cp=1, pp=1, sp=False, micro=2, n_layer=2, v=1, cp_layout="zigzag",
+                           n_params=0, value_bytes=8):
+    """Bytes global rank 0 (first stage; tp, cp, dp index 0) sends in one step, per axis: each rung's formula
+    (tests/test_tp.py, test_cp.py, test_pp.py, test_ddp.py) with the composed step's sizes."""
+    m, t_local, layers = 8 // (micro * dp), T // cp, n_layer // pp      # rank 0 holds n_layer / pp blocks
+    first, last = True, pp == 1
+    S, N = micro * t_local * H * value_bytes, micro * t_local           # one activation, tokens per micro-batch
+    if not sp:   # train_tp: 4 all-reduces per block; embedding output; LM-head input grad; 3 for the loss
+        tp_micro = (4 * layers + first + last) * ar(tp) * S
+    else:        # block 10 gathers / scatters; embedding 2; head 3
+        tp_micro = (10 * layers + 2 * first + 3 * last) * part(tp) * S
+    tp_micro += last * 3 * ar(tp) * N * value_bytes
+    tp_step = m * tp_micro + (ar(tp) * value_bytes * (6 * H * layers + 2 * H * last) if sp else 0)
+    kv = 2 * micro * t_local * (H // tp) * value_bytes                  # train_cp: this rank's K and V
+    ring = (cp - 1) * 2 * kv + (cp if cp_layout != "allgather" else cp - 1) * kv
+    cp_step = m * layers * ring if cp > 1 else 0
+    act = micro * (t_local // (tp if sp else 1)) * H * value_bytes      # train_pp: one message
+    pp_step = 0
+    if pp > 1:   # the first rank sends 2V - 1 messages per micro-batch; the tied weight's two copies all-reduce
+        pp_step = m * act * (2 * v - 1) + (VOCAB // tp) * H * value_bytes * ar(2)
+    return dict(dp=ar(dp * cp) * value_bytes * n_params, tp=tp_step, cp=cp_step, pp=pp_step,
+                mp=ar(tp * pp) * value_bytes)
+
+
+CASES = {
+    2: [("L2", dict(dp=2)), ("L2", dict(tp=2, sp=True)), ("L2", dict(cp=2, micro_batch_size=4)),
+        ("L2", dict(pp=2)), ("L2", dict(tp=2))],
+    4: [("L2", dict(dp=2, tp=2)), ("L2", dict(tp=2, pp=2, sp=True)), ("L2", dict(tp=2, cp=2, sp=True)),
+        ("L2", dict(cp=2, pp=2)), ("L2", dict(dp=2, cp=2, cp_layout="ring")), ("L2", dict(dp=2, pp=2)),
+        ("L4", dict(pp=2, tp=2, pp_schedule="interleaved", pp_virtual=2)),
+        ("L4", dict(pp=2, cp=2, pp_schedule="zb1", cp_layout="allgather"))],
+    8: [("L2", dict(dp=2, tp=2, pp=2, sp=True)), ("L2", dict(tp=2, cp=2, pp=2)), ("L2", dict(dp=2, tp=2, cp=2))],
+    16: [("L2", dict(dp=2, tp=2, cp=2, pp=2, sp=True))],
+}
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_float64_parity_and_bytes_per_axis(text_reference_for, text_data, tmp_path, world):
+    cases = [(model, {"micro_batch_size": 2, **opts}) for model, opts in CASES[world]]
+    argvs = [text_argv(text_data, str(tmp_path / f"run{i}"), **MODELS[model], **opts)
+             for i, (model, opts) in enumerate(cases)]
+    results = run_workers(_runs, world, args=(argvs,), timeout=900)[0]
+    for i, ((model, opts), result) in enumerate(zip(cases, results)):
+        out = str(tmp_path / f"run{i}")
+        assert_exact(text_reference_for(model)[0], curves(out))
+        sizes = {k: opts.get(k, 1) for k in ("dp", "tp", "cp", "pp")}
+        sizes["dp"] = world // (sizes["tp"] * sizes["cp"] * sizes["pp"])
+        assert result["sizes"] == sizes
+        want = expected_bytes_by_axis(micro=opts["micro_batch_size"], n_layer=MODELS[model].get("n_layer", 2),
+                                      v=opts.get("pp_virtual", 1), sp=opts.get("sp", False),
+                                      cp_layout=opts.get("cp_layout", "zigzag"), n_params=result["n_params"],
+                                      **sizes)
+        for row in read_metrics(out):
+            got = row["comm_bytes_by_axis"]
+            for axis, value in want.items():
+                assert got[axis] == pytest.approx(value, rel=1e-12, abs=1e-9), (opts, axis, got, want)
+            assert row["comm_bytes"] == pytest.approx(sum(want.values()), rel=1e-12)
+
+
+def _bitwise(rank, world, argv):
+    import train_5d
+    return train_5d.main(argv)["grid"].sizes
+
+
+def test_all_degrees_one_is_train_single_bit_for_bit(text_data, tmp_path):
+    """fp32, every degree 1: the same micro-batches through the pipeline runner give train_single's exact losses."""
+    opts = dict(dtype="float32", micro_batch_size=4, max_steps=12)
+    ref = run_single(text_argv(text_data, str(tmp_path / "single"), **opts))[0]
+    run_workers(_bitwise, 1, args=(text_argv(text_data, str(tmp_path / "5d"), tp=1, **opts),))
+    assert losses(str(tmp_path / "5d")) == ref
+
+
+def test_default_layout_shows_more_than_one_axis(tiny_data, tmp_path):
+    sizes = run_workers(_bitwise, 4, args=(tiny_argv(tiny_data, str(tmp_path), max_steps=1),))[0]
+    assert sizes == dict(tp=2, cp=1, dp=1, pp=2)
+
+
+@pytest.mark.parametrize("world,overrides,message", [
+    (4, dict(tp=2, pp=4), "does not divide the world size"),
+    (4, dict(tp=2, dp=4), "!= world size"),
+    (4, dict(tp=4, n_head=6, n_embd=48), "n_head=6 is not divisible by tp=4"),
+    (4, dict(pp=4, n_layer=2), "does not split into pp*pp_virtual=4 stages"),
+    (4, dict(cp=4, block_size=18, cp_layout="ring"), "must be a multiple of 4 (--cp_layout ring"),
+    (2, dict(cp=2, block_size=6), "must be a multiple of 4 (--cp_layout zigzag"),
+    (2, dict(pp=2, global_batch_size=2, micro_batch_size=2), "needs at least pp=2 micro-batches"),
+    (2, dict(tp=2, pp_schedule="zb1"), "zb1 defers"),
+])
+def test_bad_layout_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys, world, overrides, message):
+    import train_5d
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as e:
+        train_5d.main(tiny_argv(tiny_data, str(tmp_path), **overrides))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _resume_runs(rank, world, argvs):
+    import train_5d
+    for argv in argvs:
+        train_5d.main(argv)
+
+
+def test_resharding_resume(text_reference, text_data, tmp_path):
+    """A (tp 2, pp 2) run stopped at step 10 leaves one checkpoint in train_single's layout; resumed as
+    (dp 2, cp 2) and as train_single, both continue with the unbroken run's losses (float64, 1e-9)."""
+    import shutil
+    first = str(tmp_path / "tp2pp2")
+    run_workers(_resume_runs, 4, args=([text_argv(text_data, first, tp=2, pp=2, micro_batch_size=2, stop_step=10)],))
+    assert len(losses(first)) == 10
+    for name in ("dp2cp2", "single"):
+        shutil.copytree(first, tmp_path / name)
+    run_workers(_resume_runs, 4, args=([text_argv(text_data, str(tmp_path / "dp2cp2"), dp=2, cp=2, micro_batch_size=2,
+                                                  resume=True)],))
+    run_single(text_argv(text_data, str(tmp_path / "single"), micro_batch_size=8, resume=True))
+    for name in ("dp2cp2", "single"):
+        assert_exact(text_reference[0], curves(str(tmp_path / name)))
