@@ -200,8 +200,8 @@ class PipelineRunner:
         for dst, msg in sends_of(action, self.rank, self.p, self.v):
             if dst == self.rank:                 # next stage on this rank (p == 1): hand over directly
                 self.local[msg] = tensor.detach()
-            else:                                # goes out in the plan's next batch
-                self.outbox[msg] = tensor
+            else:                                # goes out in the plan's next batch (p2p needs contiguous
+                self.outbox[msg] = tensor.contiguous()   # memory: an SP stage output is a transposed view)
 
     def _free_sent(self, wait=False):
         """Release the storage of sent tensors whose send completed (a forward output keeps its graph)."""
