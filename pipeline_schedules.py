@@ -10,6 +10,8 @@ actions do the whole backward in B; zb1 splits it into B (input gradient, on the
 (weight gradient, which nothing downstream waits for, so it can fill the bubbles).
 Virtual stage s = chunk * p + rank: with V chunks per rank the model is cut into p*V stages dealt out
 round-robin (stage 0 on rank 0, stage p on rank 0 again, ...).
+comm_plan turns the action lists into what each rank launches: its actions with batches of sends and
+receives between them, ordered so that NCCL's one-group-at-a-time rule can never deadlock.
 
     1f1b, p=4, m=8, F=B=W=1 (a full backward lasts 2):     bubble = (p-1)(F+B+W) per rank
     rank 0: F0 F1 F2 F3 .  .  .  .  .  .  B0 B0 F4 B1 B1 F5 ...

@@ -16,7 +16,8 @@ pipeline_weight_grads.py the split backward of zb1), idle share of a step with F
 1f1b (p-1)/(m+p-1); interleaved (p-1)/(V*m+p-1); zb1 (ZB-H1, backward split into input-gradient B and
 weight-gradient W, the Ws filling the bubbles) bubble (p-1)(F+B-W).
 Each stage boundary carries m activations forward and m gradients back per step: a rank sends
-m * b*T*h * 4 bytes * (2V - [first rank] - [last rank]).
+m * b*T*h * 4 bytes * (2V - [first rank] - [last rank]), in the batches of pipeline_schedules.comm_plan:
+NCCL-safe for every schedule (nccl_check.py replays the launches under NCCL's rules; gloo alone cannot tell).
 
 Loss scaling: the last stage backpropagates loss / m, so gradients equal train_single's for the same global
 batch. Tokens are read by the first and last stage from the deterministic loader, never sent.
