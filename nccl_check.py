@@ -23,6 +23,11 @@ communicator (comm.py: the group's global ranks; default "world"). The rules rep
 from collections import defaultdict
 
 
+def _op(op):
+    """(kind, peer, nbytes, comm): hand-written launches may leave out comm ("world")."""
+    return tuple(op) + ("world",) * (4 - len(op))
+
+
 def _keys(launches):
     """Name every op by what its partners share: ("p2p", comm, src, dst, k) or ("coll", comm, k)."""
     keyed, sizes = [], {}
@@ -30,7 +35,7 @@ def _keys(launches):
         seen, mine = defaultdict(int), []
         for group in groups:
             keys = []
-            for kind, peer, nbytes, comm in (tuple(op) + ("world",) * (4 - len(op)) for op in group):
+            for kind, peer, nbytes, comm in map(_op, group):
                 k = seen[kind, peer, comm]
                 seen[kind, peer, comm] += 1
                 if kind == "coll":
@@ -55,6 +60,12 @@ def _describe(key, rank):
         return f"collective #{key[2]} on {key[1]}"
     src, dst, k = key[2:]
     return f"send #{k} to {dst}" if rank == src else f"recv #{k} from {src}"
+
+
+def _partners(rank, at, cur):
+    """Where the partners of `rank`'s op stand: the group holding it, and the group each one runs."""
+    text = ", ".join(f"rank {q} holds it in group {g}, runs group {cur[q]}" for q, g in at.items() if q != rank)
+    return text or "no partner"
 
 
 def replay(launches, what="run", eager_bytes=0):
@@ -96,9 +107,8 @@ def replay(launches, what="run", eager_bytes=0):
                 progress = True
     for r in range(n):
         if cur[r] < len(keyed[r]):
-            waits = [f"{_describe(key, r)} (" + (", ".join(f"rank {q} holds it in group {g}, runs group {cur[q]}"
-                                                           for q, g in where[key].items() if q != r) or "no partner")
-                     + ")" for key in keyed[r][cur[r]] if (key, r) not in done]
+            waits = [f"{_describe(key, r)} ({_partners(r, where[key], cur)})"
+                     for key in keyed[r][cur[r]] if (key, r) not in done]
             problems.append(f"{what}: deadlock: rank {r} waits in group {cur[r]} on " + "; ".join(waits))
     return problems
 
@@ -112,7 +122,7 @@ def first_ops(launches):
         for group in groups:
             firsts = []
             for op in group:
-                kind, peer, _, comm = tuple(op) + ("world",) * (4 - len(op))
+                kind, peer, _, comm = _op(op)
                 if (kind, peer, comm) not in seen:
                     seen.add((kind, peer, comm))
                     firsts.append(op)

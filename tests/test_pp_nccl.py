@@ -110,24 +110,23 @@ def _recorded_runs(rank, world_size, runs):
     return logs
 
 
-# (world, schedule, virtual, micro-batches, layers, evaluate): the case, every schedule, m not a
-# multiple of p, and one run per world evaluating (forward_only_loss's lone sends) between steps
-RUNS = [(2, "afab", 1, 3, 2, False), (2, "1f1b", 1, 2, 2, True), (2, "zb1", 1, 4, 2, False),
-        (2, "interleaved", 2, 4, 4, False), (4, "1f1b", 1, 8, 4, True), (4, "zb1", 1, 4, 4, False),
-        (4, "interleaved", 2, 4, 8, False)]
+# (world, schedule, virtual, micro-batches, layers, eval_interval): the case, every schedule, m not a
+# multiple of p, and one run per world evaluating (forward_only_loss's lone sends) after every step
+RUNS = [(2, "afab", 1, 3, 2, 0), (2, "1f1b", 1, 2, 2, 1), (2, "zb1", 1, 4, 2, 0), (2, "interleaved", 2, 4, 4, 0),
+        (4, "1f1b", 1, 8, 4, 1), (4, "zb1", 1, 4, 4, 0), (4, "interleaved", 2, 4, 8, 0)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_recorded_gloo_runs_launch_the_plan_and_pass(world, tmp_path, tiny_data):
     steps, runs = 2, [r for r in RUNS if r[0] == world]
     argvs = [tiny_argv(tiny_data, str(tmp_path / f"{name}{v}"), pp=world, pp_schedule=name, pp_virtual=v,
-                       n_microbatches=m, global_batch_size=2 * m, n_layer=layers, max_steps=steps, eval_interval=1 if ev else 0,
-                       eval_iters=2) for _, name, v, m, layers, ev in runs]
+                       n_microbatches=m, global_batch_size=2 * m, n_layer=layers, max_steps=steps,
+                       eval_interval=ev, eval_iters=2) for _, name, v, m, layers, ev in runs]
     logs = run_workers(_recorded_runs, world, args=(argvs,), timeout=300)
     for i, (_, name, v, m, _, ev) in enumerate(runs):
         launches = [logs[r][i] for r in range(world)]
         assert check(launches) == [], (name, v, m)
-        if ev:
+        if ev:                                   # evaluation's lone sends are not in the plan
             continue
         plan = plan_launches(comm_plan(make_schedule(name, world, m, v), world, v), 2 * T * H * 4,
                              tuple(range(world)))
