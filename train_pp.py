@@ -270,14 +270,15 @@ class PipelineRunner:
         for s in range(self.rank, S, self.p):    # this rank's stages, in pipeline order
             stage = self.chunks[s // self.p]
             if s > 0 and (s - 1) % self.p != self.rank:
-                h = torch.empty(x.shape + (self.act_shape[-1],), device=self.device, dtype=self.act_dtype)
+                shape = (x.shape[0],) + tuple(self.act_shape[1:])   # [b, T (/tp under SP), h]
+                h = torch.empty(shape, device=self.device, dtype=self.act_dtype)
                 comm.recv(h, self.peer[(s - 1) % self.p], group=self.group)
             with self.amp:
                 h = stage(x if s == 0 else h, y if s == S - 1 else None).to(self.act_dtype)
             if s == S - 1:
                 loss = h
             elif (s + 1) % self.p != self.rank:
-                comm.send(h, self.peer[(s + 1) % self.p], group=self.group)
+                comm.send(h.contiguous(), self.peer[(s + 1) % self.p], group=self.group)
         comm.broadcast(loss, self.peer[(S - 1) % self.p], group=self.group)
         return loss
 

@@ -1,6 +1,8 @@
 """train_5d.py: every axis alone and in combination reproduces train_single.py in float64 at 1e-9 per step (loss
 and grad norm) on real text across a gradient spike, clipping on; bytes per axis equal each rung's formula;
 with every degree 1 it is train_single bit for bit in fp32; bad layouts are one clear error."""
+import json
+
 import pytest
 import torch
 
@@ -148,3 +150,14 @@ def test_resharding_resume(text_reference, text_data, tmp_path):
     run_single(text_argv(text_data, str(tmp_path / "single"), micro_batch_size=8, resume=True))
     for name in ("dp2cp2", "single"):
         assert_exact(text_reference[0], curves(str(tmp_path / name)))
+
+
+def test_evaluation_matches_single(text_data, tmp_path):
+    """Validation loss through the grid (pipeline forward, TP with SP, CP) equals train_single's."""
+    opts = dict(max_steps=3, eval_interval=2, eval_iters=2, micro_batch_size=2)
+    run_single(text_argv(text_data, str(tmp_path / "single"), **opts))
+    run_workers(_resume_runs, 8, args=([text_argv(text_data, str(tmp_path / "5d"), tp=2, sp=True, cp=2, pp=2,
+                                                  **opts)],))
+    val = [[r["val_loss"] for r in map(json.loads, open(tmp_path / d / "metrics.jsonl")) if "val_loss" in r]
+           for d in ("single", "5d")]
+    assert len(val[0]) == 2 and val[1] == pytest.approx(val[0], rel=1e-9)
