@@ -53,7 +53,7 @@ from train_single import (autocast_context, evaluate, gpt_config, materialize, p
                           resolve_dtype, should_save)
 from train_tp import (all_reduce_sequence_parallel_grads, apply_tp, full_shape, init_tp_weights, tp_gather, tp_owned,
                       tp_slice)
-from train_zero import optimizer_layout
+from train_zero import ShardedAdamW, ShardedGrads, flatten, full_values, optimizer_layout, shard_model
 
 AXES = ("tp", "cp", "dp", "pp")          # innermost first
 GROUPS = dict(tp=("tp",), cp=("cp",), dp=("dp",), pp=("pp",),
@@ -152,17 +152,6 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
     return chunks, gcfg, pos
 
 
-def clip_grid_grads(chunks, max_norm, grid):
-    """The global grad norm, each value counted once over the grid, and every gradient scaled by the clip."""
-    params = list(chunks.parameters())
-    copy = tied_weight(chunks) if not any(c.first for c in chunks) else None   # the last stage's copy
-    owned, replicas = tp_owned([p for p in params if p is not copy], grid.groups["tp"])
-    if copy is not None:
-        replicas.append(copy.grad)
-    return clip_grad_norm(owned, max_norm, group=grid.groups["mp"], device=params[0].device,
-                          dtype=params[0].dtype, replicas=replicas)
-
-
 def bytes_by_axis(grid):
     """This step's counted bytes by grid axis (the tied-weight pair counts as pp, the norm's scalar as mp)."""
     axis = dict(tied="pp", dp_cp="dp")
@@ -174,24 +163,84 @@ def bytes_by_axis(grid):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the dp x cp axis: train_ddp's buckets (every rank a full optimizer), or train_zero's ZeRO-1 shards
+
+def data_parallel(chunks, cfg, grid, dtype, device):
+    """(gradient reducer, optimizer, ZeRO shards or None) over the dp x cp group."""
+    group = grid.groups["dp_cp"]
+    if cfg.zero_stage == 0:
+        optimizer = configure_optimizer(chunks.named_parameters(), cfg, device.type)
+        return DataParallelGrads(list(chunks.parameters()), group, "bucket", cfg.bucket_mb), optimizer, None
+    names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
+    shards = shard_model(chunks, cfg, 1, group, dtype, device, dict(now=0, peak=0), names)
+    return ShardedGrads(shards, group, 1), ShardedAdamW(shards, cfg), shards
+
+
+def owned_grads(chunks, shards, grid):
+    """(gradients this rank counts in the global norm, replicas it only scales): TP replicas are counted by
+    TP rank 0, the tied weight by the first stage; under ZeRO the slices of this rank's shards."""
+    copy = tied_weight(chunks) if not any(c.first for c in chunks) else None   # the last stage's copy
+
+    def counted(p):
+        return p is not copy and (hasattr(p, "tp_split") or grid.coords["tp"] == 0)
+
+    if shards is None:
+        pieces = [(p.grad, counted(p)) for p in chunks.parameters()]
+    else:            # ZeRO-1: the part of each parameter inside my slice [lo, hi) of its bucket
+        pieces = []
+        for s in shards:
+            for p, off in zip(s.params, s.offsets):
+                a, b = max(off, s.lo), min(off + p.numel(), s.hi)
+                if a < b:
+                    pieces.append((s.grad[a - s.lo: b - s.lo], counted(p)))
+    return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
+
+
+def clip_grid_grads(chunks, shards, max_norm, grid):
+    """The global grad norm, each value counted once over the grid, and every gradient scaled by the clip:
+    reduced over tp x pp (the dp x cp replicas agree after averaging), or over all ranks under ZeRO."""
+    owned, replicas = owned_grads(chunks, shards, grid)
+    group = grid.groups["mp"] if shards is None else dist.group.WORLD
+    return clip_grad_norm(owned, max_norm, group=group, device=owned[0].device, dtype=owned[0].dtype,
+                          replicas=replicas)
+
+
+def optimizer_step(optimizer, shards, lr):
+    if shards is None:
+        set_lr(optimizer, lr)
+        optimizer.step()
+        return
+    optimizer.step(lr, [s.grad for s in shards])          # ZeRO-1: my slice of every bucket
+    for s in shards:
+        s.publish()                                       # all-gather the updated slices
+
+
+# ----------------------------------------------------------------------------------------------------------
 # checkpoints in train_single's layout, so any layout (or train_single) resumes any other: resharding resume
 
-def whole_state(chunks, optimizer, tp_group):
+def whole_state(chunks, optimizer, shards, tp_group):
     """{name: [weight, exp_avg, exp_avg_sq, step]} of this rank's parameters as whole CPU tensors (TP parts
-    gathered: every TP rank takes part)."""
+    gathered: every TP rank takes part; ZeRO slices gathered first over dp x cp)."""
     out = {}
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            st = optimizer.state[p]
-            out[name] = [tp_gather(p, t, tp_group).cpu() for t in (p, st["exp_avg"], st["exp_avg_sq"])]
-            out[name].append(st["step"].cpu())
+    if shards is None:
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                st = optimizer.state[p]
+                out[name] = [tp_gather(p, t, tp_group).cpu() for t in (p, st["exp_avg"], st["exp_avg_sq"])]
+                out[name].append(st["step"].cpu())
+        return out
+    local = [full_values(shards, attr) for attr in ("master", "exp_avg", "exp_avg_sq")]   # by GPT name
+    for s in shards:
+        for name, p in zip(s.names, s.params):
+            out[name] = [tp_gather(p, values[name].to(p.device), tp_group).cpu() for values in local]
+            out[name].append(torch.tensor(float(optimizer.steps)))
     return out
 
 
-def save_consolidated(cfg, chunks, optimizer, grid, gcfg, next_step):
+def save_consolidated(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
     """One ckpt.pt as train_single writes it: TP parts gathered over tp, the stages' parts sent over pp to
     global rank 0 (the ranks of other dp / cp indices hold replicas of the same values and send nothing)."""
-    parts = whole_state(chunks, optimizer, grid.groups["tp"])
+    parts = whole_state(chunks, optimizer, shards, grid.groups["tp"])
     if grid.coords["tp"] or grid.coords["cp"] or grid.coords["dp"]:
         return
     pp = grid.groups["pp"]
@@ -210,7 +259,7 @@ def save_consolidated(cfg, chunks, optimizer, grid, gcfg, next_step):
 
 
 @torch.no_grad()
-def load_consolidated(cfg, chunks, optimizer, grid, gcfg):
+def load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg):
     """Every rank reads the one checkpoint and keeps its slice of each weight and AdamW moment."""
     path, tp = checkpoint_path(cfg.out_dir), grid.groups["tp"]
     try:
@@ -220,17 +269,25 @@ def load_consolidated(cfg, chunks, optimizer, grid, gcfg):
     with torch.device("meta"):
         gpt = GPT(gcfg)
     order, _ = optimizer_layout(gpt, cfg)
-    moments = {name: state["optimizer"]["state"][i] for i, name in enumerate(order)}
+    saved = {name: state["optimizer"]["state"][i] for i, name in enumerate(order)}
+    mine = {}                                  # name -> [weight, exp_avg, exp_avg_sq]: my TP slices
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             value = state["model"].get(name)
             if value is None or tuple(value.shape) != full_shape(p, tp):
                 fail(f"checkpoint {path} does not match this model: parameter {name} is "
                      f"{None if value is None else tuple(value.shape)}, expected {full_shape(p, tp)}")
-            p.copy_(tp_slice(p, value.to(p), tp))
-            m = moments[name]
-            optimizer.state[p] = dict(step=m["step"].to(p.device), exp_avg=tp_slice(p, m["exp_avg"].to(p), tp),
-                                      exp_avg_sq=tp_slice(p, m["exp_avg_sq"].to(p), tp))
+            whole = (value, saved[name]["exp_avg"], saved[name]["exp_avg_sq"])
+            mine[name] = [tp_slice(p, t.to(p), tp) for t in whole]
+            p.copy_(mine[name][0])
+            if shards is None:
+                optimizer.state[p] = dict(step=saved[name]["step"].to(p.device), exp_avg=mine[name][1],
+                                          exp_avg_sq=mine[name][2])
+    for s in shards or []:                     # ZeRO-1: the master and moments of my slice of each bucket
+        for i, t in enumerate((s.master, s.exp_avg, s.exp_avg_sq)):
+            t.copy_(flatten(s, {name: mine[name][i] for name in s.names})[s.lo: s.hi])
+    if shards is not None:
+        optimizer.steps = int(saved[order[0]]["step"])
     set_rng_state(state["rng"])
     return state["step"]
 
@@ -287,7 +344,8 @@ def validate(cfg):
     check(cfg.dtype != "float16", "train_5d supports float32, bfloat16 and float64 (no fp16 loss scaling)")
     check(cfg.kernels in ("auto", "torch") and cfg.fp8 == "none",
           "train_5d runs model.py's layers (--kernels torch); fused kernels and --fp8 are in train_single")
-    check(cfg.zero_stage == 0, "train_5d averages gradients over dp x cp (--zero_stage 0); ZeRO is in train_zero")
+    check(cfg.zero_stage in (0, 1), f"--zero_stage {cfg.zero_stage}: train_5d shards the optimizer (ZeRO-1) or not "
+          f"(0); ZeRO-2/3 reduce or gather per micro-batch, which the pipeline's schedule does not offer (train_zero)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -319,19 +377,20 @@ def main(argv=None):
     sim = simulate(schedules, cfg.pp, cfg.pp_virtual)
     runner = PipelineRunner(chunks, grid.groups["pp"], schedules, m, act_shape, env.device, store,
                             autocast_context(dtype, env.device), param_dtype(dtype))
-    params = list(chunks.parameters())
-    optimizer = configure_optimizer(chunks.named_parameters(), cfg, env.device.type)
-    grads = DataParallelGrads(params, grid.groups["dp_cp"], "bucket", cfg.bucket_mb)
+    grads, optimizer, shards = data_parallel(chunks, cfg, grid, param_dtype(dtype), env.device)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
-    start = load_consolidated(cfg, chunks, optimizer, grid, gcfg) if cfg.resume else 0
+    start = load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg) if cfg.resume else 0
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=env.world_size,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
     if env.is_main:
-        print_grid(grid, cfg, act_shape, sum(p.numel() for p in params))
+        print_grid(grid, cfg, act_shape, sum(p.numel() for p in chunks.parameters()))
         print(f"  schedule {cfg.pp_schedule}, {m} micro-batches of {micro} per dp rank, simulated bubble "
               f"{sim['idle'][0] / sim['makespan']:.3f}, {dtype}, {env.device}, steps {start}..{last_step - 1}",
               flush=True)
+
+    for name in ("pp", "cp"):                  # a collective before the first send/recv of a group (NCCL
+        dist.barrier(group=grid.groups[name])  # connects a pair at its first p2p; torch wants the group up first)
 
     def batch(step, mb, split="train"):
         """This rank's micro-batch: its dp slice of the global batch, its cp positions of every sequence."""
@@ -347,15 +406,15 @@ def main(argv=None):
         t0 = time.perf_counter()
         COMM.reset()
         lr = lr_at(step, cfg)
-        set_lr(optimizer, lr)
         grads.require_sync(False)                # the pipeline runs every backward; reduce once, after it
         loss_sum = runner.step(schedules[grid.coords["pp"]], lambda mb: batch(step, mb))
-        grads.require_sync(True)
-        grads.finish()                           # mean over dp x cp: every copy of these weights agrees
-        all_reduce_sequence_parallel_grads(chunks, grid.groups["tp"])   # SP: LayerNorm grads summed over tp
+        # sums of this rank's gradients first (linear, so before or after the dp x cp mean alike)
         tied_grads_sync(chunks, grid.groups["tied"])                   # the two embedding copies: one gradient
-        grad_norm = clip_grid_grads(chunks, cfg.grad_clip, grid)
-        optimizer.step()
+        all_reduce_sequence_parallel_grads(chunks, grid.groups["tp"])   # SP: LayerNorm grads summed over tp
+        grads.require_sync(True)
+        grads.finish()                           # mean over dp x cp (ZeRO-1: into my shard of each bucket)
+        grad_norm = clip_grid_grads(chunks, shards, cfg.grad_clip, grid)
+        optimizer_step(optimizer, shards, lr)
         grads.zero_grad()
         comm_bytes, by_axis = COMM.bytes_sent, bytes_by_axis(grid)     # this step's traffic, before logging
         comm.all_reduce(loss_sum, group=grid.groups["dp_cp"])          # the last stage's mean over dp x cp
@@ -370,9 +429,9 @@ def main(argv=None):
             chunks.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_consolidated(cfg, chunks, optimizer, grid, gcfg, step + 1)
+            save_consolidated(cfg, chunks, optimizer, shards, grid, gcfg, step + 1)
     logger.close()
-    return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, grid=grid)
+    return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, grid=grid, shards=shards)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ class Shard:
     optimizer state of that slice (master, exp_avg, exp_avg_sq). Stage 3 keeps only `shard` at rest: `full` has its storage
     resized to zero except between `gather()` and `free()`."""
 
-    def __init__(self, names, params, stage, group, dtype, device, n_layer, seed, tracker=None):
+    def __init__(self, names, params, stage, group, dtype, device, initial, tracker=None):
+        """initial: {name: value} of these parameters (model.init_parameter's, or an already built model's)."""
         self.names, self.stage, self.group = names, stage, group
         n, rank = (1, 0) if stage == 0 else (dist.get_world_size(group), dist.get_rank(group))
         self.offsets = list(accumulate((p.numel() for p in params), initial=0))
@@ -60,10 +61,12 @@ class Shard:
         self.lo, self.hi = rank * (self.padded // n), (rank + 1) * (self.padded // n)
         # the full initial values of this bucket / unit only, in the master's dtype
         self.master_dtype = param_dtype(dtype)
-        init = flatten(self, {n: init_parameter(n, p.shape, n_layer, seed) for n, p in zip(names, params)})
+        init = flatten(self, initial)
         self.full = init.to(device=device, dtype=dtype)
         self.params = [torch.nn.Parameter(self.full[off: off + p.numel()].view(p.shape))
                        for p, off in zip(params, self.offsets)]
+        for new, old in zip(self.params, params):
+            new.__dict__.update(old.__dict__)           # tags other rungs put on parameters (tensor-parallel)
         own = init[self.lo: self.hi].to(device)
         self.shard = own.to(dtype).clone() if stage == 3 else self.full[self.lo: self.hi]
         self.master = self.shard if dtype == self.master_dtype else own.clone()
@@ -194,9 +197,11 @@ class ShardedGrads(DataParallelGrads):
             (b.buffer if self.stage <= 1 else b.shard.grad).zero_()
 
 
-def shard_model(model, cfg, stage, group, dtype, device, tracker):
-    """Swap the model's parameters for views of flat per-bucket (stage 0-2) or per-unit (stage 3) Shards."""
-    named = {p: n for n, p in model.named_parameters()}
+def shard_model(model, cfg, stage, group, dtype, device, tracker, names=None):
+    """Swap the model's parameters for views of flat per-bucket (stage 0-2) or per-unit (stage 3) Shards.
+    A model on the meta device starts from model.init_parameter; a built one (train_5d's tensor-parallel
+    stages, `names` giving each parameter's GPT name) from its current values."""
+    named = names or {p: n for n, p in model.named_parameters()}
     if stage == 3:   # units: blocks in backward order, then the root (embedding, final LayerNorm)
         blocks = [list(b.parameters()) for b in model.transformer.h]
         root = [p for p in model.parameters() if all(p is not q for blk in blocks for q in blk)]
@@ -205,7 +210,9 @@ def shard_model(model, cfg, stage, group, dtype, device, tracker):
         groups = assign_buckets(list(reversed(list(model.parameters()))), cfg.bucket_mb * 2 ** 20)
     shards = []
     for params in groups:
-        s = Shard([named[p] for p in params], params, stage, group, dtype, device, cfg.n_layer, cfg.seed, tracker)
+        initial = {named[p]: init_parameter(named[p], p.shape, cfg.n_layer, cfg.seed) if p.is_meta else p.detach()
+                   for p in params}
+        s = Shard([named[p] for p in params], params, stage, group, dtype, device, initial, tracker)
         new = {id(old): p for old, p in zip(params, s.params)}
         for module in model.modules():                 # every attribute holding one (tied weights: two)
             for key, p in module._parameters.items():

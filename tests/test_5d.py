@@ -19,8 +19,9 @@ def _runs(rank, world, argvs):
     out = []
     for argv in argvs:
         result = train_5d.main(argv)
+        shards = result["shards"]
         out.append(dict(n_params=sum(p.numel() for p in result["chunks"].parameters()),
-                        sizes=result["grid"].sizes))
+                        n_padded=sum(s.padded for s in shards) if shards else None, sizes=result["grid"].sizes))
     return out if rank == 0 else None
 
 
@@ -33,7 +34,7 @@ def part(n):
 
 
 def expected_bytes_by_axis(dp=1, tp=1, cp=1, pp=1, sp=False, micro=2, n_layer=2, v=1, cp_layout="zigzag",
-                           n_params=0, value_bytes=8):
+                           n_params=0, n_padded=None, value_bytes=8):
     """Bytes global rank 0 (first stage; tp, cp, dp index 0) sends in one step, per axis: each rung's formula
     (tests/test_tp.py, test_cp.py, test_pp.py, test_ddp.py) with the composed step's sizes."""
     m, t_local, layers = 8 // (micro * dp), T // cp, n_layer // pp      # rank 0 holds n_layer / pp blocks
@@ -52,6 +53,9 @@ def expected_bytes_by_axis(dp=1, tp=1, cp=1, pp=1, sp=False, micro=2, n_layer=2,
     pp_step = 0
     if pp > 1:   # the first rank sends 2V - 1 messages per micro-batch; the tied weight's two copies all-reduce
         pp_step = m * act * (2 * v - 1) + (VOCAB // tp) * H * value_bytes * ar(2)
+    if n_padded is not None:      # ZeRO-1 (train_zero): reduce-scatter + all-gather of the padded buckets;
+        return dict(dp=ar(dp * cp) * value_bytes * n_padded, tp=tp_step, cp=cp_step, pp=pp_step,   # the norm
+                    mp=ar(dp * tp * cp * pp) * value_bytes)                                      # over all
     return dict(dp=ar(dp * cp) * value_bytes * n_params, tp=tp_step, cp=cp_step, pp=pp_step,
                 mp=ar(tp * pp) * value_bytes)
 
@@ -62,7 +66,9 @@ CASES = {
     4: [("L2", dict(dp=2, tp=2)), ("L2", dict(tp=2, pp=2, sp=True)), ("L2", dict(tp=2, cp=2, sp=True)),
         ("L2", dict(cp=2, pp=2)), ("L2", dict(dp=2, cp=2, cp_layout="ring")), ("L2", dict(dp=2, pp=2)),
         ("L4", dict(pp=2, tp=2, pp_schedule="interleaved", pp_virtual=2)),
-        ("L4", dict(pp=2, cp=2, pp_schedule="zb1", cp_layout="allgather"))],
+        ("L4", dict(pp=2, cp=2, pp_schedule="zb1", cp_layout="allgather")),
+        ("L2", dict(dp=2, tp=2, sp=True, zero_stage=1)), ("L2", dict(dp=2, pp=2, zero_stage=1)),
+        ("L2", dict(dp=2, cp=2, zero_stage=1))],
     8: [("L2", dict(dp=2, tp=2, pp=2, sp=True)), ("L2", dict(tp=2, cp=2, pp=2)), ("L2", dict(dp=2, tp=2, cp=2))],
     16: [("L2", dict(dp=2, tp=2, cp=2, pp=2, sp=True))],
 }
@@ -83,7 +89,7 @@ def test_float64_parity_and_bytes_per_axis(text_reference_for, text_data, tmp_pa
         want = expected_bytes_by_axis(micro=opts["micro_batch_size"], n_layer=MODELS[model].get("n_layer", 2),
                                       v=opts.get("pp_virtual", 1), sp=opts.get("sp", False),
                                       cp_layout=opts.get("cp_layout", "zigzag"), n_params=result["n_params"],
-                                      **sizes)
+                                      n_padded=result["n_padded"], **sizes)
         for row in read_metrics(out):
             got = row["comm_bytes_by_axis"]
             for axis, value in want.items():
@@ -137,19 +143,16 @@ def _resume_runs(rank, world, argvs):
 
 
 def test_resharding_resume(text_reference, text_data, tmp_path):
-    """A (tp 2, pp 2) run stopped at step 10 leaves one checkpoint in train_single's layout; resumed as
-    (dp 2, cp 2) and as train_single, both continue with the unbroken run's losses (float64, 1e-9)."""
-    import shutil
-    first = str(tmp_path / "tp2pp2")
-    run_workers(_resume_runs, 4, args=([text_argv(text_data, first, tp=2, pp=2, micro_batch_size=2, stop_step=10)],))
-    assert len(losses(first)) == 10
-    for name in ("dp2cp2", "single"):
-        shutil.copytree(first, tmp_path / name)
-    run_workers(_resume_runs, 4, args=([text_argv(text_data, str(tmp_path / "dp2cp2"), dp=2, cp=2, micro_batch_size=2,
-                                                  resume=True)],))
-    run_single(text_argv(text_data, str(tmp_path / "single"), micro_batch_size=8, resume=True))
-    for name in ("dp2cp2", "single"):
-        assert_exact(text_reference[0], curves(str(tmp_path / name)))
+    """One checkpoint in train_single's layout carries a run across layouts: steps 0-9 as (tp 2, pp 2), 10-19 as
+    (dp 2, cp 2) with ZeRO-1, 20-29 as train_single; the losses are the unbroken run's (float64, 1e-9)."""
+    out = str(tmp_path / "run")
+    run_workers(_resume_runs, 4, args=([text_argv(text_data, out, tp=2, pp=2, micro_batch_size=2, stop_step=10)],))
+    assert len(losses(out)) == 10
+    run_workers(_resume_runs, 4, args=([text_argv(text_data, out, dp=2, cp=2, zero_stage=1, micro_batch_size=2,
+                                                  resume=True, stop_step=20)],))
+    assert len(losses(out)) == 20
+    run_single(text_argv(text_data, out, micro_batch_size=8, resume=True))
+    assert_exact(text_reference[0], curves(out))
 
 
 def test_evaluation_matches_single(text_data, tmp_path):
