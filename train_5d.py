@@ -41,6 +41,8 @@ import comm
 from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from comm import COMM, destroy, init_distributed, new_group, world_size_from_env
 from config import check, config_dict, fail, parse_config
+from kernels import apply_kernels, convert_to_float8
+from kernels.fp8 import check_fp8_support
 from metrics import MetricsLogger
 from model import GPT, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
@@ -339,11 +341,13 @@ def validate(cfg):
           f"interleaved needs --pp_virtual >= 2 and micro-batches per step ({m}) divisible by pp={pp}")
     check(cfg.pp_schedule == "afab" or m >= pp, f"--pp_schedule {cfg.pp_schedule} needs at least pp={pp} "
           f"micro-batches per step, got {m} (global / (micro * dp))")
-    check(cfg.pp_schedule != "zb1" or tp == 1, "zb1 defers the weight gradients of nn.Linear layers; with --tp > 1 "
-                                               "use afab, 1f1b or interleaved")
+    check(cfg.pp_schedule != "zb1" or (tp == 1 and cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
+          "zb1 defers the weight gradients of plain nn.Linear layers: with --tp > 1, fused kernels or --fp8 use "
+          "afab, 1f1b or interleaved")
     check(cfg.dtype != "float16", "train_5d supports float32, bfloat16 and float64 (no fp16 loss scaling)")
-    check(cfg.kernels in ("auto", "torch") and cfg.fp8 == "none",
-          "train_5d runs model.py's layers (--kernels torch); fused kernels and --fp8 are in train_single")
+    check(tp == 1 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
+          "--kernels triton|compile and --fp8 fuse or swap nn.Linear layers; with --tp > 1 the layers are "
+          "tensor-parallel (their communication would be skipped): use --kernels torch --fp8 none")
     check(cfg.zero_stage in (0, 1), f"--zero_stage {cfg.zero_stage}: train_5d shards the optimizer (ZeRO-1) or not "
           f"(0); ZeRO-2/3 reduce or gather per micro-batch, which the pipeline's schedule does not offer (train_zero)")
 
@@ -366,6 +370,14 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = True
 
     chunks, gcfg, pos = build_chunks(cfg, loader.vocab_size, grid, env.device, param_dtype(dtype))
+    try:                                         # tp == 1 only (validate): model.py's layers, as in train_single
+        for chunk in chunks:
+            apply_kernels(chunk, cfg.kernels)
+            if cfg.fp8 != "none":
+                check_fp8_support(env.device)
+                convert_to_float8(chunk, recipe=cfg.fp8)
+    except (ValueError, RuntimeError) as e:
+        fail(str(e))
     store = WeightGradStore() if cfg.pp_schedule == "zb1" else None
     if store is not None:
         defer_weight_grads(chunks, store)

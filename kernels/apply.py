@@ -142,16 +142,17 @@ def apply_kernels(model, mode="auto"):
                     print(f"kernels: {name}.{child_name} keeps sdpa (attention dropout is not in the kernel)")
                 else:
                     setattr(module, child_name, FlashAttentionCore(mode))
-    for blocks in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
-        for i, block in enumerate(blocks):
+    # the blocks: a GPT's ModuleList, or a pipeline stage's blocks (train_pp.StageBlocks, a ModuleDict)
+    for blocks in [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]:
+        for key, block in list(blocks._modules.items()):
             if type(block) is not Block or not _plain_mlp(block.mlp, MLP):
                 continue
+            fused = FusedBlock(block, "torch" if mode == "compile" else mode)
             if mode == "compile":
                 # regional compilation: inductor fuses the whole block's torch references (LayerNorms, RoPE,
                 # bias+GeLU, bias+residual); Module.compile() works in place, so no _orig_mod. in names
-                blocks[i] = FusedBlock(block, "torch")
-                blocks[i].compile()
-            else:
-                blocks[i] = FusedBlock(block, mode)
-    model.lm_head = FusedLMHead(model.lm_head, mode)
+                fused.compile()
+            setattr(blocks, key, fused)
+    if hasattr(model, "lm_head"):                  # a pipeline stage before the last has none
+        model.lm_head = FusedLMHead(model.lm_head, mode)
     return mode

@@ -124,6 +124,8 @@ def test_default_layout_shows_more_than_one_axis(tiny_data, tmp_path):
     (2, dict(cp=2, block_size=6), "must be a multiple of 4 (--cp_layout zigzag"),
     (2, dict(pp=2, global_batch_size=2, micro_batch_size=2), "needs at least pp=2 micro-batches"),
     (2, dict(tp=2, pp_schedule="zb1"), "zb1 defers"),
+    (2, dict(tp=2, kernels="compile"), "with --tp > 1 the layers are tensor-parallel"),
+    (2, dict(dp=2, zero_stage=2), "--zero_stage 2"),
 ])
 def test_bad_layout_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys, world, overrides, message):
     import train_5d
@@ -164,3 +166,18 @@ def test_evaluation_matches_single(text_data, tmp_path):
     val = [[r["val_loss"] for r in map(json.loads, open(tmp_path / d / "metrics.jsonl")) if "val_loss" in r]
            for d in ("single", "5d")]
     assert len(val[0]) == 2 and val[1] == pytest.approx(val[0], rel=1e-9)
+
+
+def test_kernels_and_fp8_apply_in_stages(text_data, tmp_path):
+    """With tp 1, the rungs' fused kernels (Triton, here interpreted on CPU) and FP8 GEMMs run inside pipeline
+    stages as in train_single: the same curve as train_single with the same flags, and FP8 really on."""
+    runs = dict(triton=dict(kernels="triton", max_steps=2), fp8=dict(fp8="tensorwise", dtype="float32", max_steps=6))
+    argvs = [text_argv(text_data, str(tmp_path / name), pp=2, micro_batch_size=2, **o) for name, o in runs.items()]
+    run_workers(_resume_runs, 2, args=(argvs,), timeout=600)
+    for name, opts in runs.items():
+        ref = run_single(text_argv(text_data, str(tmp_path / f"single_{name}"), micro_batch_size=2, **opts),
+                         both_curves=True)[0]
+        assert_exact(ref, curves(str(tmp_path / name)), rtol=1e-12 if name == "triton" else 1e-5)
+    plain = run_single(text_argv(text_data, str(tmp_path / "plain"), micro_batch_size=2, dtype="float32",
+                                 max_steps=6))[0]
+    assert abs(plain[-1] - losses(str(tmp_path / "fp8"))[-1]) > 1e-4, "FP8 must change the numbers"
