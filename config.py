@@ -84,7 +84,7 @@ HELP = dict(
     compile="torch.compile the model", seed="seed of init, data order and dropout",
     recompute="activation recomputation: none | selective (attention core) | full (whole block)",
     kernels="fused kernels (kernels/): triton | torch (model.py as is) | compile (torch.compile'd fusions) | "
-            "auto (triton on CUDA, torch on CPU)",
+            "auto (torch until a Triton kernel is measured faster on a GPU)",
     fp8="FP8 matmuls in the blocks' Linear layers (kernels/fp8.py): none | tensorwise | rowwise | blockwise | "
         "delayed; embedding, LM head, norms, softmax and router stay in high precision",
     dist_timeout="seconds before a stuck collective raises instead of hanging",
