@@ -52,7 +52,7 @@ from train_ddp import DataParallelGrads
 from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from train_single import (autocast_context, evaluate, gpt_config, materialize, param_dtype, prepare_data,
-                          resolve_dtype, should_save)
+                          print_sample, resolve_dtype, should_save)
 from train_tp import (all_reduce_sequence_parallel_grads, apply_tp, full_shape, init_tp_weights, tp_gather, tp_owned,
                       tp_slice)
 from train_zero import ShardedAdamW, ShardedGrads, flatten, full_values, optimizer_layout, shard_model
@@ -239,18 +239,23 @@ def whole_state(chunks, optimizer, shards, tp_group):
     return out
 
 
-def save_consolidated(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
-    """One ckpt.pt as train_single writes it: TP parts gathered over tp, the stages' parts sent over pp to
-    global rank 0 (the ranks of other dp / cp indices hold replicas of the same values and send nothing)."""
+def gather_whole(chunks, optimizer, shards, grid):
+    """{name: [weight, exp_avg, exp_avg_sq, step]} of the whole model on global rank 0 (None elsewhere): TP parts
+    gathered over tp, the stages' parts sent over pp (other dp / cp indices hold replicas and send nothing)."""
     parts = whole_state(chunks, optimizer, shards, grid.groups["tp"])
     if grid.coords["tp"] or grid.coords["cp"] or grid.coords["dp"]:
-        return
+        return None
     pp = grid.groups["pp"]
     gathered = [None] * grid.sizes["pp"] if grid.coords["pp"] == 0 else None
     dist.gather_object(parts, gathered, dst=dist.get_global_rank(pp, 0), group=pp)
-    if grid.coords["pp"] != 0:
+    return None if gathered is None else {name: value for part in gathered for name, value in part.items()}
+
+
+def save_consolidated(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
+    """One ckpt.pt as train_single writes it (model, AdamW state in a single-device optimizer's order)."""
+    whole = gather_whole(chunks, optimizer, shards, grid)
+    if whole is None:
         return
-    whole = {name: value for part in gathered for name, value in part.items()}
     with torch.device("meta"):
         gpt = GPT(gcfg)
     order, param_groups = optimizer_layout(gpt, cfg)
@@ -258,6 +263,16 @@ def save_consolidated(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
     moments = {i: dict(step=whole[n][3], exp_avg=whole[n][1], exp_avg_sq=whole[n][2]) for i, n in enumerate(order)}
     save_checkpoint(checkpoint_path(cfg.out_dir), dict(model=model_state, step=next_step, rng=rng_state(),
                     optimizer=dict(state=moments, param_groups=param_groups), config=config_dict(cfg)))
+
+
+def sample_on_rank0(cfg, chunks, optimizer, shards, grid, gcfg, loader, env):
+    """The whole trained model on global rank 0, for the eyeball test that training worked."""
+    whole = gather_whole(chunks, optimizer, shards, grid)
+    if whole is not None:
+        model = GPT(gcfg).to(env.device)
+        model.load_state_dict({**{name: value[0] for name, value in whole.items()},
+                               "lm_head.weight": whole["transformer.wte.weight"][0]})
+        print_sample(model, loader, cfg, env)
 
 
 @torch.no_grad()
@@ -443,6 +458,8 @@ def main(argv=None):
         if should_save(cfg, step, last_step):
             save_consolidated(cfg, chunks, optimizer, shards, grid, gcfg, step + 1)
     logger.close()
+    if cfg.sample_tokens > 0 and last_step > start:     # (AdamW's state exists once a step has run)
+        sample_on_rank0(cfg, chunks, optimizer, shards, grid, gcfg, loader, env)
     return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, grid=grid, shards=shards)
 
 

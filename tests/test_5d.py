@@ -95,6 +95,7 @@ def test_float64_parity_and_bytes_per_axis(text_reference_for, text_data, tmp_pa
             for axis, value in want.items():
                 assert got[axis] == pytest.approx(value, rel=1e-12, abs=1e-9), (opts, axis, got, want)
             assert row["comm_bytes"] == pytest.approx(sum(want.values()), rel=1e-12)
+            assert row["tokens"] == (row["step"] + 1) * 8 * T      # counted once, not per tp / cp / pp rank
 
 
 def _bitwise(rank, world, argv):
