@@ -13,6 +13,10 @@ repeats and the ratio to the first run (the baseline) in two ways: the ratio of 
 median (and range) of the per-round ratios, each round's run divided by the baseline run just before it. On a
 machine whose speed drifts between rounds the paired ratio is the steadier of the two. The table goes to
 bench/results/NAME.md.
+
+Several comparisons can share one table (bench/sweeps/5d.sh): each --baseline LABEL starts a group, and the runs
+after it, up to the next baseline, are compared with it instead of with the first run; --target LABEL=R adds a
+column saying whether that run's median paired ratio reaches R.
 """
 import argparse
 import os
@@ -73,6 +77,24 @@ def fmt(value, kind):
     return f"{value:,.0f}"
 
 
+def group_baselines(labels, baselines):
+    """{label: the label it is compared with}: the nearest --baseline at or before it, else the first run."""
+    unknown = set(baselines) - set(labels)
+    if unknown:
+        sys.exit(f"bench: --baseline names no run: {', '.join(sorted(unknown))}")
+    out, current = {}, labels[0]
+    for label in labels:
+        current = label if label in baselines else current
+        out[label] = current
+    return out
+
+
+def target_verdict(ratio, target):
+    if target is None:
+        return ""
+    return f">= {target:.2f}: met" if ratio >= target else f">= {target:.2f}: **below** ({ratio:.2f})"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--name", required=True, help="results go to bench/results/NAME.md")
@@ -82,8 +104,12 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="steps ignored at the start of every run")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--note", default="", help="a line printed under the table")
+    p.add_argument("--baseline", action="append", default=[], help="LABEL: compare the runs after it with it")
+    p.add_argument("--target", action="append", default=[], help="LABEL=R: the paired ratio LABEL should reach")
     a = p.parse_args(argv)
     runs = [r.split("=", 1) for r in a.run]
+    baseline_of = group_baselines([label for label, _ in runs], a.baseline)
+    targets = {label: float(r) for label, r in (t.rsplit("=", 1) for t in a.target)}
     results = {label: [] for label, _ in runs}
     for rep in range(a.repeats):
         for label, command in runs:
@@ -92,23 +118,27 @@ def main(argv=None):
             results[label].append(res)
             print(f"bench {a.name}: round {rep + 1}/{a.repeats} {label}: {res['tokens_per_s']:,.0f} tok/s", flush=True)
 
-    base_rounds = [r["tokens_per_s"] for r in results[runs[0][0]]]
-    base = statistics.median(base_rounds)
+    header = ["run", "tokens/s", "ratio vs baseline" if a.baseline else "ratio vs first", "paired ratio (range)"]
+    header += ["target"] if targets else []
+    header += ["MFU", "peak memory", "comm bytes/step", "command"]
     lines = [f"### {a.title or a.name}", "",
              f"Machine: {machine_description()}. {a.repeats} alternating rounds, median of steps after "
              f"{a.warmup} warm-up steps, then median over rounds.", "",
-             "| run | tokens/s | ratio vs first | paired ratio (range) | MFU | peak memory | comm bytes/step | command |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, command in runs:
         rs = results[label]
+        base_rounds = [r["tokens_per_s"] for r in results[baseline_of[label]]]
         tps = statistics.median(r["tokens_per_s"] for r in rs)
         mfus = [r["mfu"] for r in rs if r["mfu"] is not None]
         mfu = statistics.median(mfus) if mfus else None
         paired = [r["tokens_per_s"] / b for r, b in zip(rs, base_rounds)]
-        lines.append(f"| {label} | {fmt(tps, 'n')} | {tps / base:.2f} | {statistics.median(paired):.2f} "
-                     f"({min(paired):.2f}-{max(paired):.2f}) | {fmt(mfu, 'mfu')} | "
-                     f"{fmt(max(r['peak_mem_bytes'] for r in rs), 'bytes')} | "
-                     f"{fmt(statistics.median(r['comm_bytes'] for r in rs), 'bytes')} | `{command.replace('{out}', 'OUT')}` |")
+        cells = [label, fmt(tps, 'n'), f"{tps / statistics.median(base_rounds):.2f}",
+                 f"{statistics.median(paired):.2f} ({min(paired):.2f}-{max(paired):.2f})"]
+        if targets:
+            cells.append(target_verdict(statistics.median(paired), targets.get(label)))
+        cells += [fmt(mfu, 'mfu'), fmt(max(r['peak_mem_bytes'] for r in rs), 'bytes'),
+                  fmt(statistics.median(r['comm_bytes'] for r in rs), 'bytes'), f"`{command.replace('{out}', 'OUT')}`"]
+        lines.append("| " + " | ".join(cells) + " |")
     if a.note:
         lines += ["", a.note]
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
