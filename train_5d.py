@@ -3,7 +3,8 @@ train_5d.py: the rungs composed. Data, tensor, context and pipeline parallelism 
 axis the building block of its own rung (imported, not rewritten), checked to train exactly like train_single.
 
     torchrun --nproc_per_node=8 train_5d.py                                   # default grid: dp 2 x tp 2 x pp 2
-    torchrun --nproc_per_node=8 train_5d.py --tp 2 --sp --cp 2 --pp 2         # 4 axes (dp = 8 / 8 = 1)
+    torchrun --nproc_per_node=8 train_5d.py --tp 2 --sp --cp 2 --pp 2         # tp, cp, pp (dp = 8 / 8 = 1)
+    torchrun --nproc_per_node=8 train_5d.py --dp 4 --tp 2 --zero_stage 1      # ZeRO-1 over dp x cp
     torchrun --nproc_per_node=8 train_5d.py --dp 2 --pp 4 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 train_5d.py \\
         --tp 8 --pp 2                                     # two nodes: tp inside a node, pp across the two
@@ -28,7 +29,9 @@ the tied weight by the first stage), reduced over tp x pp (the dp x cp replicas 
 
 Bytes per step (metrics.jsonl `comm_bytes_by_axis`, this rank, comm.py's ring convention) are each rung's own
 formula with the sizes of the composed step: tp its block all-reduces on [b, T/cp, h], cp its ring on this TP
-rank's heads, pp its p2p of [b, T/cp (/tp under SP), h], dp the all-reduce of this rank's gradient shards.
+rank's heads, pp its p2p of [b, T/cp (/tp under SP), h], dp the all-reduce (ZeRO-1: reduce-scatter + all-gather)
+of this rank's gradients. Checkpoints are one file in train_single's layout: any layout, or train_single, resumes
+any other. With tp 1, --kernels and --fp8 apply inside the stages as in train_single.
 """
 import math
 import time
@@ -53,8 +56,7 @@ from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from train_single import (autocast_context, evaluate, gpt_config, materialize, param_dtype, prepare_data,
                           print_sample, resolve_dtype, should_save)
-from train_tp import (all_reduce_sequence_parallel_grads, apply_tp, full_shape, init_tp_weights, tp_gather, tp_owned,
-                      tp_slice)
+from train_tp import all_reduce_sequence_parallel_grads, apply_tp, full_shape, init_tp_weights, tp_gather, tp_slice
 from train_zero import ShardedAdamW, ShardedGrads, flatten, full_values, optimizer_layout, shard_model
 
 AXES = ("tp", "cp", "dp", "pp")          # innermost first
