@@ -123,9 +123,14 @@ def check(condition, message):
         raise ConfigError(message)
 
 
-def fail(message):
-    """Print one clear error line (once, on rank 0) and exit with code 2."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def fail(message, rank_local=False):
+    """Print one clear error line and exit with code 2. A configuration error is the same on every rank and
+    prints once (rank 0); a rank-local one (this node's files, this rank's checkpoint) prints on the rank that
+    hit it, named, since rank 0 may not have seen it."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank_local and "RANK" in os.environ:
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    elif rank == 0 or rank_local:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 

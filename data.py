@@ -21,6 +21,7 @@ micro-batch is a fixed slice of it (`micro_batch`), so every layout sees exactly
 import argparse
 import json
 import os
+import socket
 import sys
 import sysconfig
 import urllib.request
@@ -66,15 +67,23 @@ def write_dataset(out_dir, tokens, vocab_size, tokenizer, source, val_fraction=0
     n_val = max(int(len(tokens) * val_fraction), 1)
     splits = {"train": tokens[:-n_val], "val": tokens[-n_val:]}
     for split, arr in splits.items():
-        tmp = os.path.join(out_dir, f"{split}.bin.tmp")
+        tmp = temporary_name(out_dir, f"{split}.bin")
         arr.astype(np.uint16).tofile(tmp)
         os.replace(tmp, os.path.join(out_dir, f"{split}.bin"))
     meta = dict(vocab_size=vocab_size, tokenizer=tokenizer, source=source,
                 train_tokens=int(len(splits["train"])), val_tokens=int(len(splits["val"])))
-    with open(os.path.join(out_dir, "meta.json.tmp"), "w") as f:
+    tmp = temporary_name(out_dir, "meta.json")
+    with open(tmp, "w") as f:
         json.dump(meta, f, indent=1)
-    os.replace(os.path.join(out_dir, "meta.json.tmp"), os.path.join(out_dir, "meta.json"))
+    os.replace(tmp, os.path.join(out_dir, "meta.json"))   # last: a meta.json means the .bin files are complete
     return meta
+
+
+def temporary_name(out_dir, name):
+    """A temporary file name no other writer uses: nodes that share a filesystem may each prepare the same
+    corpus at once (one writer per node); each writes its own file and renames it into place atomically, and
+    as they write the same bytes, whichever rename lands last changes nothing."""
+    return os.path.join(out_dir, f"{name}.{socket.gethostname()}.{os.getpid()}.tmp")
 
 
 def prepare_stdlib(out_dir=DEFAULT_DATA_DIR):

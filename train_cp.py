@@ -32,14 +32,14 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from comm import COMM, destroy, all_gather, all_reduce, batch_isend_irecv, init_distributed, p2p_op, reduce_scatter, \
     world_size_from_env
-from config import check, fail, grad_accum_steps, parse_config
-from kernels import apply_kernels
+from config import check, grad_accum_steps, parse_config
 from kernels.flash_attention import flash_attention_backward, flash_attention_forward
 from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
-from train_single import autocast_context, evaluate, gpt_config, load_training_state, prepare_data, \
-    param_dtype, print_sample, resolve_dtype, save_training_state, should_save
+from train_single import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, \
+    load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype, save_training_state, should_save, \
+    wait_for_main_rank
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -341,22 +341,18 @@ def validate(cfg):
 
 
 def main(argv=None):
-    cfg = parse_config(argv, techniques=("cp", "cp_layout"), description=__doc__.split("\n\n")[0],
+    cfg = parse_config(argv, techniques=("cp", "cp_layout", "fp8"), description=__doc__.split("\n\n")[0],
                        validate=validate)
     env = init_distributed(cfg)
     group, cp = dist.group.WORLD, cfg.cp
     grad_acc = grad_accum_steps(cfg, 1)        # every CP rank sees every sequence: dp = 1
     loader = prepare_data(cfg, env)
-    if env.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    enable_tf32(env.device)
     dtype = resolve_dtype(cfg, env.device)
     wide = param_dtype(dtype)                  # losses summed over ranks in fp32 (float64 in a float64 run)
 
     model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device, param_dtype(dtype))
-    try:
-        mode = apply_kernels(model, cfg.kernels)     # --kernels: fused modules, same parameters
-    except ValueError as e:
-        fail(str(e))
+    mode = apply_kernels_and_fp8(model, cfg, env.device)   # fused modules, FP8 GEMMs: same parameters
     kernel = {"triton": (flash_attention_forward, flash_attention_backward), "cpu": SDPA_CPU}.get(
         mode if mode == "triton" else env.device.type, PLAIN_TORCH)
     local_cores = swap_attention_cores(model, lambda: ContextParallelAttentionCore(group, cfg.cp_layout, kernel))
@@ -415,8 +411,10 @@ def main(argv=None):
                 val = evaluate(eval_loss, loader, cfg)
             model.train()
             logger.log_eval(step, val)
-        if should_save(cfg, step, last_step) and env.is_main:
-            save_training_state(cfg, model, optimizer, step + 1)
+        if should_save(cfg, step, last_step):
+            if env.is_main:                             # the CP ranks hold the same weights: rank 0 saves
+                save_training_state(cfg, model, optimizer, step + 1)
+            wait_for_main_rank(group, cfg, "checkpoint save")
     logger.close()
     for block, core in zip(model.transformer.h, local_cores):   # sample on one device with the plain core
         block.attn.core = core

@@ -30,8 +30,9 @@ from config import check, fail, grad_accum_steps, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
-from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
-                          param_dtype, print_sample, resolve_dtype, save_training_state, should_save)
+from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
+                          load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype,
+                          save_training_state, should_save, wait_for_main_rank)
 
 MODES = ("naive", "overlap", "bucket")
 
@@ -231,7 +232,7 @@ def validate(cfg):
 
 
 def main(argv=None):
-    cfg = parse_config(argv, techniques=("bucket_mb",), description=__doc__.split("\n\n")[0],
+    cfg = parse_config(argv, techniques=("bucket_mb", "fp8"), description=__doc__.split("\n\n")[0],
                        extra_args=add_args, validate=validate)
     env = init_distributed(cfg)
     group, dp = dist.group.WORLD, env.world_size
@@ -240,9 +241,11 @@ def main(argv=None):
         print("warning: world size 1: there is nothing to average; this is train_single.py with extra "
               "steps (launch with torchrun --nproc_per_node N)", file=sys.stderr, flush=True)
     loader = prepare_data(cfg, env)
+    enable_tf32(env.device)
     dtype = resolve_dtype(cfg, env.device)
 
     model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device, param_dtype(dtype))
+    apply_kernels_and_fp8(model, cfg, env.device)    # as train_single: fused modules, FP8 GEMMs, same parameters
     try:
         check_replicas_agree(list(model.parameters()), group)
     except ReplicaMismatch as e:
@@ -285,14 +288,18 @@ def main(argv=None):
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
                         comm_calls=calls)
 
-        if env.is_main and cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
-            model.eval()
-            with amp:
-                val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
-            model.train()
-            logger.log_eval(step, val)
-        if env.is_main and should_save(cfg, step, last_step):
-            save_training_state(cfg, model, optimizer, step + 1)   # replicas agree: rank 0 saves for all
+        if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
+            if env.is_main:                                # replicas agree: rank 0 evaluates for all
+                model.eval()
+                with amp:
+                    val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
+                model.train()
+                logger.log_eval(step, val)
+            wait_for_main_rank(group, cfg, "evaluation")
+        if should_save(cfg, step, last_step):
+            if env.is_main:
+                save_training_state(cfg, model, optimizer, step + 1)   # replicas agree: rank 0 saves for all
+            wait_for_main_rank(group, cfg, "checkpoint save")
     logger.close()
     print_sample(model, loader, cfg, env)
     return dict(model=model, cfg=cfg, grads=grads)

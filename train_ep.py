@@ -40,7 +40,8 @@ from metrics import MetricsLogger
 from model import GPT, MLP, combine, flops_per_token, init_parameter, route
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_ddp import DataParallelGrads, mean_over_group
-from train_single import (MOE_FLAGS, autocast_context, check_moe, evaluate, gpt_config, load_training_state,
+from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
+                          gpt_config, load_training_state,
                           param_dtype, prepare_data, print_sample, resolve_dtype, router_metrics, save_training_state,
                           should_save)
 
@@ -117,6 +118,23 @@ class ExpertParallelMoE(nn.Module):
         return out[torch.argsort(perm)]
 
 
+class GroupGradScaler(torch.amp.GradScaler):
+    """fp16 loss scaling whose overflow check is agreed over `group`. torch's GradScaler decides per rank
+    whether a gradient overflowed; here expert gradients differ between ranks, so one rank could skip a step
+    the others take and the replicas would drift apart. After unscale_, each found-inf flag is replaced by
+    its maximum over the group, so step() and update() skip (and back off the scale) on every rank or none."""
+
+    def __init__(self, device_type, group, enabled=True):
+        super().__init__(device_type, enabled=enabled)
+        self.group = group
+
+    def unscale_(self, optimizer):
+        super().unscale_(optimizer)
+        if self.is_enabled():
+            for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
+
+
 def expert_parallel_gpt(gcfg, seed, ep_group):
     """model.GPT with each MoE block's MLP replaced by its ExpertParallelMoE. The model is first built dense
     (one plain MLP per block, dropped at once), so no rank ever materialises all E experts."""
@@ -154,22 +172,24 @@ def validate(cfg):
 
 
 def main(argv=None):
-    cfg = parse_config(argv, techniques=("ep",) + MOE_FLAGS, description=__doc__.split("\n\n")[0],
+    cfg = parse_config(argv, techniques=("ep", "fp8") + MOE_FLAGS, description=__doc__.split("\n\n")[0],
                        validate=validate)
     env = init_distributed(cfg)
     world = env.world_size
     ep_group, replica_group = expert_groups(world, cfg.ep)
     grad_acc = grad_accum_steps(cfg, world)
     loader = prepare_data(cfg, env)
+    enable_tf32(env.device)
     dtype = resolve_dtype(cfg, env.device)
 
     model = expert_parallel_gpt(gpt_config(cfg, loader.vocab_size), cfg.seed, ep_group).to(env.device,
                                                                                          param_dtype(dtype))
+    apply_kernels_and_fp8(model, cfg, env.device)    # as train_single: dense blocks fused, Linears (experts too) FP8
     named = list(model.named_parameters())
     dense = [p for n, p in named if not is_expert_param(n)]
     experts = [p for n, p in named if is_expert_param(n)]
     optimizer = configure_optimizer(named, cfg, env.device.type)
-    scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
+    scaler = GroupGradScaler(env.device.type, dist.group.WORLD, enabled=dtype == torch.float16)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
     start = load_training_state(cfg, model, optimizer, rank=env.rank) if cfg.resume else 0
     # dense grads: mean over all ranks (DP). Expert grads already sum the tokens of the whole EP group:

@@ -39,7 +39,8 @@ from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from pipeline_schedules import (Exchange, comm_plan, make_schedule, recvs_of, render, sends_of, simulate,
                                 stage_of)
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
-from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
+from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
+                          load_training_state, prepare_data,
                           materialize, param_dtype, print_sample, resolve_dtype, save_training_state,
                           should_save)
 
@@ -339,6 +340,9 @@ def validate(cfg):
           f"to give the first stages one block more)")
     check(cfg.dtype != "float16", "train_pp.py supports float32, bfloat16 and float64 (fp16 needs a pipeline "
                                   "GradScaler)")
+    check(name != "zb1" or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
+          "zb1 defers the weight gradients of plain nn.Linear layers; fused kernels or --fp8 replace them: "
+          "use afab, 1f1b or interleaved")
 
 
 def extra_args(parser):
@@ -348,16 +352,19 @@ def extra_args(parser):
 
 
 def main(argv=None):
-    cfg = parse_config(argv, techniques=("pp", "pp_schedule", "pp_virtual", "n_microbatches"),
+    cfg = parse_config(argv, techniques=("pp", "pp_schedule", "pp_virtual", "n_microbatches", "fp8"),
                        description=__doc__.split("\n\n")[0], extra_args=extra_args, validate=validate)
     env = init_distributed(cfg)
     group, p, v = dist.group.WORLD, cfg.pp, cfg.pp_virtual
     rank, (m, micro) = env.rank, n_microbatches(cfg)
     cfg.micro_batch_size = micro                 # what evaluation uses too
     loader = prepare_data(cfg, env)
+    enable_tf32(env.device)
     dtype, gcfg = resolve_dtype(cfg, env.device), gpt_config(cfg, loader.vocab_size)
 
     chunks = build_stages(gcfg, rank, p, v, cfg.seed, env.device, param_dtype(dtype))
+    for chunk in chunks:                         # as train_single, inside each stage: same parameters
+        apply_kernels_and_fp8(chunk, cfg, env.device)
     store = WeightGradStore() if cfg.pp_schedule == "zb1" else None
     if store is not None:                        # zb1: the blocks' Linears leave dW to the W actions
         defer_weight_grads(chunks, store)

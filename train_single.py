@@ -19,7 +19,6 @@ recomputation (--recompute selective: recompute the T x T attention scores; full
 its input). Precision: bf16 autocast on GPU, fp16 autocast with a GradScaler, fp32 on CPU.
 """
 import contextlib
-import os
 import time
 
 import torch
@@ -62,18 +61,75 @@ def autocast_context(dtype, device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def prepare_data(cfg, env):
-    """The deterministic loader; rank 0 prepares the default corpus on first use while the others wait."""
+def enable_tf32(device):
+    """fp32 matmuls on a CUDA GPU in TF32 (tensor cores, 10-bit mantissa), the same in every script; no-op on CPU."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def apply_kernels_and_fp8(model, cfg, device):
+    """--kernels (fused modules) and --fp8 (Float8Linear GEMMs) swapped into a model or a pipeline stage in
+    place, parameters unchanged; one clear error line when the device cannot run them. Returns the kernel mode."""
     try:
-        if env.rank == 0:
+        mode = apply_kernels(model, cfg.kernels)
+        if getattr(cfg, "fp8", "none") != "none":
+            check_fp8_support(device)
+            convert_to_float8(model, recipe=cfg.fp8)
+    except (ValueError, RuntimeError) as e:
+        fail(str(e))
+    return mode
+
+
+def fail_together(error, env):
+    """Every rank passes its own error message (or None). If any rank has one, each failing rank prints its
+    own and every rank exits with code 2: no rank is left waiting in a collective for one that has exited."""
+    if dist.is_initialized():
+        flag = torch.tensor([error is not None], dtype=torch.int32, device=env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    else:
+        failed = error is not None
+    if error is not None:
+        fail(error, rank_local=True)
+    if failed:
+        fail("another rank failed (its error line names it)")
+
+
+def prepares_data(env):
+    """Who prepares the default corpus: local rank 0 of every node, as nodes need not share a filesystem."""
+    return env.local_rank == 0
+
+
+def prepare_data(cfg, env):
+    """The deterministic loader. Each node's local rank 0 prepares the default corpus on first use while the
+    others wait; then every rank opens it. A rank that cannot (no dataset on its node) says so itself."""
+    error = None
+    if prepares_data(env):
+        try:
             ensure_dataset(cfg.data_dir)
-        if dist.is_initialized():
-            dist.barrier()
+        except (OSError, ValueError) as e:          # FileNotFoundError is an OSError
+            error = str(e)
+    fail_together(error, env)                       # also the barrier: the node's corpus is ready
+    loader = None
+    try:
         ensure_dataset(cfg.data_dir)
         loader = GlobalBatchLoader(cfg.data_dir, cfg.block_size, cfg.global_batch_size, cfg.seed, env.device)
-    except (FileNotFoundError, ValueError) as e:
-        fail(str(e))
+    except (OSError, ValueError) as e:
+        error = str(e)
+    fail_together(error, env)
     return loader
+
+
+def wait_for_main_rank(group, cfg, what):
+    """After work that only rank 0 does (a checkpoint save, an evaluation): the other ranks wait for it here,
+    bounded by --dist_timeout, instead of inside the next step's collective; a too-slow save or evaluation
+    is then reported as what it is."""
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as e:                        # DistBackendError: a timeout (or a rank gone)
+        fail(f"waited longer than --dist_timeout {cfg.dist_timeout:g} s for rank 0's {what} "
+             f"({type(e).__name__}); raise --dist_timeout", rank_local=True)
 
 
 def materialize(module, device, dtype=torch.float32):
@@ -182,18 +238,11 @@ def main(argv=None):
     env = init_distributed(cfg, need_group=False)
     grad_acc = grad_accum_steps(cfg, 1)
     loader = prepare_data(cfg, env)
-    if env.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    enable_tf32(env.device)
     dtype = resolve_dtype(cfg, env.device)
 
     model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device, param_dtype(dtype))
-    try:
-        apply_kernels(model, cfg.kernels)            # --kernels: fused modules swapped in, same parameters
-        if cfg.fp8 != "none":                        # --fp8: the blocks' big GEMMs in FP8, same parameters
-            check_fp8_support(env.device)
-            convert_to_float8(model, recipe=cfg.fp8)
-    except (ValueError, RuntimeError) as e:
-        fail(str(e))
+    apply_kernels_and_fp8(model, cfg, env.device)    # fused modules, FP8 GEMMs in the blocks: same parameters
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     torch.manual_seed(cfg.seed)                      # dropout stream, identical in every run with this seed

@@ -38,7 +38,7 @@ from config import check, grad_accum_steps, parse_config
 from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, activation_bytes_per_layer, flops_per_token, init_parameter
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
-from train_single import (autocast_context, evaluate, gpt_config, load_training_state, prepare_data,
+from train_single import (autocast_context, enable_tf32, evaluate, gpt_config, load_training_state, prepare_data,
                           materialize, param_dtype, print_sample, resolve_dtype, save_training_state,
                           should_save)
 
@@ -405,16 +405,20 @@ def validate(cfg):
           f"--sp: sequence length block_size={cfg.block_size} is not divisible by tp={cfg.tp}")
     check(cfg.dtype != "float16", "train_tp supports float32, bfloat16 and float64 (no fp16 loss scaling across TP "
                                   "ranks)")
+    check(cfg.kernels in ("auto", "torch") and cfg.fp8 == "none",
+          "--kernels triton|compile and --fp8 swap model.py's nn.Linear / LM head for fused or FP8 modules; here "
+          "those layers are tensor-parallel (their communication would be skipped): use --kernels torch --fp8 none")
     grad_accum_steps(cfg, 1)
 
 
 def main(argv=None):
-    cfg = parse_config(argv, techniques=("tp", "sp"), description=__doc__.split("\n\n")[0],
+    cfg = parse_config(argv, techniques=("tp", "sp", "fp8"), description=__doc__.split("\n\n")[0],
                        extra_args=extra_args, validate=validate)
     env = init_distributed(cfg)
     group = dist.group.WORLD                     # train_5d.py passes its grid's TP axis instead
     grad_acc = grad_accum_steps(cfg, 1)          # every TP rank processes the same micro-batches
     loader = prepare_data(cfg, env)
+    enable_tf32(env.device)
     dtype = resolve_dtype(cfg, env.device)
     model = build_tp_model(cfg, loader.vocab_size, group, env.device, param_dtype(dtype))
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)

@@ -7,13 +7,16 @@ flat buffer padded to a multiple of N ranks; rank r owns elements [r*s, (r+1)*s)
     torchrun --nproc_per_node 4 train_zero.py --zero_stage 2               # + sharded gradients
     torchrun --nproc_per_node 2 train_zero.py --zero_stage 3 --dtype bfloat16  # + sharded parameters
 
-Precision recipes (bytes per parameter, from model.model_state_bytes_per_param):
-    float32:  params 4, grads 4, AdamW m+v 8          (the fp32 parameter shard is its own master copy)
-    bfloat16: params 2, grads 2, fp32 master + m + v 12 (K = 12)
+Precision (train_single's recipe): the parameters are fp32 and are their own master copy; --dtype bfloat16
+runs the forward and backward under bf16 autocast (each matmul casts its weight on the fly), and gradients are
+accumulated and reduce-scattered in fp32. Bytes per parameter (model.model_state_bytes_per_param("fp32")):
+    params 4, grads 4, AdamW m + v 8         (float32 and bfloat16 alike; float64 doubles each)
+bf16 saves activation memory and matmul time here, not model-state bytes: a recipe with bf16 parameter copies
+(2 + 2 + 12) would need a second, fp32 copy of every weight as the master.
 Model-state bytes per rank (P parameters, padded to P' with P' - P < N * buckets, N ranks):
-    stage 0 (DP)  2P + 2P + 12P          stage 2  2P' + (2P' + 12P')/N
-    stage 1       2P' + 2P' + 12P'/N     stage 3  (2P' + 2P' + 12P')/N  (+ gathered units in flight)
-Communication per step, b bytes per value, g = grad_acc (the README's ring convention):
+    stage 0 (DP)  4P + 4P + 8P           stage 2  4P' + (4P' + 8P')/N
+    stage 1       4P' + 4P' + 8P'/N      stage 3  (4P' + 4P' + 8P')/N  (+ gathered units in flight)
+Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (the README's ring convention):
     stage 1  reduce-scatter + all-gather          2 (N-1)/N P' b        (= one all-reduce)
     stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay whole)
     stage 3  all-gather fwd + bwd + reduce-scatter 3 g (N-1)/N P' b
@@ -34,43 +37,44 @@ import torch.distributed as dist
 
 from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from comm import COMM, destroy, all_gather, init_distributed, reduce_scatter, world_size_from_env
-from config import check, config_dict, fail, grad_accum_steps, parse_config
+from config import check, config_dict, grad_accum_steps, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token, init_parameter
 from optim import BETAS, EPS, clip_grad_norm, configure_optimizer, lr_at
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
-from train_single import evaluate, gpt_config, param_dtype, prepare_data, print_sample, resolve_dtype, should_save
+from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, fail_together, gpt_config,
+                          param_dtype, prepare_data, print_sample, resolve_dtype, should_save, wait_for_main_rank)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # building blocks: one shard of a flat parameter group, its optimizer, its gradient reduction
 
 class Shard:
-    """One bucket (stages 0-2) or unit (stage 3) of parameters: a flat compute-dtype buffer `full` whose
-    views are the model's parameters, this rank's slice `shard`, and the fp32 (float64 in a float64 run)
-    optimizer state of that slice (master, exp_avg, exp_avg_sq). Stage 3 keeps only `shard` at rest: `full` has its storage
-    resized to zero except between `gather()` and `free()`."""
+    """One bucket (stages 0-2) or unit (stage 3) of parameters: a flat buffer `full` whose views are the model's
+    parameters, this rank's slice `shard`, and the AdamW moments of that slice. The parameters are fp32 (float64
+    in a float64 run), so the shard is its own master copy (`master` is `shard`); 16-bit compute comes from
+    autocast. Stage 3 keeps only `shard` at rest: `full` has its storage resized to zero except between
+    `gather()` and `free()`."""
 
     def __init__(self, names, params, stage, group, dtype, device, initial, tracker=None):
-        """initial: {name: value} of these parameters (model.init_parameter's, or an already built model's)."""
+        """dtype: the parameters' (train_single.param_dtype); initial: {name: value} of these parameters
+        (model.init_parameter's, or an already built model's)."""
+        assert dtype in (torch.float32, torch.float64), f"Shard keeps fp32 (or float64) parameters, got {dtype}"
         self.names, self.stage, self.group = names, stage, group
         n, rank = (1, 0) if stage == 0 else (dist.get_world_size(group), dist.get_rank(group))
         self.offsets = list(accumulate((p.numel() for p in params), initial=0))
         total = self.offsets.pop()
         self.padded = -(-total // n) * n
         self.lo, self.hi = rank * (self.padded // n), (rank + 1) * (self.padded // n)
-        # the full initial values of this bucket / unit only, in the master's dtype
-        self.master_dtype = param_dtype(dtype)
-        init = flatten(self, initial)
-        self.full = init.to(device=device, dtype=dtype)
+        self.master_dtype = dtype
+        self.full = flatten(self, initial).to(device)   # the full initial values of this bucket / unit only
         self.params = [torch.nn.Parameter(self.full[off: off + p.numel()].view(p.shape))
                        for p, off in zip(params, self.offsets)]
         for new, old in zip(self.params, params):
             new.__dict__.update(old.__dict__)           # tags other rungs put on parameters (tensor-parallel)
-        own = init[self.lo: self.hi].to(device)
-        self.shard = own.to(dtype).clone() if stage == 3 else self.full[self.lo: self.hi]
-        self.master = self.shard if dtype == self.master_dtype else own.clone()
-        self.exp_avg, self.exp_avg_sq = torch.zeros_like(own), torch.zeros_like(own)
+        self.shard = self.full[self.lo: self.hi].clone() if stage == 3 else self.full[self.lo: self.hi]
+        self.master = self.shard                        # the optimizer steps the parameters' own slice
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.shard), torch.zeros_like(self.shard)
         # AdamW decays >= 2-D parameters only (as optim.configure_optimizer): their runs inside the shard
         self.decay_runs = [(max(off, self.lo) - self.lo, min(off + p.numel(), self.hi) - self.lo)
                            for p, off in zip(params, self.offsets)
@@ -104,16 +108,14 @@ class Shard:
 
     @torch.no_grad()
     def publish(self):
-        """After the optimizer step: the new master values into the compute-dtype shard, and (stages 1-2)
-        all-gather the updated shards so every rank's full parameters agree again."""
-        if self.shard is not self.master:
-            self.shard.copy_(self.master)
+        """After the optimizer step (stages 1-2): all-gather the updated shards so every rank's full parameters
+        agree again. Stage 0 stepped the full buffer itself; stage 3 gathers before each use."""
         if self.stage in (1, 2):
             all_gather(self.full, self.shard, group=self.group)
 
 
 class ShardedAdamW:
-    """AdamW on the flat fp32 shards (elementwise, so a shard is stepped exactly like the full tensor) with
+    """AdamW on the flat fp32 (float64) shards (elementwise, so a shard is stepped exactly like the full tensor) with
     optim.py's hyperparameters and the one-pass kernel behind torch.optim.AdamW(fused=True)."""
 
     def __init__(self, shards, cfg):
@@ -336,19 +338,26 @@ def flatten(s, values):
     return full
 
 
-@torch.no_grad()
-def load_consolidated(cfg, model, shards, optimizer):
-    """Every rank reads the consolidated checkpoint and keeps its shard; returns the step to continue from."""
-    path = checkpoint_path(cfg.out_dir)
+def read_consolidated(path, model):
+    """(checkpoint, None), or (None, why this rank cannot use it: missing on its node, or another model's)."""
     try:
         state = load_checkpoint(path)
     except FileNotFoundError as e:
-        fail(str(e))
+        return None, str(e)
     for name, p in model.named_parameters():
         value = state["model"].get(name)
         if value is None or value.shape != p.shape:
-            fail(f"checkpoint {path} does not match this model: parameter {name} "
-                 f"{None if value is None else tuple(value.shape)} vs {tuple(p.shape)}")
+            return None, (f"checkpoint {path} does not match this model: parameter {name} "
+                          f"{None if value is None else tuple(value.shape)} vs {tuple(p.shape)}")
+    return state, None
+
+
+@torch.no_grad()
+def load_consolidated(cfg, model, shards, optimizer, env):
+    """Every rank reads the consolidated checkpoint and keeps its shard; returns the step to continue from."""
+    path = checkpoint_path(cfg.out_dir)
+    state, error = read_consolidated(path, model)
+    fail_together(error, env)
     order, _ = optimizer_layout(model, cfg)
     opt = state["optimizer"]["state"]
     m, v = ({n: opt[i][key] for i, n in enumerate(order)} for key in ("exp_avg", "exp_avg_sq"))
@@ -358,8 +367,6 @@ def load_consolidated(cfg, model, shards, optimizer):
             s.full.copy_(weights)
         for t, full in ((s.master, weights), (s.exp_avg, flatten(s, m)), (s.exp_avg_sq, flatten(s, v))):
             t.copy_(full[s.lo: s.hi])
-        if s.shard is not s.master:
-            s.shard.copy_(s.master)
     optimizer.steps = int(opt[0]["step"])
     set_rng_state(state["rng"])
     return state["step"]
@@ -377,11 +384,16 @@ def validate(cfg):
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
     check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3")
     check(cfg.dtype in ("auto", "float32", "bfloat16", "float64"),
-          f"train_zero.py supports --dtype float32, bfloat16 (fp32 master weights) or float64, got {cfg.dtype}")
+          f"train_zero.py supports --dtype float32, bfloat16 (autocast over fp32 parameters) or float64, got "
+          f"{cfg.dtype} (fp16 needs a GradScaler whose overflow check spans the gradient shards)")
+    check(cfg.zero_stage < 3 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
+          "--kernels triton|compile and --fp8 apply to ZeRO stages 0-2; ZeRO-3 gathers and frees each block's "
+          "parameters from hooks on model.py's blocks, which the fused or FP8 modules are not checked with: "
+          "use --kernels torch --fp8 none")
 
 
 def main(argv=None):
-    cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb"), description=__doc__.split("\n\n")[0],
+    cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb", "fp8"), description=__doc__.split("\n\n")[0],
                        extra_args=add_args, validate=validate)
     env = init_distributed(cfg)
     group, dp, stage = dist.group.WORLD, env.world_size, cfg.zero_stage
@@ -390,19 +402,22 @@ def main(argv=None):
         print(f"warning: world size 1: ZeRO-{stage} has nothing to shard (torchrun --nproc_per_node N)",
               file=sys.stderr, flush=True)
     loader = prepare_data(cfg, env)
-    dtype = resolve_dtype(cfg, env.device)
+    enable_tf32(env.device)
+    dtype = resolve_dtype(cfg, env.device)                # compute: bf16 autocast, or fp32 / float64 throughout
 
     with torch.device("meta"):                          # shapes only: each Shard builds its own values
         model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed)
     gathered = dict(now=0, peak=0)
-    shards = shard_model(model, cfg, stage, group, dtype, env.device, gathered)
+    shards = shard_model(model, cfg, stage, group, param_dtype(dtype), env.device, gathered)
+    apply_kernels_and_fp8(model, cfg, env.device)       # stages 0-2 (validate): the same, sharded, parameters
     grads = ShardedGrads(shards, group, stage)
     if stage == 3:
         install_zero3_hooks(model, shards, grads, cfg.prefetch)
     optimizer = ShardedAdamW(shards, cfg)
     torch.manual_seed(cfg.seed + env.rank)
-    start = load_consolidated(cfg, model, shards, optimizer) if cfg.resume else 0
+    start = load_consolidated(cfg, model, shards, optimizer, env) if cfg.resume else 0
     train_model = torch.compile(model) if cfg.compile else model
+    amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=dp,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
@@ -419,12 +434,13 @@ def main(argv=None):
         for micro in range(grad_acc):
             grads.require_sync(stage >= 2 or micro == grad_acc - 1)   # stages 2-3 never keep full grads
             x, y = loader.micro_batch(step, micro, cfg.micro_batch_size, env.rank, dp)
-            _, loss = train_model(x, y)
-            (loss / grad_acc).backward()
+            with amp:
+                _, loss = train_model(x, y)
+            (loss / grad_acc).backward()                # fp32 gradients: accumulated and reduced in fp32
             grads.finish()
             loss_sum += loss.detach()
         state_bytes = model_state_bytes(model, shards, grads)           # params + grads + optimizer, alive
-        g = [t.to(s.master_dtype) for t, s in zip(grads.grads(), shards)]   # the optimizer's dtype
+        g = grads.grads()                                               # fp32 (float64), like the shards
         grad_norm = clip_grad_norm(g, cfg.grad_clip, group=group if stage > 0 else None, device=env.device,
                                    dtype=shards[0].master_dtype)
         optimizer.step(lr, g)
@@ -439,11 +455,13 @@ def main(argv=None):
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
             model.eval()                                # every rank: ZeRO-3's forward gathers collectively
-            val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
+            with amp:
+                val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
             save_consolidated(cfg, model, shards, optimizer, step + 1, env.rank)
+            wait_for_main_rank(group, cfg, "checkpoint save")
     logger.close()
     with contextlib.redirect_stdout(io.StringIO()) if env.rank else contextlib.nullcontext():
         print_sample(model, loader, cfg, dataclasses.replace(env, rank=0) if stage == 3 else env)

@@ -240,3 +240,27 @@ def test_float64_parity_exact(text_data, tmp_path, world, runs):
         assert_exact(ref, curves(str(tmp_path / f"ep{i}")))
         got = {n: torch.from_numpy(a) for r in results[:ep] for n, a in r[i].items()}
         assert_same_weights(ref_state, got, rtol=EXACT)
+
+
+def _scaler_worker(rank, world, agreed):
+    """One fp16 loss-scaled step where only rank 0's gradient overflows; returns (skipped, scale)."""
+    import torch.distributed as dist
+    from train_ep import GroupGradScaler
+    dist.init_process_group("gloo")
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = (GroupGradScaler("cpu", dist.group.WORLD) if agreed else torch.amp.GradScaler("cpu"))
+    scaler.scale((w * (float("inf") if rank == 0 else 1.0)).sum()).backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    return bool((w == 1).all()), scaler.get_scale()
+
+
+def test_fp16_overflow_skips_on_every_rank():
+    """fp16: an overflow on one rank's (expert) gradients skips the step on every rank, and every rank backs
+    off its loss scale the same; torch's per-rank GradScaler would let rank 1 step alone."""
+    skipped, scales = zip(*run_workers(_scaler_worker, 2, args=(True,)))
+    assert skipped == (True, True) and scales[0] == scales[1] < 2.0 ** 16
+    skipped, scales = zip(*run_workers(_scaler_worker, 2, args=(False,)))
+    assert skipped == (True, False) and scales[0] != scales[1]      # the drift GroupGradScaler prevents

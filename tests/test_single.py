@@ -136,3 +136,64 @@ def test_fp8_flag_swaps_block_linears(tiny_data, tmp_path):
     fp8, _ = run_single(tiny_argv(tiny_data, str(tmp_path / "fp8"), max_steps=4, fp8="blockwise"))
     assert fp8 != ref                                   # the FP8 path really ran
     assert all(abs(a - b) < 0.02 * a for a, b in zip(ref, fp8))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --kernels, --fp8 and TF32 in every rung: applied as train_single applies them, or refused with one line
+
+SCRIPTS = ("train_ddp", "train_zero", "train_tp", "train_cp", "train_pp", "train_ep")
+FAST_PATHS = dict(kernels="triton", fp8="tensorwise", max_steps=3)
+
+
+def _run_main(script, argv):
+    """script.main(argv) on one process (a one-rank group); returns its result, or the SystemExit code."""
+    import importlib
+    import torch.distributed as dist
+    try:
+        return importlib.import_module(script).main(argv)
+    except SystemExit as e:
+        return e.code
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("script, flags", [("train_ddp", {}), ("train_zero", dict(zero_stage=2)),
+                                           ("train_pp", dict(pp=1)), ("train_cp", dict(cp=1)),
+                                           ("train_ep", dict(ep=1, n_experts=2, top_k=1, moe_every=2))])
+def test_kernels_and_fp8_applied_like_single(script, flags, tiny_data, tmp_path):
+    """Fused Triton modules (interpreted on CPU) and FP8 GEMMs swapped into the rung's model as train_single does
+    (the modules are there), and the run equals train_single's with the same flags on the same micro-batches."""
+    from kernels.apply import FusedLayerNorm
+    from kernels.fp8 import Float8Linear
+    moe = {k: v for k, v in flags.items() if k != "ep"} if script == "train_ep" else {}
+    ref = run_single(tiny_argv(tiny_data, str(tmp_path / "single"), **FAST_PATHS, **moe))[0]
+    result = _run_main(script, tiny_argv(tiny_data, str(tmp_path / script), **FAST_PATHS, **flags))
+    model = result.get("model") or result.get("chunks")
+    kinds = {type(m) for m in model.modules()}
+    assert FusedLayerNorm in kinds and Float8Linear in kinds, kinds
+    assert_same_losses(ref, losses(str(tmp_path / script)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("script, flags", [("train_tp", dict(tp=1, kernels="triton")), ("train_tp", dict(tp=1, fp8="rowwise")),
+                                           ("train_zero", dict(zero_stage=3, fp8="tensorwise")),
+                                           ("train_pp", dict(pp=1, pp_schedule="zb1", kernels="compile"))])
+def test_kernels_and_fp8_refused_where_they_cannot_apply(script, flags, tiny_data, tmp_path, capsys):
+    """Tensor-parallel layers, ZeRO-3's gather/free hooks and zb1's deferred weight gradients: one error line."""
+    assert _run_main(script, tiny_argv(tiny_data, str(tmp_path / "bad"), **flags)) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and ("--kernels" in err or "zb1" in err), err
+
+
+def test_tf32_enabled_in_every_script(monkeypatch):
+    """TF32 for fp32 matmuls on CUDA is set by one helper, which every train script calls (no-op on CPU)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    train_single.enable_tf32(torch.device("cpu"))
+    assert not torch.backends.cuda.matmul.allow_tf32
+    train_single.enable_tf32(torch.device("cuda"))          # a device object: no GPU needed to set the flag
+    assert torch.backends.cuda.matmul.allow_tf32
+    for script in ("train_single",) + SCRIPTS:
+        with open(os.path.join(ROOT, f"{script}.py")) as f:
+            source = f.read()
+        assert "enable_tf32(env.device)" in source, script
+        assert script == "train_single" or "allow_tf32" not in source, f"{script} sets TF32 by hand"
