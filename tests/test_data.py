@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from data import GlobalBatchLoader, encode, write_dataset
+from distributed_helper import run_workers
 
 
 def test_same_step_same_batch_and_different_steps_differ(tiny_data):
@@ -44,3 +45,50 @@ def test_write_dataset_roundtrip(tmp_path):
     assert np.array_equal(np.concatenate([train, val]), tokens)
     assert json.load(open(os.path.join(tmp_path, "meta.json"))) == meta
     assert meta["train_tokens"] + meta["val_tokens"] == len(tokens)
+
+
+def _two_node_worker(rank, world, root, data_dir):
+    """One rank of a simulated 2-node job (2 ranks per node, no shared filesystem: each node its own working
+    directory); returns (exit code, this rank's stderr, files left in its node's data directory)."""
+    import contextlib
+    import io
+    import data
+    import train_single
+    from comm import init_distributed
+    from config import Config
+    os.environ["LOCAL_RANK"] = str(rank % 2)
+    os.chdir(os.path.join(root, f"node{rank // 2}"))
+    stdlib_root, files = data.stdlib_text_files()
+    data.stdlib_text_files = lambda: (stdlib_root, files[:30])      # a small default corpus: fast
+    cfg = Config(data_dir=data_dir, device="cpu", block_size=16, global_batch_size=4, dist_timeout=60)
+    env = init_distributed(cfg)
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            loader = train_single.prepare_data(cfg, env)
+            assert loader.vocab_size == 256
+        except SystemExit as e:
+            code = e.code
+    listing = sorted(os.listdir(data_dir)) if os.path.isdir(data_dir) else []
+    return code, err.getvalue(), listing
+
+
+def test_every_node_prepares_its_own_data(tmp_path):
+    """Without a shared filesystem each node's local rank 0 prepares the default corpus (no node waits on a
+    file only another node has, no half-written temporary file stays); a dataset missing on one node makes
+    that node's preparer print its own error (rank 0 only could not) and every rank exit with code 2."""
+    from comm import DistEnv
+    from train_single import prepares_data
+    assert [prepares_data(DistEnv(r, 4, r % 2, torch.device("cpu"), "gloo")) for r in range(4)] == [True, False] * 2
+    for node in ("node0", "node1"):
+        os.makedirs(tmp_path / node)
+    results = run_workers(_two_node_worker, 4, args=(str(tmp_path), os.path.join("data", "stdlib")), timeout=300)
+    for code, err, listing in results:
+        assert code == 0 and listing == ["meta.json", "train.bin", "val.bin"], (code, err, listing)
+    write_dataset(str(tmp_path / "node0" / "mine"), encode(b"only on node 0 " * 100, "byte")[0], 256, "byte", "t")
+    results = run_workers(_two_node_worker, 4, args=(str(tmp_path), "mine"), timeout=300)
+    assert [code for code, _, _ in results] == [2, 2, 2, 2]
+    errs = [err for _, err, _ in results]
+    # node 1's preparer (rank 2) reports for its node; rank 0 points to it; the others stay quiet
+    assert errs[2].startswith("error: rank 2: no dataset in 'mine'"), errs
+    assert errs[0].startswith("error: another rank failed") and errs[1] == errs[3] == "", errs

@@ -192,3 +192,33 @@ def test_world_size_one_warns_and_matches_single(tiny_data, tmp_path, capsys):
     assert_same_losses(ref_losses, losses(str(tmp_path / "ddp")))
     # not bit-identical (the clipping norm is summed over flat buckets, not tensor by tensor): the parity contract's 1e-4
     assert_same_weights(ref_state, {n: p.detach() for n, p in result["model"].named_parameters()})
+
+
+def _slow_rank0_worker(rank, world, delay):
+    """Rank 0 'saves' for `delay` seconds while the others wait at wait_for_main_rank (--dist_timeout 2)."""
+    import contextlib
+    import io
+    import time
+    import torch.distributed as dist
+    from comm import init_distributed
+    from config import Config
+    from train_single import wait_for_main_rank
+    init_distributed(Config(device="cpu", dist_timeout=2.0))
+    err, code = io.StringIO(), 0
+    if rank == 0:
+        time.sleep(delay)
+    with contextlib.redirect_stderr(err):
+        try:
+            wait_for_main_rank(dist.group.WORLD, Config(dist_timeout=2.0), "checkpoint save")
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+def test_ranks_wait_for_rank0_save_within_dist_timeout():
+    """After a rank-0-only save or evaluation the others wait at a barrier bounded by --dist_timeout: a quick
+    save passes, a save longer than the timeout is reported by the waiting rank as what it is."""
+    assert run_workers(_slow_rank0_worker, 2, args=(0.5,), timeout=60) == [(0, ""), (0, "")]
+    code, err = run_workers(_slow_rank0_worker, 2, args=(6.0,), timeout=60)[1]
+    assert code == 2 and err.startswith("error: rank 1: waited longer than --dist_timeout 2 s for rank 0's "
+                                        "checkpoint save"), err
