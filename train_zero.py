@@ -282,7 +282,7 @@ def model_state_bytes(model, shards, grads):
     for p in model.parameters():
         add("params", p)
         add("grads", p.grad)
-    for b, s in zip(grads.buckets, shards):           # fp32: the master *is* the parameter shard, counted once
+    for b, s in zip(grads.buckets, shards):           # the master *is* the parameter shard: counted once
         for kind, t in (("params", s.shard), ("grads", b.buffer), ("grads", s.grad), ("optim", s.master),
                         ("optim", s.exp_avg), ("optim", s.exp_avg_sq)):
             add(kind, t)
