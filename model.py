@@ -64,17 +64,13 @@ class GPTConfig:
 # ----------------------------------------------------------------------------------------------------------
 # rotary position embedding
 
-def rope_cache(head_dim, positions, base=10000.0, dtype=torch.float32):
-    """The rotations e^(i pos theta_j) for these (global) positions, as view_as_real stores them: [T, D/2, 2].
-    dtype: fp32 for fp32/16-bit models, float64 for a float64 model (angles of large positions need the bits)."""
+def rope_cache(head_dim, positions, base=10000.0, param_dtype=torch.float32):
+    """The rotations e^(i pos theta_j) for these (global) positions, as view_as_real stores them: [T, D/2, 2];
+    fp32 for fp32/16-bit models, float64 for a float64 model (angles of large positions need the bits)."""
+    dtype = torch.promote_types(param_dtype, torch.float32)
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim))
     angles = positions.to(dtype)[:, None] * inv_freq[None, :].to(positions.device)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
-
-
-def rope_dtype(param_dtype):
-    """The RoPE table's dtype for a model whose parameters are param_dtype: fp32, or float64 for float64."""
-    return torch.promote_types(param_dtype, torch.float32)
 
 
 def apply_rope(x, rope):
@@ -227,8 +223,7 @@ class LMHead(nn.Module):
         logits = F.linear(x, self.weight)
         if targets is None:
             return logits, None
-        # the softmax in fp32 at least (bf16 logits), float64 for a float64 model
-        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp32 at least, float64 stays
         loss = F.cross_entropy(wide.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
@@ -250,7 +245,7 @@ class GPT(nn.Module):
         """idx, targets: [B, T] token ids. pos: [T] global positions (default 0..T-1; CP passes its chunk's)."""
         pos = torch.arange(idx.size(1), device=idx.device) if pos is None else pos
         head_dim = self.cfg.n_embd // self.cfg.n_head
-        rope = rope_cache(head_dim, pos, self.cfg.rope_base, rope_dtype(self.transformer.wte.weight.dtype))
+        rope = rope_cache(head_dim, pos, self.cfg.rope_base, self.transformer.wte.weight.dtype)
         x = self.transformer.drop(self.transformer.wte(idx))
         for block in self.transformer.h:
             if self.cfg.recompute == "full" and self.training:

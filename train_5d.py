@@ -56,8 +56,10 @@ from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from train_single import (autocast_context, evaluate, gpt_config, materialize, param_dtype, prepare_data,
                           print_sample, resolve_dtype, should_save)
-from train_tp import all_reduce_sequence_parallel_grads, apply_tp, full_shape, init_tp_weights, tp_gather, tp_slice
-from train_zero import ShardedAdamW, ShardedGrads, flatten, full_values, optimizer_layout, shard_model
+from tp_shards import full_shape, init_tp_weights, tp_gather, tp_slice
+from train_tp import all_reduce_sequence_parallel_grads, apply_tp
+from train_zero import ShardedAdamW, ShardedGrads, shard_model
+from zero_checkpoint import flatten, full_values, optimizer_layout
 
 AXES = ("tp", "cp", "dp", "pp")          # innermost first
 GROUPS = dict(tp=("tp",), cp=("cp",), dp=("dp",), pp=("pp",),

@@ -391,7 +391,8 @@ def main(argv=None):
             x, y = loader.micro_batch(step, micro, cfg.micro_batch_size)
             with amp, activations:
                 loss = local_loss(x, y)        # mean over local tokens; every rank holds B*T/cp of them
-            act_bytes = activations.bytes if micro == 0 else act_bytes
+            if micro == 0:
+                act_bytes = activations.bytes        # saved for backward by one micro-batch (all are alike)
             scaler.scale(loss / (grad_acc * cp)).backward()   # global mean = mean of the cp local means
             loss_sum += loss.detach().to(wide)
         allreduce_grads(model.parameters(), group)   # sum of partial grads: the replicas stay identical

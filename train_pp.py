@@ -34,7 +34,7 @@ import comm
 from comm import COMM, destroy, init_distributed, world_size_from_env
 from config import check, parse_config
 from metrics import MetricsLogger
-from model import GPT, flops_per_token, init_weights, rope_cache, rope_dtype
+from model import GPT, flops_per_token, init_weights, rope_cache
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from pipeline_schedules import (Exchange, comm_plan, make_schedule, recvs_of, render, sends_of, simulate,
                                 stage_of)
@@ -88,8 +88,7 @@ class PipelineStage(nn.Module):
         """Token ids [b, T] (first stage) or the previous stage's activations [b, T, h] -> [b, T, h]."""
         # RoPE needs only global positions: every stage rebuilds the same small table
         pos = torch.arange(x.shape[1], device=x.device) if self.pos is None else self.pos
-        dtype = rope_dtype(next(self.parameters()).dtype)          # float64 for a float64 model
-        rope = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base, dtype)
+        rope = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base, next(self.parameters()).dtype)
         if self.first:
             x = self.transformer["drop"](self.transformer["wte"](x))
         for block in self.transformer["h"]:

@@ -136,7 +136,7 @@ def materialize(module, device, dtype=torch.float32):
     """Give every parameter still on the meta device real (uninitialised) memory on `device`, in place, keeping
     its attributes (tensor-parallel tags) and its sharing (a tied weight stays one tensor). The way to build
     a big model: GPT on the meta device, cut into stages / swap in sharded layers, materialize what this rank
-    keeps, then fill it from model.init_parameter (init_weights, or train_tp.init_tp_weights for shards)."""
+    keeps, then fill it from model.init_parameter (init_weights, or tp_shards.init_tp_weights for shards)."""
     new = {}
     for m in module.modules():
         for name, p in m._parameters.items():

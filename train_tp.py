@@ -36,11 +36,12 @@ import torch.nn.functional as F
 from comm import COMM, destroy, all_gather, all_reduce, init_distributed, reduce_scatter, world_size_from_env
 from config import check, grad_accum_steps, parse_config
 from metrics import MetricsLogger, SavedActivationBytes
-from model import GPT, activation_bytes_per_layer, flops_per_token, init_parameter
+from model import GPT, activation_bytes_per_layer, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import (autocast_context, enable_tf32, evaluate, gpt_config, load_training_state, prepare_data,
                           materialize, param_dtype, print_sample, resolve_dtype, save_training_state,
                           should_save)
+from tp_shards import init_tp_weights
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -151,22 +152,14 @@ def leave_tp_region(x, group, sp):
 
 # ----------------------------------------------------------------------------------------------------------
 # the parallel layers. A sharded parameter carries `tp_split = (dim, parts)`: the full tensor is `parts`
-# equal blocks along `dim` (3 for c_attn's q|k|v) and a rank keeps its 1/tp slice of each block.
+# equal blocks along `dim` (3 for c_attn's q|k|v) and a rank keeps its 1/tp slice of each block
+# (tp_shards.py: a parameter's slice of its full tensor and back, init_tp_weights, gather_full_weights).
 
 def shard_param(shape, dim, parts, group, device):
     shape = [size // dist.get_world_size(group) if i == dim else size for i, size in enumerate(shape)]
     p = nn.Parameter(torch.empty(shape, device=device))
     p.tp_split, p.tp_pad = (dim, parts), 0       # tp_pad: zero rows appended to the full tensor (vocabulary)
     return p
-
-
-def shard_of(full, dim, parts, rank, n):
-    return torch.cat([block.chunk(n, dim)[rank] for block in full.chunk(parts, dim)], dim)
-
-
-def unshard(pieces, dim, parts):                                 # inverse of shard_of; pieces[r]: rank r's
-    blocks = [piece.chunk(parts, dim) for piece in pieces]
-    return torch.cat([torch.cat([b[j] for b in blocks], dim) for j in range(parts)], dim)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -309,43 +302,6 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
     return model if torch.device(device).type == "meta" else materialize(model, device)
 
 
-def full_shape(p, group):
-    """The shape of the whole tensor whose TP slice is parameter p (padding rows excluded)."""
-    if not hasattr(p, "tp_split"):
-        return tuple(p.shape)
-    n, dim = dist.get_world_size(group), p.tp_split[0]
-    return tuple(size * n - p.tp_pad if i == dim else size for i, size in enumerate(p.shape))
-
-
-def tp_slice(p, full, group):
-    """This rank's part of `full` (a whole value of parameter p: its weight, or an optimizer moment)."""
-    if not hasattr(p, "tp_split"):                               # replicated: the whole value
-        return full
-    full = torch.cat([full, full.new_zeros(p.tp_pad, *full.shape[1:])])    # padding rows (dim 0) are zeros
-    return shard_of(full, *p.tp_split, dist.get_rank(group), dist.get_world_size(group))
-
-
-@torch.no_grad()
-def tp_gather(p, local, group):
-    """Inverse of tp_slice: the whole value from every rank's part `local` (shaped like p), padding dropped."""
-    if not hasattr(p, "tp_split"):
-        return local.detach()
-    whole = unshard(gather_seq(local.detach()[None], group, dim=0)[0].unbind(0), *p.tp_split)
-    return whole[: len(whole) - p.tp_pad]
-
-
-@torch.no_grad()
-def init_tp_weights(model, seed, group):
-    """Each parameter's full initial value from model.init_parameter, one at a time; keep this rank's slice."""
-    for name, p in model.named_parameters():
-        p.copy_(tp_slice(p, init_parameter(name, full_shape(p, group), model.cfg.n_layer, seed), group))
-
-
-def gather_full_weights(model, group):
-    """{name: full tensor}, as train_single.py's model would hold it (for parity checks and exports)."""
-    return {name: tp_gather(p, p, group).cpu().clone() for name, p in model.named_parameters()}
-
-
 def all_reduce_sequence_parallel_grads(model, group):
     """Under SP each rank's LayerNorms and row biases saw only its sequence chunk: sum their grads (one bucket)."""
     grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
@@ -444,7 +400,8 @@ def main(argv=None):
             x, y = loader.micro_batch(step, micro, cfg.micro_batch_size)
             with amp, activations:                   # counts what the forward keeps for backward
                 _, loss = train_model(x, y)          # the same full loss on every TP rank
-            act_bytes = activations.bytes if micro == 0 else act_bytes
+            if micro == 0:
+                act_bytes = activations.bytes        # saved for backward by one micro-batch (all are alike)
             (loss / grad_acc).backward()
             loss_sum += loss.detach()
         all_reduce_sequence_parallel_grads(model, group)   # SP only: LayerNorm grads summed over TP ranks

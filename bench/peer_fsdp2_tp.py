@@ -40,7 +40,7 @@ from model import GPT, flops_per_token, init_parameter                # noqa: E4
 from optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
 from train_ddp import mean_over_group                                 # noqa: E402
 from train_single import gpt_config, prepare_data, resolve_dtype      # noqa: E402
-from train_tp import shard_of                                         # noqa: E402
+from tp_shards import shard_of                                        # noqa: E402
 from peer_tp_dtensor import apply_dtensor_tp, plan_comm_bytes         # noqa: E402
 
 

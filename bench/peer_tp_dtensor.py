@@ -35,7 +35,8 @@ from metrics import MetricsLogger                                     # noqa: E4
 from model import GPT, flops_per_token                                # noqa: E402
 from optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
 from train_single import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
-from train_tp import extra_args, shard_of, validate as validate_tp    # noqa: E402
+from tp_shards import shard_of                                        # noqa: E402
+from train_tp import extra_args, validate as validate_tp              # noqa: E402
 
 
 def apply_dtensor_tp(model, mesh, sp):

@@ -58,7 +58,7 @@ def test_float64_is_float64_throughout(text_data):
     # the rotation angles of a large position are exact in float64 (fp32 angles are off by ~1e-4 there)
     pos = torch.tensor([100_000])
     exact = torch.tensor([[[math.cos(100_000.0), math.sin(100_000.0)]]], dtype=torch.float64)
-    assert torch.allclose(model_py.rope_cache(16, pos, dtype=torch.float64)[:, :1], exact, rtol=0, atol=1e-12)
+    assert torch.allclose(model_py.rope_cache(16, pos, param_dtype=torch.float64)[:, :1], exact, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

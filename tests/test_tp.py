@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from distributed_helper import run_workers
 from model import GPTConfig, num_params
+from tp_shards import gather_full_weights, init_tp_weights, shard_of
 from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, losses, run_single,
                            text_argv, tiny_argv)
 from metrics import read_metrics
@@ -55,12 +56,12 @@ def _layers_worker(rank, n, argv):
                 key = f"{dtype}/{name}/sp={sp}/overlap={overlap}"
                 if name == "column":
                     layer = tp.ColumnParallelLinear(fan_in, fan_out, g, sp, overlap, parts=3).to(dtype)
-                    shard = lambda t, dim: tp.shard_of(t, dim, 3, rank, n)       # noqa: E731
+                    shard = lambda t, dim: shard_of(t, dim, 3, rank, n)       # noqa: E731
                     wdim, xin, bias_ref = 0, x, shard(b, 0)
                     y_ref, gy_mine = shard(yr, 2), shard(gy, 2)     # full sequence, my features
                 else:
                     layer = tp.RowParallelLinear(fan_in, fan_out, g, sp).to(dtype)
-                    shard = lambda t, dim: tp.shard_of(t, dim, 1, rank, n)       # noqa: E731
+                    shard = lambda t, dim: shard_of(t, dim, 1, rank, n)       # noqa: E731
                     wdim, xin, bias_ref = 1, shard(x, 2), b
                     y_ref, gy_mine = seq(yr, sp), seq(gy, sp)
                 with torch.no_grad():
@@ -85,27 +86,27 @@ def _layers_worker(rank, n, argv):
         for sp in (False, True):
             emb = tp.VocabParallelEmbedding(V, D, g, sp).to(dtype)
             with torch.no_grad():
-                emb.weight.copy_(tp.shard_of(w, 0, 1, rank, n))
+                emb.weight.copy_(shard_of(w, 0, 1, rank, n))
             y = emb(idx)
             record(f"{dtype}/embedding/sp={sp}/out", y, seq(yr, sp))
             (y * seq(gy, sp)).sum().backward()
-            record(f"{dtype}/embedding/sp={sp}/grad_w", emb.weight.grad, tp.shard_of(wr.grad, 0, 1, rank, n))
+            record(f"{dtype}/embedding/sp={sp}/grad_w", emb.weight.grad, shard_of(wr.grad, 0, 1, rank, n))
         # vocab-parallel cross-entropy on logits with a large spread (the max shift matters)
         logits, targets = 10 * rnd(B * T, V), torch.randint(0, V, (B * T,), generator=gen)
         lr_ = logits.clone().requires_grad_()
         loss_ref = F.cross_entropy(lr_, targets)
         (2.5 * loss_ref).backward()
-        local = tp.shard_of(logits, 1, 1, rank, n).requires_grad_()
+        local = shard_of(logits, 1, 1, rank, n).requires_grad_()
         loss = tp.VocabParallelCrossEntropy.apply(local, targets, rank * V // n, g)
         (2.5 * loss).backward()
         record(f"{dtype}/cross_entropy/loss", loss, loss_ref)
-        record(f"{dtype}/cross_entropy/grad", local.grad, tp.shard_of(lr_.grad, 1, 1, rank, n))
+        record(f"{dtype}/cross_entropy/grad", local.grad, shard_of(lr_.grad, 1, 1, rank, n))
     # the per-rank stream: different inside the context, the shared stream identical (and advanced) after it
     torch.manual_seed(5)
     inside = tp.RankRNG(torch.nn.Dropout(0.5), g, "cpu")(torch.ones(16)).tolist()
     after = torch.rand(4).tolist()
     result = tp.main(argv)                           # tp=3: the vocabulary (64) is padded to 66 rows
-    full = tp.gather_full_weights(result["model"], result["group"])
+    full = gather_full_weights(result["model"], result["group"])
     return errs, inside, after, _numpy(full) if rank == 0 else None
 
 
@@ -160,7 +161,7 @@ def _block_report(n):
             with torch.device("meta"):
                 gpt = M.GPT(cfg)
             tp.apply_tp(gpt, g, sp=mode == "sp")
-            tp.init_tp_weights(gpt, 0, g)
+            init_tp_weights(gpt, 0, g)
         block = gpt.transformer.h[0]
         x = torch.randn(b, s // n if mode == "sp" else s, 64, requires_grad=True)
         activations = SavedActivationBytes(block)
@@ -181,7 +182,7 @@ def _world_worker(rank, n, argvs):
     for argv in argvs:
         result = train_tp.main(argv)
         model, group = result["model"], result["group"]
-        full = train_tp.gather_full_weights(model, group)
+        full = gather_full_weights(model, group)
         replicated = {name: p for name, p in model.named_parameters() if not hasattr(p, "tp_split")}
         runs.append(dict(full=_numpy(full) if rank == 0 else None, replicated=_numpy(replicated),
                          n_params=sum(p.numel() for p in model.parameters())))
@@ -223,7 +224,7 @@ def _float64_worker(rank, n, argvs):
     out = []
     for argv in argvs:
         result = train_tp.main(argv)
-        full = train_tp.gather_full_weights(result["model"], result["group"])
+        full = gather_full_weights(result["model"], result["group"])
         out.append(_numpy(full) if rank == 0 else None)
     return out
 
