@@ -51,7 +51,7 @@ from model import GPT, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
 from pipeline_schedules import make_schedule, simulate
 from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_positions, swap_attention_cores
-from train_ddp import DataParallelGrads
+from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from train_single import (autocast_context, evaluate, gpt_config, materialize, param_dtype, prepare_data,
@@ -172,14 +172,44 @@ def bytes_by_axis(grid):
 # the dp x cp axis: train_ddp's buckets (every rank a full optimizer), or train_zero's ZeRO-1 shards
 
 def data_parallel(chunks, cfg, grid, dtype, device):
-    """(gradient reducer, optimizer, ZeRO shards or None) over the dp x cp group."""
+    """(gradient reducer, optimizer, ZeRO shards or None) over the dp x cp group. Under ZeRO the tied weight
+    gets a bucket of its own, laid out alike on the first and last stage, so their shards can be summed."""
     group = grid.groups["dp_cp"]
     if cfg.zero_stage == 0:
         optimizer = configure_optimizer(chunks.named_parameters(), cfg, device.type)
         return DataParallelGrads(list(chunks.parameters()), group, "bucket", cfg.bucket_mb), optimizer, None
     names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
-    shards = shard_model(chunks, cfg, 1, group, dtype, device, dict(now=0, peak=0), names)
-    return ShardedGrads(shards, group, 1), ShardedAdamW(shards, cfg), shards
+    tied = tied_weight(chunks)
+    rest = [p for p in reversed(list(chunks.parameters())) if p is not tied]
+    buckets = assign_buckets(rest, cfg.bucket_mb * 2 ** 20) + ([[tied]] if tied is not None else [])
+    shards = shard_model(chunks, cfg, cfg.zero_stage, group, dtype, device, dict(now=0, peak=0), names, buckets)
+    return ShardedGrads(shards, group, cfg.zero_stage), ShardedAdamW(shards, cfg), shards
+
+
+def my_slices(shards):
+    """(parameter, its part inside this rank's slice [lo, hi) of its bucket's gradient) under ZeRO."""
+    out = []
+    for s in shards:
+        for p, off in zip(s.params, s.offsets):
+            a, b = max(off, s.lo), min(off + p.numel(), s.hi)
+            if a < b:
+                out.append((p, s.grad[a - s.lo: b - s.lo]))
+    return out
+
+
+def sum_shard_grads(chunks, shards, grid):
+    """ZeRO-2 keeps no full gradients, so the two sums the other recipes take before reducing are taken on
+    the shards: the tied weight's over its two stages (one bucket, the same layout on both), SP's LayerNorm and
+    row-bias gradients over tp (every TP rank's buckets have the same layout)."""
+    tied = tied_weight(chunks)
+    if tied is not None and grid.groups["tied"] is not None:
+        shard = next(s for s in shards if s.params[0] is tied)
+        comm.all_reduce(shard.grad, group=grid.groups["tied"])
+    partial = [g for p, g in my_slices(shards) if getattr(p, "sequence_parallel", False)]
+    if partial:
+        flat = torch.cat(partial)
+        comm.all_reduce(flat, group=grid.groups["tp"])
+        torch._foreach_copy_(partial, list(flat.split([g.numel() for g in partial])))
 
 
 def owned_grads(chunks, shards, grid):
@@ -192,13 +222,8 @@ def owned_grads(chunks, shards, grid):
 
     if shards is None:
         pieces = [(p.grad, counted(p)) for p in chunks.parameters()]
-    else:            # ZeRO-1: the part of each parameter inside my slice [lo, hi) of its bucket
-        pieces = []
-        for s in shards:
-            for p, off in zip(s.params, s.offsets):
-                a, b = max(off, s.lo), min(off + p.numel(), s.hi)
-                if a < b:
-                    pieces.append((s.grad[a - s.lo: b - s.lo], counted(p)))
+    else:            # ZeRO: the part of each parameter inside my slice of its bucket
+        pieces = [(g, counted(p)) for p, g in my_slices(shards)]
     return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
 
 
@@ -216,7 +241,7 @@ def optimizer_step(optimizer, shards, lr):
         set_lr(optimizer, lr)
         optimizer.step()
         return
-    optimizer.step(lr, [s.grad for s in shards])          # ZeRO-1: my slice of every bucket
+    optimizer.step(lr, [s.grad for s in shards])          # ZeRO: my slice of every bucket
     for s in shards:
         s.publish()                                       # all-gather the updated slices
 
@@ -367,8 +392,11 @@ def validate(cfg):
     check(tp == 1 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
           "--kernels triton|compile and --fp8 fuse or swap nn.Linear layers; with --tp > 1 the layers are "
           "tensor-parallel (their communication would be skipped): use --kernels torch --fp8 none")
-    check(cfg.zero_stage in (0, 1), f"--zero_stage {cfg.zero_stage}: train_5d shards the optimizer (ZeRO-1) or not "
-          f"(0); ZeRO-2/3 reduce or gather per micro-batch, which the pipeline's schedule does not offer (train_zero)")
+    check(cfg.zero_stage in (0, 1, 2), f"--zero_stage {cfg.zero_stage}: train_5d offers 0, 1 and 2; ZeRO-3 gathers "
+          f"each block's weights per micro-batch and is in train_zero.py")
+    check(cfg.zero_stage < 2 or (cfg.pp_virtual == 1 and cfg.pp_schedule != "zb1"),
+          "--zero_stage 2 reduce-scatters after each backward of the whole stage: not with --pp_virtual > 1 (a "
+          "backward covers one chunk) or zb1 (weight gradients come later)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -409,6 +437,8 @@ def main(argv=None):
     runner = PipelineRunner(chunks, grid.groups["pp"], schedules, m, act_shape, env.device, store,
                             autocast_context(dtype, env.device), param_dtype(dtype))
     grads, optimizer, shards = data_parallel(chunks, cfg, grid, param_dtype(dtype), env.device)
+    if cfg.zero_stage == 2:                      # reduce-scatter each micro-batch's gradients as its B ends
+        runner.after_backward = lambda action: grads.finish()
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
     start = load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg) if cfg.resume else 0
     last_step = cfg.stop_step or cfg.max_steps
@@ -437,13 +467,15 @@ def main(argv=None):
         t0 = time.perf_counter()
         COMM.reset()
         lr = lr_at(step, cfg)
-        grads.require_sync(False)                # the pipeline runs every backward; reduce once, after it
+        grads.require_sync(cfg.zero_stage == 2)   # 0, 1: reduce once, after the pipeline; 2: after each B
         loss_sum = runner.step(schedules[grid.coords["pp"]], lambda mb: batch(step, mb))
-        # sums of this rank's gradients first (linear, so before or after the dp x cp mean alike)
-        tied_grads_sync(chunks, grid.groups["tied"])                   # the two embedding copies: one gradient
-        all_reduce_sequence_parallel_grads(chunks, grid.groups["tp"])   # SP: LayerNorm grads summed over tp
-        grads.require_sync(True)
-        grads.finish()                           # mean over dp x cp (ZeRO-1: into my shard of each bucket)
+        if cfg.zero_stage < 2:  # sums of this rank's gradients first (linear: before or after the mean alike)
+            tied_grads_sync(chunks, grid.groups["tied"])                   # the two embedding copies
+            all_reduce_sequence_parallel_grads(chunks, grid.groups["tp"])   # SP: LayerNorm grads over tp
+            grads.require_sync(True)
+            grads.finish()                       # mean over dp x cp (ZeRO-1: into my shard of each bucket)
+        else:                                    # ZeRO-2: already reduce-scattered after each B; the sums
+            sum_shard_grads(chunks, shards, grid)  # are taken on the shards
         grad_norm = clip_grid_grads(chunks, shards, cfg.grad_clip, grid)
         optimizer_step(optimizer, shards, lr)
         grads.zero_grad()

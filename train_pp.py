@@ -166,6 +166,7 @@ class PipelineRunner:
         self.act_dtype = act_dtype               # what crosses stages: fp32 even under autocast (or float64)
         self.peer = [dist.get_global_rank(group, r) for r in range(self.p)]
         self.plan = comm_plan(schedules, self.p, self.v)[self.rank]   # actions and batches, in launch order
+        self.after_backward = None               # called with each B action when set (ZeRO-2: reduce now)
 
     # ---- messages: (what, micro-batch, receiving stage), see pipeline_schedules.sends_of
     def _launch(self, exchange):
@@ -255,6 +256,8 @@ class PipelineRunner:
                 self._forward(a, received, get_batch)
             elif a.kind == "B":
                 self._backward(a, received)
+                if self.after_backward is not None:
+                    self.after_backward(a)
             else:
                 self.store.compute((a.mb, a.chunk))
             self.busy += time.perf_counter() - t0

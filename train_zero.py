@@ -199,17 +199,18 @@ class ShardedGrads(DataParallelGrads):
             (b.buffer if self.stage <= 1 else b.shard.grad).zero_()
 
 
-def shard_model(model, cfg, stage, group, dtype, device, tracker, names=None):
+def shard_model(model, cfg, stage, group, dtype, device, tracker, names=None, buckets=None):
     """Swap the model's parameters for views of flat per-bucket (stage 0-2) or per-unit (stage 3) Shards.
     A model on the meta device starts from model.init_parameter; a built one (train_5d's tensor-parallel
-    stages, `names` giving each parameter's GPT name) from its current values."""
+    stages, `names` giving each parameter's GPT name) from its current values. `buckets`: the parameter groups
+    of stages 0-2, when the caller chooses them (default: assign_buckets over --bucket_mb)."""
     named = names or {p: n for n, p in model.named_parameters()}
     if stage == 3:   # units: blocks in backward order, then the root (embedding, final LayerNorm)
         blocks = [list(b.parameters()) for b in model.transformer.h]
         root = [p for p in model.parameters() if all(p is not q for blk in blocks for q in blk)]
         groups = list(reversed(blocks)) + [root]
     else:
-        groups = assign_buckets(list(reversed(list(model.parameters()))), cfg.bucket_mb * 2 ** 20)
+        groups = buckets or assign_buckets(list(reversed(list(model.parameters()))), cfg.bucket_mb * 2 ** 20)
     shards = []
     for params in groups:
         initial = {named[p]: init_parameter(named[p], p.shape, cfg.n_layer, cfg.seed) if p.is_meta else p.detach()

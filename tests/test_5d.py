@@ -20,8 +20,11 @@ def _runs(rank, world, argvs):
     for argv in argvs:
         result = train_5d.main(argv)
         shards = result["shards"]
+        sp_slices = [g.numel() for p, g in train_5d.my_slices(shards or []) if getattr(p, "sequence_parallel", False)]
+        tied = [s.padded for s in shards if s.params[0] is train_5d.tied_weight(result["chunks"])] if shards else []
         out.append(dict(n_params=sum(p.numel() for p in result["chunks"].parameters()),
-                        n_padded=sum(s.padded for s in shards) if shards else None, sizes=result["grid"].sizes))
+                        n_padded=sum(s.padded for s in shards) if shards else None, sizes=result["grid"].sizes,
+                        n_sp_shard=sum(sp_slices) if shards else 0, tied_padded=sum(tied)))
     return out if rank == 0 else None
 
 
@@ -34,7 +37,7 @@ def part(n):
 
 
 def expected_bytes_by_axis(dp=1, tp=1, cp=1, pp=1, sp=False, micro=2, n_layer=2, v=1, cp_layout="zigzag",
-                           n_params=0, n_padded=None, value_bytes=8):
+                           n_params=0, n_padded=None, zero_stage=0, n_sp_shard=0, tied_padded=0, value_bytes=8):
     """Bytes global rank 0 (first stage; tp, cp, dp index 0) sends in one step, per axis: each rung's formula
     (tests/test_tp.py, test_cp.py, test_pp.py, test_ddp.py) with the composed step's sizes."""
     m, t_local, layers = 8 // (micro * dp), T // cp, n_layer // pp      # rank 0 holds n_layer / pp blocks
@@ -45,17 +48,20 @@ def expected_bytes_by_axis(dp=1, tp=1, cp=1, pp=1, sp=False, micro=2, n_layer=2,
     else:        # block 10 gathers / scatters; embedding 2; head 3
         tp_micro = (10 * layers + 2 * first + 3 * last) * part(tp) * S
     tp_micro += last * 3 * ar(tp) * N * value_bytes
-    tp_step = m * tp_micro + (ar(tp) * value_bytes * (6 * H * layers + 2 * H * last) if sp else 0)
+    sp_grads = n_sp_shard if zero_stage == 2 else 6 * H * layers + 2 * H * last   # ZeRO-2: my shards' part
+    tp_step = m * tp_micro + (ar(tp) * value_bytes * sp_grads if sp else 0)
     kv = 2 * micro * t_local * (H // tp) * value_bytes                  # train_cp: this rank's K and V
     ring = (cp - 1) * 2 * kv + (cp if cp_layout != "allgather" else cp - 1) * kv
     cp_step = m * layers * ring if cp > 1 else 0
     act = micro * (t_local // (tp if sp else 1)) * H * value_bytes      # train_pp: one message
     pp_step = 0
     if pp > 1:   # the first rank sends 2V - 1 messages per micro-batch; the tied weight's two copies all-reduce
-        pp_step = m * act * (2 * v - 1) + (VOCAB // tp) * H * value_bytes * ar(2)
-    if n_padded is not None:      # ZeRO-1 (train_zero): reduce-scatter + all-gather of the padded buckets;
-        return dict(dp=ar(dp * cp) * value_bytes * n_padded, tp=tp_step, cp=cp_step, pp=pp_step,   # the norm
-                    mp=ar(dp * tp * cp * pp) * value_bytes)                                      # over all
+        tied = tied_padded // (dp * cp) if zero_stage == 2 else (VOCAB // tp) * H   # ZeRO-2: my shard of it
+        pp_step = m * act * (2 * v - 1) + tied * value_bytes * ar(2)
+    if n_padded is not None:      # train_zero: reduce-scatters (ZeRO-2: one per micro-batch) + an all-gather of
+        scatters = m if zero_stage == 2 else 1        # the padded buckets; the norm's scalar over all ranks
+        return dict(dp=(scatters + 1) * part(dp * cp) * value_bytes * n_padded, tp=tp_step, cp=cp_step,
+                    pp=pp_step, mp=ar(dp * tp * cp * pp) * value_bytes)
     return dict(dp=ar(dp * cp) * value_bytes * n_params, tp=tp_step, cp=cp_step, pp=pp_step,
                 mp=ar(tp * pp) * value_bytes)
 
@@ -68,7 +74,8 @@ CASES = {
         ("L4", dict(pp=2, tp=2, pp_schedule="interleaved", pp_virtual=2)),
         ("L4", dict(pp=2, cp=2, pp_schedule="zb1", cp_layout="allgather")),
         ("L2", dict(dp=2, tp=2, sp=True, zero_stage=1)), ("L2", dict(dp=2, pp=2, zero_stage=1)),
-        ("L2", dict(dp=2, cp=2, zero_stage=1))],
+        ("L2", dict(dp=2, cp=2, zero_stage=1)), ("L2", dict(dp=2, tp=2, sp=True, zero_stage=2)),
+        ("L2", dict(dp=2, pp=2, zero_stage=2)), ("L2", dict(dp=2, cp=2, zero_stage=2))],
     8: [("L2", dict(dp=2, tp=2, pp=2, sp=True)), ("L2", dict(tp=2, cp=2, pp=2)), ("L2", dict(dp=2, tp=2, cp=2))],
     16: [("L2", dict(dp=2, tp=2, cp=2, pp=2, sp=True))],
 }
@@ -89,7 +96,8 @@ def test_float64_parity_and_bytes_per_axis(text_reference_for, text_data, tmp_pa
         want = expected_bytes_by_axis(micro=opts["micro_batch_size"], n_layer=MODELS[model].get("n_layer", 2),
                                       v=opts.get("pp_virtual", 1), sp=opts.get("sp", False),
                                       cp_layout=opts.get("cp_layout", "zigzag"), n_params=result["n_params"],
-                                      n_padded=result["n_padded"], **sizes)
+                                      n_padded=result["n_padded"], zero_stage=opts.get("zero_stage", 0),
+                                      n_sp_shard=result["n_sp_shard"], tied_padded=result["tied_padded"], **sizes)
         for row in read_metrics(out):
             got = row["comm_bytes_by_axis"]
             for axis, value in want.items():
@@ -126,7 +134,8 @@ def test_default_layout_shows_more_than_one_axis(tiny_data, tmp_path):
     (2, dict(pp=2, global_batch_size=2, micro_batch_size=2), "needs at least pp=2 micro-batches"),
     (2, dict(tp=2, pp_schedule="zb1"), "zb1 defers"),
     (2, dict(tp=2, kernels="compile"), "with --tp > 1 the layers are tensor-parallel"),
-    (2, dict(dp=2, zero_stage=2), "--zero_stage 2"),
+    (2, dict(dp=2, zero_stage=3), "--zero_stage 3"),
+    (4, dict(dp=2, pp=2, zero_stage=2, pp_schedule="zb1", micro_batch_size=2), "--zero_stage 2 reduce-scatters"),
 ])
 def test_bad_layout_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys, world, overrides, message):
     import train_5d
