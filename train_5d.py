@@ -4,7 +4,7 @@ axis the building block of its own rung (imported, not rewritten), checked to tr
 
     torchrun --nproc_per_node=8 train_5d.py                                   # default grid: dp 2 x tp 2 x pp 2
     torchrun --nproc_per_node=8 train_5d.py --tp 2 --sp --cp 2 --pp 2         # tp, cp, pp (dp = 8 / 8 = 1)
-    torchrun --nproc_per_node=8 train_5d.py --dp 4 --tp 2 --zero_stage 1      # ZeRO-1 over dp x cp
+    torchrun --nproc_per_node=8 train_5d.py --dp 4 --tp 2 --zero_stage 2      # ZeRO-2 over dp x cp
     torchrun --nproc_per_node=8 train_5d.py --dp 2 --pp 4 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 train_5d.py \\
         --tp 8 --pp 2                                     # two nodes: tp inside a node, pp across the two
@@ -21,7 +21,7 @@ What each axis does in one optimizer step (each from its rung):
     pp  train_pp: blocks cut into pp*pp_virtual stages; micro-batches flow through a schedule (afab, 1f1b,
         interleaved, zb1), activations and their gradients sent point to point
     dp  train_ddp: each (dp, cp) pair of coordinates holds its slice of the batch / sequence; gradients are
-        averaged over the dp x cp group in flat buckets (train_zero's ZeRO-1 shards the optimizer over it)
+        averaged over the dp x cp group in flat buckets (or train_zero's ZeRO-1/2 shards over it)
 A stage's blocks are tensor-parallel and their attention context-parallel (on the heads this TP rank holds).
 Loss: each rank's last stage gives the mean over its tokens; the global-batch mean is the average over dp x cp
 and micro-batches, exactly train_single's. Global grad norm: every shard counted once (TP replicas by TP rank 0,
@@ -29,8 +29,8 @@ the tied weight by the first stage), reduced over tp x pp (the dp x cp replicas 
 
 Bytes per step (metrics.jsonl `comm_bytes_by_axis`, this rank, comm.py's ring convention) are each rung's own
 formula with the sizes of the composed step: tp its block all-reduces on [b, T/cp, h], cp its ring on this TP
-rank's heads, pp its p2p of [b, T/cp (/tp under SP), h], dp the all-reduce (ZeRO-1: reduce-scatter + all-gather)
-of this rank's gradients. Checkpoints are one file in train_single's layout: any layout, or train_single, resumes
+rank's heads, pp its p2p of [b, T/cp (/tp under SP), h], dp the all-reduce (ZeRO: reduce-scatters, one per
+micro-batch for ZeRO-2, + all-gather) of this rank's gradients. Checkpoints are one file in train_single's layout: any layout, or train_single, resumes
 any other. With tp 1, --kernels and --fp8 apply inside the stages as in train_single.
 """
 import math
