@@ -323,17 +323,6 @@ def flops_per_token(cfg, seq_len=None):
     return 6 * num_params(cfg, cfg.top_k if cfg.n_experts else None) + 12 * cfg.n_layer * cfg.n_embd * T
 
 
-def model_state_bytes_per_param(recipe="fp32"):
-    """Bytes per parameter of params + grads + optimizer state for AdamW (ZeRO paper's accounting).
-
-    fp32: 4 (param) + 4 (grad) + 8 (Adam m, v)                          = 16
-    bf16: 2 (param) + 2 (grad) + 12 (fp32 master copy + Adam m, v), K=12 = 16"""
-    table = {"fp32": dict(params=4, grads=4, optim=8), "bf16": dict(params=2, grads=2, optim=12)}
-    if recipe not in table:
-        raise ValueError(f"unknown precision recipe {recipe!r}; expected one of {sorted(table)}")
-    return table[recipe]
-
-
 def activation_bytes_per_layer(seq_len, batch, cfg, bytes_per_value=2, recompute="none", dropout=True):
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, eq. 2).
 

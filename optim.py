@@ -48,8 +48,9 @@ def clip_grad_norm(grads, max_norm, group=None, device=None, dtype=torch.float32
     With `group`, each rank passes only the gradients it owns (a shard, or a parameter held by one rank)
     and the squared norms are summed across the group, so every rank gets the same global norm. A gradient
     replicated on several ranks of the group must be passed by exactly one of them; the others pass it in
-    `replicas`: left out of the norm, scaled like the rest (tensor-parallel replicas, a tied weight's copy). `dtype`: the norm's dtype
-    on a rank that owns no gradients (it must match the other ranks' for the all-reduce: float64 runs pass it)."""
+    `replicas`: left out of the norm, scaled like the rest (tensor-parallel replicas, a tied weight's copy).
+    `dtype`: the norm's dtype on a rank that owns no gradients (it must match the other ranks' for the
+    all-reduce: float64 runs pass it)."""
     grads = [g for g in grads if g is not None]
     if grads:
         norm = torch.nn.utils.get_total_norm(grads, 2.0)

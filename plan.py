@@ -26,10 +26,10 @@ from itertools import product
 import torch
 
 from config import ConfigError, fail
-from model import GPTConfig, flops_per_token, model_state_bytes_per_param, num_params
+from model import GPTConfig, flops_per_token, num_params
 from pipeline_schedules import afab, interleaved, one_f_one_b, peak_in_flight, theory_idle_fraction, zb_h1
-from plan_inputs import (FRAMEWORK_BYTES, GIB, LINK_EFF, PRECISION, RECOMPUTE, USABLE, Layout, build_job, parse_args,
-                         parse_layout, validate)
+from plan_inputs import (FRAMEWORK_BYTES, GIB, LINK_EFF, PRECISION, RECOMPUTE, USABLE, Layout, build_job,
+                         model_state_bytes_per_param, parse_args, parse_layout, validate)
 from train_ddp import assign_buckets
 from train_tp import tp_activation_bytes_per_layer
 
@@ -76,7 +76,7 @@ def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb):
 
 def zero_state_bytes(groups, n, stage, recipe):
     """Model-state bytes per rank, groups padded to a multiple of n ranks (P' = sum ceil(g/n)*n; P' = P at stage 0),
-    bytes per parameter (p, g, o) from model.model_state_bytes_per_param (bf16: 2, 2, 12; fp32: 4, 4, 8):
+    bytes per parameter (p, g, o) from plan_inputs.model_state_bytes_per_param (bf16: 2, 2, 12; fp32: 4, 4, 8):
         stage 0: (p + g + o) P      stage 1: (p + g) P' + o P'/n      stage 2: p P' + (g + o) P'/n
         stage 3: (p + g + o) P'/n   (ZeRO paper, 7.5B on 64 GPUs, bf16: 120 / 31.4 / 16.6 / 1.9 GB)"""
     padded = sum(groups) if stage == 0 else sum(-(-g // n) * n for g in groups)

@@ -46,9 +46,20 @@ MODELS = {
     "llama3-405b": dict(n_layer=126, n_embd=16384, n_head=128, vocab=128256),
     "gpt3-175b": dict(n_layer=96, n_embd=12288, n_head=96, vocab=51200),
 }
-PRECISION = {   # model-state recipe of model.model_state_bytes_per_param, bytes per activation value
-    "bf16": ("bf16", 2),   # bf16 params/grads + fp32 master and AdamW (train_zero.py --dtype bfloat16)
-    "amp": ("fp32", 2),    # fp32 params/grads/AdamW, bf16 autocast (train_single.py on GPU)
+def model_state_bytes_per_param(recipe="fp32"):
+    """Bytes per parameter of params + grads + optimizer state for AdamW (ZeRO paper's accounting).
+
+    fp32: 4 (param) + 4 (grad) + 8 (Adam m, v)                          = 16
+    bf16: 2 (param) + 2 (grad) + 12 (fp32 master copy + Adam m, v), K=12 = 16"""
+    table = {"fp32": dict(params=4, grads=4, optim=8), "bf16": dict(params=2, grads=2, optim=12)}
+    if recipe not in table:
+        raise ValueError(f"unknown precision recipe {recipe!r}; expected one of {sorted(table)}")
+    return table[recipe]
+
+
+PRECISION = {   # model-state recipe of model_state_bytes_per_param, bytes per activation value
+    "bf16": ("bf16", 2),   # bf16 params/grads + fp32 master and AdamW (the ZeRO paper's mixed precision)
+    "amp": ("fp32", 2),    # fp32 params/grads/AdamW, bf16 autocast (every train script here on GPU)
     "fp32": ("fp32", 4),
 }
 RECOMPUTE = ("none", "selective", "full")

@@ -30,8 +30,9 @@ the tied weight by the first stage), reduced over tp x pp (the dp x cp replicas 
 Bytes per step (metrics.jsonl `comm_bytes_by_axis`, this rank, comm.py's ring convention) are each rung's own
 formula with the sizes of the composed step: tp its block all-reduces on [b, T/cp, h], cp its ring on this TP
 rank's heads, pp its p2p of [b, T/cp (/tp under SP), h], dp the all-reduce (ZeRO: reduce-scatters, one per
-micro-batch for ZeRO-2, + all-gather) of this rank's gradients. Checkpoints are one file in train_single's layout: any layout, or train_single, resumes
-any other. With tp 1, --kernels and --fp8 apply inside the stages as in train_single.
+micro-batch for ZeRO-2, + all-gather) of this rank's gradients. Checkpoints are one file in train_single's
+layout: any layout, or train_single, resumes any other. With tp 1, --kernels and --fp8 apply inside the
+stages as in train_single.
 """
 import math
 import time
@@ -44,8 +45,6 @@ import comm
 from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from comm import COMM, destroy, init_distributed, new_group, world_size_from_env
 from config import check, config_dict, fail, parse_config
-from kernels import apply_kernels, convert_to_float8
-from kernels.fp8 import check_fp8_support
 from metrics import MetricsLogger
 from model import GPT, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
@@ -54,8 +53,8 @@ from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_
 from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
-from train_single import (autocast_context, evaluate, gpt_config, materialize, param_dtype, prepare_data,
-                          print_sample, resolve_dtype, should_save)
+from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, materialize,
+                          param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
 from tp_shards import full_shape, init_tp_weights, tp_gather, tp_slice
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp
 from train_zero import ShardedAdamW, ShardedGrads, shard_model
@@ -413,18 +412,11 @@ def main(argv=None):
     m = cfg.global_batch_size // (micro * dp)                  # micro-batches per step on each dp rank
     loader = prepare_data(cfg, env)
     dtype = resolve_dtype(cfg, env.device)
-    if env.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    enable_tf32(env.device)
 
     chunks, gcfg, pos = build_chunks(cfg, loader.vocab_size, grid, env.device, param_dtype(dtype))
-    try:                                         # tp == 1 only (validate): model.py's layers, as in train_single
-        for chunk in chunks:
-            apply_kernels(chunk, cfg.kernels)
-            if cfg.fp8 != "none":
-                check_fp8_support(env.device)
-                convert_to_float8(chunk, recipe=cfg.fp8)
-    except (ValueError, RuntimeError) as e:
-        fail(str(e))
+    for chunk in chunks:                         # tp == 1 only (validate): model.py's layers, as in train_single
+        apply_kernels_and_fp8(chunk, cfg, env.device)
     store = WeightGradStore() if cfg.pp_schedule == "zb1" else None
     if store is not None:
         defer_weight_grads(chunks, store)

@@ -9,7 +9,7 @@ flat buffer padded to a multiple of N ranks; rank r owns elements [r*s, (r+1)*s)
 
 Precision (train_single's recipe): the parameters are fp32 and are their own master copy; --dtype bfloat16
 runs the forward and backward under bf16 autocast (each matmul casts its weight on the fly), and gradients are
-accumulated and reduce-scattered in fp32. Bytes per parameter (model.model_state_bytes_per_param("fp32")):
+accumulated and reduce-scattered in fp32. Bytes per parameter (plan_inputs.model_state_bytes_per_param("fp32")):
     params 4, grads 4, AdamW m + v 8         (float32 and bfloat16 alike; float64 doubles each)
 bf16 saves activation memory and matmul time here, not model-state bytes: a recipe with bf16 parameter copies
 (2 + 2 + 12) would need a second, fp32 copy of every weight as the master.

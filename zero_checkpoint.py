@@ -19,7 +19,8 @@ from train_single import fail_together
 
 @torch.no_grad()
 def full_values(shards, attr):
-    """{parameter name: full fp32 (or float64) tensor} of the master weights or an AdamW moment, gathered from the shards."""
+    """{parameter name: full fp32 (or float64) tensor} of the master weights or an AdamW moment, gathered
+    from the shards."""
     out = {}
     for s in shards:
         local = getattr(s, attr)

@@ -9,8 +9,8 @@ import torch
 
 from distributed_helper import run_workers
 from metrics import read_metrics
-from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, run_single, text_argv,
-                           tiny_argv)
+from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, run_single,
+                           text_argv, tiny_argv)
 
 H, T, VOCAB_PADDED = 32, 16, 64          # tiny_argv's n_embd and block_size; the tiny dataset's vocab (64)
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from distributed_helper import run_workers
 from model import GPTConfig, num_params
 from tp_shards import gather_full_weights, init_tp_weights, shard_of
-from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, losses, run_single,
-                           text_argv, tiny_argv)
+from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, losses,
+                           run_single, text_argv, tiny_argv)
 from metrics import read_metrics
 
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, micro_batch_size=4, global_batch_size=8, vocab=64)
