@@ -27,7 +27,10 @@ def save_checkpoint(path, state):
 def load_checkpoint(path, device="cpu"):
     if not os.path.exists(path):
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
-    return torch.load(path, map_location=device, weights_only=True)
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:   # truncated, empty, or not a checkpoint: torch raises several kinds
+        raise ValueError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
 
 
 def rng_state():

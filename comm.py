@@ -24,6 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from config import fail
+
 # torch >= 2.13 renamed the flat-tensor collectives and warns on the old names; older torch only has those.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -190,7 +192,10 @@ def init_distributed(cfg, need_group=True):
     rank = int(os.environ.get("RANK", "0"))
     world_size = world_size_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(cfg.device, local_rank)
+    try:
+        device = pick_device(cfg.device, local_rank)
+    except ValueError as e:                      # --device cuda on a machine without one: one line, not a trace
+        fail(str(e))
     backend = "nccl" if device.type == "cuda" else "gloo"
     if need_group and not dist.is_initialized():
         timeout = timedelta(seconds=cfg.dist_timeout)

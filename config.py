@@ -7,7 +7,9 @@ Flags are `--key value` or `--key=value`. Booleans are `--compile` / `--no-compi
 exits with one `error: ...` line and exit code 2 before any work starts (`ConfigError` -> `fail`).
 """
 import argparse
+import math
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, fields
 
@@ -180,7 +182,19 @@ def validate_common(cfg):
     check(cfg.n_embd % cfg.n_head == 0, f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
     check((cfg.n_embd // cfg.n_head) % 2 == 0,
           f"head dim n_embd/n_head={cfg.n_embd // cfg.n_head} must be even for rotary embeddings")
+    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "dist_timeout"):
+        value = getattr(cfg, name)
+        check(math.isfinite(value) and value >= 0, f"--{name} must be a finite number >= 0, got {value}")
+    check(cfg.lr > 0 and cfg.dist_timeout > 0, f"--lr and --dist_timeout must be positive, got {cfg.lr} and "
+                                               f"{cfg.dist_timeout}")
     check(cfg.warmup_steps >= 0 and cfg.min_lr <= cfg.lr, "need warmup_steps >= 0 and min_lr <= lr")
+    for name in ("seed", "stop_step", "eval_interval", "save_interval", "sample_tokens"):
+        check(getattr(cfg, name) >= 0, f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    check(cfg.stop_step <= cfg.max_steps, f"--stop_step {cfg.stop_step} is past --max_steps {cfg.max_steps} (the "
+                                          f"schedule ends there)")
+    check(cfg.out_dir.strip() != "", "--out_dir must name a directory")
+    check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device) is not None,
+          f"--device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
 
 
 def grad_accum_steps(cfg, dp):

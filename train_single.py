@@ -218,10 +218,17 @@ def save_training_state(cfg, model, optimizer, next_step, rank=None):
 
 
 def load_training_state(cfg, model, optimizer, rank=None):
-    """Restore model, optimizer and RNG; returns the step to continue from."""
-    state = load_checkpoint(checkpoint_path(cfg.out_dir, rank))
-    unwrap(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    """Restore model, optimizer and RNG; returns the step to continue from. A missing, unreadable or other
+    model's checkpoint is one error line on the rank that reads it."""
+    path = checkpoint_path(cfg.out_dir, rank)
+    try:
+        state = load_checkpoint(path)
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e), rank_local=True)
+    except (RuntimeError, KeyError) as e:            # load_state_dict: missing keys or other shapes
+        fail(f"--resume: {path} does not match this model ({str(e).splitlines()[0]})", rank_local=True)
     set_rng_state(state["rng"])
     return state["step"]
 

@@ -197,3 +197,39 @@ def test_tf32_enabled_in_every_script(monkeypatch):
             source = f.read()
         assert "enable_tf32(env.device)" in source, script
         assert script == "train_single" or "allow_tf32" not in source, f"{script} sets TF32 by hand"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lr", "-1"], "--lr must be a finite number >= 0"), (["--lr", "inf"], "--lr must be a finite number"),
+    (["--weight_decay", "-5"], "--weight_decay must be"), (["--seed", "-1"], "--seed must be >= 0"),
+    (["--dist_timeout", "0"], "--dist_timeout must be positive"), (["--stop_step", "-3"], "--stop_step must be"),
+    (["--stop_step", "30"], "is past --max_steps"), (["--out_dir", ""], "--out_dir must name a directory"),
+    (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
+    (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "cuda:99"], "cuda"),
+    (["--resume"], "--resume: no checkpoint at"),
+])
+def test_bad_values_are_one_clear_line(tiny_data, tmp_path, capsys, flags, message):
+    argv = tiny_argv(tiny_data, str(tmp_path / "run"), max_steps=20)
+    with pytest.raises(SystemExit) as e:
+        train_single.main(argv + flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+
+
+def test_resume_from_a_broken_or_foreign_checkpoint_is_one_clear_line(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    run_single(tiny_argv(tiny_data, str(out), max_steps=2))
+    for name, damage in (("truncated", lambda b: b[: len(b) // 2]), ("empty", lambda b: b"")):
+        ckpt = out / "ckpt.pt"
+        good = ckpt.read_bytes()
+        ckpt.write_bytes(damage(good))
+        with pytest.raises(SystemExit) as e:
+            train_single.main(tiny_argv(tiny_data, str(out), max_steps=4, resume=True))
+        ckpt.write_bytes(good)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and "not a readable checkpoint" in err[0], (name, err)
+    with pytest.raises(SystemExit) as e:            # a checkpoint of another model shape
+        train_single.main(tiny_argv(tiny_data, str(out), max_steps=4, resume=True, n_embd=48))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "does not match this model" in err[0], err
