@@ -184,6 +184,9 @@ def pick_device(requested, local_rank):
     return device
 
 
+GROUP_TIMEOUT = dict(s=None)     # --dist_timeout, set by init_distributed for every group created after it
+
+
 def init_distributed(cfg, need_group=True):
     """Device and (optionally) the default process group, from torchrun's environment variables.
 
@@ -197,6 +200,7 @@ def init_distributed(cfg, need_group=True):
     except ValueError as e:                      # --device cuda on a machine without one: one line, not a trace
         fail(str(e))
     backend = "nccl" if device.type == "cuda" else "gloo"
+    GROUP_TIMEOUT["s"] = cfg.dist_timeout        # every subgroup gets it too (new_group), not torch's 30 min
     if need_group and not dist.is_initialized():
         timeout = timedelta(seconds=cfg.dist_timeout)
         if "RANK" in os.environ:
@@ -208,7 +212,9 @@ def init_distributed(cfg, need_group=True):
 
 
 def new_group(ranks, timeout_s=None):
-    """A subgroup (every rank of the world must call this with the same ranks, in the same order)."""
+    """A subgroup (every rank of the world must call this with the same ranks, in the same order), with the
+    run's --dist_timeout unless timeout_s says otherwise: a stuck collective on it raises, never hangs."""
+    timeout_s = GROUP_TIMEOUT["s"] if timeout_s is None else timeout_s
     kwargs = {} if timeout_s is None else dict(timeout=timedelta(seconds=timeout_s))
     return dist.new_group(ranks, **kwargs)
 

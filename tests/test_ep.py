@@ -264,3 +264,24 @@ def test_fp16_overflow_skips_on_every_rank():
     assert skipped == (True, True) and scales[0] == scales[1] < 2.0 ** 16
     skipped, scales = zip(*run_workers(_scaler_worker, 2, args=(False,)))
     assert skipped == (True, False) and scales[0] != scales[1]      # the drift GroupGradScaler prevents
+
+
+def test_every_group_has_the_run_timeout(tiny_data, tmp_path, monkeypatch):
+    """Subgroups (EP groups, expert replicas, pipeline's tied pair) are created with --dist_timeout, so a
+    stopped rank makes the others raise instead of waiting torch's default 30 minutes."""
+    import torch.distributed as dist
+    import comm
+    import train_ep
+    seen, real = [], dist.new_group
+
+    def recording_new_group(ranks, **kwargs):
+        seen.append(kwargs.get("timeout"))
+        return real(ranks, **kwargs)
+    monkeypatch.setattr(dist, "new_group", recording_new_group)
+    try:
+        train_ep.main(_argv(tiny_data, str(tmp_path), n_experts=2, ep=1, max_steps=1, dist_timeout=37))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        comm.GROUP_TIMEOUT["s"] = None
+    assert seen and all(t is not None and t.total_seconds() == 37 for t in seen), seen
