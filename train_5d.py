@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 
 import comm
-from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from checkpoint import checkpoint_path, load_checkpoint, set_rng_state
 from comm import COMM, destroy, init_distributed, new_group, world_size_from_env
-from config import check, config_dict, fail, parse_config
+from config import check, fail, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token
 from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
@@ -58,7 +58,7 @@ from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, 
 from tp_shards import full_shape, init_tp_weights, tp_gather, tp_slice
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp
 from train_zero import ShardedAdamW, ShardedGrads, shard_model
-from zero_checkpoint import flatten, full_values, optimizer_layout
+from zero_checkpoint import flatten, full_values, optimizer_layout, write_single_device_checkpoint
 
 AXES = ("tp", "cp", "dp", "pp")          # innermost first
 GROUPS = dict(tp=("tp",), cp=("cp",), dp=("dp",), pp=("pp",),
@@ -116,10 +116,6 @@ def build_grid(sizes, rank, timeout_s):
     return Grid(sizes, coords_of(rank, sizes), groups, members)
 
 
-def len_of_chunk(cfg, sizes):
-    return cfg.block_size // sizes["cp"]
-
-
 def print_grid(grid, cfg, act_shape, n_params_local):
     sizes = grid.sizes
     print(f"train_5d: dp {sizes['dp']} x tp {sizes['tp']} x cp {sizes['cp']} x pp {sizes['pp']} = "
@@ -132,7 +128,7 @@ def print_grid(grid, cfg, act_shape, n_params_local):
     local_t, local_heads = cfg.block_size // sizes["cp"], cfg.n_head // sizes["tp"]
     print(f"  messages: pp [{b}, {t}, {h}] activations (and their gradients) per micro-batch and stage boundary; "
           f"tp [{b}, {local_t}, {h}] per block, 2 forward + 2 backward; cp K and V of {local_heads} heads x "
-          f"{len_of_chunk(cfg, sizes)} positions per ring step; dp {n_params_local:,} gradient values per step",
+          f"{local_t} positions per ring step; dp {n_params_local:,} gradient values per step",
           flush=True)
 
 
@@ -286,11 +282,9 @@ def save_consolidated(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
         return
     with torch.device("meta"):
         gpt = GPT(gcfg)
-    order, param_groups = optimizer_layout(gpt, cfg)
-    model_state = {k: whole["transformer.wte.weight" if k == "lm_head.weight" else k][0] for k in gpt.state_dict()}
-    moments = {i: dict(step=whole[n][3], exp_avg=whole[n][1], exp_avg_sq=whole[n][2]) for i, n in enumerate(order)}
-    save_checkpoint(checkpoint_path(cfg.out_dir), dict(model=model_state, step=next_step, rng=rng_state(),
-                    optimizer=dict(state=moments, param_groups=param_groups), config=config_dict(cfg)))
+    weights, exp_avg, exp_avg_sq = ({n: value[i] for n, value in whole.items()} for i in range(3))
+    adam_step = next(iter(whole.values()))[3]
+    write_single_device_checkpoint(cfg, gpt, weights, exp_avg, exp_avg_sq, adam_step, next_step)
 
 
 def sample_on_rank0(cfg, chunks, optimizer, shards, grid, gcfg, loader, env):

@@ -41,18 +41,23 @@ def optimizer_layout(model, cfg):
     return order, reference.state_dict()["param_groups"]
 
 
-def save_consolidated(cfg, model, shards, optimizer, next_step, rank):
-    weights, m, v = (full_values(shards, a) for a in ("master", "exp_avg", "exp_avg_sq"))   # every rank
-    if rank != 0:
-        return
+def write_single_device_checkpoint(cfg, model, weights, exp_avg, exp_avg_sq, adam_step, next_step):
+    """ckpt.pt exactly as train_single writes it, from whole tensors by GPT parameter name: `model` (a GPT,
+    meta is enough) gives the state_dict keys (the tied lm_head.weight too) and the AdamW state order."""
     order, param_groups = optimizer_layout(model, cfg)
     names = {p: n for n, p in model.named_parameters()}
-    state = {i: dict(step=torch.tensor(float(optimizer.steps)), exp_avg=m[n], exp_avg_sq=v[n])
-             for i, n in enumerate(order)}
+    # one step tensor per parameter, as torch saves them: a shared one would be stepped once per parameter
+    state = {i: dict(step=adam_step.clone(), exp_avg=exp_avg[n], exp_avg_sq=exp_avg_sq[n]) for i, n in enumerate(order)}
     model_state = {k: weights[names[p]] for k, p in model.state_dict(keep_vars=True).items()}
     save_checkpoint(checkpoint_path(cfg.out_dir), dict(
         model=model_state, optimizer=dict(state=state, param_groups=param_groups), step=next_step,
         rng=rng_state(), config=config_dict(cfg)))
+
+
+def save_consolidated(cfg, model, shards, optimizer, next_step, rank):
+    weights, m, v = (full_values(shards, a) for a in ("master", "exp_avg", "exp_avg_sq"))   # every rank
+    if rank == 0:
+        write_single_device_checkpoint(cfg, model, weights, m, v, torch.tensor(float(optimizer.steps)), next_step)
 
 
 def flatten(s, values):

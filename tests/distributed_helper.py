@@ -65,3 +65,17 @@ def run_workers(fn, world_size, args=(), timeout=300):
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def recorded_runs(rank, world_size, script, argvs):
+    """`script`.main(argv) for each argv (a worker for run_workers), with comm.py recording every launch
+    (p2p batches and collectives): one launch log per run, for nccl_check.check."""
+    import importlib
+    import comm
+    main, logs = importlib.import_module(script).main, []
+    for argv in argvs:
+        comm.LAUNCH_LOG = []
+        main(argv)
+        logs.append(comm.LAUNCH_LOG)
+        comm.LAUNCH_LOG = None
+    return logs

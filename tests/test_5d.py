@@ -4,9 +4,8 @@ with every degree 1 it is train_single bit for bit in fp32; bad layouts are one 
 import json
 
 import pytest
-import torch
 
-from distributed_helper import run_workers
+from distributed_helper import recorded_runs, run_workers
 from metrics import read_metrics
 from train_helpers import MODELS, assert_exact, curves, losses, run_single, text_argv, tiny_argv
 
@@ -193,19 +192,6 @@ def test_kernels_and_fp8_apply_in_stages(text_data, tmp_path):
     assert abs(plain[-1] - losses(str(tmp_path / "fp8"))[-1]) > 1e-4, "FP8 must change the numbers"
 
 
-def _recorded(rank, world, argvs):
-    """train_5d.main for each argv with comm.py recording every launch (p2p batches and collectives)."""
-    import comm
-    import train_5d
-    logs = []
-    for argv in argvs:
-        comm.LAUNCH_LOG = []
-        train_5d.main(argv)
-        logs.append(comm.LAUNCH_LOG)
-        comm.LAUNCH_LOG = None
-    return logs
-
-
 def test_launches_are_nccl_safe(tiny_data, tmp_path):
     """What every rank launched in real gloo runs (ring and zigzag attention, pipeline with TP and SP inside,
     gradient buckets, the tied pair, evaluation) replayed under NCCL's rules (nccl_check.py): no deadlock."""
@@ -215,7 +201,7 @@ def test_launches_are_nccl_safe(tiny_data, tmp_path):
                dict(cp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, n_layer=4, cp_layout="allgather")]
     argvs = [tiny_argv(tiny_data, str(tmp_path / f"run{i}"), max_steps=2, micro_batch_size=2, **o)
              for i, o in enumerate(layouts)]
-    logs = run_workers(_recorded, 8, args=(argvs,), timeout=600)
+    logs = run_workers(recorded_runs, 8, args=("train_5d", argvs), timeout=600)
     for i, layout in enumerate(layouts):
         launches = [logs[r][i] for r in range(8)]
         assert any(op[0] == "send" for groups in launches for g in groups for op in g), "nothing recorded"

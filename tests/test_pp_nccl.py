@@ -6,7 +6,7 @@ from collections import deque
 
 import pytest
 
-from distributed_helper import run_workers
+from distributed_helper import recorded_runs, run_workers
 from nccl_check import check, first_ops, replay
 from pipeline_schedules import (SCHEDULES, Exchange, comm_plan, make_schedule, message_order, recvs_of,
                                 sends_of)
@@ -97,19 +97,6 @@ def test_every_schedule_is_nccl_safe(name):
         assert check(plan_launches(plans)) == [], (name, p, v, m)
 
 
-def _recorded_runs(rank, world_size, runs):
-    """train_pp.main for each argv, with comm.py recording every launch: one log per run."""
-    import comm
-    import train_pp
-    logs = []
-    for argv in runs:
-        comm.LAUNCH_LOG = []
-        train_pp.main(argv)
-        logs.append(comm.LAUNCH_LOG)
-        comm.LAUNCH_LOG = None
-    return logs
-
-
 # (world, schedule, virtual, micro-batches, layers, eval_interval): the issue's case, every schedule, m not a
 # multiple of p, and one run per world evaluating (forward_only_loss's lone sends) after every step
 RUNS = [(2, "afab", 1, 3, 2, 0), (2, "1f1b", 1, 2, 2, 1), (2, "zb1", 1, 4, 2, 0), (2, "interleaved", 2, 4, 4, 0),
@@ -122,7 +109,7 @@ def test_recorded_gloo_runs_launch_the_plan_and_pass(world, tmp_path, tiny_data)
     argvs = [tiny_argv(tiny_data, str(tmp_path / f"{name}{v}"), pp=world, pp_schedule=name, pp_virtual=v,
                        n_microbatches=m, global_batch_size=2 * m, n_layer=layers, max_steps=steps,
                        eval_interval=ev, eval_iters=2) for _, name, v, m, layers, ev in runs]
-    logs = run_workers(_recorded_runs, world, args=(argvs,), timeout=300)
+    logs = run_workers(recorded_runs, world, args=("train_pp", argvs), timeout=300)
     for i, (_, name, v, m, _, ev) in enumerate(runs):
         launches = [logs[r][i] for r in range(world)]
         assert check(launches) == [], (name, v, m)
