@@ -56,7 +56,7 @@ from pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, materialize,
                           param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
 from tp_shards import full_shape, init_tp_weights, tp_gather, tp_slice
-from train_tp import all_reduce_sequence_parallel_grads, apply_tp
+from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, shard_model
 from zero_checkpoint import flatten, full_values, optimizer_layout, write_single_device_checkpoint
 
@@ -213,7 +213,7 @@ def owned_grads(chunks, shards, grid):
     copy = tied_weight(chunks) if not any(c.first for c in chunks) else None   # the last stage's copy
 
     def counted(p):
-        return p is not copy and (hasattr(p, "tp_split") or grid.coords["tp"] == 0)
+        return p is not copy and tp_counts(p, grid.groups["tp"])
 
     if shards is None:
         pieces = [(p.grad, counted(p)) for p in chunks.parameters()]

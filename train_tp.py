@@ -311,10 +311,15 @@ def all_reduce_sequence_parallel_grads(model, group):
         torch._foreach_copy_(grads, [v.view_as(g) for g, v in zip(grads, flat.split([g.numel() for g in grads]))])
 
 
+def tp_counts(p, group):
+    """Whether this TP rank counts p in a global norm: every rank its shards, TP rank 0 the replicated
+    parameters (LayerNorms, row biases), so each value is counted once."""
+    return hasattr(p, "tp_split") or dist.get_rank(group) == 0
+
+
 def tp_owned(params, group):
-    """(gradients this rank counts in the global norm, the replicas another TP rank counts): every rank counts
-    its shards, TP rank 0 the replicated parameters (LayerNorms, row biases)."""
-    grads = [(p.grad, hasattr(p, "tp_split") or dist.get_rank(group) == 0) for p in params if p.grad is not None]
+    """(gradients this rank counts in the global norm, the replicas another TP rank counts)."""
+    grads = [(p.grad, tp_counts(p, group)) for p in params if p.grad is not None]
     return [g for g, mine in grads if mine], [g for g, mine in grads if not mine]
 
 
