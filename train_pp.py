@@ -328,6 +328,8 @@ def n_microbatches(cfg):
 
 def validate(cfg):
     world, p, v, name = world_size_from_env(), cfg.pp, cfg.pp_virtual, cfg.pp_schedule
+    check(cfg.n_microbatches >= 0, f"--n_microbatches must be >= 1, or 0 for global / micro_batch_size; got "
+                                   f"{cfg.n_microbatches}")
     check(p >= 1 and world == p, f"train_pp.py is pipeline parallel only: --pp {p} must equal the world size "
                                  f"{world} (combine pp with dp/tp/cp in train_5d.py)")
     m, _ = n_microbatches(cfg)
