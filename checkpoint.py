@@ -8,8 +8,12 @@ Data position needs no state: the batch of step s is a pure function of (seed, s
 number *is* the data position.
 """
 import os
+import re
 
 import torch
+import torch.distributed as dist
+
+TEMP_FILE = re.compile(r"ckpt(_rank\d+)?\.pt\.tmp\.\d+")      # save_checkpoint's temporary files
 
 
 def checkpoint_path(out_dir, rank=None):
@@ -18,10 +22,28 @@ def checkpoint_path(out_dir, rank=None):
 
 
 def save_checkpoint(path, state):
+    """Write atomically; refuse (ValueError) a model with a non-finite value, so that a diverged run never
+    replaces a good checkpoint (the NaN guard, optim.NonFiniteGuard, should have stopped it before)."""
+    bad = [k for k, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise ValueError(f"not saving {path}: the weights hold inf/NaN ({', '.join(bad[:3])}); the file on disk "
+                         f"is kept")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)
+
+
+def remove_stale_temp_files(out_dir):
+    """Delete the temporary files of saves that were killed mid-write (the checkpoint they would have replaced
+    is intact). Called before a run starts, by rank 0 only, when no save of this run can be under way."""
+    if not os.path.isdir(out_dir):
+        return
+    stale = [name for name in os.listdir(out_dir) if TEMP_FILE.fullmatch(name)]
+    for name in stale:
+        os.remove(os.path.join(out_dir, name))
+    if stale:
+        print(f"removed {len(stale)} temporary file(s) of interrupted checkpoint saves from {out_dir}", flush=True)
 
 
 def load_checkpoint(path, device="cpu"):
@@ -38,6 +60,25 @@ def rng_state():
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def rng_states_by_rank():
+    """Every rank's RNG state, in rank order, on rank 0 (None elsewhere): for a checkpoint that rank 0 writes for
+    ranks that each draw their own dropout stream (seed + rank), so that each resumes its own."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [rng_state()]
+    states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(rng_state(), states, dst=0)
+    return states
+
+
+def own_rng_state(state):
+    """This rank's RNG state from a checkpoint: its own from `rng_by_rank` when the checkpoint has one per rank
+    of a world of this size, else the one `rng` (a per-rank file, or a single-device checkpoint)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    by_rank = state.get("rng_by_rank")
+    return by_rank[rank] if by_rank is not None and len(by_rank) == world else state["rng"]
 
 
 def set_rng_state(state):

@@ -13,6 +13,8 @@ import re
 import sys
 from dataclasses import asdict, dataclass, fields
 
+from checkpoint import remove_stale_temp_files
+
 
 @dataclass
 class Config:
@@ -32,6 +34,7 @@ class Config:
     max_steps: int = 2000
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    max_bad_steps: int = 3
     # system
     device: str = "auto"
     dtype: str = "auto"
@@ -80,6 +83,8 @@ HELP = dict(
     warmup_steps="linear warmup steps", max_steps="optimizer steps in the schedule",
     weight_decay="AdamW weight decay (applied to >= 2-D parameters only)",
     grad_clip="clip the global gradient norm to this (0 disables)",
+    max_bad_steps="stop the run after this many steps in a row with a non-finite loss or gradient norm (each "
+                  "such step is skipped: weights and optimizer state untouched)",
     device="auto | cpu | cuda | cuda:N (auto: the local GPU if there is one)",
     dtype="auto | float32 | bfloat16 | float16 | float64 (auto: bfloat16 on GPU, float32 on CPU; float64: the "
           "exactness check of README's parity section, everything in float64)",
@@ -171,12 +176,14 @@ def parse_config(argv=None, techniques=(), description=None, extra_args=None, va
             validate(cfg)
     except ConfigError as e:
         fail(str(e))
+    if os.environ.get("RANK", "0") == "0":      # before any work, so no save of this run is under way
+        remove_stale_temp_files(cfg.out_dir)
     return cfg
 
 
 def validate_common(cfg):
     for name in ("n_layer", "n_head", "n_embd", "block_size", "global_batch_size", "micro_batch_size",
-                 "max_steps", "eval_iters", "log_interval"):
+                 "max_steps", "eval_iters", "log_interval", "max_bad_steps"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive, got {getattr(cfg, name)}")
     check(0.0 <= cfg.dropout < 1.0, f"--dropout must be in [0, 1), got {cfg.dropout}")
     check(cfg.n_embd % cfg.n_head == 0, f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
@@ -193,8 +200,26 @@ def validate_common(cfg):
     check(cfg.stop_step <= cfg.max_steps, f"--stop_step {cfg.stop_step} is past --max_steps {cfg.max_steps} (the "
                                           f"schedule ends there)")
     check(cfg.out_dir.strip() != "", "--out_dir must name a directory")
+    check_out_dir(cfg.out_dir)
     check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device) is not None,
           f"--device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
+
+
+def check_out_dir(out_dir):
+    """out_dir is (or can be created as) a writable directory, and the files a run writes there (metrics, its
+    checkpoint) are not directories: found now, not by the first save after all the training."""
+    path = os.path.abspath(out_dir)
+    existing = path                             # the deepest part of the path that exists already
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    what = f"--out_dir {out_dir}" if existing == path else f"--out_dir {out_dir} cannot be created: {existing}"
+    check(os.path.isdir(existing), f"{what} is a file, not a directory")
+    check(os.access(existing, os.W_OK | os.X_OK), f"{what} is not writable")
+    rank = os.environ.get("RANK", "0")
+    for name in ("metrics.jsonl", "ckpt.pt", f"ckpt_rank{rank}.pt"):
+        file = os.path.join(path, name)
+        check(not os.path.isdir(file), f"--out_dir {out_dir}: {file} is a directory; the run writes a file there")
+        check(not os.path.exists(file) or os.access(file, os.W_OK), f"--out_dir {out_dir}: {file} is not writable")
 
 
 def grad_accum_steps(cfg, dp):

@@ -21,6 +21,7 @@ micro-batch is a fixed slice of it (`micro_batch`), so every layout sees exactly
 import argparse
 import json
 import os
+import pickle
 import socket
 import sys
 import sysconfig
@@ -117,14 +118,73 @@ def prepare_shakespeare(out_dir, tokenizer):
 
 
 def ensure_dataset(data_dir):
-    """Make sure data_dir holds a prepared dataset; the default corpus is prepared on first use."""
-    if os.path.exists(os.path.join(data_dir, "meta.json")):
+    """Make sure data_dir holds a prepared dataset (ours, or nanoGPT's with meta.pkl); the default corpus is
+    prepared on first use."""
+    if any(os.path.exists(os.path.join(data_dir, name)) for name in ("meta.json", "meta.pkl")):
         return
     if os.path.normpath(data_dir) == os.path.normpath(DEFAULT_DATA_DIR):
         prepare_stdlib(data_dir)
         return
     raise FileNotFoundError(f"no dataset in {data_dir!r} (expected train.bin, val.bin, meta.json); "
                             f"prepare one with `python data.py --out_dir {data_dir}`")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reading a prepared directory: every problem is one error naming the file
+
+class PlainUnpickler(pickle.Unpickler):
+    """nanoGPT's meta.pkl holds dicts, strings and ints only: refuse anything that would import code."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, not plain data")
+
+
+def read_meta(data_dir):
+    """(meta, the file it came from): meta.json, or the meta.pkl of a directory nanoGPT prepared (vocab_size,
+    and for character-level data the id -> character table `itos`, which then completes a meta.json too)."""
+    json_path, pkl_path = os.path.join(data_dir, "meta.json"), os.path.join(data_dir, "meta.pkl")
+    meta, path = {}, json_path if os.path.exists(json_path) else pkl_path
+    if os.path.exists(pkl_path):
+        try:
+            with open(pkl_path, "rb") as f:
+                meta = {k: v for k, v in PlainUnpickler(f).load().items() if k in ("vocab_size", "itos")}
+        except Exception as e:          # truncated, not a pickle, or not a dict: several kinds
+            raise ValueError(f"{pkl_path} is not a readable nanoGPT meta.pkl ({type(e).__name__}: {e})") from None
+    if path == json_path:
+        try:
+            with open(json_path) as f:
+                loaded = json.load(f)
+        except ValueError as e:         # not JSON, not UTF-8
+            raise ValueError(f"{json_path} is not valid JSON ({e})") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{json_path} is not a JSON object")
+        meta.update(loaded)
+    vocab = meta.get("vocab_size")
+    if not isinstance(vocab, int) or not 0 < vocab <= 2 ** 16:
+        raise ValueError(f"{path} needs vocab_size, an integer in 1..65536 (token ids are uint16), got {vocab!r}")
+    return meta, path
+
+
+def open_tokens(path):
+    """A .bin file as a read-only uint16 memmap."""
+    try:
+        return np.memmap(path, dtype=np.uint16, mode="r")
+    except ValueError as e:             # an empty file, or an odd number of bytes
+        raise ValueError(f"{path}: {e} (a token file holds uint16 ids, 2 bytes each)") from None
+
+
+def check_token_ids(path, tokens, vocab_size, meta_path, window=2 ** 20, windows=16):
+    """Every token id < vocab_size, or the embedding lookup fails in the first forward. A file of up to 16M
+    tokens is scanned whole; a larger one (a 17 GB OpenWebText train.bin takes a minute to read) in 16 evenly
+    spaced windows, which is enough for what happens in practice: data of another tokenizer than meta says."""
+    if len(tokens) <= window * windows:
+        top = int(tokens.max())
+    else:
+        starts = np.linspace(0, len(tokens) - window, windows).astype(np.int64)
+        top = max(int(tokens[s:s + window].max()) for s in starts)
+    if top >= vocab_size:
+        raise ValueError(f"{path} holds token id {top}, but {meta_path} says vocab_size {vocab_size}: the data and "
+                         f"its meta come from different preparations")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -142,14 +202,13 @@ class GlobalBatchLoader:
     def __init__(self, data_dir, block_size, global_batch_size, seed, device="cpu"):
         self.block_size, self.global_batch_size, self.seed = block_size, global_batch_size, seed
         self.device = torch.device(device)
-        with open(os.path.join(data_dir, "meta.json")) as f:
-            self.meta = json.load(f)
-        self.data = {split: np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
-                     for split in ("train", "val")}
+        self.meta, meta_path = read_meta(data_dir)
+        self.data = {split: open_tokens(os.path.join(data_dir, f"{split}.bin")) for split in ("train", "val")}
         for split, arr in self.data.items():
+            path = os.path.join(data_dir, f"{split}.bin")
             if len(arr) <= block_size + 1:
-                raise ValueError(f"{split}.bin in {data_dir} has {len(arr)} tokens, fewer than block_size+1 "
-                                 f"= {block_size + 1}")
+                raise ValueError(f"{path} has {len(arr)} tokens, fewer than block_size+1 = {block_size + 1}")
+            check_token_ids(path, arr, self.vocab_size, meta_path)
 
     @property
     def vocab_size(self):

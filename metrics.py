@@ -11,6 +11,7 @@ Peak memory: torch.cuda.max_memory_allocated on GPU; on CPU there is no allocato
 is the process's peak resident set size (ru_maxrss): model, optimizer, activations *and* the Python/torch runtime.
 """
 import json
+import math
 import os
 import resource
 import sys
@@ -162,8 +163,7 @@ class MetricsLogger:
         row = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=(step + 1) * self.tokens_per_step,
                    step_time_s=step_time_s, tokens_per_s=tokens_per_s, mfu=mfu,
                    peak_mem_bytes=peak_memory_bytes(self.env.device), comm_bytes=comm_bytes, **extra)
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        self.write(row)
         self.step_times.append(step_time_s)
         last = self.cfg.stop_step or self.cfg.max_steps
         if step % self.cfg.log_interval == 0 or step == last - 1:
@@ -178,8 +178,13 @@ class MetricsLogger:
     def log_eval(self, step, val_loss):
         if self.active:
             print(f"step {step:5d} | val loss {val_loss:.4f}", flush=True)
-            self.file.write(json.dumps(dict(step=step, val_loss=val_loss)) + "\n")
-            self.file.flush()
+            self.write(dict(step=step, val_loss=val_loss))
+
+    def write(self, row):
+        """One JSON line; inf / NaN (a skipped step's loss, optim.NonFiniteGuard) as null, which JSON has."""
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
 
     def close(self):
         if self.file is not None:

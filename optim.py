@@ -1,12 +1,14 @@
 """
-optim.py: AdamW parameter groups, the learning-rate schedule, and gradient-norm clipping that also works
-when gradients are sharded across ranks.
+optim.py: AdamW parameter groups, the learning-rate schedule, gradient-norm clipping that also works
+when gradients are sharded across ranks, and the guard that skips a step whose loss or gradients are not finite.
 """
 import math
+import sys
 
 import torch
 
 from comm import all_reduce
+from config import fail
 
 
 BETAS, EPS = (0.9, 0.95), 1e-8      # AdamW hyperparameters of every script (GPT-3 paper, as nanoGPT)
@@ -65,3 +67,33 @@ def clip_grad_norm(grads, max_norm, group=None, device=None, dtype=torch.float32
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_(scaled, scale.to(scaled[0].dtype))
     return norm
+
+
+class NonFiniteGuard:
+    """Decides whether to take an optimizer step: not when the step's loss or gradient norm is inf or NaN (a
+    diverged run, a bad batch). The caller then skips the step, so weights and optimizer state stay as they were,
+    and zeroes the gradients as usual. After --max_bad_steps such steps in a row the run stops with one error
+    line, before anything non-finite could be saved over a good checkpoint.
+
+    Pass the global loss and gradient norm (reduced over the ranks that split the step): every rank then makes
+    the same decision, and no rank steps while another skips. With an fp16 GradScaler, inf gradients are its
+    overflow signal and not a bad step: the scaler skips that step itself and lowers the scale."""
+
+    def __init__(self, cfg, is_main=True, scaler=None):
+        self.max_bad, self.is_main, self.in_a_row = cfg.max_bad_steps, is_main, 0
+        self.scaled = scaler is not None and scaler.is_enabled()
+
+    def step_ok(self, step, loss, grad_norm):
+        grad_norm = float(grad_norm)
+        if math.isfinite(loss) and (math.isfinite(grad_norm) or self.scaled):
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        what = f"step {step}: loss {loss:.4g}, grad norm {grad_norm:.4g}"
+        if self.in_a_row >= self.max_bad:
+            fail(f"{what}: {self.in_a_row} steps in a row with a non-finite loss or gradient norm (--max_bad_steps "
+                 f"{self.max_bad}); stopped without saving, the last checkpoint is kept. Lower --lr, or check the data")
+        if self.is_main:
+            print(f"warning: {what}: not finite, optimizer step skipped ({self.in_a_row} in a row; the run stops at "
+                  f"--max_bad_steps {self.max_bad})", file=sys.stderr, flush=True)
+        return False

@@ -36,7 +36,7 @@ from config import check, grad_accum_steps, parse_config
 from kernels.flash_attention import flash_attention_backward, flash_attention_forward
 from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, flops_per_token
-from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, \
     load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype, save_training_state, should_save, \
     wait_for_main_rank
@@ -359,6 +359,7 @@ def main(argv=None):
     pos = local_positions(cfg.cp_layout, cfg.block_size, cp, dist.get_rank(group), env.device)  # for RoPE, too
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
+    guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed)                # same stream as train_single (no dropout here, though)
     start = load_training_state(cfg, model, optimizer) if cfg.resume else 0
     train_model = torch.compile(model) if cfg.compile else model
@@ -399,10 +400,11 @@ def main(argv=None):
         all_reduce(loss_sum, group=group)      # the logged loss covers every token of the global batch
         scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm([p.grad for p in model.parameters()], cfg.grad_clip)  # grads replicated
-        scaler.step(optimizer)
+        loss_value = float(loss_sum) / (grad_acc * cp)
+        if guard.step_ok(step, loss_value, grad_norm):   # global loss and norm: every rank decides alike
+            scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        loss_value = float(loss_sum) / (grad_acc * cp)
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent,
                         act_bytes=act_bytes, attn_score_elements=WORK.score_elements)
 

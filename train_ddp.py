@@ -25,11 +25,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from checkpoint import rng_states_by_rank
 from comm import COMM, destroy, all_reduce, init_distributed, world_size_from_env
 from config import check, fail, grad_accum_steps, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token
-from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
                           load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype,
                           save_training_state, should_save, wait_for_main_rank)
@@ -252,8 +253,9 @@ def main(argv=None):
         fail(str(e))
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
+    guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
-    start = load_training_state(cfg, model, optimizer) if cfg.resume else 0
+    start = load_training_state(cfg, model, optimizer) if cfg.resume else 0   # each rank its own RNG state
     grads = DataParallelGrads(model.parameters(), group, cfg.ddp_mode, cfg.bucket_mb)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
@@ -281,10 +283,11 @@ def main(argv=None):
         comm_bytes, calls = COMM.bytes_sent, COMM.calls["all_reduce"]   # gradient traffic of this step
         scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(grads.grads(), cfg.grad_clip)   # replicated grads: no group needed
-        scaler.step(optimizer)
+        loss_value = mean_over_group(loss_sum / grad_acc, group)   # logging and the guard, not in comm_bytes
+        if guard.step_ok(step, loss_value, grad_norm):             # global values: every rank decides alike
+            scaler.step(optimizer)
         scaler.update()
         grads.zero_grad()
-        loss_value = mean_over_group(loss_sum / grad_acc, group)   # logging only, not in comm_bytes
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
                         comm_calls=calls)
 
@@ -297,8 +300,9 @@ def main(argv=None):
                 logger.log_eval(step, val)
             wait_for_main_rank(group, cfg, "evaluation")
         if should_save(cfg, step, last_step):
+            rngs = rng_states_by_rank()                    # the ranks' dropout streams differ: keep each
             if env.is_main:
-                save_training_state(cfg, model, optimizer, step + 1)   # replicas agree: rank 0 saves for all
+                save_training_state(cfg, model, optimizer, step + 1, rng_by_rank=rngs)   # replicas agree
             wait_for_main_rank(group, cfg, "checkpoint save")
     logger.close()
     print_sample(model, loader, cfg, env)

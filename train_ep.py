@@ -38,7 +38,7 @@ from comm import COMM, destroy, all_gather, all_reduce, all_to_all, init_distrib
 from config import check, grad_accum_steps, parse_config
 from metrics import MetricsLogger
 from model import GPT, MLP, combine, flops_per_token, init_parameter, route
-from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_ddp import DataParallelGrads, mean_over_group
 from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
                           gpt_config, load_training_state,
@@ -190,6 +190,7 @@ def main(argv=None):
     experts = [p for n, p in named if is_expert_param(n)]
     optimizer = configure_optimizer(named, cfg, env.device.type)
     scaler = GroupGradScaler(env.device.type, dist.group.WORLD, enabled=dtype == torch.float16)
+    guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
     start = load_training_state(cfg, model, optimizer, rank=env.rank) if cfg.resume else 0
     # dense grads: mean over all ranks (DP). Expert grads already sum the tokens of the whole EP group:
@@ -231,11 +232,12 @@ def main(argv=None):
         grad_norm = clip_grad_norm(expert_grads.grads() + (dense_grads.grads() if dense_is_mine else []),
                                    cfg.grad_clip, group=ep_group, device=env.device,
                                    replicas=[] if dense_is_mine else dense_grads.grads())
-        scaler.step(optimizer)
+        loss_value = mean_over_group(loss_sum / grad_acc, dist.group.WORLD)
+        if guard.step_ok(step, loss_value, grad_norm):   # global loss and norm: every rank decides alike
+            scaler.step(optimizer)
         scaler.update()
         dense_grads.zero_grad()
         expert_grads.zero_grad()
-        loss_value = mean_over_group(loss_sum / grad_acc, dist.group.WORLD)
         router = router_metrics(model, reduce=lambda t: all_reduce(t, group=dist.group.WORLD))
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, sum(comm.values()),
                         a2a_bytes=comm.get("all_to_all", 0.0), counts_bytes=comm.get("all_gather", 0.0),

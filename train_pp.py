@@ -35,7 +35,7 @@ from comm import COMM, destroy, init_distributed, world_size_from_env
 from config import check, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token, init_weights, rope_cache
-from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from pipeline_schedules import (Exchange, comm_plan, make_schedule, recvs_of, render, sends_of, simulate,
                                 stage_of)
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
@@ -381,6 +381,7 @@ def main(argv=None):
     runner = PipelineRunner(chunks, group, schedules, m, (micro, cfg.block_size, cfg.n_embd), env.device,
                             store, autocast_context(dtype, env.device), param_dtype(dtype))
     optimizer = configure_optimizer(chunks.named_parameters(), cfg, env.device.type)
+    guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + rank)           # this rank's dropout stream
     start = load_training_state(cfg, chunks, optimizer, rank=rank) if cfg.resume else 0
     last_step = cfg.stop_step or cfg.max_steps
@@ -404,10 +405,11 @@ def main(argv=None):
         p2p_bytes = COMM.bytes_sent
         tied_grads_sync(chunks, tied_group)
         grad_norm = clip_stage_grads(chunks, cfg.grad_clip, group, env.device)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         comm.broadcast(loss_sum, dist.get_global_rank(group, p - 1), group=group)   # the last stage has it
         loss_value = float(loss_sum) / m
+        if guard.step_ok(step, loss_value, grad_norm):   # global loss and norm: every stage decides alike
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         step_time = time.perf_counter() - t0
         idle_fracs.append(1.0 - runner.busy / runner.elapsed)
         logger.log_step(step, loss_value, lr, float(grad_norm), step_time, step_bytes := COMM.bytes_sent,

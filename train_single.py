@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state, unwrap
+from checkpoint import (checkpoint_path, load_checkpoint, own_rng_state, rng_state, save_checkpoint, set_rng_state,
+                        unwrap)
 from comm import COMM, init_distributed
 from config import check, fail, grad_accum_steps, parse_config, config_dict
 from data import GlobalBatchLoader, ensure_dataset
@@ -33,7 +34,7 @@ from kernels import apply_kernels, convert_to_float8
 from kernels.fp8 import check_fp8_support
 from metrics import MetricsLogger
 from model import GPT, GPTConfig, flops_per_token
-from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MOE_FLAGS = ("n_experts", "top_k", "moe_every", "aux_loss_coef", "capacity_factor")
@@ -189,10 +190,20 @@ def evaluate(loss_fn, loader, cfg):
 
 
 def decode(tokens, meta):
+    """Token ids -> text: GPT-2 BPE, raw bytes, or a character table `itos` (nanoGPT's character-level meta.pkl,
+    or a list in meta.json). Any other tokenizer has no decoder here: ValueError, and the sample says so."""
     if meta.get("tokenizer") == "gpt2":
         import tiktoken
         return tiktoken.get_encoding("gpt2").decode(tokens)
-    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+    if "itos" in meta:
+        itos = meta["itos"]
+        table = dict(enumerate(itos)) if isinstance(itos, list) else {int(k): v for k, v in itos.items()}
+        return "".join(table.get(t, "\ufffd") for t in tokens)
+    if meta.get("tokenizer") == "byte":
+        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+    raise ValueError(f"the dataset's tokenizer {meta.get('tokenizer')!r} is unknown here; meta.json needs "
+                     f"tokenizer byte or gpt2, or an itos list (the text of each token id)")
+
 
 
 def print_sample(model, loader, cfg, env):
@@ -211,10 +222,18 @@ def print_sample(model, loader, cfg, env):
     print(f"---- sample ----\n{text}\n----------------", flush=True)
 
 
-def save_training_state(cfg, model, optimizer, next_step, rank=None):
+def save_training_state(cfg, model, optimizer, next_step, rank=None, rng_by_rank=None):
+    """rank: one file per rank (ckpt_rank{r}.pt); rng_by_rank: every rank's RNG state (checkpoint.rng_states_by_rank)
+    when one rank saves for replicas that each draw their own dropout stream."""
     state = dict(model=unwrap(model).state_dict(), optimizer=optimizer.state_dict(), step=next_step,
                  rng=rng_state(), config=config_dict(cfg))
-    save_checkpoint(checkpoint_path(cfg.out_dir, rank), state)
+    if rng_by_rank is not None:
+        state["rng_by_rank"] = rng_by_rank
+    try:
+        save_checkpoint(checkpoint_path(cfg.out_dir, rank), state)
+    except ValueError as e:                          # non-finite weights: keep the checkpoint that is there
+        fail(str(e), rank_local=True)
+
 
 
 def load_training_state(cfg, model, optimizer, rank=None):
@@ -229,7 +248,7 @@ def load_training_state(cfg, model, optimizer, rank=None):
         fail(str(e), rank_local=True)
     except (RuntimeError, KeyError) as e:            # load_state_dict: missing keys or other shapes
         fail(f"--resume: {path} does not match this model ({str(e).splitlines()[0]})", rank_local=True)
-    set_rng_state(state["rng"])
+    set_rng_state(own_rng_state(state))
     return state["step"]
 
 
@@ -252,6 +271,7 @@ def main(argv=None):
     apply_kernels_and_fp8(model, cfg, env.device)    # fused modules, FP8 GEMMs in the blocks: same parameters
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
+    guard = NonFiniteGuard(cfg, scaler=scaler)
     torch.manual_seed(cfg.seed)                      # dropout stream, identical in every run with this seed
     start = load_training_state(cfg, model, optimizer) if cfg.resume else 0
     train_model = torch.compile(model) if cfg.compile else model
@@ -275,10 +295,11 @@ def main(argv=None):
             loss_sum += loss.detach()
         scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm([p.grad for p in model.parameters()], cfg.grad_clip)
-        scaler.step(optimizer)
+        loss_value = float(loss_sum) / grad_acc        # the .item() also waits for the GPU: honest timing
+        if guard.step_ok(step, loss_value, grad_norm):  # inf/NaN: skip the step, weights untouched
+            scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        loss_value = float(loss_sum) / grad_acc        # the .item() also waits for the GPU: honest timing
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent,
                         **router_metrics(model))
 

@@ -37,7 +37,7 @@ from comm import COMM, destroy, all_gather, all_reduce, init_distributed, reduce
 from config import check, grad_accum_steps, parse_config
 from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, activation_bytes_per_layer, flops_per_token
-from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import (autocast_context, enable_tf32, evaluate, gpt_config, load_training_state, prepare_data,
                           materialize, param_dtype, print_sample, resolve_dtype, save_training_state,
                           should_save)
@@ -383,6 +383,7 @@ def main(argv=None):
     dtype = resolve_dtype(cfg, env.device)
     model = build_tp_model(cfg, loader.vocab_size, group, env.device, param_dtype(dtype))
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
+    guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank
     start = load_training_state(cfg, model, optimizer, rank=env.rank) if cfg.resume else 0
     train_model = torch.compile(model) if cfg.compile else model
@@ -411,10 +412,12 @@ def main(argv=None):
             loss_sum += loss.detach()
         all_reduce_sequence_parallel_grads(model, group)   # SP only: LayerNorm grads summed over TP ranks
         grad_norm = clip_tp_grads(model, cfg.grad_clip, group)
-        optimizer.step()
+        loss_value = float(loss_sum) / grad_acc
+        if guard.step_ok(step, loss_value, grad_norm):   # the loss and norm are global: every rank decides alike
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        logger.log_step(step, float(loss_sum) / grad_acc, lr, float(grad_norm), time.perf_counter() - t0,
-                        COMM.bytes_sent, act_bytes=act_bytes)
+        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent,
+                        act_bytes=act_bytes)
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
             model.eval()

@@ -39,7 +39,7 @@ from comm import COMM, destroy, all_gather, init_distributed, reduce_scatter, wo
 from config import check, grad_accum_steps, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token, init_parameter
-from optim import BETAS, EPS, clip_grad_norm, lr_at
+from optim import BETAS, EPS, NonFiniteGuard, clip_grad_norm, lr_at
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
 from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, param_dtype,
                           prepare_data, print_sample, resolve_dtype, should_save, wait_for_main_rank)
@@ -332,8 +332,9 @@ def main(argv=None):
     if stage == 3:
         install_zero3_hooks(model, shards, grads, cfg.prefetch)
     optimizer = ShardedAdamW(shards, cfg)
-    torch.manual_seed(cfg.seed + env.rank)
-    start = load_consolidated(cfg, model, shards, optimizer, env) if cfg.resume else 0
+    guard = NonFiniteGuard(cfg, env.is_main)
+    torch.manual_seed(cfg.seed + env.rank)              # dropout: each rank masks its own sequences
+    start = load_consolidated(cfg, model, shards, optimizer, env) if cfg.resume else 0   # each its own RNG
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
@@ -361,12 +362,15 @@ def main(argv=None):
         g = grads.grads()                                               # fp32 (float64), like the shards
         grad_norm = clip_grad_norm(g, cfg.grad_clip, group=group if stage > 0 else None, device=env.device,
                                    dtype=shards[0].master_dtype)
-        optimizer.step(lr, g)
-        for s in shards:
-            s.publish()
+        before = COMM.bytes_sent
+        loss_value = mean_over_group(loss_sum / grad_acc, group)        # logging and the guard, not in comm_bytes
+        loss_bytes = COMM.bytes_sent - before
+        if guard.step_ok(step, loss_value, grad_norm):                  # global values: every rank decides alike
+            optimizer.step(lr, g)
+            for s in shards:
+                s.publish()
         grads.zero_grad()
-        comm_bytes = COMM.bytes_sent
-        loss_value = mean_over_group(loss_sum / grad_acc, group)        # logging only, not in comm_bytes
+        comm_bytes = COMM.bytes_sent - loss_bytes
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
                         padded_params=padded, gathered_peak_bytes=gathered["peak"],
                         **{f"state_bytes_{k}": v for k, v in state_bytes.items()})

@@ -10,9 +10,10 @@ keeps [lo, hi).
 """
 import torch
 
-from checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from checkpoint import (checkpoint_path, load_checkpoint, own_rng_state, rng_state, rng_states_by_rank, save_checkpoint,
+                        set_rng_state)
 from comm import all_gather
-from config import config_dict
+from config import config_dict, fail
 from optim import configure_optimizer
 from train_single import fail_together
 
@@ -41,23 +42,30 @@ def optimizer_layout(model, cfg):
     return order, reference.state_dict()["param_groups"]
 
 
-def write_single_device_checkpoint(cfg, model, weights, exp_avg, exp_avg_sq, adam_step, next_step):
+def write_single_device_checkpoint(cfg, model, weights, exp_avg, exp_avg_sq, adam_step, next_step, rng_by_rank=None):
     """ckpt.pt exactly as train_single writes it, from whole tensors by GPT parameter name: `model` (a GPT,
-    meta is enough) gives the state_dict keys (the tied lm_head.weight too) and the AdamW state order."""
+    meta is enough) gives the state_dict keys (the tied lm_head.weight too) and the AdamW state order.
+    rng_by_rank: every rank's RNG state (checkpoint.rng_states_by_rank), for ranks with their own dropout streams."""
     order, param_groups = optimizer_layout(model, cfg)
     names = {p: n for n, p in model.named_parameters()}
     # one step tensor per parameter, as torch saves them: a shared one would be stepped once per parameter
     state = {i: dict(step=adam_step.clone(), exp_avg=exp_avg[n], exp_avg_sq=exp_avg_sq[n]) for i, n in enumerate(order)}
     model_state = {k: weights[names[p]] for k, p in model.state_dict(keep_vars=True).items()}
-    save_checkpoint(checkpoint_path(cfg.out_dir), dict(
-        model=model_state, optimizer=dict(state=state, param_groups=param_groups), step=next_step,
-        rng=rng_state(), config=config_dict(cfg)))
+    extra = {} if rng_by_rank is None else dict(rng_by_rank=rng_by_rank)
+    try:
+        save_checkpoint(checkpoint_path(cfg.out_dir), dict(
+            model=model_state, optimizer=dict(state=state, param_groups=param_groups), step=next_step,
+            rng=rng_state(), config=config_dict(cfg), **extra))
+    except ValueError as e:                          # non-finite weights: keep the checkpoint that is there
+        fail(str(e), rank_local=True)
 
 
 def save_consolidated(cfg, model, shards, optimizer, next_step, rank):
     weights, m, v = (full_values(shards, a) for a in ("master", "exp_avg", "exp_avg_sq"))   # every rank
+    rngs = rng_states_by_rank()                      # each rank's dropout stream (seed + rank)
     if rank == 0:
-        write_single_device_checkpoint(cfg, model, weights, m, v, torch.tensor(float(optimizer.steps)), next_step)
+        write_single_device_checkpoint(cfg, model, weights, m, v, torch.tensor(float(optimizer.steps)), next_step,
+                                       rngs)
 
 
 def flatten(s, values):
@@ -99,5 +107,5 @@ def load_consolidated(cfg, model, shards, optimizer, env):
         for t, full in ((s.master, weights), (s.exp_avg, flatten(s, m)), (s.exp_avg_sq, flatten(s, v))):
             t.copy_(full[s.lo: s.hi])
     optimizer.steps = int(opt[0]["step"])
-    set_rng_state(state["rng"])
+    set_rng_state(own_rng_state(state))
     return state["step"]

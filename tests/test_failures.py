@@ -1,0 +1,256 @@
+"""What a run does with bad input and bad luck: one `error:` line (exit 2, no traceback) for a bad meta.json,
+token file, --out_dir or --n_microbatches; a non-finite step skipped, and a diverged run stopped before it can
+save over a good checkpoint, in every script; stale temporary files of killed saves removed; each rank's own
+dropout stream restored on resume; character-level samples decoded."""
+import contextlib
+import importlib
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import train_single
+from distributed_helper import recorded_runs, run_workers
+from metrics import read_metrics
+from train_helpers import losses, make_tiny_dataset, run_single, text_argv, tiny_argv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def one_error_line(capsys, argv, script=train_single):
+    """script.main(argv) must exit with code 2 and print exactly one `error:` line; returns it."""
+    with pytest.raises(SystemExit) as e:
+        script.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
+    return err[0]
+
+
+def strict_rows(out_dir):
+    """metrics.jsonl parsed as strict JSON (NaN / Infinity are not JSON)."""
+    def refuse(name):
+        raise ValueError(f"{name} in metrics.jsonl")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the NaN guard
+
+def test_a_non_finite_step_is_skipped_and_the_run_goes_on(tiny_data, tmp_path, monkeypatch, capsys):
+    """A NaN gradient norm at step 2: that step leaves weights and AdamW state alone, the run finishes, and the
+    metrics row says null (valid JSON) where the value was not finite."""
+    real, calls = train_single.clip_grad_norm, []
+
+    def nan_at_step_2(*args, **kwargs):
+        calls.append(None)
+        norm = real(*args, **kwargs)
+        return norm * float("nan") if len(calls) == 3 else norm
+    monkeypatch.setattr(train_single, "clip_grad_norm", nan_at_step_2)
+    out = str(tmp_path / "run")
+    run_single(tiny_argv(tiny_data, out, max_steps=5))
+    err = capsys.readouterr().err
+    assert err.count("warning: step 2:") == 1 and "optimizer step skipped" in err and "error" not in err, err
+    rows = [r for r in strict_rows(out) if "loss" in r]
+    assert [r["grad_norm"] is None for r in rows] == [False, False, True, False, False]
+    state = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    assert state["step"] == 5 and int(state["optimizer"]["state"][0]["step"]) == 4    # 4 of 5 steps taken
+
+
+def _exit_code(rank, world, script, argv):
+    """script.main(argv) on one rank: (exit code, this rank's stderr)."""
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            importlib.import_module(script).main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+DIVERGING = [("train_single", 1, {}), ("train_ddp", 2, {}), ("train_zero", 2, dict(zero_stage=1)),
+             ("train_zero", 2, dict(zero_stage=3)), ("train_tp", 2, dict(tp=2)), ("train_cp", 2, dict(cp=2)),
+             ("train_pp", 2, dict(pp=2)), ("train_ep", 2, dict(ep=2, n_experts=2, top_k=1))]
+
+
+@pytest.mark.parametrize("script, world, flags", DIVERGING, ids=[f"{s}-{f}" for s, _, f in DIVERGING])
+def test_a_diverged_run_stops_and_keeps_a_finite_checkpoint(tiny_data, tmp_path, script, world, flags):
+    """--lr 1e30: step 0 is finite and saved, then every loss is NaN. Each rank skips the same steps (the loss
+    and norm it decides on are global), the run stops after --max_bad_steps with exit 2 on every rank, and the
+    checkpoints saved after the skipped steps hold the finite weights of step 0."""
+    out = str(tmp_path / "run")
+    argv = tiny_argv(tiny_data, out, lr=1e30, min_lr=0, warmup_steps=0, max_steps=10, save_interval=1,
+                     n_layer=2, max_bad_steps=2, **flags)
+    results = run_workers(_exit_code, world, args=(script, argv), timeout=300)
+    assert [code for code, _ in results] == [2] * world, results
+    err = results[0][1].strip().splitlines()
+    assert err[0].startswith("warning: step 1:") and err[-1].startswith("error: step 2:"), err
+    assert "2 steps in a row" in err[-1] and all(e == "" for _, e in results[1:]), results
+    rows = [r for r in strict_rows(out) if "loss" in r]
+    assert [r["step"] for r in rows] == [0, 1] and rows[1]["loss"] is None
+    ckpts = [name for name in os.listdir(out) if name.startswith("ckpt")]
+    assert ckpts, os.listdir(out)
+    for name in ckpts:
+        state = torch.load(os.path.join(out, name), weights_only=True)
+        assert state["step"] == 2 and all(torch.isfinite(t).all() for t in state["model"].values()), name
+
+
+def test_non_finite_weights_are_never_saved(tiny_data, tmp_path, capsys):
+    """The last line of defence: a save of inf/NaN weights is refused and the good file stays."""
+    from checkpoint import save_checkpoint
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, dict(model={"w": torch.ones(2)}))
+    with pytest.raises(ValueError, match="inf/NaN"):
+        save_checkpoint(path, dict(model={"w": torch.tensor([1.0, float("inf")])}))
+    assert torch.equal(torch.load(path, weights_only=True)["model"]["w"], torch.ones(2))
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_max_bad_steps_must_be_positive(tiny_data, tmp_path, capsys):
+    line = one_error_line(capsys, tiny_argv(tiny_data, str(tmp_path), max_bad_steps=0))
+    assert "--max_bad_steps must be positive" in line
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bad datasets: one line naming the file
+
+def _dataset(path, meta=None, train=None, val=None):
+    make_tiny_dataset(str(path))
+    if meta is not None:
+        (path / "meta.json").write_text(meta)
+    for name, content in (("train.bin", train), ("val.bin", val)):
+        if content is not None:
+            (path / name).write_bytes(content)
+    return str(path)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (dict(meta='{"tokenizer": "byte"}'), "meta.json needs vocab_size"),
+    (dict(meta='{"vocab_size": "many"}'), "meta.json needs vocab_size"),
+    (dict(meta='{"vocab_size": 70000}'), "meta.json needs vocab_size, an integer in 1..65536"),
+    (dict(meta='{"vocab_size": 32}'), "train.bin holds token id 63, but"),          # the data has ids up to 63
+    (dict(meta="vocab_size = 64"), "meta.json is not valid JSON"),
+    (dict(meta="[64]"), "meta.json is not a JSON object"),
+    (dict(train=b""), "train.bin: cannot mmap an empty file"),
+    (dict(val=b"\x01\x00\x02"), "val.bin: Size of available data is not a multiple"),
+])
+def test_a_bad_dataset_is_one_line_naming_the_file(tmp_path, capsys, damage, message):
+    data = _dataset(tmp_path / "data", **damage)
+    line = one_error_line(capsys, tiny_argv(data, str(tmp_path / "out")))
+    assert message in line and data in line, line
+    assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")             # no work started
+
+
+def test_a_foreign_vocab_in_one_split_is_found_before_work(tmp_path):
+    """Subprocess, as a user runs it: the val split holds ids past vocab_size; no traceback."""
+    data = _dataset(tmp_path / "data", val=np.full(5000, 300, dtype=np.uint16).tobytes())
+    proc = subprocess.run([sys.executable, "train_single.py", *tiny_argv(data, str(tmp_path / "out"))], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: ") and "val.bin holds token id 300" in proc.stderr, proc.stderr
+
+
+def test_a_pickle_that_runs_code_is_refused(tmp_path, capsys):
+    """nanoGPT's meta.pkl is plain data; a pickle that would import and call something is not read."""
+    data = _dataset(tmp_path / "data")
+    os.remove(os.path.join(data, "meta.json"))
+    with open(os.path.join(data, "meta.pkl"), "wb") as f:
+        pickle.dump(dict(vocab_size=64, hook=os.getcwd), f)        # refers to posix.getcwd
+    line = one_error_line(capsys, tiny_argv(data, str(tmp_path / "out")))
+    assert "meta.pkl is not a readable nanoGPT meta.pkl" in line and "not plain data" in line, line
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --out_dir: checked before any work
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "not writable", "ckpt.pt is a directory"])
+def test_a_bad_out_dir_is_one_line_before_work(tiny_data, tmp_path, capsys, monkeypatch, case):
+    (tmp_path / "file").write_text("not a directory")
+    out, message = {"a file": (tmp_path / "file", "is a file, not a directory"),
+                    "under a file": (tmp_path / "file" / "run", f"cannot be created: {tmp_path / 'file'} is a file"),
+                    "not writable": (tmp_path / "ro" / "run", f"cannot be created: {tmp_path / 'ro'} is not writable"),
+                    "ckpt.pt is a directory": (tmp_path / "run", "ckpt.pt is a directory")}[case]
+    if case == "not writable":      # root ignores permission bits: os.access answers as for a read-only mount
+        os.makedirs(tmp_path / "ro")
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and os.path.basename(p) != "ro")
+    if case == "ckpt.pt is a directory":
+        os.makedirs(tmp_path / "run" / "ckpt.pt")
+    line = one_error_line(capsys, tiny_argv(tiny_data, str(out)))
+    assert message in line, line
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --n_microbatches
+
+def test_negative_n_microbatches_is_one_line(tiny_data, tmp_path, capsys):
+    import train_pp
+    line = one_error_line(capsys, tiny_argv(tiny_data, str(tmp_path), pp=1, n_microbatches=-2), train_pp)
+    assert "--n_microbatches must be >= 1, or 0" in line and "got -2" in line, line
+
+
+# ----------------------------------------------------------------------------------------------------------
+# stale temporary files of killed saves
+
+def test_stale_temporary_checkpoint_files_are_removed_at_start(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    os.makedirs(out)
+    stale = ["ckpt.pt.tmp.4242", "ckpt_rank1.pt.tmp.77"]
+    kept = ["ckpt.pt.tmp.notes", "mine.pt.tmp.1", "ckpt.pt"]
+    for name in stale + kept:
+        (out / name).write_bytes(b"x")
+    with pytest.raises(SystemExit):             # ckpt.pt is junk: the resume fails, after the clean-up
+        train_single.main(tiny_argv(tiny_data, str(out), resume=True))
+    assert sorted(os.listdir(out)) == sorted(kept)
+    assert "removed 2 temporary file(s) of interrupted checkpoint saves" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# per-rank RNG: resume with dropout is exact where every rank draws its own dropout stream
+
+@pytest.mark.parametrize("script, flags", [("train_ddp", {}), ("train_zero", dict(zero_stage=1)),
+                                           ("train_zero", dict(zero_stage=3))])
+def test_resume_with_dropout_is_exact_per_rank(text_data, tmp_path, script, flags):
+    def argv(out, **kw):
+        return text_argv(text_data, str(tmp_path / out), dropout=0.1, max_steps=6, **flags, **kw)
+    runs = [argv("straight"), argv("split", stop_step=3), argv("split", resume=True)]
+    run_workers(recorded_runs, 2, args=(script, runs), timeout=600)
+    straight, split = losses(str(tmp_path / "straight")), losses(str(tmp_path / "split"))
+    assert len(split) == 6 and split == straight, (split, straight)
+    state = torch.load(str(tmp_path / "split" / "ckpt.pt"), weights_only=True)
+    assert len(state["rng_by_rank"]) == 2 and not torch.equal(*(s["cpu"] for s in state["rng_by_rank"]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# samples of character-level data (nanoGPT's shakespeare_char layout: meta.pkl with stoi / itos)
+
+def _char_dataset(path, text):
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    os.makedirs(path)
+    n = int(0.9 * len(ids))
+    ids[:n].tofile(os.path.join(path, "train.bin"))
+    ids[n:].tofile(os.path.join(path, "val.bin"))
+    with open(os.path.join(path, "meta.pkl"), "wb") as f:
+        pickle.dump(dict(vocab_size=len(chars), itos=dict(enumerate(chars)), stoi=stoi), f)
+    return str(path), text[n:]
+
+
+def test_character_level_samples_are_decoded(tmp_path, capsys):
+    text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 60
+    data, val_text = _char_dataset(tmp_path / "chars", text)
+    run_single(tiny_argv(data, str(tmp_path / "out"), max_steps=2, sample_tokens=20))
+    sample = capsys.readouterr().out.split("---- sample ----\n")[1].split("\n----------------")[0]
+    assert sample[:16] in val_text and set(sample) <= set(text), repr(sample)       # the prompt, then text
+    assert train_single.decode([0, 1, 2], {"vocab_size": 3, "itos": ["a", "b", "c"]}) == "abc"   # meta.json's list
+    with pytest.raises(ValueError, match="tokenizer 'synthetic' is unknown"):
+        train_single.decode([1, 2], {"vocab_size": 64, "tokenizer": "synthetic"})
