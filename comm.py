@@ -16,6 +16,7 @@ So one convention holds everywhere and DP, ZeRO-1/2 and ZeRO-3 come out at 2P, 2
 Every process group is created with a timeout (--dist_timeout), so a dead or diverged rank raises an error
 instead of hanging forever.
 """
+import contextlib
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ class CommCounter:
     (train_5d.py names its groups' bytes by grid axis)."""
 
     def __init__(self):
+        self.paused = False
         self.reset()
 
     def reset(self):
@@ -45,10 +47,22 @@ class CommCounter:
         self.by_group = defaultdict(float)      # key: the group passed (None: the default group)
 
     def add(self, op, nbytes, group=None):
+        if self.paused:
+            return
         self.bytes_sent += nbytes
         self.by_op[op] += nbytes
         self.calls[op] += 1
         self.by_group[group] += nbytes
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Collectives inside are left out of the counts: reducing the loss for the log (and for optim's
+        NonFiniteGuard, before the optimizer step) is not the technique's traffic."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
 
 
 COMM = CommCounter()

@@ -362,15 +362,14 @@ def main(argv=None):
         g = grads.grads()                                               # fp32 (float64), like the shards
         grad_norm = clip_grad_norm(g, cfg.grad_clip, group=group if stage > 0 else None, device=env.device,
                                    dtype=shards[0].master_dtype)
-        before = COMM.bytes_sent
-        loss_value = mean_over_group(loss_sum / grad_acc, group)        # logging and the guard, not in comm_bytes
-        loss_bytes = COMM.bytes_sent - before
+        with COMM.uncounted():                                          # for the log and the guard only
+            loss_value = mean_over_group(loss_sum / grad_acc, group)
         if guard.step_ok(step, loss_value, grad_norm):                  # global values: every rank decides alike
             optimizer.step(lr, g)
             for s in shards:
                 s.publish()
         grads.zero_grad()
-        comm_bytes = COMM.bytes_sent - loss_bytes
+        comm_bytes = COMM.bytes_sent
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
                         padded_params=padded, gathered_peak_bytes=gathered["peak"],
                         **{f"state_bytes_{k}": v for k, v in state_bytes.items()})
