@@ -70,6 +70,7 @@ class Config:
     top_k: int = 2
     moe_every: int = 1
     aux_loss_coef: float = 0.01
+    aux_loss_scope: str = "global"
     capacity_factor: float = 0.0
     bucket_mb: float = 25.0
 
@@ -109,16 +110,19 @@ HELP = dict(
     n_microbatches="pipeline micro-batches per step (default: global / (micro * dp))",
     zero_stage="ZeRO stage 0 | 1 | 2 | 3", ep="expert-parallel degree", n_experts="experts per MoE layer (0: dense)",
     top_k="experts per token", moe_every="an MoE MLP in every N-th block (1: all, 2: every other)",
-    aux_loss_coef="weight of the Switch load-balancing loss", bucket_mb="gradient bucket size in MiB",
+    aux_loss_coef="weight of the Switch load-balancing loss",
+    aux_loss_scope="load-balancing statistics over the global batch (same objective in every layout) or each "
+                   "micro-batch (routing.py)", bucket_mb="gradient bucket size in MiB",
     capacity_factor="MoE expert capacity = ceil(cf * tokens * top_k / n_experts), overflow dropped (0: dropless)",
 )
 CHOICES = dict(recompute=["none", "selective", "full"], kernels=["auto", "triton", "torch", "compile"],
-               fp8=["none", "tensorwise", "rowwise", "blockwise", "delayed"], dtype=["auto", "float32", "bfloat16", "float16", "float64"],
+               fp8=["none", "tensorwise", "rowwise", "blockwise", "delayed"],
+               dtype=["auto", "float32", "bfloat16", "float16", "float64"],
                cp_layout=["ring", "zigzag", "allgather"], pp_schedule=["afab", "1f1b", "interleaved", "zb1"],
-               zero_stage=[0, 1, 2, 3])
+               zero_stage=[0, 1, 2, 3], aux_loss_scope=["global", "micro"])
 TECHNIQUE_FLAGS = ("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp_virtual", "n_microbatches",
-                   "zero_stage", "ep", "n_experts", "top_k", "moe_every", "aux_loss_coef", "capacity_factor",
-                   "bucket_mb", "fp8")
+                   "zero_stage", "ep", "n_experts", "top_k", "moe_every", "aux_loss_coef", "aux_loss_scope",
+                   "capacity_factor", "bucket_mb", "fp8")
 
 
 class ConfigError(ValueError):

@@ -11,8 +11,10 @@ A GPT-2-style pre-LayerNorm decoder in plain single-device PyTorch:
 - input and output embeddings tied; the vocabulary is padded up to a multiple of 64;
 - optional mixture of experts (n_experts > 0) in every moe_every-th block: E GeLU MLPs, each token sent to
   its top_k by a softmax router, y = sum_k p_k(x) expert_k(x); Switch load-balancing loss E * sum_e f_e P_e
-  (f_e: share of assignments to e, P_e: mean router probability; 1 if balanced) times aux_loss_coef.
-  Dropless unless capacity_factor > 0: then an expert keeps ceil(cf * tokens * top_k / E), first choices first.
+  (f_e: share of assignments to e, P_e: mean router probability; 1 if balanced) times aux_loss_coef, over
+  the global batch or each micro-batch (routing.py). The returned loss is the cross-entropy; balancing
+  reaches the router through its gradient. Dropless unless capacity_factor > 0: then an expert keeps
+  ceil(cf * tokens * top_k / E), first choices first.
 
 Parallelism is applied *to* this model by the train_*.py scripts (module swaps, sharding, wrapping), never
 written into it. To make those swaps one-liners, the pieces a technique replaces are modules of their own:
@@ -28,12 +30,13 @@ Parameter count (the Ultra-Scale Playbook's formula, exact for this model, v = p
 import math
 import zlib
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from routing import combine, route
 
 
 @dataclass
@@ -50,6 +53,7 @@ class GPTConfig:
     top_k: int = 2                # experts each token is sent to
     moe_every: int = 1            # MoE in blocks moe_every-1, 2*moe_every-1, ... (2: every other block)
     aux_loss_coef: float = 0.01   # weight of the load-balancing loss
+    aux_loss_scope: str = "global"  # its statistics over the global batch, or each micro-batch (routing.py)
     capacity_factor: float = 0.0  # 0: dropless (every routed token computed)
 
     def is_moe_block(self, i):
@@ -139,64 +143,50 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class Routing(NamedTuple):
-    token: torch.Tensor    # [A] token index of each kept assignment (token-major: token t's slots together)
-    expert: torch.Tensor   # [A] its expert
-    gate: torch.Tensor     # [A] its router probability (fp32, or fp64 for an fp64 model)
-    counts: torch.Tensor   # [E] assignments routed to each expert, before any dropping
-    aux_loss: torch.Tensor  # scalar Switch load-balancing loss, differentiable w.r.t. the router
-
-    def stats(self):
-        """[tokens per expert..., dropped, aux loss, 1]: summed over a step's forwards for the metrics."""
-        dropped = self.counts.sum() - len(self.token)
-        extra = torch.stack([dropped, self.aux_loss.detach(), self.counts.new_ones(())]).double()
-        return torch.cat([self.counts.double(), extra])
-
-
-def route(logits, top_k, capacity_factor=0.0):
-    """Top-k softmax routing of N tokens ([N, E] router logits) and which assignments an expert keeps."""
-    N, E = logits.shape
-    probs = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-    gate, expert = probs.topk(top_k, dim=-1)                        # [N, k], best first
-    counts = torch.bincount(expert.reshape(-1), minlength=E)
-    aux_loss = E * (counts.to(probs.dtype) / (N * top_k) * probs.mean(0)).sum()
-    token = torch.arange(N, device=logits.device).repeat_interleave(top_k)
-    expert, gate = expert.reshape(-1), gate.reshape(-1)
-    if capacity_factor > 0:
-        capacity = math.ceil(capacity_factor * N * top_k / E)
-        # queue position of each assignment at its expert, all first choices ahead of all second choices
-        slot_major = F.one_hot(expert.view(N, top_k).t().reshape(-1), E)
-        position = ((slot_major.cumsum(0) - 1) * slot_major).sum(-1)
-        keep = (position < capacity).view(top_k, N).t().reshape(-1)
-        token, expert, gate = token[keep], expert[keep], gate[keep]
-    return Routing(token, expert, gate, counts, aux_loss)
-
-
-def combine(n_tokens, token, gate, expert_out):
-    """y[t] = sum of gate * expert output over token t's kept assignments (none kept: y[t] = 0)."""
-    y = expert_out.new_zeros(n_tokens, expert_out.shape[-1])
-    return y.index_add_(0, token, expert_out * gate[:, None].to(expert_out.dtype))
-
-
 class MoE(nn.Module):
     """The reference mixture of experts: route, group the assignments by expert, run each expert on its
-    rows, scatter back weighted by the gates. train_ep.py sends the same groups to other ranks instead."""
+    rows, scatter back weighted by the gates. train_ep.py sends the same groups to other ranks instead (and
+    passes its own `experts`). Load balancing (routing.py) acts on the router's gradient only: the loss the
+    model returns is the cross-entropy."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, experts=None):
         super().__init__()
         self.top_k, self.capacity_factor = cfg.top_k, cfg.capacity_factor
+        self.aux_loss_coef, self.aux_loss_scope = cfg.aux_loss_coef, cfg.aux_loss_scope
         self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList([MLP(cfg) for _ in range(cfg.n_experts)])
-        self.routing, self.stats = None, None       # the last forward's Routing; per-step sums (GPT.forward)
+        self.experts = nn.ModuleList([MLP(cfg) for _ in range(cfg.n_experts)]) if experts is None else experts
+        # share of the previous step's global batch routed to each expert (zeros: no step yet), in checkpoints
+        self.register_buffer("load", torch.zeros(cfg.n_experts))
+        self.tokens_per_step = None                  # tokens of this rank's step loss (None: this forward's)
+        self.routing, self.stats = None, None        # the last forward's Routing; per-step sums (GPT.forward)
+
+    def balance_gradient(self, counts):
+        """d(aux_loss_coef * aux) / d p_t[e] for each token: coef * E * f_e / tokens (routing.py)."""
+        dtype = self.router.weight.dtype
+        share = counts.to(dtype) / counts.sum() if self.aux_loss_scope == "micro" else self.load.to(dtype)
+        tokens = self.tokens_per_step or int(counts.sum()) // self.top_k
+        return self.aux_loss_coef * len(share) * share / tokens
+
+    def route(self, x):
+        return route(self.router(x), self.top_k, self.capacity_factor, self.balance_gradient)
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        r = self.routing = route(self.router(x), self.top_k, self.capacity_factor)
+        r = self.routing = self.route(x)
         order = torch.argsort(r.expert, stable=True)                 # rows of expert 0, then 1, ...
         rows = x[r.token[order]].split(torch.bincount(r.expert, minlength=len(self.experts)).tolist())
         out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, rows)])
         return combine(x.shape[0], r.token[order], r.gate[order], out).view(shape)
+
+
+def collect_routing_stats(blocks):
+    """Add each MoE block's last routing to its step sums. Called once per forward of the whole model (or
+    pipeline stage), not in MoE.forward: a block recomputed in backward (--recompute full) counts once."""
+    for block in blocks:
+        if getattr(block.mlp, "routing", None) is not None:
+            m = block.mlp
+            m.stats = m.routing.stats() + (0 if m.stats is None else m.stats)
 
 
 class Block(nn.Module):
@@ -254,11 +244,8 @@ class GPT(nn.Module):
             else:
                 x = block(x, rope)
         logits, loss = self.lm_head(self.transformer.ln_f(x), targets)
-        moe = [b.mlp for b in self.transformer.h if getattr(b.mlp, "routing", None) is not None]
-        if moe and loss is not None and self.training:
-            for m in moe:   # summed here, not in MoE.forward: a recomputed block (--recompute full) counts once
-                m.stats = m.routing.stats() + (0 if m.stats is None else m.stats)
-            loss = loss + self.cfg.aux_loss_coef * sum(m.routing.aux_loss for m in moe)
+        if self.training:
+            collect_routing_stats(self.transformer.h)
         return logits, loss
 
     @torch.no_grad()

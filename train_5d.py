@@ -1,11 +1,13 @@
 """
-train_5d.py: the rungs composed. Data, tensor, context and pipeline parallelism on one grid of ranks, each
-axis the building block of its own rung (imported, not rewritten), checked to train exactly like train_single.
+train_5d.py: the rungs composed. Data, tensor, context, pipeline and expert parallelism on one grid of ranks,
+each axis the building block of its own rung (imported, not rewritten), checked to train exactly like
+train_single.
 
     torchrun --nproc_per_node=8 train_5d.py                                   # default grid: dp 2 x tp 2 x pp 2
     torchrun --nproc_per_node=8 train_5d.py --tp 2 --sp --cp 2 --pp 2         # tp, cp, pp (dp = 8 / 8 = 1)
     torchrun --nproc_per_node=8 train_5d.py --dp 4 --tp 2 --zero_stage 2      # ZeRO-2 over dp x cp
     torchrun --nproc_per_node=8 train_5d.py --dp 2 --pp 4 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
+    torchrun --nproc_per_node=8 train_5d.py --dp 4 --tp 2 --sp --ep 4 --n_experts 8   # MoE, experts over 4 ranks
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 train_5d.py \\
         --tp 8 --pp 2                                     # two nodes: tp inside a node, pp across the two
 
@@ -22,6 +24,11 @@ What each axis does in one optimizer step (each from its rung):
         interleaved, zb1), activations and their gradients sent point to point
     dp  train_ddp: each (dp, cp) pair of coordinates holds its slice of the batch / sequence; gradients are
         averaged over the dp x cp group in flat buckets (or train_zero's ZeRO-1/2 shards over it)
+    ep  train_ep: with --n_experts, each MoE block's experts are shared out over ep consecutive ranks of the
+        dp x cp group (ep | dp*cp); tokens go to their experts' ranks and back by all_to_all. Expert gradients
+        are averaged over the ranks holding the same experts (edp), dense ones over dp x cp. Under --sp each TP
+        rank routes its own sequence chunk, so no expert work repeats across tp; MoE blocks sit in stages like
+        dense ones. Load balancing is global-batch (routing.py): the same objective in every layout.
 A stage's blocks are tensor-parallel and their attention context-parallel (on the heads this TP rank holds).
 Loss: each rank's last stage gives the mean over its tokens; the global-batch mean is the average over dp x cp
 and micro-batches, exactly train_single's. Global grad norm: every shard counted once (TP replicas by TP rank 0,
@@ -30,7 +37,8 @@ the tied weight by the first stage), reduced over tp x pp (the dp x cp replicas 
 Bytes per step (metrics.jsonl `comm_bytes_by_axis`, this rank, comm.py's ring convention) are each rung's own
 formula with the sizes of the composed step: tp its block all-reduces on [b, T/cp, h], cp its ring on this TP
 rank's heads, pp its p2p of [b, T/cp (/tp under SP), h], dp the all-reduce (ZeRO: reduce-scatters, one per
-micro-batch for ZeRO-2, + all-gather) of this rank's gradients. Checkpoints are one file in train_single's
+micro-batch for ZeRO-2, + all-gather) of this rank's gradients, ep train_ep's all_to_all rows that leave this
+rank (and the all_gather of the row counts). Checkpoints are one file in train_single's
 layout: any layout, or train_single, resumes any other. With tp 1, --kernels and --fp8 apply inside the
 stages as in train_single.
 """
@@ -42,19 +50,21 @@ import torch
 import torch.distributed as dist
 
 import comm
-from checkpoint import checkpoint_path, load_checkpoint, set_rng_state
+from checkpoint import checkpoint_path, load_checkpoint, own_rng_state, rng_states_by_rank, set_rng_state
 from comm import COMM, destroy, init_distributed, new_group, world_size_from_env
 from config import check, fail, parse_config
 from metrics import MetricsLogger
 from model import GPT, flops_per_token
-from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr
+from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from pipeline_schedules import make_schedule, simulate
 from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_positions, swap_attention_cores
 from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
-from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, materialize,
-                          param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
+from routing import end_moe_step, router_metrics, start_moe_training
+from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
+from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
+                          gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
 from tp_shards import full_shape, init_tp_weights, tp_gather, tp_slice
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, shard_model
@@ -99,13 +109,24 @@ class Grid:
     coords: dict       # axis -> this rank's index
     groups: dict       # name -> this rank's process group (GROUPS, and "tied" on the first / last stage)
     members: dict      # name -> every group's global ranks (for the printout)
+    ep: int = 1        # expert-parallel degree: experts sharded over ep ranks of each dp x cp group
 
 
-def build_grid(sizes, rank, timeout_s):
+def expert_partition(sizes, ep):
+    """EP groups: ep consecutive members of each dp x cp group (the ranks holding different slices of the
+    batch); EDP groups: the ranks of a dp x cp group holding the same experts (stride ep)."""
+    data_groups = partition(sizes, GROUPS["dp_cp"])
+    return dict(ep=[g[i:i + ep] for g in data_groups for i in range(0, len(g), ep)],
+                edp=[g[j::ep] for g in data_groups for j in range(ep)])
+
+
+def build_grid(sizes, rank, timeout_s, ep=1):
     """Create every group (all ranks create all of them, in the same order) and keep this rank's."""
     groups, members = {}, {}
     layout = {name: partition(sizes, axes) for name, axes in GROUPS.items()}
     layout["tied"] = tied_pairs(sizes)
+    if ep > 1:
+        layout.update(expert_partition(sizes, ep))
     for name, rank_lists in layout.items():
         members[name] = rank_lists
         for ranks in rank_lists:
@@ -113,15 +134,15 @@ def build_grid(sizes, rank, timeout_s):
             if rank in ranks:
                 groups[name] = group
     groups.setdefault("tied", None)              # middle stages, or pp == 1
-    return Grid(sizes, coords_of(rank, sizes), groups, members)
+    return Grid(sizes, coords_of(rank, sizes), groups, members, ep)
 
 
 def print_grid(grid, cfg, act_shape, n_params_local):
     sizes = grid.sizes
     print(f"train_5d: dp {sizes['dp']} x tp {sizes['tp']} x cp {sizes['cp']} x pp {sizes['pp']} = "
           f"{math.prod(sizes.values())} ranks (rank order: tp innermost, then cp, dp, pp)", flush=True)
-    for name in ("tp", "cp", "dp", "pp", "dp_cp", "tied"):
-        if name != "tied" or grid.members["tied"]:
+    for name in ("tp", "cp", "dp", "pp", "dp_cp", "tied", "ep", "edp"):
+        if grid.members.get(name):
             rows = " ".join("[" + " ".join(map(str, g)) + "]" for g in grid.members[name])
             print(f"  {name:6s} {rows}", flush=True)
     b, t, h = act_shape
@@ -140,6 +161,8 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
     gcfg = gpt_config(cfg, vocab_size)
     with torch.device("meta"):
         gpt = GPT(gcfg, seed=cfg.seed)
+        if grid.ep > 1:                        # train_ep's MoE: my experts only, tokens exchanged over ep
+            swap_in_expert_parallel(gpt, grid.groups["ep"])
     if grid.sizes["tp"] > 1:
         apply_tp(gpt, grid.groups["tp"], cfg.sp, device="meta")
     if grid.sizes["cp"] > 1:
@@ -155,9 +178,9 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
 
 def bytes_by_axis(grid):
     """This step's counted bytes by grid axis (the tied-weight pair counts as pp, the norm's scalar as mp)."""
-    axis = dict(tied="pp", dp_cp="dp")
+    axis = dict(tied="pp", dp_cp="dp", edp="dp")
     names = {group: axis.get(name, name) for name, group in grid.groups.items() if group is not None}
-    out = dict(dp=0.0, tp=0.0, cp=0.0, pp=0.0, mp=0.0)
+    out = dict(dp=0.0, tp=0.0, cp=0.0, pp=0.0, ep=0.0, mp=0.0)
     for group, nbytes in COMM.by_group.items():
         out[names.get(group, "mp")] += nbytes
     return out
@@ -172,6 +195,9 @@ def data_parallel(chunks, cfg, grid, dtype, device):
     group = grid.groups["dp_cp"]
     if cfg.zero_stage == 0:
         optimizer = configure_optimizer(chunks.named_parameters(), cfg, device.type)
+        if grid.ep > 1:                          # train_ep's: experts averaged over their replicas only
+            named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+            return ExpertDataParallelGrads(named, group, grid.groups["edp"], grid.ep, cfg.bucket_mb), optimizer, None
         return DataParallelGrads(list(chunks.parameters()), group, "bucket", cfg.bucket_mb), optimizer, None
     names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
     tied = tied_weight(chunks)
@@ -209,13 +235,18 @@ def sum_shard_grads(chunks, shards, grid):
 
 def owned_grads(chunks, shards, grid):
     """(gradients this rank counts in the global norm, replicas it only scales): TP replicas are counted by
-    TP rank 0, the tied weight by the first stage; under ZeRO the slices of this rank's shards."""
+    TP rank 0, the tied weight by the first stage; under ZeRO the slices of this rank's shards; with ep > 1 the
+    first dp x cp replica of each dense value and the first EDP replica of each expert's."""
     copy = tied_weight(chunks) if not any(c.first for c in chunks) else None   # the last stage's copy
 
     def counted(p):
         return p is not copy and tp_counts(p, grid.groups["tp"])
 
-    if shards is None:
+    if shards is None and grid.ep > 1:   # experts differ over ep: first replica of each value, over all ranks
+        def first(name):
+            return dist.get_rank(grid.groups["edp" if is_expert_param(name) else "dp_cp"]) == 0
+        pieces = [(p.grad, counted(p) and first(n)) for c in chunks for n, p in c.named_parameters()]
+    elif shards is None:
         pieces = [(p.grad, counted(p)) for p in chunks.parameters()]
     else:            # ZeRO: the part of each parameter inside my slice of its bucket
         pieces = [(g, counted(p)) for p, g in my_slices(shards)]
@@ -224,10 +255,11 @@ def owned_grads(chunks, shards, grid):
 
 def clip_grid_grads(chunks, shards, max_norm, grid):
     """The global grad norm, each value counted once over the grid, and every gradient scaled by the clip:
-    reduced over tp x pp (the dp x cp replicas agree after averaging), or over all ranks under ZeRO."""
+    reduced over tp x pp (the dp x cp replicas agree after averaging), or over all ranks under ZeRO or ep."""
     owned, replicas = owned_grads(chunks, shards, grid)
-    group = grid.groups["mp"] if shards is None else dist.group.WORLD
-    return clip_grad_norm(owned, max_norm, group=group, device=owned[0].device, dtype=owned[0].dtype,
+    group = grid.groups["mp"] if shards is None and grid.ep == 1 else dist.group.WORLD
+    any_grad = (owned + replicas)[0]                 # (with ep a rank may count none of its own)
+    return clip_grad_norm(owned, max_norm, group=group, device=any_grad.device, dtype=any_grad.dtype,
                           replicas=replicas)
 
 
@@ -239,6 +271,23 @@ def optimizer_step(optimizer, shards, lr):
     optimizer.step(lr, [s.grad for s in shards])          # ZeRO: my slice of every bucket
     for s in shards:
         s.publish()                                       # all-gather the updated slices
+
+
+def moe_metrics(chunks, grid, cfg):
+    """The step's router metrics: each MoE block's statistics summed over the ranks that routed the other tokens
+    of the global batch (dp x cp; tp too under SP, where each TP rank routes its sequence chunk), which also
+    sets every block's load for the next step (routing.end_moe_step); every stage's blocks then meet on rank 0."""
+    def reduce(stats):
+        comm.all_reduce(stats, group=grid.groups["dp_cp"])
+        if cfg.sp:
+            comm.all_reduce(stats, group=grid.groups["tp"])
+
+    stats = end_moe_step(chunks, reduce)
+    if grid.sizes["pp"] > 1:
+        stages = [None] * grid.sizes["pp"]
+        dist.all_gather_object(stages, stats.cpu(), group=grid.groups["pp"])
+        stats = torch.cat([s for s in stages if s.numel()])
+    return router_metrics(stats, cfg.top_k)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -263,37 +312,58 @@ def whole_state(chunks, optimizer, shards, tp_group):
     return out
 
 
+def gather_to_first(obj, group):
+    """[obj of every rank of `group`] on the group's first rank, None on the others."""
+    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0), group=group)
+    return out
+
+
+def merged(parts):
+    """One (parameters, buffers) pair from several ranks' disjoint ones."""
+    return tuple({name: value for part in parts for name, value in part[i].items()} for i in range(2))
+
+
 def gather_whole(chunks, optimizer, shards, grid):
-    """{name: [weight, exp_avg, exp_avg_sq, step]} of the whole model on global rank 0 (None elsewhere): TP parts
-    gathered over tp, the stages' parts sent over pp (other dp / cp indices hold replicas and send nothing)."""
-    parts = whole_state(chunks, optimizer, shards, grid.groups["tp"])
+    """({name: [weight, exp_avg, exp_avg_sq, step]}, {buffer name: tensor}) of the whole model on global rank 0
+    (None elsewhere): TP parts gathered over tp, experts over ep, the stages' parts sent over pp (other dp / cp
+    indices hold replicas and send nothing)."""
+    parts = (whole_state(chunks, optimizer, shards, grid.groups["tp"]),
+             {name: b.cpu() for chunk in chunks for name, b in chunk.named_buffers()})
+    if grid.ep > 1:
+        gathered = gather_to_first(parts, grid.groups["ep"])
+        if gathered is None:
+            return None
+        parts = merged(gathered)
     if grid.coords["tp"] or grid.coords["cp"] or grid.coords["dp"]:
         return None
-    pp = grid.groups["pp"]
-    gathered = [None] * grid.sizes["pp"] if grid.coords["pp"] == 0 else None
-    dist.gather_object(parts, gathered, dst=dist.get_global_rank(pp, 0), group=pp)
-    return None if gathered is None else {name: value for part in gathered for name, value in part.items()}
+    gathered = gather_to_first(parts, grid.groups["pp"])
+    return None if gathered is None else merged(gathered)
 
 
 def save_consolidated(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
     """One ckpt.pt as train_single writes it (model, AdamW state in a single-device optimizer's order)."""
+    rngs = rng_states_by_rank()                  # every rank's dropout stream (seed + its stage and batch slice)
     whole = gather_whole(chunks, optimizer, shards, grid)
     if whole is None:
         return
+    params, buffers = whole
     with torch.device("meta"):
         gpt = GPT(gcfg)
-    weights, exp_avg, exp_avg_sq = ({n: value[i] for n, value in whole.items()} for i in range(3))
-    adam_step = next(iter(whole.values()))[3]
-    write_single_device_checkpoint(cfg, gpt, weights, exp_avg, exp_avg_sq, adam_step, next_step)
+    weights, exp_avg, exp_avg_sq = ({n: value[i] for n, value in params.items()} for i in range(3))
+    adam_step = next(iter(params.values()))[3]
+    write_single_device_checkpoint(cfg, gpt, {**weights, **buffers}, exp_avg, exp_avg_sq, adam_step, next_step,
+                                   rng_by_rank=rngs)
 
 
 def sample_on_rank0(cfg, chunks, optimizer, shards, grid, gcfg, loader, env):
     """The whole trained model on global rank 0, for the eyeball test that training worked."""
     whole = gather_whole(chunks, optimizer, shards, grid)
     if whole is not None:
+        params, buffers = whole
         model = GPT(gcfg).to(env.device)
-        model.load_state_dict({**{name: value[0] for name, value in whole.items()},
-                               "lm_head.weight": whole["transformer.wte.weight"][0]})
+        model.load_state_dict({**{name: value[0] for name, value in params.items()}, **buffers,
+                               "lm_head.weight": params["transformer.wte.weight"][0]})
         print_sample(model, loader, cfg, env)
 
 
@@ -322,12 +392,16 @@ def load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg):
             if shards is None:
                 optimizer.state[p] = dict(step=saved[name]["step"].to(p.device), exp_avg=mine[name][1],
                                           exp_avg_sq=mine[name][2])
+        for name, b in chunk.named_buffers():  # an MoE block's load: the previous step's expert shares
+            if name not in state["model"]:
+                fail(f"checkpoint {path} does not match this model: it has no {name}")
+            b.copy_(state["model"][name])
     for s in shards or []:                     # ZeRO-1: the master and moments of my slice of each bucket
         for i, t in enumerate((s.master, s.exp_avg, s.exp_avg_sq)):
             t.copy_(flatten(s, {name: mine[name][i] for name in s.names})[s.lo: s.hi])
     if shards is not None:
         optimizer.steps = int(saved[order[0]]["step"])
-    set_rng_state(state["rng"])
+    set_rng_state(own_rng_state(state))
     return state["step"]
 
 
@@ -387,6 +461,14 @@ def validate(cfg):
           "tensor-parallel (their communication would be skipped): use --kernels torch --fp8 none")
     check(cfg.zero_stage in (0, 1, 2), f"--zero_stage {cfg.zero_stage}: train_5d offers 0, 1 and 2; ZeRO-3 gathers "
           f"each block's weights per micro-batch and is in train_zero.py")
+    check_moe(cfg)
+    check(cfg.ep >= 1 and (cfg.dp * cp) % cfg.ep == 0, f"--ep {cfg.ep} must divide dp*cp = {cfg.dp * cp} (experts "
+                                                        f"are shared out over ranks holding different tokens)")
+    check(cfg.ep == 1 or (cfg.n_experts > 0 and cfg.n_experts % cfg.ep == 0),
+          f"--ep {cfg.ep} needs --n_experts > 0 and divisible by it, got {cfg.n_experts}")
+    check(cfg.n_experts == 0 or cfg.moe_every <= cfg.n_layer, f"--moe_every {cfg.moe_every} > --n_layer: no MoE block")
+    check(cfg.ep == 1 or cfg.zero_stage == 0, "--ep > 1 keeps every rank's full optimizer (expert and dense "
+          "gradients are averaged over different groups): use --zero_stage 0")
     check(cfg.zero_stage < 2 or (cfg.pp_virtual == 1 and cfg.pp_schedule != "zb1"),
           "--zero_stage 2 reduce-scatters after each backward of the whole stage: not with --pp_virtual > 1 (a "
           "backward covers one chunk) or zb1 (weight gradients come later)")
@@ -396,11 +478,11 @@ def validate(cfg):
 
 def main(argv=None):
     cfg = parse_config(argv, techniques=("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp_virtual",
-                                         "zero_stage", "bucket_mb", "fp8"),
+                                         "zero_stage", "bucket_mb", "fp8", "ep") + MOE_FLAGS,
                        description=__doc__.split("\n\n")[0], extra_args=extra_args, validate=validate)
     env = init_distributed(cfg)
     sizes = dict(tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp)
-    grid = build_grid(sizes, env.rank, cfg.dist_timeout)
+    grid = build_grid(sizes, env.rank, cfg.dist_timeout, cfg.ep)
     dp_rank, dp = grid.coords["dp"], cfg.dp
     micro = cfg.micro_batch_size
     m = cfg.global_batch_size // (micro * dp)                  # micro-batches per step on each dp rank
@@ -409,6 +491,7 @@ def main(argv=None):
     enable_tf32(env.device)
 
     chunks, gcfg, pos = build_chunks(cfg, loader.vocab_size, grid, env.device, param_dtype(dtype))
+    start_moe_training(chunks, cfg.global_batch_size * cfg.block_size // (dp * cfg.cp))   # my step's tokens
     for chunk in chunks:                         # tp == 1 only (validate): model.py's layers, as in train_single
         apply_kernels_and_fp8(chunk, cfg, env.device)
     store = WeightGradStore() if cfg.pp_schedule == "zb1" else None
@@ -425,6 +508,7 @@ def main(argv=None):
     grads, optimizer, shards = data_parallel(chunks, cfg, grid, param_dtype(dtype), env.device)
     if cfg.zero_stage == 2:                      # reduce-scatter each micro-batch's gradients as its B ends
         runner.after_backward = lambda action: grads.finish()
+    guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
     start = load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg) if cfg.resume else 0
     last_step = cfg.stop_step or cfg.max_steps
@@ -463,14 +547,18 @@ def main(argv=None):
         else:                                    # ZeRO-2: already reduce-scattered after each B; the sums
             sum_shard_grads(chunks, shards, grid)  # are taken on the shards
         grad_norm = clip_grid_grads(chunks, shards, cfg.grad_clip, grid)
-        optimizer_step(optimizer, shards, lr)
+        with COMM.uncounted():                   # the logged loss, on every rank for the guard: not step traffic
+            comm.all_reduce(loss_sum, group=grid.groups["dp_cp"])      # the last stage's mean over dp x cp
+            comm.broadcast(loss_sum, dist.get_global_rank(grid.groups["pp"], cfg.pp - 1), group=grid.groups["pp"])
+        loss_value = float(loss_sum) / (m * dp * cfg.cp)
+        if guard.step_ok(step, loss_value, grad_norm):   # global loss and norm: every rank decides alike
+            optimizer_step(optimizer, shards, lr)
         grads.zero_grad()
         comm_bytes, by_axis = COMM.bytes_sent, bytes_by_axis(grid)     # this step's traffic, before logging
-        comm.all_reduce(loss_sum, group=grid.groups["dp_cp"])          # the last stage's mean over dp x cp
-        comm.broadcast(loss_sum, dist.get_global_rank(grid.groups["pp"], cfg.pp - 1), group=grid.groups["pp"])
-        loss_value = float(loss_sum) / (m * dp * cfg.cp)
+        router = moe_metrics(chunks, grid, cfg) if cfg.n_experts else {}
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
-                        comm_bytes_by_axis=by_axis, bubble_sim=sim["idle"][grid.coords["pp"]] / sim["makespan"])
+                        comm_bytes_by_axis=by_axis, bubble_sim=sim["idle"][grid.coords["pp"]] / sim["makespan"],
+                        **router)
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
             chunks.eval()

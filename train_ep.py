@@ -37,12 +37,13 @@ import torch.nn as nn
 from comm import COMM, destroy, all_gather, all_reduce, all_to_all, init_distributed, new_group, world_size_from_env
 from config import check, grad_accum_steps, parse_config
 from metrics import MetricsLogger
-from model import GPT, MLP, combine, flops_per_token, init_parameter, route
+from model import GPT, MLP, MoE, combine, flops_per_token, init_weights
 from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
+from routing import end_moe_step, router_metrics, start_moe_training
 from train_ddp import DataParallelGrads, mean_over_group
 from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
                           gpt_config, load_training_state,
-                          param_dtype, prepare_data, print_sample, resolve_dtype, router_metrics, save_training_state,
+                          materialize, param_dtype, prepare_data, print_sample, resolve_dtype, save_training_state,
                           should_save)
 
 
@@ -77,28 +78,23 @@ def gather_counts(counts, group):
     return table.view(n, -1)
 
 
-class ExpertParallelMoE(nn.Module):
-    """model.MoE with only this rank's E/ep experts: a drop-in for the MLP of MoE block `block_index`.
-    Its parameters keep the single-device names (experts are keyed by their global index), so each one is
-    initialised by model.init_parameter exactly as in model.GPT and checkpoints read the same."""
+class ExpertParallelMoE(MoE):
+    """model.MoE with only this rank's E/ep experts: a drop-in for the MLP of an MoE block. Routing and load
+    balancing are model.MoE's, on this rank's tokens. Its parameters keep the single-device names (experts are
+    keyed by their global index), so each one is initialised by model.init_parameter exactly as in model.GPT
+    and checkpoints read the same. `group`: the ep ranks that share the E experts out."""
 
-    def __init__(self, cfg, block_index, group, seed):
-        super().__init__()
-        self.top_k, self.capacity_factor, self.n_experts = cfg.top_k, cfg.capacity_factor, cfg.n_experts
-        self.group, self.ep, rank = group, dist.get_world_size(group), dist.get_rank(group)
-        self.n_local = cfg.n_experts // self.ep
-        self.first = rank * self.n_local                       # my experts: first .. first + n_local - 1
-        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(self.first, self.first + self.n_local)})
-        self.routing, self.stats = None, None                   # as model.MoE (read by GPT.forward)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                p.copy_(init_parameter(f"transformer.h.{block_index}.mlp.{name}", p.shape, cfg.n_layer, seed))
+    def __init__(self, cfg, group):
+        self.ep, rank = dist.get_world_size(group), dist.get_rank(group)
+        n_local = cfg.n_experts // self.ep
+        first = rank * n_local                                  # my experts: first .. first + n_local - 1
+        super().__init__(cfg, experts=nn.ModuleDict({str(e): MLP(cfg) for e in range(first, first + n_local)}))
+        self.group, self.n_experts, self.n_local, self.first = group, cfg.n_experts, n_local, first
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        r = self.routing = route(self.router(x), self.top_k, self.capacity_factor)   # my tokens only
+        r = self.routing = self.route(x)                        # my tokens only
         order = torch.argsort(r.expert, stable=True)            # rows grouped by expert = by destination rank
         table = gather_counts(torch.bincount(r.expert, minlength=self.n_experts), self.group)
         mine = table[:, self.first:self.first + self.n_local]   # [ep, n_local]: rows each rank sends me
@@ -135,14 +131,22 @@ class GroupGradScaler(torch.amp.GradScaler):
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
 
 
+def swap_in_expert_parallel(gpt, ep_group):
+    """Replace each MoE block's MLP of `gpt` by an ExpertParallelMoE, on the device the GPT was built on (the
+    meta device in train_5d.py); the new parameters are left for init_parameter to fill."""
+    for block in gpt.transformer.h:
+        if isinstance(block.mlp, MoE):
+            block.mlp = ExpertParallelMoE(gpt.cfg, ep_group)
+
+
 def expert_parallel_gpt(gcfg, seed, ep_group):
-    """model.GPT with each MoE block's MLP replaced by its ExpertParallelMoE. The model is first built dense
-    (one plain MLP per block, dropped at once), so no rank ever materialises all E experts."""
-    model = GPT(dataclasses.replace(gcfg, n_experts=0), seed=seed)
-    model.cfg = gcfg                                             # GPT.forward reads aux_loss_coef from it
-    for i, block in enumerate(model.transformer.h):
-        if gcfg.is_moe_block(i):
-            block.mlp = ExpertParallelMoE(gcfg, i, ep_group, seed)
+    """model.GPT with each MoE block's MLP replaced by its ExpertParallelMoE. The GPT is built on the meta
+    device and only then materialised, so no rank ever allocates all E experts."""
+    with torch.device("meta"):
+        model = GPT(gcfg, seed=seed)
+        swap_in_expert_parallel(model, ep_group)
+    materialize(model, "cpu")
+    init_weights(model, seed)                                    # by name: experts by their global index
     return model
 
 
@@ -157,6 +161,33 @@ def expert_groups(world_size, ep):
 
 def is_expert_param(name):
     return ".mlp.experts." in name
+
+
+class ExpertDataParallelGrads:
+    """Data parallelism with experts sharded: dense gradients averaged over all `data_group` ranks (train_ddp's
+    buckets); an expert's gradient already sums the tokens of its whole EP group (the all_to_all brought them),
+    so it is averaged over the expert's replicas (`replica_group`) and divided by ep: the same 1/|data_group|
+    mean. `named`: (name, parameter) pairs, experts told apart by name."""
+
+    def __init__(self, named, data_group, replica_group, ep, bucket_mb):
+        self.dense = DataParallelGrads([p for n, p in named if not is_expert_param(n)], data_group, "bucket",
+                                       bucket_mb)
+        self.experts = DataParallelGrads([p for n, p in named if is_expert_param(n)], replica_group, "bucket",
+                                         bucket_mb)
+        self.ep = ep
+
+    def require_sync(self, sync):
+        self.dense.require_sync(sync)
+        self.experts.require_sync(sync)
+
+    def finish(self):
+        self.dense.finish()
+        self.experts.finish()
+        torch._foreach_div_(self.experts.grads(), self.ep)
+
+    def zero_grad(self):
+        self.dense.zero_grad()
+        self.experts.zero_grad()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -185,18 +216,14 @@ def main(argv=None):
     model = expert_parallel_gpt(gpt_config(cfg, loader.vocab_size), cfg.seed, ep_group).to(env.device,
                                                                                          param_dtype(dtype))
     apply_kernels_and_fp8(model, cfg, env.device)    # as train_single: dense blocks fused, Linears (experts too) FP8
+    start_moe_training(model, cfg.global_batch_size * cfg.block_size // world)   # tokens of my step loss
     named = list(model.named_parameters())
-    dense = [p for n, p in named if not is_expert_param(n)]
-    experts = [p for n, p in named if is_expert_param(n)]
     optimizer = configure_optimizer(named, cfg, env.device.type)
     scaler = GroupGradScaler(env.device.type, dist.group.WORLD, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
     start = load_training_state(cfg, model, optimizer, rank=env.rank) if cfg.resume else 0
-    # dense grads: mean over all ranks (DP). Expert grads already sum the tokens of the whole EP group:
-    # mean over the expert's replicas, then / ep, which is the same 1/world average.
-    dense_grads = DataParallelGrads(dense, dist.group.WORLD, "bucket", cfg.bucket_mb)
-    expert_grads = DataParallelGrads(experts, replica_group, "bucket", cfg.bucket_mb)
+    grads = ExpertDataParallelGrads(named, dist.group.WORLD, replica_group, cfg.ep, cfg.bucket_mb)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
@@ -215,30 +242,27 @@ def main(argv=None):
         set_lr(optimizer, lr)
         loss_sum = 0.0
         for micro in range(grad_acc):
-            for g in (dense_grads, expert_grads):
-                g.require_sync(micro == grad_acc - 1)
+            grads.require_sync(micro == grad_acc - 1)
             x, y = loader.micro_batch(step, micro, cfg.micro_batch_size, env.rank, world)
             with amp:
                 _, loss = train_model(x, y)
             scaler.scale(loss / grad_acc).backward()   # the all_to_alls run again, splits swapped
             loss_sum += loss.detach()
-        dense_grads.finish()
-        expert_grads.finish()
-        torch._foreach_div_(expert_grads.grads(), cfg.ep)
+        grads.finish()
         comm = dict(COMM.by_op)                        # this step's traffic, before the logging reductions
         scaler.unscale_(optimizer)
         # global norm over the EP group: every rank adds its experts, its rank 0 the (identical) dense grads
         dense_is_mine = dist.get_rank(ep_group) == 0
-        grad_norm = clip_grad_norm(expert_grads.grads() + (dense_grads.grads() if dense_is_mine else []),
-                                   cfg.grad_clip, group=ep_group, device=env.device,
-                                   replicas=[] if dense_is_mine else dense_grads.grads())
+        dense = grads.dense.grads()
+        grad_norm = clip_grad_norm(grads.experts.grads() + (dense if dense_is_mine else []), cfg.grad_clip,
+                                   group=ep_group, device=env.device, replicas=[] if dense_is_mine else dense)
         loss_value = mean_over_group(loss_sum / grad_acc, dist.group.WORLD)
         if guard.step_ok(step, loss_value, grad_norm):   # global loss and norm: every rank decides alike
             scaler.step(optimizer)
         scaler.update()
-        dense_grads.zero_grad()
-        expert_grads.zero_grad()
-        router = router_metrics(model, reduce=lambda t: all_reduce(t, group=dist.group.WORLD))
+        grads.zero_grad()
+        stats = end_moe_step(model, reduce=lambda t: all_reduce(t, group=dist.group.WORLD))   # global batch
+        router = router_metrics(stats, cfg.top_k)
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, sum(comm.values()),
                         a2a_bytes=comm.get("all_to_all", 0.0), counts_bytes=comm.get("all_gather", 0.0),
                         grad_bytes=comm.get("all_reduce", 0.0), param_bytes=param_bytes, **router)

@@ -34,7 +34,7 @@ import comm
 from comm import COMM, destroy, init_distributed, world_size_from_env
 from config import check, parse_config
 from metrics import MetricsLogger
-from model import GPT, flops_per_token, init_weights, rope_cache
+from model import GPT, collect_routing_stats, flops_per_token, init_weights, rope_cache
 from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from pipeline_schedules import (Exchange, comm_plan, make_schedule, recvs_of, render, sends_of, simulate,
                                 stage_of)
@@ -94,6 +94,8 @@ class PipelineStage(nn.Module):
         for block in self.transformer["h"]:
             full = self.cfg.recompute == "full" and self.training
             x = checkpoint(block, x, rope, use_reentrant=False) if full else block(x, rope)
+        if self.training:
+            collect_routing_stats(self.transformer["h"])     # MoE blocks: this forward's routing, counted once
         return x
 
     def forward(self, x, targets=None):

@@ -35,9 +35,10 @@ from kernels.fp8 import check_fp8_support
 from metrics import MetricsLogger
 from model import GPT, GPTConfig, flops_per_token
 from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
+from routing import end_moe_step, router_metrics, start_moe_training
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-MOE_FLAGS = ("n_experts", "top_k", "moe_every", "aux_loss_coef", "capacity_factor")
+MOE_FLAGS = ("n_experts", "top_k", "moe_every", "aux_loss_coef", "aux_loss_scope", "capacity_factor")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -146,6 +147,10 @@ def materialize(module, device, dtype=torch.float32):
                     new[id(p)] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), p.requires_grad)
                     new[id(p)].__dict__.update(p.__dict__)
                 m._parameters[name] = new[id(p)]
+        for name, b in m._buffers.items():              # (an MoE block's load statistics: zeros)
+            if b is not None and b.is_meta:
+                kind = dtype if b.is_floating_point() else b.dtype
+                m._buffers[name] = torch.zeros(b.shape, device=device, dtype=kind)
     return module
 
 
@@ -162,23 +167,6 @@ def check_moe(cfg):
           "need --capacity_factor >= 0 and --aux_loss_coef >= 0")
     check(cfg.n_experts == 0 or 1 <= cfg.top_k <= cfg.n_experts,
           f"--top_k {cfg.top_k} must be between 1 and --n_experts {cfg.n_experts}")
-
-
-def router_metrics(model, reduce=None):
-    """The step's router statistics, then reset: tokens per expert (min/max over MoE blocks and experts),
-    dropped assignments, mean aux loss; {} for a dense model. `reduce` sums the stacked per-block sums
-    [blocks, E + 3] (see model.Routing.stats) over the ranks that each routed a part of the batch."""
-    moe = [m for m in unwrap(model).modules() if getattr(m, "stats", None) is not None]
-    if not moe:
-        return {}
-    stats = torch.stack([m.stats for m in moe])
-    for m in moe:
-        m.stats = None
-    if reduce is not None:
-        reduce(stats)
-    counts = stats[:, :-3]
-    return dict(tokens_per_expert_min=int(counts.min()), tokens_per_expert_max=int(counts.max()),
-                dropped_tokens=int(stats[:, -3].sum()), aux_loss=float(stats[:, -2].sum() / stats[:, -1].sum()))
 
 
 @torch.no_grad()
@@ -203,7 +191,6 @@ def decode(tokens, meta):
         return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
     raise ValueError(f"the dataset's tokenizer {meta.get('tokenizer')!r} is unknown here; meta.json needs "
                      f"tokenizer byte or gpt2, or an itos list (the text of each token id)")
-
 
 
 def print_sample(model, loader, cfg, env):
@@ -233,7 +220,6 @@ def save_training_state(cfg, model, optimizer, next_step, rank=None, rng_by_rank
         save_checkpoint(checkpoint_path(cfg.out_dir, rank), state)
     except ValueError as e:                          # non-finite weights: keep the checkpoint that is there
         fail(str(e), rank_local=True)
-
 
 
 def load_training_state(cfg, model, optimizer, rank=None):
@@ -269,6 +255,7 @@ def main(argv=None):
 
     model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device, param_dtype(dtype))
     apply_kernels_and_fp8(model, cfg, env.device)    # fused modules, FP8 GEMMs in the blocks: same parameters
+    start_moe_training(model, cfg.global_batch_size * cfg.block_size)   # MoE balancing: the step's tokens
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, scaler=scaler)
@@ -301,7 +288,7 @@ def main(argv=None):
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent,
-                        **router_metrics(model))
+                        **router_metrics(end_moe_step(model), cfg.top_k))
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
             model.eval()

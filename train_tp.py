@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from comm import COMM, destroy, all_gather, all_reduce, init_distributed, reduce_scatter, world_size_from_env
 from config import check, grad_accum_steps, parse_config
 from metrics import MetricsLogger, SavedActivationBytes
-from model import GPT, activation_bytes_per_layer, flops_per_token
+from model import GPT, MoE, activation_bytes_per_layer, flops_per_token
 from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import (autocast_context, enable_tf32, evaluate, gpt_config, load_training_state, prepare_data,
                           materialize, param_dtype, print_sample, resolve_dtype, save_training_state,
@@ -285,10 +285,16 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
         attn.c_attn = ColumnParallelLinear(h, 3 * h, group, sp, overlap, parts=3, device=device)
         attn.c_proj = RowParallelLinear(h, h, group, sp, device)
         attn.core = rng(attn.core)                               # attention dropout: my heads
+        if sp:                                                   # residual dropout: my sequence chunk
+            attn.resid_dropout = rng(attn.resid_dropout)
+        if isinstance(mlp, MoE):     # experts stay whole (train_5d shards them over ep); under SP the block
+            for p in mlp.parameters():   # routes my sequence chunk: router and expert grads are partial sums
+                p.sequence_parallel = sp
+            continue
         mlp.c_fc = ColumnParallelLinear(h, 4 * h, group, sp, overlap, device=device)
         mlp.c_proj = RowParallelLinear(4 * h, h, group, sp, device)
-        if sp:                                                   # residual dropout: my sequence chunk
-            attn.resid_dropout, mlp.dropout = rng(attn.resid_dropout), rng(mlp.dropout)
+        if sp:
+            mlp.dropout = rng(mlp.dropout)
     model.transformer.wte = wte = VocabParallelEmbedding(model.cfg.padded_vocab_size, h, group, sp, device)
     model.lm_head = VocabParallelLMHead(wte, group, sp, overlap)
     if sp:

@@ -50,7 +50,8 @@ def write_single_device_checkpoint(cfg, model, weights, exp_avg, exp_avg_sq, ada
     names = {p: n for n, p in model.named_parameters()}
     # one step tensor per parameter, as torch saves them: a shared one would be stepped once per parameter
     state = {i: dict(step=adam_step.clone(), exp_avg=exp_avg[n], exp_avg_sq=exp_avg_sq[n]) for i, n in enumerate(order)}
-    model_state = {k: weights[names[p]] for k, p in model.state_dict(keep_vars=True).items()}
+    # parameters by name (the tied lm_head.weight is wte's); buffers (an MoE block's load) by their own key
+    model_state = {k: weights[names.get(p, k)] for k, p in model.state_dict(keep_vars=True).items()}
     extra = {} if rng_by_rank is None else dict(rng_by_rank=rng_by_rank)
     try:
         save_checkpoint(checkpoint_path(cfg.out_dir), dict(

@@ -1,10 +1,12 @@
 """model.py's mixture of experts: the reference layer against a per-token loop, the Switch aux loss, capacity
-dropping, parameter/FLOP accounting, init by name, and train_single.py's MoE flags and router statistics."""
+dropping, global-batch load balancing, parameter/FLOP accounting, init by name, and train_single.py's MoE flags
+and router statistics."""
 import pytest
 import torch
 
 from metrics import read_metrics
 from model import GPT, MLP, GPTConfig, MoE, flops_per_token, init_parameter, num_params, route
+from routing import end_moe_step, moe_blocks, start_moe_training, switch_aux_loss
 from train_helpers import run_single, tiny_argv
 
 
@@ -47,21 +49,30 @@ def test_moe_equals_per_token_loop(top_k):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-def test_switch_aux_loss():
-    E, k, N = 4, 2, 50
+def test_switch_aux_loss_and_its_gradient():
+    E, k, N, coef = 4, 2, 50, 0.3
     logits = torch.randn(N, E, dtype=torch.float64) * 2
     r = route(logits, k)
     probs = torch.softmax(logits, -1)
     chosen = torch.zeros(N, E, dtype=torch.float64).scatter_(1, probs.topk(k, -1).indices, 1.0)
     f, P = chosen.sum(0) / (N * k), probs.mean(0)            # share of assignments, mean probability
     assert torch.equal(r.counts, chosen.sum(0).long())
-    torch.testing.assert_close(r.aux_loss, E * (f * P).sum(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(switch_aux_loss(r.stats(), k), E * (f * P).sum(), rtol=1e-12, atol=0)
     # a router that cannot tell experts apart: P_e = 1/E, so the loss is sum_e f_e = 1 whatever f is
-    assert route(torch.zeros(N, E), k).aux_loss.item() == pytest.approx(1.0, abs=1e-6)
+    assert float(switch_aux_loss(route(torch.zeros(N, E), k).stats(), k)) == pytest.approx(1.0, abs=1e-6)
+    # the balancing gradient BalanceGradient injects = autograd of coef * E * sum f_e P_e (f held constant)
+    x = logits.clone().requires_grad_()
+    routed = route(x, k, balance=lambda counts: coef * E * counts.double() / counts.sum() / N)
+    routed.gate.sum().backward()
+    y = logits.clone().requires_grad_()
+    p = torch.softmax(y, -1)
+    (p.gather(1, p.topk(k, -1).indices).sum() + coef * E * (f * p.mean(0)).sum()).backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-15)
     # it pushes probability away from the overloaded expert
-    logits = torch.zeros(N, E, requires_grad=True)
-    route(logits + torch.tensor([1.0, 0, 0, 0]), 1).aux_loss.backward()
-    assert (logits.grad[:, 0] > 0).all() and (logits.grad[:, 1:] < 0).all()
+    z = torch.zeros(N, E, requires_grad=True)
+    top1 = route(z + torch.tensor([1.0, 0, 0, 0]), 1, balance=lambda c: E * (c / c.sum()).float() / N)
+    (top1.gate * 0).sum().backward()
+    assert (z.grad[:, 0] > 0).all() and (z.grad[:, 1:] < 0).all()
 
 
 def test_capacity_drops_overflow_first_choices_first():
@@ -109,16 +120,63 @@ def test_dense_model_unchanged_and_experts_initialised_by_name():
     assert not torch.equal(w[0], w[1]) and not torch.equal(w[1], w[2])
 
 
-def test_aux_loss_in_training_loss_only():
-    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, n_experts=4, top_k=2,
-                    aux_loss_coef=0.5)
-    model = GPT(cfg, seed=1)
+def moe_gpt(scope, coef=0.5, seed=1):
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16, n_experts=4, top_k=2,
+                    moe_every=2, aux_loss_coef=coef, aux_loss_scope=scope)
+    return GPT(cfg, seed=seed).double()
+
+
+def test_returned_loss_is_the_cross_entropy():
+    model = moe_gpt("micro")
     idx = torch.randint(0, 64, (2, 16))
     _, train_loss = model(idx, idx)
-    aux = sum(b.mlp.routing.aux_loss for b in model.transformer.h)
     model.eval()
     _, eval_loss = model(idx, idx)
-    torch.testing.assert_close(train_loss, eval_loss + 0.5 * aux)
+    assert torch.equal(train_loss, eval_loss)
+
+
+@pytest.mark.parametrize("n_micro", [1, 2, 4])
+def test_global_balance_equals_the_whole_batch_objective(n_micro):
+    """Accumulated over n_micro micro-batches, the gradient is that of cross-entropy + coef * sum over MoE
+    blocks of E * sum_e f_e P_e on the whole batch at once (f: the previous step's load, P: this batch's), and
+    the logged aux equals E * sum_e f_e P_e of this batch."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 64, (8, 16))
+    prev = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    model = moe_gpt("global")
+    moes = moe_blocks(model)
+    for m in moes:
+        m.load.copy_(prev)
+    start_moe_training(model, idx.numel())
+    for x in idx.chunk(n_micro):
+        (model(x, x)[1] / n_micro).backward()
+    stats = end_moe_step(model)
+    # the reference: one forward of the whole batch, the aux written out on the router probabilities
+    ref = moe_gpt("global", coef=0.0)
+    logits = []
+    for m in moe_blocks(ref):
+        m.router.register_forward_hook(lambda mod, inp, out: logits.append(out))
+    ce = ref(idx, idx)[1]
+    probs = [torch.softmax(z, -1) for z in logits]
+    aux_prev = [4 * (prev * p.mean(0)).sum() for p in probs]
+    (ce + 0.5 * sum(aux_prev)).backward()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-14, msg=name)
+    f_now = [torch.bincount(p.topk(2, -1).indices.reshape(-1), minlength=4) / (idx.numel() * 2) for p in probs]
+    aux_now = torch.stack([4 * (f * p.mean(0)).sum() for f, p in zip(f_now, probs)])
+    torch.testing.assert_close(switch_aux_loss(stats, 2), aux_now.detach(), rtol=1e-12, atol=0)
+    for m, f in zip(moes, f_now):                # the next step balances against this batch's load
+        torch.testing.assert_close(m.load, f.double(), rtol=1e-15, atol=0)
+    # the micro-batch scope is a different objective as soon as the batch is split
+    micro = moe_gpt("micro")
+    start_moe_training(micro, idx.numel())
+    for x in idx.chunk(n_micro):
+        (micro(x, x)[1] / n_micro).backward()
+    router_grad = [m.router.weight.grad for m in moe_blocks(micro)]
+    whole = moe_gpt("micro")
+    whole(idx, idx)[1].backward()
+    same = all(torch.allclose(a, m.router.weight.grad, rtol=1e-10) for a, m in zip(router_grad, moe_blocks(whole)))
+    assert same == (n_micro == 1)
 
 
 def _stats(rows):
