@@ -8,8 +8,9 @@ A schedule is, for every pipeline rank, the ordered list of what it does in one 
 Action(kind, mb, chunk) with kind F (forward), B (backward) or W (weight gradient). Schedules without W
 actions do the whole backward in B; zb1 splits it into B (input gradient, on the critical path) and W
 (weight gradient, which nothing downstream waits for, so it can fill the bubbles).
-Virtual stage s = chunk * p + rank: with V chunks per rank the model is cut into p*V stages dealt out
-round-robin (stage 0 on rank 0, stage p on rank 0 again, ...).
+With V chunks per rank the model is cut into p*V stages; stage_of says which: dealt out round-robin
+(placement "loop", virtual stage s = chunk * p + rank: stage 0 on rank 0, stage p on rank 0 again, ...), or
+in a V for zbv and dualpipev (below).
 comm_plan turns the action lists into what each rank launches: its actions with batches of sends and
 receives between them, ordered so that NCCL's one-group-at-a-time rule can never deadlock.
 
@@ -18,13 +19,51 @@ receives between them, ordered so that NCCL's one-group-at-a-time rule can never
     rank 3: .  .  .  F0 B0 B0 F1 B1 B1 F2 ...
 Idle fraction of a step: (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(V*m+p-1) interleaved (bubble / V);
 zb1's bubble is (p-1)(F+B-W), with at most p micro-batches in flight per rank like 1f1b.
+
+zbv and dualpipev place 2 chunks per rank in a V (placement "v"): rank r holds stages r and 2p-1-r, so the
+activations run down the ranks and back up, stage p-1 -> p stays on rank p-1, and the first and last stage
+(embedding and LM head, tied) share rank 0. Costs below are per chunk (half a rank's layers).
+- zbv, ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 6): split B/W; with
+  F = B = W zero bubble and 1F1B's peak memory (p micro-batches of a rank's layers = 2p chunks) on every
+  rank. One step simulated: each rank busy without a gap, rank r from r*F on, so the idle is the skew of that
+  parallelogram, (p-1)F per rank (the paper removes it across steps by post-validating the optimizer step),
+  for m >= 2p-1; fewer micro-batches leave the V's warm-up short: max(p-1, 2(2p-1-m)) F.
+- dualpipev, DualPipeV (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", Sec. 3.2.1 Table 2, in the V form
+  ("cut-in-half") of deepseek-ai/DualPipe's README): bubble (PP/2-1)(F&B + B - 3W) with PP = 2p stages, B a
+  full backward, F&B an overlapped forward + backward pair; activations PP+1 = 2p+1 chunks per rank; m >= 2p.
+  Here a pair runs one after the other (F&B = F+B) and every message leaves the moment it exists (DualPipe's
+  pair sends after both halves, a full backward after its weight part), so the simulated idle is at most the
+  formula, and with F = B = W it is (p-1)F per rank, as for zbv.
+
+    zbv, p=2, m=4 (F=B=W=1):                 idle per rank = p-1 = 1, peak 2p = 4 chunks
+    rank 0: F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 F3.0 B0.0 W0.0 ... W3.0 .
+    rank 1: .    F0.0 F0.1 F1.0 F1.1 B0.1 W0.1 F2.0 B0.0 W0.0 F2.1 B1.1 ... W3.0
 """
 import argparse
-from collections import defaultdict, namedtuple
+from collections import Counter, defaultdict, namedtuple
 
 Action = namedtuple("Action", "kind mb chunk")
 Exchange = namedtuple("Exchange", "ops")     # one batch of point-to-point ops: ((kind, peer rank, message), ...)
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb1")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb1", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")                  # 2 chunks per rank, placed in a V (stage_of)
+SPLIT_BACKWARD = ("zb1", "zbv", "dualpipev")     # with W actions: pipeline_weight_grads.py's deferred dW
+
+
+class Schedule(list):
+    """The action lists of all p ranks (schedule[rank]) and the placement of their stages on the ranks."""
+
+    def __init__(self, lists, placement="loop"):
+        super().__init__(lists)
+        self.placement = placement
+
+
+def placement_of(name):
+    """How schedule `name` places its stages: "v" for the V-shaped ones, else round-robin "loop"."""
+    return "v" if name in V_SHAPED else "loop"
+
+
+def schedule_placement(schedules):
+    return getattr(schedules, "placement", "loop")    # a plain list of action lists: round-robin
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -76,45 +115,137 @@ def zb_h1(p, m, rank):
     return acts + [Action("W", i, 0) for i in range(max(m - rank, 0), m)]
 
 
+class _Counted:
+    """Builds a V schedule's list: add(kind, chunk) appends that chunk's next micro-batch of that kind."""
+
+    def __init__(self):
+        self.actions, self.next = [], Counter()
+
+    def add(self, kind, chunk):
+        self.actions.append(Action(kind, self.next[kind, chunk], chunk))
+        self.next[kind, chunk] += 1
+        return self.actions[-1]
+
+
+def zb_v(p, m, rank):
+    """ZB-V (Qi et al. 2024, Sec. 6): chunk 0 (stage rank) on the way down, chunk 1 (stage 2p-1-rank) on the
+    way up. Warm-up: 2(p-rank)-1 forwards of chunk 0, then rank pairs F1 F0, then p-rank rounds of F1 B1 W1
+    (the bottom of the V turns around at once); steady state F0 B0 W0 F1 B1 W1; cool-down: rank pairs B0 B1,
+    then p-rank rounds of B0 W0 and the late Ws. Laid out for max(m, 2p-1) micro-batches, the ones past m
+    dropped, so any m runs (with a larger bubble below 2p-1)."""
+    n, s = max(m, 2 * p - 1), _Counted()
+    for _ in range(2 * (p - rank) - 1):
+        s.add("F", 0)
+    for _ in range(rank):
+        s.add("F", 1), s.add("F", 0)
+    for _ in range(p - rank):
+        s.add("F", 1), s.add("B", 1), s.add("W", 1)
+    while s.next["F", 1] < s.next["F", 0] or s.next["F", 0] < n:
+        if s.next["F", 0] < n:
+            s.add("F", 0)
+        s.add("B", 0), s.add("W", 0), s.add("F", 1), s.add("B", 1), s.add("W", 1)
+    for _ in range(rank):
+        s.add("B", 0), s.add("B", 1)
+    for _ in range(p - rank):
+        s.add("B", 0), s.add("W", 0)
+    for chunk in (1, 0):
+        while s.next["W", chunk] < n:
+            s.add("W", chunk)
+    return [a for a in s.actions if a.mb < m]
+
+
+def dualpipe_v(p, m, rank):
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half; deepseek-ai/DualPipe's dualpipev.py), 8 phases:
+    2(p-rank-1) F0; rank+1 pairs F0 F1; p-rank-1 rounds of split B1, its W, F1; the main phase of m-2p+rank+1
+    rounds F0 & B1, F1 & B0 (a forward with another micro-batch's full backward, which DualPipe overlaps);
+    p-rank-1 rounds of B1, F1 & B0; rank+1 pairs B1 B0 whose second half splits off W (from B1 on odd ranks,
+    from B0 on even ones); p-rank-1 rounds of a late W and a split B0; the last rank+1 late Ws (oldest first).
+    A full backward is B then its own W at once (the gradient leaves after B); a split one queues its W.
+    Needs m >= 2p."""
+    s, late = _Counted(), []
+
+    def backward(chunk, split):
+        b = s.add("B", chunk)
+        if split:
+            late.append(Action("W", b.mb, chunk))
+        else:
+            s.add("W", chunk)
+
+    def late_w():
+        s.actions.append(late.pop(0))
+        s.next["W", s.actions[-1].chunk] += 1
+
+    for _ in range(2 * (p - rank - 1)):
+        s.add("F", 0)
+    for _ in range(rank + 1):
+        s.add("F", 0), s.add("F", 1)
+    for _ in range(p - rank - 1):
+        backward(1, True), late_w(), s.add("F", 1)
+    for _ in range(m - 2 * p + rank + 1):
+        s.add("F", 0), backward(1, False), s.add("F", 1), backward(0, False)
+    for _ in range(p - rank - 1):
+        backward(1, False), s.add("F", 1), backward(0, False)
+    for i in range(rank + 1):
+        split_from = i > (rank + 1) // 2 or i == (rank + 1) // 2 and rank % 2 == 1
+        backward(1, split_from)
+        backward(0, i >= (rank + 1) // 2)
+    for _ in range(p - rank - 1):
+        late_w(), backward(0, True)
+    while late:
+        late_w()
+    return s.actions
+
+
 def make_schedule(name, p, m, v=1):
-    """Action lists of all p ranks."""
+    """Action lists of all p ranks, as a Schedule that knows its placement."""
     if name == "interleaved":
-        return [interleaved(p, m, r, v) for r in range(p)]
-    gen = {"afab": afab, "1f1b": one_f_one_b, "zb1": zb_h1}[name]
-    return [gen(p, m, r) for r in range(p)]
+        return Schedule([interleaved(p, m, r, v) for r in range(p)])
+    if v != (2 if name in V_SHAPED else 1):
+        raise ValueError(f"{name} runs {2 if name in V_SHAPED else 1} chunk(s) per rank, not v={v}")
+    gen = {"afab": afab, "1f1b": one_f_one_b, "zb1": zb_h1, "zbv": zb_v, "dualpipev": dualpipe_v}[name]
+    return Schedule([gen(p, m, r) for r in range(p)], placement_of(name))
 
 
 # ----------------------------------------------------------------------------------------------------------
 # who talks to whom: shared by the simulator and by train_pp.py's runner, which launches its sends and
 # receives in the batches of comm_plan (NCCL-safe: both sides of a message in the same round)
 
-def stage_of(rank, chunk, p):
-    return chunk * p + rank
+def stage_of(rank, chunk, p, placement="loop"):
+    """The stage that chunk `chunk` of `rank` holds. Chunk c covers stages c*p .. c*p+p-1 in both placements:
+    "loop" deals them to ranks 0..p-1; "v" does so on even chunks and back p-1..0 on odd ones (the V)."""
+    return chunk * p + (p - 1 - rank if placement == "v" and chunk % 2 else rank)
 
 
-def sends_of(action, rank, p, v):
+def rank_of(stage, p, placement="loop"):
+    """The rank holding `stage` (its chunk there is stage // p)."""
+    chunk, i = divmod(stage, p)
+    return p - 1 - i if placement == "v" and chunk % 2 else i
+
+
+def sends_of(action, rank, p, v, placement="loop"):
     """(dst_rank, message) sent after `action`: message = (what, mb, receiving stage)."""
-    s, last = stage_of(rank, action.chunk, p), p * v - 1
+    s, last = stage_of(rank, action.chunk, p, placement), p * v - 1
     if action.kind == "F" and s < last:
-        return [((s + 1) % p, ("act", action.mb, s + 1))]
+        return [(rank_of(s + 1, p, placement), ("act", action.mb, s + 1))]
     if action.kind == "B" and s > 0:
-        return [((s - 1) % p, ("grad", action.mb, s - 1))]
+        return [(rank_of(s - 1, p, placement), ("grad", action.mb, s - 1))]
     return []
 
 
-def recvs_of(action, rank, p, v):
+def recvs_of(action, rank, p, v, placement="loop"):
     """(src_rank, message) that `action` must receive before it can run."""
-    s, last = stage_of(rank, action.chunk, p), p * v - 1
+    s, last = stage_of(rank, action.chunk, p, placement), p * v - 1
     if action.kind == "F" and s > 0:
-        return [((s - 1) % p, ("act", action.mb, s))]
+        return [(rank_of(s - 1, p, placement), ("act", action.mb, s))]
     if action.kind == "B" and s < last:
-        return [((s + 1) % p, ("grad", action.mb, s))]
+        return [(rank_of(s + 1, p, placement), ("grad", action.mb, s))]
     return []
 
 
 def message_order(schedules, src, dst, p, v):
     """The messages rank src sends to rank dst in one step, in sending order."""
-    return [msg for a in schedules[src] for d, msg in sends_of(a, src, p, v) if d == dst]
+    place = schedule_placement(schedules)
+    return [msg for a in schedules[src] for d, msg in sends_of(a, src, p, v, place) if d == dst]
 
 
 def comm_plan(schedules, p, v):
@@ -128,11 +259,11 @@ def comm_plan(schedules, p, v):
     of all its messages, and ends: no group ever waits on one its partner has not reached. The sender's batch
     follows the producing action at once (overlap); the receiver's comes before the action that needs it.
     A rank sends at most one message per round, so each pair sees its messages in the same order."""
-    sim = simulate(schedules, p, v)
+    sim, place = simulate(schedules, p, v), schedule_placement(schedules)
     rounds = [defaultdict(list) for _ in range(p)]      # rank -> round -> its ops
     for r, timeline in enumerate(sim["timeline"]):
         for _, end, a in timeline:
-            for dst, msg in sends_of(a, r, p, v):
+            for dst, msg in sends_of(a, r, p, v, place):
                 if dst != r:                             # a message to this rank's own next chunk: no p2p
                     rounds[r][end].append(("send", dst, msg))
                     rounds[dst][end].append(("recv", r, msg))
@@ -157,7 +288,7 @@ def simulate(schedules, p, v=1, f=1, b=1, w=1):
     [(start, end, action)], `makespan`, `idle` per rank and `peak_in_flight` (micro-batch-chunks whose
     activations are held: forward done, weight gradient not yet)."""
     split = any(a.kind == "W" for acts in schedules for a in acts)
-    cost = dict(F=f, B=b if split else b + w, W=w)
+    cost, place = dict(F=f, B=b if split else b + w, W=w), schedule_placement(schedules)
     done = {}                                   # (kind, mb, stage) -> end time
     free, pos = [0] * p, [0] * p
     timeline = [[] for _ in range(p)]
@@ -167,11 +298,11 @@ def simulate(schedules, p, v=1, f=1, b=1, w=1):
         for r in range(p):
             while pos[r] < len(schedules[r]):
                 a = schedules[r][pos[r]]
-                s = stage_of(r, a.chunk, p)
+                s = stage_of(r, a.chunk, p, place)
                 deps = [("F", a.mb, s)] if a.kind != "F" else []
                 deps += [("B", a.mb, s)] if a.kind == "W" else []
                 deps += [(("F", m_, st - 1) if what == "act" else ("B", m_, st + 1))
-                         for _, (what, m_, st) in recvs_of(a, r, p, v)]
+                         for _, (what, m_, st) in recvs_of(a, r, p, v, place)]
                 if any(d not in done for d in deps):
                     break
                 start = max([free[r]] + [done[d] for d in deps])
@@ -201,7 +332,11 @@ def peak_in_flight(actions):
 
 def theory_idle_fraction(name, p, m, v=1):
     """Textbook bubble / step time with F=B=W: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), zb1 a third
-    of 1f1b's bubble: (p-1)(F+B-W) = (p-1) units in a step of 3m + (p-1)."""
+    of 1f1b's bubble: (p-1)(F+B-W) = (p-1) units in a step of 3m + (p-1); zbv and dualpipev (p-1) chunk
+    units in a step of 6m + (p-1), zbv with m < 2p-1 2(2p-1-m) (the module docstring)."""
+    if name in V_SHAPED:
+        idle = max(p - 1, 2 * (2 * p - 1 - m)) if name == "zbv" else p - 1
+        return idle / (6 * m + idle)
     if name == "zb1":
         return (p - 1) / (3 * m + p - 1)
     return (p - 1) / ((v if name == "interleaved" else 1) * m + p - 1)
@@ -228,7 +363,7 @@ def main(argv=None):
     ap.add_argument("--pp_virtual", type=int, default=2)
     ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     a = ap.parse_args(argv)
-    v = a.pp_virtual if a.schedule == "interleaved" else 1
+    v = a.pp_virtual if a.schedule == "interleaved" else 2 if a.schedule in V_SHAPED else 1
     sim = simulate(make_schedule(a.schedule, a.pp, a.n_microbatches, v), a.pp, v)
     print(render(sim, v))
     print(f"idle fraction {sim['idle'][0] / sim['makespan']:.3f} (theory "

@@ -8,8 +8,8 @@ import pytest
 
 from distributed_helper import recorded_runs, run_workers
 from nccl_check import check, first_ops, replay
-from pipeline_schedules import (SCHEDULES, Exchange, comm_plan, make_schedule, message_order, recvs_of,
-                                sends_of)
+from pipeline_schedules import (SCHEDULES, V_SHAPED, Exchange, comm_plan, make_schedule, message_order,
+                                recvs_of, sends_of)
 from train_helpers import tiny_argv
 
 H, T = 32, 16                                   # tiny_argv's n_embd and block_size
@@ -75,9 +75,10 @@ def test_checker_catches_the_old_interleaved_deadlock():
 
 def _configs(name):
     for p in range(2, 9):
-        for v in (2, 3, 4) if name == "interleaved" else (1,):
-            for m in sorted({1, 2, p - 1, p, p + 1, 2 * p, 3 * p}):
-                if (name == "afab" or m >= p) and (name != "interleaved" or m % p == 0):
+        for v in (2, 3, 4) if name == "interleaved" else (2,) if name in V_SHAPED else (1,):
+            for m in sorted({1, 2, p - 1, p, p + 1, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p}):
+                if (name in ("afab", "zbv") or m >= p) and (name != "interleaved" or m % p == 0) \
+                        and (name != "dualpipev" or m >= 2 * p):
                     yield p, v, m
 
 
@@ -100,7 +101,9 @@ def test_every_schedule_is_nccl_safe(name):
 # (world, schedule, virtual, micro-batches, layers, eval_interval): the case, every schedule, m not a
 # multiple of p, and one run per world evaluating (forward_only_loss's lone sends) after every step
 RUNS = [(2, "afab", 1, 3, 2, 0), (2, "1f1b", 1, 2, 2, 1), (2, "zb1", 1, 4, 2, 0), (2, "interleaved", 2, 4, 4, 0),
-        (4, "1f1b", 1, 8, 4, 1), (4, "zb1", 1, 4, 4, 0), (4, "interleaved", 2, 4, 8, 0)]
+        (2, "zbv", 2, 3, 4, 1), (2, "dualpipev", 2, 4, 4, 0),
+        (4, "1f1b", 1, 8, 4, 1), (4, "zb1", 1, 4, 4, 0), (4, "interleaved", 2, 4, 8, 0), (4, "zbv", 2, 8, 8, 0),
+        (4, "dualpipev", 2, 8, 8, 1)]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,36 +1,41 @@
 """pipeline_schedules.py without processes: each schedule is complete and deadlock-free, its simulated bubble
 equals the textbook formula, its peak in-flight micro-batches equal theory, and every stage boundary carries
-exactly m activations forward and m gradients back."""
+exactly m activations forward and m gradients back. ZB-V and DualPipeV: the V placement, their orders equal
+torch.distributed.pipelining's, their bubbles and peaks equal the papers' counts."""
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
-from pipeline_schedules import (Action, make_schedule, message_order, peak_in_flight, render, sends_of,
-                                simulate, stage_of, theory_idle_fraction)
+from pipeline_schedules import (SCHEDULES, SPLIT_BACKWARD, V_SHAPED, Action, make_schedule, message_order,
+                                peak_in_flight, rank_of, render, sends_of, simulate, stage_of,
+                                theory_idle_fraction)
 
 
 def configs(name):
     """(p, m, v) combinations the schedule accepts (train_pp.py rejects the others with an error)."""
     for p in range(1, 9):
         for m in range(1, 17):
-            for v in ((2, 3, 4) if name == "interleaved" else (1,)):
-                if name != "afab" and m < p or name == "interleaved" and m % p:
+            for v in ((2, 3, 4) if name == "interleaved" else (2,) if name in V_SHAPED else (1,)):
+                if name not in ("afab", "zbv") and m < p or name == "interleaved" and m % p:
+                    continue
+                if name == "dualpipev" and m < 2 * p:
                     continue
                 yield p, m, v
 
 
-@pytest.mark.parametrize("name", ["afab", "1f1b", "interleaved", "zb1"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_every_unit_of_work_once_in_dependency_order(name):
     for p, m, v in configs(name):
         scheds = make_schedule(name, p, m, v)
         for r, acts in enumerate(scheds):
-            kinds = "FBW" if name == "zb1" else "FB"
+            kinds = "FBW" if name in SPLIT_BACKWARD else "FB"
             assert Counter(acts) == Counter(Action(k, i, c) for k in kinds for i in range(m) for c in range(v))
             pos = {a: j for j, a in enumerate(acts)}
             for i in range(m):
                 for c in range(v):
                     assert pos[Action("F", i, c)] < pos[Action("B", i, c)]
-                    if name == "zb1":
+                    if name in SPLIT_BACKWARD:
                         assert pos[Action("B", i, c)] < pos[Action("W", i, c)]
         simulate(scheds, p, v)          # raises if the ranks would wait on each other forever
 
@@ -81,14 +86,19 @@ def test_peak_in_flight_micro_batches():
         assert got == [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
 
 
-@pytest.mark.parametrize("name", ["afab", "1f1b", "interleaved", "zb1"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_each_boundary_carries_m_activations_and_m_gradients(name):
+    """Round-robin: rank r sends m(2v - [r = 0] - [r = p-1]) messages; in a V, rank 0 (first and last stage)
+    2m and every other rank 4m, rank p-1's to itself (stage p-1 -> p) included."""
     for p, m, v in configs(name):
         scheds = make_schedule(name, p, m, v)
-        msgs = Counter()
+        msgs, place = Counter(), scheds.placement
         for r, acts in enumerate(scheds):
-            sent = [msg for a in acts for _, msg in sends_of(a, r, p, v)]
-            assert len(sent) == m * (2 * v - (r == 0) - (r == p - 1)) if p > 1 else len(sent) == m * 2 * (v - 1)
+            sent = [msg for a in acts for _, msg in sends_of(a, r, p, v, place)]
+            if name in V_SHAPED:
+                assert len(sent) == m * (2 if r == 0 else 4) if p > 1 else len(sent) == 2 * m
+            else:
+                assert len(sent) == m * (2 * v - (r == 0) - (r == p - 1)) if p > 1 else len(sent) == m * 2 * (v - 1)
             msgs.update((what, stage) for what, _, stage in sent)
         S = p * v
         assert msgs == Counter({**{("act", s): m for s in range(1, S)}, **{("grad", s): m for s in range(S - 1)}})
@@ -122,3 +132,81 @@ def test_ascii_timeline():
     assert zb == ["rank 0: F0 F1 .  B0 W0 B1 W1", "rank 1: .  F0 B0 F1 B1 W0 W1"]
     assert "F1.1" in render(simulate(make_schedule("interleaved", 2, 2, 2), 2, 2), v=2)
     assert peak_in_flight(make_schedule("zb1", 2, 2)[1]) == 2
+
+
+def test_v_placement():
+    """Rank r holds stages r and 2p-1-r: the first and the last stage on rank 0, stage p-1 -> p on rank p-1."""
+    for p in range(1, 9):
+        assert [[stage_of(r, c, p, "v") for c in (0, 1)] for r in range(p)] == [[r, 2 * p - 1 - r] for r in range(p)]
+        assert all(rank_of(stage_of(r, c, p, "v"), p, "v") == r for r in range(p) for c in range(4))
+        assert make_schedule("zbv", p, 2 * p, 2).placement == "v"
+    assert make_schedule("interleaved", 4, 8, 2).placement == "loop" and stage_of(1, 1, 4) == 5
+    with pytest.raises(ValueError, match="2 chunk"):
+        make_schedule("dualpipev", 2, 4, 1)
+
+
+def _torch_order(schedule_class, p, m, rank):
+    """torch.distributed.pipelining's action list of `rank` in ours: I -> B, a full backward -> B W, an
+    overlapped forward + backward -> its two halves."""
+    from torch.distributed.pipelining import schedules as ts
+    kinds = {ts.FORWARD: "F", ts.BACKWARD_INPUT: "B", ts.BACKWARD_WEIGHT: "W", ts.FULL_BACKWARD: "BW"}
+    state = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+    out = []
+
+    def add(a):
+        for sub in a.sub_actions if a.computation_type == ts.OVERLAP_F_B else [a]:
+            out.extend(Action(k, sub.microbatch_index, int(sub.stage_index != rank))
+                       for k in kinds[sub.computation_type])
+
+    for a in schedule_class._calculate_single_rank_operations(state, rank):
+        if a is not None:
+            add(a)
+    return out
+
+
+@pytest.mark.parametrize("name, torch_name", [("zbv", "ScheduleZBVZeroBubble"), ("dualpipev", "ScheduleDualPipeV")])
+def test_v_schedules_are_torchs_orders(name, torch_name):
+    """The same action lists as torch.distributed.pipelining's ScheduleZBVZeroBubble (from the ZB authors'
+    code) and ScheduleDualPipeV (from deepseek-ai/DualPipe), for every p <= 8 and m."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    cls = getattr(schedules, torch_name, None)
+    if cls is None or not hasattr(cls, "_calculate_single_rank_operations"):
+        pytest.skip(f"this torch has no {torch_name} action lists")
+    for p, m, _ in configs(name):
+        ours = make_schedule(name, p, m, 2)
+        assert all(ours[r] == _torch_order(cls, p, m, r) for r in range(p)), (name, p, m)
+
+
+def test_zbv_zero_bubble_and_1f1b_memory():
+    """ZB-V (Qi et al. 2024, Sec. 6), F = B = W: every rank works without a gap from r*F on (zero bubble; the
+    idle of one step is the parallelogram's skew, (p-1)F per rank), and holds 2p chunks = 1F1B's p
+    micro-batches of its layers at peak, on every rank, for m >= 2p-1. Fewer micro-batches: idle
+    max(p-1, 2(2p-1-m)), peak m + 1 on rank 0."""
+    for p, m, v in configs("zbv"):
+        sim = simulate(make_schedule("zbv", p, m, v), p, v)
+        idle = max(p - 1, 2 * (2 * p - 1 - m))
+        assert sim["idle"] == [idle] * p and sim["makespan"] == 6 * m + idle, (p, m)
+        assert idle / sim["makespan"] == pytest.approx(theory_idle_fraction("zbv", p, m, 2), abs=1e-12)
+        if m >= 2 * p - 1:
+            for r, timeline in enumerate(sim["timeline"]):
+                assert [(s, e) for s, e, _ in timeline] == [(r + i, r + i + 1) for i in range(6 * m)]
+            assert sim["peak_in_flight"] == [2 * p] * p
+        else:
+            assert sim["peak_in_flight"][0] == m + 1
+
+
+@pytest.mark.parametrize("f, b, w", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 3, 1), (3, 2, 2), (1, 3, 3)])
+def test_dualpipev_bubble_and_memory(f, b, w):
+    """DualPipeV (DeepSeek-V3 report, Table 2; DualPipe's README): bubble (PP/2-1)(F&B + B - 3W) with PP = 2p
+    stages, B a full backward (b + w here), F&B a forward and a backward (f + b + w, one after the other on
+    one stream); activations PP+1 = 2p+1 chunks per rank. Our messages leave the moment they exist, so the
+    simulated idle is at most the formula, and (p-1)F with F = B = W."""
+    for p, m, v in configs("dualpipev"):
+        sim = simulate(make_schedule("dualpipev", p, m, v), p, v, f, b, w)
+        formula = (p - 1) * ((f + b + w) + (b + w) - 3 * w)
+        assert len(set(sim["idle"])) == 1 and sim["idle"][0] <= formula, (p, m, sim["idle"], formula)
+        assert sim["makespan"] == 2 * m * (f + b + w) + sim["idle"][0]
+        if f == b == w:
+            assert sim["idle"] == [(p - 1) * f] * p
+            assert sim["idle"][0] / sim["makespan"] == pytest.approx(theory_idle_fraction("dualpipev", p, m, 2))
+        assert sim["peak_in_flight"] == [2 * p + 1] * p
