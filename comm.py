@@ -6,6 +6,9 @@ comm.py: process-group setup and every collective nanoscale uses, each one count
     COMM.bytes_sent                  # bytes this rank sent since the last COMM.reset()
     comm.LAUNCH_LOG = []             # record every launch in NCCL's groups, for nccl_check.py (default off)
 
+Under a torch profiler (--profile, profiling.py) each call is also a range "comm:<op> [group's global ranks]", and
+an async call's wait() a range "comm:wait <op> ...": traces show communication (bench/timeline.py colours it).
+
 Bytes are counted under the standard ring algorithms (README, "Metrics"), S = the full tensor's bytes,
 n = group size, counting what *this rank sends*:
     all_reduce 2(n-1)/n * S     reduce_scatter (n-1)/n * S of its input    all_gather (n-1)/n * S of its output
@@ -80,6 +83,36 @@ def _log(ops):
         LAUNCH_LOG.append([(kind, peer, _nbytes(t), _ranks(group)) for kind, peer, t, group in ops])
 
 
+PROFILE_PREFIX = "comm:"
+
+
+class LabelledWork:
+    """An async call's work whose wait() is a profiler range: time spent waiting for communication shows as such."""
+
+    def __init__(self, work, name):
+        self.work, self.name = work, name
+
+    def wait(self, *args, **kwargs):
+        with torch.profiler.record_function(self.name):
+            return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, attr):                 # is_completed, get_future, ...: the work's own
+        return getattr(self.work, attr)
+
+
+def _launch(op, group, fn, /, *args, peer=None, **kwargs):
+    """fn(*args, **kwargs), the torch.distributed call; labelled (module docstring) only while a torch profiler
+    records, so nothing is added when profiling is off."""
+    if not torch.autograd._profiler_enabled():
+        return fn(*args, **kwargs)
+    name = f"{op} {list(_ranks(group))}" + ("" if peer is None else f" -> {peer}")
+    with torch.profiler.record_function(PROFILE_PREFIX + name):
+        works = fn(*args, **kwargs)
+    if isinstance(works, list):                  # batch_isend_irecv
+        return [LabelledWork(w, f"{PROFILE_PREFIX}wait {name}") for w in works]
+    return None if works is None else LabelledWork(works, f"{PROFILE_PREFIX}wait {name}")
+
+
 def _ranks(group):
     """The group's global ranks: the same name for its communicator on every member."""
     return tuple(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
@@ -97,7 +130,7 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     n = _group_size(group)
     COMM.add("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), group)
     _log([("coll", None, tensor, group)])
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _launch("all_reduce", group, dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather(output, input, group=None, async_op=False):
@@ -105,7 +138,7 @@ def all_gather(output, input, group=None, async_op=False):
     n = _group_size(group)
     COMM.add("all_gather", (n - 1) / n * _nbytes(output), group)
     _log([("coll", None, output, group)])
-    return _all_gather_flat(output, input, group=group, async_op=async_op)
+    return _launch("all_gather", group, _all_gather_flat, output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -113,7 +146,8 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
     n = _group_size(group)
     COMM.add("reduce_scatter", (n - 1) / n * _nbytes(input), group)
     _log([("coll", None, input, group)])
-    return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
+    return _launch("reduce_scatter", group, _reduce_scatter_flat, output, input, op=op, group=group,
+                   async_op=async_op)
 
 
 def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
@@ -126,26 +160,26 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
         sent = (sum(input_split_sizes) - input_split_sizes[rank]) * row_bytes
     COMM.add("all_to_all", sent, group)
     _log([("coll", None, input, group)])
-    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
-                                  async_op=async_op)
+    return _launch("all_to_all", group, dist.all_to_all_single, output, input, output_split_sizes,
+                   input_split_sizes, group=group, async_op=async_op)
 
 
 def broadcast(tensor, src, group=None, async_op=False):
     n = _group_size(group)
     COMM.add("broadcast", (n - 1) / n * _nbytes(tensor), group)
     _log([("coll", None, tensor, group)])
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _launch("broadcast", group, dist.broadcast, tensor, src=src, group=group, async_op=async_op)
 
 
 def send(tensor, dst, group=None):
     COMM.add("send", _nbytes(tensor), group)
     _log([("send", dst, tensor, group)])
-    return dist.send(tensor, dst=dst, group=group)
+    return _launch("send", group, dist.send, tensor, dst=dst, group=group, peer=dst)
 
 
 def recv(tensor, src, group=None):
     _log([("recv", src, tensor, group)])
-    return dist.recv(tensor, src=src, group=group)
+    return _launch("recv", group, dist.recv, tensor, src=src, group=group, peer=src)
 
 
 def p2p_op(kind, tensor, peer, group=None):
@@ -159,9 +193,11 @@ def batch_isend_irecv(ops):
     for op in ops:
         if op.op is dist.isend:
             COMM.add("send", _nbytes(op.tensor), op.group)
-    if ops:
-        _log([("send" if op.op is dist.isend else "recv", op.peer, op.tensor, op.group) for op in ops])
-    return dist.batch_isend_irecv(ops) if ops else []
+    if not ops:
+        return []
+    _log([("send" if op.op is dist.isend else "recv", op.peer, op.tensor, op.group) for op in ops])
+    return _launch("batch_isend_irecv", ops[0].group, dist.batch_isend_irecv, ops,
+                   peer=sorted({op.peer for op in ops}))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ class Config:
     resume: bool = False
     stop_step: int = 0
     sample_tokens: int = 200
+    profile: int = 0
     # technique flags: each script enables the ones that apply
     dp: int = 0
     tp: int = 1
@@ -103,6 +104,8 @@ HELP = dict(
     resume="continue from the checkpoint in out_dir, appending to metrics.jsonl",
     stop_step="stop before this step, keeping the --max_steps schedule (0: run to max_steps); for time-limited jobs",
     sample_tokens="tokens to generate as a sample at the end (0 disables)",
+    profile="trace N optimizer steps with torch.profiler after 2 warm-up steps: out_dir/trace_rank{r}.json per "
+            "rank and a top-operators table (profiling.py; 0 disables)",
     dp="data-parallel degree (default: world / (tp*cp*pp))", tp="tensor-parallel degree",
     sp="sequence parallelism on top of tensor parallelism", cp="context-parallel degree",
     cp_layout="ring | zigzag | allgather", pp="pipeline-parallel degree",
@@ -199,7 +202,7 @@ def validate_common(cfg):
     check(cfg.lr > 0 and cfg.dist_timeout > 0, f"--lr and --dist_timeout must be positive, got {cfg.lr} and "
                                                f"{cfg.dist_timeout}")
     check(cfg.warmup_steps >= 0 and cfg.min_lr <= cfg.lr, "need warmup_steps >= 0 and min_lr <= lr")
-    for name in ("seed", "stop_step", "eval_interval", "save_interval", "sample_tokens"):
+    for name in ("seed", "stop_step", "eval_interval", "save_interval", "sample_tokens", "profile"):
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0, got {getattr(cfg, name)}")
     check(cfg.stop_step <= cfg.max_steps, f"--stop_step {cfg.stop_step} is past --max_steps {cfg.max_steps} (the "
                                           f"schedule ends there)")

@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from profiling import make_profiler
+
 # Dense bf16 tensor-core TFLOP/s (no 2:4 sparsity) per (chip, board), from the vendor's datasheets, which print
 # the sparse figure: dense = sparse / 2. A device name is split into words and matched exactly: the chip is the
 # first word after "NVIDIA" (so "L40" is never "L4"), the board is "PCIe" or "NVL" when such a word is present,
@@ -141,7 +143,8 @@ def format_duration(seconds):
 
 class MetricsLogger:
     """Rank 0 appends one JSON row per optimizer step to out_dir/metrics.jsonl and prints a progress line
-    every log_interval steps. Throughput and MFU are computed here, from the step time."""
+    every log_interval steps. Throughput and MFU are computed here, from the step time. With --profile N it also
+    drives profiling.StepProfiler on every rank (each script calls log_step once per optimizer step on all)."""
 
     def __init__(self, cfg, env, flops_per_token, n_devices, tokens_per_step, resume=False):
         self.cfg, self.env, self.active = cfg, env, env.rank == 0
@@ -154,8 +157,11 @@ class MetricsLogger:
             os.makedirs(cfg.out_dir, exist_ok=True)
             self.file = open(self.path, "a" if resume else "w")
         self.step_times = []
+        self.profiler = make_profiler(cfg, env.rank, env.device)
 
     def log_step(self, step, loss, lr, grad_norm, step_time_s, comm_bytes, **extra):
+        if self.profiler is not None:
+            self.profiler.step()
         if not self.active:
             return None
         tokens_per_s = self.tokens_per_step / step_time_s
@@ -187,6 +193,9 @@ class MetricsLogger:
         self.file.flush()
 
     def close(self):
+        if self.profiler is not None:
+            self.profiler.close()
+            self.profiler = None
         if self.file is not None:
             self.file.close()
 
