@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# bench.sh: throughput / memory sweeps -> markdown tables in bench/results/, collected in bench/RESULTS.md.
+# bench.sh: throughput / memory sweeps -> markdown tables in bench/results/ (each with a PNG chart of its ratios
+# beside it), collected in bench/RESULTS.md.
 #
 #   ./bench.sh single          # one sweep (bench/sweeps/single.sh)
 #   ./bench.sh single ddp      # several
@@ -15,6 +16,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 export REPEATS=${REPEATS:-3} STEPS=${STEPS:-20} WARMUP=${WARMUP:-5}
 export PYTHON=${PYTHON:-python}
+
+# the charts beside the tables (bench/charts.py) need matplotlib, which training does not: install it here
+$PYTHON -c "import matplotlib" 2>/dev/null || $PYTHON -m pip install -q matplotlib
 
 # the default corpus is prepared once, outside any timed run
 $PYTHON -c "from data import ensure_dataset, DEFAULT_DATA_DIR; ensure_dataset(DEFAULT_DATA_DIR)"

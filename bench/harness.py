@@ -12,7 +12,8 @@ throughput is the median tokens_per_s over its steps after --warmup, and the tab
 repeats and the ratio to the first run (the baseline) in two ways: the ratio of the two medians, and the
 median (and range) of the per-round ratios, each round's run divided by the baseline run just before it. On a
 machine whose speed drifts between rounds the paired ratio is the steadier of the two. The table goes to
-bench/results/NAME.md.
+bench/results/NAME.md, and the ratios as a bar chart to bench/results/NAME.png (bench/charts.py; skipped with a note
+when matplotlib is missing: bench.sh installs it).
 
 Several comparisons can share one table (bench/sweeps/5d.sh): each --baseline LABEL starts a group, and the runs
 after it, up to the next baseline, are compared with it instead of with the first run; --target LABEL=R adds a
@@ -121,6 +122,7 @@ def main(argv=None):
     header = ["run", "tokens/s", "ratio vs baseline" if a.baseline else "ratio vs first", "paired ratio (range)"]
     header += ["target"] if targets else []
     header += ["MFU", "peak memory", "comm bytes/step", "command"]
+    chart = []                                         # (label, baseline, median, lo, hi) of the paired ratios
     lines = [f"### {a.title or a.name}", "",
              f"Machine: {machine_description()}. {a.repeats} alternating rounds, median of steps after "
              f"{a.warmup} warm-up steps, then median over rounds.", "",
@@ -132,6 +134,7 @@ def main(argv=None):
         mfus = [r["mfu"] for r in rs if r["mfu"] is not None]
         mfu = statistics.median(mfus) if mfus else None
         paired = [r["tokens_per_s"] / b for r, b in zip(rs, base_rounds)]
+        chart.append((label, baseline_of[label], statistics.median(paired), min(paired), max(paired)))
         cells = [label, fmt(tps, 'n'), f"{tps / statistics.median(base_rounds):.2f}",
                  f"{statistics.median(paired):.2f} ({min(paired):.2f}-{max(paired):.2f})"]
         if targets:
@@ -147,6 +150,20 @@ def main(argv=None):
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"bench: wrote {os.path.relpath(path, ROOT)}")
+    write_chart(chart, os.path.join(HERE, "results", f"{a.name}.png"), a.title or a.name)
+
+
+def write_chart(entries, path, title):
+    """The table's ratios as bench/results/NAME.png, if matplotlib is there (not a training dependency)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("bench: matplotlib is not installed, no chart (pip install matplotlib)")
+        return None
+    from charts import ratio_chart
+    ratio_chart(entries, path, title)
+    print(f"bench: wrote {os.path.relpath(path, ROOT)}")
+    return path
 
 
 if __name__ == "__main__":
