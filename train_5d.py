@@ -8,10 +8,11 @@ train_single.
     torchrun --nproc_per_node=8 train_5d.py --dp 4 --tp 2 --zero_stage 2      # ZeRO-2 over dp x cp
     torchrun --nproc_per_node=8 train_5d.py --dp 2 --pp 4 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
     torchrun --nproc_per_node=8 train_5d.py --dp 4 --tp 2 --sp --ep 4 --n_experts 8   # MoE, experts over 4 ranks
+    torchrun --nproc_per_node=8 train_5d.py --layout auto     # plan.py's best layout for this model and GPU
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 train_5d.py \\
         --tp 8 --pp 2                                     # two nodes: tp inside a node, pp across the two
 
-The grid (Megatron's rank order: tp innermost so a TP group shares a node's NVLink, then cp, dp, pp outermost):
+The grid (grid.py; Megatron's rank order: tp innermost so a TP group shares a node's NVLink, then cp, dp, pp):
 
     rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i          e.g. dp 2 x tp 2 x pp 2 on 8 ranks:
                                                                      stage 0: [0 1] [2 3]   stage 1: [4 5] [6 7]
@@ -42,17 +43,18 @@ rank (and the all_gather of the row counts). Checkpoints are one file in train_s
 layout: any layout, or train_single, resumes any other. With tp 1, --kernels and --fp8 apply inside the
 stages as in train_single.
 """
-import math
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import comm
 from checkpoint import checkpoint_path, load_checkpoint, own_rng_state, rng_states_by_rank, set_rng_state
-from comm import COMM, destroy, init_distributed, new_group, world_size_from_env
-from config import check, fail, parse_config
+from comm import COMM, destroy, init_distributed, world_size_from_env
+from config import ConfigError, check, fail, parse_config
+from grid import build_grid, bytes_by_axis, print_grid
+from layout_auto import apply_auto_layout
+from plan_inputs import HARDWARE
 from metrics import MetricsLogger
 from model import GPT, flops_per_token
 from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
@@ -69,89 +71,6 @@ from tp_shards import full_shape, init_tp_weights, tp_gather, tp_slice
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, shard_model
 from zero_checkpoint import flatten, full_values, optimizer_layout, write_single_device_checkpoint
-
-AXES = ("tp", "cp", "dp", "pp")          # innermost first
-GROUPS = dict(tp=("tp",), cp=("cp",), dp=("dp",), pp=("pp",),
-              dp_cp=("dp", "cp"),        # gradient averaging, loss averaging: every copy of the same weights
-              mp=("tp", "pp"))           # model parallel: the ranks that together hold one copy (grad norm)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the grid: one rank order, every group derived from it
-
-def coords_of(rank, sizes):
-    """{axis: index} of a global rank, tp varying fastest."""
-    coords = {}
-    for axis in AXES:
-        coords[axis] = rank % sizes[axis]
-        rank //= sizes[axis]
-    return coords
-
-
-def partition(sizes, varying):
-    """Every group of global ranks that differ only along the `varying` axes, each in increasing rank order
-    (so a pp group lists stage 0 first)."""
-    groups = {}
-    for rank in range(math.prod(sizes.values())):
-        c = coords_of(rank, sizes)
-        groups.setdefault(tuple(c[a] for a in AXES if a not in varying), []).append(rank)
-    return list(groups.values())
-
-
-def tied_pairs(sizes):
-    """The first and last pipeline stage of each pp group: the two copies of the tied embedding."""
-    return [[g[0], g[-1]] for g in partition(sizes, ("pp",))] if sizes["pp"] > 1 else []
-
-
-@dataclass
-class Grid:
-    sizes: dict        # axis -> degree
-    coords: dict       # axis -> this rank's index
-    groups: dict       # name -> this rank's process group (GROUPS, and "tied" on the first / last stage)
-    members: dict      # name -> every group's global ranks (for the printout)
-    ep: int = 1        # expert-parallel degree: experts sharded over ep ranks of each dp x cp group
-
-
-def expert_partition(sizes, ep):
-    """EP groups: ep consecutive members of each dp x cp group (the ranks holding different slices of the
-    batch); EDP groups: the ranks of a dp x cp group holding the same experts (stride ep)."""
-    data_groups = partition(sizes, GROUPS["dp_cp"])
-    return dict(ep=[g[i:i + ep] for g in data_groups for i in range(0, len(g), ep)],
-                edp=[g[j::ep] for g in data_groups for j in range(ep)])
-
-
-def build_grid(sizes, rank, timeout_s, ep=1):
-    """Create every group (all ranks create all of them, in the same order) and keep this rank's."""
-    groups, members = {}, {}
-    layout = {name: partition(sizes, axes) for name, axes in GROUPS.items()}
-    layout["tied"] = tied_pairs(sizes)
-    if ep > 1:
-        layout.update(expert_partition(sizes, ep))
-    for name, rank_lists in layout.items():
-        members[name] = rank_lists
-        for ranks in rank_lists:
-            group = new_group(ranks, timeout_s)
-            if rank in ranks:
-                groups[name] = group
-    groups.setdefault("tied", None)              # middle stages, or pp == 1
-    return Grid(sizes, coords_of(rank, sizes), groups, members, ep)
-
-
-def print_grid(grid, cfg, act_shape, n_params_local):
-    sizes = grid.sizes
-    print(f"train_5d: dp {sizes['dp']} x tp {sizes['tp']} x cp {sizes['cp']} x pp {sizes['pp']} = "
-          f"{math.prod(sizes.values())} ranks (rank order: tp innermost, then cp, dp, pp)", flush=True)
-    for name in ("tp", "cp", "dp", "pp", "dp_cp", "tied", "ep", "edp"):
-        if grid.members.get(name):
-            rows = " ".join("[" + " ".join(map(str, g)) + "]" for g in grid.members[name])
-            print(f"  {name:6s} {rows}", flush=True)
-    b, t, h = act_shape
-    local_t, local_heads = cfg.block_size // sizes["cp"], cfg.n_head // sizes["tp"]
-    print(f"  messages: pp [{b}, {t}, {h}] activations (and their gradients) per micro-batch and stage boundary; "
-          f"tp [{b}, {local_t}, {h}] per block, 2 forward + 2 backward; cp K and V of {local_heads} heads x "
-          f"{local_t} positions per ring step; dp {n_params_local:,} gradient values per step",
-          flush=True)
-
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
@@ -174,16 +93,6 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
         init_tp_weights(chunk, cfg.seed, grid.groups["tp"])    # my TP slice of each full initial value
         chunk.pos = pos                                        # RoPE at this CP rank's global positions
     return chunks, gcfg, pos
-
-
-def bytes_by_axis(grid):
-    """This step's counted bytes by grid axis (the tied-weight pair counts as pp, the norm's scalar as mp)."""
-    axis = dict(tied="pp", dp_cp="dp", edp="dp")
-    names = {group: axis.get(name, name) for name, group in grid.groups.items() if group is not None}
-    out = dict(dp=0.0, tp=0.0, cp=0.0, pp=0.0, ep=0.0, mp=0.0)
-    for group, nbytes in COMM.by_group.items():
-        out[names.get(group, "mp")] += nbytes
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -410,6 +319,11 @@ def load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg):
 
 def extra_args(parser):
     parser.set_defaults(tp=0, cp=0, pp=0)      # 0: chosen by default_layout when no degree is given
+    parser.add_argument("--layout", default="", choices=["", "auto"],
+                        help="auto: the layout plan.py ranks best for this model, world and GPU (layout_auto.py); "
+                             "it replaces the degree, schedule, micro-batch, ZeRO and recompute flags")
+    parser.add_argument("--plan_gpu", default="", help="with --layout auto: plan as if on this GPU (a100, h100, "
+                                                       "h200, b200; default: the GPU found)")
 
 
 def default_layout(cfg, world):
@@ -424,6 +338,14 @@ def default_layout(cfg, world):
 
 def validate(cfg):
     world = world_size_from_env()
+    if cfg.layout == "auto":                   # chosen once the vocabulary is known (main), then validated
+        check(not (cfg.tp or cfg.cp or cfg.pp or cfg.dp or cfg.ep > 1), "--layout auto chooses the degrees: "
+              "leave out --dp --tp --cp --pp --ep")
+        check(cfg.plan_gpu in ("",) + tuple(HARDWARE),
+              f"--plan_gpu {cfg.plan_gpu}: plan.py knows {', '.join(HARDWARE)}")
+        check(cfg.plan_gpu or (cfg.device != "cpu" and torch.cuda.is_available()), "--layout auto plans for a GPU: "
+              "none here; give the degrees (--dp --tp --cp --pp --ep), or --plan_gpu h100 to plan as if on one")
+        return
     default_layout(cfg, world)
     tp, cp, pp = cfg.tp, cfg.cp, cfg.pp
     for name in ("tp", "cp", "pp", "pp_virtual"):
@@ -481,12 +403,19 @@ def main(argv=None):
                                          "zero_stage", "bucket_mb", "fp8", "ep") + MOE_FLAGS,
                        description=__doc__.split("\n\n")[0], extra_args=extra_args, validate=validate)
     env = init_distributed(cfg)
+    loader = prepare_data(cfg, env)
+    if cfg.layout == "auto":                   # once the vocabulary is known; a refusal is still one line
+        try:
+            apply_auto_layout(cfg, loader.vocab_size, env.device, env.world_size, env.is_main)
+            cfg.layout = ""
+            validate(cfg)
+        except ConfigError as e:
+            fail(str(e))
     sizes = dict(tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp)
     grid = build_grid(sizes, env.rank, cfg.dist_timeout, cfg.ep)
     dp_rank, dp = grid.coords["dp"], cfg.dp
     micro = cfg.micro_batch_size
     m = cfg.global_batch_size // (micro * dp)                  # micro-batches per step on each dp rank
-    loader = prepare_data(cfg, env)
     dtype = resolve_dtype(cfg, env.device)
     enable_tf32(env.device)
 

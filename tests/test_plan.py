@@ -223,3 +223,53 @@ def test_bad_input_one_error_line(capsys, argv, message):
         plan.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# train_5d --layout auto
+
+def test_auto_layout_is_the_fastest_runnable_layout_that_fits():
+    from layout_auto import choose_layout, runs_in_train_5d
+    from plan_inputs import GIB, USABLE
+    job = job_for(GPTConfig(vocab_size=50257, block_size=2048, n_layer=24, n_head=16, n_embd=2048), gpus=8,
+                  global_seqs=64, precision="amp")
+    rows = plan.rank_layouts(job)
+    assert any(not runs_in_train_5d(r) and not r["oom"] for r in rows)      # ZeRO-3 etc. are ranked but refused
+    for memory in (80 * GIB, 24 * GIB):
+        best, fits = choose_layout(job, memory)
+        assert runs_in_train_5d(best) and best["mem_bytes"]["total"] <= USABLE * memory
+        runnable = [r for r in rows if runs_in_train_5d(r) and not r["oom"]
+                    and r["mem_bytes"]["total"] <= USABLE * memory]
+        assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in runnable)
+    assert choose_layout(job, 24 * GIB)[0] != choose_layout(job, 80 * GIB)[0]   # less memory, another layout
+
+
+def _auto_run(rank, world, argv):
+    import train_5d
+    result = train_5d.main(argv)
+    return dict(result["grid"].sizes, ep=result["grid"].ep, schedule=result["cfg"].pp_schedule,
+                micro=result["cfg"].micro_batch_size, zero=result["cfg"].zero_stage)
+
+
+def test_train_5d_layout_auto_runs_plans_choice(tiny_data, tmp_path):
+    """On CPU with --plan_gpu: train_5d runs the layout layout_auto chooses for the same job."""
+    from layout_auto import choose_layout, plan_job
+    from config import Config
+    from plan_inputs import HARDWARE
+    argv = tiny_argv(tiny_data, str(tmp_path), max_steps=2, layout="auto", plan_gpu="h100", n_layer=4)
+    got = run_workers(_auto_run, 4, args=(argv,), timeout=600)[0]
+    cfg = Config(n_layer=4, n_head=4, n_embd=32, block_size=16, global_batch_size=8)
+    best, _ = choose_layout(plan_job(cfg, 64, 4, 4, "h100", "fp32"), HARDWARE["h100"]["mem"])
+    assert got == dict(dp=best["dp"], tp=best["tp"], cp=best["cp"], pp=best["pp"], ep=best["ep"],
+                       schedule=best["schedule"], micro=best["micro_batch_size"], zero=best["zero_stage"])
+
+
+@pytest.mark.parametrize("flags,message", [(dict(layout="auto"), "--layout auto plans for a GPU: none here"),
+                                           (dict(layout="auto", tp=2), "leave out --dp --tp --cp --pp --ep")])
+def test_train_5d_layout_auto_errors(tiny_data, tmp_path, capsys, flags, message):
+    import train_5d
+    with pytest.raises(SystemExit) as e:
+        train_5d.main(tiny_argv(tiny_data, str(tmp_path), **flags))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err

@@ -1,0 +1,105 @@
+"""
+grid.py: train_5d.py's grid of ranks. One rank order (Megatron's: tp innermost so a TP group shares a node's
+NVLink, then cp, dp, pp outermost) and every process group derived from it, the expert groups carved out of
+dp x cp, the printout, and the step's counted bytes by axis.
+
+    rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i          e.g. dp 2 x tp 2 x pp 2 on 8 ranks:
+                                                                     stage 0: [0 1] [2 3]   stage 1: [4 5] [6 7]
+                                                                               dp0   dp1             dp0   dp1
+"""
+import math
+from dataclasses import dataclass
+
+from comm import COMM, new_group
+
+AXES = ("tp", "cp", "dp", "pp")          # innermost first
+GROUPS = dict(tp=("tp",), cp=("cp",), dp=("dp",), pp=("pp",),
+              dp_cp=("dp", "cp"),        # gradient averaging, loss averaging: every copy of the same weights
+              mp=("tp", "pp"))           # model parallel: the ranks that together hold one copy (grad norm)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the grid: one rank order, every group derived from it
+
+def coords_of(rank, sizes):
+    """{axis: index} of a global rank, tp varying fastest."""
+    coords = {}
+    for axis in AXES:
+        coords[axis] = rank % sizes[axis]
+        rank //= sizes[axis]
+    return coords
+
+
+def partition(sizes, varying):
+    """Every group of global ranks that differ only along the `varying` axes, each in increasing rank order
+    (so a pp group lists stage 0 first)."""
+    groups = {}
+    for rank in range(math.prod(sizes.values())):
+        c = coords_of(rank, sizes)
+        groups.setdefault(tuple(c[a] for a in AXES if a not in varying), []).append(rank)
+    return list(groups.values())
+
+
+def tied_pairs(sizes):
+    """The first and last pipeline stage of each pp group: the two copies of the tied embedding."""
+    return [[g[0], g[-1]] for g in partition(sizes, ("pp",))] if sizes["pp"] > 1 else []
+
+
+@dataclass
+class Grid:
+    sizes: dict        # axis -> degree
+    coords: dict       # axis -> this rank's index
+    groups: dict       # name -> this rank's process group (GROUPS, and "tied" on the first / last stage)
+    members: dict      # name -> every group's global ranks (for the printout)
+    ep: int = 1        # expert-parallel degree: experts sharded over ep ranks of each dp x cp group
+
+
+def expert_partition(sizes, ep):
+    """EP groups: ep consecutive members of each dp x cp group (the ranks holding different slices of the
+    batch); EDP groups: the ranks of a dp x cp group holding the same experts (stride ep)."""
+    data_groups = partition(sizes, GROUPS["dp_cp"])
+    return dict(ep=[g[i:i + ep] for g in data_groups for i in range(0, len(g), ep)],
+                edp=[g[j::ep] for g in data_groups for j in range(ep)])
+
+
+def build_grid(sizes, rank, timeout_s, ep=1):
+    """Create every group (all ranks create all of them, in the same order) and keep this rank's."""
+    groups, members = {}, {}
+    layout = {name: partition(sizes, axes) for name, axes in GROUPS.items()}
+    layout["tied"] = tied_pairs(sizes)
+    if ep > 1:
+        layout.update(expert_partition(sizes, ep))
+    for name, rank_lists in layout.items():
+        members[name] = rank_lists
+        for ranks in rank_lists:
+            group = new_group(ranks, timeout_s)
+            if rank in ranks:
+                groups[name] = group
+    groups.setdefault("tied", None)              # middle stages, or pp == 1
+    return Grid(sizes, coords_of(rank, sizes), groups, members, ep)
+
+
+def print_grid(grid, cfg, act_shape, n_params_local):
+    sizes = grid.sizes
+    print(f"train_5d: dp {sizes['dp']} x tp {sizes['tp']} x cp {sizes['cp']} x pp {sizes['pp']} = "
+          f"{math.prod(sizes.values())} ranks (rank order: tp innermost, then cp, dp, pp)", flush=True)
+    for name in ("tp", "cp", "dp", "pp", "dp_cp", "tied", "ep", "edp"):
+        if grid.members.get(name):
+            rows = " ".join("[" + " ".join(map(str, g)) + "]" for g in grid.members[name])
+            print(f"  {name:6s} {rows}", flush=True)
+    b, t, h = act_shape
+    local_t, local_heads = cfg.block_size // sizes["cp"], cfg.n_head // sizes["tp"]
+    print(f"  messages: pp [{b}, {t}, {h}] activations (and their gradients) per micro-batch and stage boundary; "
+          f"tp [{b}, {local_t}, {h}] per block, 2 forward + 2 backward; cp K and V of {local_heads} heads x "
+          f"{local_t} positions per ring step; dp {n_params_local:,} gradient values per step",
+          flush=True)
+
+
+def bytes_by_axis(grid):
+    """This step's counted bytes by grid axis (the tied-weight pair counts as pp, the norm's scalar as mp)."""
+    axis = dict(tied="pp", dp_cp="dp", edp="dp")
+    names = {group: axis.get(name, name) for name, group in grid.groups.items() if group is not None}
+    out = dict(dp=0.0, tp=0.0, cp=0.0, pp=0.0, ep=0.0, mp=0.0)
+    for group, nbytes in COMM.by_group.items():
+        out[names.get(group, "mp")] += nbytes
+    return out
