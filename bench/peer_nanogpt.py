@@ -77,7 +77,7 @@ def parse_args(argv=None):
 
 def make_workdir(a, tmp):
     """tmp/data/nanoscale/{train.bin,val.bin,meta.pkl} and tmp/configurator.py (train.py execs it from cwd)."""
-    from data import ensure_dataset
+    from data import ensure_dataset, read_meta
     if os.path.normpath(a.data_dir) == os.path.normpath(os.path.join(ROOT, Config().data_dir)):
         cwd = os.getcwd()
         os.chdir(ROOT)                       # the default corpus is prepared relative to the repo root
@@ -85,8 +85,7 @@ def make_workdir(a, tmp):
             ensure_dataset(Config().data_dir)
         finally:
             os.chdir(cwd)
-    with open(os.path.join(a.data_dir, "meta.json")) as f:
-        vocab_size = json.load(f)["vocab_size"]
+    vocab_size = read_meta(a.data_dir)[0]["vocab_size"]     # meta.json, or a nanoGPT-prepared meta.pkl
     data = os.path.join(tmp, "data", "nanoscale")
     os.makedirs(data)
     for split in ("train", "val"):
