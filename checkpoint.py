@@ -1,24 +1,86 @@
 """
-checkpoint.py: atomic checkpoint files and RNG state, shared by every script.
+checkpoint.py: step directories committed atomically, and RNG state, shared by every script.
 
-A checkpoint is a dict of tensors and plain Python values (model and optimizer state dicts, the next step,
-RNG states, the config). It is written to a temporary file and renamed into place, so a crash mid-write
-never leaves a truncated checkpoint, and read back with weights_only=True (no pickled code is executed).
-Data position needs no state: the batch of step s is a pure function of (seed, s) (data.py), so the step
-number *is* the data position.
+Every script writes one format, train_single.py's (model state_dict, AdamW state in a single-device
+optimizer's order, next step, RNG states, config), so any layout resumes any other (the sharded layouts
+gather it with zero_checkpoint.py). A save is a step directory whose completeness is committed last:
+
+    OUT_DIR/ckpt/step_00000010/ckpt.pt     written by rank 0 (temporary file, then renamed into place)
+    ... barrier: every rank's part is on disk ...
+    OUT_DIR/ckpt/latest                    "step_00000010", published by rank 0 (temporary file + os.replace)
+
+so a crash at any moment leaves `latest` naming a complete checkpoint; resume reads it (or, if it was lost, the
+newest complete step directory). After publishing, all but the newest --keep_checkpoints step directories are
+removed. Files are read with weights_only=True (no pickled code is executed). Data position needs no state:
+the batch of step s is a pure function of (seed, s) (data.py), so the step number *is* the data position.
 """
 import os
 import re
+import shutil
 
 import torch
 import torch.distributed as dist
 
-TEMP_FILE = re.compile(r"ckpt(_rank\d+)?\.pt\.tmp\.\d+")      # save_checkpoint's temporary files
+CKPT_DIR, FILE, LATEST = "ckpt", "ckpt.pt", "latest"
+STEP_DIR = re.compile(r"step_(\d{8})")
+TEMP_FILE = re.compile(r"(ckpt(_rank\d+)?\.pt|latest)\.tmp\.\d+")      # temporary files of killed saves
+LEGACY = "ckpt.pt"                                                    # OUT_DIR/ckpt.pt of earlier versions
 
 
-def checkpoint_path(out_dir, rank=None):
-    """out_dir/ckpt.pt, or out_dir/ckpt_rank{r}.pt for layouts that save one shard per rank."""
-    return os.path.join(out_dir, "ckpt.pt" if rank is None else f"ckpt_rank{rank}.pt")
+def step_dir(out_dir, step):
+    return os.path.join(out_dir, CKPT_DIR, f"step_{step:08d}")
+
+
+def complete_steps(out_dir):
+    """Steps whose directory holds its checkpoint file (renamed into place only once fully written), oldest first."""
+    root = os.path.join(out_dir, CKPT_DIR)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    steps = [int(m.group(1)) for m in map(STEP_DIR.fullmatch, names) if m]
+    return sorted(s for s in steps if os.path.isfile(os.path.join(step_dir(out_dir, s), FILE)))
+
+
+def latest_checkpoint(out_dir):
+    """The checkpoint file to resume from, or None: the step directory `latest` names, else the newest complete
+    one (latest lost), else an earlier version's OUT_DIR/ckpt.pt."""
+    try:
+        with open(os.path.join(out_dir, CKPT_DIR, LATEST)) as f:
+            path = os.path.join(out_dir, CKPT_DIR, f.read().strip(), FILE)
+        if os.path.isfile(path):
+            return path
+    except OSError:
+        pass
+    steps = complete_steps(out_dir)
+    if steps:
+        return os.path.join(step_dir(out_dir, steps[-1]), FILE)
+    legacy = os.path.join(out_dir, LEGACY)
+    return legacy if os.path.isfile(legacy) else None
+
+
+def per_rank_files(out_dir):
+    """ckpt_rank{r}.pt files of earlier versions' tp / pp / ep runs (this version cannot read them)."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return sorted(n for n in names if re.fullmatch(r"ckpt_rank\d+\.pt", n))
+
+
+def missing_checkpoint_message(out_dir):
+    old = per_rank_files(out_dir)
+    if old:
+        return (f"--resume: {out_dir} holds only per-rank checkpoints of an earlier version ({', '.join(old[:2])}"
+                f"{', ...' if len(old) > 2 else ''}), which this version does not read; resume them with the "
+                f"version that wrote them, or start without --resume")
+    return f"--resume: no checkpoint at {os.path.join(out_dir, CKPT_DIR)} (no complete step directory)"
+
+
+def resolve_resume(value, out_dir):
+    """--resume (yes), --resume auto (yes if a complete checkpoint exists, else start fresh), or no: a bool.
+    ValueError where auto would silently drop an earlier version's per-rank checkpoints."""
+    if value != "auto":
+        return value == "yes"
+    if latest_checkpoint(out_dir) is not None:
+        return True
+    if per_rank_files(out_dir):
+        raise ValueError(missing_checkpoint_message(out_dir))
+    return False
 
 
 def save_checkpoint(path, state):
@@ -26,33 +88,78 @@ def save_checkpoint(path, state):
     replaces a good checkpoint (the NaN guard, optim.NonFiniteGuard, should have stopped it before)."""
     bad = [k for k, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
-        raise ValueError(f"not saving {path}: the weights hold inf/NaN ({', '.join(bad[:3])}); the file on disk "
-                         f"is kept")
+        raise ValueError(f"not saving {path}: the weights hold inf/NaN ({', '.join(bad[:3])}); the checkpoints "
+                         f"on disk are kept")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)
 
 
+def publish(out_dir, step, keep):
+    """Commit step `step` as the latest checkpoint, then remove the step directories that are not among the
+    newest `keep` (and any newer than `step`: left by a run that crashed before publishing them)."""
+    root = os.path.join(out_dir, CKPT_DIR)
+    tmp = os.path.join(root, f"{LATEST}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(f"step_{step:08d}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+    steps = [int(m.group(1)) for m in map(STEP_DIR.fullmatch, os.listdir(root)) if m]
+    kept = sorted(s for s in steps if s <= step)[-keep:]
+    for s in steps:
+        if s not in kept:
+            shutil.rmtree(step_dir(out_dir, s), ignore_errors=True)
+
+
+def save_step(cfg, state, next_step):
+    """Every rank of the run calls this after step next_step - 1. `state`: the checkpoint (train_single's layout)
+    on the rank that writes it, None elsewhere. Written into its step directory, then a barrier, then rank 0
+    publishes it as latest: a crash at any point leaves the previous complete checkpoint as latest."""
+    from config import fail                          # (config imports this module)
+    if state is not None:
+        try:
+            save_checkpoint(os.path.join(step_dir(cfg.out_dir, next_step), FILE), state)
+        except ValueError as e:                      # non-finite weights: keep the checkpoints that are there
+            fail(str(e), rank_local=True)
+    if dist.is_initialized():
+        try:
+            dist.barrier()                           # every part is on disk (bounded by --dist_timeout)
+        except RuntimeError as e:                    # DistBackendError: a timeout, or a rank gone
+            fail(f"waited longer than --dist_timeout {cfg.dist_timeout:g} s for the checkpoint save of step "
+                 f"{next_step} ({type(e).__name__}); raise --dist_timeout", rank_local=True)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        publish(cfg.out_dir, next_step, cfg.keep_checkpoints)
+
+
 def remove_stale_temp_files(out_dir):
     """Delete the temporary files of saves that were killed mid-write (the checkpoint they would have replaced
     is intact). Called before a run starts, by rank 0 only, when no save of this run can be under way."""
-    if not os.path.isdir(out_dir):
-        return
-    stale = [name for name in os.listdir(out_dir) if TEMP_FILE.fullmatch(name)]
-    for name in stale:
-        os.remove(os.path.join(out_dir, name))
+    root = os.path.join(out_dir, CKPT_DIR)
+    dirs = [out_dir, root] + [os.path.join(root, n) for n in (os.listdir(root) if os.path.isdir(root) else [])]
+    stale = [os.path.join(d, n) for d in dirs if os.path.isdir(d) for n in os.listdir(d) if TEMP_FILE.fullmatch(n)]
+    for path in stale:
+        os.remove(path)
     if stale:
         print(f"removed {len(stale)} temporary file(s) of interrupted checkpoint saves from {out_dir}", flush=True)
 
 
 def load_checkpoint(path, device="cpu"):
-    if not os.path.exists(path):
+    if path is None or not os.path.exists(path):
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:   # truncated, empty, or not a checkpoint: torch raises several kinds
         raise ValueError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
+
+
+def load_latest(out_dir, device="cpu"):
+    """(the checkpoint to resume from, its path); FileNotFoundError or ValueError carry one clear line."""
+    path = latest_checkpoint(out_dir)
+    if path is None:
+        raise FileNotFoundError(missing_checkpoint_message(out_dir))
+    return load_checkpoint(path, device), path
 
 
 def rng_state():
@@ -74,7 +181,7 @@ def rng_states_by_rank():
 
 def own_rng_state(state):
     """This rank's RNG state from a checkpoint: its own from `rng_by_rank` when the checkpoint has one per rank
-    of a world of this size, else the one `rng` (a per-rank file, or a single-device checkpoint)."""
+    of a world of this size, else the one `rng` (a single-device checkpoint, or another world size)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     by_rank = state.get("rng_by_rank")

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 import comm
-from checkpoint import checkpoint_path, load_checkpoint, own_rng_state, rng_states_by_rank, set_rng_state
+from checkpoint import load_latest, own_rng_state, rng_states_by_rank, save_step, set_rng_state
 from comm import COMM, destroy, init_distributed, world_size_from_env
 from config import ConfigError, check, fail, parse_config
 from grid import build_grid, bytes_by_axis, print_grid
@@ -251,10 +251,12 @@ def gather_whole(chunks, optimizer, shards, grid):
 
 
 def save_consolidated(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
-    """One ckpt.pt as train_single writes it (model, AdamW state in a single-device optimizer's order)."""
+    """One checkpoint as train_single writes it (model, AdamW state in a single-device optimizer's order), in
+    a step directory that global rank 0 publishes once every rank has passed the save (checkpoint.save_step)."""
     rngs = rng_states_by_rank()                  # every rank's dropout stream (seed + its stage and batch slice)
     whole = gather_whole(chunks, optimizer, shards, grid)
     if whole is None:
+        save_step(cfg, None, next_step)          # the barrier before rank 0 publishes the step
         return
     params, buffers = whole
     with torch.device("meta"):
@@ -279,11 +281,11 @@ def sample_on_rank0(cfg, chunks, optimizer, shards, grid, gcfg, loader, env):
 @torch.no_grad()
 def load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg):
     """Every rank reads the one checkpoint and keeps its slice of each weight and AdamW moment."""
-    path, tp = checkpoint_path(cfg.out_dir), grid.groups["tp"]
+    tp = grid.groups["tp"]
     try:
-        state = load_checkpoint(path)
-    except FileNotFoundError as e:
-        fail(str(e))
+        state, path = load_latest(cfg.out_dir)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e), rank_local=True)
     with torch.device("meta"):
         gpt = GPT(gcfg)
     order, _ = optimizer_layout(gpt, cfg)

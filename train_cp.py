@@ -38,8 +38,7 @@ from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, flops_per_token
 from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from train_single import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, \
-    load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype, save_training_state, should_save, \
-    wait_for_main_rank
+    load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype, save_training_state, should_save
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -414,10 +413,8 @@ def main(argv=None):
                 val = evaluate(eval_loss, loader, cfg)
             model.train()
             logger.log_eval(step, val)
-        if should_save(cfg, step, last_step):
-            if env.is_main:                             # the CP ranks hold the same weights: rank 0 saves
-                save_training_state(cfg, model, optimizer, step + 1)
-            wait_for_main_rank(group, cfg, "checkpoint save")
+        if should_save(cfg, step, last_step):           # the CP ranks hold the same weights: rank 0 saves
+            save_training_state(cfg, model, optimizer, step + 1)
     logger.close()
     for block, core in zip(model.transformer.h, local_cores):   # sample on one device with the plain core
         block.attn.core = core

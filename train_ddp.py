@@ -25,7 +25,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from checkpoint import rng_states_by_rank
 from comm import COMM, destroy, all_reduce, init_distributed, world_size_from_env
 from config import check, fail, grad_accum_steps, parse_config
 from metrics import MetricsLogger
@@ -299,11 +298,8 @@ def main(argv=None):
                 model.train()
                 logger.log_eval(step, val)
             wait_for_main_rank(group, cfg, "evaluation")
-        if should_save(cfg, step, last_step):
-            rngs = rng_states_by_rank()                    # the ranks' dropout streams differ: keep each
-            if env.is_main:
-                save_training_state(cfg, model, optimizer, step + 1, rng_by_rank=rngs)   # replicas agree
-            wait_for_main_rank(group, cfg, "checkpoint save")
+        if should_save(cfg, step, last_step):              # replicas agree: rank 0 writes, with each
+            save_training_state(cfg, model, optimizer, step + 1)   # rank's own dropout stream
     logger.close()
     print_sample(model, loader, cfg, env)
     return dict(model=model, cfg=cfg, grads=grads)

@@ -42,9 +42,9 @@ from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, se
 from routing import end_moe_step, router_metrics, start_moe_training
 from train_ddp import DataParallelGrads, mean_over_group
 from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
-                          gpt_config, load_training_state,
-                          materialize, param_dtype, prepare_data, print_sample, resolve_dtype, save_training_state,
+                          gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
                           should_save)
+from zero_checkpoint import load_whole, save_whole
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ def main(argv=None):
     scaler = GroupGradScaler(env.device.type, dist.group.WORLD, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
-    start = load_training_state(cfg, model, optimizer, rank=env.rank) if cfg.resume else 0
+    start = load_whole(cfg, model.cfg, [model], optimizer, env) if cfg.resume else 0   # my experts
     grads = ExpertDataParallelGrads(named, dist.group.WORLD, replica_group, cfg.ep, cfg.bucket_mb)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
@@ -274,7 +274,8 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_training_state(cfg, model, optimizer, step + 1, rank=env.rank)   # each rank its experts
+            save_whole(cfg, model.cfg, [model], optimizer, step + 1,     # experts from their ranks, the rest
+                       keep=lambda name: env.is_main or is_expert_param(name))   # from rank 0
     logger.close()
     # every rank generates (each forward is collective over the experts), with the same seed and prompt,
     # hence the same tokens; only rank 0's text is shown

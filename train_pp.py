@@ -5,18 +5,23 @@ flow back, activations and gradients crossing stage boundaries by point-to-point
 
     torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule 1f1b --n_microbatches 8
     torchrun --nproc_per_node 2 train_pp.py --pp 2 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
+    torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule dualpipev --pp_virtual 2 --n_microbatches 8
     python pipeline_schedules.py --pp 4 --n_microbatches 8 --schedule zb1     # just print a schedule
 
 Stage s of S = p*V holds blocks [s*L/S, (s+1)*L/S); stage 0 also embeds, stage S-1 also applies ln_f and
-the LM head with its loss. Stage s lives on rank s % p (chunk s // p). The tied embedding weight is a copy
-on the first and on the last stage, kept equal by all-reducing its gradient between the two.
+the LM head with its loss. Stage s is chunk s // p of rank s % p, or in a V (zbv, dualpipev: 2 chunks, rank r
+holds stages r and 2p-1-r) pipeline_schedules.rank_of(s). The tied embedding weight is a copy on the first and
+on the last stage, kept equal by all-reducing its gradient between the two; one Parameter when one rank
+holds both (the V: rank 0). pipeline_tied.py has that handling.
 
 Schedules (pipeline_schedules.py has the action lists, the simulator and the pictures;
-pipeline_weight_grads.py the split backward of zb1), idle share of a step with F = B = W: afab (GPipe) and
-1f1b (p-1)/(m+p-1); interleaved (p-1)/(V*m+p-1); zb1 (ZB-H1, backward split into input-gradient B and
-weight-gradient W, the Ws filling the bubbles) bubble (p-1)(F+B-W).
+pipeline_weight_grads.py the split backward of zb1, zbv and dualpipev), idle share of a step with F = B = W:
+afab (GPipe) and 1f1b (p-1)/(m+p-1); interleaved (p-1)/(V*m+p-1); zb1 (ZB-H1, backward split into
+input-gradient B and weight-gradient W, the Ws filling the bubbles) bubble (p-1)(F+B-W); zbv (ZB-V) and
+dualpipev (DeepSeek-V3's DualPipe, V form) (p-1)/(6m+p-1) in chunk units, zbv's a gapless parallelogram.
 Each stage boundary carries m activations forward and m gradients back per step: a rank sends
-m * b*T*h * 4 bytes * (2V - [first rank] - [last rank]), in the batches of pipeline_schedules.comm_plan:
+m * b*T*h * 4 bytes * (2V - [first rank] - [last rank]) (a V: 2m on ranks 0 and p-1, whose p-1 -> p stays
+local, 4m elsewhere), in the batches of pipeline_schedules.comm_plan:
 NCCL-safe for every schedule (nccl_check.py replays the launches under NCCL's rules; gloo alone cannot tell).
 
 Loss scaling: the last stage backpropagates loss / m, so gradients equal train_single's for the same global
@@ -35,9 +40,10 @@ from comm import COMM, destroy, init_distributed, world_size_from_env
 from config import check, parse_config
 from metrics import MetricsLogger
 from model import GPT, collect_routing_stats, flops_per_token, init_weights, rope_cache
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from pipeline_schedules import (Exchange, comm_plan, make_schedule, recvs_of, render, sends_of, simulate,
-                                stage_of)
+from optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
+from pipeline_schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, make_schedule, placement_of,
+                                rank_of, recvs_of, render, schedule_placement, sends_of, simulate, stage_of)
+from pipeline_tied import clip_stage_grads, tied_grads_sync, tied_pair_group, tied_weight  # noqa: F401 (for 5d)
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
                           load_training_state, prepare_data,
@@ -104,45 +110,23 @@ class PipelineStage(nn.Module):
         return self.lm_head(self.transformer["ln_f"](x), targets)[1] if self.last else x
 
 
-def stage_views(gpt, rank, p, v):
-    """This rank's V chunks (stages rank, rank+p, ...) of `gpt`, as PipelineStage views."""
+def stage_views(gpt, rank, p, v, placement="loop"):
+    """This rank's V chunks (stages rank, rank+p, ...; in a V rank and 2p-1-rank) of `gpt`, as PipelineStage
+    views."""
     ranges, S = layer_split(gpt.cfg.n_layer, p * v), p * v
     return nn.ModuleList([PipelineStage(gpt, ranges[s], s == 0, s == S - 1)
-                          for s in (stage_of(rank, c, p) for c in range(v))])
+                          for s in (stage_of(rank, c, p, placement) for c in range(v))])
 
 
-def build_stages(gcfg, rank, p, v, seed, device, dtype=torch.float32):
+def build_stages(gcfg, rank, p, v, seed, device, dtype=torch.float32, placement="loop"):
     """This rank's V chunks of a GPT built on the meta device: only their parameters get memory, each filled
     from model.init_parameter (the same values as train_single's), in dtype."""
     with torch.device("meta"):
         gpt = GPT(gcfg, seed=seed)
-    chunks = materialize(stage_views(gpt, rank, p, v), device, dtype)
+    chunks = materialize(stage_views(gpt, rank, p, v, placement), device, dtype)
     for chunk in chunks:
         init_weights(chunk, seed)                # by name: a stage's names are the GPT's
     return chunks
-
-
-def tied_weight(chunks):
-    """The tied embedding / LM-head weight on this rank (None in the middle of the pipeline): the first
-    stage's, or the last stage's copy (one Parameter when both stages are on this rank, p == 1)."""
-    return next((c.transformer["wte"].weight for c in chunks if "wte" in c.transformer), None)
-
-
-def tied_grads_sync(chunks, tied_group):
-    """Sum the tied weight's gradient over its two copies (first and last stage), in place: identical grads
-    + identical AdamW = identical copies."""
-    w = tied_weight(chunks)
-    if w is not None and tied_group is not None:
-        comm.all_reduce(w.grad, group=tied_group)
-
-
-def clip_stage_grads(chunks, max_norm, group, device):
-    """The global grad norm over all stages of `group` (the tied weight counted once: the last stage's copy is
-    left out), and every gradient, both copies included, scaled to at most max_norm (0: no clipping)."""
-    copy = tied_weight(chunks) if not any(c.first for c in chunks) else None
-    owned = [q.grad for q in chunks.parameters() if q is not copy]
-    return clip_grad_norm(owned, max_norm, group=group, device=device, dtype=owned[0].dtype,
-                          replicas=[copy.grad] if copy is not None else [])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -168,6 +152,8 @@ class PipelineRunner:
         self.act_dtype = act_dtype               # what crosses stages: fp32 even under autocast (or float64)
         self.peer = [dist.get_global_rank(group, r) for r in range(self.p)]
         self.plan = comm_plan(schedules, self.p, self.v)[self.rank]   # actions and batches, in launch order
+        self.placement = schedule_placement(schedules)                  # stage -> rank: round-robin or a V
+        self.last_stage_rank = rank_of(self.p * self.v - 1, self.p, self.placement)   # it has the loss
         self.after_backward = None               # called with each B action when set (ZeRO-2: reduce now)
 
     # ---- messages: (what, micro-batch, receiving stage), see pipeline_schedules.sends_of
@@ -191,7 +177,7 @@ class PipelineRunner:
     def _received(self, action):
         """What `action` receives: from this rank's own previous chunk, or a posted receive, waited for."""
         out = []
-        for src, msg in recvs_of(action, self.rank, self.p, self.v):
+        for src, msg in recvs_of(action, self.rank, self.p, self.v, self.placement):
             if src == self.rank:
                 out.append(self.local.pop(msg))
             else:
@@ -201,8 +187,8 @@ class PipelineRunner:
         return out
 
     def _send(self, action, tensor):
-        for dst, msg in sends_of(action, self.rank, self.p, self.v):
-            if dst == self.rank:                 # next stage on this rank (p == 1): hand over directly
+        for dst, msg in sends_of(action, self.rank, self.p, self.v, self.placement):
+            if dst == self.rank:                 # next stage on this rank (p == 1, a V's bottom): hand over
                 self.local[msg] = tensor.detach()
             else:                                # goes out in the plan's next batch (p2p needs contiguous
                 self.outbox[msg] = tensor.contiguous()   # memory: an SP stage output is a transposed view)
@@ -272,33 +258,34 @@ class PipelineRunner:
     def forward_only_loss(self, x, y):
         """Mean loss of one batch through all stages in order (evaluation); every rank gets it."""
         S, loss = self.p * self.v, torch.zeros((), device=self.device, dtype=self.act_dtype)
-        for s in range(self.rank, S, self.p):    # this rank's stages, in pipeline order
+        owner = [rank_of(s, self.p, self.placement) for s in range(S)]
+        for s in (s for s in range(S) if owner[s] == self.rank):    # this rank's stages, in pipeline order
             stage = self.chunks[s // self.p]
-            if s > 0 and (s - 1) % self.p != self.rank:
+            if s > 0 and owner[s - 1] != self.rank:
                 shape = (x.shape[0],) + tuple(self.act_shape[1:])   # [b, T (/tp under SP), h]
                 h = torch.empty(shape, device=self.device, dtype=self.act_dtype)
-                comm.recv(h, self.peer[(s - 1) % self.p], group=self.group)
+                comm.recv(h, self.peer[owner[s - 1]], group=self.group)
             with self.amp:
                 h = stage(x if s == 0 else h, y if s == S - 1 else None).to(self.act_dtype)
             if s == S - 1:
                 loss = h
-            elif (s + 1) % self.p != self.rank:
-                comm.send(h.contiguous(), self.peer[(s + 1) % self.p], group=self.group)
-        comm.broadcast(loss, self.peer[(S - 1) % self.p], group=self.group)
+            elif owner[s + 1] != self.rank:
+                comm.send(h.contiguous(), self.peer[owner[s + 1]], group=self.group)
+        comm.broadcast(loss, self.peer[self.last_stage_rank], group=self.group)
         return loss
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the full model back on one rank (for the sample at the end, and for the parity tests)
 
-def gather_full_state(chunks, gcfg, group, v, device):
+def gather_full_state(chunks, gcfg, group, v, device, placement="loop"):
     """{GPT parameter name: tensor} on pipeline rank 0 (None elsewhere), every other rank sending its own."""
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     ranges, full = layer_split(gcfg.n_layer, p * v), {}
     with torch.device("meta"):
         meta_gpt = GPT(gcfg)
     for s in range(p * v):
-        owner = s % p
+        owner = rank_of(s, p, placement)
         if rank not in (0, owner):
             continue
         if owner == rank:
@@ -335,19 +322,23 @@ def validate(cfg):
     check(p >= 1 and world == p, f"train_pp.py is pipeline parallel only: --pp {p} must equal the world size "
                                  f"{world} (combine pp with dp/tp/cp in train_5d.py)")
     m, _ = n_microbatches(cfg)
-    check(v == 1 or name == "interleaved", f"--pp_virtual {v} applies only to --pp_schedule interleaved")
+    check(v == 1 or name == "interleaved" or name in V_SHAPED,
+          f"--pp_virtual {v} applies only to --pp_schedule interleaved, zbv and dualpipev")
     check(name != "interleaved" or v >= 2, f"--pp_schedule interleaved needs --pp_virtual >= 2, got {v}")
+    check(name not in V_SHAPED or v == 2, f"--pp_schedule {name} places 2 chunks per rank in a V (rank r holds "
+                                          f"stages r and 2p-1-r): pass --pp_virtual 2, got {v}")
     check(name != "interleaved" or m % p == 0, f"interleaved 1F1B needs n_microbatches ({m}) divisible by --pp {p}")
-    check(name == "afab" or m >= p, f"--pp_schedule {name} needs at least as many micro-batches as stages: "
-                                    f"n_microbatches={m} < --pp {p} (use more micro-batches, or afab)")
+    check(name in ("afab", "zbv") or m >= p, f"--pp_schedule {name} needs at least as many micro-batches as "
+                                             f"stages: n_microbatches={m} < --pp {p} (use more, or afab or zbv)")
+    check(name != "dualpipev" or m >= 2 * p, f"dualpipev needs n_microbatches ({m}) >= 2 * --pp = {2 * p}")
     check(cfg.n_layer >= p * v, f"n_layer={cfg.n_layer} is fewer than pp*pp_virtual={p * v} stages")
     check(cfg.pp_uneven or cfg.n_layer % (p * v) == 0,
           f"n_layer={cfg.n_layer} does not split evenly into pp*pp_virtual={p * v} stages (pass --pp_uneven "
           f"to give the first stages one block more)")
     check(cfg.dtype != "float16", "train_pp.py supports float32, bfloat16 and float64 (fp16 needs a pipeline "
                                   "GradScaler)")
-    check(name != "zb1" or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
-          "zb1 defers the weight gradients of plain nn.Linear layers; fused kernels or --fp8 replace them: "
+    check(name not in SPLIT_BACKWARD or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
+          f"{name} defers the weight gradients of plain nn.Linear layers; fused kernels or --fp8 replace them: "
           "use afab, 1f1b or interleaved")
 
 
@@ -368,16 +359,17 @@ def main(argv=None):
     enable_tf32(env.device)
     dtype, gcfg = resolve_dtype(cfg, env.device), gpt_config(cfg, loader.vocab_size)
 
-    chunks = build_stages(gcfg, rank, p, v, cfg.seed, env.device, param_dtype(dtype))
+    placement = placement_of(cfg.pp_schedule)   # which stages are mine: round-robin, or a V
+    chunks = build_stages(gcfg, rank, p, v, cfg.seed, env.device, param_dtype(dtype), placement)
     for chunk in chunks:                         # as train_single, inside each stage: same parameters
         apply_kernels_and_fp8(chunk, cfg, env.device)
-    store = WeightGradStore() if cfg.pp_schedule == "zb1" else None
-    if store is not None:                        # zb1: the blocks' Linears leave dW to the W actions
+    store = WeightGradStore() if cfg.pp_schedule in SPLIT_BACKWARD else None
+    if store is not None:                        # zb1, zbv, dualpipev: the Linears leave dW to the W actions
         defer_weight_grads(chunks, store)
     if cfg.compile:                              # block by block: what crosses stages stays plain tensors
         for block in (b for chunk in chunks for b in chunk.transformer["h"].values()):
             block.compile()
-    tied_group = comm.new_group([0, p - 1]) if p > 1 else None   # every rank creates it, two use it
+    tied_group = tied_pair_group(p, v, placement)   # first and last stage on two ranks; None in a V
     schedules = make_schedule(cfg.pp_schedule, p, m, v)
     sim = simulate(schedules, p, v)
     runner = PipelineRunner(chunks, group, schedules, m, (micro, cfg.block_size, cfg.n_embd), env.device,
@@ -407,7 +399,7 @@ def main(argv=None):
         p2p_bytes = COMM.bytes_sent
         tied_grads_sync(chunks, tied_group)
         grad_norm = clip_stage_grads(chunks, cfg.grad_clip, group, env.device)
-        comm.broadcast(loss_sum, dist.get_global_rank(group, p - 1), group=group)   # the last stage has it
+        comm.broadcast(loss_sum, dist.get_global_rank(group, runner.last_stage_rank), group=group)   # it has it
         loss_value = float(loss_sum) / m
         if guard.step_ok(step, loss_value, grad_norm):   # global loss and norm: every stage decides alike
             optimizer.step()
@@ -435,7 +427,7 @@ def main(argv=None):
         print("idle per rank, measured " + " ".join(f"{x:.3f}" for x in idle_all.tolist()) + " | simulated "
               + " ".join(f"{i / sim['makespan']:.3f}" for i in sim["idle"]), flush=True)
     if cfg.sample_tokens > 0:                    # the whole model on rank 0, for the eyeball test
-        full = gather_full_state(chunks, gcfg, group, v, env.device)
+        full = gather_full_state(chunks, gcfg, group, v, env.device, placement)
         if env.is_main:
             model = GPT(gcfg, seed=cfg.seed).to(env.device)
             model.load_state_dict({**full, "lm_head.weight": full["transformer.wte.weight"]})

@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from checkpoint import (checkpoint_path, load_checkpoint, own_rng_state, rng_state, save_checkpoint, set_rng_state,
-                        unwrap)
+from checkpoint import load_latest, own_rng_state, rng_state, rng_states_by_rank, save_step, set_rng_state, unwrap
 from comm import COMM, init_distributed
 from config import check, fail, grad_accum_steps, parse_config, config_dict
 from data import GlobalBatchLoader, ensure_dataset
@@ -209,25 +208,23 @@ def print_sample(model, loader, cfg, env):
     print(f"---- sample ----\n{text}\n----------------", flush=True)
 
 
-def save_training_state(cfg, model, optimizer, next_step, rank=None, rng_by_rank=None):
-    """rank: one file per rank (ckpt_rank{r}.pt); rng_by_rank: every rank's RNG state (checkpoint.rng_states_by_rank)
-    when one rank saves for replicas that each draw their own dropout stream."""
-    state = dict(model=unwrap(model).state_dict(), optimizer=optimizer.state_dict(), step=next_step,
-                 rng=rng_state(), config=config_dict(cfg))
-    if rng_by_rank is not None:
-        state["rng_by_rank"] = rng_by_rank
-    try:
-        save_checkpoint(checkpoint_path(cfg.out_dir, rank), state)
-    except ValueError as e:                          # non-finite weights: keep the checkpoint that is there
-        fail(str(e), rank_local=True)
+def save_training_state(cfg, model, optimizer, next_step):
+    """Every rank calls this; rank 0 writes the checkpoint for all (replicas agree on weights and optimizer state),
+    with every rank's RNG state, since ranks that each draw their own dropout stream resume their own."""
+    rngs = rng_states_by_rank()
+    state = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        state = dict(model=unwrap(model).state_dict(), optimizer=optimizer.state_dict(), step=next_step,
+                     rng=rng_state(), rng_by_rank=rngs, config=config_dict(cfg))
+    save_step(cfg, state, next_step)
 
 
-def load_training_state(cfg, model, optimizer, rank=None):
-    """Restore model, optimizer and RNG; returns the step to continue from. A missing, unreadable or other
-    model's checkpoint is one error line on the rank that reads it."""
-    path = checkpoint_path(cfg.out_dir, rank)
+def load_training_state(cfg, model, optimizer):
+    """Restore model, optimizer and RNG from the latest checkpoint; returns the step to continue from. A missing,
+    unreadable or other model's checkpoint is one error line on the rank that reads it."""
+    path = None
     try:
-        state = load_checkpoint(path)
+        state, path = load_latest(cfg.out_dir)
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     except (FileNotFoundError, ValueError) as e:

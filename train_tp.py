@@ -38,10 +38,10 @@ from config import check, grad_accum_steps, parse_config
 from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, MoE, activation_bytes_per_layer, flops_per_token
 from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from train_single import (autocast_context, enable_tf32, evaluate, gpt_config, load_training_state, prepare_data,
-                          materialize, param_dtype, print_sample, resolve_dtype, save_training_state,
-                          should_save)
+from train_single import (autocast_context, enable_tf32, evaluate, gpt_config, prepare_data, materialize,
+                          param_dtype, print_sample, resolve_dtype, should_save)
 from tp_shards import init_tp_weights
+from zero_checkpoint import load_whole, save_whole
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -391,7 +391,7 @@ def main(argv=None):
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank
-    start = load_training_state(cfg, model, optimizer, rank=env.rank) if cfg.resume else 0
+    start = load_whole(cfg, model.cfg, [model], optimizer, env, group) if cfg.resume else 0   # my slices
     train_model = torch.compile(model) if cfg.compile else model
     amp, activations = autocast_context(dtype, env.device), SavedActivationBytes(model)
     last_step = cfg.stop_step or cfg.max_steps
@@ -432,7 +432,7 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_training_state(cfg, model, optimizer, step + 1, rank=env.rank)
+            save_whole(cfg, model.cfg, [model], optimizer, step + 1, group, keep=lambda name: env.is_main)
     logger.close()
     if cfg.sample_tokens > 0 and not cfg.sp:     # every rank runs the forward (collectives), rank 0 prints
         with contextlib.redirect_stdout(io.StringIO()) if not env.is_main else contextlib.nullcontext():

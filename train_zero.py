@@ -42,7 +42,7 @@ from model import GPT, flops_per_token, init_parameter
 from optim import BETAS, EPS, NonFiniteGuard, clip_grad_norm, lr_at
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
 from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, param_dtype,
-                          prepare_data, print_sample, resolve_dtype, should_save, wait_for_main_rank)
+                          prepare_data, print_sample, resolve_dtype, should_save)
 from zero_checkpoint import flatten, load_consolidated, save_consolidated
 
 
@@ -382,7 +382,6 @@ def main(argv=None):
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
             save_consolidated(cfg, model, shards, optimizer, step + 1, env.rank)
-            wait_for_main_rank(group, cfg, "checkpoint save")
     logger.close()
     with contextlib.redirect_stdout(io.StringIO()) if env.rank else contextlib.nullcontext():
         print_sample(model, loader, cfg, dataclasses.replace(env, rank=0) if stage == 3 else env)

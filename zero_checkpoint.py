@@ -1,7 +1,9 @@
 """
-zero_checkpoint.py: ZeRO's checkpoints, always consolidated to train_single.py's layout (the whole model's
-weights and a single-device AdamW's state, in one file), so any stage or world size, train_single or
-train_5d can resume any other. For train_zero.py (and train_5d.py's ZeRO-1).
+zero_checkpoint.py: the sharded layouts' checkpoints, always consolidated to train_single.py's layout (the whole
+model's weights and a single-device AdamW's state, in one file of a step directory, checkpoint.save_step), so
+any layout or world size, train_single or train_5d can resume any other. For train_zero.py (and train_5d.py's
+ZeRO-1), and for train_tp, train_pp and train_ep (save_whole / load_whole: each rank's parameters by their GPT
+names, TP slices gathered whole, stages and experts merged on rank 0; at load every rank keeps its part).
 
 A shard (train_zero.Shard) is one bucket or unit of parameters as a flat buffer, zero-padded to a multiple of
 the group size; rank r holds elements [lo, hi). Saving all-gathers every flat buffer (master weights, Adam
@@ -10,11 +12,14 @@ keeps [lo, hi).
 """
 import torch
 
-from checkpoint import (checkpoint_path, load_checkpoint, own_rng_state, rng_state, rng_states_by_rank, save_checkpoint,
-                        set_rng_state)
+import torch.distributed as dist
+
+from checkpoint import load_latest, own_rng_state, rng_state, rng_states_by_rank, save_step, set_rng_state
 from comm import all_gather
-from config import config_dict, fail
+from config import config_dict
+from model import GPT
 from optim import configure_optimizer
+from tp_shards import full_shape, tp_gather, tp_slice
 from train_single import fail_together
 
 
@@ -43,7 +48,7 @@ def optimizer_layout(model, cfg):
 
 
 def write_single_device_checkpoint(cfg, model, weights, exp_avg, exp_avg_sq, adam_step, next_step, rng_by_rank=None):
-    """ckpt.pt exactly as train_single writes it, from whole tensors by GPT parameter name: `model` (a GPT,
+    """The checkpoint exactly as train_single writes it, from whole tensors by GPT parameter name: `model` (a GPT,
     meta is enough) gives the state_dict keys (the tied lm_head.weight too) and the AdamW state order.
     rng_by_rank: every rank's RNG state (checkpoint.rng_states_by_rank), for ranks with their own dropout streams."""
     order, param_groups = optimizer_layout(model, cfg)
@@ -53,12 +58,8 @@ def write_single_device_checkpoint(cfg, model, weights, exp_avg, exp_avg_sq, ada
     # parameters by name (the tied lm_head.weight is wte's); buffers (an MoE block's load) by their own key
     model_state = {k: weights[names.get(p, k)] for k, p in model.state_dict(keep_vars=True).items()}
     extra = {} if rng_by_rank is None else dict(rng_by_rank=rng_by_rank)
-    try:
-        save_checkpoint(checkpoint_path(cfg.out_dir), dict(
-            model=model_state, optimizer=dict(state=state, param_groups=param_groups), step=next_step,
-            rng=rng_state(), config=config_dict(cfg), **extra))
-    except ValueError as e:                          # non-finite weights: keep the checkpoint that is there
-        fail(str(e), rank_local=True)
+    save_step(cfg, dict(model=model_state, optimizer=dict(state=state, param_groups=param_groups), step=next_step,
+                        rng=rng_state(), config=config_dict(cfg), **extra), next_step)
 
 
 def save_consolidated(cfg, model, shards, optimizer, next_step, rank):
@@ -67,6 +68,8 @@ def save_consolidated(cfg, model, shards, optimizer, next_step, rank):
     if rank == 0:
         write_single_device_checkpoint(cfg, model, weights, m, v, torch.tensor(float(optimizer.steps)), next_step,
                                        rngs)
+    else:
+        save_step(cfg, None, next_step)              # the barrier before rank 0 publishes the step
 
 
 def flatten(s, values):
@@ -78,25 +81,25 @@ def flatten(s, values):
     return full
 
 
-def read_consolidated(path, model):
-    """(checkpoint, None), or (None, why this rank cannot use it: missing on its node, or another model's)."""
+def read_consolidated(out_dir, named):
+    """(checkpoint, None), or (None, why this rank cannot use it: missing on its node, unreadable, or another
+    model's). named: (GPT name, full shape) of the parameters this rank will take its part of."""
     try:
-        state = load_checkpoint(path)
-    except FileNotFoundError as e:
+        state, path = load_latest(out_dir)
+    except (FileNotFoundError, ValueError) as e:
         return None, str(e)
-    for name, p in model.named_parameters():
+    for name, shape in named:
         value = state["model"].get(name)
-        if value is None or value.shape != p.shape:
+        if value is None or tuple(value.shape) != shape:
             return None, (f"checkpoint {path} does not match this model: parameter {name} "
-                          f"{None if value is None else tuple(value.shape)} vs {tuple(p.shape)}")
+                          f"{None if value is None else tuple(value.shape)} vs {shape}")
     return state, None
 
 
 @torch.no_grad()
 def load_consolidated(cfg, model, shards, optimizer, env):
     """Every rank reads the consolidated checkpoint and keeps its shard; returns the step to continue from."""
-    path = checkpoint_path(cfg.out_dir)
-    state, error = read_consolidated(path, model)
+    state, error = read_consolidated(cfg.out_dir, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
     fail_together(error, env)
     order, _ = optimizer_layout(model, cfg)
     opt = state["optimizer"]["state"]
@@ -108,5 +111,87 @@ def load_consolidated(cfg, model, shards, optimizer, env):
         for t, full in ((s.master, weights), (s.exp_avg, flatten(s, m)), (s.exp_avg_sq, flatten(s, v))):
             t.copy_(full[s.lo: s.hi])
     optimizer.steps = int(opt[0]["step"])
+    set_rng_state(own_rng_state(state))
+    return state["step"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# train_tp, train_pp, train_ep: `modules` are this rank's GPT-named modules (the model, or its pipeline chunks);
+# tp_group: the group a TP parameter's slices are spread over (None: every parameter is whole on its rank)
+
+def named_parameters(modules):
+    """(GPT name, parameter) of every distinct parameter of `modules` (a tied weight once)."""
+    seen, out = set(), []
+    for module in modules:
+        for name, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+    return out
+
+
+def whole_parts(modules, optimizer, tp_group, keep):
+    """({name: [weight, exp_avg, exp_avg_sq, step]}, {buffer name: tensor}) as whole CPU tensors, for the parameters
+    `keep(name)` selects (TP slices are gathered over tp_group, a collective: every TP rank takes part). AdamW
+    state a skipped first step never created is zeros at step 0, as AdamW would create it."""
+    params = {}
+    for name, p in named_parameters(modules):
+        st = optimizer.state[p]
+        values = [p, st.get("exp_avg", torch.zeros_like(p)), st.get("exp_avg_sq", torch.zeros_like(p))]
+        whole = [(tp_gather(p, t, tp_group) if tp_group is not None else t.detach()).cpu() for t in values]
+        if keep(name):
+            params[name] = whole + [st.get("step", torch.tensor(0.0)).cpu()]
+    buffers = {name: b.cpu() for module in modules for name, b in module.named_buffers() if keep(name)}
+    return params, buffers
+
+
+def save_whole(cfg, gcfg, modules, optimizer, next_step, tp_group=None, keep=lambda name: True):
+    """One checkpoint in train_single's layout from every rank's parts: the parts `keep` selects go to rank 0
+    (the first rank to send a name wins: replicas and the tied embedding's copy are equal), which writes it."""
+    rngs = rng_states_by_rank()                      # every rank's own dropout stream
+    parts = whole_parts(modules, optimizer, tp_group, keep)
+    gathered = [parts]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(parts, gathered, dst=0)
+    if gathered is None:
+        save_step(cfg, None, next_step)              # the barrier before rank 0 publishes the step
+        return
+    params, buffers = {}, {}
+    for part_params, part_buffers in gathered:
+        params = {**part_params, **params}
+        buffers = {**part_buffers, **buffers}
+    with torch.device("meta"):
+        gpt = GPT(gcfg)
+    weights, exp_avg, exp_avg_sq = ({n: value[i] for n, value in params.items()} for i in range(3))
+    write_single_device_checkpoint(cfg, gpt, {**weights, **buffers}, exp_avg, exp_avg_sq,
+                                   next(iter(params.values()))[3], next_step, rngs)
+
+
+@torch.no_grad()
+def load_whole(cfg, gcfg, modules, optimizer, env, tp_group=None):
+    """Every rank reads the one checkpoint and keeps its part of each weight and AdamW moment (its TP slice of
+    its own parameters), and its buffers; returns the step to continue from."""
+    named = named_parameters(modules)
+    shapes = [(n, full_shape(p, tp_group) if tp_group is not None else tuple(p.shape)) for n, p in named]
+    state, error = read_consolidated(cfg.out_dir, shapes)
+    fail_together(error, env)
+    with torch.device("meta"):
+        gpt = GPT(gcfg)
+    order, _ = optimizer_layout(gpt, cfg)
+    saved = {name: state["optimizer"]["state"].get(i) for i, name in enumerate(order)}
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    local = {}                                       # this optimizer's state_dict, in its own order
+    for name, p in named:
+        def part(full):
+            return tp_slice(p, full.to(p), tp_group) if tp_group is not None else full.to(p)
+        p.copy_(part(state["model"][name]))
+        if saved[name] is not None:
+            local[index[id(p)]] = dict(step=saved[name]["step"], exp_avg=part(saved[name]["exp_avg"]),
+                                       exp_avg_sq=part(saved[name]["exp_avg_sq"]))
+    optimizer.load_state_dict(dict(state=local, param_groups=optimizer.state_dict()["param_groups"]))
+    for module in modules:
+        for name, b in module.named_buffers():       # an MoE block's load: the previous step's expert shares
+            b.copy_(state["model"][name])
     set_rng_state(own_rng_state(state))
     return state["step"]

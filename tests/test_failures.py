@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import train_single
+from checkpoint import latest_checkpoint
 from distributed_helper import recorded_runs, run_workers
 from metrics import read_metrics
 from train_helpers import losses, make_tiny_dataset, run_single, text_argv, tiny_argv
@@ -60,7 +61,7 @@ def test_a_non_finite_step_is_skipped_and_the_run_goes_on(tiny_data, tmp_path, m
     assert err.count("warning: step 2:") == 1 and "optimizer step skipped" in err and "error" not in err, err
     rows = [r for r in strict_rows(out) if "loss" in r]
     assert [r["grad_norm"] is None for r in rows] == [False, False, True, False, False]
-    state = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    state = torch.load(latest_checkpoint(out), weights_only=True)
     assert state["step"] == 5 and int(state["optimizer"]["state"][0]["step"]) == 4    # 4 of 5 steps taken
 
 
@@ -95,11 +96,8 @@ def test_a_diverged_run_stops_and_keeps_a_finite_checkpoint(tiny_data, tmp_path,
     assert "2 steps in a row" in err[-1] and all(e == "" for _, e in results[1:]), results
     rows = [r for r in strict_rows(out) if "loss" in r]
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["loss"] is None
-    ckpts = [name for name in os.listdir(out) if name.startswith("ckpt")]
-    assert ckpts, os.listdir(out)
-    for name in ckpts:
-        state = torch.load(os.path.join(out, name), weights_only=True)
-        assert state["step"] == 2 and all(torch.isfinite(t).all() for t in state["model"].values()), name
+    state = torch.load(latest_checkpoint(out), weights_only=True)       # one checkpoint, of the last good step
+    assert state["step"] == 2 and all(torch.isfinite(t).all() for t in state["model"].values())
 
 
 def test_non_finite_weights_are_never_saved(tiny_data, tmp_path, capsys):
@@ -170,19 +168,20 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------------------
 # --out_dir: checked before any work
 
-@pytest.mark.parametrize("case", ["a file", "under a file", "not writable", "ckpt.pt is a directory"])
+@pytest.mark.parametrize("case", ["a file", "under a file", "not writable", "ckpt is a file"])
 def test_a_bad_out_dir_is_one_line_before_work(tiny_data, tmp_path, capsys, monkeypatch, case):
     (tmp_path / "file").write_text("not a directory")
     out, message = {"a file": (tmp_path / "file", "is a file, not a directory"),
                     "under a file": (tmp_path / "file" / "run", f"cannot be created: {tmp_path / 'file'} is a file"),
                     "not writable": (tmp_path / "ro" / "run", f"cannot be created: {tmp_path / 'ro'} is not writable"),
-                    "ckpt.pt is a directory": (tmp_path / "run", "ckpt.pt is a directory")}[case]
+                    "ckpt is a file": (tmp_path / "run", "ckpt is a file")}[case]
     if case == "not writable":      # root ignores permission bits: os.access answers as for a read-only mount
         os.makedirs(tmp_path / "ro")
         real = os.access
         monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and os.path.basename(p) != "ro")
-    if case == "ckpt.pt is a directory":
-        os.makedirs(tmp_path / "run" / "ckpt.pt")
+    if case == "ckpt is a file":
+        os.makedirs(tmp_path / "run")
+        (tmp_path / "run" / "ckpt").write_text("not a directory")
     line = one_error_line(capsys, tiny_argv(tiny_data, str(out)))
     assert message in line, line
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
@@ -225,7 +224,7 @@ def test_resume_with_dropout_is_exact_per_rank(text_data, tmp_path, script, flag
     run_workers(recorded_runs, 2, args=(script, runs), timeout=600)
     straight, split = losses(str(tmp_path / "straight")), losses(str(tmp_path / "split"))
     assert len(split) == 6 and split == straight, (split, straight)
-    state = torch.load(str(tmp_path / "split" / "ckpt.pt"), weights_only=True)
+    state = torch.load(latest_checkpoint(str(tmp_path / "split")), weights_only=True)
     assert len(state["rng_by_rank"]) == 2 and not torch.equal(*(s["cpu"] for s in state["rng_by_rank"]))
 
 

@@ -9,6 +9,7 @@ import torch
 
 from distributed_helper import run_workers
 from metrics import read_metrics
+from pipeline_schedules import V_SHAPED, placement_of, rank_of
 from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, run_single,
                            text_argv, tiny_argv)
 
@@ -23,7 +24,8 @@ def _pp_runs(rank, world_size, runs):
     for argv in runs:
         r = train_pp.main(argv)
         v = r["cfg"].pp_virtual
-        full = train_pp.gather_full_state(r["chunks"], r["gcfg"], r["group"], v, torch.device("cpu"))
+        full = train_pp.gather_full_state(r["chunks"], r["gcfg"], r["group"], v, torch.device("cpu"),
+                                          placement_of(r["cfg"].pp_schedule))
         tied = {n: p.detach().numpy().copy() for n, p in r["chunks"].named_parameters()
                 if n.endswith(("wte.weight", "lm_head.weight"))}
         out.append(dict(p2p=r["p2p_bytes"], comm=r["comm_bytes"], tied=tied, idle=r["idle"],
@@ -32,18 +34,22 @@ def _pp_runs(rank, world_size, runs):
     return out
 
 
-def _expected_bytes(rank, p, v, m, micro):
+def _expected_bytes(rank, p, v, m, micro, v_shaped=False):
     """Point-to-point bytes of one step: m activations (fp32, micro*T*h) out of every stage but the last,
-    m gradients out of every stage but the first."""
+    m gradients out of every stage but the first; in a V rank 0 holds the first and the last stage and rank
+    p-1 hands stage p-1's output to stage p itself: 2m messages on those two, 4m on the others."""
     boundaries = 2 * v - (rank == 0) - (rank == p - 1)
+    if v_shaped:
+        boundaries = 0 if p == 1 else 2 if rank in (0, p - 1) else 4
     return m * micro * T * H * 4 * boundaries
 
 
-def _expected_total(rank, p, v, m, micro):
-    """Plus the step's three collectives: the tied embedding's gradient all-reduce between first and last
-    rank (2 ranks: S), the squared grad norm all-reduce (2(p-1)/p * 4 bytes) and the loss broadcast."""
-    tied = VOCAB_PADDED * H * 4 if rank in (0, p - 1) else 0
-    return _expected_bytes(rank, p, v, m, micro) + tied + 2 * (p - 1) / p * 4 + (p - 1) / p * 4
+def _expected_total(rank, p, v, m, micro, v_shaped=False):
+    """Plus the step's collectives: the tied embedding's gradient all-reduce between first and last rank
+    (2 ranks: S; none in a V, where rank 0 holds both), the squared grad norm all-reduce (2(p-1)/p * 4 bytes)
+    and the loss broadcast."""
+    tied = VOCAB_PADDED * H * 4 if rank in (0, p - 1) and not v_shaped else 0
+    return _expected_bytes(rank, p, v, m, micro, v_shaped) + tied + 2 * (p - 1) / p * 4 + (p - 1) / p * 4
 
 
 def _check_against_single(tmp_path, tiny_data, world, cases):
@@ -63,17 +69,22 @@ def _check_against_single(tmp_path, tiny_data, world, cases):
         assert_same_losses(ref_losses, [row["loss"] for row in rows])
         assert_same_weights(ref_state, {n: torch.from_numpy(a) for n, a in per_rank[0]["full"].items()})
         # counted bytes: exactly theory, on every rank, and in every metrics row of rank 0
-        v = kw.get("pp_virtual", 1)
+        v, v_shaped = kw.get("pp_virtual", 1), kw["pp_schedule"] in V_SHAPED
         micro = kw.get("micro_batch_size", 4)
         m = kw.get("global_batch_size", 8) // micro
         for r, res in enumerate(per_rank):
-            assert res["p2p"] == _expected_bytes(r, world, v, m, micro), (name, r, res["p2p"])
-            assert res["comm"] == pytest.approx(_expected_total(r, world, v, m, micro), rel=1e-12), (name, r)
-        assert all(row["p2p_bytes"] == _expected_bytes(0, world, v, m, micro) for row in rows)
-        # the tied embedding: the copy on the last stage is bit-identical to the first stage's
+            assert res["p2p"] == _expected_bytes(r, world, v, m, micro, v_shaped), (name, r, res["p2p"])
+            assert res["comm"] == pytest.approx(_expected_total(r, world, v, m, micro, v_shaped), rel=1e-12), \
+                (name, r)
+        assert all(row["p2p_bytes"] == _expected_bytes(0, world, v, m, micro, v_shaped) for row in rows)
+        # the tied embedding: the copy on the last stage is bit-identical to the first stage's (in a V both
+        # stages are rank 0's, one Parameter)
+        last_rank = rank_of(world * v - 1, world, placement_of(kw["pp_schedule"]))
         first = [a for n, a in per_rank[0]["tied"].items() if n.endswith("wte.weight")][0]
-        last = [a for n, a in per_rank[-1]["tied"].items() if n.endswith(("lm_head.weight", "wte.weight"))][-1]
+        last = [a for n, a in per_rank[last_rank]["tied"].items() if n.endswith(("lm_head.weight", "wte.weight"))][-1]
         np.testing.assert_array_equal(first, last)
+        if v_shaped:
+            assert all(not res["tied"] for res in per_rank[1:])     # no copy of the embedding off rank 0
         print(f"{name}: measured idle per rank {[round(x, 3) for x in per_rank[0]['idle']]}, "
               f"simulated {rows[-1]['bubble_sim']:.3f}")
     return {name: [row["loss"] for row in r["rows"]] for (name, _), r in zip(cases, results[0])}
@@ -96,6 +107,21 @@ def test_float64_parity_exact(text_reference_for, text_data, tmp_path, world, ca
         assert_same_weights(ref[1], {n: torch.from_numpy(a) for n, a in result["full"].items()}, rtol=EXACT)
 
 
+@pytest.mark.parametrize("world,cases", [
+    (2, [("zbv", "L4", 2), ("zbv", "L4", 1), ("dualpipev", "L4", 2), ("dualpipev", "L4", 1)]),
+    (4, [("zbv", "L8", 2), ("zbv", "L8", 1), ("dualpipev", "L8", 1)])])
+def test_float64_parity_exact_v_schedules(text_reference_for, text_data, tmp_path, world, cases):
+    """ZB-V and DualPipeV (V placement, split backward) reproduce train_single within 1e-9 per step and in the
+    final weights, for m = global / micro micro-batches (dualpipev needs m >= 2p)."""
+    runs = [text_argv(text_data, str(tmp_path / f"{name}_mb{micro}"), pp=world, pp_schedule=name, pp_virtual=2,
+                      micro_batch_size=micro, **MODELS[model]) for name, model, micro in cases]
+    results = run_workers(_pp_runs, world, args=(runs,), timeout=900)[0]
+    for (name, model, micro), argv, result in zip(cases, runs, results):
+        ref = text_reference_for(model)
+        assert_exact(ref[0], curves(argv[argv.index("--out_dir") + 1]))
+        assert_same_weights(ref[1], {n: torch.from_numpy(a) for n, a in result["full"].items()}, rtol=EXACT)
+
+
 def test_pp2_every_schedule_matches_single(tmp_path, tiny_data):
     cases = [
         ("afab_m2", dict(pp_schedule="afab")),
@@ -110,6 +136,8 @@ def test_pp2_every_schedule_matches_single(tmp_path, tiny_data):
         ("1f1b_L4", dict(pp_schedule="1f1b", n_layer=4, grad_clip=0.0)),
         ("interleaved_m2", dict(pp_schedule="interleaved", pp_virtual=2, n_layer=4, grad_clip=0.0)),
         ("interleaved_m4", dict(pp_schedule="interleaved", pp_virtual=2, n_layer=4, micro_batch_size=2)),
+        ("zbv_m4", dict(pp_schedule="zbv", pp_virtual=2, n_layer=4, micro_batch_size=2)),
+        ("dualpipev_m4", dict(pp_schedule="dualpipev", pp_virtual=2, n_layer=4, micro_batch_size=2)),
     ]
     losses = _check_against_single(tmp_path, tiny_data, 2, cases)
     # the same arithmetic in a different order of work: bit-identical fp32 losses
@@ -124,6 +152,8 @@ def test_pp4_schedules_match_single(tmp_path, tiny_data):
         ("zb1_m5", dict(pp_schedule="zb1", n_layer=4, global_batch_size=10, micro_batch_size=2)),
         ("afab_m4", dict(pp_schedule="afab", n_layer=4, micro_batch_size=2)),
         ("interleaved_m4", dict(pp_schedule="interleaved", pp_virtual=2, n_layer=8, micro_batch_size=2)),
+        ("zbv_m4", dict(pp_schedule="zbv", pp_virtual=2, n_layer=8, micro_batch_size=2)),
+        ("dualpipev_m8", dict(pp_schedule="dualpipev", pp_virtual=2, n_layer=8, micro_batch_size=1)),
     ]
     losses = _check_against_single(tmp_path, tiny_data, 4, cases)
     assert losses["afab_m4"] == losses["1f1b_m4"]
@@ -136,6 +166,8 @@ def test_pp4_schedules_match_single(tmp_path, tiny_data):
     (dict(pp=2, pp_schedule="interleaved", pp_virtual=1), 2, "needs --pp_virtual >= 2"),
     (dict(pp=2, pp_schedule="interleaved", pp_virtual=2, n_layer=4, global_batch_size=12), 2, "divisible by --pp"),
     (dict(pp=2, pp_virtual=2, n_layer=4), 2, "applies only to --pp_schedule interleaved"),
+    (dict(pp=2, pp_schedule="zbv", n_layer=4), 2, "2 chunks per rank in a V (rank r holds stages r and 2p-1-r)"),
+    (dict(pp=2, pp_schedule="dualpipev", pp_virtual=2, n_layer=4), 2, "dualpipev needs n_microbatches (2) >= 2 *"),
     (dict(pp=2, global_batch_size=10), 2, "not divisible by micro_batch_size"),
     (dict(pp=2, n_microbatches=3), 2, "not divisible by --n_microbatches"),
     (dict(pp=2), 4, "must equal the world size"),

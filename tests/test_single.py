@@ -3,11 +3,13 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import train_single
+from checkpoint import latest_checkpoint
 from metrics import read_metrics
 from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, losses, run_single,
                            text_argv, tiny_argv)
@@ -94,7 +96,7 @@ def test_resume_is_exact(tiny_data, tmp_path):
     resumed, wr = run_single(tiny_argv(tiny_data, out, dropout=0.1, resume=True))
     assert resumed == full                              # bit-identical, not just close
     assert all(torch.equal(wf[n], wr[n]) for n in wf)
-    state = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    state = torch.load(latest_checkpoint(out), weights_only=True)
     assert not any(k.startswith("_orig_mod.") for k in state["model"]) and state["step"] == 20
 
 
@@ -221,7 +223,7 @@ def test_resume_from_a_broken_or_foreign_checkpoint_is_one_clear_line(tiny_data,
     out = tmp_path / "run"
     run_single(tiny_argv(tiny_data, str(out), max_steps=2))
     for name, damage in (("truncated", lambda b: b[: len(b) // 2]), ("empty", lambda b: b"")):
-        ckpt = out / "ckpt.pt"
+        ckpt = Path(latest_checkpoint(str(out)))
         good = ckpt.read_bytes()
         ckpt.write_bytes(damage(good))
         with pytest.raises(SystemExit) as e:

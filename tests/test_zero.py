@@ -171,7 +171,7 @@ def test_checkpoint_consolidates_across_stages_and_world_sizes(reference, tiny_d
     os.makedirs(tmp_path / "ckpt_wrong")
     results = run_workers(_zero_runs, 2, args=([first],), timeout=300)[0]
     shutil.copytree(out, tmp_path / "single_resume")
-    shutil.copy(os.path.join(out, "ckpt.pt"), tmp_path / "ckpt_wrong" / "ckpt.pt")
+    shutil.copytree(os.path.join(out, "ckpt"), tmp_path / "ckpt_wrong" / "ckpt")
     results = run_workers(_zero_runs, 4, args=([resumed, wrong],), timeout=300)[0]
     assert_same_losses(ref_losses, results[0]["losses"])
     assert_same_weights(ref_state, {k: torch.from_numpy(v) for k, v in results[0]["state"].items()})

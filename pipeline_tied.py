@@ -1,0 +1,53 @@
+"""
+pipeline_tied.py: the tied embedding / LM-head weight of a GPT cut into pipeline stages (train_pp.py, and
+train_5d.py through it).
+
+model.py ties the token embedding (first stage) to the LM head (last stage). Where the two stages sit on
+different ranks (round-robin placement, p > 1), each rank holds a copy; summing the two gradients keeps the
+copies equal (identical grads + identical AdamW = identical copies) and the global grad norm counts the
+weight once. Where one rank holds both ends (p == 1, or the V placement of zbv and dualpipev, stages 0 and
+2p-1 on rank 0), both stages share one Parameter and autograd sums its gradient: no copy, no communication.
+
+    rank:          0            1           2           3
+    round-robin:   wte ....................................... lm_head (copy)   all-reduce the pair (0, 3)
+    V:             wte + lm_head (one Parameter)                                nothing to sync
+"""
+import comm
+from optim import clip_grad_norm
+from pipeline_schedules import rank_of
+
+
+def tied_ranks(p, v, placement="loop"):
+    """Pipeline ranks of the first and the last stage: one rank when it holds both."""
+    return sorted({0, rank_of(p * v - 1, p, placement)})
+
+
+def tied_pair_group(p, v, placement="loop"):
+    """The two ranks whose tied copies are summed (every rank creates it, two use it); None if one rank holds
+    both ends. Pipeline rank = global rank here (train_pp.py); train_5d.py builds its own pairs."""
+    ranks = tied_ranks(p, v, placement)
+    return comm.new_group(ranks) if len(ranks) == 2 else None
+
+
+def tied_weight(chunks):
+    """The tied embedding / LM-head weight on this rank (None in the middle of the pipeline): the first
+    stage's, or the last stage's copy (one Parameter when both stages are on this rank)."""
+    return next((c.transformer["wte"].weight for c in chunks if "wte" in c.transformer), None)
+
+
+def tied_grads_sync(chunks, tied_group):
+    """Sum the tied weight's gradient over its two copies (first and last stage), in place. Nothing to do on
+    a rank holding both ends (one Parameter), even if a group was made for the pair."""
+    w = tied_weight(chunks)
+    both_ends = any(c.first for c in chunks) and any(c.last for c in chunks)
+    if w is not None and tied_group is not None and not both_ends:
+        comm.all_reduce(w.grad, group=tied_group)
+
+
+def clip_stage_grads(chunks, max_norm, group, device):
+    """The global grad norm over all stages of `group` (the tied weight counted once: the last stage's copy is
+    left out), and every gradient, both copies included, scaled to at most max_norm (0: no clipping)."""
+    copy = tied_weight(chunks) if not any(c.first for c in chunks) else None
+    owned = [q.grad for q in chunks.parameters() if q is not copy]
+    return clip_grad_norm(owned, max_norm, group=group, device=device, dtype=owned[0].dtype,
+                          replicas=[copy.grad] if copy is not None else [])

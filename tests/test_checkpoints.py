@@ -1,0 +1,131 @@
+"""Checkpoints (checkpoint.py, zero_checkpoint.py): one format for every script, so any layout resumes any other
+with the unbroken run's losses; step directories committed last (a crash leaves the previous one as latest),
+the newest --keep_checkpoints kept; --resume auto; a job killed mid-run restarts under torchrun by itself."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train_single
+from checkpoint import CKPT_DIR, FILE, latest_checkpoint, remove_stale_temp_files, save_step, step_dir
+from distributed_helper import recorded_runs, run_workers
+from metrics import read_metrics
+from train_helpers import assert_exact, curves, losses, run_single, text_argv, tiny_argv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_layout_resumes_every_other(text_reference, text_data, tmp_path):
+    """One run carried through five scripts by its checkpoint: steps 0-5 as train_tp (tp 2), 6-11 train_pp (pp 2),
+    12-17 train_zero (ZeRO-3), 18-23 train_5d (cp 2), 24-29 train_single: the unbroken run's curve (float64, 1e-9)."""
+    out = str(tmp_path / "run")
+    legs = [("train_tp", dict(tp=2, micro_batch_size=4)), ("train_pp", dict(pp=2, micro_batch_size=2)),
+            ("train_zero", dict(zero_stage=3, micro_batch_size=2)), ("train_5d", dict(cp=2, micro_batch_size=4))]
+    for i, (script, flags) in enumerate(legs):
+        argv = text_argv(text_data, out, stop_step=6 * (i + 1), resume=i > 0, **flags)
+        run_workers(recorded_runs, 2, args=(script, [argv]), timeout=600)
+        assert len(losses(out)) == 6 * (i + 1), script
+    run_single(text_argv(text_data, out, micro_batch_size=8, resume=True))
+    assert_exact(text_reference[0], curves(out))
+    assert sorted(os.listdir(os.path.join(out, CKPT_DIR))) == ["latest", "step_00000024", "step_00000030"]
+
+
+def _cfg(out_dir, keep=2):
+    return SimpleNamespace(out_dir=out_dir, keep_checkpoints=keep, dist_timeout=1.0)
+
+
+def _state(step):
+    return dict(model={"w": torch.full((2,), float(step))}, step=step)
+
+
+def test_step_directories_commit_last_and_keep_the_newest(tmp_path):
+    out = str(tmp_path)
+    assert latest_checkpoint(out) is None
+    for step in (2, 4, 6):
+        save_step(_cfg(out), _state(step), step)
+    assert sorted(os.listdir(tmp_path / CKPT_DIR)) == ["latest", "step_00000004", "step_00000006"]
+    assert (tmp_path / CKPT_DIR / "latest").read_text() == "step_00000006\n"
+    assert latest_checkpoint(out) == os.path.join(step_dir(out, 6), FILE)
+    # killed after writing step 8 but before publishing it: latest still names step 6
+    os.makedirs(step_dir(out, 8))
+    torch.save(_state(8), os.path.join(step_dir(out, 8), FILE))
+    assert latest_checkpoint(out) == os.path.join(step_dir(out, 6), FILE)
+    # killed while writing step 10: only a temporary file, which the next start removes
+    os.makedirs(step_dir(out, 10))
+    (tmp_path / CKPT_DIR / "step_00000010" / f"{FILE}.tmp.99").write_bytes(b"half")
+    remove_stale_temp_files(out)
+    assert os.listdir(step_dir(out, 10)) == []
+    # latest lost: the newest complete step directory (10 holds no file)
+    os.remove(tmp_path / CKPT_DIR / "latest")
+    assert latest_checkpoint(out) == os.path.join(step_dir(out, 8), FILE)
+    # the resumed run saves step 8 again: the directory newer than it goes, and with keep 1 the older ones
+    save_step(_cfg(out, keep=1), _state(8), 8)
+    assert sorted(os.listdir(tmp_path / CKPT_DIR)) == ["latest", "step_00000008"]
+
+
+def test_resume_auto_starts_fresh_then_resumes(tiny_data, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    first = run_single(tiny_argv(tiny_data, out, max_steps=6, stop_step=3, resume="auto"))[0]
+    assert len(first) == 3 and latest_checkpoint(out).endswith(os.path.join("step_00000003", FILE))
+    resumed = run_single(tiny_argv(tiny_data, out, max_steps=6, resume="auto"))[0]
+    straight = run_single(tiny_argv(tiny_data, str(tmp_path / "straight"), max_steps=6))[0]
+    assert resumed == straight and "steps 3..5" in capsys.readouterr().out
+
+
+def test_per_rank_files_of_an_earlier_version_are_one_clear_line(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    os.makedirs(out)
+    (out / "ckpt_rank0.pt").write_bytes(b"x")
+    for resume in ("yes", "auto"):
+        with pytest.raises(SystemExit) as e:
+            train_single.main(tiny_argv(tiny_data, str(out), resume=resume))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and "per-rank checkpoints of an earlier version" in err[0], err
+
+
+CRASHING = """
+import os, sys
+sys.path.insert(0, {root!r})
+import comm, train_ddp
+
+real_lr_at = train_ddp.lr_at
+
+
+def lr_at(step, cfg):   # rank 1 dies at step {step}, on the first attempt only
+    if step == {step} and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        os._exit(13)
+    return real_lr_at(step, cfg)
+
+
+train_ddp.lr_at = lr_at
+train_ddp.main(sys.argv[1:])
+comm.destroy()
+"""
+
+
+def test_a_killed_rank_restarts_under_torchrun_with_the_same_losses(text_data, tmp_path):
+    """train_ddp under torchrun --max-restarts 2 with --resume auto: rank 1 exits abnormally at step 7 (after the
+    checkpoint of step 6); torchrun restarts both ranks, they resume from step 6 and finish with the unbroken
+    run's losses (float64). Steps 6 appear twice in metrics.jsonl; the later row is the truth."""
+    opts = dict(max_steps=10, save_interval=3, micro_batch_size=4)
+    straight = str(tmp_path / "straight")
+    run_workers(recorded_runs, 2, args=("train_ddp", [text_argv(text_data, straight, **opts)]), timeout=300)
+    out = str(tmp_path / "crashed")
+    script = tmp_path / "crash_once.py"
+    script.write_text(CRASHING.format(root=ROOT, step=7))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--max-restarts", "2", "--monitor-interval", "0.2", str(script)]
+    cmd += text_argv(text_data, out, resume="auto", dist_timeout=60, **opts)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "steps 6..9" in run.stdout, run.stdout[-3000:]             # the restart resumed from step 6
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [row["step"] for row in map(json.loads, f) if "loss" in row]
+    assert steps == list(range(7)) + list(range(6, 10)), steps       # step 6 ran before the crash and again
+    assert_exact(curves(straight), curves(out))
+    assert [r["step"] for r in read_metrics(out)] == list(range(10))
