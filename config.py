@@ -13,7 +13,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, fields
 
-from checkpoint import remove_stale_temp_files
+from checkpoint import CKPT_DIR, remove_stale_temp_files, resolve_resume
 
 
 @dataclass
@@ -51,7 +51,8 @@ class Config:
     eval_iters: int = 20
     log_interval: int = 10
     save_interval: int = 0
-    resume: bool = False
+    keep_checkpoints: int = 2
+    resume: bool = False          # --resume [yes|auto|no], resolved to a bool by parse_config
     stop_step: int = 0
     sample_tokens: int = 200
     profile: int = 0
@@ -101,7 +102,9 @@ HELP = dict(
     out_dir="metrics.jsonl and checkpoints go here",
     eval_interval="evaluate on val every N steps (0 disables)", eval_iters="micro-batches per evaluation",
     log_interval="print a progress line every N steps", save_interval="checkpoint every N steps (0: only at the end)",
-    resume="continue from the checkpoint in out_dir, appending to metrics.jsonl",
+    keep_checkpoints="step directories kept in OUT_DIR/ckpt (the newest; older ones are removed after each save)",
+    resume="continue from the latest checkpoint in OUT_DIR/ckpt, appending to metrics.jsonl; `--resume auto`: "
+           "resume if a complete checkpoint exists, else start fresh (for restarts under torchrun --max-restarts)",
     stop_step="stop before this step, keeping the --max_steps schedule (0: run to max_steps); for time-limited jobs",
     sample_tokens="tokens to generate as a sample at the end (0 disables)",
     profile="trace N optimizer steps with torch.profiler after 2 warm-up steps: out_dir/trace_rank{r}.json per "
@@ -157,7 +160,11 @@ def build_parser(description, techniques):
     for f in fields(Config):
         if f.name in TECHNIQUE_FLAGS and f.name not in techniques:
             continue
-        if f.type in (bool, "bool"):
+        if f.name == "resume":                  # `--resume` alone means yes
+            p.add_argument("--resume", nargs="?", const="yes", default="no", choices=["yes", "auto", "no"],
+                           help=HELP["resume"])
+            p.add_argument("--no-resume", dest="resume", action="store_const", const="no", help=argparse.SUPPRESS)
+        elif f.type in (bool, "bool"):
             p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
                            help=HELP[f.name])
         else:
@@ -183,7 +190,8 @@ def parse_config(argv=None, techniques=(), description=None, extra_args=None, va
         validate_common(cfg)
         if validate is not None:
             validate(cfg)
-    except ConfigError as e:
+        cfg.resume = resolve_resume(cfg.resume, cfg.out_dir)
+    except ValueError as e:                     # a ConfigError, or resolve_resume's
         fail(str(e))
     if os.environ.get("RANK", "0") == "0":      # before any work, so no save of this run is under way
         remove_stale_temp_files(cfg.out_dir)
@@ -192,7 +200,7 @@ def parse_config(argv=None, techniques=(), description=None, extra_args=None, va
 
 def validate_common(cfg):
     for name in ("n_layer", "n_head", "n_embd", "block_size", "global_batch_size", "micro_batch_size",
-                 "max_steps", "eval_iters", "log_interval", "max_bad_steps"):
+                 "max_steps", "eval_iters", "log_interval", "max_bad_steps", "keep_checkpoints"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive, got {getattr(cfg, name)}")
     check(0.0 <= cfg.dropout < 1.0, f"--dropout must be in [0, 1), got {cfg.dropout}")
     check(cfg.n_embd % cfg.n_head == 0, f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
@@ -224,11 +232,13 @@ def check_out_dir(out_dir):
     what = f"--out_dir {out_dir}" if existing == path else f"--out_dir {out_dir} cannot be created: {existing}"
     check(os.path.isdir(existing), f"{what} is a file, not a directory")
     check(os.access(existing, os.W_OK | os.X_OK), f"{what} is not writable")
-    rank = os.environ.get("RANK", "0")
-    for name in ("metrics.jsonl", "ckpt.pt", f"ckpt_rank{rank}.pt"):
-        file = os.path.join(path, name)
-        check(not os.path.isdir(file), f"--out_dir {out_dir}: {file} is a directory; the run writes a file there")
-        check(not os.path.exists(file) or os.access(file, os.W_OK), f"--out_dir {out_dir}: {file} is not writable")
+    file, ckpt = os.path.join(path, "metrics.jsonl"), os.path.join(path, CKPT_DIR)
+    check(not os.path.isdir(file), f"--out_dir {out_dir}: {file} is a directory; the run writes a file there")
+    check(not os.path.exists(file) or os.access(file, os.W_OK), f"--out_dir {out_dir}: {file} is not writable")
+    check(not os.path.exists(ckpt) or os.path.isdir(ckpt), f"--out_dir {out_dir}: {ckpt} is a file; the run "
+                                                           f"writes its checkpoints into a directory there")
+    check(not os.path.exists(ckpt) or os.access(ckpt, os.W_OK | os.X_OK),
+          f"--out_dir {out_dir}: {ckpt} is not writable")
 
 
 def grad_accum_steps(cfg, dp):

@@ -46,9 +46,8 @@ from pipeline_schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, m
 from pipeline_tied import clip_stage_grads, tied_grads_sync, tied_pair_group, tied_weight  # noqa: F401 (for 5d)
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
-                          load_training_state, prepare_data,
-                          materialize, param_dtype, print_sample, resolve_dtype, save_training_state,
-                          should_save)
+                          prepare_data, materialize, param_dtype, print_sample, resolve_dtype, should_save)
+from zero_checkpoint import load_whole, save_whole
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -377,7 +376,7 @@ def main(argv=None):
     optimizer = configure_optimizer(chunks.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + rank)           # this rank's dropout stream
-    start = load_training_state(cfg, chunks, optimizer, rank=rank) if cfg.resume else 0
+    start = load_whole(cfg, gcfg, chunks, optimizer, env) if cfg.resume else 0   # my stages' parts
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=p,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
@@ -416,7 +415,7 @@ def main(argv=None):
             chunks.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_training_state(cfg, chunks, optimizer, step + 1, rank=rank)
+            save_whole(cfg, gcfg, chunks, optimizer, step + 1)   # the stages' parts, merged on rank 0
     logger.close()
 
     # measured idle share per rank (median over the steps after the first) next to the simulator's
