@@ -13,7 +13,11 @@ its 50304 default), then runs nanoGPT's unmodified train.py there with the equiv
 device=cpu, compile=False, dtype=float32, dropout 0, bias=True (our model has biases in every Linear and
 LayerNorm), batch_size = micro batch, gradient_accumulation_steps = global / micro, the same lr schedule knobs,
 log_interval=1, one evaluation of one batch at iteration 0 only (nanoGPT always evaluates at iteration 0; that
-iteration falls in the harness's warm-up), no checkpoint saves, no wandb.
+iteration falls in the harness's warm-up), no checkpoint saves, no wandb. With --eval_interval N > 0 (for a
+loss comparison, not a timing) nanoGPT evaluates --eval_iters batches at every multiple of N up to and including
+max_steps (it then runs max_steps + 1 iterations; the extra one is not reported), and each "step N: train loss X,
+val loss Y" line becomes a {"step": N, "val_loss": Y} row, as train_single's log_eval writes them. nanoGPT
+evaluates at iteration N before training it (after N steps), train_single at step N after it (after N + 1).
 
 Each "iter N: loss X, time Yms" line becomes one row: step N, loss X (nanoGPT prints the last micro-batch's loss
 times grad_acc, an approximation of the global mean), step_time_s = Y/1000, tokens_per_s = global_batch_size *
@@ -46,6 +50,7 @@ sys.path.insert(0, ROOT)
 from config import Config  # noqa: E402
 
 ITER_LINE = re.compile(r"^iter (\d+): loss ([-+0-9.eEnaif]+), time ([0-9.]+)ms")
+VAL_LINE = re.compile(r"^step (\d+): train loss [-+0-9.eEnaif]+, val loss ([-+0-9.eEnaif]+)")
 
 
 def parse_args(argv=None):
@@ -56,6 +61,8 @@ def parse_args(argv=None):
     for key in ("n_layer", "n_head", "n_embd", "block_size", "global_batch_size", "micro_batch_size",
                 "max_steps", "warmup_steps", "eval_iters"):
         p.add_argument(f"--{key}", type=int, default=getattr(d, key))
+    p.add_argument("--eval_interval", type=int, default=0,
+                   help="evaluate every N iterations and at max_steps (0: only nanoGPT's own one at iteration 0)")
     for key in ("dropout", "lr", "min_lr", "weight_decay", "grad_clip"):
         p.add_argument(f"--{key}", type=float, default=getattr(d, key))
     p.add_argument("--data_dir", default=os.path.join(ROOT, d.data_dir))
@@ -109,8 +116,30 @@ def nanogpt_command(a, tmp):
         eval_interval=a.max_steps + 1, eval_iters=1, log_interval=1, always_save_checkpoint=False,
         wandb_log=False, init_from="scratch",
     )
+    if a.eval_interval > 0:             # evaluate at iteration max_steps too, after max_steps steps
+        settings.update(eval_interval=a.eval_interval, eval_iters=a.eval_iters, max_iters=a.max_steps)
     return [sys.executable, os.path.join(os.path.abspath(a.nanogpt_dir), "train.py")] + \
         [f"--{k}={v}" for k, v in settings.items()]
+
+
+def parse_log(stdout, a, flops_per_token_over_peak, peak_mem):
+    """nanoscale metrics rows from nanoGPT's stdout: one per "iter N" line below max_steps (the extra iteration an
+    evaluation at max_steps needs is left out) and one {"step", "val_loss"} per evaluation line."""
+    tokens_per_step = a.global_batch_size * a.block_size
+    rows = []
+    for line in stdout.splitlines():
+        it = ITER_LINE.match(line.strip())
+        val = VAL_LINE.match(line.strip())
+        if val and a.eval_interval > 0:
+            rows.append(dict(step=int(val.group(1)), val_loss=float(val.group(2))))
+        if not it or int(it.group(1)) >= a.max_steps:
+            continue
+        step, loss, dt = int(it.group(1)), float(it.group(2)), float(it.group(3)) / 1000
+        tps = tokens_per_step / dt
+        rows.append(dict(step=step, loss=loss, lr=None, grad_norm=None, tokens=(step + 1) * tokens_per_step,
+                         step_time_s=dt, tokens_per_s=tps, mfu=tps * flops_per_token_over_peak,
+                         peak_mem_bytes=peak_mem, comm_bytes=0))
+    return rows
 
 
 def main(argv=None):
@@ -136,24 +165,16 @@ def main(argv=None):
     fpt = flops_per_token(GPTConfig(vocab_size=vocab_size, block_size=a.block_size, n_layer=a.n_layer,
                                     n_head=a.n_head, n_embd=a.n_embd))
     peak_flops = measure_cpu_matmul_flops()
-    tokens_per_step = a.global_batch_size * a.block_size
-    rows = []
-    for line in proc.stdout.splitlines():
-        m = ITER_LINE.match(line.strip())
-        if not m:
-            continue
-        step, loss, dt = int(m.group(1)), float(m.group(2)), float(m.group(3)) / 1000
-        tps = tokens_per_step / dt
-        rows.append(dict(step=step, loss=loss, lr=None, grad_norm=None, tokens=(step + 1) * tokens_per_step,
-                         step_time_s=dt, tokens_per_s=tps, mfu=tps * fpt / peak_flops, peak_mem_bytes=peak_mem,
-                         comm_bytes=0))
-    if len(rows) != a.max_steps:
+    rows = parse_log(proc.stdout, a, fpt / peak_flops, peak_mem)
+    train_rows = [r for r in rows if "loss" in r]
+    if len(train_rows) != a.max_steps:
         sys.exit(f"peer_nanogpt: expected {a.max_steps} 'iter N: loss X, time Yms' lines from nanoGPT, "
-                 f"parsed {len(rows)}:\n{proc.stdout[-2000:]}")
+                 f"parsed {len(train_rows)}:\n{proc.stdout[-2000:]}")
     with open(os.path.join(a.out_dir, "metrics.jsonl"), "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"peer_nanogpt: {len(rows)} steps, median {sorted(r['tokens_per_s'] for r in rows)[len(rows) // 2]:,.0f} "
+    tps = sorted(r["tokens_per_s"] for r in train_rows)
+    print(f"peer_nanogpt: {len(train_rows)} steps, median {tps[len(tps) // 2]:,.0f} "
           f"tok/s (torch {torch.__version__}, {torch.get_num_threads()} threads) -> {a.out_dir}/metrics.jsonl")
 
 
