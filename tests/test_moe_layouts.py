@@ -44,7 +44,9 @@ def test_splitting_the_batch_changes_nothing_with_global_balancing(text_data, tm
 
 
 CASES = {  # world: [(layout, top_k)]
-    2: [(dict(dp=2, ep=2), 2), (dict(cp=2, ep=2), 1)],
+    2: [(dict(dp=2, ep=2), 2), (dict(cp=2, ep=2), 1),
+        (dict(tp=2, sp=True, zero_stage=1), 2),          # ep 1: whole experts on each TP rank, SP's token shards
+        (dict(pp=2, recompute="full"), 1)],               # blocks recomputed in backward: routing counted once
     4: [(dict(tp=2, dp=2, ep=2, sp=True), 2), (dict(pp=2, dp=2, ep=2), 1), (dict(dp=4, ep=4), 2)],
 }
 
