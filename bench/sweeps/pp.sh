@@ -1,5 +1,6 @@
 # Sweep "pp": train_pp.py's schedules side by side with torch.distributed.pipelining on the same split
-# (bench/peer_torch_pipelining.py: same stages, weights, data, optimizer), 2 ranks x 1 thread, m = 8; then
+# (bench/peer_torch_pipelining.py: same stages, weights, data, optimizer; torch's ScheduleZBVZeroBubble and
+# ScheduleDualPipeV for zbv and dualpipev), 2 ranks x 1 thread, m = 8; then
 # zb1 vs 1f1b (ours). Below each table: the median share of its pipeline schedule that rank 0 spent waiting for
 # messages (idle_frac in metrics.jsonl; optimizer step excluded)
 # next to the simulator's bubble for F = B = W (pipeline_schedules.py).
@@ -24,8 +25,8 @@ print("\n".join(lines))
 PY
 }
 
-for sched in afab 1f1b interleaved; do
-  extra=""; [ "$sched" = interleaved ] && extra="--pp_virtual 2"
+for sched in afab 1f1b interleaved zbv dualpipev; do   # zbv, dualpipev: 2 chunks per rank in a V
+  extra=""; case "$sched" in interleaved|zbv|dualpipev) extra="--pp_virtual 2";; esac
   harness --name "pp_$sched" --title "train_pp $sched vs torch.distributed.pipelining, pp=2 x 1 thread (L4 H4 h256 T128, B16 = 8 x 2)" \
     --run "torch pipelining=$PP_RUN bench/peer_torch_pipelining.py --pp_schedule $sched $extra $PP_COMMON" \
     --run "ours=$PP_RUN train_pp.py --pp_schedule $sched $extra $PP_COMMON"
