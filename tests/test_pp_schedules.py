@@ -132,6 +132,10 @@ def test_ascii_timeline():
     assert zb == ["rank 0: F0 F1 .  B0 W0 B1 W1", "rank 1: .  F0 B0 F1 B1 W0 W1"]
     assert "F1.1" in render(simulate(make_schedule("interleaved", 2, 2, 2), 2, 2), v=2)
     assert peak_in_flight(make_schedule("zb1", 2, 2)[1]) == 2
+    # ZB-V: chunk 1 (stage 2p-1-r) turns around at the bottom of the V at once; the picture of the docstring
+    zbv = render(simulate(make_schedule("zbv", 2, 4, 2), 2, 2), v=2).splitlines()
+    assert zbv[0].startswith("rank 0: F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 F3.0 B0.0 W0.0")
+    assert zbv[1].startswith("rank 1: .    F0.0 F0.1 F1.0 F1.1 B0.1 W0.1 F2.0 B0.0 W0.0 F2.1 B1.1")
 
 
 def test_v_placement():
