@@ -34,6 +34,21 @@ def test_every_layout_resumes_every_other(text_reference, text_data, tmp_path):
     assert sorted(os.listdir(os.path.join(out, CKPT_DIR))) == ["latest", "step_00000024", "step_00000030"]
 
 
+def test_expert_parallel_checkpoints_resume_anywhere(text_data, tmp_path):
+    """A mixture of experts: steps 0-9 as train_ep (each rank 4 of 8 experts), 10-19 as train_5d (pp 2), 20-29 as
+    train_single; the experts, the router's load buffers and their AdamW state carry over (float64, 1e-9)."""
+    moe = dict(n_experts=8, top_k=2)
+    ref = str(tmp_path / "single")
+    run_single(text_argv(text_data, ref, micro_batch_size=8, **moe))
+    out = str(tmp_path / "run")
+    for i, (script, flags) in enumerate((("train_ep", dict(ep=2, micro_batch_size=4)),
+                                         ("train_5d", dict(pp=2, micro_batch_size=2)))):
+        argv = text_argv(text_data, out, stop_step=10 * (i + 1), resume=i > 0, **moe, **flags)
+        run_workers(recorded_runs, 2, args=(script, [argv]), timeout=600)
+    run_single(text_argv(text_data, out, micro_batch_size=8, resume=True, **moe))
+    assert_exact(curves(ref), curves(out))
+
+
 def _cfg(out_dir, keep=2):
     return SimpleNamespace(out_dir=out_dir, keep_checkpoints=keep, dist_timeout=1.0)
 

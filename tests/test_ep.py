@@ -172,7 +172,7 @@ def test_ep_reproduces_single_device_moe(tiny_data, tmp_path, world, runs, resum
     argvs = [_argv(tiny_data, str(tmp_path / f"ep{i}"), n_experts=E, top_k=k, max_steps=steps, ep=ep, **kw)
              for i, (ep, E, k, kw, steps) in enumerate(runs)]
     resumed, base = str(tmp_path / "resumed"), argvs[-1]
-    if resume:      # the last run again, stopped after 2 steps and resumed from its per-rank checkpoints
+    if resume:      # the last run again, stopped after 2 steps and resumed from its consolidated checkpoint
         out_at = base.index("--out_dir") + 1
         argvs += [base[:out_at] + [resumed] + base[out_at + 1:] + extra for extra in (["--stop_step", "2"],
                                                                                        ["--resume"])]
