@@ -14,12 +14,12 @@ per optimizer step on every rank. The schedule (torch.profiler.schedule):
 Each rank then writes OUT_DIR/trace_rank{r}.json (Chrome trace format: open it in https://ui.perfetto.dev or
 chrome://tracing) and rank 0 prints the operators that took the most time. A step's boundary is log_step, so an
 evaluation that follows a step is traced inside the next one. Labels in the trace: every collective of comm.py
-("comm:all_reduce [0,1]", the group named by its global ranks), autograd's backward nodes, the optimizer step, and
-whatever a script marks with torch.profiler.record_function (train_cp's ring steps). Off (N = 0) nothing is built.
+("comm:all_reduce [0, 1]", the group named by its global ranks) and the wait() of an async one ("comm:wait ..."),
+so a ring attention step or a pipeline send shows as its p2p launch, then compute, then the wait; autograd's
+backward nodes; the optimizer step. Off (N = 0) nothing is built and comm.py adds no range.
 """
 import os
 
-import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 TOP_OPERATORS = 20
@@ -62,11 +62,7 @@ class StepProfiler:
 
 
 def make_profiler(cfg, rank, device):
-    """A StepProfiler when --profile N > 0, else None (then nothing is imported into the loop's path)."""
-    steps = getattr(cfg, "profile", 0)
-    return StepProfiler(steps, cfg.out_dir, rank, device) if steps > 0 else None
-
-
-def profiler_active():
-    """True while some torch profiler records on this thread: comm.py labels collectives only then."""
-    return torch.autograd._profiler_enabled()
+    """A StepProfiler when --profile N > 0, else None (and MetricsLogger.log_step does nothing more)."""
+    if cfg.profile == 0:
+        return None
+    return StepProfiler(cfg.profile, cfg.out_dir, rank, device)

@@ -1,6 +1,7 @@
 """
 bench/timeline.py: one picture of a profiled run: ranks as rows, time as x, what each rank's training thread
-was doing, coloured like the playbook's pipeline figures (compute, backward, optimizer, communication, idle).
+was doing, coloured like the playbook's pipeline figures (compute, backward, optimizer, communication, waits
+for data, idle).
 
     torchrun --nproc_per_node=2 train_pp.py --pp 2 --max_steps 6 --profile 2 --out_dir out/pp
     python bench/timeline.py out/pp                   # -> out/pp/timeline.png (from out/pp/trace_rank*.json)
@@ -8,8 +9,11 @@ was doing, coloured like the playbook's pipeline figures (compute, backward, opt
 Input: the Chrome traces that --profile writes (profiling.py), one per rank. Only the thread that ran the
 recorded steps (the one holding the "ProfilerStep#N" ranges) is drawn; its outermost operators inside a step
 become intervals of a kind:
-    communication  every "comm:..." range (comm.py names each collective, and an async one's wait(), so), at any
-                   depth: a collective launched from a backward hook still shows as communication
+    communication  every "comm:..." range (comm.py names each collective so), at any depth: a collective launched
+                   from a backward hook still shows as communication; a blocking collective includes the time
+                   it waits for the slowest rank
+    wait           "comm:wait ..." ranges: the wait() for an async collective or p2p batch, where a pipeline
+                   stage waits for its input (the bubble) and a ring attention step for the next K/V
     backward       autograd's "autograd::engine::evaluate_function: ..." nodes
     optimizer      "Optimizer.step#..." and "Optimizer.zero_grad#..."
     compute        every other operator (forward, loss, clipping, ...)
@@ -29,7 +33,8 @@ sys.path.insert(0, ROOT)
 
 from comm import PROFILE_PREFIX  # noqa: E402
 
-COLOURS = {"compute": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2", "communication": "#DD8452"}
+COLOURS = {"compute": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2", "communication": "#DD8452",
+           "wait": "#C44E52"}
 TRACE_NAME = re.compile(r"trace_rank(\d+)\.json$")
 
 
@@ -46,6 +51,8 @@ def trace_paths(out_dir):
 
 
 def kind_of(name):
+    if name.startswith(PROFILE_PREFIX + "wait "):
+        return "wait"
     if name.startswith(PROFILE_PREFIX):
         return "communication"
     if name.startswith("autograd::engine::evaluate_function"):
@@ -99,7 +106,7 @@ def step_events(trace):
 
 
 def rank_intervals(trace):
-    """[(start_us, end_us, kind)] of one rank, disjoint and sorted: communication over everything else."""
+    """[(start_us, end_us, kind)] of one rank, disjoint and sorted: communication and waits over the rest."""
     steps, events = step_events(trace)
     events.sort(key=lambda e: (e[0], -e[1]))
     outermost, end_of_open = [], float("-inf")
@@ -108,7 +115,9 @@ def rank_intervals(trace):
             outermost.append((start, end, name))
             end_of_open = end
     comm = merge((s, e) for s, e, name in events if name.startswith(PROFILE_PREFIX))
-    out = [(s, e, "communication") for s, e in comm]
+    waits = merge((s, e) for s, e, name in events if kind_of(name) == "wait")
+    out = [(s, e, "wait") for s, e in waits]
+    out += [(s, e, "communication") for s, e in subtract(comm, waits)]
     for kind in ("compute", "backward", "optimizer"):
         mine = merge((s, e) for s, e, name in outermost if kind_of(name) == kind)
         out += [(s, e, kind) for s, e in subtract(mine, comm)]

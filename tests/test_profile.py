@@ -28,7 +28,7 @@ def test_profile_writes_a_trace_of_the_recorded_steps(tmp_path, tiny_data, capsy
     assert any(n.startswith("Optimizer.step#") for n in names)
     assert "Self CPU time total" in capsys.readouterr().out          # the top-operators table
     rows, windows = timeline.timeline(out)
-    assert list(rows) == [0] and not any(k == "communication" for _, _, k in rows[0])
+    assert list(rows) == [0] and not any(k in ("communication", "wait") for _, _, k in rows[0])
 
 
 def test_profile_off_writes_nothing(tmp_path, tiny_data):
@@ -55,7 +55,7 @@ def check_timeline(out_dir, world):
     assert sorted(rows) == list(range(world))                        # one row per rank
     for rank, intervals in rows.items():
         kinds = {k for _, _, k in intervals}
-        assert {"communication", "compute", "backward", "optimizer"} <= kinds
+        assert {"communication", "wait", "compute", "backward", "optimizer"} <= kinds
         for (s0, e0, _), (s1, e1, _) in zip(intervals, intervals[1:]):
             assert s0 < e0 <= s1                                     # disjoint, in time order
         start, end = windows[rank]
