@@ -45,7 +45,7 @@ class StepProfiler:
         prof.export_chrome_trace(self.path())
         self.written = True
         if self.rank == 0:
-            sort_by = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+            sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=sort_by, row_limit=TOP_OPERATORS), flush=True)
             print(f"profile: traces written to {os.path.join(self.out_dir, 'trace_rank*.json')} "
                   f"(view: https://ui.perfetto.dev, or python bench/timeline.py {self.out_dir})", flush=True)
