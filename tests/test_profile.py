@@ -77,3 +77,33 @@ def test_pp_and_cp_traces_make_a_timeline(tmp_path, tiny_data):
         assert any(n.startswith("comm:wait batch_isend_irecv") for n in names)     # and its wait
         assert any(n == "comm:all_reduce [0, 1]" for n in names)
         check_timeline(out, 2)
+
+
+def _async_collective_labels(rank, world_size):
+    from types import SimpleNamespace
+
+    import torch
+    from torch.profiler import profile
+
+    import comm
+    comm.init_distributed(SimpleNamespace(device="cpu", dist_timeout=60.0))
+    t = torch.ones(4)
+    plain = comm.all_reduce(t, async_op=True)
+    plain.wait()
+    with profile() as prof:
+        work = comm.all_reduce(t, async_op=True)
+        work.wait()
+        works = comm.batch_isend_irecv([comm.p2p_op("send", t, 1 - rank), comm.p2p_op("recv", torch.empty(4), 1 - rank)])
+        for w in works:
+            w.wait()
+    names = {e.name for e in prof.events()}
+    return type(plain).__name__, type(work).__name__, type(works[0]).__name__, sorted(n for n in names
+                                                                                      if n.startswith("comm:"))
+
+
+def test_comm_labels_only_while_profiling():
+    for rank, (plain, labelled, p2p, names) in enumerate(run_workers(_async_collective_labels, 2)):
+        assert plain != "LabelledWork" and labelled == p2p == "LabelledWork"     # off: torch's own Work, untouched
+        peer = 1 - rank
+        assert names == ["comm:all_reduce [0, 1]", f"comm:batch_isend_irecv [0, 1] -> [{peer}]",
+                         "comm:wait all_reduce [0, 1]", f"comm:wait batch_isend_irecv [0, 1] -> [{peer}]"]
