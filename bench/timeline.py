@@ -18,7 +18,7 @@ become intervals of a kind:
     optimizer      "Optimizer.step#..." and "Optimizer.zero_grad#..."
     compute        every other operator (forward, loss, clipping, ...)
 and the gaps between them are idle (Python, data loading, or waiting outside comm.py). Ranks share one clock:
-each trace's times are offsets from its baseTimeNanoseconds, so all ranks of one machine line up exactly
+each trace's times are offsets from its baseTimeNanoseconds, so the ranks of one machine line up
 (across machines, as well as their clocks agree).
 """
 import argparse
