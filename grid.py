@@ -40,9 +40,10 @@ def partition(sizes, varying):
     return list(groups.values())
 
 
-def tied_pairs(sizes):
-    """The first and last pipeline stage of each pp group: the two copies of the tied embedding."""
-    return [[g[0], g[-1]] for g in partition(sizes, ("pp",))] if sizes["pp"] > 1 else []
+def tied_pairs(sizes, v_shaped=False):
+    """The first and last pipeline stage of each pp group: the two copies of the tied embedding (none when the
+    stages are placed in a V: pipeline rank 0 holds both ends, one Parameter)."""
+    return [[g[0], g[-1]] for g in partition(sizes, ("pp",))] if sizes["pp"] > 1 and not v_shaped else []
 
 
 @dataclass
@@ -62,11 +63,11 @@ def expert_partition(sizes, ep):
                 edp=[g[j::ep] for g in data_groups for j in range(ep)])
 
 
-def build_grid(sizes, rank, timeout_s, ep=1):
+def build_grid(sizes, rank, timeout_s, ep=1, v_shaped=False):
     """Create every group (all ranks create all of them, in the same order) and keep this rank's."""
     groups, members = {}, {}
     layout = {name: partition(sizes, axes) for name, axes in GROUPS.items()}
-    layout["tied"] = tied_pairs(sizes)
+    layout["tied"] = tied_pairs(sizes, v_shaped)
     if ep > 1:
         layout.update(expert_partition(sizes, ep))
     for name, rank_lists in layout.items():

@@ -22,7 +22,8 @@ What each axis does in one optimizer step (each from its rung):
         (--sp: reduce-scatter + all-gather, activations sequence-split outside the TP regions)
     cp  train_cp: the sequence cut into cp chunks (zigzag by default); attention's K/V travel around a ring
     pp  train_pp: blocks cut into pp*pp_virtual stages; micro-batches flow through a schedule (afab, 1f1b,
-        interleaved, zb1), activations and their gradients sent point to point
+        interleaved, zb1, and zbv / dualpipev with their stages in a V), activations and their gradients sent
+        point to point
     dp  train_ddp: each (dp, cp) pair of coordinates holds its slice of the batch / sequence; gradients are
         averaged over the dp x cp group in flat buckets (or train_zero's ZeRO-1/2 shards over it)
     ep  train_ep: with --n_experts, each MoE block's experts are shared out over ep consecutive ranks of the
@@ -58,7 +59,7 @@ from plan_inputs import HARDWARE
 from metrics import MetricsLogger
 from model import GPT, flops_per_token
 from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from pipeline_schedules import make_schedule, simulate
+from pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
 from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_positions, swap_attention_cores
 from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
@@ -87,7 +88,8 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
     if grid.sizes["cp"] > 1:
         kernel = SDPA_CPU if device.type == "cpu" else PLAIN_TORCH
         swap_attention_cores(gpt, lambda: ContextParallelAttentionCore(grid.groups["cp"], cfg.cp_layout, kernel))
-    chunks = materialize(stage_views(gpt, grid.coords["pp"], grid.sizes["pp"], cfg.pp_virtual), device, dtype)
+    mine = stage_views(gpt, grid.coords["pp"], grid.sizes["pp"], cfg.pp_virtual, placement_of(cfg.pp_schedule))
+    chunks = materialize(mine, device, dtype)
     pos = local_positions(cfg.cp_layout, cfg.block_size, grid.sizes["cp"], grid.coords["cp"], device)
     for chunk in chunks:
         init_tp_weights(chunk, cfg.seed, grid.groups["tp"])    # my TP slice of each full initial value
@@ -371,14 +373,18 @@ def validate(cfg):
           f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size * dp = "
           f"{cfg.micro_batch_size} * {cfg.dp}")
     m = cfg.global_batch_size // (cfg.micro_batch_size * cfg.dp)
-    check(cfg.pp_virtual == 1 or cfg.pp_schedule == "interleaved", "--pp_virtual > 1 needs --pp_schedule interleaved")
+    check(cfg.pp_virtual == 1 or cfg.pp_schedule in ("interleaved",) + V_SHAPED,
+          "--pp_virtual > 1 needs --pp_schedule interleaved, zbv or dualpipev")
+    check(cfg.pp_schedule not in V_SHAPED or cfg.pp_virtual == 2, f"--pp_schedule {cfg.pp_schedule} places 2 chunks "
+          f"per rank in a V (rank r holds stages r and 2p-1-r): pass --pp_virtual 2")
+    check(cfg.pp_schedule != "dualpipev" or m >= 2 * pp, f"dualpipev needs micro-batches per step ({m}) >= 2 * pp")
     check(cfg.pp_schedule != "interleaved" or (cfg.pp_virtual >= 2 and m % pp == 0),
           f"interleaved needs --pp_virtual >= 2 and micro-batches per step ({m}) divisible by pp={pp}")
-    check(cfg.pp_schedule == "afab" or m >= pp, f"--pp_schedule {cfg.pp_schedule} needs at least pp={pp} "
+    check(cfg.pp_schedule in ("afab", "zbv") or m >= pp, f"--pp_schedule {cfg.pp_schedule} needs at least pp={pp} "
           f"micro-batches per step, got {m} (global / (micro * dp))")
-    check(cfg.pp_schedule != "zb1" or (tp == 1 and cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
-          "zb1 defers the weight gradients of plain nn.Linear layers: with --tp > 1, fused kernels or --fp8 use "
-          "afab, 1f1b or interleaved")
+    plain_linears = tp == 1 and cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"
+    check(cfg.pp_schedule not in SPLIT_BACKWARD or plain_linears, f"{cfg.pp_schedule} defers the weight gradients "
+          "of plain nn.Linear layers: with --tp > 1, fused kernels or --fp8 use afab, 1f1b or interleaved")
     check(cfg.dtype != "float16", "train_5d supports float32, bfloat16 and float64 (no fp16 loss scaling)")
     check(tp == 1 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
           "--kernels triton|compile and --fp8 fuse or swap nn.Linear layers; with --tp > 1 the layers are "
@@ -414,7 +420,7 @@ def main(argv=None):
         except ConfigError as e:
             fail(str(e))
     sizes = dict(tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp)
-    grid = build_grid(sizes, env.rank, cfg.dist_timeout, cfg.ep)
+    grid = build_grid(sizes, env.rank, cfg.dist_timeout, cfg.ep, v_shaped=cfg.pp_schedule in V_SHAPED)
     dp_rank, dp = grid.coords["dp"], cfg.dp
     micro = cfg.micro_batch_size
     m = cfg.global_batch_size // (micro * dp)                  # micro-batches per step on each dp rank
@@ -425,7 +431,7 @@ def main(argv=None):
     start_moe_training(chunks, cfg.global_batch_size * cfg.block_size // (dp * cfg.cp))   # my step's tokens
     for chunk in chunks:                         # tp == 1 only (validate): model.py's layers, as in train_single
         apply_kernels_and_fp8(chunk, cfg, env.device)
-    store = WeightGradStore() if cfg.pp_schedule == "zb1" else None
+    store = WeightGradStore() if cfg.pp_schedule in SPLIT_BACKWARD else None
     if store is not None:
         defer_weight_grads(chunks, store)
     if cfg.compile:
@@ -480,7 +486,8 @@ def main(argv=None):
         grad_norm = clip_grid_grads(chunks, shards, cfg.grad_clip, grid)
         with COMM.uncounted():                   # the logged loss, on every rank for the guard: not step traffic
             comm.all_reduce(loss_sum, group=grid.groups["dp_cp"])      # the last stage's mean over dp x cp
-            comm.broadcast(loss_sum, dist.get_global_rank(grid.groups["pp"], cfg.pp - 1), group=grid.groups["pp"])
+            last = dist.get_global_rank(grid.groups["pp"], runner.last_stage_rank)   # rank 0 in a V
+            comm.broadcast(loss_sum, last, group=grid.groups["pp"])
         loss_value = float(loss_sum) / (m * dp * cfg.cp)
         if guard.step_ok(step, loss_value, grad_norm):   # global loss and norm: every rank decides alike
             optimizer_step(optimizer, shards, lr)

@@ -36,11 +36,12 @@ def part(n):
 
 
 def expected_bytes_by_axis(dp=1, tp=1, cp=1, pp=1, sp=False, micro=2, n_layer=2, v=1, cp_layout="zigzag",
-                           n_params=0, n_padded=None, zero_stage=0, n_sp_shard=0, tied_padded=0, value_bytes=8):
+                           n_params=0, n_padded=None, zero_stage=0, n_sp_shard=0, tied_padded=0, value_bytes=8,
+                           v_shaped=False):
     """Bytes global rank 0 (first stage; tp, cp, dp index 0) sends in one step, per axis: each rung's formula
     (tests/test_tp.py, test_cp.py, test_pp.py, test_ddp.py) with the composed step's sizes."""
     m, t_local, layers = 8 // (micro * dp), T // cp, n_layer // pp      # rank 0 holds n_layer / pp blocks
-    first, last = True, pp == 1
+    first, last = True, pp == 1 or v_shaped      # in a V, pipeline rank 0 holds the first and the last stage
     S, N = micro * t_local * H * value_bytes, micro * t_local           # one activation, tokens per micro-batch
     if not sp:   # train_tp: 4 all-reduces per block; embedding output; LM-head input grad; 3 for the loss
         tp_micro = (4 * layers + first + last) * ar(tp) * S
@@ -54,7 +55,9 @@ def expected_bytes_by_axis(dp=1, tp=1, cp=1, pp=1, sp=False, micro=2, n_layer=2,
     cp_step = m * layers * ring if cp > 1 else 0
     act = micro * (t_local // (tp if sp else 1)) * H * value_bytes      # train_pp: one message
     pp_step = 0
-    if pp > 1:   # the first rank sends 2V - 1 messages per micro-batch; the tied weight's two copies all-reduce
+    if pp > 1 and v_shaped:   # rank 0: stage 0's output forward, stage 2p-1's input gradient back; one tied copy
+        pp_step = m * act * 2
+    elif pp > 1:  # the first rank sends 2V - 1 messages per micro-batch; the tied weight's two copies all-reduce
         tied = tied_padded // (dp * cp) if zero_stage == 2 else (VOCAB // tp) * H   # ZeRO-2: my shard of it
         pp_step = m * act * (2 * v - 1) + tied * value_bytes * ar(2)
     if n_padded is not None:      # train_zero: reduce-scatters (ZeRO-2: one per micro-batch) + an all-gather of
@@ -74,6 +77,8 @@ CASES = {
         ("L4", dict(pp=2, cp=2, pp_schedule="zb1", cp_layout="allgather")),
         ("L2", dict(dp=2, tp=2, sp=True, zero_stage=1)), ("L2", dict(dp=2, pp=2, zero_stage=1)),
         ("L2", dict(dp=2, cp=2, zero_stage=1)), ("L2", dict(dp=2, tp=2, sp=True, zero_stage=2)),
+        ("L4", dict(dp=2, pp=2, pp_schedule="zbv", pp_virtual=2, zero_stage=1)),
+        ("L4", dict(cp=2, pp=2, pp_schedule="dualpipev", pp_virtual=2)),
         ("L2", dict(dp=2, pp=2, zero_stage=2)), ("L2", dict(dp=2, cp=2, zero_stage=2))],
     8: [("L2", dict(dp=2, tp=2, pp=2, sp=True)), ("L2", dict(tp=2, cp=2, pp=2)), ("L2", dict(dp=2, tp=2, cp=2))],
     16: [("L2", dict(dp=2, tp=2, cp=2, pp=2, sp=True))],
@@ -96,7 +101,8 @@ def test_float64_parity_and_bytes_per_axis(text_reference_for, text_data, tmp_pa
                                       v=opts.get("pp_virtual", 1), sp=opts.get("sp", False),
                                       cp_layout=opts.get("cp_layout", "zigzag"), n_params=result["n_params"],
                                       n_padded=result["n_padded"], zero_stage=opts.get("zero_stage", 0),
-                                      n_sp_shard=result["n_sp_shard"], tied_padded=result["tied_padded"], **sizes)
+                                      n_sp_shard=result["n_sp_shard"], tied_padded=result["tied_padded"],
+                                      v_shaped=opts.get("pp_schedule") in ("zbv", "dualpipev"), **sizes)
         for row in read_metrics(out):
             got = row["comm_bytes_by_axis"]
             for axis, value in want.items():
@@ -132,6 +138,8 @@ def test_default_layout_shows_more_than_one_axis(tiny_data, tmp_path):
     (2, dict(cp=2, block_size=6), "must be a multiple of 4 (--cp_layout zigzag"),
     (2, dict(pp=2, global_batch_size=2, micro_batch_size=2), "needs at least pp=2 micro-batches"),
     (2, dict(tp=2, pp_schedule="zb1"), "zb1 defers"),
+    (2, dict(pp=2, pp_schedule="zbv"), "pass --pp_virtual 2"),
+    (2, dict(pp=2, pp_schedule="dualpipev", pp_virtual=2, n_layer=4, micro_batch_size=4), "dualpipev needs"),
     (2, dict(tp=2, kernels="compile"), "with --tp > 1 the layers are tensor-parallel"),
     (2, dict(dp=2, zero_stage=3), "--zero_stage 3"),
     (4, dict(dp=2, pp=2, zero_stage=2, pp_schedule="zb1", micro_batch_size=2), "--zero_stage 2 reduce-scatters"),
@@ -200,7 +208,8 @@ def test_launches_are_nccl_safe(tiny_data, tmp_path):
     layouts = [dict(tp=2, sp=True, cp=2, pp=2, cp_layout="ring", eval_interval=1, eval_iters=1),
                dict(dp=2, cp=2, pp=2, cp_layout="zigzag", zero_stage=1),
                dict(cp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, n_layer=4, cp_layout="allgather"),
-               dict(dp=2, tp=2, sp=True, pp=2, ep=2, n_experts=4)]         # experts' all_to_all inside stages
+               dict(dp=2, tp=2, sp=True, pp=2, ep=2, n_experts=4),         # experts' all_to_all inside stages
+               dict(dp=2, cp=2, pp=2, pp_schedule="dualpipev", pp_virtual=2, n_layer=4, global_batch_size=16)]
     argvs = [tiny_argv(tiny_data, str(tmp_path / f"run{i}"), max_steps=2, micro_batch_size=2, **o)
              for i, o in enumerate(layouts)]
     logs = run_workers(recorded_runs, 8, args=("train_5d", argvs), timeout=600)
