@@ -37,8 +37,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-SCOPES = ("global", "micro")
-
 
 class Routing(NamedTuple):
     token: torch.Tensor      # [A] token index of each kept assignment (token-major: token t's slots together)
