@@ -237,6 +237,17 @@ def pick_device(requested, local_rank):
 GROUP_TIMEOUT = dict(s=None)     # --dist_timeout, set by init_distributed for every group created after it
 
 
+def restart_store(rank, world_size, timeout):
+    """Under torchrun with --max-restarts, its agent's store with a prefix per attempt (None otherwise: env://).
+    The agent keeps one store across restarts, so the keys a crashed attempt left (its ranks' gloo addresses, an
+    NCCL unique id) would otherwise be read by the restarted ranks, which then connect to dead peers and time out."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(cfg, need_group=True):
     """Device and (optionally) the default process group, from torchrun's environment variables.
 
@@ -255,7 +266,8 @@ def init_distributed(cfg, need_group=True):
         timeout = timedelta(seconds=cfg.dist_timeout)
         if "RANK" in os.environ:
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None)
+                                    device_id=device if device.type == "cuda" else None,
+                                    store=restart_store(rank, world_size, timeout))
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistEnv(rank, world_size, local_rank, device, backend)

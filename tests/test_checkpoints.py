@@ -3,6 +3,7 @@ with the unbroken run's losses; step directories committed last (a crash leaves 
 the newest --keep_checkpoints kept; --resume auto; a job killed mid-run restarts under torchrun by itself."""
 import json
 import os
+import signal
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -136,9 +137,15 @@ def test_a_killed_rank_restarts_under_torchrun_with_the_same_losses(text_data, t
            "--max-restarts", "2", "--monitor-interval", "0.2", str(script)]
     cmd += text_argv(text_data, out, resume="auto", dist_timeout=60, **opts)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "steps 6..9" in run.stdout, run.stdout[-3000:]             # the restart resumed from step 6
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)                   # its own process group: the workers too
+    try:
+        output = job.communicate(timeout=300)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output = job.communicate()[0]
+    assert job.returncode == 0, output[-6000:]
+    assert "steps 6..9" in output, output[-6000:]                     # the restart resumed from step 6
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [row["step"] for row in map(json.loads, f) if "loss" in row]
     assert steps == list(range(7)) + list(range(6, 10)), steps       # step 6 ran before the crash and again
