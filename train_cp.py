@@ -37,6 +37,7 @@ from kernels.flash_attention import flash_attention_backward, flash_attention_fo
 from metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, flops_per_token
 from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
+from profiling import label
 from train_single import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, \
     load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype, save_training_state, should_save
 
@@ -203,7 +204,8 @@ class RingAttention(torch.autograd.Function):
             for s in range(n):
                 if s + 1 < n:
                     next_kv = ring_shift(kv, group)   # in flight while this step's blocks compute
-                attend(q, kv[0], kv[1], ring_step_blocks(layout, r, (r - s) % n, q.shape[-2]), out, lse, kernel)
+                with label(f"cp:ring step {s}"):       # a range in --profile's trace
+                    attend(q, kv[0], kv[1], ring_step_blocks(layout, r, (r - s) % n, q.shape[-2]), out, lse, kernel)
                 if s + 1 < n:
                     kv = next_kv()
         return keep_for_backward(ctx, q, k, v, out, lse, group, layout, kernel)
@@ -220,7 +222,8 @@ class RingAttention(torch.autograd.Function):
                 if s + 1 < n:
                     next_kv = ring_shift(kv, group)
                 blocks = ring_step_blocks(ctx.layout, r, (r - s) % n, q.shape[-2])
-                grads = attend_backward(dout, q, kv[0], kv[1], out, lse, blocks, ctx.kernel, dq)
+                with label(f"cp:ring step {s} backward"):
+                    grads = attend_backward(dout, q, kv[0], kv[1], out, lse, blocks, ctx.kernel, dq)
                 if s > 0:
                     dkv = next_dkv()           # this block's dK/dV, accumulated by the ranks before us
                 add_kv_grads(dkv, grads)

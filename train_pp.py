@@ -45,6 +45,7 @@ from pipeline_schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, m
                                 rank_of, recvs_of, render, schedule_placement, sends_of, simulate, stage_of)
 from pipeline_tied import clip_stage_grads, tied_grads_sync, tied_pair_group, tied_weight  # noqa: F401 (for 5d)
 from pipeline_weight_grads import WeightGradStore, defer_weight_grads
+from profiling import label
 from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
                           prepare_data, materialize, param_dtype, print_sample, resolve_dtype, should_save)
 from zero_checkpoint import load_whole, save_whole
@@ -239,14 +240,15 @@ class PipelineRunner:
                 continue
             received = self._received(a)
             t0 = time.perf_counter()
-            if a.kind == "F":
-                self._forward(a, received, get_batch)
-            elif a.kind == "B":
-                self._backward(a, received)
-                if self.after_backward is not None:
-                    self.after_backward(a)
-            else:
-                self.store.compute((a.mb, a.chunk))
+            with label(f"pp:{a.kind} mb{a.mb} chunk{a.chunk}"):    # a range in --profile's trace
+                if a.kind == "F":
+                    self._forward(a, received, get_batch)
+                elif a.kind == "B":
+                    self._backward(a, received)
+                    if self.after_backward is not None:
+                        self.after_backward(a)
+                else:
+                    self.store.compute((a.mb, a.chunk))
             self.busy += time.perf_counter() - t0
         self._free_sent(wait=True)
         assert not (self.saved or self.posted or self.outbox or self.local), "schedule left work"

@@ -50,6 +50,11 @@ def trace_paths(out_dir):
     return dict(sorted(paths.items()))
 
 
+# profiling.label's ranges (pipeline actions, ring steps) name a phase, not a kind of work: what runs inside
+# them (compute, backward, communication) is drawn instead
+PHASES = ("pp:", "cp:")
+
+
 def kind_of(name):
     if name.startswith(PROFILE_PREFIX + "wait "):
         return "wait"
@@ -101,7 +106,7 @@ def step_events(trace):
     tid = steps[0]["tid"]
     thread = [(base + e["ts"], base + e["ts"] + e["dur"], e["name"]) for e in events
               if e["tid"] == tid and e.get("cat") in ("cpu_op", "user_annotation")
-              and not e["name"].startswith("ProfilerStep#")]
+              and not e["name"].startswith(("ProfilerStep#",) + PHASES)]
     return [(base + e["ts"], base + e["ts"] + e["dur"]) for e in steps], thread
 
 

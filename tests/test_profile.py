@@ -77,6 +77,9 @@ def test_pp_and_cp_traces_make_a_timeline(tmp_path, tiny_data):
         assert any(n.startswith("comm:wait batch_isend_irecv") for n in names)     # and its wait
         assert any(n == "comm:all_reduce [0, 1]" for n in names)
         check_timeline(out, 2)
+    # the pipeline runner's actions and the ring attention's steps are ranges of their own
+    assert {"pp:F mb0 chunk0", "pp:B mb0 chunk0"} <= set(trace_names(os.path.join(pp, "trace_rank1.json")))
+    assert {"cp:ring step 1", "cp:ring step 1 backward"} <= set(trace_names(os.path.join(cp, "trace_rank0.json")))
 
 
 def _async_collective_labels(rank, world_size):
