@@ -91,7 +91,7 @@ def read_consolidated(out_dir, named):
     for name, shape in named:
         value = state["model"].get(name)
         if value is None or tuple(value.shape) != shape:
-            return None, (f"checkpoint {path} does not match this model: parameter {name} "
+            return None, (f"checkpoint {path} does not match this model: {name} "
                           f"{None if value is None else tuple(value.shape)} vs {shape}")
     return state, None
 
@@ -138,9 +138,10 @@ def whole_parts(modules, optimizer, tp_group, keep):
     for name, p in named_parameters(modules):
         st = optimizer.state[p]
         values = [p, st.get("exp_avg", torch.zeros_like(p)), st.get("exp_avg_sq", torch.zeros_like(p))]
-        whole = [(tp_gather(p, t, tp_group) if tp_group is not None else t.detach()).cpu() for t in values]
+        if tp_group is not None:                     # every TP rank takes part, whether it keeps the value or not
+            values = [tp_gather(p, t, tp_group) for t in values]
         if keep(name):
-            params[name] = whole + [st.get("step", torch.tensor(0.0)).cpu()]
+            params[name] = [t.detach().cpu() for t in values] + [st.get("step", torch.tensor(0.0)).cpu()]
     buffers = {name: b.cpu() for module in modules for name, b in module.named_buffers() if keep(name)}
     return params, buffers
 
@@ -168,12 +169,18 @@ def save_whole(cfg, gcfg, modules, optimizer, next_step, tp_group=None, keep=lam
                                    next(iter(params.values()))[3], next_step, rngs)
 
 
+def local_part(p, full, tp_group):
+    """This rank's part of a whole value of parameter p (its TP slice, or all of it), in p's dtype and device."""
+    return tp_slice(p, full.to(p), tp_group) if tp_group is not None else full.to(p)
+
+
 @torch.no_grad()
 def load_whole(cfg, gcfg, modules, optimizer, env, tp_group=None):
     """Every rank reads the one checkpoint and keeps its part of each weight and AdamW moment (its TP slice of
     its own parameters), and its buffers; returns the step to continue from."""
     named = named_parameters(modules)
     shapes = [(n, full_shape(p, tp_group) if tp_group is not None else tuple(p.shape)) for n, p in named]
+    shapes += [(n, tuple(b.shape)) for module in modules for n, b in module.named_buffers()]
     state, error = read_consolidated(cfg.out_dir, shapes)
     fail_together(error, env)
     with torch.device("meta"):
@@ -183,12 +190,10 @@ def load_whole(cfg, gcfg, modules, optimizer, env, tp_group=None):
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     local = {}                                       # this optimizer's state_dict, in its own order
     for name, p in named:
-        def part(full):
-            return tp_slice(p, full.to(p), tp_group) if tp_group is not None else full.to(p)
-        p.copy_(part(state["model"][name]))
+        p.copy_(local_part(p, state["model"][name], tp_group))
         if saved[name] is not None:
-            local[index[id(p)]] = dict(step=saved[name]["step"], exp_avg=part(saved[name]["exp_avg"]),
-                                       exp_avg_sq=part(saved[name]["exp_avg_sq"]))
+            moments = {key: local_part(p, saved[name][key], tp_group) for key in ("exp_avg", "exp_avg_sq")}
+            local[index[id(p)]] = dict(step=saved[name]["step"], **moments)
     optimizer.load_state_dict(dict(state=local, param_groups=optimizer.state_dict()["param_groups"]))
     for module in modules:
         for name, b in module.named_buffers():       # an MoE block's load: the previous step's expert shares

@@ -50,6 +50,34 @@ def test_expert_parallel_checkpoints_resume_anywhere(text_data, tmp_path):
     assert_exact(curves(ref), curves(out))
 
 
+def _exit_code(rank, world, script, argv):
+    """script.main(argv) on one rank: (exit code, this rank's stderr)."""
+    import contextlib
+    import importlib
+    import io
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            importlib.import_module(script).main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+def test_another_models_checkpoint_is_one_line_in_the_sharded_layouts(tiny_data, tmp_path):
+    out = str(tmp_path / "run")
+    run_single(tiny_argv(tiny_data, out, max_steps=2))
+    for script, flags in (("train_tp", dict(tp=2)), ("train_pp", dict(pp=2)),
+                          ("train_ep", dict(ep=2, n_experts=2, top_k=1))):
+        argv = tiny_argv(tiny_data, out, max_steps=4, resume=True, n_embd=48, **flags)
+        results = run_workers(_exit_code, 2, args=(script, argv), timeout=300)
+        assert [code for code, _ in results] == [2, 2], (script, results)
+        for rank, (_, err) in enumerate(results):
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"error: rank {rank}: checkpoint ") and \
+                "does not match this model" in lines[0], (script, lines)
+
+
 def _cfg(out_dir, keep=2):
     return SimpleNamespace(out_dir=out_dir, keep_checkpoints=keep, dist_timeout=1.0)
 
