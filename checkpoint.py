@@ -92,7 +92,10 @@ def save_checkpoint(path, state):
                          f"on disk are kept")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(state, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())                         # on disk before it is renamed into place (a node crash too)
     os.replace(tmp, path)
 
 

@@ -3,6 +3,7 @@ with the unbroken run's losses; step directories committed last (a crash leaves 
 the newest --keep_checkpoints kept; --resume auto; a job killed mid-run restarts under torchrun by itself."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,6 +119,15 @@ def test_resume_auto_starts_fresh_then_resumes(tiny_data, tmp_path, capsys):
     resumed = run_single(tiny_argv(tiny_data, out, max_steps=6, resume="auto"))[0]
     straight = run_single(tiny_argv(tiny_data, str(tmp_path / "straight"), max_steps=6))[0]
     assert resumed == straight and "steps 3..5" in capsys.readouterr().out
+
+
+def test_an_earlier_versions_ckpt_pt_is_still_resumed(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    run_single(tiny_argv(tiny_data, str(out), max_steps=6, stop_step=3))
+    os.replace(latest_checkpoint(str(out)), out / "ckpt.pt")       # as an earlier version left it
+    shutil.rmtree(out / CKPT_DIR)
+    resumed = run_single(tiny_argv(tiny_data, str(out), max_steps=6, resume=True))[0]
+    assert resumed == run_single(tiny_argv(tiny_data, str(tmp_path / "straight"), max_steps=6))[0]
 
 
 def test_per_rank_files_of_an_earlier_version_are_one_clear_line(tiny_data, tmp_path, capsys):
