@@ -22,7 +22,6 @@ column saying whether that run's median paired ratio reaches R.
 import argparse
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys

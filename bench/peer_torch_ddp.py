@@ -15,7 +15,6 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 

@@ -18,7 +18,6 @@ import torch
 import train_single
 from checkpoint import latest_checkpoint
 from distributed_helper import recorded_runs, run_workers
-from metrics import read_metrics
 from train_helpers import losses, make_tiny_dataset, run_single, text_argv, tiny_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ import torch
 import train_single
 from checkpoint import latest_checkpoint
 from metrics import read_metrics
-from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, losses, run_single,
+from train_helpers import (MODELS, assert_exact, assert_same_losses, assert_same_weights, losses, run_single,
                            text_argv, tiny_argv)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
