@@ -79,3 +79,17 @@ def recorded_runs(rank, world_size, script, argvs):
         logs.append(comm.LAUNCH_LOG)
         comm.LAUNCH_LOG = None
     return logs
+
+
+def exit_code_and_stderr(rank, world_size, script, argv):
+    """A worker: script.main(argv) on one rank; returns (its exit code, 0 if it returned; this rank's stderr)."""
+    import contextlib
+    import importlib
+    import io
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            importlib.import_module(script).main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()

@@ -14,7 +14,7 @@ import torch
 
 import train_single
 from checkpoint import CKPT_DIR, FILE, latest_checkpoint, remove_stale_temp_files, save_step, step_dir
-from distributed_helper import recorded_runs, run_workers
+from distributed_helper import exit_code_and_stderr, recorded_runs, run_workers
 from metrics import read_metrics
 from train_helpers import assert_exact, curves, losses, run_single, text_argv, tiny_argv
 
@@ -51,27 +51,13 @@ def test_expert_parallel_checkpoints_resume_anywhere(text_data, tmp_path):
     assert_exact(curves(ref), curves(out))
 
 
-def _exit_code(rank, world, script, argv):
-    """script.main(argv) on one rank: (exit code, this rank's stderr)."""
-    import contextlib
-    import importlib
-    import io
-    err, code = io.StringIO(), 0
-    with contextlib.redirect_stderr(err):
-        try:
-            importlib.import_module(script).main(argv)
-        except SystemExit as e:
-            code = e.code
-    return code, err.getvalue()
-
-
 def test_another_models_checkpoint_is_one_line_in_the_sharded_layouts(tiny_data, tmp_path):
     out = str(tmp_path / "run")
     run_single(tiny_argv(tiny_data, out, max_steps=2))
     for script, flags in (("train_tp", dict(tp=2)), ("train_pp", dict(pp=2)),
                           ("train_ep", dict(ep=2, n_experts=2, top_k=1))):
         argv = tiny_argv(tiny_data, out, max_steps=4, resume=True, n_embd=48, **flags)
-        results = run_workers(_exit_code, 2, args=(script, argv), timeout=300)
+        results = run_workers(exit_code_and_stderr, 2, args=(script, argv), timeout=300)
         assert [code for code, _ in results] == [2, 2], (script, results)
         for rank, (_, err) in enumerate(results):
             lines = err.strip().splitlines()

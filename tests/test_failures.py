@@ -2,9 +2,6 @@
 token file, --out_dir or --n_microbatches; a non-finite step skipped, and a diverged run stopped before it can
 save over a good checkpoint, in every script; stale temporary files of killed saves removed; each rank's own
 dropout stream restored on resume; character-level samples decoded."""
-import contextlib
-import importlib
-import io
 import json
 import os
 import pickle
@@ -17,7 +14,7 @@ import torch
 
 import train_single
 from checkpoint import latest_checkpoint
-from distributed_helper import recorded_runs, run_workers
+from distributed_helper import exit_code_and_stderr, recorded_runs, run_workers
 from train_helpers import losses, make_tiny_dataset, run_single, text_argv, tiny_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,17 +61,6 @@ def test_a_non_finite_step_is_skipped_and_the_run_goes_on(tiny_data, tmp_path, m
     assert state["step"] == 5 and int(state["optimizer"]["state"][0]["step"]) == 4    # 4 of 5 steps taken
 
 
-def _exit_code(rank, world, script, argv):
-    """script.main(argv) on one rank: (exit code, this rank's stderr)."""
-    err, code = io.StringIO(), 0
-    with contextlib.redirect_stderr(err):
-        try:
-            importlib.import_module(script).main(argv)
-        except SystemExit as e:
-            code = e.code
-    return code, err.getvalue()
-
-
 DIVERGING = [("train_single", 1, {}), ("train_ddp", 2, {}), ("train_zero", 2, dict(zero_stage=1)),
              ("train_zero", 2, dict(zero_stage=3)), ("train_tp", 2, dict(tp=2)), ("train_cp", 2, dict(cp=2)),
              ("train_pp", 2, dict(pp=2)), ("train_ep", 2, dict(ep=2, n_experts=2, top_k=1))]
@@ -88,7 +74,7 @@ def test_a_diverged_run_stops_and_keeps_a_finite_checkpoint(tiny_data, tmp_path,
     out = str(tmp_path / "run")
     argv = tiny_argv(tiny_data, out, lr=1e30, min_lr=0, warmup_steps=0, max_steps=10, save_interval=1,
                      n_layer=2, max_bad_steps=2, **flags)
-    results = run_workers(_exit_code, world, args=(script, argv), timeout=300)
+    results = run_workers(exit_code_and_stderr, world, args=(script, argv), timeout=300)
     assert [code for code, _ in results] == [2] * world, results
     err = results[0][1].strip().splitlines()
     assert err[0].startswith("warning: step 1:") and err[-1].startswith("error: step 2:"), err
