@@ -71,7 +71,7 @@ from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, ch
 from tp_shards import full_shape, init_tp_weights, tp_gather, tp_slice
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, shard_model
-from zero_checkpoint import flatten, full_values, optimizer_layout, write_single_device_checkpoint
+from zero_checkpoint import flatten, full_values, optimizer_layout, whole_parts, write_single_device_checkpoint
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
@@ -205,22 +205,17 @@ def moe_metrics(chunks, grid, cfg):
 # checkpoints in train_single's layout, so any layout (or train_single) resumes any other: resharding resume
 
 def whole_state(chunks, optimizer, shards, tp_group):
-    """{name: [weight, exp_avg, exp_avg_sq, step]} of this rank's parameters as whole CPU tensors (TP parts
-    gathered: every TP rank takes part; ZeRO slices gathered first over dp x cp)."""
-    out = {}
+    """({name: [weight, exp_avg, exp_avg_sq, step]}, {buffer name: tensor}) of this rank's parameters and buffers
+    as whole CPU tensors (TP parts gathered: every TP rank takes part; ZeRO slices gathered first over dp x cp)."""
     if shards is None:
-        for chunk in chunks:
-            for name, p in chunk.named_parameters():
-                st = optimizer.state[p]
-                out[name] = [tp_gather(p, t, tp_group).cpu() for t in (p, st["exp_avg"], st["exp_avg_sq"])]
-                out[name].append(st["step"].cpu())
-        return out
+        return whole_parts(chunks, optimizer, tp_group, keep=lambda name: True)
+    out = {}
     local = [full_values(shards, attr) for attr in ("master", "exp_avg", "exp_avg_sq")]   # by GPT name
     for s in shards:
         for name, p in zip(s.names, s.params):
             out[name] = [tp_gather(p, values[name].to(p.device), tp_group).cpu() for values in local]
             out[name].append(torch.tensor(float(optimizer.steps)))
-    return out
+    return out, {name: b.cpu() for chunk in chunks for name, b in chunk.named_buffers()}
 
 
 def gather_to_first(obj, group):
@@ -239,8 +234,7 @@ def gather_whole(chunks, optimizer, shards, grid):
     """({name: [weight, exp_avg, exp_avg_sq, step]}, {buffer name: tensor}) of the whole model on global rank 0
     (None elsewhere): TP parts gathered over tp, experts over ep, the stages' parts sent over pp (other dp / cp
     indices hold replicas and send nothing)."""
-    parts = (whole_state(chunks, optimizer, shards, grid.groups["tp"]),
-             {name: b.cpu() for chunk in chunks for name, b in chunk.named_buffers()})
+    parts = whole_state(chunks, optimizer, shards, grid.groups["tp"])
     if grid.ep > 1:
         gathered = gather_to_first(parts, grid.groups["ep"])
         if gathered is None:
