@@ -7,15 +7,17 @@ layout_auto.py: `train_5d.py --layout auto`, the layout plan.py ranks best for t
 The job plan.py is asked about is this run's: the model (train_5d's flags, the dataset's vocabulary), the world
 size, the GPUs per node (torchrun's LOCAL_WORLD_SIZE) and the GPU found (its memory too), with the global batch
 and precision of the flags. plan.py ranks every layout of dp x tp x cp x pp x ep, schedule, micro-batch size,
-ZeRO stage and recompute by predicted tokens/s among those that fit; the first one train_5d.py runs (ZeRO 0-2,
-ZeRO-2 without interleaved / zb1, zb1 with tp 1, ep with ZeRO 0) and that fits the memory found is taken. Its
-degrees, schedule, micro-batch size, ZeRO stage and recompute replace the flags'; rank 0 prints why.
+ZeRO stage and recompute by predicted tokens/s among those that fit; the first one that train_5d.py's own
+validate accepts (it refuses ZeRO-3, ZeRO-2 with interleaved / zb1, zb1 with tp > 1, ...) and that fits the memory
+found is taken. Its degrees, schedule, micro-batch size, ZeRO stage and recompute replace the flags'; rank 0
+prints why.
 """
+import copy
 import os
 
 import torch
 
-from config import check
+from config import ConfigError, check
 from metrics import gpu_chip_and_board
 from model import GPTConfig
 from plan import HEADER, format_row, rank_layouts
@@ -28,11 +30,23 @@ def gpu_kind(device_name):
     return chip if chip in HARDWARE else None
 
 
-def runs_in_train_5d(row):
-    """Whether train_5d.py accepts this plan.py layout (its validate refuses the others with one line)."""
-    zero, schedule = row["zero_stage"], row["schedule"]
-    return (zero <= 2 and not (zero == 2 and (row["v"] > 1 or schedule == "zb1"))
-            and not (schedule == "zb1" and row["tp"] > 1) and not (row["ep"] > 1 and zero > 0))
+def set_layout(cfg, row):
+    """cfg with the layout of a plan.py row (degrees, schedule, micro-batch size, ZeRO stage, recompute)."""
+    for key in ("dp", "tp", "cp", "pp", "ep", "sp", "zero_stage", "micro_batch_size", "recompute"):
+        setattr(cfg, key, row[key])
+    cfg.pp_schedule, cfg.pp_virtual, cfg.layout = row["schedule"], row["v"], ""
+    return cfg
+
+
+def accepted_by(validate, cfg):
+    """row -> whether `validate` (train_5d's own, raising ConfigError) accepts cfg with the row's layout."""
+    def accepts(row):
+        try:
+            validate(set_layout(copy.copy(cfg), row))
+        except ConfigError:
+            return False
+        return True
+    return accepts
 
 
 def plan_job(cfg, vocab_size, world, gpus_per_node, gpu, precision):
@@ -42,17 +56,17 @@ def plan_job(cfg, vocab_size, world, gpus_per_node, gpu, precision):
     return Job(model, world, gpus_per_node, gpu, cfg.global_batch_size, precision, "flash", cfg.bucket_mb)
 
 
-def choose_layout(job, memory_bytes):
-    """(best row train_5d runs that fits memory_bytes, the ranked rows it was chosen from)."""
-    rows = [r for r in rank_layouts(job) if runs_in_train_5d(r)]
+def choose_layout(job, memory_bytes, accepts):
+    """(best row that `accepts` takes and that fits memory_bytes, the ranked rows it was chosen from)."""
+    rows = [r for r in rank_layouts(job) if accepts(r)]
     fits = [r for r in rows if not r["oom"] and r["mem_bytes"]["total"] <= USABLE * memory_bytes]
     check(fits, f"--layout auto: no layout train_5d.py runs fits {memory_bytes / GIB:.1f} GiB per GPU for this "
                 f"model and batch (plan.py ranks {len(rows)}); try a smaller --micro_batch_size or model")
     return fits[0], fits
 
 
-def apply_auto_layout(cfg, vocab_size, device, world, is_main):
-    """Replace cfg's layout flags by plan.py's choice for this run (see the module docstring)."""
+def apply_auto_layout(cfg, vocab_size, device, world, is_main, validate):
+    """Replace cfg's layout flags by plan.py's choice for this run among those `validate` (train_5d's) accepts."""
     name = cfg.plan_gpu or (torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     gpu = name if name in HARDWARE else gpu_kind(name)
     check(gpu is not None, f"--layout auto plans for a GPU plan.py knows ({', '.join(HARDWARE)}), found "
@@ -62,10 +76,8 @@ def apply_auto_layout(cfg, vocab_size, device, world, is_main):
         memory = torch.cuda.get_device_properties(device).total_memory
     precision = "fp32" if cfg.dtype in ("float32", "float64") or device.type == "cpu" else "amp"
     job = plan_job(cfg, vocab_size, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpu, precision)
-    best, fits = choose_layout(job, memory)
-    for key in ("dp", "tp", "cp", "pp", "ep", "sp", "zero_stage", "micro_batch_size", "recompute"):
-        setattr(cfg, key, best[key])
-    cfg.pp_schedule, cfg.pp_virtual = best["schedule"], best["v"]
+    best, fits = choose_layout(job, memory, accepted_by(validate, cfg))
+    set_layout(cfg, best)
     if is_main:
         print(f"--layout auto: plan.py for {world} x {gpu} ({memory / GIB:.0f} GiB, {job.gpus_per_node} per node), "
               f"{precision}; {len(fits)} layouts train_5d runs fit, ranked by predicted tokens/s; the first is "

@@ -408,9 +408,7 @@ def main(argv=None):
     loader = prepare_data(cfg, env)
     if cfg.layout == "auto":                   # once the vocabulary is known; a refusal is still one line
         try:
-            apply_auto_layout(cfg, loader.vocab_size, env.device, env.world_size, env.is_main)
-            cfg.layout = ""
-            validate(cfg)
+            apply_auto_layout(cfg, loader.vocab_size, env.device, env.world_size, env.is_main, validate)
         except ConfigError as e:
             fail(str(e))
     sizes = dict(tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp)

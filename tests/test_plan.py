@@ -228,20 +228,31 @@ def test_bad_input_one_error_line(capsys, argv, message):
 # ----------------------------------------------------------------------------------------------------------
 # train_5d --layout auto
 
-def test_auto_layout_is_the_fastest_runnable_layout_that_fits():
-    from layout_auto import choose_layout, runs_in_train_5d
+def auto_cfg(**shape):
+    """A train_5d config for --layout auto (its parser adds --layout and --plan_gpu to config.Config's flags)."""
+    from config import Config
+    cfg = Config(**shape)
+    cfg.layout, cfg.plan_gpu = "auto", "h100"
+    return cfg
+
+
+def test_auto_layout_is_the_fastest_runnable_layout_that_fits(monkeypatch):
+    import train_5d
+    from layout_auto import accepted_by, choose_layout
     from plan_inputs import GIB, USABLE
+    monkeypatch.setenv("WORLD_SIZE", "8")
     job = job_for(GPTConfig(vocab_size=50257, block_size=2048, n_layer=24, n_head=16, n_embd=2048), gpus=8,
                   global_seqs=64, precision="amp")
+    runs = accepted_by(train_5d.validate, auto_cfg(block_size=2048, n_layer=24, n_head=16, n_embd=2048,
+                                                   global_batch_size=64, dtype="bfloat16"))
     rows = plan.rank_layouts(job)
-    assert any(not runs_in_train_5d(r) and not r["oom"] for r in rows)      # ZeRO-3 etc. are ranked but refused
+    assert any(not runs(r) and not r["oom"] for r in rows)      # ZeRO-3 etc. are ranked but refused by train_5d
     for memory in (80 * GIB, 24 * GIB):
-        best, fits = choose_layout(job, memory)
-        assert runs_in_train_5d(best) and best["mem_bytes"]["total"] <= USABLE * memory
-        runnable = [r for r in rows if runs_in_train_5d(r) and not r["oom"]
-                    and r["mem_bytes"]["total"] <= USABLE * memory]
+        best, fits = choose_layout(job, memory, runs)
+        assert runs(best) and best["mem_bytes"]["total"] <= USABLE * memory
+        runnable = [r for r in rows if runs(r) and not r["oom"] and r["mem_bytes"]["total"] <= USABLE * memory]
         assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in runnable)
-    assert choose_layout(job, 24 * GIB)[0] != choose_layout(job, 80 * GIB)[0]   # less memory, another layout
+    assert choose_layout(job, 24 * GIB, runs)[0] != choose_layout(job, 80 * GIB, runs)[0]   # less memory, another
 
 
 def _auto_run(rank, world, argv):
@@ -251,15 +262,17 @@ def _auto_run(rank, world, argv):
                 micro=result["cfg"].micro_batch_size, zero=result["cfg"].zero_stage)
 
 
-def test_train_5d_layout_auto_runs_plans_choice(tiny_data, tmp_path):
+def test_train_5d_layout_auto_runs_plans_choice(tiny_data, tmp_path, monkeypatch):
     """On CPU with --plan_gpu: train_5d runs the layout layout_auto chooses for the same job."""
-    from layout_auto import choose_layout, plan_job
-    from config import Config
+    import train_5d
+    from layout_auto import accepted_by, choose_layout, plan_job
     from plan_inputs import HARDWARE
     argv = tiny_argv(tiny_data, str(tmp_path), max_steps=2, layout="auto", plan_gpu="h100", n_layer=4)
     got = run_workers(_auto_run, 4, args=(argv,), timeout=600)[0]
-    cfg = Config(n_layer=4, n_head=4, n_embd=32, block_size=16, global_batch_size=8)
-    best, _ = choose_layout(plan_job(cfg, 64, 4, 4, "h100", "fp32"), HARDWARE["h100"]["mem"])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = auto_cfg(n_layer=4, n_head=4, n_embd=32, block_size=16, global_batch_size=8, dtype="float32")
+    best, _ = choose_layout(plan_job(cfg, 64, 4, 4, "h100", "fp32"), HARDWARE["h100"]["mem"],
+                            accepted_by(train_5d.validate, cfg))
     assert got == dict(dp=best["dp"], tp=best["tp"], cp=best["cp"], pp=best["pp"], ep=best["ep"],
                        schedule=best["schedule"], micro=best["micro_batch_size"], zero=best["zero_stage"])
 
