@@ -10,7 +10,15 @@ gather it with zero_checkpoint.py). A save is a step directory whose completenes
     OUT_DIR/ckpt/latest                    "step_00000010", published by rank 0 (temporary file + os.replace)
 
 so a crash at any moment leaves `latest` naming a complete checkpoint; resume reads it (or, if it was lost, the
-newest complete step directory). After publishing, all but the newest --keep_checkpoints step directories are
+newest complete step directory). The sharded layouts never gather the whole model on one rank: each rank writes
+the whole tensors it was picked to write (zero_checkpoint.save_parts), in parallel, and ckpt.pt lists the parts:
+
+    OUT_DIR/ckpt/step_00000010/part_00000.pt ... part_00007.pt     every rank, at once (before the barrier)
+    OUT_DIR/ckpt/step_00000010/ckpt.pt   {step, rng, config, AdamW param_groups, parts: [...]}  (after it)
+
+A part holds some of the consolidated checkpoint's entries (model weights by name, AdamW states by index), so
+load_checkpoint merges them into the one-file form; parts are memory-mapped, so a rank that keeps a slice of
+each tensor (resharding at load) reads little more than its slice. After publishing, all but the newest --keep_checkpoints step directories are
 removed. Files are read with weights_only=True (no pickled code is executed). Data position needs no state:
 the batch of step s is a pure function of (seed, s) (data.py), so the step number *is* the data position.
 """
@@ -23,7 +31,8 @@ import torch.distributed as dist
 
 CKPT_DIR, FILE, LATEST = "ckpt", "ckpt.pt", "latest"
 STEP_DIR = re.compile(r"step_(\d{8})")
-TEMP_FILE = re.compile(r"(ckpt(_rank\d+)?\.pt|latest)\.tmp\.\d+")      # temporary files of killed saves
+PART = "part_{:05d}.pt"                                               # a rank's part of a sharded save
+TEMP_FILE = re.compile(r"(ckpt(_rank\d+)?\.pt|part_\d+\.pt|latest)\.tmp\.\d+")   # temporary files of killed saves
 LEGACY = "ckpt.pt"                                                    # OUT_DIR/ckpt.pt of earlier versions
 
 
@@ -83,13 +92,13 @@ def resolve_resume(value, out_dir):
     return False
 
 
+def non_finite_entries(state):
+    """Names of the model entries of a checkpoint (or a part of one) that hold inf or NaN."""
+    return [k for k, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
+
+
 def save_checkpoint(path, state):
-    """Write atomically; refuse (ValueError) a model with a non-finite value, so that a diverged run never
-    replaces a good checkpoint (the NaN guard, optim.NonFiniteGuard, should have stopped it before)."""
-    bad = [k for k, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
-    if bad:
-        raise ValueError(f"not saving {path}: the weights hold inf/NaN ({', '.join(bad[:3])}); the checkpoints "
-                         f"on disk are kept")
+    """Write atomically: a temporary file, flushed to disk, then renamed into place."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -110,29 +119,49 @@ def publish(out_dir, step, keep):
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, LATEST))
     steps = [int(m.group(1)) for m in map(STEP_DIR.fullmatch, os.listdir(root)) if m]
-    kept = sorted(s for s in steps if s <= step)[-keep:]
+    kept = [s for s in complete_steps(out_dir) if s <= step][-keep:]     # never an interrupted save's directory
     for s in steps:
         if s not in kept:
             shutil.rmtree(step_dir(out_dir, s), ignore_errors=True)
 
 
-def save_step(cfg, state, next_step):
-    """Every rank of the run calls this after step next_step - 1. `state`: the checkpoint (train_single's layout)
-    on the rank that writes it, None elsewhere. Written into its step directory, then a barrier, then rank 0
-    publishes it as latest: a crash at any point leaves the previous complete checkpoint as latest."""
+def refuse_non_finite(cfg, state, next_step):
+    """Stop every rank, keeping the checkpoints on disk, if any rank's part of this save holds inf/NaN: a diverged
+    run never replaces a good checkpoint (the NaN guard, optim.NonFiniteGuard, should have stopped it before)."""
     from config import fail                          # (config imports this module)
-    if state is not None:
-        try:
-            save_checkpoint(os.path.join(step_dir(cfg.out_dir, next_step), FILE), state)
-        except ValueError as e:                      # non-finite weights: keep the checkpoints that are there
-            fail(str(e), rank_local=True)
+    bad = non_finite_entries(state) if state is not None else []
+    flag = torch.tensor(float(len(bad) > 0))
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)   # every rank decides alike (a CPU tensor: gloo or NCCL+CPU)
+    if flag.item():
+        where = f"the weights hold inf/NaN ({', '.join(bad[:3])})" if bad else "another rank's weights hold inf/NaN"
+        fail(f"not saving step {next_step} to {cfg.out_dir}: {where}; the checkpoints on disk are kept",
+             rank_local=bool(bad))
+
+
+def save_step(cfg, state, next_step, part=None):
+    """Every rank of the run calls this after step next_step - 1. `state`: the checkpoint (train_single's layout,
+    or its metadata when the weights come in parts) on rank 0, None elsewhere. `part`: this rank's part of a
+    sharded save (zero_checkpoint.save_parts: every rank passes one, maybe empty), else None. Parts are written
+    in parallel, then a barrier, then rank 0 writes ckpt.pt and publishes the step as latest: a crash at any
+    point leaves the previous complete checkpoint as latest."""
+    from config import fail                          # (config imports this module)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    refuse_non_finite(cfg, part if part is not None else state, next_step)
+    directory = step_dir(cfg.out_dir, next_step)
+    if part is not None:
+        save_checkpoint(os.path.join(directory, PART.format(rank)), part)
     if dist.is_initialized():
         try:
             dist.barrier()                           # every part is on disk (bounded by --dist_timeout)
         except RuntimeError as e:                    # DistBackendError: a timeout, or a rank gone
             fail(f"waited longer than --dist_timeout {cfg.dist_timeout:g} s for the checkpoint save of step "
                  f"{next_step} ({type(e).__name__}); raise --dist_timeout", rank_local=True)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank == 0:
+        if part is not None:                         # exactly this save's parts (not an interrupted one's)
+            state = dict(state, parts=[PART.format(r) for r in range(world)])
+        save_checkpoint(os.path.join(directory, FILE), state)
         publish(cfg.out_dir, next_step, cfg.keep_checkpoints)
 
 
@@ -148,13 +177,23 @@ def remove_stale_temp_files(out_dir):
         print(f"removed {len(stale)} temporary file(s) of interrupted checkpoint saves from {out_dir}", flush=True)
 
 
+def read_file(path, device, mmap=False):
+    try:
+        return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+    except Exception as e:   # truncated, empty, missing, or not a checkpoint: torch raises several kinds
+        raise ValueError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
+
+
 def load_checkpoint(path, device="cpu"):
+    """The checkpoint in train_single's one-file form; a sharded save's parts are merged in (memory-mapped)."""
     if path is None or not os.path.exists(path):
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:   # truncated, empty, or not a checkpoint: torch raises several kinds
-        raise ValueError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
+    state = read_file(path, device)
+    for name in state.pop("parts", []):
+        part = read_file(os.path.join(os.path.dirname(path), name), device, mmap=device == "cpu")
+        state["model"].update(part["model"])
+        state["optimizer"]["state"].update(part["optimizer"]["state"])
+    return state
 
 
 def load_latest(out_dir, device="cpu"):

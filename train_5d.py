@@ -44,13 +44,14 @@ rank (and the all_gather of the row counts). Checkpoints are one file in train_s
 layout: any layout, or train_single, resumes any other. With tp 1, --kernels and --fp8 apply inside the
 stages as in train_single.
 """
+import itertools
 import time
 
 import torch
 import torch.distributed as dist
 
 import comm
-from checkpoint import load_latest, own_rng_state, rng_states_by_rank, save_step, set_rng_state
+from checkpoint import load_latest, own_rng_state, set_rng_state
 from comm import COMM, destroy, init_distributed, world_size_from_env
 from config import ConfigError, check, fail, parse_config
 from grid import build_grid, bytes_by_axis, print_grid
@@ -68,10 +69,10 @@ from routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
 from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
                           gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
-from tp_shards import full_shape, init_tp_weights, tp_gather, tp_slice
+from tp_shards import full_shape, init_tp_weights, tp_slice
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, shard_model
-from zero_checkpoint import flatten, full_values, optimizer_layout, whole_parts, write_single_device_checkpoint
+from zero_checkpoint import flatten, gathered_values, optimizer_layout, save_parts, tied_copies, whole_values
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
@@ -205,17 +206,34 @@ def moe_metrics(chunks, grid, cfg):
 # checkpoints in train_single's layout, so any layout (or train_single) resumes any other: resharding resume
 
 def whole_state(chunks, optimizer, shards, tp_group):
-    """({name: [weight, exp_avg, exp_avg_sq, step]}, {buffer name: tensor}) of this rank's parameters and buffers
-    as whole CPU tensors (TP parts gathered: every TP rank takes part; ZeRO slices gathered first over dp x cp)."""
+    """(name, [weight, exp_avg, exp_avg_sq, step]) of this rank's parameters as whole tensors (ZeRO slices gathered
+    over dp x cp one bucket at a time, TP parts over tp): collectives every rank of those groups runs."""
     if shards is None:
-        return whole_parts(chunks, optimizer, tp_group, keep=lambda name: True)
-    out = {}
-    local = [full_values(shards, attr) for attr in ("master", "exp_avg", "exp_avg_sq")]   # by GPT name
-    for s in shards:
-        for name, p in zip(s.names, s.params):
-            out[name] = [tp_gather(p, values[name].to(p.device), tp_group).cpu() for values in local]
-            out[name].append(torch.tensor(float(optimizer.steps)))
-    return out, {name: b.cpu() for chunk in chunks for name, b in chunk.named_buffers()}
+        yield from whole_values(chunks, optimizer, tp_group)
+        return
+    skip, step = tied_copies(chunks), torch.tensor(float(optimizer.steps))
+    for name, values in gathered_values(shards, tp_group):
+        if name not in skip:
+            yield name, values + [step]
+
+
+def checkpoint_holder(name, grid):
+    """(key, holders, my index) for zero_checkpoint.save_parts: a dense tensor of my stages is held whole by
+    every rank of the stage's dp x cp x tp slab once gathered, an expert by the tp x edp ranks holding it."""
+    data_index, tp, tp_index = dist.get_rank(grid.groups["dp_cp"]), grid.sizes["tp"], grid.coords["tp"]
+    slab = grid.sizes["dp"] * grid.sizes["cp"]
+    if is_expert_param(name):
+        return "experts", slab // grid.ep * tp, data_index // grid.ep * tp + tp_index
+    return "dense", slab * tp, data_index * tp + tp_index
+
+
+def save_checkpoint(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
+    """One checkpoint in train_single's layout, each whole tensor written by one of the ranks holding it, all
+    ranks at once (zero_checkpoint.save_parts); global rank 0 publishes the step once every part is on disk."""
+    entries = ((name, values, checkpoint_holder(name, grid))
+               for name, values in whole_state(chunks, optimizer, shards, grid.groups["tp"]))
+    buffers = ((name, [b], checkpoint_holder(name, grid)) for chunk in chunks for name, b in chunk.named_buffers())
+    save_parts(cfg, gcfg, itertools.chain(entries, buffers), next_step)
 
 
 def gather_to_first(obj, group):
@@ -232,9 +250,10 @@ def merged(parts):
 
 def gather_whole(chunks, optimizer, shards, grid):
     """({name: [weight, exp_avg, exp_avg_sq, step]}, {buffer name: tensor}) of the whole model on global rank 0
-    (None elsewhere): TP parts gathered over tp, experts over ep, the stages' parts sent over pp (other dp / cp
-    indices hold replicas and send nothing)."""
-    parts = whole_state(chunks, optimizer, shards, grid.groups["tp"])
+    (None elsewhere), for the sample: experts gathered over ep, the stages' parts over pp."""
+    params = {name: [t.cpu() for t in values] for name, values in whole_state(chunks, optimizer, shards,
+                                                                              grid.groups["tp"])}
+    parts = params, {name: b.cpu() for chunk in chunks for name, b in chunk.named_buffers()}
     if grid.ep > 1:
         gathered = gather_to_first(parts, grid.groups["ep"])
         if gathered is None:
@@ -244,23 +263,6 @@ def gather_whole(chunks, optimizer, shards, grid):
         return None
     gathered = gather_to_first(parts, grid.groups["pp"])
     return None if gathered is None else merged(gathered)
-
-
-def save_consolidated(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
-    """One checkpoint as train_single writes it (model, AdamW state in a single-device optimizer's order), in
-    a step directory that global rank 0 publishes once every rank has passed the save (checkpoint.save_step)."""
-    rngs = rng_states_by_rank()                  # every rank's dropout stream (seed + its stage and batch slice)
-    whole = gather_whole(chunks, optimizer, shards, grid)
-    if whole is None:
-        save_step(cfg, None, next_step)          # the barrier before rank 0 publishes the step
-        return
-    params, buffers = whole
-    with torch.device("meta"):
-        gpt = GPT(gcfg)
-    weights, exp_avg, exp_avg_sq = ({n: value[i] for n, value in params.items()} for i in range(3))
-    adam_step = next(iter(params.values()))[3]
-    write_single_device_checkpoint(cfg, gpt, {**weights, **buffers}, exp_avg, exp_avg_sq, adam_step, next_step,
-                                   rng_by_rank=rngs)
 
 
 def sample_on_rank0(cfg, chunks, optimizer, shards, grid, gcfg, loader, env):
@@ -496,7 +498,7 @@ def main(argv=None):
             chunks.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_consolidated(cfg, chunks, optimizer, shards, grid, gcfg, step + 1)
+            save_checkpoint(cfg, chunks, optimizer, shards, grid, gcfg, step + 1)
     logger.close()
     if cfg.sample_tokens > 0 and last_step > start:     # (AdamW's state exists once a step has run)
         sample_on_rank0(cfg, chunks, optimizer, shards, grid, gcfg, loader, env)

@@ -202,6 +202,12 @@ def validate(cfg):
     check(grad_accum_steps(cfg, world) > 0, "empty batch")
 
 
+def checkpoint_holder(name, rank, world, ep):
+    """(key, holders, my index) of a tensor for zero_checkpoint.save_whole: an expert is held by its replicas
+    (rank r is the (r // ep)-th), everything else by every rank."""
+    return ("experts", world // ep, rank // ep) if is_expert_param(name) else ("dense", world, rank)
+
+
 def main(argv=None):
     cfg = parse_config(argv, techniques=("ep", "fp8") + MOE_FLAGS, description=__doc__.split("\n\n")[0],
                        validate=validate)
@@ -274,8 +280,8 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_whole(cfg, model.cfg, [model], optimizer, step + 1,     # experts from their ranks, the rest
-                       keep=lambda name: env.is_main or is_expert_param(name))   # from rank 0
+            save_whole(cfg, model.cfg, [model], optimizer, step + 1,     # each tensor by one of its holders:
+                       holder=lambda name: checkpoint_holder(name, env.rank, world, cfg.ep))
     logger.close()
     # every rank generates (each forward is collective over the experts), with the same seed and prompt,
     # hence the same tokens; only rank 0's text is shown

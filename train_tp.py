@@ -432,7 +432,8 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_whole(cfg, model.cfg, [model], optimizer, step + 1, group, keep=lambda name: env.is_main)
+            save_whole(cfg, model.cfg, [model], optimizer, step + 1, group,   # each tensor by one rank
+                       holder=lambda name: ("all", env.world_size, env.rank))
     logger.close()
     if cfg.sample_tokens > 0 and not cfg.sp:     # every rank runs the forward (collectives), rank 0 prints
         with contextlib.redirect_stdout(io.StringIO()) if not env.is_main else contextlib.nullcontext():

@@ -1,17 +1,24 @@
 """
-zero_checkpoint.py: the sharded layouts' checkpoints, always consolidated to train_single.py's layout (the whole
-model's weights and a single-device AdamW's state, in one file of a step directory, checkpoint.save_step), so
-any layout or world size, train_single or train_5d can resume any other. For train_zero.py (and train_5d.py's
-ZeRO-1), and for train_tp, train_pp and train_ep (save_whole / load_whole: each rank's parameters by their GPT
-names, TP slices gathered whole, stages and experts merged on rank 0; at load every rank keeps its part).
+zero_checkpoint.py: the sharded layouts' checkpoints, always in train_single.py's layout (the whole model's weights
+and a single-device AdamW's state, checkpoint.py), so any layout or world size, train_single or train_5d can
+resume any other. For train_zero.py, train_tp.py, train_pp.py, train_ep.py and train_5d.py.
+
+Saving never gathers the model on one rank. Each parameter is made whole (ZeRO slices all-gathered over their
+group, one bucket at a time; TP slices over tp) on the ranks that hold it, and exactly one of those ranks keeps
+it, the least loaded so far (by bytes), so every rank writes about 1/n of its copies' bytes, at once:
+
+    holders of a tensor          tp2: ranks {0,1}     pp2: its stage's rank     ep2 expert 3: rank 1 (+ replicas)
+    written by                   the least loaded holder; the others drop their gathered copy straight away
+
+Loading (load_whole, load_consolidated) reads the merged checkpoint (its parts memory-mapped) and keeps this
+rank's part: its TP slice, its ZeRO range of the flat buffer (`flatten`), its stages and experts.
 
 A shard (train_zero.Shard) is one bucket or unit of parameters as a flat buffer, zero-padded to a multiple of
-the group size; rank r holds elements [lo, hi). Saving all-gathers every flat buffer (master weights, Adam
-moments) and cuts it back into named tensors; loading lays the named tensors out flat again (`flatten`) and
-keeps [lo, hi).
+the group size; rank r holds elements [lo, hi).
 """
-import torch
+import itertools
 
+import torch
 import torch.distributed as dist
 
 from checkpoint import load_latest, own_rng_state, rng_state, rng_states_by_rank, save_step, set_rng_state
@@ -24,19 +31,29 @@ from train_single import fail_together
 
 
 @torch.no_grad()
-def full_values(shards, attr):
-    """{parameter name: full fp32 (or float64) tensor} of the master weights or an AdamW moment, gathered
-    from the shards."""
-    out = {}
+def gathered_values(shards, tp_group=None):
+    """(parameter name, [weight, exp_avg, exp_avg_sq]) of every parameter of the shards as whole tensors: each
+    bucket's flat buffers all-gathered over its group in turn, TP slices then gathered over tp_group. Collectives
+    every rank of those groups runs; only one bucket is whole at a time."""
     for s in shards:
-        local = getattr(s, attr)
-        full = local
-        if s.stage > 0:
-            full = torch.empty(s.padded, dtype=local.dtype, device=local.device)
-            all_gather(full, local, group=s.group)
+        flats = []
+        for local in (s.master, s.exp_avg, s.exp_avg_sq):
+            full = local
+            if s.stage > 0:
+                full = torch.empty(s.padded, dtype=local.dtype, device=local.device)
+                all_gather(full, local, group=s.group)
+            flats.append(full)
         for name, p, off in zip(s.names, s.params, s.offsets):
-            out[name] = full[off: off + p.numel()].view(p.shape).cpu().clone()
-    return out
+            values = [f[off: off + p.numel()].view(p.shape) for f in flats]
+            if tp_group is not None:
+                values = [tp_gather(p, v, tp_group) for v in values]
+            yield name, values
+
+
+def full_values(shards, attr):
+    """{parameter name: whole CPU tensor} of the master weights or an AdamW moment (for tests and samples)."""
+    index = ("master", "exp_avg", "exp_avg_sq").index(attr)
+    return {name: values[index].cpu().clone() for name, values in gathered_values(shards)}
 
 
 def optimizer_layout(model, cfg):
@@ -47,29 +64,63 @@ def optimizer_layout(model, cfg):
     return order, reference.state_dict()["param_groups"]
 
 
-def write_single_device_checkpoint(cfg, model, weights, exp_avg, exp_avg_sq, adam_step, next_step, rng_by_rank=None):
-    """The checkpoint exactly as train_single writes it, from whole tensors by GPT parameter name: `model` (a GPT,
-    meta is enough) gives the state_dict keys (the tied lm_head.weight too) and the AdamW state order.
-    rng_by_rank: every rank's RNG state (checkpoint.rng_states_by_rank), for ranks with their own dropout streams."""
-    order, param_groups = optimizer_layout(model, cfg)
-    names = {p: n for n, p in model.named_parameters()}
+class Writers:
+    """Picks the rank that writes each whole tensor: of the `holders` ranks that hold it (the same `key` on each),
+    the one with the fewest bytes so far. Holders of a key see its tensors in the same order, so they all pick
+    alike without a message."""
+
+    def __init__(self):
+        self.loads = {}
+
+    def mine(self, tensor, key, holders, me):
+        loads = self.loads.setdefault(key, [0] * holders)
+        writer = loads.index(min(loads))
+        loads[writer] += tensor.numel() * tensor.element_size()
+        return writer == me
+
+
+def checkpoint_part(cfg, gpt, mine):
+    """This rank's part of the checkpoint in train_single's layout: the state_dict entries (the tied lm_head.weight
+    with wte) and the AdamW states (by a single-device optimizer's index) of `mine`: {parameter name: [weight,
+    exp_avg, exp_avg_sq, step]}, {buffer name: [tensor]}. `gpt`: a GPT of the model's shape (meta is enough)."""
+    order, _ = optimizer_layout(gpt, cfg)
+    names = {p: n for n, p in gpt.named_parameters()}
+    model = {}
+    for key, p in gpt.state_dict(keep_vars=True).items():
+        name = names.get(p, key)
+        if name in mine:
+            model[key] = mine[name][0]
     # one step tensor per parameter, as torch saves them: a shared one would be stepped once per parameter
-    state = {i: dict(step=adam_step.clone(), exp_avg=exp_avg[n], exp_avg_sq=exp_avg_sq[n]) for i, n in enumerate(order)}
-    # parameters by name (the tied lm_head.weight is wte's); buffers (an MoE block's load) by their own key
-    model_state = {k: weights[names.get(p, k)] for k, p in model.state_dict(keep_vars=True).items()}
-    extra = {} if rng_by_rank is None else dict(rng_by_rank=rng_by_rank)
-    save_step(cfg, dict(model=model_state, optimizer=dict(state=state, param_groups=param_groups), step=next_step,
-                        rng=rng_state(), config=config_dict(cfg), **extra), next_step)
+    state = {i: dict(step=mine[n][3].clone(), exp_avg=mine[n][1], exp_avg_sq=mine[n][2])
+             for i, n in enumerate(order) if n in mine}
+    return dict(model=model, optimizer=dict(state=state))
+
+
+def save_parts(cfg, gcfg, entries, next_step):
+    """Every rank calls this. entries: (name, [weight, exp_avg, exp_avg_sq, step] or [buffer], (key, holders, me))
+    of every whole tensor this rank holds (a generator: it may run the gathers); the ones this rank is picked for
+    are kept and written as its part, in parallel with the other ranks (checkpoint.save_step)."""
+    rngs = rng_states_by_rank()                      # each rank's own dropout stream
+    writers, mine = Writers(), {}
+    for name, values, (key, holders, me) in entries:
+        if writers.mine(values[0], key, holders, me):
+            mine[name] = [v.detach().cpu().clone() for v in values]
+    with torch.device("meta"):
+        gpt = GPT(gcfg)
+    meta = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _, param_groups = optimizer_layout(gpt, cfg)
+        meta = dict(model={}, optimizer=dict(state={}, param_groups=param_groups), step=next_step, rng=rng_state(),
+                    rng_by_rank=rngs, config=config_dict(cfg))
+    save_step(cfg, meta, next_step, checkpoint_part(cfg, gpt, mine))
 
 
 def save_consolidated(cfg, model, shards, optimizer, next_step, rank):
-    weights, m, v = (full_values(shards, a) for a in ("master", "exp_avg", "exp_avg_sq"))   # every rank
-    rngs = rng_states_by_rank()                      # each rank's dropout stream (seed + rank)
-    if rank == 0:
-        write_single_device_checkpoint(cfg, model, weights, m, v, torch.tensor(float(optimizer.steps)), next_step,
-                                       rngs)
-    else:
-        save_step(cfg, None, next_step)              # the barrier before rank 0 publishes the step
+    """train_zero: every rank of the data-parallel group holds each bucket whole once it is gathered."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    step = torch.tensor(float(optimizer.steps))
+    entries = ((name, values + [step], ("params", world, rank)) for name, values in gathered_values(shards))
+    save_parts(cfg, model.cfg, entries, next_step)
 
 
 def flatten(s, values):
@@ -130,43 +181,40 @@ def named_parameters(modules):
     return out
 
 
-def whole_parts(modules, optimizer, tp_group, keep):
-    """({name: [weight, exp_avg, exp_avg_sq, step]}, {buffer name: tensor}) as whole CPU tensors, for the parameters
-    `keep(name)` selects (TP slices are gathered over tp_group, a collective: every TP rank takes part). AdamW
-    state a skipped first step never created is zeros at step 0, as AdamW would create it."""
-    params = {}
+def tied_copies(modules):
+    """The last pipeline stage's copy of the tied embedding where the first stage is on another rank (not
+    written: the first stage's equal weight is)."""
+    first = any(getattr(m, "first", True) for m in modules)
+    return set() if first else {"transformer.wte.weight"}
+
+
+def whole_values(modules, optimizer, tp_group):
+    """(name, [weight, exp_avg, exp_avg_sq, step]) of each parameter of `modules` (the tied copy excepted) as
+    whole tensors: TP slices gathered over tp_group, a collective every TP rank runs. AdamW state a skipped first
+    step never created is zeros at step 0, as AdamW would create it."""
+    skip = tied_copies(modules)
     for name, p in named_parameters(modules):
+        if name in skip:
+            continue
         st = optimizer.state[p]
         values = [p, st.get("exp_avg", torch.zeros_like(p)), st.get("exp_avg_sq", torch.zeros_like(p))]
-        if tp_group is not None:                     # every TP rank takes part, whether it keeps the value or not
+        if tp_group is not None:
             values = [tp_gather(p, t, tp_group) for t in values]
-        if keep(name):
-            params[name] = [t.detach().cpu() for t in values] + [st.get("step", torch.tensor(0.0)).cpu()]
-    buffers = {name: b.cpu() for module in modules for name, b in module.named_buffers() if keep(name)}
-    return params, buffers
+        yield name, [t.detach() for t in values] + [st.get("step", torch.tensor(0.0))]
 
 
-def save_whole(cfg, gcfg, modules, optimizer, next_step, tp_group=None, keep=lambda name: True):
-    """One checkpoint in train_single's layout from every rank's parts: the parts `keep` selects go to rank 0
-    (the first rank to send a name wins: replicas and the tied embedding's copy are equal), which writes it."""
-    rngs = rng_states_by_rank()                      # every rank's own dropout stream
-    parts = whole_parts(modules, optimizer, tp_group, keep)
-    gathered = [parts]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(parts, gathered, dst=0)
-    if gathered is None:
-        save_step(cfg, None, next_step)              # the barrier before rank 0 publishes the step
-        return
-    params, buffers = {}, {}
-    for part_params, part_buffers in gathered:
-        params = {**part_params, **params}
-        buffers = {**part_buffers, **buffers}
-    with torch.device("meta"):
-        gpt = GPT(gcfg)
-    weights, exp_avg, exp_avg_sq = ({n: value[i] for n, value in params.items()} for i in range(3))
-    write_single_device_checkpoint(cfg, gpt, {**weights, **buffers}, exp_avg, exp_avg_sq,
-                                   next(iter(params.values()))[3], next_step, rngs)
+def whole_parts(modules, optimizer, tp_group):
+    """({name: [weight, exp_avg, exp_avg_sq, step]}, {buffer name: tensor}) as whole CPU tensors (for samples)."""
+    params = {name: [t.cpu() for t in values] for name, values in whole_values(modules, optimizer, tp_group)}
+    return params, {name: b.cpu() for module in modules for name, b in module.named_buffers()}
+
+
+def save_whole(cfg, gcfg, modules, optimizer, next_step, tp_group=None, holder=lambda name: ("all", 1, 0)):
+    """train_tp, train_pp, train_ep: each rank's parameters (TP slices gathered) and buffers, written in parts.
+    holder(name): (key, how many ranks hold that tensor whole, this rank's index among them)."""
+    entries = ((name, values, holder(name)) for name, values in whole_values(modules, optimizer, tp_group))
+    buffers = ((name, [b], holder(name)) for module in modules for name, b in module.named_buffers())
+    save_parts(cfg, gcfg, itertools.chain(entries, buffers), next_step)
 
 
 def local_part(p, full, tp_group):

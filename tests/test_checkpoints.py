@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_single
-from checkpoint import CKPT_DIR, FILE, latest_checkpoint, remove_stale_temp_files, save_step, step_dir
+from checkpoint import CKPT_DIR, FILE, latest_checkpoint, load_checkpoint, remove_stale_temp_files, save_step, step_dir
 from distributed_helper import exit_code_and_stderr, recorded_runs, run_workers
 from metrics import read_metrics
 from train_helpers import assert_exact, curves, losses, run_single, text_argv, tiny_argv
@@ -49,6 +49,36 @@ def test_expert_parallel_checkpoints_resume_anywhere(text_data, tmp_path):
         run_workers(recorded_runs, 2, args=(script, [argv]), timeout=600)
     run_single(text_argv(text_data, out, micro_batch_size=8, resume=True, **moe))
     assert_exact(curves(ref), curves(out))
+
+
+PARALLEL_SAVES = [dict(dp=2, tp=2, zero_stage=1), dict(dp=2, pp=2, n_experts=4, top_k=2, ep=2)]
+
+
+@pytest.mark.parametrize("flags", PARALLEL_SAVES, ids=["dp2-tp2-zero1", "dp2-pp2-ep2"])
+def test_sharded_saves_are_written_by_every_rank_in_parts(text_data, tmp_path, flags):
+    """train_5d at 4 ranks, saved after step 3: every rank writes one part (no rank gathers the model), each tensor
+    once, about 1/holders of the bytes each; merged, they are train_single's checkpoint of the same 3 steps."""
+    moe = {k: flags[k] for k in ("n_experts", "top_k") if k in flags}
+    ref = str(tmp_path / "single")
+    run_single(text_argv(text_data, ref, micro_batch_size=8, stop_step=3, **moe))
+    out = str(tmp_path / "5d")
+    run_workers(recorded_runs, 4, args=("train_5d", [text_argv(text_data, out, micro_batch_size=2, stop_step=3,
+                                                               **flags)]), timeout=600)
+    path = latest_checkpoint(out)
+    index = torch.load(path, weights_only=True)
+    assert index["parts"] == [f"part_{r:05d}.pt" for r in range(4)] and index["model"] == {}
+    parts = [torch.load(os.path.join(os.path.dirname(path), name), weights_only=True) for name in index["parts"]]
+    keys = [k for part in parts for k in part["model"] if k != "lm_head.weight"]     # (tied: written with wte)
+    assert len(keys) == len(set(keys)), "a tensor written twice"
+    sizes = [sum(t.numel() for t in part["model"].values()) for part in parts]
+    assert max(sizes) < 0.6 * sum(sizes) and min(sizes) > 0, sizes              # whole model on one rank: 1.0
+    single, merged = load_checkpoint(latest_checkpoint(ref)), load_checkpoint(path)
+    assert merged["model"].keys() == single["model"].keys() and merged["step"] == 3
+    for key, value in single["model"].items():
+        assert torch.allclose(merged["model"][key], value, rtol=1e-9, atol=1e-12), key
+    for i, st in single["optimizer"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.allclose(merged["optimizer"]["state"][i][name], st[name], rtol=1e-9, atol=1e-15), (i, name)
 
 
 def test_another_models_checkpoint_is_one_line_in_the_sharded_layouts(tiny_data, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_single
-from checkpoint import latest_checkpoint
+from checkpoint import latest_checkpoint, load_checkpoint
 from distributed_helper import exit_code_and_stderr, recorded_runs, run_workers
 from train_helpers import losses, make_tiny_dataset, run_single, text_argv, tiny_argv
 
@@ -57,7 +57,7 @@ def test_a_non_finite_step_is_skipped_and_the_run_goes_on(tiny_data, tmp_path, m
     assert err.count("warning: step 2:") == 1 and "optimizer step skipped" in err and "error" not in err, err
     rows = [r for r in strict_rows(out) if "loss" in r]
     assert [r["grad_norm"] is None for r in rows] == [False, False, True, False, False]
-    state = torch.load(latest_checkpoint(out), weights_only=True)
+    state = load_checkpoint(latest_checkpoint(out))
     assert state["step"] == 5 and int(state["optimizer"]["state"][0]["step"]) == 4    # 4 of 5 steps taken
 
 
@@ -81,19 +81,22 @@ def test_a_diverged_run_stops_and_keeps_a_finite_checkpoint(tiny_data, tmp_path,
     assert "2 steps in a row" in err[-1] and all(e == "" for _, e in results[1:]), results
     rows = [r for r in strict_rows(out) if "loss" in r]
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["loss"] is None
-    state = torch.load(latest_checkpoint(out), weights_only=True)       # one checkpoint, of the last good step
+    state = load_checkpoint(latest_checkpoint(out))       # one checkpoint, of the last good step
     assert state["step"] == 2 and all(torch.isfinite(t).all() for t in state["model"].values())
 
 
-def test_non_finite_weights_are_never_saved(tiny_data, tmp_path, capsys):
-    """The last line of defence: a save of inf/NaN weights is refused and the good file stays."""
-    from checkpoint import save_checkpoint
-    path = str(tmp_path / "ckpt.pt")
-    save_checkpoint(path, dict(model={"w": torch.ones(2)}))
-    with pytest.raises(ValueError, match="inf/NaN"):
-        save_checkpoint(path, dict(model={"w": torch.tensor([1.0, float("inf")])}))
-    assert torch.equal(torch.load(path, weights_only=True)["model"]["w"], torch.ones(2))
-    assert os.listdir(tmp_path) == ["ckpt.pt"]
+def test_non_finite_weights_are_never_saved(tmp_path, capsys):
+    """The last line of defence: a save of inf/NaN weights is refused with one error line, and the good
+    checkpoint stays the latest."""
+    from types import SimpleNamespace
+    from checkpoint import save_step
+    cfg = SimpleNamespace(out_dir=str(tmp_path), keep_checkpoints=2, dist_timeout=60.0)
+    save_step(cfg, dict(model={"w": torch.ones(2)}, step=1), 1)
+    with pytest.raises(SystemExit) as stop:
+        save_step(cfg, dict(model={"w": torch.tensor([1.0, float("inf")])}, step=2), 2)
+    assert stop.value.code == 2 and "inf/NaN (w)" in capsys.readouterr().err
+    assert load_checkpoint(latest_checkpoint(str(tmp_path)))["step"] == 1
+    assert not os.path.exists(os.path.join(str(tmp_path), "ckpt", "step_00000002", "ckpt.pt"))
 
 
 def test_max_bad_steps_must_be_positive(tiny_data, tmp_path, capsys):
@@ -209,7 +212,7 @@ def test_resume_with_dropout_is_exact_per_rank(text_data, tmp_path, script, flag
     run_workers(recorded_runs, 2, args=(script, runs), timeout=600)
     straight, split = losses(str(tmp_path / "straight")), losses(str(tmp_path / "split"))
     assert len(split) == 6 and split == straight, (split, straight)
-    state = torch.load(latest_checkpoint(str(tmp_path / "split")), weights_only=True)
+    state = load_checkpoint(latest_checkpoint(str(tmp_path / "split")))
     assert len(state["rng_by_rank"]) == 2 and not torch.equal(*(s["cpu"] for s in state["rng_by_rank"]))
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_single
-from checkpoint import latest_checkpoint
+from checkpoint import latest_checkpoint, load_checkpoint
 from metrics import read_metrics
 from train_helpers import (MODELS, assert_exact, assert_same_losses, assert_same_weights, losses, run_single,
                            text_argv, tiny_argv)
@@ -96,7 +96,7 @@ def test_resume_is_exact(tiny_data, tmp_path):
     resumed, wr = run_single(tiny_argv(tiny_data, out, dropout=0.1, resume=True))
     assert resumed == full                              # bit-identical, not just close
     assert all(torch.equal(wf[n], wr[n]) for n in wf)
-    state = torch.load(latest_checkpoint(out), weights_only=True)
+    state = load_checkpoint(latest_checkpoint(out))
     assert not any(k.startswith("_orig_mod.") for k in state["model"]) and state["step"] == 20
 
 
