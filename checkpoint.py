@@ -131,8 +131,10 @@ def refuse_non_finite(cfg, state, next_step):
     from config import fail                          # (config imports this module)
     bad = non_finite_entries(state) if state is not None else []
     flag = torch.tensor(float(len(bad) > 0))
-    if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)   # every rank decides alike (a CPU tensor: gloo or NCCL+CPU)
+    if dist.is_initialized():                        # every rank decides alike
+        on_gpu = dist.get_backend() == "nccl"        # (NCCL reduces GPU tensors only)
+        flag = flag.to(torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
         where = f"the weights hold inf/NaN ({', '.join(bad[:3])})" if bad else "another rank's weights hold inf/NaN"
         fail(f"not saving step {next_step} to {cfg.out_dir}: {where}; the checkpoints on disk are kept",

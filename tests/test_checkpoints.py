@@ -128,6 +128,16 @@ def test_step_directories_commit_last_and_keep_the_newest(tmp_path):
     assert sorted(os.listdir(tmp_path / CKPT_DIR)) == ["latest", "step_00000008"]
 
 
+def test_an_interrupted_saves_directory_is_never_kept_over_a_complete_one(tmp_path):
+    """A crash mid-save leaves step_5 with parts but no ckpt.pt; the next save keeps the newest complete ones."""
+    out = str(tmp_path)
+    save_step(_cfg(out), _state(4), 4)
+    os.makedirs(step_dir(out, 5))
+    torch.save({}, os.path.join(step_dir(out, 5), "part_00000.pt"))
+    save_step(_cfg(out), _state(6), 6)
+    assert sorted(os.listdir(os.path.join(out, CKPT_DIR))) == ["latest", "step_00000004", "step_00000006"]
+
+
 def test_resume_auto_starts_fresh_then_resumes(tiny_data, tmp_path, capsys):
     out = str(tmp_path / "run")
     first = run_single(tiny_argv(tiny_data, out, max_steps=6, stop_step=3, resume="auto"))[0]
