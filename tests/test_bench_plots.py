@@ -1,14 +1,19 @@
-"""bench/plot_run.py (curves of runs from metrics.jsonl, overlaid) and the ratio chart bench/harness.py writes
-beside each table: the data each picture is drawn from, and the PNG written."""
+"""bench/plot_run.py (curves of runs from metrics.jsonl, overlaid), the ratio chart bench/harness.py writes beside
+each table, and bench/memory_chart.py's memory per rank against plan.py: the data each picture is drawn from, and
+the PNG written."""
 import json
 import os
 import shutil
 import sys
 
+import pytest
+
+from distributed_helper import run_workers
 from train_helpers import run_single, tiny_argv
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import harness  # noqa: E402
+import memory_chart  # noqa: E402
 import plot_run  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -58,3 +63,36 @@ def test_harness_writes_the_ratio_chart(tmp_path):
                ("FSDP2", "FSDP2", 1.0, 1.0, 1.0), ("ZeRO-3", "FSDP2", 0.91, 0.88, 0.95)]
     path = str(tmp_path / "ddp.png")
     assert harness.write_chart(entries, path, "ddp") == path and is_png(path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bench/memory_chart.py: counted memory per rank against plan.py
+
+MEMORY_LAYOUTS = ["dp2 zero1", "tp2 sp", "pp2 1f1b"]
+
+
+def _measure_memory(rank, world, labels, data_dir, out_root):
+    return memory_chart.measure_layouts(labels, data_dir, out_root)
+
+
+def test_memory_counted_equals_plan(tmp_path, tiny_data):
+    """Model-state bytes per rank of live train_5d runs equal plan.py's to the byte (ZeRO-1 padding, TP shards,
+    pipeline stages with the tied embedding on both ends); activations, the peak a step holds, within 2%."""
+    measured = sum(run_workers(_measure_memory, 2, args=(MEMORY_LAYOUTS, tiny_data, str(tmp_path / "runs")),
+                               timeout=300), [])
+    rows = memory_chart.compare(measured)
+    assert [(r["layout"], r["pp_rank"]) for r in rows] == [("dp2 zero1", 0), ("tp2 sp", 0), ("pp2 1f1b", 0),
+                                                           ("pp2 1f1b", 1)]
+    for r in rows:
+        assert r["alike"]
+        for part in ("params", "grads", "optimizer"):
+            assert r["measured"][part] == r["predicted"][part] > 0, (r["layout"], part)
+        assert r["measured"]["activations"] == pytest.approx(r["predicted"]["activations"], rel=0.02)
+    first, last = rows[2:]
+    assert first["measured"]["activations"] > last["measured"]["activations"]    # 1f1b: 2 in flight vs 1
+
+    md = memory_chart.write_table(rows, str(tmp_path / "memory.md"))
+    table = [line for line in open(md) if line.startswith("| ") and not line.startswith("| layout")]
+    assert [line.split(" | ")[0][2:] for line in table] == [r["layout"] for r in rows]
+    png = memory_chart.write_chart(rows, str(tmp_path / "memory.png"))
+    assert is_png(png)
