@@ -16,6 +16,7 @@ import harness  # noqa: E402
 import bubble_chart  # noqa: E402
 import memory_chart  # noqa: E402
 import plot_run  # noqa: E402
+import scaling_chart  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -147,3 +148,26 @@ def test_bubbles_where_the_simulator_says(tmp_path, tiny_data):
     assert [line.split(" | ")[0][2:] for line in table] == [r["name"] for r in rows]
     assert is_png(bubble_chart.write_chart(rows, str(tmp_path / "bubble.png")))
 
+
+# ----------------------------------------------------------------------------------------------------------
+# bench/scaling_chart.py: tokens/s by ranks, read from harness tables
+
+def test_scaling_chart_reads_harness_tables(tmp_path):
+    table = tmp_path / "scaling_run.md"
+    table.write_text("### a scaling sweep\n\nMachine: some CPU (2 logical cores); torch x.\n\n"
+                     "| run | tokens/s | ratio vs first | MFU | command |\n|---|---|---|---|---|\n"
+                     "| one | 1,000 | 1.00 | 50% | `python train_single.py --out_dir OUT` |\n"
+                     "| two | 1,800 | 1.80 | 45% | `python -m torch.distributed.run --nproc_per_node 2 train_ddp.py` |\n"
+                     "| four | 2,000 | 2.00 | 25% | `torchrun --nproc_per_node=4 train_ddp.py` |\n\n"
+                     "| run | idle |\n|---|---|\n| two | 0.1 |\n")
+    assert scaling_chart.read_table(str(table)) == ("a scaling sweep", 2, [("one", 1, 1000.0), ("two", 2, 1800.0),
+                                                                          ("four", 4, 2000.0)])
+    out = tmp_path / "out"
+    scaling_chart.main([str(table), f"{table}:one,four", "--out", str(out)])
+    rows = [line.split(" | ") for line in open(out / "scaling.md") if line.startswith("| scaling_run.md")]
+    assert [(r[1], r[4], r[5]) for r in rows] == [("one", "1.00", "100% |\n"), ("two", "1.80", "90% |\n"),
+                                                  ("four", "2.00", "50% |\n"), ("one", "1.00", "100% |\n"),
+                                                  ("four", "2.00", "50% |\n")]
+    assert is_png(str(out / "scaling.png"))
+    with pytest.raises(SystemExit):                  # no 1-rank run to scale from
+        scaling_chart.read_table(str(table), ["two"])
