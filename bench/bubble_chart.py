@@ -39,6 +39,7 @@ RUN = dict(max_steps=5, profile=2, warmup_steps=1, eval_interval=0, sample_token
 
 
 def chunks_of(name):
+    """Model chunks per rank: 2 for interleaved (v = 2 here) and the V-shaped schedules."""
     return 2 if name in ("interleaved", "zbv", "dualpipev") else 1
 
 
@@ -78,7 +79,7 @@ def measured_steps(out_dir):
     return [{r: actions[r][i] for r in actions} for i in range(min(len(s) for s in actions.values()))]
 
 
-def bubble_slots(timeline, name, p, threshold):
+def bubble_slots(timeline, threshold):
     """{(rank, slot): gap} of gaps longer than threshold: slot i = before the rank's i-th action of the step,
     len(actions) = after its last one (until the step's last action anywhere ends)."""
     start = min(t[0][0] for t in timeline.values())

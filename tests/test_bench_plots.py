@@ -127,7 +127,7 @@ def test_bubbles_where_the_simulator_says(tmp_path, tiny_data):
     for name, out in runs.items():
         schedule = bubble_chart.make_schedule(name, 2, m, bubble_chart.chunks_of(name))
         _, sim = bubble_chart.simulated(name, 2, m)
-        idle_slots = bubble_chart.bubble_slots(sim, name, 2, 0.0)
+        idle_slots = bubble_chart.bubble_slots(sim, 0.0)
         steps = bubble_chart.measured_steps(out)
         forward = bubble_chart.action_costs(steps)["F"]
         assert len(steps) == 2 and idle_slots
@@ -135,7 +135,7 @@ def test_bubbles_where_the_simulator_says(tmp_path, tiny_data):
             for rank, acts in step.items():
                 assert [(k, mb, c) for _, _, k, mb, c in acts] == [tuple(a) for a in schedule[rank]], (name, rank)
             assert bubble_chart.early_starts(step, name, 2, 0.0) == [], name
-            measured = bubble_chart.bubble_slots(step, name, 2, 0.1 * forward)
+            measured = bubble_chart.bubble_slots(step, 0.1 * forward)
             assert set(idle_slots) <= set(measured), (name, sorted(idle_slots), sorted(measured))
 
     rows = [bubble_chart.row_for(name, 2, m, out, [0.1, 0.2]) for name, out in runs.items()]
