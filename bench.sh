@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench.sh: throughput / memory sweeps -> markdown tables in bench/results/ (each with a PNG chart of its ratios
-# beside it), collected in bench/RESULTS.md.
+# beside it; memory, bubble and scaling draw their own pictures), collected in bench/RESULTS.md.
 #
 #   ./bench.sh single          # one sweep (bench/sweeps/single.sh)
 #   ./bench.sh single ddp      # several

@@ -6,7 +6,8 @@ MFU = achieved model FLOP/s / peak FLOP/s of the devices used, with model FLOPs 
 - GPU: a per-device table of dense bf16 tensor-core peaks (vendor datasheets); an unknown GPU gets a warning
   and MFU reported as null rather than a guess;
 - CPU: measured once per process as the best of a few large fp32 matmuls on the threads torch uses.
-SavedActivationBytes counts the activation bytes autograd keeps for backward (train_cp, train_tp).
+SavedActivationBytes counts the activation bytes autograd keeps for backward (train_cp, train_tp);
+LiveSavedActivationBytes their peak over a pipeline step (bench/memory_chart.py).
 Peak memory: torch.cuda.max_memory_allocated on GPU; on CPU there is no allocator counter, so what is reported
 is the process's peak resident set size (ru_maxrss): model, optimizer, activations *and* the Python/torch runtime.
 """
@@ -123,6 +124,60 @@ class SavedActivationBytes:
         self.seen, self.bytes = set(), 0
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
         return self.hooks.__enter__() or self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+class _Held:
+    """A saved tensor as autograd holds it under LiveSavedActivationBytes: counted until autograd drops it."""
+
+    def __init__(self, tensor, counter, ptr, nbytes):
+        self.tensor, self.counter, self.ptr, self.nbytes = tensor, counter, ptr, nbytes
+        counter.hold(ptr, nbytes)
+
+    def __del__(self):
+        self.counter.release(self.ptr, self.nbytes)
+
+
+class LiveSavedActivationBytes:
+    """The bytes autograd holds for backward *now*, and their peak, across many forwards and backwards (a pipeline
+    step, several micro-batches in flight): a saved tensor counts from its forward until autograd frees it after
+    its backward, each storage once, parameters excluded. SavedActivationBytes counts one forward; this is the
+    activation memory a schedule reaches. Tensors kept outside autograd (a split backward's stash for its W pass,
+    pipeline_weight_grads.py) are not seen."""
+
+    def __init__(self, params):
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.now = self.peak = 0
+        self.holders = {}                         # storage pointer -> saved tensors holding it
+
+    def hold(self, ptr, nbytes):
+        if self.holders.get(ptr, 0) == 0:
+            self.now += nbytes
+            self.peak = max(self.peak, self.now)
+        self.holders[ptr] = self.holders.get(ptr, 0) + 1
+
+    def release(self, ptr, nbytes):
+        self.holders[ptr] -= 1
+        if self.holders[ptr] == 0:
+            del self.holders[ptr]
+            self.now -= nbytes
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self.skip or storage.nbytes() == 0:
+            return t
+        return _Held(t, self, storage.data_ptr(), storage.nbytes())   # a live storage's pointer is its own
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.hooks.__enter__()
+        return self
 
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)

@@ -142,6 +142,40 @@ def timeline(out_dir):
     return rows, windows
 
 
+ACTION_NAME = re.compile(r"^pp:([FBW]) mb(\d+) chunk(\d+)$")
+
+
+def rank_actions(trace):
+    """One rank's pipeline actions per recorded step: [[(start_us, end_us, kind, mb, chunk)]] in time order, on the
+    machine's clock."""
+    base = trace.get("baseTimeNanoseconds", 0) / 1e3
+    steps, actions = [], []
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        start, end = base + e["ts"], base + e["ts"] + e["dur"]
+        if e["name"].startswith("ProfilerStep#"):
+            steps.append((start, end))
+        match = ACTION_NAME.match(e["name"])
+        if match:
+            kind, mb, chunk = match.groups()
+            actions.append((start, end, kind, int(mb), int(chunk)))
+    actions.sort()
+    return [[a for a in actions if start <= a[0] < end] for start, end in sorted(steps)]
+
+
+def pipeline_actions(out_dir):
+    """{rank: [[(start_s, end_s, kind, mb, chunk), ...] for each recorded step]}: the pipeline runner's actions
+    (its "pp:F mb3 chunk0" ranges), on one clock for all ranks (t = 0: the earliest action)."""
+    raw = {}
+    for rank, path in trace_paths(out_dir).items():
+        with open(path) as f:
+            raw[rank] = rank_actions(json.load(f))
+    t0 = min(step[0][0] for steps in raw.values() for step in steps if step)
+    return {r: [[((s - t0) / 1e6, (e - t0) / 1e6, *rest) for s, e, *rest in step] for step in steps]
+            for r, steps in raw.items()}
+
+
 def busy_fractions(rows, windows):
     """{rank: {kind: fraction of the rank's recorded window}} (the rest is idle)."""
     out = {}
