@@ -10,8 +10,10 @@ Nothing here predicts anything; plan.py's formulas read these fields.
     validate(job, lay)                             # ConfigError (one line) unless the layout divides the job
 
 A layout is valid when
-    dp * tp * cp * pp = gpus,   global_seqs = dp * micro_batch_size * grad_acc,   ep | dp and ep | n_experts,
-    tp | n_head and padded vocab,   2*cp | seq (zigzag),   pp * v | n_layer.
+    dp * tp * cp * pp = gpus,   global_seqs = dp * micro_batch_size * grad_acc,   ep | dp*cp and ep | n_experts,
+    tp | n_head and padded vocab,   2*cp | seq (zigzag),   pp * v | n_layer,
+    v = 2 for zbv and dualpipev (a V), v > 1 for interleaved (and grad_acc % pp = 0), else 1,
+    grad_acc >= pp except for afab and zbv, grad_acc >= 2*pp for dualpipev (as train_5d.py and train_pp.py).
 """
 import argparse
 from dataclasses import dataclass, fields
@@ -19,6 +21,7 @@ from dataclasses import dataclass, fields
 from config import check
 from metrics import GPU_PEAK_TFLOPS
 from model import GPTConfig
+from pipeline_schedules import SCHEDULES, V_SHAPED
 
 GIB = 2 ** 30
 # Per GPU. peak: metrics.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per
@@ -129,13 +132,19 @@ def validate(job, lay):
     check(job.global_seqs % (lay.dp * lay.micro_batch_size) == 0,
           f"global batch of {job.global_seqs} sequences not divisible by dp*micro_batch_size = "
           f"{lay.dp}*{lay.micro_batch_size}")
-    check(lay.schedule in ("afab", "1f1b", "interleaved", "zb1"), f"unknown schedule {lay.schedule!r}")
-    check((lay.v > 1) == (lay.schedule == "interleaved"), "v > 1 exactly when the schedule is interleaved")
-    check(lay.schedule != "interleaved" or lay.grad_acc(job) % lay.pp == 0, "interleaved needs micro-batches % pp == 0")
+    m = lay.grad_acc(job)
+    check(lay.schedule in SCHEDULES, f"unknown schedule {lay.schedule!r}; known: {', '.join(SCHEDULES)}")
+    check(lay.schedule not in V_SHAPED or lay.v == 2, f"{lay.schedule} places v=2 chunks per rank in a V, not v={lay.v}")
+    check(lay.schedule in V_SHAPED or (lay.v > 1) == (lay.schedule == "interleaved"),
+          "v > 1 exactly when the schedule is interleaved, zbv or dualpipev")
+    check(lay.schedule != "interleaved" or m % lay.pp == 0, "interleaved needs micro-batches % pp == 0")
+    check(lay.schedule in ("afab", "zbv") or m >= lay.pp, f"{lay.schedule} needs micro-batches per step ({m}) >= pp={lay.pp}")
+    check(lay.schedule != "dualpipev" or m >= 2 * lay.pp,
+          f"dualpipev needs micro-batches per step ({m}) >= 2 * pp = {2 * lay.pp}")
     check(lay.zero_stage in (0, 1, 2, 3) and (lay.zero_stage < 3 or lay.pp == 1), "zero_stage 3 only with pp=1")
     check(lay.recompute in RECOMPUTE, f"unknown recompute {lay.recompute!r}")
-    check(lay.ep == 1 or (cfg.n_experts % lay.ep == 0 and lay.dp % lay.ep == 0),
-          f"ep={lay.ep} must divide n_experts={cfg.n_experts} and dp={lay.dp}")
+    check(lay.ep == 1 or (cfg.n_experts % lay.ep == 0 and (lay.dp * lay.cp) % lay.ep == 0),
+          f"ep={lay.ep} must divide n_experts={cfg.n_experts} and dp*cp={lay.dp * lay.cp}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -200,5 +209,5 @@ def parse_layout(text, job):
     rest = values.get("tp", 1) * values.get("cp", 1) * values.get("pp", 1)
     check(rest > 0 and job.gpus % rest == 0, f"tp*cp*pp = {rest} does not divide {job.gpus} GPUs")
     values.setdefault("dp", job.gpus // rest)
-    values.setdefault("v", 2 if values.get("schedule") == "interleaved" else 1)
+    values.setdefault("v", 2 if values.get("schedule") in ("interleaved",) + V_SHAPED else 1)
     return Layout(**values)
