@@ -60,7 +60,8 @@ def comm_bytes(job, lay, padded):
         cp  m*L/pp * ((cp-1)*2 KV + cp * dKV (fp32)), + (cp-1) KV with full recompute, KV = 2b*s*h/t*bpv (train_cp)
         dp  over n = dp*cp, P' padded rank params, p/g bytes: stage 0 all-reduce 2 part P g; 1: RS part P' g + AG
             part P' p; 2: RS per micro-batch m part P' g + AG part P' p; 3: 2m part P' p (AG fwd+bwd) + m part P' g
-        pp  2*m*v*S/(t if SP) (activations forward, gradients back)
+        pp  2*m*v*S/(t if SP) (activations forward, gradients back); with job.pp_scatter_gather (Megatron) S/t
+            each, and tp all-gathers every arriving message: + 2*m*v*part_t*S on tp
         ep  per MoE block and micro-batch 4 * part_ep * top_k * b*s*h*bpv (dispatch + combine, fwd + bwd)"""
     cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
     s, b, h, m, t = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd, lay.grad_acc(job), lay.tp
@@ -81,24 +82,43 @@ def comm_bytes(job, lay, padded):
         out["dp"] = reduce + gather
         out["dp_reduce"] = reduce
     if lay.pp > 1:
-        out["pp"] = 2 * m * lay.v * S / (t if lay.sp else 1)
+        split = lay.sp or job.pp_scatter_gather
+        out["pp"] = 2 * m * lay.v * S / (t if split else 1)
+        out["tp"] += 2 * m * lay.v * (t - 1) / t * S if job.pp_scatter_gather and not lay.sp else 0
     if lay.ep > 1:
         moe = sum(cfg.is_moe_block(i) for i in stage_blocks(cfg, lay.pp, lay.v, 0, placement_of(lay.schedule)))
         out["ep"] = m * moe * 4 * (lay.ep - 1) / lay.ep * cfg.top_k * b * s * h * bpv
     return out
 
 
+def eager_attention_time(job, lay):
+    """Seconds per step a rank's eager (unfused) attention spends streaming its a/t x s x s score tensors (b per
+    micro-batch, m micro-batches, L/pp blocks) through HBM in its non-matmul kernels; 0 with flash attention, which
+    never writes them (Dao et al. 2022, FlashAttention, Sec. 2-3: standard attention is bound by these accesses) and
+    which the measurement behind eff used. Bytes per score element, 16-bit values and 1-byte dropout masks, as
+    Megatron-LM's fused scale-mask-softmax and torch's dropout move them:
+        softmax 2 + 2 forward, 2 + 2 + 2 backward;  dropout (p > 0) 2 + 1 + 2 forward, 2 + 1 + 2 backward;
+        the forward ones again under selective or full recompute;  time = bytes / datasheet HBM bandwidth"""
+    if job.attn == "flash":
+        return 0.0
+    cfg, drop = job.cfg, job.cfg.dropout > 0
+    forward = (4 + 5 * drop) * (1 + (lay.recompute != "none"))
+    elements = cfg.n_head // lay.tp * cfg.block_size ** 2 * job.global_seqs // lay.dp * cfg.n_layer // lay.pp
+    return elements * (forward + 6 + 5 * drop) / job.hw["hbm"]
+
+
 def step_time(job, lay, mem):
     """Seconds per optimizer step by part:
         compute    tokens * hardware_flops_per_token / world / (peak * eff)
-        bubble     compute * f/(1-f), f = pipeline_schedules.theory_idle_fraction ((p-1)/(m+p-1), /v interleaved,
+        attn_hbm   eager_attention_time (0 with flash attention)
+        bubble     (compute + attn_hbm) * f/(1-f), f = pipeline_schedules.theory_idle_fraction ((p-1)/(m+p-1), /v interleaved,
                    zb1 (p-1)/(3m+p-1), zbv and dualpipev (p-1)/(6m+p-1) in chunk units, zbv with m < 2p-1
                    2(2p-1-m)/(6m+2(2p-1-m)); equal to pipeline_schedules.simulate's idle share, F = B = W)
         tp, pp, ep comm bytes / link bandwidth, exposed whole
         cp         exposed beyond the attention compute it overlaps (ring hops run under the block attention)
         dp         reductions exposed beyond the backward they overlap (stage 0-1: the last micro-batch's, 2/3 of
                    compute/m; stage 2: every backward, 2/3 of compute; stage 3 also the gathers, all compute);
-                   stage 1-2's all-gather after the step is exposed
+                   stage 1-2's all-gather after the step is exposed; all exposed without job.dp_overlap
         optimizer  read + write of the rank's model states at HBM bandwidth"""
     cfg, hw = job.cfg, job.hw
     peak, eff, m = job.peak, job.eff or hw["eff"], lay.grad_acc(job)
@@ -112,11 +132,12 @@ def step_time(job, lay, mem):
     bw = link_bandwidth(job, lay, "dp")
     reduce, gather = nbytes["dp_reduce"] / bw, (nbytes["dp"] - nbytes["dp_reduce"]) / bw
     if lay.zero_stage == 3:
-        t["dp"] = max(0.0, reduce + gather - compute)
+        t["dp"] = max(0.0, reduce + gather - compute * job.dp_overlap)
     else:
-        window = 2 / 3 * compute / (1 if lay.zero_stage == 2 else m)
+        window = 2 / 3 * compute / (1 if lay.zero_stage == 2 else m) * job.dp_overlap
         t["dp"] = max(0.0, reduce - window) + gather
-    parts = dict(compute=compute, bubble=compute * idle / (1 - idle), **t,
+    attn_hbm = eager_attention_time(job, lay)
+    parts = dict(compute=compute, attn_hbm=attn_hbm, bubble=(compute + attn_hbm) * idle / (1 - idle), **t,
                  optimizer=2 * (mem["params"] + mem["grads"] + mem["optimizer"]) / hw["hbm"])
     parts["total"] = sum(parts.values())
     return parts
@@ -195,7 +216,7 @@ def launch_command(job, row):
 # printed table and main (the flags are plan_inputs.parse_args)
 
 HEADER = ("  #   dp tp cp  pp ep sp zero    schedule v mbs recompute | params  grads  optim   acts other  total GiB | "
-          "compute  bubble      tp      cp      dp      pp      ep (ms) |   tokens/s   MFU")
+          "compute attnHBM  bubble      tp      cp      dp      pp      ep (ms) |   tokens/s   MFU")
 
 
 def format_row(i, r):
@@ -204,7 +225,7 @@ def format_row(i, r):
     return (f"{i:3d} {r['dp']:4d} {r['tp']:2d} {r['cp']:2d} {r['pp']:3d} {r['ep']:2d} {'y' if r['sp'] else '-':>2s} "
             f"{r['zero_stage']:4d} {r['schedule'] if r['pp'] > 1 else '-':>11s} {r['v']} {r['micro_batch_size']:3d} "
             f"{r['recompute']:>9s} | " + " ".join(f"{mem[k] / GIB:6.1f}" for k in MEM_PARTS) + " | "
-            + " ".join(f"{1e3 * t[k]:7.1f}" for k in ("compute", "bubble", "tp", "cp", "dp", "pp", "ep"))
+            + " ".join(f"{1e3 * t[k]:7.1f}" for k in ("compute", "attn_hbm", "bubble", "tp", "cp", "dp", "pp", "ep"))
             + f" | {r['tokens_per_s']:10.0f} {100 * r['mfu']:5.1f}% {'OOM' if r['oom'] else 'fits'}")
 
 

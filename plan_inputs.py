@@ -30,9 +30,13 @@ GIB = 2 ** 30
 # eff: fraction of peak the model FLOPs reach with communication hidden, measured by MosaicML llm-foundry
 # (scripts/train/benchmarking/README.md: 7B, seq 2048, 8 GPUs, no activation checkpointing: A100-80GB 64.23%,
 # H100-80GB 46.44% MFU = HFU). H200 and B200 have no such row: they take H100's (an assumption).
+# h100-hbm2e: torchtitan's Grand Teton H100 (benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e at 2.4 TB/s,
+# 500 W, 400 Gb/s per GPU), whose dense peak that file puts "between SXM and NVL", exact value unknown: NVL's
+# 835.5 TFLOP/s is taken (the lower bound), and H100's eff.
 HARDWARE = {
     "a100": dict(peak="A100", mem=80 * GIB, hbm=2.039e12, nvlink=300e9, net=25e9, eff=0.6423),
     "h100": dict(peak="H100", mem=80 * GIB, hbm=3.35e12, nvlink=450e9, net=50e9, eff=0.4644),
+    "h100-hbm2e": dict(peak="H100", board="NVL", mem=96e9, hbm=2.4e12, nvlink=450e9, net=50e9, eff=0.4644),
     "h200": dict(peak="H200", mem=141e9, hbm=4.8e12, nvlink=450e9, net=50e9, eff=0.4644),
     "b200": dict(peak="B200", mem=180e9, hbm=8.0e12, nvlink=900e9, net=50e9, eff=0.4644),
 }
@@ -81,6 +85,10 @@ class Job:
     attn: str = "flash"       # flash: no s x s scores stored (torch's fused SDPA); eager: Korthikanti's 5as/h term
     bucket_mb: float = 25.0
     eff: float = 0.0          # 0: the GPU's default
+    dp_overlap: bool = True   # gradient reductions overlap the backward (DDP buckets); False: after it, as
+                              # Megatron-LM's 2021 "local" DDP (megatron/training.py train_step)
+    pp_scatter_gather: bool = False   # a pipeline message leaves as 1/t per tp rank and is all-gathered over tp
+                                      # on arrival (Megatron-LM, Narayanan et al. 2021 Sec. 4.1); SP does so anyway
 
     @property
     def shape(self):
@@ -94,8 +102,9 @@ class Job:
 
     @property
     def peak(self):
-        """Dense bf16 FLOP/s of the GPU's SXM board, from metrics.GPU_PEAK_TFLOPS (a datasheet cited per row)."""
-        return GPU_PEAK_TFLOPS[(self.hw["peak"], "")][0] * 1e12
+        """Dense bf16 FLOP/s of the GPU's board (SXM unless the row names one), from metrics.GPU_PEAK_TFLOPS (a
+        datasheet cited per row)."""
+        return GPU_PEAK_TFLOPS[(self.hw["peak"], self.hw.get("board", ""))][0] * 1e12
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,8 @@ FLAGS = [("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", in
          ("attn", str, "flash", "flash (no s x s scores kept) | eager (Korthikanti's 5as/h term)"),
          ("bucket_mb", float, 25.0, "gradient bucket MiB (ZeRO padding)"),
          ("eff", float, 0.0, "compute efficiency (0: the GPU's default, see HARDWARE)"),
+         ("dp_overlap", bool, True, "gradient reductions overlap the backward (--no-dp_overlap: after it)"),
+         ("pp_scatter_gather", bool, False, "pipeline messages as 1/tp per rank, all-gathered over tp (Megatron)"),
          ("layout", str, None, "evaluate one layout, e.g. tp=8,zero_stage=1,micro_batch_size=2"),
          ("top", int, 10, "rows printed")]
 
@@ -169,6 +180,9 @@ def parse_args(argv, description):
     for k in SHAPE:
         ap.add_argument(f"--{k}", type=int, default=0, help="model shape (overrides the preset)")
     for name, kind, default, text in FLAGS:
+        if kind is bool:
+            ap.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=text)
+            continue
         ap.add_argument(f"--{name}", type=kind, default=default, help=text,
                         choices=dict(precision=list(PRECISION), attn=["flash", "eager"]).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
@@ -195,7 +209,8 @@ def build_job(a):
     check(tokens % a.seq == 0 and tokens >= a.seq, f"global batch of {tokens} tokens is not a multiple of seq={a.seq}")
     cfg = GPTConfig(vocab_size=shape["vocab"], block_size=a.seq, n_layer=shape["n_layer"], n_head=shape["n_head"],
                     n_embd=shape["n_embd"], n_experts=a.n_experts, top_k=a.top_k)
-    return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb, a.eff)
+    return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb, a.eff,
+               a.dp_overlap, a.pp_scatter_gather)
 
 
 def parse_layout(text, job):

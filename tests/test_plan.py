@@ -232,6 +232,36 @@ def test_tp_and_cp_bytes_follow_the_rungs():
     assert plan.comm_bytes(job, plan.Layout(dp=1, cp=4, micro_batch_size=2), 0)["cp"] == 3 * kv * 2 + 4 * kv
 
 
+@pytest.mark.parametrize("dropout,recompute,per_element", [(0.1, "none", 20), (0.1, "full", 29), (0.1, "selective", 29),
+                                                          (0.0, "none", 10), (0.0, "full", 14)])
+def test_eager_attention_hbm_time(dropout, recompute, per_element):
+    """Eager attention streams a/t x s^2 score elements per sequence, block and rank through HBM: softmax 4 + 6
+    bytes, dropout 5 + 5, the forward part again under recompute; flash attention none of it."""
+    cfg = GPTConfig(vocab_size=64, block_size=128, n_layer=4, n_head=8, n_embd=64, dropout=dropout)
+    job = job_for(cfg, gpus=8, global_seqs=16, attn="eager")
+    lay = plan.Layout(dp=2, tp=2, pp=2, micro_batch_size=2, recompute=recompute)
+    elements = (8 // 2) * 128 ** 2 * (16 // 2) * (4 // 2)
+    assert plan.eager_attention_time(job, lay) == pytest.approx(elements * per_element / 3.35e12, rel=1e-12)
+    assert plan.eager_attention_time(job_for(cfg, gpus=8, global_seqs=16), lay) == 0
+
+
+def test_published_software_options():
+    """Megatron-LM 2021's behaviour as Job fields: gradients reduced after the backward (no overlap: the whole
+    reduction is exposed), pipeline messages as 1/t per tp rank plus a tp all-gather on arrival."""
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=64)
+    lay = plan.Layout(dp=2, tp=2, pp=2, micro_batch_size=1)
+    plain, megatron = (job_for(cfg, gpus=8, gpus_per_node=2, global_seqs=8, dp_overlap=o, pp_scatter_gather=not o)
+                       for o in (True, False))
+    a, b = (plan.comm_bytes(j, lay, 1000) for j in (plain, megatron))
+    S, m = 64 * 64 * 2, 4
+    assert (a["pp"], b["pp"]) == (2 * m * S, 2 * m * S / 2) and b["tp"] - a["tp"] == 2 * m * S / 2
+    mem = plan_memory.memory(megatron, lay)
+    t = plan.step_time(megatron, lay, mem)
+    dp_bytes = plan.comm_bytes(megatron, lay, mem["padded_params"])["dp"]
+    assert t["dp"] == pytest.approx(dp_bytes / plan.link_bandwidth(megatron, lay, "dp"), rel=1e-12)
+    assert plan.step_time(plain, lay, plan_memory.memory(plain, lay))["dp"] < t["dp"]
+
+
 def test_more_devices_never_need_more_state_memory():
     """Sharding only helps: for a fixed layout otherwise, ZeRO stages 1-3 each cut model states below the last."""
     cfg = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
