@@ -262,6 +262,30 @@ def test_published_software_options():
     assert plan.step_time(plain, lay, plan_memory.memory(plain, lay))["dp"] < t["dp"]
 
 
+def load_bench(name):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, f"bench/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_plan_sweep_dry(tmp_path):
+    """`python bench/gpu_check.py --plan_sweep --dry` (what a GPU machine runs without --dry): 12 train_5d layouts
+    spread over both sides of the GPU's memory, each accepted by train_5d's validate; and the comparison it prints
+    once measured: OOM verdicts right and peaks within 10% (here against made-up measurements)."""
+    gpu_check, sweep = load_bench("gpu_check"), load_bench("plan_sweep")
+    assert gpu_check.main(["--plan_sweep", "--dry", "--out", str(tmp_path), "--plan_gpus", "4"]) == 0
+    rows = [line for line in (tmp_path / "plan_sweep.md").read_text().splitlines() if line.startswith("| dp=")]
+    assert len(rows) == sweep.RUNS and any("| fits | not run |" in r for r in rows) and any("| OOM |" in r for r in rows)
+    layouts = sweep.sweep_layouts(2, "h100", 80 * 2 ** 30, 256, runs=4)
+    measured = [(r, (r["mem_bytes"]["total"] - sweep.FRAMEWORK_BYTES) * 1.05, "fits") for r in layouts[:2]]
+    measured += [(r, None, "OOM") for r in layouts[2:]] + [(layouts[0], None, "failed (exit 1)")]
+    text = "\n".join(sweep.summary(measured, 0.5 * (layouts[1]["mem_bytes"]["total"] + layouts[2]["mem_bytes"]["total"])
+                                    / sweep.USABLE))
+    assert "OOM predicted right: 4 of 4 runs" in text and "peak within 10%: 2 of 2 runs" in text and "-4.8%" in text
+
+
 def test_more_devices_never_need_more_state_memory():
     """Sharding only helps: for a fixed layout otherwise, ZeRO stages 1-3 each cut model states below the last."""
     cfg = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
