@@ -262,6 +262,18 @@ def test_published_software_options():
     assert plan.step_time(plain, lay, plan_memory.memory(plain, lay))["dp"] < t["dp"]
 
 
+def test_plan_tables_setup():
+    """bench/plan_tables.py (it writes bench/plan_tables.md): its conversions give the published figures (Megatron's
+    137 TFLOP/s is 44% of 312, torchtitan's 2,973 TPS/GPU its 58.2% when the embedding is counted, as torchtitan did in
+    2024-04), and a setup compares to one row with its ranks."""
+    tables = load_bench("plan_tables")
+    assert round(137e12 / tables.A100, 2) == 0.44 and tables.megatron_mfu(137, 24, 2304, 2048, 51200) < 0.44
+    assert round(tables.titan_mfu(2973, 8.03e9 + 128256 * 4096, 32, 4096, 8192, 128256, tables.A100), 3) == 0.582
+    c = tables.compare(tables.SETUPS[0])
+    assert c["row"]["dp"] == 32 and c["rank"] >= 1 and c["rank_offered"] <= c["n_offered"] < c["n"]
+    assert abs(c["error"]) < 1
+
+
 def load_bench(name):
     import importlib.util
     spec = importlib.util.spec_from_file_location(name, f"bench/{name}.py")
