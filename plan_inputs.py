@@ -152,8 +152,8 @@ def validate(job, lay):
           f"dualpipev needs micro-batches per step ({m}) >= 2 * pp = {2 * lay.pp}")
     check(lay.zero_stage in (0, 1, 2, 3) and (lay.zero_stage < 3 or lay.pp == 1), "zero_stage 3 only with pp=1")
     check(lay.recompute in RECOMPUTE, f"unknown recompute {lay.recompute!r}")
-    check(lay.ep == 1 or (cfg.n_experts % lay.ep == 0 and (lay.dp * lay.cp) % lay.ep == 0),
-          f"ep={lay.ep} must divide n_experts={cfg.n_experts} and dp*cp={lay.dp * lay.cp}")
+    check(lay.ep == 1 or (cfg.n_experts > 0 and cfg.n_experts % lay.ep == 0 and (lay.dp * lay.cp) % lay.ep == 0),
+          f"ep={lay.ep} needs experts, and must divide n_experts={cfg.n_experts} and dp*cp={lay.dp * lay.cp}")
 
 
 # ----------------------------------------------------------------------------------------------------------

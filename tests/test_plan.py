@@ -189,18 +189,17 @@ def test_v_placement_states_match_the_stages(schedule):
 
 
 def test_plan_and_train_5d_accept_the_same_layouts(monkeypatch):
-    """On 8 ranks, over every dp x cp x pp, ep (dividing dp*cp, not only dp), schedule with v, and micro-batches per
-    step: plan's validate and train_5d's accept exactly the same layouts (V schedules need v = 2, dualpipev
+    """On 8 ranks, over every dp x cp x pp, ep (dividing dp*cp, not only dp; none for a dense model), schedule with v,
+    and micro-batches per step: plan's validate and train_5d's accept exactly the same layouts (V schedules need v = 2, dualpipev
     m >= 2p, others but afab and zbv m >= p, interleaved m % p == 0)."""
     import train_5d
     from config import Config
     from plan_inputs import Layout, validate
     monkeypatch.setenv("WORLD_SIZE", "8")
-    model = dict(n_layer=8, n_head=4, n_embd=32, block_size=16, n_experts=8)
     schedules = [("afab", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2), ("zbv", 1)]
     verdicts = []
-    for cp, pp in product([1, 2, 4], [1, 2, 4]):
-        dp = 8 // (cp * pp)
+    for cp, pp, experts in product([1, 2, 4], [1, 2, 4], [0, 8]):
+        dp, model = 8 // (cp * pp), dict(n_layer=8, n_head=4, n_embd=32, block_size=16, n_experts=experts)
         for ep, (schedule, v), seqs in product([1, 2, 4, 8], schedules, [dp, 2 * dp, 8 * dp]):
             job = job_for(GPTConfig(vocab_size=64, **model), gpus=8, global_seqs=seqs)
             lay = Layout(dp=dp, cp=cp, pp=pp, ep=ep, schedule=schedule, v=v)
