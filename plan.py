@@ -14,7 +14,8 @@ over dp x cp; ep groups are ep consecutive ranks of a dp x cp group (grid.expert
     memory per GPU = params + grads + optimizer  (model_state_bytes_per_param; ZeRO padding as train_zero.py's)
                    + activations (Korthikanti et al. 2022 with TP/SP at s/cp tokens, x the schedule's in-flight
                                   micro-batches) + other (logits, buffers, 1 GiB CUDA context); OOM above 95%
-    step time      = compute / (peak * eff) + bubble + exposed comm of each axis + optimizer step
+    step time      = compute / (peak * eff) + eager attention's score tensors through HBM (0 with flash attention)
+                   + bubble + exposed comm of each axis + optimizer step
 What is planned (the GPU table with published efficiencies, model presets, Job, Layout, their checks and the
 command-line flags that build them) is plan_inputs.py; the memory formulas are plan_memory.py; this file is the
 time formulas, the search and the printed table.
