@@ -8,9 +8,9 @@ The job plan.py is asked about is this run's: the model (train_5d's flags, the d
 size, the GPUs per node (torchrun's LOCAL_WORLD_SIZE) and the GPU found (its memory too), with the global batch
 and precision of the flags. plan.py ranks every layout of dp x tp x cp x pp x ep, schedule, micro-batch size,
 ZeRO stage and recompute by predicted tokens/s among those that fit; the first one that train_5d.py's own
-validate accepts (it refuses ZeRO-3, ZeRO-2 with interleaved / zb1, zb1 with tp > 1, ...) and that fits the memory
-found is taken. Its degrees, schedule, micro-batch size, ZeRO stage and recompute replace the flags'; rank 0
-prints why.
+validate accepts (it refuses ZeRO-3, ZeRO-2 with interleaved / zb1, zb1 / zbv / dualpipev with tp > 1, ...) and that
+fits the memory found is taken. Its degrees, schedule, micro-batch size, ZeRO stage and recompute replace the
+flags'; rank 0 prints why.
 """
 import copy
 import os

@@ -10,187 +10,36 @@ ranked for a cluster. Formulas only, nothing runs; each part is a function below
 
 Rank order as train_5d.py builds its groups: tp innermost, then cp, dp, pp outermost; an axis whose group spans
 <= gpus_per_node consecutive ranks runs on NVLink, else on the network. Gradients are reduced, and ZeRO shards,
-over dp x cp; ep groups are carved out of dp.
+over dp x cp; ep groups are ep consecutive ranks of a dp x cp group (grid.expert_partition).
     memory per GPU = params + grads + optimizer  (model_state_bytes_per_param; ZeRO padding as train_zero.py's)
                    + activations (Korthikanti et al. 2022 with TP/SP at s/cp tokens, x the schedule's in-flight
                                   micro-batches) + other (logits, buffers, 1 GiB CUDA context); OOM above 95%
-    step time      = compute / (peak * eff) + bubble + exposed comm of each axis + optimizer step
+    step time      = compute / (peak * eff) + eager attention's score tensors through HBM (0 with flash attention)
+                   + bubble + exposed comm of each axis + optimizer step
 What is planned (the GPU table with published efficiencies, model presets, Job, Layout, their checks and the
-command-line flags that build them) is plan_inputs.py; this file is the formulas, the search and the printed table.
+command-line flags that build them) is plan_inputs.py; the memory formulas are plan_memory.py; this file is the
+time formulas, the search and the printed table.
 """
 import json
 from dataclasses import asdict
-from functools import lru_cache
 from itertools import product
 
-import torch
-
 from config import ConfigError, fail
-from model import GPTConfig, flops_per_token, num_params
-from pipeline_schedules import afab, interleaved, one_f_one_b, peak_in_flight, theory_idle_fraction, zb_h1
-from plan_inputs import (FRAMEWORK_BYTES, GIB, LINK_EFF, PRECISION, RECOMPUTE, USABLE, Layout, build_job,
-                         model_state_bytes_per_param, parse_args, parse_layout, validate)
-from train_ddp import assign_buckets
-from train_tp import tp_activation_bytes_per_layer
-
-MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# memory: model states
-
-def stage_blocks(cfg, pp, v, rank):
-    """Global block indices on pipeline rank `rank`: stages rank, rank+p, ... of L/(p*v) blocks each."""
-    per = cfg.n_layer // (pp * v)
-    return [i for c in range(v) for i in range((c * pp + rank) * per, (c * pp + rank + 1) * per)]
-
-
-def block_numels(cfg, tp, ep, moe):
-    """One block's parameters on a tp rank, in model.parameters() order. Column-parallel c_attn / c_fc (weights and
-    biases / tp), row-parallel projections (weights / tp, biases whole), LayerNorms whole; an MoE block has a whole
-    router (E*h) and E/ep whole experts (8h^2 + 5h each) instead of the MLP."""
-    h = cfg.n_embd
-    attn = [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h]
-    if moe:
-        return attn + [cfg.n_experts * h] + [4 * h * h, 4 * h, 4 * h * h, h] * (cfg.n_experts // ep)
-    return attn + [4 * h * h // tp, 4 * h // tp, 4 * h * h // tp, h]
-
-
-@lru_cache(maxsize=None)
-def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb):
-    """Numels of train_zero.py's flat groups on this rank: stage 3 one unit per block (backward order) + the root
-    (embedding, final LayerNorm); stages 0-2 train_ddp.assign_buckets over the parameters in reverse order, sized in
-    fp32 bytes (train_zero builds the model in fp32 on the meta device). The vocab-parallel embedding (V/tp rows) is
-    on the first stage and, tied, on the last; ln_f on the last. cfg: a Job.shape."""
-    cfg = GPTConfig(**dict(cfg))
-    blocks = [block_numels(cfg, tp, ep, cfg.is_moe_block(i)) for i in stage_blocks(cfg, pp, v, rank)]
-    first, last = rank == 0, rank == pp - 1
-    embed = [cfg.padded_vocab_size * cfg.n_embd // tp] if first or last else []
-    root = embed + ([cfg.n_embd, cfg.n_embd] if last else [])
-    if stage == 3:
-        return tuple([sum(b) for b in reversed(blocks)] + ([sum(root)] if root else []))
-    ordered = embed + [n for b in blocks for n in b] + ([cfg.n_embd, cfg.n_embd] if last else [])
-    metas = [torch.empty(n, device="meta") for n in reversed(ordered)]
-    return tuple(sum(p.numel() for p in bucket) for bucket in assign_buckets(metas, bucket_mb * 2 ** 20))
-
-
-def zero_state_bytes(groups, n, stage, recipe):
-    """Model-state bytes per rank, groups padded to a multiple of n ranks (P' = sum ceil(g/n)*n; P' = P at stage 0),
-    bytes per parameter (p, g, o) from plan_inputs.model_state_bytes_per_param (bf16: 2, 2, 12; fp32: 4, 4, 8):
-        stage 0: (p + g + o) P      stage 1: (p + g) P' + o P'/n      stage 2: p P' + (g + o) P'/n
-        stage 3: (p + g + o) P'/n   (ZeRO paper, 7.5B on 64 GPUs, bf16: 120 / 31.4 / 16.6 / 1.9 GB)"""
-    padded = sum(groups) if stage == 0 else sum(-(-g // n) * n for g in groups)
-    b = model_state_bytes_per_param(recipe)
-    return dict(params=b["params"] * padded / (n if stage >= 3 else 1),
-                grads=b["grads"] * padded / (n if stage >= 2 else 1),
-                optimizer=b["optim"] * padded / (n if stage >= 1 else 1), padded=padded)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# memory: activations
-
-def layer_activation_bytes(job, lay, moe=False, extras=True):
-    """Bytes one block keeps for backward for one micro-batch of b sequences of s = seq/cp tokens:
-    train_tp.tp_activation_bytes_per_layer (Korthikanti eq. 2 with TP: sbh(10 + 24/t + 5as/(ht)), TP+SP: /t; with
-    flash attention the 5as/h scores term is not stored, as with selective recompute), plus what this model keeps
-    beyond the paper's count: q and k before and after RoPE (+2sbh/t values), the fp32 log-sum-exp of the fused
-    attention (a*s*b*4/t bytes, gone with selective recompute) and two LayerNorms' mean and rstd (16sb bytes, /t
-    under SP; extras=False: the paper's count alone). An MoE block stores its MLP part (h + 8h/t values per token)
-    once per routed expert (x top_k)."""
-    cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
-    s, b, h = job.cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
-    rc = "selective" if (job.attn == "flash" and lay.recompute == "none") else lay.recompute
-    base = tp_activation_bytes_per_layer(s, b, cfg, t, sp=lay.sp, bytes_per_value=bpv, recompute=rc,
-                                         dropout=cfg.dropout > 0)
-    if lay.recompute == "full" or not extras:
-        return base
-    lse = cfg.n_head * s * b * 4 / t if (lay.recompute == "none" and job.attn == "flash") else 0
-    extra = 2 * s * b * h * bpv / t + lse + 16 * s * b / (t if lay.sp else 1)
-    if moe:
-        extra += (cfg.top_k - 1) * s * b * h * bpv * (1 + 8 / t)
-    return base + extra
-
-
-def head_activation_bytes(job, lay):
-    """Last stage, per micro-batch: ln_f input and LM-head input (2sbh values, /t under SP), their stats and the
-    targets (16sb bytes), the fp32 softmax of the (vocab-parallel) cross-entropy (4*s*b*V/t) and the RoPE table."""
-    cfg, bpv = job.cfg, PRECISION[job.precision][1]
-    s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
-    return (2 * s * b * h * bpv / (lay.tp if lay.sp else 1) + 16 * s * b + 4 * s * b * cfg.padded_vocab_size / lay.tp
-            + s * (h // cfg.n_head) * 4)
-
-
-@lru_cache(maxsize=None)
-def in_flight(schedule, p, m, v, rank):
-    """Micro-batch-chunks whose activations pipeline rank `rank` holds at its peak, replayed from
-    pipeline_schedules.py's action lists: afab m, 1f1b and zb1 p - rank, interleaved more. 1 without pp."""
-    if p == 1:
-        return 1
-    if schedule == "interleaved":
-        return peak_in_flight(interleaved(p, m, rank, v))
-    return peak_in_flight({"afab": afab, "1f1b": one_f_one_b, "zb1": zb_h1}[schedule](p, m, rank))
-
-
-def activation_bytes(job, lay, rank):
-    """in_flight(rank) x (L/(p*v) blocks of layer_activation_bytes) + head_activation_bytes on the last stage
-    (x m for afab, else 1: the last stage runs each micro-batch's backward right after its forward)."""
-    blocks = stage_blocks(job.cfg, lay.pp, lay.v, rank)
-    per_chunk = len(blocks) // lay.v
-    moe_share = sum(job.cfg.is_moe_block(i) for i in blocks) / len(blocks)
-    layer = (1 - moe_share) * layer_activation_bytes(job, lay) + moe_share * layer_activation_bytes(job, lay, True)
-    total = in_flight(lay.schedule, lay.pp, lay.grad_acc(job), lay.v, rank) * per_chunk * layer
-    if rank == lay.pp - 1:
-        total += head_activation_bytes(job, lay) * (lay.grad_acc(job) if lay.schedule == "afab" and lay.pp > 1 else 1)
-    return total
-
-
-def other_bytes(job, lay, rank, groups):
-    """Working sets beside states and activations: the logits of one micro-batch in compute dtype plus their fp32
-    copy (s*b*V/t*(bpv + 4), last stage); ZeRO-2's two gradient buffers in flight (2 * largest bucket * g);
-    ZeRO-3's gathered current + prefetched unit and the unit's full gradient ((2p + g) * largest unit); amp's bf16
-    copies of the weights (2 bytes per rank parameter); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
-    (2 * 2b*s*h/t values); FRAMEWORK_BYTES."""
-    cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
-    s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
-    sizes = model_state_bytes_per_param(recipe)
-    out = FRAMEWORK_BYTES
-    if rank == lay.pp - 1:
-        out += s * b * cfg.padded_vocab_size / lay.tp * (bpv + (4 if bpv < 4 else 0))
-    if lay.zero_stage == 2:
-        out += 2 * max(groups) * sizes["grads"]
-    if lay.zero_stage == 3:
-        out += max(groups) * (2 * sizes["params"] + sizes["grads"])
-    if job.precision == "amp":
-        out += 2 * sum(groups)
-    if lay.pp > 1:
-        out += 2 * s * b * h * bpv / (lay.tp if lay.sp else 1)
-    if lay.cp > 1:
-        out += 4 * s * b * h / lay.tp * bpv
-    return out
-
-
-def memory(job, lay):
-    """Memory parts of the fuller of the first and the last pipeline rank (bytes)."""
-    best = None
-    for rank in sorted({0, lay.pp - 1}):
-        groups = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, job.bucket_mb)
-        st = zero_state_bytes(groups, lay.dp * lay.cp, lay.zero_stage, PRECISION[job.precision][0])
-        parts = dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
-                     activations=activation_bytes(job, lay, rank), other=other_bytes(job, lay, rank, groups))
-        parts["total"] = sum(parts.values())
-        parts["padded_params"] = st["padded"]
-        if best is None or parts["total"] > best["total"]:
-            best = parts
-    return best
+from model import flops_per_token, num_params
+from pipeline_schedules import placement_of, theory_idle_fraction
+from plan_inputs import (GIB, LINK_EFF, PRECISION, RECOMPUTE, USABLE, Layout, build_job, model_state_bytes_per_param,
+                         parse_args, parse_layout, validate)
+from plan_memory import MEM_PARTS, memory, stage_blocks
 
 
 # ----------------------------------------------------------------------------------------------------------
 # time
 
 def link_bandwidth(job, lay, axis):
-    """Bytes/s of the link an axis crosses: its group spans tp (tp), tp*cp (cp), tp*cp*ep (ep), tp*cp*dp (dp) or all
-    (pp) consecutive ranks; within a node NVLink, else the GPU's network share; times LINK_EFF."""
-    span = dict(tp=lay.tp, cp=lay.tp * lay.cp, ep=lay.tp * lay.cp * lay.ep, dp=lay.tp * lay.cp * lay.dp,
+    """Bytes/s of the link an axis crosses: its group spans tp (tp), tp*cp (cp), tp*ep (ep: ep consecutive members
+    of a dp x cp group, tp apart), tp*cp*dp (dp) or all (pp) consecutive ranks; within a node NVLink, else the GPU's
+    network share; times LINK_EFF."""
+    span = dict(tp=lay.tp, cp=lay.tp * lay.cp, ep=lay.tp * lay.ep, dp=lay.tp * lay.cp * lay.dp,
                 pp=job.gpus)[axis]
     return (job.hw["nvlink"] if span <= job.gpus_per_node else job.hw["net"]) * LINK_EFF
 
@@ -212,7 +61,8 @@ def comm_bytes(job, lay, padded):
         cp  m*L/pp * ((cp-1)*2 KV + cp * dKV (fp32)), + (cp-1) KV with full recompute, KV = 2b*s*h/t*bpv (train_cp)
         dp  over n = dp*cp, P' padded rank params, p/g bytes: stage 0 all-reduce 2 part P g; 1: RS part P' g + AG
             part P' p; 2: RS per micro-batch m part P' g + AG part P' p; 3: 2m part P' p (AG fwd+bwd) + m part P' g
-        pp  2*m*v*S/(t if SP) (activations forward, gradients back)
+        pp  2*m*v*S/(t if SP) (activations forward, gradients back); with job.pp_scatter_gather (Megatron) S/t
+            each, and tp all-gathers every arriving message: + 2*m*v*part_t*S on tp
         ep  per MoE block and micro-batch 4 * part_ep * top_k * b*s*h*bpv (dispatch + combine, fwd + bwd)"""
     cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
     s, b, h, m, t = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd, lay.grad_acc(job), lay.tp
@@ -233,23 +83,43 @@ def comm_bytes(job, lay, padded):
         out["dp"] = reduce + gather
         out["dp_reduce"] = reduce
     if lay.pp > 1:
-        out["pp"] = 2 * m * lay.v * S / (t if lay.sp else 1)
+        split = lay.sp or job.pp_scatter_gather
+        out["pp"] = 2 * m * lay.v * S / (t if split else 1)
+        out["tp"] += 2 * m * lay.v * (t - 1) / t * S if job.pp_scatter_gather and not lay.sp else 0
     if lay.ep > 1:
-        moe = sum(cfg.is_moe_block(i) for i in stage_blocks(cfg, lay.pp, lay.v, 0))
+        moe = sum(cfg.is_moe_block(i) for i in stage_blocks(cfg, lay.pp, lay.v, 0, placement_of(lay.schedule)))
         out["ep"] = m * moe * 4 * (lay.ep - 1) / lay.ep * cfg.top_k * b * s * h * bpv
     return out
+
+
+def eager_attention_time(job, lay):
+    """Seconds per step a rank's eager (unfused) attention spends streaming its a/t x s x s score tensors (b per
+    micro-batch, m micro-batches, L/pp blocks) through HBM in its non-matmul kernels; 0 with flash attention, which
+    never writes them (Dao et al. 2022, FlashAttention, Sec. 2-3: standard attention is bound by these accesses) and
+    which the measurement behind eff used. Bytes per score element, 16-bit values and 1-byte dropout masks, as
+    Megatron-LM's fused scale-mask-softmax and torch's dropout move them:
+        softmax 2 + 2 forward, 2 + 2 + 2 backward;  dropout (p > 0) 2 + 1 + 2 forward, 2 + 1 + 2 backward;
+        the forward ones again under selective or full recompute;  time = bytes / datasheet HBM bandwidth"""
+    if job.attn == "flash":
+        return 0.0
+    cfg, drop = job.cfg, job.cfg.dropout > 0
+    forward = (4 + 5 * drop) * (1 + (lay.recompute != "none"))
+    elements = cfg.n_head // lay.tp * cfg.block_size ** 2 * job.global_seqs // lay.dp * cfg.n_layer // lay.pp
+    return elements * (forward + 6 + 5 * drop) / job.hw["hbm"]
 
 
 def step_time(job, lay, mem):
     """Seconds per optimizer step by part:
         compute    tokens * hardware_flops_per_token / world / (peak * eff)
-        bubble     compute * f/(1-f), f = pipeline_schedules.theory_idle_fraction ((p-1)/(m+p-1), /v interleaved,
-                   zb1 (p-1)/(3m+p-1))
+        attn_hbm   eager_attention_time (0 with flash attention)
+        bubble     (compute + attn_hbm) * f/(1-f), f = pipeline_schedules.theory_idle_fraction ((p-1)/(m+p-1), /v interleaved,
+                   zb1 (p-1)/(3m+p-1), zbv and dualpipev (p-1)/(6m+p-1) in chunk units, zbv with m < 2p-1
+                   2(2p-1-m)/(6m+2(2p-1-m)); equal to pipeline_schedules.simulate's idle share, F = B = W)
         tp, pp, ep comm bytes / link bandwidth, exposed whole
         cp         exposed beyond the attention compute it overlaps (ring hops run under the block attention)
         dp         reductions exposed beyond the backward they overlap (stage 0-1: the last micro-batch's, 2/3 of
                    compute/m; stage 2: every backward, 2/3 of compute; stage 3 also the gathers, all compute);
-                   stage 1-2's all-gather after the step is exposed
+                   stage 1-2's all-gather after the step is exposed; all exposed without job.dp_overlap
         optimizer  read + write of the rank's model states at HBM bandwidth"""
     cfg, hw = job.cfg, job.hw
     peak, eff, m = job.peak, job.eff or hw["eff"], lay.grad_acc(job)
@@ -263,11 +133,12 @@ def step_time(job, lay, mem):
     bw = link_bandwidth(job, lay, "dp")
     reduce, gather = nbytes["dp_reduce"] / bw, (nbytes["dp"] - nbytes["dp_reduce"]) / bw
     if lay.zero_stage == 3:
-        t["dp"] = max(0.0, reduce + gather - compute)
+        t["dp"] = max(0.0, reduce + gather - compute * job.dp_overlap)
     else:
-        window = 2 / 3 * compute / (1 if lay.zero_stage == 2 else m)
+        window = 2 / 3 * compute / (1 if lay.zero_stage == 2 else m) * job.dp_overlap
         t["dp"] = max(0.0, reduce - window) + gather
-    parts = dict(compute=compute, bubble=compute * idle / (1 - idle), **t,
+    attn_hbm = eager_attention_time(job, lay)
+    parts = dict(compute=compute, attn_hbm=attn_hbm, bubble=(compute + attn_hbm) * idle / (1 - idle), **t,
                  optimizer=2 * (mem["params"] + mem["grads"] + mem["optimizer"]) / hw["hbm"])
     parts["total"] = sum(parts.values())
     return parts
@@ -295,15 +166,16 @@ def divisors(n):
 
 def candidate_layouts(job):
     """The search space: tp within a node, cp <= 16 and micro-batch sizes <= 64 powers of two, every schedule (v = 2
-    or 4 interleaved) when pp > 1, ZeRO 0-3 (0-1 with pp), the three recompute modes, SP on and off."""
+    or 4 interleaved, 2 in a V for zbv and dualpipev) when pp > 1, ZeRO 0-3 (0-1 with pp), ep dividing dp*cp and
+    the experts, the three recompute modes, SP on and off."""
     world, node = job.gpus, job.gpus_per_node
     grid = [(tp, cp, pp) for tp in divisors(world) if tp <= node for cp in divisors(world // tp) if cp & (cp - 1) == 0
             and cp <= 16 for pp in divisors(world // (tp * cp))]
     for tp, cp, pp in grid:
         dp = world // (tp * cp * pp)
         scheds = [("1f1b", 1)] if pp == 1 else [("afab", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2),
-                                                ("interleaved", 4)]
-        eps = [e for e in divisors(dp) if job.cfg.n_experts % e == 0] if job.cfg.n_experts else [1]
+                                                ("interleaved", 4), ("zbv", 2), ("dualpipev", 2)]
+        eps = [e for e in divisors(dp * cp) if job.cfg.n_experts % e == 0] if job.cfg.n_experts else [1]
         mbss = [2 ** i for i in range(7) if 2 ** i <= job.global_seqs // dp]
         for ep, (schedule, v), zero, rc, sp, mbs in product(eps, scheds, range(4 if pp == 1 else 2), RECOMPUTE,
                                                             (False, True) if tp > 1 else (False,), mbss):
@@ -345,7 +217,7 @@ def launch_command(job, row):
 # printed table and main (the flags are plan_inputs.parse_args)
 
 HEADER = ("  #   dp tp cp  pp ep sp zero    schedule v mbs recompute | params  grads  optim   acts other  total GiB | "
-          "compute  bubble      tp      cp      dp      pp      ep (ms) |   tokens/s   MFU")
+          "compute attnHBM  bubble      tp      cp      dp      pp      ep (ms) |   tokens/s   MFU")
 
 
 def format_row(i, r):
@@ -354,7 +226,7 @@ def format_row(i, r):
     return (f"{i:3d} {r['dp']:4d} {r['tp']:2d} {r['cp']:2d} {r['pp']:3d} {r['ep']:2d} {'y' if r['sp'] else '-':>2s} "
             f"{r['zero_stage']:4d} {r['schedule'] if r['pp'] > 1 else '-':>11s} {r['v']} {r['micro_batch_size']:3d} "
             f"{r['recompute']:>9s} | " + " ".join(f"{mem[k] / GIB:6.1f}" for k in MEM_PARTS) + " | "
-            + " ".join(f"{1e3 * t[k]:7.1f}" for k in ("compute", "bubble", "tp", "cp", "dp", "pp", "ep"))
+            + " ".join(f"{1e3 * t[k]:7.1f}" for k in ("compute", "attn_hbm", "bubble", "tp", "cp", "dp", "pp", "ep"))
             + f" | {r['tokens_per_s']:10.0f} {100 * r['mfu']:5.1f}% {'OOM' if r['oom'] else 'fits'}")
 
 

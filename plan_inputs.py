@@ -10,8 +10,10 @@ Nothing here predicts anything; plan.py's formulas read these fields.
     validate(job, lay)                             # ConfigError (one line) unless the layout divides the job
 
 A layout is valid when
-    dp * tp * cp * pp = gpus,   global_seqs = dp * micro_batch_size * grad_acc,   ep | dp and ep | n_experts,
-    tp | n_head and padded vocab,   2*cp | seq (zigzag),   pp * v | n_layer.
+    dp * tp * cp * pp = gpus,   global_seqs = dp * micro_batch_size * grad_acc,   ep | dp*cp and ep | n_experts,
+    tp | n_head and padded vocab,   2*cp | seq (zigzag),   pp * v | n_layer,
+    v = 2 for zbv and dualpipev (a V), v > 1 for interleaved (and grad_acc % pp = 0), else 1,
+    grad_acc >= pp except for afab and zbv, grad_acc >= 2*pp for dualpipev (as train_5d.py and train_pp.py).
 """
 import argparse
 from dataclasses import dataclass, fields
@@ -19,6 +21,7 @@ from dataclasses import dataclass, fields
 from config import check
 from metrics import GPU_PEAK_TFLOPS
 from model import GPTConfig
+from pipeline_schedules import SCHEDULES, V_SHAPED
 
 GIB = 2 ** 30
 # Per GPU. peak: metrics.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per
@@ -27,9 +30,13 @@ GIB = 2 ** 30
 # eff: fraction of peak the model FLOPs reach with communication hidden, measured by MosaicML llm-foundry
 # (scripts/train/benchmarking/README.md: 7B, seq 2048, 8 GPUs, no activation checkpointing: A100-80GB 64.23%,
 # H100-80GB 46.44% MFU = HFU). H200 and B200 have no such row: they take H100's (an assumption).
+# h100-hbm2e: torchtitan's Grand Teton H100 (benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e at 2.4 TB/s,
+# 500 W, 400 Gb/s per GPU), whose dense peak that file puts "between SXM and NVL", exact value unknown: NVL's
+# 835.5 TFLOP/s is taken (the lower bound), and H100's eff.
 HARDWARE = {
     "a100": dict(peak="A100", mem=80 * GIB, hbm=2.039e12, nvlink=300e9, net=25e9, eff=0.6423),
     "h100": dict(peak="H100", mem=80 * GIB, hbm=3.35e12, nvlink=450e9, net=50e9, eff=0.4644),
+    "h100-hbm2e": dict(peak="H100", board="NVL", mem=96e9, hbm=2.4e12, nvlink=450e9, net=50e9, eff=0.4644),
     "h200": dict(peak="H200", mem=141e9, hbm=4.8e12, nvlink=450e9, net=50e9, eff=0.4644),
     "b200": dict(peak="B200", mem=180e9, hbm=8.0e12, nvlink=900e9, net=50e9, eff=0.4644),
 }
@@ -78,6 +85,10 @@ class Job:
     attn: str = "flash"       # flash: no s x s scores stored (torch's fused SDPA); eager: Korthikanti's 5as/h term
     bucket_mb: float = 25.0
     eff: float = 0.0          # 0: the GPU's default
+    dp_overlap: bool = True   # gradient reductions overlap the backward (DDP buckets); False: after it, as
+                              # Megatron-LM's 2021 "local" DDP (megatron/training.py train_step)
+    pp_scatter_gather: bool = False   # a pipeline message leaves as 1/t per tp rank and is all-gathered over tp
+                                      # on arrival (Megatron-LM, Narayanan et al. 2021 Sec. 4.1); SP does so anyway
 
     @property
     def shape(self):
@@ -91,8 +102,9 @@ class Job:
 
     @property
     def peak(self):
-        """Dense bf16 FLOP/s of the GPU's SXM board, from metrics.GPU_PEAK_TFLOPS (a datasheet cited per row)."""
-        return GPU_PEAK_TFLOPS[(self.hw["peak"], "")][0] * 1e12
+        """Dense bf16 FLOP/s of the GPU's board (SXM unless the row names one), from metrics.GPU_PEAK_TFLOPS (a
+        datasheet cited per row)."""
+        return GPU_PEAK_TFLOPS[(self.hw["peak"], self.hw.get("board", ""))][0] * 1e12
 
 
 @dataclass(frozen=True)
@@ -129,13 +141,19 @@ def validate(job, lay):
     check(job.global_seqs % (lay.dp * lay.micro_batch_size) == 0,
           f"global batch of {job.global_seqs} sequences not divisible by dp*micro_batch_size = "
           f"{lay.dp}*{lay.micro_batch_size}")
-    check(lay.schedule in ("afab", "1f1b", "interleaved", "zb1"), f"unknown schedule {lay.schedule!r}")
-    check((lay.v > 1) == (lay.schedule == "interleaved"), "v > 1 exactly when the schedule is interleaved")
-    check(lay.schedule != "interleaved" or lay.grad_acc(job) % lay.pp == 0, "interleaved needs micro-batches % pp == 0")
+    m = lay.grad_acc(job)
+    check(lay.schedule in SCHEDULES, f"unknown schedule {lay.schedule!r}; known: {', '.join(SCHEDULES)}")
+    check(lay.schedule not in V_SHAPED or lay.v == 2, f"{lay.schedule} places v=2 chunks per rank in a V, not v={lay.v}")
+    check(lay.schedule in V_SHAPED or (lay.v > 1) == (lay.schedule == "interleaved"),
+          "v > 1 exactly when the schedule is interleaved, zbv or dualpipev")
+    check(lay.schedule != "interleaved" or m % lay.pp == 0, "interleaved needs micro-batches % pp == 0")
+    check(lay.schedule in ("afab", "zbv") or m >= lay.pp, f"{lay.schedule} needs micro-batches per step ({m}) >= pp={lay.pp}")
+    check(lay.schedule != "dualpipev" or m >= 2 * lay.pp,
+          f"dualpipev needs micro-batches per step ({m}) >= 2 * pp = {2 * lay.pp}")
     check(lay.zero_stage in (0, 1, 2, 3) and (lay.zero_stage < 3 or lay.pp == 1), "zero_stage 3 only with pp=1")
     check(lay.recompute in RECOMPUTE, f"unknown recompute {lay.recompute!r}")
-    check(lay.ep == 1 or (cfg.n_experts % lay.ep == 0 and lay.dp % lay.ep == 0),
-          f"ep={lay.ep} must divide n_experts={cfg.n_experts} and dp={lay.dp}")
+    check(lay.ep == 1 or (cfg.n_experts > 0 and cfg.n_experts % lay.ep == 0 and (lay.dp * lay.cp) % lay.ep == 0),
+          f"ep={lay.ep} needs experts, and must divide n_experts={cfg.n_experts} and dp*cp={lay.dp * lay.cp}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -149,6 +167,8 @@ FLAGS = [("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", in
          ("attn", str, "flash", "flash (no s x s scores kept) | eager (Korthikanti's 5as/h term)"),
          ("bucket_mb", float, 25.0, "gradient bucket MiB (ZeRO padding)"),
          ("eff", float, 0.0, "compute efficiency (0: the GPU's default, see HARDWARE)"),
+         ("dp_overlap", bool, True, "gradient reductions overlap the backward (--no-dp_overlap: after it)"),
+         ("pp_scatter_gather", bool, False, "pipeline messages as 1/tp per rank, all-gathered over tp (Megatron)"),
          ("layout", str, None, "evaluate one layout, e.g. tp=8,zero_stage=1,micro_batch_size=2"),
          ("top", int, 10, "rows printed")]
 
@@ -160,6 +180,9 @@ def parse_args(argv, description):
     for k in SHAPE:
         ap.add_argument(f"--{k}", type=int, default=0, help="model shape (overrides the preset)")
     for name, kind, default, text in FLAGS:
+        if kind is bool:
+            ap.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=text)
+            continue
         ap.add_argument(f"--{name}", type=kind, default=default, help=text,
                         choices=dict(precision=list(PRECISION), attn=["flash", "eager"]).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
@@ -186,7 +209,8 @@ def build_job(a):
     check(tokens % a.seq == 0 and tokens >= a.seq, f"global batch of {tokens} tokens is not a multiple of seq={a.seq}")
     cfg = GPTConfig(vocab_size=shape["vocab"], block_size=a.seq, n_layer=shape["n_layer"], n_head=shape["n_head"],
                     n_embd=shape["n_embd"], n_experts=a.n_experts, top_k=a.top_k)
-    return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb, a.eff)
+    return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb, a.eff,
+               a.dp_overlap, a.pp_scatter_gather)
 
 
 def parse_layout(text, job):
@@ -200,5 +224,5 @@ def parse_layout(text, job):
     rest = values.get("tp", 1) * values.get("cp", 1) * values.get("pp", 1)
     check(rest > 0 and job.gpus % rest == 0, f"tp*cp*pp = {rest} does not divide {job.gpus} GPUs")
     values.setdefault("dp", job.gpus // rest)
-    values.setdefault("v", 2 if values.get("schedule") == "interleaved" else 1)
+    values.setdefault("v", 2 if values.get("schedule") in ("interleaved",) + V_SHAPED else 1)
     return Layout(**values)

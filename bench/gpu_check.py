@@ -13,6 +13,8 @@ run's metrics.jsonl via metrics.read_metrics) and writes it to OUT/table.md. Exi
 
     bash bench/gpu_check.sh                      # everything, 10 steps a run
     bash bench/gpu_check.sh --steps 30 --only tp,cp
+    bash bench/gpu_check.sh --plan_sweep         # instead: plan.py's peak memory vs measured (bench/plan_sweep.py)
+    python bench/gpu_check.py --plan_sweep --dry # the same sweep's layouts and predictions, without a GPU
 
 Tolerances: bf16 keeps 8 significant bits, so two layouts that round and reduce in different orders drift
 apart by ~1e-3 of the loss over a few steps; a lost micro-batch, a wrong gradient scale or a missed
@@ -31,6 +33,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from metrics import read_metrics  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 BF16_RTOL = 2e-2     # max over steps of |loss - reference| / reference, bf16 runs
 FP8_RTOL = 5e-2      # the same for FP8 runs against bf16
@@ -137,7 +141,14 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join("out", "gpu_check"), help="run directories and table.md")
     p.add_argument("--timeout", type=int, default=900, help="seconds before a run counts as hung")
     p.add_argument("--only", default="", help="comma-separated name prefixes to run (references always run)")
+    p.add_argument("--plan_sweep", action="store_true", help="instead of the checks: plan.py's predicted peak "
+                   "memory and OOM vs torch.cuda.max_memory_allocated over train_5d layouts (bench/plan_sweep.py)")
+    p.add_argument("--dry", action="store_true", help="with --plan_sweep: the layouts and predictions only")
+    p.add_argument("--plan_gpus", type=int, default=8, help="with --dry and no GPU: GPUs to plan for")
+    p.add_argument("--plan_gpu", default="h100", help="with --dry and no GPU: plan_inputs.HARDWARE's GPU")
     args = p.parse_args(argv)
+    if args.plan_sweep:
+        return plan_sweep_main(args)
     N = torch.cuda.device_count()
     P = 1 << (min(N, 8).bit_length() - 1)
     out = os.path.join(ROOT, args.out)
@@ -178,6 +189,27 @@ def main(argv=None):
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 1 if failed else 0
+
+
+def plan_sweep_main(args):
+    """--plan_sweep: on min(N, 8) CUDA GPUs (a power of two), or with --dry as if on --plan_gpus x --plan_gpu.
+    Writes OUT/plan_sweep.md; the default corpus is byte-level, so the vocabulary is 256 without reading it."""
+    from layout_auto import gpu_kind
+    from plan_inputs import HARDWARE
+    from plan_sweep import plan_sweep
+    N = torch.cuda.device_count()
+    if N == 0 and not args.dry:
+        print("gpu_check --plan_sweep: no CUDA GPU here (use --dry to see the sweep)")
+        return 0
+    world = 1 << (min(N, 8).bit_length() - 1) if N else args.plan_gpus
+    gpu = gpu_kind(torch.cuda.get_device_name(0)) if N else args.plan_gpu
+    if gpu is None:
+        print(f"gpu_check --plan_sweep: plan.py knows no GPU named {torch.cuda.get_device_name(0)!r}")
+        return 1
+    memory = torch.cuda.get_device_properties(0).total_memory if N else HARDWARE[gpu]["mem"]
+    lines = plan_sweep(world, gpu, memory, 256, os.path.join(ROOT, args.out), args.dry or not N)
+    print("\n".join(lines))
+    return 0
 
 
 def verdict_of(rc, ref, gap, rtol):

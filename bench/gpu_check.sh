@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu_check.sh                  # every train script at 1 and at min(N, 8) GPUs, kernels, FP8
 #   bash bench/gpu_check.sh --steps 30       # longer runs; --only tp,cp for a subset; --help for the rest
+#   bash bench/gpu_check.sh --plan_sweep     # plan.py's predicted peak memory / OOM vs measured (bench/plan_sweep.py)
 #
 # Without a visible CUDA GPU it prints one line and exits 0, so CI can call it anywhere.
 set -uo pipefail

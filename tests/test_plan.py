@@ -2,11 +2,14 @@
 lists of model.py, saved activation bytes), the published tables (ZeRO paper, Korthikanti et al. 2022), pipeline
 in-flight counts, the JSON contract and one-line errors for bad input."""
 import json
+from itertools import product
 
 import pytest
 import torch
 
 import plan
+import plan_memory
+from config import ConfigError
 from plan_inputs import Job
 from distributed_helper import run_workers
 from model import GPT, GPTConfig, num_params
@@ -27,7 +30,7 @@ def job_for(cfg, **kw):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_paper_table(stage):
     """ZeRO (Rajbhandari et al. 2020), Figure 1: 7.5B parameters, 64 GPUs, K = 12: 120 / 31.4 / 16.6 / 1.9 GB."""
-    st = plan.zero_state_bytes([7_500_000_000], 64, stage, "bf16")
+    st = plan_memory.zero_state_bytes([7_500_000_000], 64, stage, "bf16")
     total = st["params"] + st["grads"] + st["optimizer"]
     assert round(total / 1e9, 1) == [120.0, 31.4, 16.6, 1.9][stage]
 
@@ -39,11 +42,11 @@ def test_parameter_groups_match_the_model(moe):
     model = GPT(cfg)
     shape = Job(cfg, 1, 1, "h100", 1).shape
     numels = [p.numel() for p in model.parameters()]
-    assert sum(plan.flat_groups(shape, 1, 1, 1, 1, 0, 3, 25.0)) == sum(numels) == num_params(cfg)
+    assert sum(plan_memory.flat_groups(shape, 1, 1, 1, 1, 0, 3, 25.0)) == sum(numels) == num_params(cfg)
     units = [sum(p.numel() for p in b.parameters()) for b in reversed(model.transformer.h)]
-    assert list(plan.flat_groups(shape, 1, 1, 1, 1, 0, 3, 25.0))[:-1] == units
+    assert list(plan_memory.flat_groups(shape, 1, 1, 1, 1, 0, 3, 25.0))[:-1] == units
     buckets = assign_buckets(list(reversed(list(model.parameters()))), 0.01 * 2 ** 20)
-    assert list(plan.flat_groups(shape, 1, 1, 1, 1, 0, 1, 0.01)) == [sum(p.numel() for p in b) for b in buckets]
+    assert list(plan_memory.flat_groups(shape, 1, 1, 1, 1, 0, 1, 0.01)) == [sum(p.numel() for p in b) for b in buckets]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -54,8 +57,8 @@ def test_tensor_parallel_shard_sizes(tp):
     replicated = ("ln_1", "ln_2", "ln_f", "attn.c_proj.bias", "mlp.c_proj.bias")
     expect = sum(p.numel() // (1 if any(r in n for r in replicated) else tp) for n, p in GPT(cfg).named_parameters())
     shape = Job(cfg, 1, 1, "h100", 1).shape
-    assert sum(plan.flat_groups(shape, tp, 1, 1, 1, 0, 0, 25.0)) == expect
-    first, last = (sum(plan.flat_groups(shape, tp, 1, 2, 1, r, 0, 25.0)) for r in (0, 1))
+    assert sum(plan_memory.flat_groups(shape, tp, 1, 1, 1, 0, 0, 25.0)) == expect
+    first, last = (sum(plan_memory.flat_groups(shape, tp, 1, 2, 1, r, 0, 25.0)) for r in (0, 1))
     assert first + last == expect + cfg.padded_vocab_size * 32 // tp     # the tied embedding twice
     assert last - first == 2 * 32                                         # ln_f
 
@@ -87,7 +90,7 @@ def test_state_and_comm_bytes_equal_train_zero(zero_rows, stage):
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=40)
     job = job_for(cfg, gpus=ZERO_WORLD, global_seqs=12, precision="fp32", bucket_mb=ZERO_MODEL["bucket_mb"])
     lay = plan.Layout(dp=ZERO_WORLD, zero_stage=stage, micro_batch_size=2)
-    mem = plan.memory(job, lay)
+    mem = plan_memory.memory(job, lay)
     assert mem["padded_params"] == row["padded_params"] > num_params(cfg)
     assert (mem["params"], mem["grads"], mem["optimizer"]) == \
         (row["state_bytes_params"], row["state_bytes_grads"], row["state_bytes_optim"])
@@ -112,7 +115,7 @@ def test_activation_bytes_equal_saved_tensors(recompute, shape):
     with SavedActivationBytes(model) as saved:
         model(idx, idx)
     job = job_for(cfg, global_seqs=b, precision="fp32")
-    predicted = plan.activation_bytes(job, plan.Layout(dp=1, micro_batch_size=b, recompute=recompute), 0)
+    predicted = plan_memory.activation_bytes(job, plan.Layout(dp=1, micro_batch_size=b, recompute=recompute), 0)
     assert abs(predicted / saved.bytes - 1) < 0.02
 
 
@@ -126,7 +129,7 @@ def test_korthikanti_cases():
     sbh, r = s * b * h, 5 * a * s / h
 
     def per_layer(tp, sp=False, recompute="none"):
-        return plan.layer_activation_bytes(job, plan.Layout(dp=8 // tp, tp=tp, sp=sp, recompute=recompute),
+        return plan_memory.layer_activation_bytes(job, plan.Layout(dp=8 // tp, tp=tp, sp=sp, recompute=recompute),
                                            extras=False)
     assert per_layer(1) == sbh * (34 + r)
     assert per_layer(t) == pytest.approx(sbh * (10 + 24 / t + r / t))
@@ -140,17 +143,80 @@ def test_korthikanti_cases():
 # ----------------------------------------------------------------------------------------------------------
 # time and schedules
 
-@pytest.mark.parametrize("schedule,v,expected", [("afab", 1, 8), ("1f1b", 1, 4), ("zb1", 1, 4), ("interleaved", 2, 11)])
-def test_pipeline_in_flight_and_bubble(schedule, v, expected):
-    """Rank 0 of p=4, m=8 holds m (afab), p (1f1b, zb1) or, interleaved, its 2(p-1) + (v-1)p warm-up forwards + 1
-    micro-batch-chunks; the bubble costs compute * (p-1)/m for 1f1b, /v interleaved, a third of it for zb1."""
-    assert plan.in_flight(schedule, 4, 8, v, 0) == expected
-    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=8, n_head=4, n_embd=64)
-    job = job_for(cfg, gpus=4, global_seqs=8)
-    lay = plan.Layout(dp=1, pp=4, schedule=schedule, v=v)
-    t = plan.step_time(job, lay, plan.memory(job, lay))
-    ratio = {"afab": 3 / 8, "1f1b": 3 / 8, "zb1": 3 / 24, "interleaved": 3 / 16}[schedule]
-    assert t["bubble"] == pytest.approx(t["compute"] * ratio)
+def simulated_schedules(schedule):
+    """(p, m, v, pipeline_schedules.simulate's result) for p = 2..6 and every m the schedule takes (train_5d's
+    validate: m >= p except afab and zbv, m % p == 0 interleaved, m >= 2p dualpipev)."""
+    from pipeline_schedules import make_schedule, simulate
+    v = dict(interleaved=2, zbv=2, dualpipev=2).get(schedule, 1)
+    for p in range(2, 7):
+        for m in range(1, 4 * p + 2):
+            if (m < p and schedule not in ("afab", "zbv") or schedule == "interleaved" and m % p
+                    or schedule == "dualpipev" and m < 2 * p):
+                continue
+            yield p, m, v, simulate(make_schedule(schedule, p, m, v), p, v)
+
+
+@pytest.mark.parametrize("schedule", ["afab", "1f1b", "zb1", "interleaved", "zbv", "dualpipev"])
+def test_pipeline_in_flight_and_bubble_equal_the_simulator(schedule):
+    """plan's closed forms against pipeline_schedules.simulate (F = B = W), every rank, p = 2..6, every valid m up to
+    4p+1: the micro-batch-chunks each rank holds at its peak are equal, and the bubble plan adds is the simulated
+    idle share: bubble / compute = idle / (makespan - idle) on every rank."""
+    from plan_inputs import Layout
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=24, n_head=4, n_embd=64)
+    for p, m, v, sim in simulated_schedules(schedule):
+        assert [plan_memory.in_flight(schedule, p, m, v, r) for r in range(p)] == sim["peak_in_flight"], (p, m)
+        job = job_for(cfg, gpus=p, global_seqs=m)
+        lay = Layout(dp=1, pp=p, schedule=schedule, v=v)
+        t = plan.step_time(job, lay, plan_memory.memory(job, lay))
+        for idle in sim["idle"]:
+            assert t["bubble"] / t["compute"] == pytest.approx(idle / (sim["makespan"] - idle), rel=1e-12), (p, m)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_placement_states_match_the_stages(schedule):
+    """In a V rank r holds stages r and 2p-1-r (train_pp.stage_views): plan's parameter count per rank equals the
+    views' (rank 0 holds the embedding once, tied, with ln_f), and the ranks together hold the model once."""
+    from pipeline_schedules import placement_of
+    from train_pp import stage_views
+    cfg = GPTConfig(vocab_size=100, n_layer=8, n_head=4, n_embd=32)
+    with torch.device("meta"):
+        gpt = GPT(cfg)
+    shape, p = Job(cfg, 1, 1, "h100", 1).shape, 2
+    counts = [sum(plan_memory.flat_groups(shape, 1, 1, p, 2, r, 0, 25.0, placement_of(schedule))) for r in range(p)]
+    assert counts == [sum(x.numel() for x in stage_views(gpt, r, p, 2, "v").parameters()) for r in range(p)]
+    assert sum(counts) == num_params(cfg)
+    assert plan_memory.end_ranks(plan.Layout(dp=1, pp=p, schedule=schedule, v=2)) == (0, 0)
+
+
+def test_plan_and_train_5d_accept_the_same_layouts(monkeypatch):
+    """On 8 ranks, over every dp x cp x pp, ep (dividing dp*cp, not only dp; none for a dense model), schedule with v,
+    and micro-batches per step: plan's validate and train_5d's accept exactly the same layouts (V schedules need v = 2, dualpipev
+    m >= 2p, others but afab and zbv m >= p, interleaved m % p == 0)."""
+    import train_5d
+    from config import Config
+    from plan_inputs import Layout, validate
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    schedules = [("afab", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2), ("zbv", 1)]
+    verdicts = []
+    for cp, pp, experts in product([1, 2, 4], [1, 2, 4], [0, 8]):
+        dp, model = 8 // (cp * pp), dict(n_layer=8, n_head=4, n_embd=32, block_size=16, n_experts=experts)
+        for ep, (schedule, v), seqs in product([1, 2, 4, 8], schedules, [dp, 2 * dp, 8 * dp]):
+            job = job_for(GPTConfig(vocab_size=64, **model), gpus=8, global_seqs=seqs)
+            lay = Layout(dp=dp, cp=cp, pp=pp, ep=ep, schedule=schedule, v=v)
+            cfg = Config(**model, dp=dp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual=v,
+                         global_batch_size=seqs, micro_batch_size=1)
+            cfg.layout, cfg.plan_gpu = "", ""                 # train_5d's own flags (its parser adds them)
+            verdicts.append((accepts(validate, job, lay), accepts(train_5d.validate, cfg)))
+    assert all(ours == theirs for ours, theirs in verdicts)
+    assert 0 < sum(ours for ours, _ in verdicts) < len(verdicts)
+
+
+def accepts(validate, *args):
+    try:
+        validate(*args)
+    except ConfigError:
+        return False
+    return True
 
 
 def test_tp_and_cp_bytes_follow_the_rungs():
@@ -165,11 +231,77 @@ def test_tp_and_cp_bytes_follow_the_rungs():
     assert plan.comm_bytes(job, plan.Layout(dp=1, cp=4, micro_batch_size=2), 0)["cp"] == 3 * kv * 2 + 4 * kv
 
 
+@pytest.mark.parametrize("dropout,recompute,per_element", [(0.1, "none", 20), (0.1, "full", 29), (0.1, "selective", 29),
+                                                          (0.0, "none", 10), (0.0, "full", 14)])
+def test_eager_attention_hbm_time(dropout, recompute, per_element):
+    """Eager attention streams a/t x s^2 score elements per sequence, block and rank through HBM: softmax 4 + 6
+    bytes, dropout 5 + 5, the forward part again under recompute; flash attention none of it."""
+    cfg = GPTConfig(vocab_size=64, block_size=128, n_layer=4, n_head=8, n_embd=64, dropout=dropout)
+    job = job_for(cfg, gpus=8, global_seqs=16, attn="eager")
+    lay = plan.Layout(dp=2, tp=2, pp=2, micro_batch_size=2, recompute=recompute)
+    elements = (8 // 2) * 128 ** 2 * (16 // 2) * (4 // 2)
+    assert plan.eager_attention_time(job, lay) == pytest.approx(elements * per_element / 3.35e12, rel=1e-12)
+    assert plan.eager_attention_time(job_for(cfg, gpus=8, global_seqs=16), lay) == 0
+
+
+def test_published_software_options():
+    """Megatron-LM 2021's behaviour as Job fields: gradients reduced after the backward (no overlap: the whole
+    reduction is exposed), pipeline messages as 1/t per tp rank plus a tp all-gather on arrival."""
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=64)
+    lay = plan.Layout(dp=2, tp=2, pp=2, micro_batch_size=1)
+    plain, megatron = (job_for(cfg, gpus=8, gpus_per_node=2, global_seqs=8, dp_overlap=o, pp_scatter_gather=not o)
+                       for o in (True, False))
+    a, b = (plan.comm_bytes(j, lay, 1000) for j in (plain, megatron))
+    S, m = 64 * 64 * 2, 4
+    assert (a["pp"], b["pp"]) == (2 * m * S, 2 * m * S / 2) and b["tp"] - a["tp"] == 2 * m * S / 2
+    mem = plan_memory.memory(megatron, lay)
+    t = plan.step_time(megatron, lay, mem)
+    dp_bytes = plan.comm_bytes(megatron, lay, mem["padded_params"])["dp"]
+    assert t["dp"] == pytest.approx(dp_bytes / plan.link_bandwidth(megatron, lay, "dp"), rel=1e-12)
+    assert plan.step_time(plain, lay, plan_memory.memory(plain, lay))["dp"] < t["dp"]
+
+
+def test_plan_tables_setup():
+    """bench/plan_tables.py (it writes bench/plan_tables.md): its conversions give the published figures (Megatron's
+    137 TFLOP/s is 44% of 312, torchtitan's 2,973 TPS/GPU its 58.2% when the embedding is counted, as torchtitan did in
+    2024-04), and a setup compares to one row with its ranks."""
+    tables = load_bench("plan_tables")
+    assert round(137e12 / tables.A100, 2) == 0.44 and tables.megatron_mfu(137, 24, 2304, 2048, 51200) < 0.44
+    assert round(tables.titan_mfu(2973, 8.03e9 + 128256 * 4096, 32, 4096, 8192, 128256, tables.A100), 3) == 0.582
+    c = tables.compare(tables.SETUPS[0])
+    assert c["row"]["dp"] == 32 and c["rank"] >= 1 and c["rank_offered"] <= c["n_offered"] < c["n"]
+    assert abs(c["error"]) < 1
+
+
+def load_bench(name):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, f"bench/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_plan_sweep_dry(tmp_path):
+    """`python bench/gpu_check.py --plan_sweep --dry` (what a GPU machine runs without --dry): 12 train_5d layouts
+    spread over both sides of the GPU's memory, each accepted by train_5d's validate; and the comparison it prints
+    once measured: OOM verdicts right and peaks within 10% (here against made-up measurements)."""
+    gpu_check, sweep = load_bench("gpu_check"), load_bench("plan_sweep")
+    assert gpu_check.main(["--plan_sweep", "--dry", "--out", str(tmp_path), "--plan_gpus", "4"]) == 0
+    rows = [line for line in (tmp_path / "plan_sweep.md").read_text().splitlines() if line.startswith("| dp=")]
+    assert len(rows) == sweep.RUNS and any("| fits | not run |" in r for r in rows) and any("| OOM |" in r for r in rows)
+    layouts = sweep.sweep_layouts(2, "h100", 80 * 2 ** 30, 256, runs=4)
+    measured = [(r, (r["mem_bytes"]["total"] - sweep.FRAMEWORK_BYTES) * 1.05, "fits") for r in layouts[:2]]
+    measured += [(r, None, "OOM") for r in layouts[2:]] + [(layouts[0], None, "failed (exit 1)")]
+    text = "\n".join(sweep.summary(measured, 0.5 * (layouts[1]["mem_bytes"]["total"] + layouts[2]["mem_bytes"]["total"])
+                                    / sweep.USABLE))
+    assert "OOM predicted right: 4 of 4 runs" in text and "peak within 10%: 2 of 2 runs" in text and "-4.8%" in text
+
+
 def test_more_devices_never_need_more_state_memory():
     """Sharding only helps: for a fixed layout otherwise, ZeRO stages 1-3 each cut model states below the last."""
     cfg = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
     job = job_for(cfg, gpus=8, global_seqs=64)
-    states = [sum(plan.memory(job, plan.Layout(dp=8, zero_stage=z))[k] for k in ("params", "grads", "optimizer"))
+    states = [sum(plan_memory.memory(job, plan.Layout(dp=8, zero_stage=z))[k] for k in ("params", "grads", "optimizer"))
               for z in range(4)]
     assert states == sorted(states, reverse=True) and states[3] < states[0] / 7
 
@@ -247,12 +379,16 @@ def test_auto_layout_is_the_fastest_runnable_layout_that_fits(monkeypatch):
                                                    global_batch_size=64, dtype="bfloat16"))
     rows = plan.rank_layouts(job)
     assert any(not runs(r) and not r["oom"] for r in rows)      # ZeRO-3 etc. are ranked but refused by train_5d
-    for memory in (80 * GIB, 24 * GIB):
+    v_shaped = [r for r in rows if r["schedule"] in ("zbv", "dualpipev")]
+    assert any(map(runs, v_shaped)) and not all(map(runs, v_shaped))   # zbv / dualpipev with tp > 1: refused
+    roomy = choose_layout(job, 80 * GIB, runs)[0]
+    tight = 0.99 * roomy["mem_bytes"]["total"] / USABLE           # the roomy choice no longer fits: another one
+    for memory in (80 * GIB, tight):
         best, fits = choose_layout(job, memory, runs)
         assert runs(best) and best["mem_bytes"]["total"] <= USABLE * memory
         runnable = [r for r in rows if runs(r) and not r["oom"] and r["mem_bytes"]["total"] <= USABLE * memory]
         assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in runnable)
-    assert choose_layout(job, 24 * GIB, runs)[0] != choose_layout(job, 80 * GIB, runs)[0]   # less memory, another
+    assert choose_layout(job, tight, runs)[0] != roomy
 
 
 def _auto_run(rank, world, argv):

@@ -1,0 +1,191 @@
+"""
+plan_memory.py: plan.py's memory per GPU of a layout, by part. Formulas only; each part is a function with its
+formula in the docstring, and the tests hold each against what the rungs count (tests/test_plan.py).
+
+    memory per GPU = params + grads + optimizer   zero_state_bytes over train_zero's flat groups (padding included)
+                   + activations                  in_flight micro-batch-chunks x blocks per chunk x
+                                                  layer_activation_bytes (Korthikanti et al. 2022 with TP/SP at
+                                                  s/cp tokens) + head_activation_bytes on the last stage
+                   + other                        logits, ZeRO buffers, p2p and CP buffers, FRAMEWORK_BYTES
+    of the fuller of pipeline ranks 0 and p-1.
+
+Stages are placed as pipeline_schedules.stage_of places them: round-robin (stage c*p + rank is chunk c of rank),
+or in a V for zbv and dualpipev (rank r holds stages r and 2p-1-r, so rank 0 holds both ends and the tied
+embedding once).
+"""
+from functools import lru_cache
+
+import torch
+
+from model import GPTConfig
+from pipeline_schedules import placement_of, rank_of, stage_of
+from plan_inputs import FRAMEWORK_BYTES, PRECISION, model_state_bytes_per_param
+from train_ddp import assign_buckets
+from train_tp import tp_activation_bytes_per_layer
+
+MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# where the stages are
+
+def stage_blocks(cfg, pp, v, rank, placement="loop"):
+    """Global block indices on pipeline rank `rank`: its v chunks (stages stage_of(rank, c): rank, rank+p, ...
+    round-robin; rank and 2p-1-rank in a V) of L/(p*v) blocks each, chunk 0 first."""
+    per = cfg.n_layer // (pp * v)
+    stages = [stage_of(rank, c, pp, placement) for c in range(v)]
+    return [i for s in stages for i in range(s * per, (s + 1) * per)]
+
+
+def end_ranks(lay):
+    """(rank holding the first stage, rank holding the last stage): (0, p-1), or (0, 0) in a V."""
+    return 0, rank_of(lay.pp * lay.v - 1, lay.pp, placement_of(lay.schedule))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# model states
+
+def block_numels(cfg, tp, ep, moe):
+    """One block's parameters on a tp rank, in model.parameters() order. Column-parallel c_attn / c_fc (weights and
+    biases / tp), row-parallel projections (weights / tp, biases whole), LayerNorms whole; an MoE block has a whole
+    router (E*h) and E/ep whole experts (8h^2 + 5h each) instead of the MLP."""
+    h = cfg.n_embd
+    attn = [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h]
+    if moe:
+        return attn + [cfg.n_experts * h] + [4 * h * h, 4 * h, 4 * h * h, h] * (cfg.n_experts // ep)
+    return attn + [4 * h * h // tp, 4 * h // tp, 4 * h * h // tp, h]
+
+
+@lru_cache(maxsize=None)
+def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb, placement="loop"):
+    """Numels of train_zero.py's flat groups on this rank: stage 3 one unit per block (backward order) + the root
+    (embedding, final LayerNorm); stages 0-2 train_ddp.assign_buckets over the parameters in reverse order, sized in
+    fp32 bytes (train_zero builds the model in fp32 on the meta device). The vocab-parallel embedding (V/tp rows) is
+    on the rank of the first stage and, tied, on the rank of the last (once when one rank holds both, as in a V);
+    ln_f on the last. cfg: a Job.shape."""
+    cfg = GPTConfig(**dict(cfg))
+    blocks = [block_numels(cfg, tp, ep, cfg.is_moe_block(i)) for i in stage_blocks(cfg, pp, v, rank, placement)]
+    first, last = rank == 0, rank == rank_of(pp * v - 1, pp, placement)
+    embed = [cfg.padded_vocab_size * cfg.n_embd // tp] if first or last else []
+    root = embed + ([cfg.n_embd, cfg.n_embd] if last else [])
+    if stage == 3:
+        return tuple([sum(b) for b in reversed(blocks)] + ([sum(root)] if root else []))
+    ordered = embed + [n for b in blocks for n in b] + ([cfg.n_embd, cfg.n_embd] if last else [])
+    metas = [torch.empty(n, device="meta") for n in reversed(ordered)]
+    return tuple(sum(p.numel() for p in bucket) for bucket in assign_buckets(metas, bucket_mb * 2 ** 20))
+
+
+def zero_state_bytes(groups, n, stage, recipe):
+    """Model-state bytes per rank, groups padded to a multiple of n ranks (P' = sum ceil(g/n)*n; P' = P at stage 0),
+    bytes per parameter (p, g, o) from plan_inputs.model_state_bytes_per_param (bf16: 2, 2, 12; fp32: 4, 4, 8):
+        stage 0: (p + g + o) P      stage 1: (p + g) P' + o P'/n      stage 2: p P' + (g + o) P'/n
+        stage 3: (p + g + o) P'/n   (ZeRO paper, 7.5B on 64 GPUs, bf16: 120 / 31.4 / 16.6 / 1.9 GB)"""
+    padded = sum(groups) if stage == 0 else sum(-(-g // n) * n for g in groups)
+    b = model_state_bytes_per_param(recipe)
+    return dict(params=b["params"] * padded / (n if stage >= 3 else 1),
+                grads=b["grads"] * padded / (n if stage >= 2 else 1),
+                optimizer=b["optim"] * padded / (n if stage >= 1 else 1), padded=padded)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# activations
+
+def layer_activation_bytes(job, lay, moe=False, extras=True):
+    """Bytes one block keeps for backward for one micro-batch of b sequences of s = seq/cp tokens:
+    train_tp.tp_activation_bytes_per_layer (Korthikanti eq. 2 with TP: sbh(10 + 24/t + 5as/(ht)), TP+SP: /t; with
+    flash attention the 5as/h scores term is not stored, as with selective recompute), plus what this model keeps
+    beyond the paper's count: q and k before and after RoPE (+2sbh/t values), the fp32 log-sum-exp of the fused
+    attention (a*s*b*4/t bytes, gone with selective recompute) and two LayerNorms' mean and rstd (16sb bytes, /t
+    under SP; extras=False: the paper's count alone). An MoE block stores its MLP part (h + 8h/t values per token)
+    once per routed expert (x top_k)."""
+    cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
+    s, b, h = job.cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
+    rc = "selective" if (job.attn == "flash" and lay.recompute == "none") else lay.recompute
+    base = tp_activation_bytes_per_layer(s, b, cfg, t, sp=lay.sp, bytes_per_value=bpv, recompute=rc,
+                                         dropout=cfg.dropout > 0)
+    if lay.recompute == "full" or not extras:
+        return base
+    lse = cfg.n_head * s * b * 4 / t if (lay.recompute == "none" and job.attn == "flash") else 0
+    extra = 2 * s * b * h * bpv / t + lse + 16 * s * b / (t if lay.sp else 1)
+    if moe:
+        extra += (cfg.top_k - 1) * s * b * h * bpv * (1 + 8 / t)
+    return base + extra
+
+
+def head_activation_bytes(job, lay):
+    """Last stage, per micro-batch: ln_f input and LM-head input (2sbh values, /t under SP), their stats and the
+    targets (16sb bytes), the fp32 softmax of the (vocab-parallel) cross-entropy (4*s*b*V/t) and the RoPE table."""
+    cfg, bpv = job.cfg, PRECISION[job.precision][1]
+    s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
+    return (2 * s * b * h * bpv / (lay.tp if lay.sp else 1) + 16 * s * b + 4 * s * b * cfg.padded_vocab_size / lay.tp
+            + s * (h // cfg.n_head) * 4)
+
+
+def in_flight(schedule, p, m, v, rank):
+    """Micro-batch-chunks whose activations pipeline rank `rank` holds at its peak (forward done, backward, or the
+    weight-gradient W of a split schedule, not yet), as pipeline_schedules.simulate counts them (tested equal):
+        afab m    1f1b p - rank    zb1 p (W runs rank micro-batches late)    1 without pp
+        interleaved min(2(p-rank-1) + (v-1)p + 1, v*m): its warm-up forwards + 1
+        zbv min(2p, m + 1 + rank, 2m) (ZB-V: 1F1B's p micro-batches = 2p chunks once m >= 2p-1)
+        dualpipev 2p + 1 (DeepSeek-V3 Table 2: PP+1 chunks with PP = 2p stages; m >= 2p)"""
+    if p == 1:
+        return 1
+    return dict(afab=m, zb1=p, dualpipev=2 * p + 1, zbv=min(2 * p, m + 1 + rank, 2 * m),
+                interleaved=min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m)).get(schedule, p - rank)
+
+
+def activation_bytes(job, lay, rank):
+    """in_flight(rank) x (L/(p*v) blocks of layer_activation_bytes) + head_activation_bytes on the last stage's rank
+    (x m for afab, else 1: every other schedule runs a micro-batch's last-stage backward right after its forward)."""
+    blocks = stage_blocks(job.cfg, lay.pp, lay.v, rank, placement_of(lay.schedule))
+    per_chunk = len(blocks) // lay.v
+    moe_share = sum(job.cfg.is_moe_block(i) for i in blocks) / len(blocks)
+    layer = (1 - moe_share) * layer_activation_bytes(job, lay) + moe_share * layer_activation_bytes(job, lay, True)
+    total = in_flight(lay.schedule, lay.pp, lay.grad_acc(job), lay.v, rank) * per_chunk * layer
+    if rank == end_ranks(lay)[1]:
+        total += head_activation_bytes(job, lay) * (lay.grad_acc(job) if lay.schedule == "afab" and lay.pp > 1 else 1)
+    return total
+
+
+def other_bytes(job, lay, rank, groups):
+    """Working sets beside states and activations: the logits of one micro-batch in compute dtype plus their fp32
+    copy (s*b*V/t*(bpv + 4), last stage); ZeRO-2's two gradient buffers in flight (2 * largest bucket * g);
+    ZeRO-3's gathered current + prefetched unit and the unit's full gradient ((2p + g) * largest unit); amp's bf16
+    copies of the weights (2 bytes per rank parameter); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
+    (2 * 2b*s*h/t values); FRAMEWORK_BYTES."""
+    cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
+    s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
+    sizes = model_state_bytes_per_param(recipe)
+    out = FRAMEWORK_BYTES
+    if rank == end_ranks(lay)[1]:
+        out += s * b * cfg.padded_vocab_size / lay.tp * (bpv + (4 if bpv < 4 else 0))
+    if lay.zero_stage == 2:
+        out += 2 * max(groups) * sizes["grads"]
+    if lay.zero_stage == 3:
+        out += max(groups) * (2 * sizes["params"] + sizes["grads"])
+    if job.precision == "amp":
+        out += 2 * sum(groups)
+    if lay.pp > 1:
+        out += 2 * s * b * h * bpv / (lay.tp if lay.sp else 1)
+    if lay.cp > 1:
+        out += 4 * s * b * h / lay.tp * bpv
+    return out
+
+
+def memory(job, lay):
+    """Memory parts of the fuller of pipeline ranks 0 and p-1 (bytes): the two ends (most in flight under afab,
+    1f1b and interleaved on rank 0; the last stage's logits on p-1), in a V both ends and the turn (where zbv holds
+    the most with few micro-batches)."""
+    best = None
+    for rank in sorted({0, lay.pp - 1}):
+        groups = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, job.bucket_mb,
+                             placement_of(lay.schedule))
+        st = zero_state_bytes(groups, lay.dp * lay.cp, lay.zero_stage, PRECISION[job.precision][0])
+        parts = dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
+                     activations=activation_bytes(job, lay, rank), other=other_bytes(job, lay, rank, groups))
+        parts["total"] = sum(parts.values())
+        parts["padded_params"] = st["padded"]
+        if best is None or parts["total"] > best["total"]:
+            best = parts
+    return best
+
