@@ -12,8 +12,8 @@ size in one torchrun launch. Every rank counts, exactly:
                   shards as train_zero.model_state_bytes counts them
     activations   the peak, over a step, of the bytes autograd holds for backward: metrics.LiveSavedActivationBytes
                   around the pipeline runner's step, so the micro-batches a schedule keeps in flight all count
-plan.py predicts the same parts for the same plan_inputs.Layout and pipeline rank: plan.flat_groups and
-plan.zero_state_bytes (states), plan.activation_bytes (activations). Its other parts (logits, p2p buffers, the CUDA
+plan.py predicts the same parts for the same plan_inputs.Layout and pipeline rank: plan_memory.flat_groups and
+zero_state_bytes (states), plan_memory.activation_bytes (activations). Its other parts (logits, p2p buffers, the CUDA
 context) have no exact count on CPU and are left out. Counted bytes do not depend on the machine's load.
 Split-backward schedules (zb1, zbv, dualpipev) are not among the layouts: their W passes keep inputs outside
 autograd, which the counter cannot see.
@@ -143,6 +143,7 @@ def plan_layout(flags):
 def predicted(label, vocab_size, pp_rank):
     """plan.py's bytes by part for one layout's pipeline rank."""
     import plan
+    import plan_memory
     from model import GPTConfig
     from plan_inputs import Job
     flags = LAYOUTS[label]
@@ -153,10 +154,10 @@ def predicted(label, vocab_size, pp_rank):
     job = Job(cfg, world, world, "h100", MODEL["global_batch_size"], precision="fp32", bucket_mb=MODEL["bucket_mb"])
     lay = plan_layout(flags)
     plan.validate(job, lay)
-    groups = plan.flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, pp_rank, lay.zero_stage, job.bucket_mb)
-    st = plan.zero_state_bytes(groups, lay.dp * lay.cp, lay.zero_stage, "fp32")
+    groups = plan_memory.flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, pp_rank, lay.zero_stage, job.bucket_mb)
+    st = plan_memory.zero_state_bytes(groups, lay.dp * lay.cp, lay.zero_stage, "fp32")
     return dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
-                activations=plan.activation_bytes(job, lay, pp_rank))
+                activations=plan_memory.activation_bytes(job, lay, pp_rank))
 
 
 def compare(measured):
