@@ -171,3 +171,22 @@ def test_scaling_chart_reads_harness_tables(tmp_path):
     assert is_png(str(out / "scaling.png"))
     with pytest.raises(SystemExit):                  # no 1-rank run to scale from
         scaling_chart.read_table(str(table), ["two"])
+
+
+def test_charts_redraw_a_written_table(tmp_path):
+    """bench/charts.py draws a table's PNG from its own numbers: paired ratios where there are, each run against
+    the last baseline above it; a table of another kind (memory, bubble) is left to its own script."""
+    import charts
+    table = tmp_path / "t.md"
+    table.write_text("### title\n\n| run | tokens/s | ratio vs baseline | paired ratio (range) | command |\n|---|---|---|---|---|\n"
+                     "| peer | 100 | 1.00 | 1.00 (1.00-1.00) | `a` |\n| ours | 120 | 1.20 | 1.18 (1.10-1.25) | `b` |\n"
+                     "| other peer | 50 | 1.00 | 1.00 (1.00-1.00) | `c` |\n| ours 2 | 40 | 0.80 | 0.79 (0.70-0.90) | `d` |\n"
+                     "\n| note | x |\n|---|---|\n| a | b |\n")
+    assert charts.table_entries(str(table)) == [("peer", "peer", 1.0, 1.0, 1.0), ("ours", "peer", 1.18, 1.10, 1.25),
+                                                ("other peer", "other peer", 1.0, 1.0, 1.0),
+                                                ("ours 2", "other peer", 0.79, 0.70, 0.90)]
+    charts.main([str(table)])
+    assert (tmp_path / "t.png").stat().st_size > 0
+    other = tmp_path / "m.md"
+    other.write_text("| layout | pp rank |\n|---|---|\n| dp2 | 0 |\n")
+    assert charts.table_entries(str(other)) == []
