@@ -171,7 +171,7 @@ def write_table(rows, path, machine, load=""):
 
 def write_chart(rows, path):
     """bubble.png: a panel per (p, m), per schedule a bar for each estimate of the idle share."""
-    from charts import pyplot
+    from charts import pyplot, save_figure
     plt = pyplot()
     configs = list(dict.fromkeys((r["p"], r["m"]) for r in rows))
     kinds = (("formula", "formula", "#4C72B0"), ("simulated", "simulated F=B=W", "#8172B2"),
@@ -187,10 +187,7 @@ def write_chart(rows, path):
                      fontsize=9)
     axes[0][0].set_ylabel("idle share of a step")
     axes[0][0].legend(fontsize=7)                 # the first panel has every kind of bar
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None):

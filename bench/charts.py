@@ -21,6 +21,14 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path, dpi=110):
+    """Lay the figure out, write it as a PNG at `path`, free it; returns path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 def ratio_chart(entries, path, title):
     """A horizontal bar per run: its median paired tokens/s ratio vs its baseline, the bar's whisker the range
     over rounds, a line at 1.0 (= the baseline's speed). entries: [(label, baseline label, median, lo, hi)] in
@@ -41,10 +49,7 @@ def ratio_chart(entries, path, title):
     ax.set_xlabel("tokens/s ratio vs baseline (median of paired rounds, whisker: range)")
     ax.set_xlim(0, max(hi for *_, hi in entries) * 1.15)
     ax.set_title(textwrap.fill(title, 110), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def cells(line):

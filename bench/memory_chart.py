@@ -207,7 +207,7 @@ def write_table(rows, path, note=""):
 
 def write_chart(rows, path):
     """memory.png: per layout and pipeline rank, a measured and a predicted bar, each stacked by part."""
-    from charts import pyplot
+    from charts import pyplot, save_figure
     plt = pyplot()
     colours = dict(zip(PARTS, ("#4C72B0", "#55A868", "#8172B2", "#DD8452")))
     fig, ax = plt.subplots(figsize=(min(15, 2 + 0.7 * len(rows)), 5.5))
@@ -225,10 +225,7 @@ def write_chart(rows, path):
     ax.set_title("Memory per rank by layout: counted on CPU (left bar) vs plan.py (right, hatched); train_5d fp32",
                  fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def launch(world, labels, data_dir, out_root):

@@ -62,7 +62,7 @@ def running_mean(values, n):
 
 def plot(runs, path, smooth=1):
     """runs: {label: run_curves(...)}; one 2x2 figure, every run in its colour in every panel."""
-    from charts import pyplot
+    from charts import pyplot, save_figure
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
     for ax, (key, title) in zip(axes.flat, PANELS):
@@ -81,10 +81,7 @@ def plot(runs, path, smooth=1):
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def labels_for(out_dirs):

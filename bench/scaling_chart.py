@@ -68,7 +68,7 @@ def write_table(all_series, path, command):
 
 
 def write_chart(all_series, path):
-    from charts import pyplot
+    from charts import pyplot, save_figure
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     most = max(r for *_, points in all_series for _, r, _ in points)
@@ -85,10 +85,7 @@ def write_chart(all_series, path):
     ax.set_ylabel("tokens/s (median over rounds)")
     ax.set_title("Scaling: measured (solid) vs ideal linear (dashed); labels: efficiency", fontsize=9)
     ax.legend(fontsize=6, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None):

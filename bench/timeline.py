@@ -186,10 +186,9 @@ def busy_fractions(rows, windows):
 
 
 def plot(rows, windows, path, title=""):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from charts import pyplot, save_figure
     from matplotlib.patches import Patch
+    plt = pyplot()
 
     ranks = sorted(rows)
     fig, ax = plt.subplots(figsize=(14, 1.4 + 0.6 * len(ranks)))
@@ -205,9 +204,7 @@ def plot(rows, windows, path, title=""):
     handles = [Patch(color=c, label=k) for k, c in COLOURS.items()] + [Patch(color="#EEEEEE", label="idle")]
     ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles), frameon=False)
     ax.set_title(title, loc="left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv=None):
