@@ -208,6 +208,8 @@ def launch_command(job, row):
                  dtype="float32" if job.precision == "fp32" else "bfloat16")
     if cfg.n_experts:
         flags.update(n_experts=cfg.n_experts, top_k=cfg.top_k)
+    if cfg.capacity_factor:
+        flags.update(capacity_factor=cfg.capacity_factor)
     args = " ".join(f"--{k} {v}" for k, v in flags.items()) + (" --sp" if row["sp"] else "")
     return (f"torchrun --nnodes {max(1, job.gpus // job.gpus_per_node)} --nproc_per_node "
             f"{min(job.gpus, job.gpus_per_node)} train_5d.py {args}")

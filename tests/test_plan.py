@@ -2,6 +2,7 @@
 lists of model.py, saved activation bytes), the published tables (ZeRO paper, Korthikanti et al. 2022), pipeline
 in-flight counts, the JSON contract and one-line errors for bad input."""
 import json
+from dataclasses import replace
 from itertools import product
 
 import pytest
@@ -117,6 +118,19 @@ def test_activation_bytes_equal_saved_tensors(recompute, shape):
     job = job_for(cfg, global_seqs=b, precision="fp32")
     predicted = plan_memory.activation_bytes(job, plan.Layout(dp=1, micro_batch_size=b, recompute=recompute), 0)
     assert abs(predicted / saved.bytes - 1) < 0.02
+
+
+def test_moe_rows_even_share_or_capacity_bound():
+    """An MoE block's routed rows on an expert rank: dropless the even share N*k (an assumption); with a capacity
+    factor E * ceil(cf*N*k/E) computed, at most N*k sent (a bound); N = b*s/cp tokens, /tp under SP."""
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=32, n_experts=6, top_k=2)
+    lay = plan.Layout(dp=4, ep=2, micro_batch_size=2)
+    assert plan_memory.moe_routed_rows(job_for(cfg), lay) == (128, 256, 256)
+    capped = job_for(replace(cfg, capacity_factor=1.25), gpus=4)
+    assert plan_memory.moe_routed_rows(capped, lay) == (128, 6 * 54, 256)            # ceil(1.25 * 128 * 2 / 6) = 54
+    assert plan_memory.moe_routed_rows(capped, plan.Layout(dp=2, tp=2, sp=True, ep=2, micro_batch_size=2)) == \
+        (64, 6 * 27, 128)
+    assert "--capacity_factor 1.25" in plan.launch_command(capped, plan.evaluate(capped, lay))
 
 
 def test_korthikanti_cases():
