@@ -36,12 +36,21 @@ from plan_memory import MEM_PARTS, memory, stage_blocks
 # time
 
 def link_bandwidth(job, lay, axis):
-    """Bytes/s of the link an axis crosses: its group spans tp (tp), tp*cp (cp), tp*ep (ep: ep consecutive members
-    of a dp x cp group, tp apart), tp*cp*dp (dp) or all (pp) consecutive ranks; within a node NVLink, else the GPU's
-    network share; times LINK_EFF."""
-    span = dict(tp=lay.tp, cp=lay.tp * lay.cp, ep=lay.tp * lay.ep, dp=lay.tp * lay.cp * lay.dp,
-                pp=job.gpus)[axis]
-    return (job.hw["nvlink"] if span <= job.gpus_per_node else job.hw["net"]) * LINK_EFF
+    """Bytes/s of the link an axis crosses, times LINK_EFF: its group spans tp (tp), tp*cp (cp), tp*ep (ep: ep
+    consecutive members of a dp x cp group, tp apart), tp*cp*dp (dp) or all (pp) consecutive ranks; within a node
+    NVLink. Across nodes, point-to-point traffic (cp's ring hops, pp, ep's all-to-all) leaves through each GPU's own
+    NIC: the GPU's network share. A ring collective (tp's and dp's all-reduce, reduce-scatter, all-gather) enters and
+    exits each node once per NCCL channel, and NCCL runs a channel per NIC, so a group with g members on a node
+    (tp: all of the node's; dp x cp: one per tp group) moves its bytes through g NICs: min(NVLink, g * net). NCCL's
+    maintainer: "Ring Allreduce requires data to go through each GPU and enter/exit the node once" (NVIDIA/nccl
+    #687), "~12 GB/s with each NIC, then ~24 when using 2 NICs, etc" (#307); measured, 1/2/4 GPUs of a node in the
+    ring: 363/173/132 ms (#569), 4 vs 8: 45 vs 90 GB/s (#1168)."""
+    node = job.gpus_per_node
+    span = dict(tp=lay.tp, cp=lay.tp * lay.cp, ep=lay.tp * lay.ep, dp=lay.tp * lay.cp * lay.dp, pp=job.gpus)[axis]
+    if span <= node:
+        return job.hw["nvlink"] * LINK_EFF
+    nics = dict(tp=node, dp=max(1, node // lay.tp)).get(axis, 1)
+    return min(job.hw["nvlink"], nics * job.hw["net"]) * LINK_EFF
 
 
 def hardware_flops_per_token(cfg, recompute):
