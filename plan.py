@@ -9,8 +9,9 @@ ranked for a cluster. Formulas only, nothing runs; each part is a function below
     python plan.py --n_layer 24 --n_embd 2048 --n_head 16 --vocab 50257 ...     # any shape instead of --model
 
 Rank order as train_5d.py builds its groups: tp innermost, then cp, dp, pp outermost; an axis whose group spans
-<= gpus_per_node consecutive ranks runs on NVLink, else on the network. Gradients are reduced, and ZeRO shards,
-over dp x cp; ep groups are ep consecutive ranks of a dp x cp group (grid.expert_partition).
+<= gpus_per_node consecutive ranks runs on NVLink, else on the network (a ring collective through the NICs of all
+its members on a node: link_bandwidth). Gradients are reduced, and ZeRO shards, over dp x cp; ep groups are ep
+consecutive ranks of a dp x cp group (grid.expert_partition).
     memory per GPU = params + grads + optimizer  (model_state_bytes_per_param; ZeRO padding as train_zero.py's)
                    + activations (Korthikanti et al. 2022 with TP/SP at s/cp tokens, x the schedule's in-flight
                                   micro-batches) + other (logits, buffers, 1 GiB CUDA context); OOM above 95%
