@@ -9,8 +9,9 @@ ranked for a cluster. Formulas only, nothing runs; each part is a function below
     python plan.py --n_layer 24 --n_embd 2048 --n_head 16 --vocab 50257 ...     # any shape instead of --model
 
 Rank order as train_5d.py builds its groups: tp innermost, then cp, dp, pp outermost; an axis whose group spans
-<= gpus_per_node consecutive ranks runs on NVLink, else on the network. Gradients are reduced, and ZeRO shards,
-over dp x cp; ep groups are ep consecutive ranks of a dp x cp group (grid.expert_partition).
+<= gpus_per_node consecutive ranks runs on NVLink, else on the network (a ring collective through the NICs of all
+its members on a node: link_bandwidth). Gradients are reduced, and ZeRO shards, over dp x cp; ep groups are ep
+consecutive ranks of a dp x cp group (grid.expert_partition).
     memory per GPU = params + grads + optimizer  (model_state_bytes_per_param; ZeRO padding as train_zero.py's)
                    + activations (Korthikanti et al. 2022 with TP/SP at s/cp tokens, x the schedule's in-flight
                                   micro-batches) + other (logits, buffers, 1 GiB CUDA context); OOM above 95%
@@ -36,12 +37,21 @@ from plan_memory import MEM_PARTS, memory, stage_blocks
 # time
 
 def link_bandwidth(job, lay, axis):
-    """Bytes/s of the link an axis crosses: its group spans tp (tp), tp*cp (cp), tp*ep (ep: ep consecutive members
-    of a dp x cp group, tp apart), tp*cp*dp (dp) or all (pp) consecutive ranks; within a node NVLink, else the GPU's
-    network share; times LINK_EFF."""
-    span = dict(tp=lay.tp, cp=lay.tp * lay.cp, ep=lay.tp * lay.ep, dp=lay.tp * lay.cp * lay.dp,
-                pp=job.gpus)[axis]
-    return (job.hw["nvlink"] if span <= job.gpus_per_node else job.hw["net"]) * LINK_EFF
+    """Bytes/s of the link an axis crosses, times LINK_EFF: its group spans tp (tp), tp*cp (cp), tp*ep (ep: ep
+    consecutive members of a dp x cp group, tp apart), tp*cp*dp (dp) or all (pp) consecutive ranks; within a node
+    NVLink. Across nodes, point-to-point traffic (cp's ring hops, pp, ep's all-to-all) leaves through each GPU's own
+    NIC: the GPU's network share. A ring collective (tp's and dp's all-reduce, reduce-scatter, all-gather) enters and
+    exits each node once per NCCL channel, and NCCL runs a channel per NIC, so a group with g members on a node
+    (tp: all of the node's; dp x cp: one per tp group) moves its bytes through g NICs: min(NVLink, g * net). NCCL's
+    maintainer: "Ring Allreduce requires data to go through each GPU and enter/exit the node once" (NVIDIA/nccl
+    #687), "~12 GB/s with each NIC, then ~24 when using 2 NICs, etc" (#307); measured, 1/2/4 GPUs of a node in the
+    ring: 363/173/132 ms (#569), 4 vs 8: 45 vs 90 GB/s (#1168)."""
+    node = job.gpus_per_node
+    span = dict(tp=lay.tp, cp=lay.tp * lay.cp, ep=lay.tp * lay.ep, dp=lay.tp * lay.cp * lay.dp, pp=job.gpus)[axis]
+    if span <= node:
+        return job.hw["nvlink"] * LINK_EFF
+    nics = dict(tp=node, dp=max(1, node // lay.tp)).get(axis, 1)
+    return min(job.hw["nvlink"], nics * job.hw["net"]) * LINK_EFF
 
 
 def hardware_flops_per_token(cfg, recompute):
@@ -208,6 +218,8 @@ def launch_command(job, row):
                  dtype="float32" if job.precision == "fp32" else "bfloat16")
     if cfg.n_experts:
         flags.update(n_experts=cfg.n_experts, top_k=cfg.top_k)
+    if cfg.capacity_factor:
+        flags.update(capacity_factor=cfg.capacity_factor)
     args = " ".join(f"--{k} {v}" for k, v in flags.items()) + (" --sp" if row["sp"] else "")
     return (f"torchrun --nnodes {max(1, job.gpus // job.gpus_per_node)} --nproc_per_node "
             f"{min(job.gpus, job.gpus_per_node)} train_5d.py {args}")

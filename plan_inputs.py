@@ -160,6 +160,8 @@ def validate(job, lay):
 # command line
 
 FLAGS = [("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", int, 2, "experts per token"),
+         ("capacity_factor", float, 0.0, "MoE expert capacity factor (0: dropless, expert memory at the even share; "
+          "> 0: bounded by the capacity)"),
          ("gpus", int, 8, "GPUs in all"), ("gpus_per_node", int, 8, "GPUs sharing NVLink"),
          ("gpu", str, "h100", f"one of {', '.join(HARDWARE)}"), ("seq", int, 4096, "sequence length"),
          ("global_batch_tokens", str, "4M", "tokens per optimizer step (K/M/G binary)"),
@@ -208,7 +210,7 @@ def build_job(a):
     tokens = parse_tokens(a.global_batch_tokens)
     check(tokens % a.seq == 0 and tokens >= a.seq, f"global batch of {tokens} tokens is not a multiple of seq={a.seq}")
     cfg = GPTConfig(vocab_size=shape["vocab"], block_size=a.seq, n_layer=shape["n_layer"], n_head=shape["n_head"],
-                    n_embd=shape["n_embd"], n_experts=a.n_experts, top_k=a.top_k)
+                    n_embd=shape["n_embd"], n_experts=a.n_experts, top_k=a.top_k, capacity_factor=a.capacity_factor)
     return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb, a.eff,
                a.dp_overlap, a.pp_scatter_gather)
 

@@ -13,6 +13,7 @@ Stages are placed as pipeline_schedules.stage_of places them: round-robin (stage
 or in a V for zbv and dualpipev (rank r holds stages r and 2p-1-r, so rank 0 holds both ends and the tied
 embedding once).
 """
+import math
 from functools import lru_cache
 
 import torch
@@ -90,14 +91,51 @@ def zero_state_bytes(groups, n, stage, recipe):
 # ----------------------------------------------------------------------------------------------------------
 # activations
 
+def moe_routed_rows(job, lay):
+    """(N, R, K) of one MoE block on the busiest expert rank: N tokens it routes (b*s, s = seq/cp, /t under SP where
+    each tp rank routes its own chunk), R rows its experts compute, K rows it sent out and gets back (E experts,
+    k = top_k, cf = capacity_factor):
+        dropless (cf = 0)   R = K = N*k: the even share, ASSUMED, not a bound; a rank whose experts the router
+                            favours computes more (bench/results/memory.md: the busier of two ranks)
+        capacity (cf > 0)   R <= E * ceil(cf*N*k/E), K <= min(N*k, E * ceil(cf*N*k/E)), UPPER BOUNDS: routing.route
+                            keeps at most ceil(cf*N*k/E) rows per expert from each rank, and a rank's E/ep experts
+                            hear from the ep ranks of its group (ep * E/ep * ceil(...))"""
+    cfg = job.cfg
+    n = lay.micro_batch_size * cfg.block_size // lay.cp // (lay.tp if lay.sp else 1)
+    if cfg.capacity_factor <= 0:
+        return n, n * cfg.top_k, n * cfg.top_k
+    cap = cfg.n_experts * math.ceil(cfg.capacity_factor * n * cfg.top_k / cfg.n_experts)
+    return n, cap, min(n * cfg.top_k, cap)
+
+
+def moe_extra_bytes(job, lay):
+    """Bytes an MoE block keeps beyond the dense block's count (whose MLP input, the router's input here, stays),
+    as train_ep.ExpertParallelMoE saves them, (N, R, K) = moe_routed_rows, experts whole (not split over tp):
+        router   N*E fp32 probabilities + N*k int64 top-k (+ N*k bool kept flags with a capacity)
+        experts  R * (9h values: the gathered input rows, c_fc out, GeLU out; + h mask bytes with dropout
+                 + 2 int64 indices: the regrouping permutation and its inverse)
+        combine  K * (2h values: the returned rows, kept by the gate multiply, and their product, which
+                 index_add_ keeps though its backward needs only the shape; + 3 int64 indices + 1 fp32 gate)
+        less the dense MLP's c_fc and GeLU outputs (b*s*8h/t values) and its dropout mask (b*s*h bytes, /t under SP)"""
+    cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
+    h, mask = cfg.n_embd, cfg.dropout > 0
+    tokens = lay.micro_batch_size * cfg.block_size // lay.cp
+    n, rows, back = moe_routed_rows(job, lay)
+    router = n * (4 * cfg.n_experts + 8 * cfg.top_k + cfg.top_k * (cfg.capacity_factor > 0))
+    experts = rows * (9 * h * bpv + h * mask + 16)
+    combine = back * (2 * h * bpv + 28)
+    dense = tokens * 8 * h * bpv / t + tokens * h * mask / (t if lay.sp else 1)
+    return router + experts + combine - dense
+
+
 def layer_activation_bytes(job, lay, moe=False, extras=True):
     """Bytes one block keeps for backward for one micro-batch of b sequences of s = seq/cp tokens:
     train_tp.tp_activation_bytes_per_layer (Korthikanti eq. 2 with TP: sbh(10 + 24/t + 5as/(ht)), TP+SP: /t; with
     flash attention the 5as/h scores term is not stored, as with selective recompute), plus what this model keeps
     beyond the paper's count: q and k before and after RoPE (+2sbh/t values), the fp32 log-sum-exp of the fused
-    attention (a*s*b*4/t bytes, gone with selective recompute) and two LayerNorms' mean and rstd (16sb bytes, /t
-    under SP; extras=False: the paper's count alone). An MoE block stores its MLP part (h + 8h/t values per token)
-    once per routed expert (x top_k)."""
+    attention (a*s*b*4/t bytes, gone with selective recompute), two LayerNorms' mean and rstd (16sb bytes, /t
+    under SP), with cp > 1 and no recompute a second copy of the attention output (sbh/t values), and an MoE block's
+    moe_extra_bytes (extras=False: the paper's count alone)."""
     cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
     s, b, h = job.cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     rc = "selective" if (job.attn == "flash" and lay.recompute == "none") else lay.recompute
@@ -107,8 +145,14 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
         return base
     lse = cfg.n_head * s * b * 4 / t if (lay.recompute == "none" and job.attn == "flash") else 0
     extra = 2 * s * b * h * bpv / t + lse + 16 * s * b / (t if lay.sp else 1)
+    if lay.cp > 1 and lay.recompute == "none":
+        # train_cp's attention returns its [B, H, T, D] accumulator, saved for its backward (which needs `out`);
+        # model.py's y.transpose(1, 2).reshape then copies it for c_proj, which saves the copy. torch's SDPA lays its
+        # output out as [B, T, H, D], so without cp that reshape is a view of the one saved tensor. (Selective
+        # recompute keeps only c_proj's copy: the core's `out` is recomputed.)
+        extra += s * b * h * bpv / t
     if moe:
-        extra += (cfg.top_k - 1) * s * b * h * bpv * (1 + 8 / t)
+        extra += moe_extra_bytes(job, lay)
     return base + extra
 
 

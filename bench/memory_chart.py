@@ -47,16 +47,18 @@ LAYOUTS = {
     "pp2 1f1b": dict(pp=2, pp_schedule="1f1b"),
     "pp2 interleaved": dict(pp=2, pp_schedule="interleaved", pp_virtual=2),
     "dp2 ep2 moe": dict(dp=2, ep=2, n_experts=4, top_k=2),
+    "dp2 ep2 moe cf1": dict(dp=2, ep=2, n_experts=4, top_k=2, capacity_factor=1.0),
     "dp4 zero2": dict(dp=4, zero_stage=2),
     "dp2 tp2 zero1": dict(dp=2, tp=2, zero_stage=1),
     "dp2 pp2 zero1": dict(dp=2, pp=2, zero_stage=1),
     "tp2 pp2 sp": dict(tp=2, pp=2, sp=True),
 }
 
-NOTE = ("Model states are plan.py's formulas exactly where the ratio reads '='. Activations: plan.py models cp's ring "
-        "attention and MoE experts more coarsely (the ring keeps more than the local attention it counts; an expert "
-        "rank holds what the router sent it, plan.py assumes an even share), and leaves out the split-backward "
-        "schedules' deferred inputs (not measured here).")
+NOTE = ("Model states are plan.py's formulas exactly where the ratio reads '='. Activations: an expert rank holds "
+        "what the router sent it. Dropless, plan.py assumes an even share (plan_memory.moe_routed_rows), so the "
+        "busier rank reads above 1 by the routing imbalance, which plan.py does not model; with a capacity factor it "
+        "counts the capacity, an upper bound (ratio <= 1). The split-backward schedules' deferred inputs are left "
+        "out (not measured here).")
 
 
 def world_of(flags):
@@ -149,7 +151,7 @@ def predicted(label, vocab_size, pp_rank):
     flags = LAYOUTS[label]
     cfg = GPTConfig(vocab_size=vocab_size, block_size=MODEL["block_size"], n_layer=MODEL["n_layer"],
                     n_head=MODEL["n_head"], n_embd=MODEL["n_embd"], n_experts=flags.get("n_experts", 0),
-                    top_k=flags.get("top_k", 2))
+                    top_k=flags.get("top_k", 2), capacity_factor=flags.get("capacity_factor", 0.0))
     world = world_of(flags)
     job = Job(cfg, world, world, "h100", MODEL["global_batch_size"], precision="fp32", bucket_mb=MODEL["bucket_mb"])
     lay = plan_layout(flags)

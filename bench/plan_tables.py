@@ -256,10 +256,13 @@ at every size (the paper's recompute experiment, Fig. 17, finds it a throughput 
 it for the larger batch it allows) and torchtitan's tables fix FSDP, the local batch and the recompute mode. Restricted to what the
 software offered, 1 of 8 is in the top 3 (1008B, #3); with the published recompute mode too, 4 of 8 (1.7B #1 in a
 tie over micro-batch sizes, 1008B #3, torchtitan A100 8B and 70B #1). The others: 145.6B #6, 3% behind the same
-layout at micro-batch 1; 18.4B #28: plan.py prefers t = 4 with dp = 64 (10% faster, half the TP traffic), which it
-predicts needs 74.6 of the 76.0 GiB usable, the edge of what a memory model can promise (Narayanan et al.'s
-first takeaway: tensor parallelism up to the GPUs of a node before pipelining); torchtitan H100: predicted OOM (above). A fair test of the ranking is a
-published sweep over layouts of one model (Narayanan et al. Figs. 13-15: t x p, p x d, t x d); not done yet.
+layout at micro-batch 1; 18.4B #31: plan.py prefers t = 2, p = 2 interleaved with dp = 64 (13.5% faster: a quarter
+of the TP traffic, which is 17% of the published layout's step), predicted at 72.3 of the 76.0 GiB usable, against
+Narayanan et al.'s first takeaway (tensor parallelism up to the GPUs of a node before pipelining); torchtitan H100:
+predicted OOM (above). The fair test of the ranking, published sweeps over layouts of one model on one cluster
+(Narayanan et al. Figs. 12-18), is bench/plan_layouts.md: plan.py agrees with 6 of its 11 statements (best t = 8
+of t x p = 64; throughput falling with p against d; interleaved ahead by less as the batch grows; ...) and misses
+the best micro-batch size (its efficiency does not depend on the GEMM's shape) and why recompute was needed.
 
 ## Changes from the previous version of this table
 
@@ -268,14 +271,16 @@ torchtitan H100 +21% / +24%) and no published layout in the top 3. With the publ
 (micro-batch and global batch from run_table_1.sh, 145.6B interleaved with v = 2, torchtitan's MFU convention) but
 that plan.py it is still 4 of 8 (1.7B +45%, 18.4B +21%, H100 +27% / +31%), top 3: 0 among all layouts, 1 among the
 software's options. This version adds eager attention's HBM traffic, unoverlapped DDP, Megatron's pipeline
-scatter/gather and torchtitan's H100 as a GPU row (plan.py and plan_inputs.py), with no efficiency changed.
+scatter/gather and torchtitan's H100 as a GPU row (plan.py and plan_inputs.py), with no efficiency changed; and
+(bench/plan_layouts.md) ring collectives across nodes at the NICs of the group's members on a node, which moves no
+published layout's predicted MFU, only the ranks (18.4B #28 -> #31 among its software's options and recompute mode).
 
 ## Not validated yet
 
 - Peak memory against `torch.cuda.max_memory_allocated` for train_5d.py layouts on a GPU:
   `python bench/gpu_check.py --plan_sweep` runs that sweep and prints predicted vs measured peaks and the share of
   OOM verdicts plan.py gets right (its dry mode runs on CPU in tests/test_plan.py).
-- MoE / EP time against train_ep.py; the published sweeps above.
+- MoE / EP time against train_ep.py.
 
 Sources: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21
 (arXiv 2104.04473), Table 1, with NVIDIA/Megatron-LM `examples/sc21/run_table_1.sh` and `CONFIG.sh` (A100 80GB,
