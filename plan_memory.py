@@ -134,8 +134,8 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
     flash attention the 5as/h scores term is not stored, as with selective recompute), plus what this model keeps
     beyond the paper's count: q and k before and after RoPE (+2sbh/t values), the fp32 log-sum-exp of the fused
     attention (a*s*b*4/t bytes, gone with selective recompute), two LayerNorms' mean and rstd (16sb bytes, /t
-    under SP), with cp > 1 and no recompute a second copy of the attention output (sbh/t values), and an MoE block's
-    moe_extra_bytes (extras=False: the paper's count alone)."""
+    under SP), and an MoE block's moe_extra_bytes (extras=False: the paper's count alone). train_cp's attention
+    output is laid out as SDPA's, so c_proj's input is a view of the one saved copy under cp too."""
     cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
     s, b, h = job.cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     rc = "selective" if (job.attn == "flash" and lay.recompute == "none") else lay.recompute
@@ -145,12 +145,6 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
         return base
     lse = cfg.n_head * s * b * 4 / t if (lay.recompute == "none" and job.attn == "flash") else 0
     extra = 2 * s * b * h * bpv / t + lse + 16 * s * b / (t if lay.sp else 1)
-    if lay.cp > 1 and lay.recompute == "none":
-        # train_cp's attention returns its [B, H, T, D] accumulator, saved for its backward (which needs `out`);
-        # model.py's y.transpose(1, 2).reshape then copies it for c_proj, which saves the copy. torch's SDPA lays its
-        # output out as [B, T, H, D], so without cp that reshape is a view of the one saved tensor. (Selective
-        # recompute keeps only c_proj's copy: the core's `out` is recomputed.)
-        extra += s * b * h * bpv / t
     if moe:
         extra += moe_extra_bytes(job, lay)
     return base + extra

@@ -178,8 +178,12 @@ def ring_shift(t, group):
 
 
 def new_accumulators(q):
+    """(out, lse) in fp32 or wider, out shaped like q [B, H, T, D] but laid out [B, T, H, D] in memory, as torch's
+    SDPA lays its output: the model's transpose-reshape to [B, T, C] is then a view, not a copy that c_proj would
+    keep for backward beside the `out` this core keeps."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    return (torch.zeros(q.shape, dtype=acc, device=q.device),
+    B, H, T, D = q.shape
+    return (torch.zeros(B, T, H, D, dtype=acc, device=q.device).transpose(1, 2),
             torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device))
 
 
