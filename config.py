@@ -13,7 +13,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, fields
 
-from checkpoint import CKPT_DIR, remove_stale_temp_files, resolve_resume
+from checkpoint import CKPT_DIR, LATEST, remove_stale_temp_files, resolve_resume
 
 
 @dataclass
@@ -239,6 +239,9 @@ def check_out_dir(out_dir):
                                                            f"writes its checkpoints into a directory there")
     check(not os.path.exists(ckpt) or os.access(ckpt, os.W_OK | os.X_OK),
           f"--out_dir {out_dir}: {ckpt} is not writable")
+    latest = os.path.join(ckpt, LATEST)
+    check(not os.path.isdir(latest), f"--out_dir {out_dir}: {latest} is a directory; each checkpoint save replaces a "
+                                     f"file there (remove it)")
 
 
 def grad_accum_steps(cfg, dp):

@@ -153,13 +153,14 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------------------
 # --out_dir: checked before any work
 
-@pytest.mark.parametrize("case", ["a file", "under a file", "not writable", "ckpt is a file"])
+@pytest.mark.parametrize("case", ["a file", "under a file", "not writable", "ckpt is a file", "latest is a dir"])
 def test_a_bad_out_dir_is_one_line_before_work(tiny_data, tmp_path, capsys, monkeypatch, case):
     (tmp_path / "file").write_text("not a directory")
     out, message = {"a file": (tmp_path / "file", "is a file, not a directory"),
                     "under a file": (tmp_path / "file" / "run", f"cannot be created: {tmp_path / 'file'} is a file"),
                     "not writable": (tmp_path / "ro" / "run", f"cannot be created: {tmp_path / 'ro'} is not writable"),
-                    "ckpt is a file": (tmp_path / "run", "ckpt is a file")}[case]
+                    "ckpt is a file": (tmp_path / "run", "ckpt is a file"),
+                    "latest is a dir": (tmp_path / "run", "ckpt/latest is a directory")}[case]
     if case == "not writable":      # root ignores permission bits: os.access answers as for a read-only mount
         os.makedirs(tmp_path / "ro")
         real = os.access
@@ -167,6 +168,8 @@ def test_a_bad_out_dir_is_one_line_before_work(tiny_data, tmp_path, capsys, monk
     if case == "ckpt is a file":
         os.makedirs(tmp_path / "run")
         (tmp_path / "run" / "ckpt").write_text("not a directory")
+    if case == "latest is a dir":       # each save replaces the file `latest`: found now, not after the training
+        os.makedirs(tmp_path / "run" / "ckpt" / "latest")
     line = one_error_line(capsys, tiny_argv(tiny_data, str(out)))
     assert message in line, line
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
