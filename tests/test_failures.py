@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ import torch
 
 import train_single
 from checkpoint import latest_checkpoint
-from distributed_helper import exit_code_and_stderr, recorded_runs, run_workers
+from comm import collective_failure
+from distributed_helper import exit_code_and_stderr, free_port, recorded_runs, run_workers
 from train_helpers import losses, make_tiny_dataset, run_single, text_argv, tiny_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,6 +175,41 @@ def test_a_bad_out_dir_is_one_line_before_work(tiny_data, tmp_path, capsys, monk
     line = one_error_line(capsys, tiny_argv(tiny_data, str(out)))
     assert message in line, line
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a rank that dies mid-run: the others end at once with one line, not a traceback through the training loop
+
+def test_a_collective_failure_is_named_in_one_line():
+    gloo = RuntimeError("[/src/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5357: "
+                        "Connection reset by peer. This is typically caused by a remote worker hanging. GLHF!")
+    assert collective_failure(gloo) == "Read error [127.0.0.1]:5357: Connection reset by peer"
+    assert collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert collective_failure(ValueError("/gloo/ but not a RuntimeError")) is None
+
+
+def test_a_killed_rank_ends_the_other_with_one_error_line(tiny_data, tmp_path):
+    """train_ddp on 2 processes started as torchrun starts them; rank 1 is killed after 2 steps: rank 0 exits 2
+    with one `error:` line within seconds (not --dist_timeout) and no traceback."""
+    out = tmp_path / "run"
+    argv = tiny_argv(tiny_data, str(out), max_steps=100_000, dist_timeout=120)
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "train_ddp.py", *argv], cwd=ROOT, text=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in (0, 1)]
+    try:
+        metrics = out / "metrics.jsonl"
+        while not metrics.exists() or metrics.read_text().count("\n") < 2:
+            assert procs[0].poll() is None, procs[0].communicate()[1]
+            time.sleep(0.05)
+        procs[1].kill()
+        err = procs[0].communicate(timeout=60)[1]
+    finally:
+        for p in procs:
+            p.kill()
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert procs[0].returncode == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: a collective failed (") and \
+        "--dist_timeout 120 s" in lines[0], err
 
 
 # ----------------------------------------------------------------------------------------------------------
