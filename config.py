@@ -142,6 +142,9 @@ def check(condition, message):
         raise ConfigError(message)
 
 
+FAILED = dict(code=None)     # set by fail(); comm.destroy_at_exit ends a failed multi-process run with it
+
+
 def fail(message, rank_local=False):
     """Print one clear error line and exit with code 2. A configuration error is the same on every rank and
     prints once (rank 0); a rank-local one (this node's files, this rank's checkpoint) prints on the rank that
@@ -151,6 +154,7 @@ def fail(message, rank_local=False):
         print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
     elif rank == 0 or rank_local:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    FAILED["code"] = 2
     sys.exit(2)
 
 

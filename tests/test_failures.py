@@ -188,6 +188,23 @@ def test_a_collective_failure_is_named_in_one_line():
     assert collective_failure(ValueError("/gloo/ but not a RuntimeError")) is None
 
 
+def test_a_failed_multi_process_run_exits_with_its_code_before_teardown(monkeypatch):
+    """comm.destroy_at_exit after config.fail on 2 ranks: the group is left, then os._exit(2), so gloo threads that
+    outlive the group cannot abort the process in the interpreter's teardown. One rank (tests in this process),
+    or no failure: no hard exit."""
+    import comm
+    import config
+    calls = []
+    monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm.dist, "destroy_process_group", lambda: calls.append("destroyed"))
+    monkeypatch.setattr(comm.os, "_exit", lambda code: calls.append(code))
+    for world, failed in ((2, 2), (1, 2), (2, None)):
+        monkeypatch.setattr(comm.dist, "get_world_size", lambda: world)
+        monkeypatch.setitem(config.FAILED, "code", failed)
+        comm.destroy_at_exit()
+    assert calls == ["destroyed", 2, "destroyed", "destroyed"]
+
+
 def test_a_killed_rank_ends_the_other_with_one_error_line(tiny_data, tmp_path):
     """train_ddp on 2 processes started as torchrun starts them; rank 1 is killed after 2 steps: rank 0 exits 2
     with one `error:` line within seconds (not --dist_timeout) and no traceback."""
