@@ -31,9 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CLEAN, OK, SKIPPED = "clean error", "ok", "skipped"
 TRACEBACK, HANG, SILENT, LOST = "traceback", "hang", "silent wrong", "data lost"
-UNCLEAR, REFUSED = "unclear error", "refused"
+UNCLEAR, REFUSED, BROKEN = "unclear error", "refused", "battery error"
 GOOD = (CLEAN, OK, SKIPPED)
-CLASSES = GOOD + (TRACEBACK, HANG, SILENT, LOST, UNCLEAR, REFUSED)
+CLASSES = GOOD + (TRACEBACK, HANG, SILENT, LOST, UNCLEAR, REFUSED, BROKEN)
 
 ERROR_LINE = re.compile(r"^(?:[\w.\-]+: )?error: ")          # ours, or argparse's "train_x.py: error: ..."
 NATIVE_CRASH = ("terminate called", "Segmentation fault", "Fatal Python error")
@@ -326,7 +326,7 @@ def judge_result(out_dir, steps, reference=None, rtol=1e-9):
         return SILENT, f"steps {got[:1]}..{got[-1:]} ({len(got)}) logged, expected 0..{steps - 1}"
     if any(v is None or not math.isfinite(v) for v in losses.values()):
         return SILENT, "a non-finite loss in metrics.jsonl"
-    for s in sorted(reference or {}):
+    for s in sorted(set(reference or {}) & set(losses)):
         a, b = reference[s], losses[s]
         if abs(a - b) > rtol * abs(a):
             return SILENT, f"step {s}: loss {b!r}, the unbroken run's {a!r}"
