@@ -279,11 +279,18 @@ def init_distributed(cfg, need_group=True):
     return DistEnv(rank, world_size, local_rank, device, backend)
 
 
+# what gloo's transport says when a peer is gone or too slow (its RuntimeErrors mostly also name their source file,
+# third_party/gloo/..., but "Application timeout caused pair closure", on a pair an earlier timeout closed, does not)
+GLOO_FAILURES = ("/gloo/", "Application timeout caused pair closure", "Connection closed by peer", "Socket closed",
+                 "Read error", "Timed out waiting")
+
+
 def collective_failure(exc):
     """The reason of a failed collective or p2p transfer, in one line, or None for any other exception. NCCL and
-    the store raise DistError; gloo a RuntimeError naming its source file (third_party/gloo/...)."""
+    the store raise DistError; gloo a RuntimeError with one of GLOO_FAILURES in its first line."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if not isinstance(exc, dist.DistError) and not (isinstance(exc, RuntimeError) and "/gloo/" in text):
+    gloo = isinstance(exc, RuntimeError) and any(sign in text for sign in GLOO_FAILURES)
+    if not isinstance(exc, dist.DistError) and not gloo:
         return None
     text = re.sub(r"^\[[^\]]*\]\s*", "", text)            # gloo's "[.../pair.cc:537] " source position
     return text.split(". This is typically")[0].rstrip(".")

@@ -184,6 +184,8 @@ def test_a_collective_failure_is_named_in_one_line():
     gloo = RuntimeError("[/src/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5357: "
                         "Connection reset by peer. This is typically caused by a remote worker hanging. GLHF!")
     assert collective_failure(gloo) == "Read error [127.0.0.1]:5357: Connection reset by peer"
+    closed = RuntimeError("Application timeout caused pair closure")      # a pair an earlier timeout closed
+    assert collective_failure(closed) == "Application timeout caused pair closure"
     assert collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     assert collective_failure(ValueError("/gloo/ but not a RuntimeError")) is None
 
