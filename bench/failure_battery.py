@@ -1,9 +1,9 @@
 """
-bench/failure_battery.py: issue 17's failure battery, kept so that it can be rerun. About 150 cases of bad input
+bench/failure_battery.py: issue 17's failure battery, kept so that it can be rerun. About 210 cases of bad input
 and bad luck over every script (train_single, ddp, zero stages 1-3, tp, cp, pp, ep, train_5d), each on a tiny
 model and tiny random-token data, CPU and gloo, each classified by what actually happened:
 
-    python bench/failure_battery.py                        # every case (about an hour on 2 CPU cores)
+    python bench/failure_battery.py                        # every case (about 20 minutes on 2 CPU cores)
     python bench/failure_battery.py --only "train_tp: "    # the cases whose name contains the text (repeatable)
     python bench/failure_battery.py --list                 # the case names
     ./bench.sh failures                                    # the full battery, from bench.sh
