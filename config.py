@@ -13,7 +13,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, fields
 
-from checkpoint import CKPT_DIR, remove_stale_temp_files, resolve_resume
+from checkpoint import CKPT_DIR, LATEST, remove_stale_temp_files, resolve_resume
 
 
 @dataclass
@@ -142,6 +142,9 @@ def check(condition, message):
         raise ConfigError(message)
 
 
+FAILED = dict(code=None)     # set by fail(); comm.destroy_at_exit ends a failed multi-process run with it
+
+
 def fail(message, rank_local=False):
     """Print one clear error line and exit with code 2. A configuration error is the same on every rank and
     prints once (rank 0); a rank-local one (this node's files, this rank's checkpoint) prints on the rank that
@@ -151,6 +154,7 @@ def fail(message, rank_local=False):
         print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
     elif rank == 0 or rank_local:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    FAILED["code"] = 2
     sys.exit(2)
 
 
@@ -239,6 +243,9 @@ def check_out_dir(out_dir):
                                                            f"writes its checkpoints into a directory there")
     check(not os.path.exists(ckpt) or os.access(ckpt, os.W_OK | os.X_OK),
           f"--out_dir {out_dir}: {ckpt} is not writable")
+    latest = os.path.join(ckpt, LATEST)
+    check(not os.path.isdir(latest), f"--out_dir {out_dir}: {latest} is a directory; each checkpoint save replaces a "
+                                     f"file there (remove it)")
 
 
 def grad_accum_steps(cfg, dp):

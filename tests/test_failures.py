@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ import torch
 
 import train_single
 from checkpoint import latest_checkpoint, load_checkpoint
-from distributed_helper import exit_code_and_stderr, recorded_runs, run_workers
+from comm import collective_failure
+from distributed_helper import exit_code_and_stderr, free_port, recorded_runs, run_workers
 from train_helpers import losses, make_tiny_dataset, run_single, text_argv, tiny_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,13 +158,14 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------------------
 # --out_dir: checked before any work
 
-@pytest.mark.parametrize("case", ["a file", "under a file", "not writable", "ckpt is a file"])
+@pytest.mark.parametrize("case", ["a file", "under a file", "not writable", "ckpt is a file", "latest is a dir"])
 def test_a_bad_out_dir_is_one_line_before_work(tiny_data, tmp_path, capsys, monkeypatch, case):
     (tmp_path / "file").write_text("not a directory")
     out, message = {"a file": (tmp_path / "file", "is a file, not a directory"),
                     "under a file": (tmp_path / "file" / "run", f"cannot be created: {tmp_path / 'file'} is a file"),
                     "not writable": (tmp_path / "ro" / "run", f"cannot be created: {tmp_path / 'ro'} is not writable"),
-                    "ckpt is a file": (tmp_path / "run", "ckpt is a file")}[case]
+                    "ckpt is a file": (tmp_path / "run", "ckpt is a file"),
+                    "latest is a dir": (tmp_path / "run", "ckpt/latest is a directory")}[case]
     if case == "not writable":      # root ignores permission bits: os.access answers as for a read-only mount
         os.makedirs(tmp_path / "ro")
         real = os.access
@@ -170,9 +173,65 @@ def test_a_bad_out_dir_is_one_line_before_work(tiny_data, tmp_path, capsys, monk
     if case == "ckpt is a file":
         os.makedirs(tmp_path / "run")
         (tmp_path / "run" / "ckpt").write_text("not a directory")
+    if case == "latest is a dir":       # each save replaces the file `latest`: found now, not after the training
+        os.makedirs(tmp_path / "run" / "ckpt" / "latest")
     line = one_error_line(capsys, tiny_argv(tiny_data, str(out)))
     assert message in line, line
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a rank that dies mid-run: the others end at once with one line, not a traceback through the training loop
+
+def test_a_collective_failure_is_named_in_one_line():
+    gloo = RuntimeError("[/src/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5357: "
+                        "Connection reset by peer. This is typically caused by a remote worker hanging. GLHF!")
+    assert collective_failure(gloo) == "Read error [127.0.0.1]:5357: Connection reset by peer"
+    closed = RuntimeError("Application timeout caused pair closure")      # a pair an earlier timeout closed
+    assert collective_failure(closed) == "Application timeout caused pair closure"
+    assert collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert collective_failure(ValueError("/gloo/ but not a RuntimeError")) is None
+
+
+def test_a_failed_multi_process_run_exits_with_its_code_before_teardown(monkeypatch):
+    """comm.destroy_at_exit after config.fail on 2 ranks: the group is left, then os._exit(2), so gloo threads that
+    outlive the group cannot abort the process in the interpreter's teardown. One rank (tests in this process),
+    or no failure: no hard exit."""
+    import comm
+    import config
+    calls = []
+    monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm.dist, "destroy_process_group", lambda: calls.append("destroyed"))
+    monkeypatch.setattr(comm.os, "_exit", lambda code: calls.append(code))
+    for world, failed in ((2, 2), (1, 2), (2, None)):
+        monkeypatch.setattr(comm.dist, "get_world_size", lambda: world)
+        monkeypatch.setitem(config.FAILED, "code", failed)
+        comm.destroy_at_exit()
+    assert calls == ["destroyed", 2, "destroyed", "destroyed"]
+
+
+def test_a_killed_rank_ends_the_other_with_one_error_line(tiny_data, tmp_path):
+    """train_ddp on 2 processes started as torchrun starts them; rank 1 is killed after 2 steps: rank 0 exits 2
+    with one `error:` line within seconds (not --dist_timeout) and no traceback."""
+    out = tmp_path / "run"
+    argv = tiny_argv(tiny_data, str(out), max_steps=100_000, dist_timeout=120)
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "train_ddp.py", *argv], cwd=ROOT, text=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in (0, 1)]
+    try:
+        metrics = out / "metrics.jsonl"
+        while not metrics.exists() or metrics.read_text().count("\n") < 2:
+            assert procs[0].poll() is None, procs[0].communicate()[1]
+            time.sleep(0.05)
+        procs[1].kill()
+        err = procs[0].communicate(timeout=60)[1]
+    finally:
+        for p in procs:
+            p.kill()
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert procs[0].returncode == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: a collective failed (") and \
+        "--dist_timeout 120 s" in lines[0], err
 
 
 # ----------------------------------------------------------------------------------------------------------

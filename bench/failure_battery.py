@@ -1,0 +1,661 @@
+"""
+bench/failure_battery.py: issue 17's failure battery, kept so that it can be rerun. About 210 cases of bad input
+and bad luck over every script (train_single, ddp, zero stages 1-3, tp, cp, pp, ep, train_5d), each on a tiny
+model and tiny random-token data, CPU and gloo, each classified by what actually happened:
+
+    python bench/failure_battery.py                        # every case (about 20 minutes on 2 CPU cores)
+    python bench/failure_battery.py --only "train_tp: "    # the cases whose name contains the text (repeatable)
+    python bench/failure_battery.py --list                 # the case names
+    ./bench.sh failures                                    # the full battery, from bench.sh
+
+    clean error    nonzero exit, no traceback, at most one `error: ...` line per rank, one naming the flag or file
+    ok             a case that must succeed did, with the right result (the unbroken run's losses, a checkpoint)
+    skipped        this machine cannot test the case (the reason is given)
+  and the outcomes the scripts promise never to have (README, "Failures and restarts"):
+    traceback      a Python traceback or a native crash (abort, fatal signal) on a rank that was not the victim
+    hang           a rank still running at its wall-clock limit (--timeout per run; for a killed or stopped
+                   rank's peers: --dist_timeout plus a margin after the failure)
+    silent wrong   exit 0 with a wrong result: bad input accepted, NaN in metrics.jsonl, losses after a resume
+                   that differ from the unbroken run's, steps past --max_steps, stale temporary files kept
+    data lost      a good checkpoint overwritten or removed, or no consistent checkpoint left (one whose every
+                   *.pt file loads and holds finite numbers)
+    unclear error  it failed without a traceback, but not with one `error:` line naming the flag or file
+    refused        a case that must succeed exited with an error
+    battery error  the battery itself failed on the case (a bug here, not in the scripts)
+
+The table of every case and the totals per class are printed and written to bench/results/failures.md (the full
+battery; with --only, only where --results says). Exit status 1 if any case is in one of the bad classes.
+How a run is started and judged: bench/failure_runs.py.
+"""
+import argparse
+import datetime
+import functools
+import os
+import random
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]   # run as a script
+from failure_runs import (BROKEN, CLASSES, GOOD, LOST, OK, SILENT, SKIPPED, Job,  # noqa: E402
+                          checkpoint_files, checkpoint_problem, data_kept, judge_error,
+                          judge_ok, judge_result, kill_everything_left, latest_step_dir, losses_by_step,
+                          metric_rows, snapshot, steps_logged, temp_files, wait_until)
+from train_helpers import make_tiny_dataset  # noqa: E402
+
+TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, global_batch_size=8, micro_batch_size=4,
+            max_steps=6, warmup_steps=2, lr=3e-3, min_lr=3e-4, eval_interval=0, log_interval=100,
+            sample_tokens=0, dropout=0.0, device="cpu", dtype="float32", seed=1234)
+EXACT = dict(dtype="float64")           # resume checks: float64, where any real difference stands out (1e-9)
+SAVE_HEAVY = dict(n_layer=4, n_embd=128, max_steps=30, save_interval=1)   # saves long enough to be hit
+RESUME = dict(max_steps=12)             # the good checkpoint of the resume cases is taken at step 6 of 12
+DIST_TIMEOUT = 10                       # --dist_timeout of the killed / stopped rank cases
+MARGIN = 20                             # seconds past --dist_timeout before a survivor counts as hung
+
+
+@dataclass
+class Layout:
+    """One script in one layout: what every per-script case runs."""
+    name: str
+    script: str
+    world: int
+    flags: dict = field(default_factory=dict)
+
+
+LAYOUTS = [Layout("train_single", "train_single.py", 1), Layout("train_ddp", "train_ddp.py", 2),
+           Layout("train_zero1", "train_zero.py", 2, dict(zero_stage=1)),
+           Layout("train_zero2", "train_zero.py", 2, dict(zero_stage=2)),
+           Layout("train_zero3", "train_zero.py", 2, dict(zero_stage=3)),
+           Layout("train_tp", "train_tp.py", 2, dict(tp=2)), Layout("train_cp", "train_cp.py", 2, dict(cp=2)),
+           Layout("train_pp", "train_pp.py", 2, dict(pp=2)),
+           Layout("train_ep", "train_ep.py", 2, dict(ep=2, n_experts=2, top_k=1)),
+           Layout("train_5d", "train_5d.py", 4, dict(tp=2, pp=2))]
+BY_NAME = {layout.name: layout for layout in LAYOUTS}
+
+
+class Verdict(Exception):
+    """Raised anywhere inside a case to end it with this (class, detail): a failed setup run, for instance."""
+
+
+def argv_of(flags):
+    argv = []
+    for key, value in flags.items():
+        if isinstance(value, bool):
+            argv.append(f"--{key}" if value else f"--no-{key}")
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+class Shared:
+    """Runs that several cases use (a good checkpoint, an unbroken run's losses), each made once."""
+
+    def __init__(self, root):
+        self.root, self.values, self.locks, self.lock = root, {}, {}, threading.Lock()
+
+    def once(self, key, make):
+        with self.lock:
+            lock = self.locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self.values:
+                self.values[key] = make(os.path.join(self.root, key.replace(" ", "_")))
+            return self.values[key]
+
+
+class Box:
+    """A case's own directory, the shared tiny dataset, the per-run wall-clock limit and the shared runs."""
+
+    def __init__(self, root, data, timeout, shared):
+        self.root, self.data, self.timeout, self.shared = root, data, timeout, shared
+        self.count = 0
+        os.makedirs(root)
+
+    def path(self, *parts):
+        return os.path.join(self.root, *parts)
+
+    def start(self, layout, out, data=None, **flags):
+        """Launch `layout` on the tiny setup with `flags` on top; the job's logs go to the case directory."""
+        self.count += 1
+        argv = argv_of({**TINY, **layout.flags, "data_dir": data or self.data, "out_dir": out, **flags})
+        return Job.launch(layout.script, layout.world, argv, self.root, f"run{self.count}")
+
+    def run(self, layout, out, data=None, **flags):
+        return self.start(layout, out, data, **flags).wait(self.timeout)
+
+    def copy(self, src, name="run"):
+        dst = self.path(name)
+        shutil.copytree(src, dst)
+        return dst
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shared runs
+
+def checked(verdict, what):
+    """A setup run's verdict: go on if it is ok, else end the case saying which setup failed."""
+    if verdict[0] != OK:
+        raise Verdict(verdict[0], f"setup ({what}): {verdict[1]}")
+
+
+def good_checkpoint(box, layout):
+    """A run of `layout` stopped at step 6 of 12 with its checkpoint: copied into the case as its `run`."""
+    def make(out):
+        run = box.run(layout, out, stop_step=6, **RESUME)
+        checked(judge_ok(run, out, 6), "a good run to resume")
+        return out
+    return box.copy(box.shared.once(f"good {layout.name}", make))
+
+
+def unbroken_losses(box, layout, **flags):
+    """{step: loss} of an uninterrupted run of `layout` with `flags`: what a resumed run must reproduce."""
+    def make(out):
+        run = box.run(layout, out, **flags)
+        checked(judge_ok(run, out, flags.get("max_steps", TINY["max_steps"])), "the unbroken run")
+        return losses_by_step(metric_rows(out)[0])
+    key = f"unbroken {layout.name} " + " ".join(f"{k}={v}" for k, v in sorted(flags.items()))
+    return box.shared.once(key, make)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cases: bad flags and files (one run each, which must end in a clean error)
+
+def bad_flags(layout, names, box, **flags):
+    out = box.path("run")
+    return judge_error(box.run(layout, out, **flags), names, out_dir=out)
+
+
+def bad_data(layout, damage, names, box):
+    """The tiny dataset with one file replaced (`damage`: {file name: bytes or None to delete})."""
+    data = box.path("data")
+    shutil.copytree(box.data, data)
+    for name, content in damage.items():
+        if content is None:
+            os.remove(os.path.join(data, name))
+        else:
+            with open(os.path.join(data, name), "wb") as f:
+                f.write(content)
+    out = box.path("run")
+    return judge_error(box.run(layout, out, data=data), names, out_dir=out)
+
+
+def bad_out_dir(layout, kind, box):
+    """--out_dir that is a file, under a file, or in a directory this user cannot write."""
+    blocker = box.path("blocker")
+    if kind == "unwritable":
+        if os.geteuid() == 0:
+            return SKIPPED, "running as root: permission bits do not stop root's writes"
+        os.makedirs(blocker, mode=0o500)
+        out = os.path.join(blocker, "run")
+    else:
+        with open(blocker, "w") as f:
+            f.write("a file\n")
+        out = blocker if kind == "a file" else os.path.join(blocker, "run")
+    try:
+        return judge_error(box.run(layout, out), ["--out_dir"], out_dir=out)
+    finally:
+        if os.path.isdir(blocker):
+            os.chmod(blocker, 0o700)
+
+
+def device_cuda(layout, box):
+    import torch
+    if torch.cuda.is_available():
+        return SKIPPED, "this machine has a GPU"
+    return bad_flags(layout, ["--device", "CUDA"], box, device="cuda")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cases: resume from a missing, damaged or foreign checkpoint
+
+def ckpt_names(out):
+    return [os.path.join(out, "ckpt"), "--resume"]
+
+
+def no_checkpoint(layout, box):
+    out = box.path("run")
+    return judge_error(box.run(layout, out, resume=True, **RESUME), ckpt_names(out), out_dir=out)
+
+
+def damage_file(path, how):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        if how == "truncated":
+            f.truncate(size // 2)
+        elif how == "empty":
+            f.truncate(0)
+        else:                                   # garbage: random bytes of the same size
+            f.write(random.Random(path).randbytes(size))
+
+
+def damaged_checkpoint(layout, how, box):
+    """Every *.pt file of the newest step directory truncated to half / emptied / overwritten with noise."""
+    out = good_checkpoint(box, layout)
+    for path in checkpoint_files(latest_step_dir(out)):
+        damage_file(path, how)
+    return judge_error(box.run(layout, out, resume=True, **RESUME), ckpt_names(out), out_dir=out)
+
+
+def checkpoint_is_a_directory(layout, box):
+    """Every *.pt file of the newest step directory replaced by a directory of the same name."""
+    out = good_checkpoint(box, layout)
+    for path in checkpoint_files(latest_step_dir(out)):
+        os.remove(path)
+        os.makedirs(path)
+    return judge_error(box.run(layout, out, resume=True, **RESUME), ckpt_names(out), out_dir=out)
+
+
+def other_model(layout, box):
+    """Resume a checkpoint of n_embd 32 as n_embd 48: one error line, and the checkpoint stays as it was."""
+    out = good_checkpoint(box, layout)
+    before = snapshot(out)
+    verdict = judge_error(box.run(layout, out, resume=True, n_embd=48, **RESUME), ckpt_names(out), out_dir=out)
+    return data_kept(before, out) or verdict
+
+
+def latest_is_a_directory(layout, box):
+    """OUT_DIR/ckpt/latest is a directory: the run must refuse before training (or still leave a checkpoint)."""
+    out = box.path("run")
+    os.makedirs(os.path.join(out, "ckpt", "latest"))
+    run = box.run(layout, out)
+    if run.codes and all(code == 0 for code in run.codes):
+        return judge_result(out, TINY["max_steps"])
+    return judge_error(run, ["latest", "--out_dir"], out_dir=out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cases: the NaN guard
+
+def nan_guard_verdict(run, out):
+    """--lr 1e6: either the guard stops the run (one error line) or the run stayed finite; either way no
+    checkpoint may hold inf/NaN."""
+    if run.codes and all(code == 0 for code in run.codes):
+        return judge_ok(run, out, RESUME["max_steps"])
+    verdict = judge_error(run, ["--max_bad_steps"], out_dir=out)
+    problem = checkpoint_problem(out)
+    return (LOST, problem) if problem and "inf/NaN" in problem else verdict
+
+
+def huge_lr(layout, box):
+    out = box.path("run")
+    return nan_guard_verdict(box.run(layout, out, lr=1e6, save_interval=1, **RESUME), out)
+
+
+def huge_lr_over_a_good_checkpoint(layout, box):
+    out = good_checkpoint(box, layout)
+    before = snapshot(out)
+    verdict = nan_guard_verdict(box.run(layout, out, resume=True, lr=1e6, save_interval=1, **RESUME), out)
+    return data_kept(before, out) or verdict
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cases: resume must reproduce the unbroken run
+
+def resume_with_dropout(layout, box):
+    """Stop at step 3 of 6 and resume, dropout 0.1: the unbroken run's losses (float64) in every script."""
+    flags = dict(dropout=0.1, **EXACT)
+    reference = unbroken_losses(box, layout, **flags)
+    out = box.path("run")
+    checked(judge_ok(box.run(layout, out, stop_step=3, **flags), out, 3), "steps 0-2")
+    return judge_ok(box.run(layout, out, resume=True, **flags), out, 6, reference)
+
+
+CHAIN = ["train_single", "train_ddp", "train_zero1", "train_zero2", "train_zero3", "train_tp", "train_cp",
+         "train_pp", "train_5d", "train_single"]
+MOE = dict(n_experts=2, top_k=1)
+MOE_CHAIN = [("train_ep", 2, dict(ep=2)), ("train_5d", 2, dict(dp=2, ep=2)), ("train_single", 1, {})]
+
+
+def chain_layouts(moe):
+    if not moe:
+        return [BY_NAME[name] for name in CHAIN]
+    return [Layout(name, f"{name}.py", world, {**flags, **MOE}) for name, world, flags in MOE_CHAIN]
+
+
+def cross_layout(moe, box):
+    """One run carried through several layouts by its checkpoint, 2 steps each: the unbroken train_single
+    run's losses (float64, 1e-9)."""
+    layouts = chain_layouts(moe)
+    steps = 2 * len(layouts)
+    flags = dict(max_steps=steps, **EXACT, **(MOE if moe else {}))
+    reference = unbroken_losses(box, BY_NAME["train_single"], **flags)
+    out = box.path("run")
+    for i, layout in enumerate(layouts):
+        run = box.run(layout, out, stop_step=2 * (i + 1), resume=i > 0, **flags)
+        verdict = judge_ok(run, out, 2 * (i + 1), reference)
+        if verdict[0] != OK:
+            return verdict[0], f"leg {i + 1} ({layout.name}): {verdict[1]}"
+    return OK, f"{steps} steps in {len(layouts)} legs: losses equal to train_single's unbroken run (float64, 1e-9)"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cases: crashes (a rank killed or stopped, kill -9 while saving)
+
+def running_job(box, layout, out, **flags):
+    """A job of `layout` that trains (almost) forever, once it has logged 3 steps."""
+    job = box.start(layout, out, max_steps=100_000, warmup_steps=2, dist_timeout=DIST_TIMEOUT, **flags)
+    if not wait_until(lambda: steps_logged(out) >= 3, job, box.timeout):
+        raise Verdict(*judge_ok(job.wait(0), out, 3))       # it ended, or hung, before training: say how
+    return job
+
+
+def rank_failed(layout, victim, sig, box):
+    """Rank `victim` killed (SIGKILL) or stopped (SIGSTOP) mid-run: every other rank must end by itself with a
+    clean error within --dist_timeout (plus a margin for a busy machine)."""
+    out = box.path("run")
+    job = running_job(box, layout, out)
+    job.signal(victim, sig)
+    t0 = time.time()
+    survivors = [r for r in range(layout.world) if r != victim]
+    run = job.wait(DIST_TIMEOUT + MARGIN, survivors)
+    cls, detail = judge_error(run, ranks=survivors)
+    return cls, f"survivors ended {time.time() - t0:.1f} s after the {sig.name}: {detail}"
+
+
+def kill_mid_save(layout, box, rounds=3):
+    """kill -9 of every rank while a checkpoint is being written (a temporary file exists), `rounds` times, each
+    restart with --resume auto: a consistent checkpoint after every kill, the temporary files of the killed
+    saves removed, and the unbroken run's losses at the end."""
+    flags = dict(SAVE_HEAVY, resume="auto")
+    reference = unbroken_losses(box, layout, **SAVE_HEAVY)
+    out, hits = box.path("run"), 0
+    for _ in range(rounds):
+        job = box.start(layout, out, **flags)
+        hit = wait_until(lambda: temp_files(out) and latest_step_dir(out), job, box.timeout, interval=0.002)
+        job.kill_all()
+        hits += bool(hit)
+        problem = checkpoint_problem(out)
+        if problem:
+            return LOST, f"after kill {hits}: {problem}"
+    verdict = judge_ok(box.run(layout, out, **flags), out, SAVE_HEAVY["max_steps"], reference, rtol=1e-6)
+    if verdict[0] == OK and temp_files(out):
+        return SILENT, f"temporary files of killed saves left: {temp_files(out)[:2]}"
+    return verdict[0], f"{hits} of {rounds} kills during a save; {verdict[1]}"
+
+
+def all_ranks_killed(layout, seed, box):
+    """Every rank killed at once at a random moment after the first checkpoint (--save_interval 1), then
+    --resume auto: a consistent checkpoint, and the unbroken run's losses (the rows after it)."""
+    flags = dict(max_steps=30, save_interval=1)
+    reference = unbroken_losses(box, layout, **flags)
+    out = box.path("run")
+    job = box.start(layout, out, resume="auto", **flags)
+    wait_until(lambda: latest_step_dir(out), job, box.timeout)
+    time.sleep(random.Random(seed).uniform(0, 1.5))
+    job.kill_all()
+    problem = checkpoint_problem(out)
+    if problem:
+        return LOST, problem
+    resumed_from = os.path.basename(latest_step_dir(out))
+    verdict = judge_ok(box.run(layout, out, resume="auto", **flags), out, 30, reference, rtol=1e-6)
+    return verdict[0], f"killed with {resumed_from} latest; {verdict[1]}"
+
+
+def worker_pids(agent_pid):
+    """The processes torchrun's agent started (its children)."""
+    pids = []
+    for task in os.listdir(f"/proc/{agent_pid}/task"):
+        with open(f"/proc/{agent_pid}/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    return pids
+
+
+def torchrun_restart(box):
+    """train_ddp under `torchrun --max-restarts 1` with --resume auto: a worker killed after a checkpoint, the
+    agent restarts both and the job finishes by itself with the unbroken run's losses."""
+    layout = BY_NAME["train_ddp"]
+    flags = dict(max_steps=30, save_interval=2, dist_timeout=60)
+    reference = unbroken_losses(box, layout, **flags)
+    out = box.path("run")
+    argv = argv_of({**TINY, "data_dir": box.data, "out_dir": out, "resume": "auto", **flags})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--max-restarts", "1", "--monitor-interval", "0.2", layout.script, *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    job = Job([(cmd, env)], box.root, "torchrun")
+    if not wait_until(lambda: latest_step_dir(out), job, box.timeout):
+        raise Verdict(*judge_ok(job.wait(0), out, 30))
+    workers = worker_pids(job.procs[0].pid)
+    os.kill(workers[-1], signal.SIGKILL)
+    return judge_ok(job.wait(box.timeout), out, 30, reference, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the case list
+
+def per_layout_cases(layout):
+    """The cases the issue repeated for every script."""
+    name, cases = layout.name, []
+
+    def add(what, fn, *args, **kwargs):
+        cases.append((f"{name}: {what}", functools.partial(fn, layout, *args, **kwargs)))
+    add("--resume with no checkpoint", no_checkpoint)
+    for how in ("truncated", "garbage", "empty"):
+        add(f"{how} checkpoint", damaged_checkpoint, how)
+    add("checkpoint file is a directory", checkpoint_is_a_directory)
+    add("resume with another model shape (n_embd 48)", other_model)
+    add("ckpt/latest is a directory", latest_is_a_directory)
+    add("--lr 1e6 (NaN guard)", huge_lr)
+    add("--lr 1e6 resumed over a good checkpoint", huge_lr_over_a_good_checkpoint)
+    if name == "train_cp":           # its distributed attention has no dropout: the flag is refused
+        add("--dropout 0.1 (refused: no attention dropout)", bad_flags, ["--dropout"], dropout=0.1)
+    else:
+        add("resume with dropout 0.1 is exact", resume_with_dropout)
+    add("kill -9 during checkpoint saves x3, then resume", kill_mid_save)
+    if layout.world > 1:
+        last = layout.world - 1
+        add(f"rank {last} killed", rank_failed, last, signal.SIGKILL)
+        add(f"rank {last} SIGSTOPped", rank_failed, last, signal.SIGSTOP)
+    return cases
+
+
+def flag_case(layout_name, what, names, **flags):
+    layout = BY_NAME[layout_name]
+    return f"{layout_name}: {what}", functools.partial(bad_flags, layout, names, **flags)
+
+
+def flag_cases():
+    """Bad values of the shared flags (the parsing is shared, so train_single and one distributed script)."""
+    cases = []
+    for name in ("train_single", "train_ddp"):
+        cases += [flag_case(name, "--lr -1", ["--lr"], lr=-1),
+                  flag_case(name, "--lr inf", ["--lr"], lr="inf"),
+                  flag_case(name, "--lr nan", ["--lr"], lr="nan"),
+                  flag_case(name, "--weight_decay -5", ["--weight_decay"], weight_decay=-5),
+                  (f"{name}: --device cuda without a GPU", functools.partial(device_cuda, BY_NAME[name])),
+                  flag_case(name, "--device tpu", ["--device"], device="tpu"),
+                  flag_case(name, "--dist_timeout 0", ["--dist_timeout"], dist_timeout=0),
+                  flag_case(name, "--dist_timeout -1", ["--dist_timeout"], dist_timeout=-1),
+                  flag_case(name, "--seed -1", ["--seed"], seed=-1),
+                  flag_case(name, '--out_dir ""', ["--out_dir"], out_dir=""),
+                  flag_case(name, "--stop_step 8 --max_steps 5", ["--stop_step"], stop_step=8, max_steps=5),
+                  flag_case(name, "--stop_step -3", ["--stop_step"], stop_step=-3)]
+        for kind in ("a file", "under a file", "unwritable"):
+            cases.append((f"{name}: --out_dir {kind}", functools.partial(bad_out_dir, BY_NAME[name], kind)))
+    cases += [flag_case("train_single", "--dropout 1.5", ["--dropout"], dropout=1.5),
+              flag_case("train_single", "--max_bad_steps 0", ["--max_bad_steps"], max_bad_steps=0),
+              flag_case("train_single", "--keep_checkpoints 0", ["--keep_checkpoints"], keep_checkpoints=0),
+              flag_case("train_single", "--block_size 0", ["--block_size"], block_size=0),
+              flag_case("train_single", "--resume sometimes", ["--resume"], resume="sometimes")]
+    return cases
+
+
+def layout_flag_cases():
+    """Each script's own layout flags, bad."""
+    return [flag_case("train_ddp", "--global_batch_size 6 (not micro x dp)", ["global_batch_size"],
+                      global_batch_size=6),
+            flag_case("train_ddp", "--bucket_mb 0", ["--bucket_mb"], bucket_mb=0),
+            flag_case("train_zero1", "--zero_stage 4", ["--zero_stage"], zero_stage=4),
+            flag_case("train_zero3", "--compile with ZeRO-3", ["--compile"], compile=True),
+            flag_case("train_tp", "--tp 2 with n_head 3", ["n_head"], n_head=3, n_embd=48),
+            flag_case("train_tp", "--tp 3 on 2 ranks", ["--tp"], tp=3),
+            flag_case("train_tp", "--sp with block_size 15", ["block_size"], sp=True, block_size=15),
+            flag_case("train_cp", "--cp 3 on 2 ranks", ["--cp"], cp=3),
+            flag_case("train_cp", "--block_size 6 (zigzag needs a multiple of 4)", ["--block_size"], block_size=6),
+            flag_case("train_pp", "--pp 2 with n_layer 3", ["n_layer"], n_layer=3),
+            flag_case("train_pp", "--pp 3 on 2 ranks", ["--pp"], pp=3),
+            flag_case("train_pp", "interleaved with --pp_virtual 1", ["--pp_virtual"], pp_schedule="interleaved"),
+            flag_case("train_pp", "--n_microbatches -2", ["--n_microbatches"], n_microbatches=-2),
+            flag_case("train_ep", "--n_experts 3 with --ep 2", ["--n_experts"], n_experts=3),
+            flag_case("train_ep", "--n_experts 0", ["--n_experts"], n_experts=0),
+            flag_case("train_ep", "--top_k 3 of 2 experts", ["--top_k"], top_k=3),
+            flag_case("train_ep", "--ep 3 on 2 ranks", ["--ep"], ep=3),
+            flag_case("train_5d", "--tp 3 on 4 ranks", ["tp"], tp=3, pp=1),
+            flag_case("train_5d", "--dp 3 on 4 ranks", ["dp"], dp=3),
+            flag_case("train_5d", "--zero_stage 3", ["--zero_stage"], zero_stage=3),
+            flag_case("train_5d", "--tp 2 with n_head 3", ["n_head"], n_head=3, n_embd=48),
+            flag_case("train_5d", "--n_microbatches -2", ["--n_microbatches"], n_microbatches=-2)]
+
+
+def uint16(*ids):
+    import numpy as np
+    return np.array(ids, dtype=np.uint16).tobytes()
+
+
+def data_cases():
+    """Bad datasets, on one rank and on two (where a rank-local error must still end every rank)."""
+    damages = [("meta.json without vocab_size", {"meta.json": b'{"tokenizer": "byte"}'}, ["meta.json"]),
+               ("meta.json with vocab_size 32 (ids reach 63)", {"meta.json": b'{"vocab_size": 32}'}, ["train.bin"]),
+               ("meta.json with vocab_size 70000", {"meta.json": b'{"vocab_size": 70000}'}, ["meta.json"]),
+               ("meta.json not JSON", {"meta.json": b"vocab_size = 64"}, ["meta.json"]),
+               ("no meta.json", {"meta.json": None}, ["meta.json", "meta.pkl"]),
+               ("empty train.bin", {"train.bin": b""}, ["train.bin"]),
+               ("odd-sized val.bin", {"val.bin": b"\x01\x00\x02"}, ["val.bin"]),
+               ("train.bin shorter than block_size", {"train.bin": uint16(*range(10))}, ["train.bin"]),
+               ("no train.bin", {"train.bin": None}, ["train.bin"])]
+    return [(f"{name}: {what}", functools.partial(bad_data, BY_NAME[name], damage, names))
+            for name in ("train_single", "train_ddp") for what, damage, names in damages]
+
+
+def crash_cases():
+    cases = [(f"train_tp: both ranks killed at once, then --resume auto (#{i})",
+              functools.partial(all_ranks_killed, BY_NAME["train_tp"], i)) for i in range(1, 5)]
+    ep4 = Layout("train_ep", "train_ep.py", 4, dict(ep=2, n_experts=2, top_k=1, micro_batch_size=2))
+    cases += [("train_ep (4 ranks, 2 expert groups): rank 3 SIGSTOPped",
+               functools.partial(rank_failed, ep4, 3, signal.SIGSTOP)),
+              ("train_ddp: rank 0 killed", functools.partial(rank_failed, BY_NAME["train_ddp"], 0, signal.SIGKILL)),
+              ("train_5d: rank 0 SIGSTOPped", functools.partial(rank_failed, BY_NAME["train_5d"], 0, signal.SIGSTOP)),
+              ("cross-layout resume: " + " -> ".join(CHAIN), functools.partial(cross_layout, False)),
+              ("cross-layout resume (MoE): train_ep -> train_5d -> train_single", functools.partial(cross_layout, True)),
+              ("train_ddp: torchrun --max-restarts 1, a worker killed", torchrun_restart)]
+    return cases
+
+
+SELFCHECK = {   # scripts whose outcome is known, to show that the classifier reports each class
+    "raises": "raise RuntimeError('a deliberate failure')\n",
+    "prints one error line": "import sys\nprint('error: --flag is bad', file=sys.stderr)\nsys.exit(2)\n",
+    "sleeps": "import time\ntime.sleep(600)\n",
+}
+
+
+def selfcheck(kind, box):
+    """A fake script expected to fail cleanly naming --flag: `raises` must read traceback, `sleeps` hang (after
+    3 s, not --timeout: the check is quick)."""
+    script = box.path("fake.py")
+    with open(script, "w") as f:
+        f.write(SELFCHECK[kind])
+    return judge_error(Job.launch(script, 1, [], box.root, "fake").wait(min(box.timeout, 3)), ["--flag"])
+
+
+def all_cases(with_selfcheck=False):
+    cases = [case for layout in LAYOUTS for case in per_layout_cases(layout)]
+    cases += flag_cases() + layout_flag_cases() + data_cases() + crash_cases()
+    if with_selfcheck:
+        cases += [(f"selfcheck: a script that {kind}", functools.partial(selfcheck, kind)) for kind in SELFCHECK]
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------
+# running the battery and reporting
+
+def run_case(fn, box):
+    t0 = time.time()
+    try:
+        cls, detail = fn(box)
+    except Verdict as v:
+        cls, detail = v.args
+    except Exception as e:      # a bug of the battery itself: reported as such, the other cases go on
+        cls, detail = BROKEN, f"{type(e).__name__}: {e} ({traceback.format_exc().strip().splitlines()[-3].strip()})"
+    return cls, detail, time.time() - t0
+
+
+def markdown(results, argv, seconds):
+    from harness import machine_description
+    totals = {cls: sum(1 for _, c, _, _ in results if c == cls) for cls in CLASSES}
+    bad = sum(n for cls, n in totals.items() if cls not in GOOD)
+    lines = [f"## Failure battery (issue 17): {len(results)} cases, {bad} bad", "",
+             f"`python bench/failure_battery.py{' ' + shlex.join(argv) if argv else ''}` on "
+             f"{machine_description()}, {datetime.date.today()}, {seconds / 60:.0f} min. Classes: "
+             f"bench/failure_battery.py's docstring; {', '.join(GOOD)} are the good ones.", "",
+             "| class | cases |", "|---|---|"]
+    lines += [f"| {cls} | {n} |" for cls, n in totals.items() if n or cls not in GOOD]
+    lines += ["", "| # | case | outcome | detail | s |", "|---|---|---|---|---|"]
+    for i, (name, cls, detail, secs) in enumerate(results, 1):
+        text = detail.replace("|", "\\|").replace("\n", " ")
+        text = text if len(text) <= 220 else text[:217] + "..."
+        outcome = cls if cls in GOOD else f"**{cls}**"
+        lines.append(f"| {i} | {name} | {outcome} | {text} | {secs:.0f} |")
+    return "\n".join(lines) + "\n", bad
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", action="append", default=[], help="run the cases whose name contains this text "
+                   "(repeat for several)")
+    p.add_argument("--jobs", type=int, default=1, help="cases run at once (1: serial, steadiest timings)")
+    p.add_argument("--timeout", type=float, default=180, help="wall-clock limit of each run, seconds")
+    p.add_argument("--results", default=None, help="markdown output (default: bench/results/failures.md for the "
+                   "full battery, none with --only)")
+    p.add_argument("--selfcheck", action="store_true", help="add fake cases that must read traceback and hang")
+    p.add_argument("--keep", action="store_true", help="keep the runs' directories (printed) for a look")
+    p.add_argument("--list", action="store_true", help="print the case names and exit")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    cases = [(n, fn) for n, fn in all_cases(args.selfcheck) if not args.only or any(o in n for o in args.only)]
+    if args.list or not cases:
+        print("\n".join(n for n, _ in cases) or "no case matches --only")
+        return 0 if cases else 2
+    results_path = args.results or (None if args.only else os.path.join(HERE, "results", "failures.md"))
+    root = tempfile.mkdtemp(prefix="failure_battery_")
+    data = make_tiny_dataset(os.path.join(root, "data"))
+    shared = Shared(os.path.join(root, "shared"))
+    os.makedirs(shared.root)
+    t0 = time.time()
+    results = [None] * len(cases)
+
+    def one(i):
+        name, fn = cases[i]
+        cls, detail, secs = run_case(fn, Box(os.path.join(root, f"case{i + 1:03d}"), data, args.timeout, shared))
+        results[i] = (name, cls, detail, secs)
+        print(f"[{i + 1:3d}/{len(cases)}] {cls:13s} {name} ({secs:.0f} s): {detail}", flush=True)
+    try:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(one, range(len(cases))))
+    finally:
+        kill_everything_left()
+        if args.keep:
+            print(f"runs kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    table, bad = markdown(results, argv, time.time() - t0)
+    print("\n" + table)
+    if results_path:
+        with open(results_path, "w") as f:
+            f.write(table)
+        print(f"written to {results_path}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
