@@ -1,5 +1,5 @@
 """
-bench/failure_battery.py: issue 17's failure battery, kept so that it can be rerun. About 210 cases of bad input
+bench/failure_battery.py: the failure battery, kept so that it can be rerun. About 210 cases of bad input
 and bad luck over every script (train_single, ddp, zero stages 1-3, tp, cp, pp, ep, train_5d), each on a tiny
 model and tiny random-token data, CPU and gloo, each classified by what actually happened:
 
@@ -430,7 +430,7 @@ def torchrun_restart(box):
 # the case list
 
 def per_layout_cases(layout):
-    """The cases the issue repeated for every script."""
+    """The cases repeated for every script."""
     name, cases = layout.name, []
 
     def add(what, fn, *args, **kwargs):
@@ -589,7 +589,7 @@ def markdown(results, argv, seconds):
     from harness import machine_description
     totals = {cls: sum(1 for _, c, _, _ in results if c == cls) for cls in CLASSES}
     bad = sum(n for cls, n in totals.items() if cls not in GOOD)
-    lines = [f"## Failure battery (issue 17): {len(results)} cases, {bad} bad", "",
+    lines = [f"## Failure battery: {len(results)} cases, {bad} bad", "",
              f"`python bench/failure_battery.py{' ' + shlex.join(argv) if argv else ''}` on "
              f"{machine_description()}, {datetime.date.today()}, {seconds / 60:.0f} min. Classes: "
              f"bench/failure_battery.py's docstring; {', '.join(GOOD)} are the good ones.", "",

@@ -1,4 +1,4 @@
-"""bench/failure_battery.py, the rerunnable failure battery of issue 17: a few cheap cases classify as they must,
+"""bench/failure_battery.py, the rerunnable failure battery: a few cheap cases classify as they must,
 and the classifier does report the bad classes (fake scripts that raise or hang), so the battery can fail."""
 import os
 import subprocess

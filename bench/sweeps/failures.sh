@@ -1,4 +1,4 @@
-# Sweep "failures": issue 17's failure battery (bench/failure_battery.py), not a timing sweep. About 210 cases of
+# Sweep "failures": the failure battery (bench/failure_battery.py), not a timing sweep. About 210 cases of
 # bad input and bad luck over every script, each classified (clean error, ok, skipped; or traceback, hang, silent
 # wrong, data lost, unclear error, refused): the table goes to bench/results/failures.md. About 20 minutes on 2 cores.
 # FAILURES_ARGS adds options, e.g. FAILURES_ARGS="--jobs 2". Sourced by bench.sh (PYTHON is set there).
