@@ -260,13 +260,16 @@ class RankRNG(nn.Module):
     rank (my heads, my sequence chunk): seeded from the shared stream (the same on all TP ranks, replayed by
     recomputation) plus the rank. Dropout in replicated regions uses the shared stream: the same on every rank."""
 
-    def __init__(self, module, group, device):
+    def __init__(self, module, group):
         super().__init__()
-        self.module, self.group, self.device = module, group, torch.device(device)
+        self.module, self.group = module, group
 
     def forward(self, *args):
         seed = int(torch.randint(0, 2 ** 62, (1,)))
-        with torch.random.fork_rng([self.device] if self.device.type == "cuda" else [], device_type=self.device.type):
+        # fork the stream of the device the data is on, not the one the model was built on: train_5d builds on
+        # "meta", for which fork_rng forks nothing, and the seed below would leak into the shared stream
+        device = args[0].device
+        with torch.random.fork_rng([device] if device.type == "cuda" else [], device_type=device.type):
             torch.manual_seed(seed + dist.get_rank(self.group))
             return self.module(*args)
 
@@ -278,7 +281,7 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
     """Swap model.py's layers for tensor-parallel ones, in place (model.py is untouched). Build the model on the
     meta device: new parameters are allocated here, empty, on `device` (which may be "meta" too); fill them
     with init_tp_weights."""
-    rng = (lambda mod: RankRNG(mod, group, device)) if model.cfg.dropout > 0 else (lambda mod: mod)
+    rng = (lambda mod: RankRNG(mod, group)) if model.cfg.dropout > 0 else (lambda mod: mod)
     h = model.cfg.n_embd
     for block in model.transformer.h:
         attn, mlp = block.attn, block.mlp

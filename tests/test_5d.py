@@ -124,6 +124,18 @@ def test_all_degrees_one_is_train_single_bit_for_bit(text_data, tmp_path):
     assert losses(str(tmp_path / "5d")) == ref
 
 
+def test_dropout_under_tp_draws_train_tps_masks(text_data, tmp_path):
+    """With dropout, train_5d tp 2 (built on the meta device) draws the same per-rank and shared masks as train_tp
+    tp 2: the same losses and grad norms (float64), so its TP ranks' replicated copies stay equal."""
+    runs = {}
+    for script in ("train_tp", "train_5d"):
+        out = str(tmp_path / script)
+        run_workers(recorded_runs, 2, args=(script, [text_argv(text_data, out, tp=2, dropout=0.1, max_steps=8)]),
+                    timeout=600)
+        runs[script] = curves(out)
+    assert_exact(runs["train_tp"], runs["train_5d"])
+
+
 def test_default_layout_shows_more_than_one_axis(tiny_data, tmp_path):
     sizes = run_workers(_bitwise, 4, args=(tiny_argv(tiny_data, str(tmp_path), max_steps=1),))[0]
     assert sizes == dict(tp=2, cp=1, dp=1, pp=2)

@@ -264,7 +264,7 @@ def test_stale_temporary_checkpoint_files_are_removed_at_start(tiny_data, tmp_pa
 
 DROPOUT_RESUMES = [("train_ddp", {}), ("train_zero", dict(zero_stage=1)), ("train_zero", dict(zero_stage=3)),
                    ("train_tp", dict(tp=2)), ("train_pp", dict(pp=2)),
-                   ("train_ep", dict(ep=2, n_experts=4, top_k=2)), ("train_5d", dict(dp=2))]
+                   ("train_ep", dict(ep=2, n_experts=4, top_k=2)), ("train_5d", dict(dp=2)), ("train_5d", dict(tp=2))]
 
 
 @pytest.mark.parametrize("script, flags", DROPOUT_RESUMES, ids=[f"{s}-{f}" for s, f in DROPOUT_RESUMES])
@@ -276,7 +276,7 @@ def test_resume_with_dropout_is_exact_per_rank(text_data, tmp_path, script, flag
     straight, split = losses(str(tmp_path / "straight")), losses(str(tmp_path / "split"))
     assert len(split) == 6 and split == straight, (split, straight)
     state = load_checkpoint(latest_checkpoint(str(tmp_path / "split")))
-    same_stream = script == "train_tp"               # TP ranks must draw the same masks (replicated activations)
+    same_stream = "tp" in flags                      # TP ranks must draw the same masks (replicated activations)
     assert len(state["rng_by_rank"]) == 2 and torch.equal(*(s["cpu"] for s in state["rng_by_rank"])) == same_stream
 
 

@@ -103,7 +103,7 @@ def _layers_worker(rank, n, argv):
         record(f"{dtype}/cross_entropy/grad", local.grad, shard_of(lr_.grad, 1, 1, rank, n))
     # the per-rank stream: different inside the context, the shared stream identical (and advanced) after it
     torch.manual_seed(5)
-    inside = tp.RankRNG(torch.nn.Dropout(0.5), g, "cpu")(torch.ones(16)).tolist()
+    inside = tp.RankRNG(torch.nn.Dropout(0.5), g)(torch.ones(16)).tolist()
     after = torch.rand(4).tolist()
     result = tp.main(argv)                           # tp=3: the vocabulary (64) is padded to 66 rows
     full = gather_full_weights(result["model"], result["group"])
