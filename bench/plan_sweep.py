@@ -12,7 +12,7 @@ the smallest to 1.5x the GPU's memory, so that some are predicted to fit and som
 torchrun; every rank writes its torch.cuda.max_memory_allocated (this file's --worker mode), and a run that dies of
 CUDA OOM counts as OOM. Compared: plan.py's total less FRAMEWORK_BYTES (the CUDA context and NCCL buffers, which
 the caching allocator does not count) against the largest rank's max_memory_allocated, and plan.py's OOM verdict
-(total > USABLE x the GPU's memory) against the run's. Goals (issue 20): OOM right for >= 95% of the layouts, peak
+(total > USABLE x the GPU's memory) against the run's. Goals: OOM right for >= 95% of the layouts, peak
 within 10%.
 """
 import json

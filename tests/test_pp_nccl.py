@@ -98,7 +98,7 @@ def test_every_schedule_is_nccl_safe(name):
         assert check(plan_launches(plans)) == [], (name, p, v, m)
 
 
-# (world, schedule, virtual, micro-batches, layers, eval_interval): the case, every schedule, m not a
+# (world, schedule, virtual, micro-batches, layers, eval_interval): the case that deadlocked, every schedule, m not a
 # multiple of p, and one run per world evaluating (forward_only_loss's lone sends) after every step
 RUNS = [(2, "afab", 1, 3, 2, 0), (2, "1f1b", 1, 2, 2, 1), (2, "zb1", 1, 4, 2, 0), (2, "interleaved", 2, 4, 4, 0),
         (2, "zbv", 2, 3, 4, 1), (2, "dualpipev", 2, 4, 4, 0),

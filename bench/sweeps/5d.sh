@@ -21,7 +21,7 @@ FIVED_LOAD_PID=$!
 trap 'kill "$FIVED_LOAD_PID" 2>/dev/null || true' EXIT      # a failed run must not leave the sampler behind
 
 harness --name 5d --title "train_5d vs the rungs it composes and vs PyTorch's 2-D composition (L4 H4 h256 T128 B16, 1 thread per rank)" \
-  --note "Each row's ratios are to the baseline above it (the row showing 1.00), run in the same round. Targets (issue 14) are judged on the median paired ratio. dp2 x tp2: train_5d's dp axis keeps whole replicas and averages gradients once per step (DDP style); FSDP2 shards parameters, gradients and AdamW moments over dp and gathers each block twice per micro-batch; train_5d's ZeRO-1 shards only the AdamW moments. Peak memory is rank 0's peak RSS (metrics.py: ru_maxrss, runtime included); at dp2 x tp2 every rank holds the same shapes. The peer's comm bytes are its schedule's theory, ours are counted." \
+  --note "Each row's ratios are to the baseline above it (the row showing 1.00), run in the same round. Targets are judged on the median paired ratio. dp2 x tp2: train_5d's dp axis keeps whole replicas and averages gradients once per step (DDP style); FSDP2 shards parameters, gradients and AdamW moments over dp and gathers each block twice per micro-batch; train_5d's ZeRO-1 shards only the AdamW moments. Peak memory is rank 0's peak RSS (metrics.py: ru_maxrss, runtime included); at dp2 x tp2 every rank holds the same shapes. The peer's comm bytes are its schedule's theory, ours are counted." \
   --baseline "single" --target "5d all 1=0.97" \
   --run "single=OMP_NUM_THREADS=1 $PYTHON train_single.py $FIVED_ARGS" \
   --run "5d all 1=OMP_NUM_THREADS=1 $PYTHON train_5d.py $FIVED_ARGS" \
