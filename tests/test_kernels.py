@@ -31,7 +31,8 @@ def rel_err(got, ref):
 
 
 def grads(fn, inputs, upstream):
-    """Output and gradients of every input, for a random upstream gradient (not ones, under which some wrong gradients look right)."""
+    """Output and gradients of every input, for a random upstream gradient (not ones, under which some wrong
+    gradients look right)."""
     inputs = [t.detach().clone().requires_grad_() for t in inputs]
     out = fn(*inputs)
     out = out[0] if isinstance(out, tuple) else out
