@@ -178,6 +178,17 @@ def build_parser(description, techniques):
     return p
 
 
+def argv_of(flags):
+    """The command line that sets `flags` ({name: value}); booleans as --name / --no-name (tests, bench)."""
+    argv = []
+    for name, value in flags.items():
+        if isinstance(value, bool):
+            argv.append(f"--{name}" if value else f"--no-{name}")
+        else:
+            argv += [f"--{name}", str(value)]
+    return argv
+
+
 def parse_config(argv=None, techniques=(), description=None, extra_args=None, validate=None):
     """Parse argv into a Config; `extra_args(parser)` adds script-only flags (set as attributes),
     `validate(cfg)` adds script-only checks (use `check`). Any ConfigError exits with code 2."""

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import torch
 
+from config import argv_of
 from metrics import read_metrics
 
 
@@ -53,13 +54,7 @@ def tiny_argv(data_dir, out_dir, **overrides):
                 sample_tokens=0, dropout=0.0, device="cpu", dtype="float32", seed=1234,
                 data_dir=data_dir, out_dir=out_dir)
     args.update(overrides)
-    argv = []
-    for k, v in args.items():
-        if isinstance(v, bool):
-            argv.append(f"--{k}" if v else f"--no-{k}")
-        else:
-            argv += [f"--{k}", str(v)]
-    return argv
+    return argv_of(args)
 
 
 # The exactness check (README, "Parity"): float64 on real text (make_text_dataset), clipping on, 30 steps at a
