@@ -203,12 +203,6 @@ def whole_values(modules, optimizer, tp_group):
         yield name, [t.detach() for t in values] + [st.get("step", torch.tensor(0.0))]
 
 
-def whole_parts(modules, optimizer, tp_group):
-    """({name: [weight, exp_avg, exp_avg_sq, step]}, {buffer name: tensor}) as whole CPU tensors (for samples)."""
-    params = {name: [t.cpu() for t in values] for name, values in whole_values(modules, optimizer, tp_group)}
-    return params, {name: b.cpu() for module in modules for name, b in module.named_buffers()}
-
-
 def save_whole(cfg, gcfg, modules, optimizer, next_step, tp_group=None, holder=lambda name: ("all", 1, 0)):
     """train_tp, train_pp, train_ep: each rank's parameters (TP slices gathered) and buffers, written in parts.
     holder(name): (key, how many ranks hold that tensor whole, this rank's index among them)."""
