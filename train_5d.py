@@ -44,7 +44,6 @@ rank (and the all_gather of the row counts). Checkpoints are one file in train_s
 layout: any layout, or train_single, resumes any other. With tp 1, --kernels and --fp8 apply inside the
 stages as in train_single.
 """
-import itertools
 import time
 
 import torch
@@ -72,7 +71,7 @@ from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, ch
 from tp_shards import full_shape, init_tp_weights, tp_slice
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, shard_model
-from zero_checkpoint import flatten, gathered_values, optimizer_layout, save_parts, tied_copies, whole_values
+from zero_checkpoint import flatten, gathered_values, optimizer_layout, save_modules, tied_copies, whole_values
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
@@ -218,7 +217,7 @@ def whole_state(chunks, optimizer, shards, tp_group):
 
 
 def checkpoint_holder(name, grid):
-    """(key, holders, my index) for zero_checkpoint.save_parts: a dense tensor of my stages is held whole by
+    """(key, holders, my index) for zero_checkpoint.save_modules: a dense tensor of my stages is held whole by
     every rank of the stage's dp x cp x tp slab once gathered, an expert by the tp x edp ranks holding it."""
     data_index, tp, tp_index = dist.get_rank(grid.groups["dp_cp"]), grid.sizes["tp"], grid.coords["tp"]
     slab = grid.sizes["dp"] * grid.sizes["cp"]
@@ -229,11 +228,9 @@ def checkpoint_holder(name, grid):
 
 def save_checkpoint(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
     """One checkpoint in train_single's layout, each whole tensor written by one of the ranks holding it, all
-    ranks at once (zero_checkpoint.save_parts); global rank 0 publishes the step once every part is on disk."""
-    entries = ((name, values, checkpoint_holder(name, grid))
-               for name, values in whole_state(chunks, optimizer, shards, grid.groups["tp"]))
-    buffers = ((name, [b], checkpoint_holder(name, grid)) for chunk in chunks for name, b in chunk.named_buffers())
-    save_parts(cfg, gcfg, itertools.chain(entries, buffers), next_step)
+    ranks at once (zero_checkpoint.save_modules); global rank 0 publishes the step once every part is on disk."""
+    save_modules(cfg, gcfg, chunks, whole_state(chunks, optimizer, shards, grid.groups["tp"]),
+                 lambda name: checkpoint_holder(name, grid), next_step)
 
 
 def gather_to_first(obj, group):

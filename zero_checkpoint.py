@@ -203,12 +203,18 @@ def whole_values(modules, optimizer, tp_group):
         yield name, [t.detach() for t in values] + [st.get("step", torch.tensor(0.0))]
 
 
-def save_whole(cfg, gcfg, modules, optimizer, next_step, tp_group=None, holder=lambda name: ("all", 1, 0)):
-    """train_tp, train_pp, train_ep: each rank's parameters (TP slices gathered) and buffers, written in parts.
-    holder(name): (key, how many ranks hold that tensor whole, this rank's index among them)."""
-    entries = ((name, values, holder(name)) for name, values in whole_values(modules, optimizer, tp_group))
+def save_modules(cfg, gcfg, modules, values, holder, next_step):
+    """`values`: (name, [weight, exp_avg, exp_avg_sq, step]) of the parameters of `modules` as whole tensors; they
+    and the modules' buffers are written in parts. holder(name): (key, how many ranks hold that tensor whole, this
+    rank's index among them)."""
+    entries = ((name, whole, holder(name)) for name, whole in values)
     buffers = ((name, [b], holder(name)) for module in modules for name, b in module.named_buffers())
     save_parts(cfg, gcfg, itertools.chain(entries, buffers), next_step)
+
+
+def save_whole(cfg, gcfg, modules, optimizer, next_step, tp_group=None, holder=lambda name: ("all", 1, 0)):
+    """train_tp, train_pp, train_ep: each rank's parameters (TP slices gathered) and buffers, written in parts."""
+    save_modules(cfg, gcfg, modules, whole_values(modules, optimizer, tp_group), holder, next_step)
 
 
 def local_part(p, full, tp_group):
