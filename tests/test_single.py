@@ -187,13 +187,18 @@ def test_kernels_and_fp8_refused_where_they_cannot_apply(script, flags, tiny_dat
     assert err.count("error:") == 1 and ("--kernels" in err or "zb1" in err), err
 
 
-def test_tf32_enabled_in_every_script(monkeypatch):
+def test_tf32_enabled_in_every_script():
     """TF32 for fp32 matmuls on CUDA is set by one helper, which every train script calls (no-op on CPU)."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    train_single.enable_tf32(torch.device("cpu"))
-    assert not torch.backends.cuda.matmul.allow_tf32
-    train_single.enable_tf32(torch.device("cuda"))          # a device object: no GPU needed to set the flag
-    assert torch.backends.cuda.matmul.allow_tf32
+    # saved and restored by hand: the flag is a property of torch's backend module, which monkeypatch cannot undo
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        train_single.enable_tf32(torch.device("cpu"))
+        assert not torch.backends.cuda.matmul.allow_tf32
+        train_single.enable_tf32(torch.device("cuda"))          # a device object: no GPU needed to set the flag
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
     for script in ("train_single",) + SCRIPTS:
         with open(os.path.join(ROOT, f"{script}.py")) as f:
             source = f.read()
