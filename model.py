@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from routing import combine, route
+from common.routing import combine, route
 
 
 @dataclass

@@ -49,29 +49,31 @@ import time
 import torch
 import torch.distributed as dist
 
-import comm
-from checkpoint import load_latest, own_rng_state, set_rng_state
-from comm import COMM, destroy, init_distributed, world_size_from_env
-from config import ConfigError, check, fail, parse_config
-from grid import build_grid, bytes_by_axis, print_grid
-from layout_auto import apply_auto_layout
-from plan_inputs import HARDWARE
-from metrics import MetricsLogger
+from common import comm
+from common.checkpoint import load_latest, own_rng_state, set_rng_state
+from common.comm import COMM
+from common.distributed import destroy, init_distributed, world_size_from_env
+from common.config import ConfigError, check, fail, parse_config
+from common.grid import build_grid, bytes_by_axis, print_grid
+from plan import apply_auto_layout
+from common.plan_inputs import HARDWARE
+from common.metrics import MetricsLogger
 from model import GPT, flops_per_token
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
+from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
+from common.pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
 from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_positions, swap_attention_cores
 from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
-from pipeline_weight_grads import WeightGradStore, defer_weight_grads
-from routing import end_moe_step, router_metrics, start_moe_training
+from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
+from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
-from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
-                          gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
-from tp_shards import full_shape, init_tp_weights, tp_slice
+from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
+                             gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
+                             should_save)
+from common.tp_shards import full_shape, init_tp_weights, tp_slice
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, shard_model
-from zero_checkpoint import flatten, gathered_values, optimizer_layout, save_modules, tied_copies, whole_values
+from common.zero_checkpoint import flatten, gathered_values, optimizer_layout, save_modules, tied_copies, whole_values
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
@@ -317,7 +319,7 @@ def load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg):
 def extra_args(parser):
     parser.set_defaults(tp=0, cp=0, pp=0)      # 0: chosen by default_layout when no degree is given
     parser.add_argument("--layout", default="", choices=["", "auto"],
-                        help="auto: the layout plan.py ranks best for this model, world and GPU (layout_auto.py); "
+                        help="auto: the layout plan.py ranks best for this model, world and GPU (plan.py); "
                              "it replaces the degree, schedule, micro-batch, ZeRO and recompute flags")
     parser.add_argument("--plan_gpu", default="", help="with --layout auto: plan as if on this GPU (a100, h100, "
                                                        "h200, b200; default: the GPU found)")

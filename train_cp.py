@@ -30,16 +30,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from comm import COMM, destroy, all_gather, all_reduce, batch_isend_irecv, init_distributed, p2p_op, reduce_scatter, \
-    world_size_from_env
-from config import check, grad_accum_steps, parse_config
+from common.comm import COMM, all_gather, all_reduce, batch_isend_irecv, p2p_op, reduce_scatter
+from common.distributed import destroy, init_distributed, world_size_from_env
+from common.config import check, grad_accum_steps, parse_config
 from kernels.flash_attention import flash_attention_backward, flash_attention_forward
-from metrics import MetricsLogger, SavedActivationBytes
+from common.metrics import MetricsLogger, SavedActivationBytes
 from model import GPT, flops_per_token
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from profiling import label
-from train_single import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, \
-    load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype, save_training_state, should_save
+from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
+from common.profiling import label
+from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
+                             load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype,
+                             save_training_state, should_save)
 
 
 # ----------------------------------------------------------------------------------------------------------

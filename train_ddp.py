@@ -25,14 +25,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from comm import COMM, destroy, all_reduce, init_distributed, world_size_from_env
-from config import check, fail, grad_accum_steps, parse_config
-from metrics import MetricsLogger
+from common.comm import COMM, all_reduce
+from common.distributed import destroy, init_distributed, world_size_from_env
+from common.config import check, fail, grad_accum_steps, parse_config
+from common.metrics import MetricsLogger
 from model import GPT, flops_per_token
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
-                          load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype,
-                          save_training_state, should_save, wait_for_main_rank)
+from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
+from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
+                             load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype,
+                             save_training_state, should_save, wait_for_main_rank)
 
 MODES = ("naive", "overlap", "bucket")
 

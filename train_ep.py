@@ -34,17 +34,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from comm import COMM, destroy, all_gather, all_reduce, all_to_all, init_distributed, new_group, world_size_from_env
-from config import check, grad_accum_steps, parse_config
-from metrics import MetricsLogger
+from common.comm import COMM, all_gather, all_reduce, all_to_all, new_group
+from common.distributed import destroy, init_distributed, world_size_from_env
+from common.config import check, grad_accum_steps, parse_config
+from common.metrics import MetricsLogger
 from model import GPT, MLP, MoE, combine, flops_per_token, init_weights
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from routing import end_moe_step, router_metrics, start_moe_training
+from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
+from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ddp import DataParallelGrads, mean_over_group
-from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
-                          gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
-                          should_save)
-from zero_checkpoint import load_whole, save_whole
+from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
+                             gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
+                             should_save)
+from common.zero_checkpoint import load_whole, save_whole
 
 
 # ----------------------------------------------------------------------------------------------------------

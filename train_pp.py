@@ -35,20 +35,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-import comm
-from comm import COMM, destroy, init_distributed, world_size_from_env
-from config import check, parse_config
-from metrics import MetricsLogger
+from common import comm
+from common.comm import COMM
+from common.distributed import destroy, init_distributed, world_size_from_env
+from common.config import check, parse_config
+from common.metrics import MetricsLogger
 from model import GPT, collect_routing_stats, flops_per_token, init_weights, rope_cache
-from optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
-from pipeline_schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, make_schedule, placement_of,
+from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
+from common.pipeline_schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, make_schedule, placement_of,
                                 rank_of, recvs_of, render, schedule_placement, sends_of, simulate, stage_of)
-from pipeline_tied import clip_stage_grads, tied_grads_sync, tied_pair_group, tied_weight  # noqa: F401 (for 5d)
-from pipeline_weight_grads import WeightGradStore, defer_weight_grads
-from profiling import label
-from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
-                          prepare_data, materialize, param_dtype, print_sample, resolve_dtype, should_save)
-from zero_checkpoint import load_whole, save_whole
+from common.pipeline_tied import clip_stage_grads, tied_grads_sync, tied_pair_group, tied_weight  # noqa: F401 (for 5d)
+from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
+from common.profiling import label
+from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
+                             prepare_data, materialize, param_dtype, print_sample, resolve_dtype, should_save)
+from common.zero_checkpoint import load_whole, save_whole
 
 
 # ----------------------------------------------------------------------------------------------------------

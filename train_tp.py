@@ -33,15 +33,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from comm import COMM, destroy, all_gather, all_reduce, init_distributed, reduce_scatter, world_size_from_env
-from config import check, grad_accum_steps, parse_config
-from metrics import MetricsLogger, SavedActivationBytes
-from model import GPT, MoE, activation_bytes_per_layer, flops_per_token
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from train_single import (autocast_context, enable_tf32, evaluate, gpt_config, prepare_data, materialize,
-                          param_dtype, print_sample, resolve_dtype, should_save)
-from tp_shards import init_tp_weights
-from zero_checkpoint import load_whole, save_whole
+from common.comm import COMM, all_gather, all_reduce, reduce_scatter
+from common.distributed import destroy, init_distributed, world_size_from_env
+from common.config import check, grad_accum_steps, parse_config
+from common.metrics import MetricsLogger, SavedActivationBytes
+from model import GPT, MoE, flops_per_token
+from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
+from common.training import (autocast_context, enable_tf32, evaluate, gpt_config, prepare_data, materialize,
+                             param_dtype, print_sample, resolve_dtype, should_save)
+from common.tp_shards import init_tp_weights
+from common.zero_checkpoint import load_whole, save_whole
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -336,18 +337,6 @@ def clip_tp_grads(model, max_norm, group):
     """The global grad norm over the TP ranks, and every gradient (replicas too) scaled to at most max_norm."""
     owned, replicas = tp_owned(model.parameters(), group)
     return clip_grad_norm(owned, max_norm, group, device=owned[0].device, dtype=owned[0].dtype, replicas=replicas)
-
-
-def tp_activation_bytes_per_layer(seq_len, batch, cfg, tp, sp=False, **kw):
-    """Korthikanti et al.'s activation bytes per layer under TP (+SP), from model.activation_bytes_per_layer (same
-    keywords). TP splits all inside the TP regions; the two LayerNorm inputs, the inputs of c_attn and c_fc and the
-    two residual dropout masks stay whole. SP splits those along the sequence too: everything is 1/tp."""
-    full = activation_bytes_per_layer(seq_len, batch, cfg, **kw)
-    if sp:
-        return full / tp
-    bpv, masks = kw.get("bytes_per_value", 2), 2 if kw.get("dropout", True) else 0
-    whole = full if kw.get("recompute") == "full" else seq_len * batch * cfg.n_embd * (4 * bpv + masks)
-    return whole + (full - whole) / tp
 
 
 def build_tp_model(cfg, vocab_size, group, device, dtype=torch.float32):

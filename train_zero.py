@@ -35,15 +35,16 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
-from comm import COMM, destroy, all_gather, init_distributed, reduce_scatter, world_size_from_env
-from config import check, grad_accum_steps, parse_config
-from metrics import MetricsLogger
+from common.comm import COMM, all_gather, reduce_scatter
+from common.distributed import destroy, init_distributed, world_size_from_env
+from common.config import check, grad_accum_steps, parse_config
+from common.metrics import MetricsLogger
 from model import GPT, flops_per_token, init_parameter
-from optim import BETAS, EPS, NonFiniteGuard, clip_grad_norm, lr_at
+from common.optim import BETAS, EPS, NonFiniteGuard, clip_grad_norm, lr_at
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
-from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, param_dtype,
-                          prepare_data, print_sample, resolve_dtype, should_save)
-from zero_checkpoint import flatten, load_consolidated, save_consolidated
+from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
+                             param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
+from common.zero_checkpoint import flatten, load_consolidated, save_consolidated
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -57,7 +58,7 @@ class Shard:
     `gather()` and `free()`."""
 
     def __init__(self, names, params, stage, group, dtype, device, initial, tracker=None):
-        """dtype: the parameters' (train_single.param_dtype); initial: {name: value} of these parameters
+        """dtype: the parameters' (training.param_dtype); initial: {name: value} of these parameters
         (model.init_parameter's, or an already built model's)."""
         assert dtype in (torch.float32, torch.float64), f"Shard keeps fp32 (or float64) parameters, got {dtype}"
         self.names, self.stage, self.group = names, stage, group

@@ -49,7 +49,7 @@ from failure_runs import (BROKEN, CLASSES, GOOD, LOST, OK, SILENT, SKIPPED, Job,
                           checkpoint_files, checkpoint_problem, data_kept, judge_error,
                           judge_ok, judge_result, kill_everything_left, latest_step_dir, losses_by_step,
                           metric_rows, snapshot, steps_logged, temp_files, wait_until)
-from config import argv_of  # noqa: E402
+from common.config import argv_of  # noqa: E402
 from train_helpers import make_tiny_dataset  # noqa: E402
 
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, global_batch_size=8, micro_batch_size=4,

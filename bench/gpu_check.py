@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from metrics import read_metrics  # noqa: E402
+from common.metrics import read_metrics  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
@@ -194,8 +194,8 @@ def main(argv=None):
 def plan_sweep_main(args):
     """--plan_sweep: on min(N, 8) CUDA GPUs (a power of two), or with --dry as if on --plan_gpus x --plan_gpu.
     Writes OUT/plan_sweep.md; the default corpus is byte-level, so the vocabulary is 256 without reading it."""
-    from layout_auto import gpu_kind
-    from plan_inputs import HARDWARE
+    from plan import gpu_kind
+    from common.plan_inputs import HARDWARE
     from plan_sweep import plan_sweep
     N = torch.cuda.device_count()
     if N == 0 and not args.dry:

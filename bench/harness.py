@@ -30,7 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from metrics import read_metrics  # noqa: E402  (the repo root is not on the path when run as a script)
+from common.metrics import read_metrics  # noqa: E402  (the repo root is not on the path when run as a script)
 
 
 def machine_description():

@@ -78,7 +78,7 @@ def train_argv(flags, data_dir, out_dir):
 def instrumented(train_5d, seen):
     """train_5d with its pipeline runner counting live saved activations and its data-parallel builder's
     (grads, optimizer, shards) kept in `seen`: measured from outside, nothing in train_5d changes."""
-    from metrics import LiveSavedActivationBytes
+    from common.metrics import LiveSavedActivationBytes
     runner_class, build = train_5d.PipelineRunner, train_5d.data_parallel
 
     class CountingRunner(runner_class):
@@ -135,7 +135,7 @@ def measure_layouts(labels, data_dir, out_root):
 
 def plan_layout(flags):
     """plan_inputs.Layout of train_5d's flags (schedule 1f1b without pp, as train_5d's default)."""
-    from plan_inputs import Layout
+    from common.plan_inputs import Layout
     return Layout(dp=flags.get("dp", 1), tp=flags.get("tp", 1), cp=flags.get("cp", 1), pp=flags.get("pp", 1),
                   ep=flags.get("ep", 1), sp=flags.get("sp", False), zero_stage=flags.get("zero_stage", 0),
                   schedule=flags.get("pp_schedule", "1f1b"), v=flags.get("pp_virtual", 1),
@@ -145,9 +145,9 @@ def plan_layout(flags):
 def predicted(label, vocab_size, pp_rank):
     """plan.py's bytes by part for one layout's pipeline rank."""
     import plan
-    import plan_memory
+    from common import plan_memory
     from model import GPTConfig
-    from plan_inputs import Job
+    from common.plan_inputs import Job
     flags = LAYOUTS[label]
     cfg = GPTConfig(vocab_size=vocab_size, block_size=MODEL["block_size"], n_layer=MODEL["n_layer"],
                     n_head=MODEL["n_head"], n_embd=MODEL["n_embd"], n_experts=flags.get("n_experts", 0),
@@ -244,7 +244,7 @@ def launch(world, labels, data_dir, out_root):
 
 def default_corpus():
     """The default corpus's folder, prepared on first use (data.ensure_dataset knows it by its relative path)."""
-    from data import DEFAULT_DATA_DIR, ensure_dataset
+    from common.data import DEFAULT_DATA_DIR, ensure_dataset
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
@@ -266,7 +266,7 @@ def main(argv=None):
         rows = measure_layouts(labels, a.data_dir, a.measure)
         with open(os.path.join(a.measure, f"rank{os.environ['RANK']}.json"), "w") as f:
             json.dump(rows, f)
-        from comm import destroy
+        from common.distributed import destroy
         destroy()                                # leave the group together
         return rows
     data_dir = a.data_dir or default_corpus()

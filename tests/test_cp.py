@@ -17,7 +17,7 @@ import torch
 
 from distributed_helper import run_workers
 from kernels.backend import HAS_TRITON
-from metrics import SavedActivationBytes
+from common.metrics import SavedActivationBytes
 from train_helpers import (EXACT, assert_exact, assert_same_losses, assert_same_weights, curves, losses, run_single,
                            text_argv, tiny_argv)
 
@@ -59,7 +59,8 @@ def attention_worker(rank, world_size):
     """cp = 2, 3 and 4 on groups of the first cp ranks of a 4-rank world: the blocks take any group."""
     import torch.distributed as dist
     import train_cp
-    from comm import COMM, init_distributed, new_group
+    from common.comm import COMM, new_group
+    from common.distributed import init_distributed
     init_distributed(types.SimpleNamespace(device="cpu", dist_timeout=60.0))
     results = {}
     for cp in (2, 3, 4):
@@ -123,7 +124,7 @@ def train_worker(rank, world_size, data_dir, out_root, steps):
         if rank == 0:
             results[layout] = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     # activation bytes of the same model on one device (a one-rank group) and the full sequence
-    from comm import new_group
+    from common.comm import new_group
     solo = new_group([0])
     if rank == 0:
         train_cp.swap_attention_cores(model, lambda: train_cp.ContextParallelAttentionCore(solo, "ring"))

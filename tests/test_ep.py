@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed_helper import run_workers
-from metrics import read_metrics
+from common.metrics import read_metrics
 from train_helpers import (EXACT, assert_exact, assert_same_losses, assert_same_weights, curves, run_single, text_argv,
                            tiny_argv)
 
@@ -25,8 +25,9 @@ def _dispatch_worker(rank, world, n_experts, top_k, dtype_name, idle, capacity_f
     """One MoE layer on `world` ranks, each with its own (differently sized) batch of tokens: the reference
     model.MoE on this rank's tokens vs ExpertParallelMoE; returns both results and the counted bytes."""
     import torch.distributed as dist
-    from comm import COMM, init_distributed
-    from config import Config
+    from common.comm import COMM
+    from common.distributed import init_distributed
+    from common.config import Config
     from model import GPTConfig, MoE, init_parameter
     from train_ep import ExpertParallelMoE
     init_distributed(Config(device="cpu"))
@@ -272,7 +273,7 @@ def test_every_group_has_the_run_timeout(tiny_data, tmp_path, monkeypatch):
     """Subgroups (EP groups, expert replicas, pipeline's tied pair) are created with --dist_timeout, so a
     stopped rank makes the others raise instead of waiting torch's default 30 minutes."""
     import torch.distributed as dist
-    import comm
+    from common import comm
     import train_ep
     seen, real = [], dist.new_group
 

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from metrics import GPU_PEAK_TFLOPS, gpu_chip_and_board, gpu_peak_flops
+from common.metrics import GPU_PEAK_TFLOPS, gpu_chip_and_board, gpu_peak_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -22,8 +22,8 @@ def _zero_runs(rank, world_size, runs):
     """Run train_zero.main for each argv in one process group; return what the assertions need, with the
     dtypes the parameters, the reduced gradient shards and the Linear layers' outputs (matmuls) had."""
     import train_zero
-    import zero_checkpoint
-    from metrics import read_metrics
+    from common import zero_checkpoint
+    from common.metrics import read_metrics
     out = []
     for argv in runs:
         matmul_dtypes = set()
@@ -185,7 +185,7 @@ def test_checkpoint_consolidates_across_stages_and_world_sizes(reference, tiny_d
 def test_bad_input(tiny_data, tmp_path, capsys):
     import torch.distributed as dist
     import train_zero
-    import zero_checkpoint
+    from common import zero_checkpoint
     for bad in (dict(zero_stage=4), dict(dtype="float16")):
         with pytest.raises(SystemExit) as e:
             train_zero.main(tiny_argv(tiny_data, str(tmp_path / "bad"), **bad))

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import torch
 
-from config import argv_of
-from metrics import read_metrics
+from common.config import argv_of
+from common.metrics import read_metrics
 
 
 def make_tiny_dataset(path, vocab_size=64, n_train=20_000, n_val=4_000, seed=0):

@@ -21,13 +21,13 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from checkpoint import load_latest, own_rng_state, rng_state, rng_states_by_rank, save_step, set_rng_state
-from comm import all_gather
-from config import config_dict
+from common.checkpoint import load_latest, own_rng_state, rng_state, rng_states_by_rank, save_step, set_rng_state
+from common.comm import all_gather
+from common.config import config_dict
 from model import GPT
-from optim import configure_optimizer
-from tp_shards import full_shape, tp_gather, tp_slice
-from train_single import fail_together
+from common.optim import configure_optimizer
+from common.tp_shards import full_shape, tp_gather, tp_slice
+from common.training import fail_together
 
 
 @torch.no_grad()

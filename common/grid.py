@@ -10,7 +10,7 @@ dp x cp, the printout, and the step's counted bytes by axis.
 import math
 from dataclasses import dataclass
 
-from comm import COMM, new_group
+from common.comm import COMM, new_group
 
 AXES = ("tp", "cp", "dp", "pp")          # innermost first
 GROUPS = dict(tp=("tp",), cp=("cp",), dp=("dp",), pp=("pp",),

@@ -29,6 +29,8 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from common.errors import fail
+
 CKPT_DIR, FILE, LATEST = "ckpt", "ckpt.pt", "latest"
 STEP_DIR = re.compile(r"step_(\d{8})")
 PART = "part_{:05d}.pt"                                               # a rank's part of a sharded save
@@ -128,7 +130,6 @@ def publish(out_dir, step, keep):
 def refuse_non_finite(cfg, state, next_step):
     """Stop every rank, keeping the checkpoints on disk, if any rank's part of this save holds inf/NaN: a diverged
     run never replaces a good checkpoint (the NaN guard, optim.NonFiniteGuard, should have stopped it before)."""
-    from config import fail                          # (config imports this module)
     bad = non_finite_entries(state) if state is not None else []
     flag = torch.tensor(float(len(bad) > 0))
     if dist.is_initialized():                        # every rank decides alike
@@ -147,7 +148,6 @@ def save_step(cfg, state, next_step, part=None):
     sharded save (zero_checkpoint.save_parts: every rank passes one, maybe empty), else None. Parts are written
     in parallel, then a barrier, then rank 0 writes ckpt.pt and publishes the step as latest: a crash at any
     point leaves the previous complete checkpoint as latest."""
-    from config import fail                          # (config imports this module)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     refuse_non_finite(cfg, part if part is not None else state, next_step)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from profiling import make_profiler
+from common.profiling import make_profiler
 
 # Dense bf16 tensor-core TFLOP/s (no 2:4 sparsity) per (chip, board), from the vendor's datasheets, which print
 # the sparse figure: dense = sparse / 2. A device name is split into words and matched exactly: the chip is the

@@ -1,0 +1,21 @@
+"""
+common/: the plumbing every rung shares, one small module per concern. None of it is a technique, and none of it
+imports a rung (train_*.py): read the ladder at the root first, come here for how a detail is done.
+
+    config.py        the one command line of every script, its checks and its dataclass
+    comm.py          process groups and every collective, each one's bytes counted (torch and the stdlib only)
+    data.py          corpus preparation (python -m common.data) and deterministic global batches
+    optim.py         AdamW groups, warmup + cosine, grad-norm clipping over groups, the non-finite guard
+    loop.py          what every training loop shares: dtype, autocast, data setup, evaluation, sampling, errors
+    checkpoint.py    atomic step directories, RNG state, and the checkpoint every layout saves and loads
+    zero_checkpoint.py  sharded layouts' parts gathered to train_single's layout and back
+    metrics.py       MFU, peak memory, metrics.jsonl and the progress line
+    profiling.py     --profile: torch profiler traces and labels
+    grid.py          train_5d's rank grid and its process groups
+    routing.py       mixture-of-experts routing (model.MoE and train_ep's experts)
+    tp_shards.py     how a tensor-parallel slice maps to the full parameter
+    pipeline_schedules.py, pipeline_tied.py, pipeline_weight_grads.py   the pipeline's schedules as data,
+                     the tied embedding across stages, the split backward of zero-bubble schedules
+    nccl_check.py    replays each rank's p2p launches under NCCL's grouping rules (tests)
+    plan_inputs.py, plan_memory.py   plan.py's inputs (GPUs, presets, layouts) and memory formulas
+"""
