@@ -44,13 +44,15 @@ rank (and the all_gather of the row counts). Checkpoints are one file in train_s
 layout: any layout, or train_single, resumes any other. With tp 1, --kernels and --fp8 apply inside the
 stages as in train_single.
 """
+import functools
 import time
 
 import torch
 import torch.distributed as dist
 
 from common import comm
-from common.checkpoint import load_latest, own_rng_state, set_rng_state
+from common import checkpoint
+from common.checkpoint import ModuleState, ShardState
 from common.comm import COMM
 from common.distributed import destroy, init_distributed, world_size_from_env
 from common.config import ConfigError, check, fail, parse_config
@@ -70,10 +72,9 @@ from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_pa
 from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
                              gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
                              should_save)
-from common.tp_shards import full_shape, init_tp_weights, tp_slice
+from common.tp_shards import init_tp_weights
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, shard_model
-from common.zero_checkpoint import flatten, gathered_values, optimizer_layout, save_modules, tied_copies, whole_values
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
@@ -204,35 +205,17 @@ def moe_metrics(chunks, grid, cfg):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# checkpoints in train_single's layout, so any layout (or train_single) resumes any other: resharding resume
-
-def whole_state(chunks, optimizer, shards, tp_group):
-    """(name, [weight, exp_avg, exp_avg_sq, step]) of this rank's parameters as whole tensors (ZeRO slices gathered
-    over dp x cp one bucket at a time, TP parts over tp): collectives every rank of those groups runs."""
-    if shards is None:
-        yield from whole_values(chunks, optimizer, tp_group)
-        return
-    skip, step = tied_copies(chunks), torch.tensor(float(optimizer.steps))
-    for name, values in gathered_values(shards, tp_group):
-        if name not in skip:
-            yield name, values + [step]
-
+# checkpoints: common/checkpoint.py's one format, so any layout (or train_single) resumes any other. Each whole
+# tensor is written by one of the ranks holding it: a dense one by the ranks of its stage's dp x cp x tp slab
+# once gathered, an expert by the tp x edp ranks holding it.
 
 def checkpoint_holder(name, grid):
-    """(key, holders, my index) for zero_checkpoint.save_modules: a dense tensor of my stages is held whole by
-    every rank of the stage's dp x cp x tp slab once gathered, an expert by the tp x edp ranks holding it."""
+    """(key, holders, my index) of a whole tensor of my stages, for checkpoint.save."""
     data_index, tp, tp_index = dist.get_rank(grid.groups["dp_cp"]), grid.sizes["tp"], grid.coords["tp"]
     slab = grid.sizes["dp"] * grid.sizes["cp"]
     if is_expert_param(name):
         return "experts", slab // grid.ep * tp, data_index // grid.ep * tp + tp_index
     return "dense", slab * tp, data_index * tp + tp_index
-
-
-def save_checkpoint(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
-    """One checkpoint in train_single's layout, each whole tensor written by one of the ranks holding it, all
-    ranks at once (zero_checkpoint.save_modules); global rank 0 publishes the step once every part is on disk."""
-    save_modules(cfg, gcfg, chunks, whole_state(chunks, optimizer, shards, grid.groups["tp"]),
-                 lambda name: checkpoint_holder(name, grid), next_step)
 
 
 def gather_to_first(obj, group):
@@ -242,75 +225,28 @@ def gather_to_first(obj, group):
     return out
 
 
-def merged(parts):
-    """One (parameters, buffers) pair from several ranks' disjoint ones."""
-    return tuple({name: value for part in parts for name, value in part[i].items()} for i in range(2))
-
-
-def gather_whole(chunks, optimizer, shards, grid):
-    """({name: [weight, exp_avg, exp_avg_sq, step]}, {buffer name: tensor}) of the whole model on global rank 0
-    (None elsewhere), for the sample: experts gathered over ep, the stages' parts over pp."""
-    params = {name: [t.cpu() for t in values] for name, values in whole_state(chunks, optimizer, shards,
-                                                                              grid.groups["tp"])}
-    parts = params, {name: b.cpu() for chunk in chunks for name, b in chunk.named_buffers()}
+def gather_whole(held, grid):
+    """{name: whole weight} of the model (buffers too) on global rank 0 (None elsewhere), for the sample:
+    experts gathered over ep, the stages' parts over pp."""
+    parts = {name: values[0].cpu() for name, values, _ in held.whole()}
     if grid.ep > 1:
         gathered = gather_to_first(parts, grid.groups["ep"])
         if gathered is None:
             return None
-        parts = merged(gathered)
+        parts = {k: v for part in gathered for k, v in part.items()}
     if grid.coords["tp"] or grid.coords["cp"] or grid.coords["dp"]:
         return None
     gathered = gather_to_first(parts, grid.groups["pp"])
-    return None if gathered is None else merged(gathered)
+    return None if gathered is None else {k: v for part in gathered for k, v in part.items()}
 
 
-def sample_on_rank0(cfg, chunks, optimizer, shards, grid, gcfg, loader, env):
+def sample_on_rank0(cfg, held, grid, gcfg, loader, env):
     """The whole trained model on global rank 0, for the eyeball test that training worked."""
-    whole = gather_whole(chunks, optimizer, shards, grid)
+    whole = gather_whole(held, grid)
     if whole is not None:
-        params, buffers = whole
         model = GPT(gcfg).to(env.device)
-        model.load_state_dict({**{name: value[0] for name, value in params.items()}, **buffers,
-                               "lm_head.weight": params["transformer.wte.weight"][0]})
+        model.load_state_dict({**whole, "lm_head.weight": whole["transformer.wte.weight"]})
         print_sample(model, loader, cfg, env)
-
-
-@torch.no_grad()
-def load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg):
-    """Every rank reads the one checkpoint and keeps its slice of each weight and AdamW moment."""
-    tp = grid.groups["tp"]
-    try:
-        state, path = load_latest(cfg.out_dir)
-    except (FileNotFoundError, ValueError) as e:
-        fail(str(e), rank_local=True)
-    with torch.device("meta"):
-        gpt = GPT(gcfg)
-    order, _ = optimizer_layout(gpt, cfg)
-    saved = {name: state["optimizer"]["state"][i] for i, name in enumerate(order)}
-    mine = {}                                  # name -> [weight, exp_avg, exp_avg_sq]: my TP slices
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            value = state["model"].get(name)
-            if value is None or tuple(value.shape) != full_shape(p, tp):
-                fail(f"checkpoint {path} does not match this model: parameter {name} is "
-                     f"{None if value is None else tuple(value.shape)}, expected {full_shape(p, tp)}")
-            whole = (value, saved[name]["exp_avg"], saved[name]["exp_avg_sq"])
-            mine[name] = [tp_slice(p, t.to(p), tp) for t in whole]
-            p.copy_(mine[name][0])
-            if shards is None:
-                optimizer.state[p] = dict(step=saved[name]["step"].to(p.device), exp_avg=mine[name][1],
-                                          exp_avg_sq=mine[name][2])
-        for name, b in chunk.named_buffers():  # an MoE block's load: the previous step's expert shares
-            if name not in state["model"]:
-                fail(f"checkpoint {path} does not match this model: it has no {name}")
-            b.copy_(state["model"][name])
-    for s in shards or []:                     # ZeRO-1: the master and moments of my slice of each bucket
-        for i, t in enumerate((s.master, s.exp_avg, s.exp_avg_sq)):
-            t.copy_(flatten(s, {name: mine[name][i] for name in s.names})[s.lo: s.hi])
-    if shards is not None:
-        optimizer.steps = int(saved[order[0]]["step"])
-    set_rng_state(own_rng_state(state))
-    return state["step"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -440,7 +376,10 @@ def main(argv=None):
         runner.after_backward = lambda action: grads.finish()
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
-    start = load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg) if cfg.resume else 0
+    holder = functools.partial(checkpoint_holder, grid=grid)
+    held = (ShardState(shards, optimizer, chunks, holder, grid.groups["tp"]) if shards is not None
+            else ModuleState(chunks, optimizer, holder, grid.groups["tp"]))   # what this rank holds
+    start = checkpoint.load(cfg, env, gcfg, held) if cfg.resume else 0
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=env.world_size,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
@@ -497,10 +436,10 @@ def main(argv=None):
             chunks.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_checkpoint(cfg, chunks, optimizer, shards, grid, gcfg, step + 1)
+            checkpoint.save(cfg, gcfg, step + 1, held)
     logger.close()
     if cfg.sample_tokens > 0 and last_step > start:     # (AdamW's state exists once a step has run)
-        sample_on_rank0(cfg, chunks, optimizer, shards, grid, gcfg, loader, env)
+        sample_on_rank0(cfg, held, grid, gcfg, loader, env)
     return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, grid=grid, shards=shards)
 
 

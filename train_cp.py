@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from common import checkpoint
+from common.checkpoint import ModuleState, replicated
 from common.comm import COMM, all_gather, all_reduce, batch_isend_irecv, p2p_op, reduce_scatter
 from common.distributed import destroy, init_distributed, world_size_from_env
 from common.config import check, grad_accum_steps, parse_config
@@ -39,8 +41,8 @@ from model import GPT, flops_per_token
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from common.profiling import label
 from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
-                             load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype,
-                             save_training_state, should_save)
+                             prepare_data, param_dtype, print_sample, resolve_dtype,
+                             should_save)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -368,7 +370,8 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed)                # same stream as train_single (no dropout here, though)
-    start = load_training_state(cfg, model, optimizer) if cfg.resume else 0
+    held = ModuleState([model], optimizer, replicated)   # what this rank holds, for checkpoints
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
@@ -422,7 +425,7 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):           # the CP ranks hold the same weights: rank 0 saves
-            save_training_state(cfg, model, optimizer, step + 1)
+            checkpoint.save(cfg, model.cfg, step + 1, held)
     logger.close()
     for block, core in zip(model.transformer.h, local_cores):   # sample on one device with the plain core
         block.attn.core = core

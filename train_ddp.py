@@ -25,15 +25,16 @@ import time
 import torch
 import torch.distributed as dist
 
+from common import checkpoint
+from common.checkpoint import ModuleState, replicated
 from common.comm import COMM, all_reduce
-from common.distributed import destroy, init_distributed, world_size_from_env
+from common.distributed import destroy, init_distributed, wait_for_main_rank, world_size_from_env
 from common.config import check, fail, grad_accum_steps, parse_config
 from common.metrics import MetricsLogger
 from model import GPT, flops_per_token
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
-                             load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype,
-                             save_training_state, should_save, wait_for_main_rank)
+                             prepare_data, param_dtype, print_sample, resolve_dtype, should_save)
 
 MODES = ("naive", "overlap", "bucket")
 
@@ -255,7 +256,8 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
-    start = load_training_state(cfg, model, optimizer) if cfg.resume else 0   # each rank its own RNG state
+    held = ModuleState([model], optimizer, replicated)   # what this rank holds, for checkpoints
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0   # each rank its own RNG state
     grads = DataParallelGrads(model.parameters(), group, cfg.ddp_mode, cfg.bucket_mb)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
@@ -300,7 +302,7 @@ def main(argv=None):
                 logger.log_eval(step, val)
             wait_for_main_rank(group, cfg, "evaluation")
         if should_save(cfg, step, last_step):              # replicas agree: rank 0 writes, with each
-            save_training_state(cfg, model, optimizer, step + 1)   # rank's own dropout stream
+            checkpoint.save(cfg, model.cfg, step + 1, held)   # rank's own dropout stream
     logger.close()
     print_sample(model, loader, cfg, env)
     return dict(model=model, cfg=cfg, grads=grads)

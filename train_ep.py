@@ -27,6 +27,7 @@ Parameters per rank: P_dense + n_moe_blocks * (E/ep) * (8h^2 + 5h): the expert w
 """
 import contextlib
 import dataclasses
+import functools
 import io
 import time
 
@@ -45,7 +46,8 @@ from train_ddp import DataParallelGrads, mean_over_group
 from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
                              gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
                              should_save)
-from common.zero_checkpoint import load_whole, save_whole
+from common import checkpoint
+from common.checkpoint import ModuleState
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -204,7 +206,7 @@ def validate(cfg):
 
 
 def checkpoint_holder(name, rank, world, ep):
-    """(key, holders, my index) of a tensor for zero_checkpoint.save_whole: an expert is held by its replicas
+    """(key, holders, my index) of a tensor for checkpoint.save: an expert is held by its replicas
     (rank r is the (r // ep)-th), everything else by every rank."""
     return ("experts", world // ep, rank // ep) if is_expert_param(name) else ("dense", world, rank)
 
@@ -229,7 +231,9 @@ def main(argv=None):
     scaler = GroupGradScaler(env.device.type, dist.group.WORLD, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
-    start = load_whole(cfg, model.cfg, [model], optimizer, env) if cfg.resume else 0   # my experts
+    held = ModuleState([model], optimizer,                 # experts: written by one of their replicas
+                       functools.partial(checkpoint_holder, rank=env.rank, world=world, ep=cfg.ep))
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0   # my experts
     grads = ExpertDataParallelGrads(named, dist.group.WORLD, replica_group, cfg.ep, cfg.bucket_mb)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
@@ -281,8 +285,7 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_whole(cfg, model.cfg, [model], optimizer, step + 1,     # each tensor by one of its holders:
-                       holder=lambda name: checkpoint_holder(name, env.rank, world, cfg.ep))
+            checkpoint.save(cfg, model.cfg, step + 1, held)   # each tensor by one of its holders
     logger.close()
     # every rank generates (each forward is collective over the experts), with the same seed and prompt,
     # hence the same tokens; only rank 0's text is shown

@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as recompute
 
 from common import comm
 from common.comm import COMM
@@ -49,7 +49,8 @@ from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.profiling import label
 from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
                              prepare_data, materialize, param_dtype, print_sample, resolve_dtype, should_save)
-from common.zero_checkpoint import load_whole, save_whole
+from common import checkpoint
+from common.checkpoint import ModuleState, only_mine
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ class PipelineStage(nn.Module):
             x = self.transformer["drop"](self.transformer["wte"](x))
         for block in self.transformer["h"]:
             full = self.cfg.recompute == "full" and self.training
-            x = checkpoint(block, x, rope, use_reentrant=False) if full else block(x, rope)
+            x = recompute(block, x, rope, use_reentrant=False) if full else block(x, rope)
         if self.training:
             collect_routing_stats(self.transformer["h"])     # MoE blocks: this forward's routing, counted once
         return x
@@ -379,7 +380,8 @@ def main(argv=None):
     optimizer = configure_optimizer(chunks.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + rank)           # this rank's dropout stream
-    start = load_whole(cfg, gcfg, chunks, optimizer, env) if cfg.resume else 0   # my stages' parts
+    held = ModuleState(chunks, optimizer, only_mine)     # my stages: every rank writes its own
+    start = checkpoint.load(cfg, env, gcfg, held) if cfg.resume else 0   # my stages' parts
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=p,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
@@ -418,7 +420,7 @@ def main(argv=None):
             chunks.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_whole(cfg, gcfg, chunks, optimizer, step + 1)   # the stages' parts, merged on rank 0
+            checkpoint.save(cfg, gcfg, step + 1, held)   # the stages' parts, written in parallel
     logger.close()
 
     # measured idle share per rank (median over the steps after the first) next to the simulator's

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from common import checkpoint
+from common.checkpoint import ModuleState, replicated
 from common.comm import COMM
 from common.config import check, grad_accum_steps, parse_config
 from common.distributed import init_distributed
@@ -29,8 +31,8 @@ from common.metrics import MetricsLogger
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
-                             gpt_config, load_training_state, param_dtype, prepare_data, print_sample, resolve_dtype,
-                             save_training_state, should_save)
+                             gpt_config, param_dtype, prepare_data, print_sample, resolve_dtype,
+                             should_save)
 from model import GPT, flops_per_token
 
 
@@ -50,7 +52,8 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, scaler=scaler)
     torch.manual_seed(cfg.seed)                      # dropout stream, identical in every run with this seed
-    start = load_training_state(cfg, model, optimizer) if cfg.resume else 0
+    held = ModuleState([model], optimizer, replicated)   # what this rank holds, for checkpoints
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
@@ -87,7 +90,7 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_training_state(cfg, model, optimizer, step + 1)
+            checkpoint.save(cfg, model.cfg, step + 1, held)
     logger.close()
     print_sample(model, loader, cfg, env)
     return dict(model=model, cfg=cfg)

@@ -42,7 +42,8 @@ from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr
 from common.training import (autocast_context, enable_tf32, evaluate, gpt_config, prepare_data, materialize,
                              param_dtype, print_sample, resolve_dtype, should_save)
 from common.tp_shards import init_tp_weights
-from common.zero_checkpoint import load_whole, save_whole
+from common import checkpoint
+from common.checkpoint import ModuleState, replicated
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -383,7 +384,8 @@ def main(argv=None):
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank
-    start = load_whole(cfg, model.cfg, [model], optimizer, env, group) if cfg.resume else 0   # my slices
+    held = ModuleState([model], optimizer, replicated, group)   # TP slices, made whole over tp to save
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0   # my slices
     train_model = torch.compile(model) if cfg.compile else model
     amp, activations = autocast_context(dtype, env.device), SavedActivationBytes(model)
     last_step = cfg.stop_step or cfg.max_steps
@@ -424,8 +426,7 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_whole(cfg, model.cfg, [model], optimizer, step + 1, group,   # each tensor by one rank
-                       holder=lambda name: ("all", env.world_size, env.rank))
+            checkpoint.save(cfg, model.cfg, step + 1, held)   # each gathered tensor written by one rank
     logger.close()
     if cfg.sample_tokens > 0 and not cfg.sp:     # every rank runs the forward (collectives), rank 0 prints
         with contextlib.redirect_stdout(io.StringIO()) if not env.is_main else contextlib.nullcontext():

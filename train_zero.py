@@ -42,9 +42,10 @@ from common.metrics import MetricsLogger
 from model import GPT, flops_per_token, init_parameter
 from common.optim import BETAS, EPS, NonFiniteGuard, clip_grad_norm, lr_at
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
+from common import checkpoint
+from common.checkpoint import ShardState, replicated
 from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
                              param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
-from common.zero_checkpoint import flatten, load_consolidated, save_consolidated
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -68,7 +69,7 @@ class Shard:
         self.padded = -(-total // n) * n
         self.lo, self.hi = rank * (self.padded // n), (rank + 1) * (self.padded // n)
         self.master_dtype = dtype
-        self.full = flatten(self, initial).to(device)   # the full initial values of this bucket / unit only
+        self.full = self.flatten(initial).to(device)    # the full initial values of this bucket / unit only
         self.params = [torch.nn.Parameter(self.full[off: off + p.numel()].view(p.shape))
                        for p, off in zip(params, self.offsets)]
         for new, old in zip(self.params, params):
@@ -83,6 +84,15 @@ class Shard:
         self.tracker, self.handle, self.in_backward = tracker, None, False
         if stage == 3:
             self.full.untyped_storage().resize_(0)      # at rest: only the shard
+
+    def flatten(self, values):
+        """Whole tensors (by parameter name) laid out as this shard's zero-padded flat buffer, in the master's
+        dtype: ZeRO's flat layout, also how a checkpoint's whole tensors become this rank's slice on load."""
+        full = torch.zeros(self.padded, dtype=self.master_dtype)
+        for name, off in zip(self.names, self.offsets):
+            value = values[name].reshape(-1)
+            full[off: off + value.numel()] = value
+        return full
 
     def gather(self):
         """Stage 3: start the all-gather of the full parameters (async); `wait()` before use."""
@@ -335,7 +345,8 @@ def main(argv=None):
     optimizer = ShardedAdamW(shards, cfg)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + env.rank)              # dropout: each rank masks its own sequences
-    start = load_consolidated(cfg, model, shards, optimizer, env) if cfg.resume else 0   # each its own RNG
+    held = ShardState(shards, optimizer, [model], replicated)   # what this rank holds, for checkpoints
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0   # each rank its own RNG
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
@@ -382,7 +393,7 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_consolidated(cfg, model, shards, optimizer, step + 1, env.rank)
+            checkpoint.save(cfg, model.cfg, step + 1, held)   # each bucket gathered, written by one rank
     logger.close()
     with contextlib.redirect_stdout(io.StringIO()) if env.rank else contextlib.nullcontext():
         print_sample(model, loader, cfg, dataclasses.replace(env, rank=0) if stage == 3 else env)

@@ -7,8 +7,7 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     data.py          corpus preparation (python -m common.data) and deterministic global batches
     optim.py         AdamW groups, warmup + cosine, grad-norm clipping over groups, the non-finite guard
     loop.py          what every training loop shares: dtype, autocast, data setup, evaluation, sampling, errors
-    checkpoint.py    atomic step directories, RNG state, and the checkpoint every layout saves and loads
-    zero_checkpoint.py  sharded layouts' parts gathered to train_single's layout and back
+    checkpoint.py    the one save and load of every layout: train_single's format, written in parallel parts
     metrics.py       MFU, peak memory, metrics.jsonl and the progress line
     profiling.py     --profile: torch profiler traces and labels
     grid.py          train_5d's rank grid and its process groups

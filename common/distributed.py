@@ -145,3 +145,29 @@ def destroy():
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def fail_together(error, env):
+    """Every rank passes its own error message (or None). If any rank has one, each failing rank prints its
+    own and every rank exits with code 2: no rank is left waiting in a collective for one that has exited."""
+    if dist.is_initialized():
+        flag = torch.tensor([error is not None], dtype=torch.int32, device=env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    else:
+        failed = error is not None
+    if error is not None:
+        fail(error, rank_local=True)
+    if failed:
+        fail("another rank failed (its error line names it)")
+
+
+def wait_for_main_rank(group, cfg, what):
+    """After work that only rank 0 does (a checkpoint save, an evaluation): the other ranks wait for it here,
+    bounded by --dist_timeout, instead of inside the next step's collective; a too-slow save or evaluation
+    is then reported as what it is."""
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as e:                        # DistBackendError: a timeout (or a rank gone)
+        fail(f"waited longer than --dist_timeout {cfg.dist_timeout:g} s for rank 0's {what} "
+             f"({type(e).__name__}); raise --dist_timeout", rank_local=True)

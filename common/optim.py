@@ -8,7 +8,7 @@ import sys
 import torch
 
 from common.comm import all_reduce
-from common.config import fail
+from common.errors import fail
 
 
 BETAS, EPS = (0.9, 0.95), 1e-8      # AdamW hyperparameters of every script (GPT-3 paper, as nanoGPT)

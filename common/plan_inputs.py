@@ -18,7 +18,7 @@ A layout is valid when
 import argparse
 from dataclasses import dataclass, fields
 
-from common.config import check
+from common.errors import check
 from common.metrics import GPU_PEAK_TFLOPS
 from model import GPTConfig
 from common.pipeline_schedules import SCHEDULES, V_SHAPED

@@ -1,17 +1,16 @@
 """
 training.py: what every training loop of the ladder shares and none of them teaches: the dtype and autocast of
 --dtype, the fused kernels and FP8 of --kernels / --fp8, opening the data on every rank, evaluation, the
-end-of-run sample, the checkpoint of a replicated model, and how ranks fail together with one error line.
+end-of-run sample, and when to save.
 train_single.py's loop uses each of these; every other rung's loop is the same loop with its technique added.
 """
 import contextlib
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from common.checkpoint import load_latest, own_rng_state, rng_state, rng_states_by_rank, save_step, set_rng_state, unwrap
-from common.config import check, config_dict, fail
+from common.errors import check, fail
+from common.distributed import fail_together
 from common.data import GlobalBatchLoader, ensure_dataset
 from kernels import apply_kernels, convert_to_float8
 from kernels.fp8 import check_fp8_support
@@ -60,21 +59,6 @@ def apply_kernels_and_fp8(model, cfg, device):
     return mode
 
 
-def fail_together(error, env):
-    """Every rank passes its own error message (or None). If any rank has one, each failing rank prints its
-    own and every rank exits with code 2: no rank is left waiting in a collective for one that has exited."""
-    if dist.is_initialized():
-        flag = torch.tensor([error is not None], dtype=torch.int32, device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed = bool(flag.item())
-    else:
-        failed = error is not None
-    if error is not None:
-        fail(error, rank_local=True)
-    if failed:
-        fail("another rank failed (its error line names it)")
-
-
 def prepares_data(env):
     """Who prepares the default corpus: local rank 0 of every node, as nodes need not share a filesystem."""
     return env.local_rank == 0
@@ -98,17 +82,6 @@ def prepare_data(cfg, env):
         error = str(e)
     fail_together(error, env)
     return loader
-
-
-def wait_for_main_rank(group, cfg, what):
-    """After work that only rank 0 does (a checkpoint save, an evaluation): the other ranks wait for it here,
-    bounded by --dist_timeout, instead of inside the next step's collective; a too-slow save or evaluation
-    is then reported as what it is."""
-    try:
-        dist.barrier(group=group)
-    except RuntimeError as e:                        # DistBackendError: a timeout (or a rank gone)
-        fail(f"waited longer than --dist_timeout {cfg.dist_timeout:g} s for rank 0's {what} "
-             f"({type(e).__name__}); raise --dist_timeout", rank_local=True)
 
 
 def materialize(module, device, dtype=torch.float32):
@@ -184,33 +157,6 @@ def print_sample(model, loader, cfg, env):
     except Exception as e:  # e.g. tiktoken cannot fetch its vocabulary offline
         text = f"<cannot decode: {e}>"
     print(f"---- sample ----\n{text}\n----------------", flush=True)
-
-
-def save_training_state(cfg, model, optimizer, next_step):
-    """Every rank calls this; rank 0 writes the checkpoint for all (replicas agree on weights and optimizer state),
-    with every rank's RNG state, since ranks that each draw their own dropout stream resume their own."""
-    rngs = rng_states_by_rank()
-    state = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        state = dict(model=unwrap(model).state_dict(), optimizer=optimizer.state_dict(), step=next_step,
-                     rng=rng_state(), rng_by_rank=rngs, config=config_dict(cfg))
-    save_step(cfg, state, next_step)
-
-
-def load_training_state(cfg, model, optimizer):
-    """Restore model, optimizer and RNG from the latest checkpoint; returns the step to continue from. A missing,
-    unreadable or other model's checkpoint is one error line on the rank that reads it."""
-    path = None
-    try:
-        state, path = load_latest(cfg.out_dir)
-        unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    except (FileNotFoundError, ValueError) as e:
-        fail(str(e), rank_local=True)
-    except (RuntimeError, KeyError) as e:            # load_state_dict: missing keys or other shapes
-        fail(f"--resume: {path} does not match this model ({str(e).splitlines()[0]})", rank_local=True)
-    set_rng_state(own_rng_state(state))
-    return state["step"]
 
 
 def should_save(cfg, step, last_step):

@@ -199,16 +199,18 @@ def test_evaluation_matches_single(text_data, tmp_path):
 
 def test_kernels_and_fp8_apply_in_stages(text_data, tmp_path):
     """With tp 1, the rungs' fused kernels (Triton, here interpreted on CPU) and FP8 GEMMs run inside pipeline
-    stages as in train_single: the same curve as train_single with the same flags, and FP8 really on."""
-    runs = dict(triton=dict(kernels="triton", max_steps=2), fp8=dict(fp8="tensorwise", dtype="float32", max_steps=6))
+    stages as in train_single: the same curve as train_single with the same flags, and FP8 really on. FP8 runs in
+    float64 (the GEMMs still take e4m3 / e5m2 operands): in fp32 the pipeline's other summation order of the tied
+    embedding's gradient (1e-7) flips a quantization step within a few steps and is amplified to 1e-4, hiding a
+    real difference; in float64 the two runs quantize alike."""
+    runs = dict(triton=dict(kernels="triton", max_steps=2), fp8=dict(fp8="tensorwise", max_steps=6))
     argvs = [text_argv(text_data, str(tmp_path / name), pp=2, micro_batch_size=2, **o) for name, o in runs.items()]
     run_workers(_resume_runs, 2, args=(argvs,), timeout=600)
     for name, opts in runs.items():
         ref = run_single(text_argv(text_data, str(tmp_path / f"single_{name}"), micro_batch_size=2, **opts),
                          both_curves=True)[0]
-        assert_exact(ref, curves(str(tmp_path / name)), rtol=1e-12 if name == "triton" else 1e-5)
-    plain = run_single(text_argv(text_data, str(tmp_path / "plain"), micro_batch_size=2, dtype="float32",
-                                 max_steps=6))[0]
+        assert_exact(ref, curves(str(tmp_path / name)), rtol=1e-12 if name == "triton" else 1e-9)
+    plain = run_single(text_argv(text_data, str(tmp_path / "plain"), micro_batch_size=2, max_steps=6))[0]
     assert abs(plain[-1] - losses(str(tmp_path / "fp8"))[-1]) > 1e-4, "FP8 must change the numbers"
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints (checkpoint.py, zero_checkpoint.py): one format for every script, so any layout resumes any other
+"""Checkpoints (common/checkpoint.py): one format for every script, so any layout resumes any other
 with the unbroken run's losses; step directories committed last (a crash leaves the previous one as latest),
 the newest --keep_checkpoints kept; --resume auto; a job killed mid-run restarts under torchrun by itself."""
 import json

@@ -202,7 +202,7 @@ def _slow_rank0_worker(rank, world, delay):
     import torch.distributed as dist
     from common.distributed import init_distributed
     from common.config import Config
-    from common.training import wait_for_main_rank
+    from common.distributed import wait_for_main_rank
     init_distributed(Config(device="cpu", dist_timeout=2.0))
     err, code = io.StringIO(), 0
     if rank == 0:
