@@ -328,13 +328,13 @@ def read_matching(out_dir, gcfg, cfg, shapes):
     expected = set(optimizer_layout(gcfg, cfg)[2])
     extra, missing = sorted(set(state["model"]) - expected), sorted(expected - set(state["model"]))
     if extra or missing:
-        return None, (f"--resume: checkpoint {path} is of another model: " + "; ".join(
+        return None, (f"checkpoint {path} does not match this model: " + "; ".join(
             f"{what} {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
             for what, names in (("it has", extra), ("it lacks", missing)) if names))
     for name, shape in shapes:
         value = state["model"][name]
         if tuple(value.shape) != shape:
-            return None, f"--resume: checkpoint {path} does not match this model: {name} {tuple(value.shape)} vs {shape}"
+            return None, f"checkpoint {path} does not match this model: {name} {tuple(value.shape)} vs {shape}"
     return state, None
 
 
