@@ -101,90 +101,129 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the dp x cp axis: train_ddp's buckets (every rank a full optimizer), or train_zero's ZeRO-1 shards
+# the dp x cp axis, one object whatever its mode, so the step below has no branch on it:
+#     start()               before the pipeline: reduce as each backward ends (ZeRO-2), or once after it
+#     after_backward(B)     the pipeline calls it after each backward action
+#     finish()              the sums of a rank's own gradients (tied embedding over its two stages, SP's LayerNorm
+#                           over tp), then the mean over dp x cp (ZeRO: into my shard of each bucket)
+#     clip(max_norm)        the global grad norm, each value counted once over the grid, gradients scaled
+#     step(lr), zero_grad(), held (what this rank holds, for checkpoint.save / load)
 
-def data_parallel(chunks, cfg, grid, dtype, device):
-    """(gradient reducer, optimizer, ZeRO shards or None) over the dp x cp group. Under ZeRO the tied weight
-    gets a bucket of its own, laid out alike on the first and last stage, so their shards can be summed."""
-    group = grid.groups["dp_cp"]
-    if cfg.zero_stage == 0:
-        optimizer = configure_optimizer(chunks.named_parameters(), cfg, device.type)
-        if grid.ep > 1:                          # train_ep's: experts averaged over their replicas only
+class DataParallelAxis:
+    """What every mode shares: the sums before the mean, and counting each value once in the norm (TP replicas
+    by TP rank 0, the tied weight by the first stage)."""
+    reduce_per_backward = False
+    shards = ()                                      # ZeRO's flat buckets (none when every rank holds all)
+
+    def __init__(self, chunks, grid):
+        self.chunks, self.grid = chunks, grid
+        self.tied_copy = tied_weight(chunks) if not any(c.first for c in chunks) else None   # last stage's
+
+    def counted(self, p):
+        return p is not self.tied_copy and tp_counts(p, self.grid.groups["tp"])
+
+    def start(self):
+        self.grads.require_sync(self.reduce_per_backward)
+
+    def after_backward(self, action):
+        if self.reduce_per_backward:
+            self.grads.finish()
+
+    def finish(self):            # sums of this rank's gradients first (linear: before or after the mean alike)
+        tied_grads_sync(self.chunks, self.grid.groups["tied"])
+        all_reduce_sequence_parallel_grads(self.chunks, self.grid.groups["tp"])
+        self.grads.require_sync(True)
+        self.grads.finish()
+
+    def clip(self, max_norm):
+        owned, replicas = self.owned_grads()
+        any_grad = (owned + replicas)[0]             # (with ep a rank may count none of its own)
+        return clip_grad_norm(owned, max_norm, group=self.norm_group, device=any_grad.device,
+                              dtype=any_grad.dtype, replicas=replicas)
+
+    def zero_grad(self):
+        self.grads.zero_grad()
+
+
+class Replicas(DataParallelAxis):
+    """train_ddp's buckets (train_ep's with experts: averaged over their replicas only); every rank a full AdamW.
+    The dp x cp replicas agree after averaging, so the norm is reduced over tp x pp (all ranks with ep > 1)."""
+
+    def __init__(self, chunks, cfg, grid, device, holder):
+        super().__init__(chunks, grid)
+        self.optimizer = configure_optimizer(chunks.named_parameters(), cfg, device.type)
+        if grid.ep > 1:
             named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
-            return ExpertDataParallelGrads(named, group, grid.groups["edp"], grid.ep, cfg.bucket_mb), optimizer, None
-        return DataParallelGrads(list(chunks.parameters()), group, "bucket", cfg.bucket_mb), optimizer, None
-    names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
-    tied = tied_weight(chunks)
-    rest = [p for p in reversed(list(chunks.parameters())) if p is not tied]
-    buckets = assign_buckets(rest, cfg.bucket_mb * 2 ** 20) + ([[tied]] if tied is not None else [])
-    shards = shard_model(chunks, cfg, cfg.zero_stage, group, dtype, device, dict(now=0, peak=0), names, buckets)
-    return ShardedGrads(shards, group, cfg.zero_stage), ShardedAdamW(shards, cfg), shards
+            self.grads = ExpertDataParallelGrads(named, grid.groups["dp_cp"], grid.groups["edp"], grid.ep,
+                                                 cfg.bucket_mb)
+        else:
+            self.grads = DataParallelGrads(list(chunks.parameters()), grid.groups["dp_cp"], "bucket", cfg.bucket_mb)
+        self.norm_group = grid.groups["mp"] if grid.ep == 1 else dist.group.WORLD
+        self.held = ModuleState(chunks, self.optimizer, holder, grid.groups["tp"])
 
-
-def my_slices(shards):
-    """(parameter, its part inside this rank's slice [lo, hi) of its bucket's gradient) under ZeRO."""
-    out = []
-    for s in shards:
-        for p, off in zip(s.params, s.offsets):
-            a, b = max(off, s.lo), min(off + p.numel(), s.hi)
-            if a < b:
-                out.append((p, s.grad[a - s.lo: b - s.lo]))
-    return out
-
-
-def sum_shard_grads(chunks, shards, grid):
-    """ZeRO-2 keeps no full gradients, so the two sums the other recipes take before reducing are taken on
-    the shards: the tied weight's over its two stages (one bucket, the same layout on both), SP's LayerNorm and
-    row-bias gradients over tp (every TP rank's buckets have the same layout)."""
-    tied = tied_weight(chunks)
-    if tied is not None and grid.groups["tied"] is not None:
-        shard = next(s for s in shards if s.params[0] is tied)
-        comm.all_reduce(shard.grad, group=grid.groups["tied"])
-    partial = [g for p, g in my_slices(shards) if getattr(p, "sequence_parallel", False)]
-    if partial:
-        flat = torch.cat(partial)
-        comm.all_reduce(flat, group=grid.groups["tp"])
-        torch._foreach_copy_(partial, list(flat.split([g.numel() for g in partial])))
-
-
-def owned_grads(chunks, shards, grid):
-    """(gradients this rank counts in the global norm, replicas it only scales): TP replicas are counted by
-    TP rank 0, the tied weight by the first stage; under ZeRO the slices of this rank's shards; with ep > 1 the
-    first dp x cp replica of each dense value and the first EDP replica of each expert's."""
-    copy = tied_weight(chunks) if not any(c.first for c in chunks) else None   # the last stage's copy
-
-    def counted(p):
-        return p is not copy and tp_counts(p, grid.groups["tp"])
-
-    if shards is None and grid.ep > 1:   # experts differ over ep: first replica of each value, over all ranks
+    def owned_grads(self):
+        """(gradients this rank counts in the norm, replicas it only scales); with ep > 1 experts differ over
+        ep: the first dp x cp replica of each dense value and the first EDP replica of each expert's."""
         def first(name):
-            return dist.get_rank(grid.groups["edp" if is_expert_param(name) else "dp_cp"]) == 0
-        pieces = [(p.grad, counted(p) and first(n)) for c in chunks for n, p in c.named_parameters()]
-    elif shards is None:
-        pieces = [(p.grad, counted(p)) for p in chunks.parameters()]
-    else:            # ZeRO: the part of each parameter inside my slice of its bucket
-        pieces = [(g, counted(p)) for p, g in my_slices(shards)]
-    return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
+            return self.grid.ep == 1 or dist.get_rank(self.grid.groups["edp" if is_expert_param(name) else
+                                                                        "dp_cp"]) == 0
+        pieces = [(p.grad, self.counted(p) and first(n)) for c in self.chunks for n, p in c.named_parameters()]
+        return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
+
+    def step(self, lr):
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
 
 
-def clip_grid_grads(chunks, shards, max_norm, grid):
-    """The global grad norm, each value counted once over the grid, and every gradient scaled by the clip:
-    reduced over tp x pp (the dp x cp replicas agree after averaging), or over all ranks under ZeRO or ep."""
-    owned, replicas = owned_grads(chunks, shards, grid)
-    group = grid.groups["mp"] if shards is None and grid.ep == 1 else dist.group.WORLD
-    any_grad = (owned + replicas)[0]                 # (with ep a rank may count none of its own)
-    return clip_grad_norm(owned, max_norm, group=group, device=any_grad.device, dtype=any_grad.dtype,
-                          replicas=replicas)
+class ZeroShards(DataParallelAxis):
+    """train_zero's ZeRO-1/2 shards over dp x cp. The tied weight gets a bucket of its own, laid out alike on the
+    first and last stage, so their shards can be summed. ZeRO-2 keeps no full gradients: it reduce-scatters
+    after each backward and takes the two sums on the shards (every TP rank's buckets have the same layout)."""
 
+    def __init__(self, chunks, cfg, grid, dtype, device, holder):
+        super().__init__(chunks, grid)
+        names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
+        tied = tied_weight(chunks)
+        rest = [p for p in reversed(list(chunks.parameters())) if p is not tied]
+        buckets = assign_buckets(rest, cfg.bucket_mb * 2 ** 20) + ([[tied]] if tied is not None else [])
+        self.shards = shard_model(chunks, cfg, cfg.zero_stage, grid.groups["dp_cp"], dtype, device,
+                                  dict(now=0, peak=0), names, buckets)
+        self.grads = ShardedGrads(self.shards, grid.groups["dp_cp"], cfg.zero_stage)
+        self.optimizer = ShardedAdamW(self.shards, cfg)
+        self.reduce_per_backward, self.norm_group = cfg.zero_stage == 2, dist.group.WORLD
+        self.held = ShardState(self.shards, self.optimizer, chunks, holder, grid.groups["tp"])
 
-def optimizer_step(optimizer, shards, lr):
-    if shards is None:
-        set_lr(optimizer, lr)
-        optimizer.step()
-        return
-    optimizer.step(lr, [s.grad for s in shards])          # ZeRO: my slice of every bucket
-    for s in shards:
-        s.publish()                                       # all-gather the updated slices
+    def my_slices(self):
+        """(parameter, its part inside this rank's slice [lo, hi) of its bucket's gradient)."""
+        out = []
+        for s in self.shards:
+            for p, off in zip(s.params, s.offsets):
+                lo, hi = max(off, s.lo), min(off + p.numel(), s.hi)
+                if lo < hi:
+                    out.append((p, s.grad[lo - s.lo: hi - s.lo]))
+        return out
+
+    def finish(self):
+        if not self.reduce_per_backward:
+            return super().finish()
+        tied = tied_weight(self.chunks)              # ZeRO-2: the sums on the shards
+        if tied is not None and self.grid.groups["tied"] is not None:
+            shard = next(s for s in self.shards if s.params[0] is tied)
+            comm.all_reduce(shard.grad, group=self.grid.groups["tied"])
+        partial = [g for p, g in self.my_slices() if getattr(p, "sequence_parallel", False)]
+        if partial:
+            flat = torch.cat(partial)
+            comm.all_reduce(flat, group=self.grid.groups["tp"])
+            torch._foreach_copy_(partial, list(flat.split([g.numel() for g in partial])))
+
+    def owned_grads(self):
+        pieces = [(g, self.counted(p)) for p, g in self.my_slices()]
+        return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
+
+    def step(self, lr):
+        self.optimizer.step(lr, [s.grad for s in self.shards])   # my slice of every bucket
+        for s in self.shards:
+            s.publish()                                          # all-gather the updated slices
 
 
 def moe_metrics(chunks, grid, cfg):
@@ -371,15 +410,13 @@ def main(argv=None):
     sim = simulate(schedules, cfg.pp, cfg.pp_virtual)
     runner = PipelineRunner(chunks, grid.groups["pp"], schedules, m, act_shape, env.device, store,
                             autocast_context(dtype, env.device), param_dtype(dtype))
-    grads, optimizer, shards = data_parallel(chunks, cfg, grid, param_dtype(dtype), env.device)
-    if cfg.zero_stage == 2:                      # reduce-scatter each micro-batch's gradients as its B ends
-        runner.after_backward = lambda action: grads.finish()
+    holder = functools.partial(checkpoint_holder, grid=grid)
+    dp_axis = (ZeroShards(chunks, cfg, grid, param_dtype(dtype), env.device, holder) if cfg.zero_stage else
+               Replicas(chunks, cfg, grid, env.device, holder))
+    runner.after_backward = dp_axis.after_backward
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
-    holder = functools.partial(checkpoint_holder, grid=grid)
-    held = (ShardState(shards, optimizer, chunks, holder, grid.groups["tp"]) if shards is not None
-            else ModuleState(chunks, optimizer, holder, grid.groups["tp"]))   # what this rank holds
-    start = checkpoint.load(cfg, env, gcfg, held) if cfg.resume else 0
+    start = checkpoint.load(cfg, env, gcfg, dp_axis.held) if cfg.resume else 0
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=env.world_size,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
@@ -406,24 +443,18 @@ def main(argv=None):
         t0 = time.perf_counter()
         COMM.reset()
         lr = lr_at(step, cfg)
-        grads.require_sync(cfg.zero_stage == 2)   # 0, 1: reduce once, after the pipeline; 2: after each B
+        dp_axis.start()
         loss_sum = runner.step(schedules[grid.coords["pp"]], lambda mb: batch(step, mb))
-        if cfg.zero_stage < 2:  # sums of this rank's gradients first (linear: before or after the mean alike)
-            tied_grads_sync(chunks, grid.groups["tied"])                   # the two embedding copies
-            all_reduce_sequence_parallel_grads(chunks, grid.groups["tp"])   # SP: LayerNorm grads over tp
-            grads.require_sync(True)
-            grads.finish()                       # mean over dp x cp (ZeRO-1: into my shard of each bucket)
-        else:                                    # ZeRO-2: already reduce-scattered after each B; the sums
-            sum_shard_grads(chunks, shards, grid)  # are taken on the shards
-        grad_norm = clip_grid_grads(chunks, shards, cfg.grad_clip, grid)
+        dp_axis.finish()
+        grad_norm = dp_axis.clip(cfg.grad_clip)
         with COMM.uncounted():                   # the logged loss, on every rank for the guard: not step traffic
             comm.all_reduce(loss_sum, group=grid.groups["dp_cp"])      # the last stage's mean over dp x cp
             last = dist.get_global_rank(grid.groups["pp"], runner.last_stage_rank)   # rank 0 in a V
             comm.broadcast(loss_sum, last, group=grid.groups["pp"])
         loss_value = float(loss_sum) / (m * dp * cfg.cp)
         if guard.step_ok(step, loss_value, grad_norm):   # global loss and norm: every rank decides alike
-            optimizer_step(optimizer, shards, lr)
-        grads.zero_grad()
+            dp_axis.step(lr)
+        dp_axis.zero_grad()
         comm_bytes, by_axis = COMM.bytes_sent, bytes_by_axis(grid)     # this step's traffic, before logging
         router = moe_metrics(chunks, grid, cfg) if cfg.n_experts else {}
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
@@ -436,11 +467,11 @@ def main(argv=None):
             chunks.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            checkpoint.save(cfg, gcfg, step + 1, held)
+            checkpoint.save(cfg, gcfg, step + 1, dp_axis.held)
     logger.close()
     if cfg.sample_tokens > 0 and last_step > start:     # (AdamW's state exists once a step has run)
-        sample_on_rank0(cfg, held, grid, gcfg, loader, env)
-    return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, grid=grid, shards=shards)
+        sample_on_rank0(cfg, dp_axis.held, grid, gcfg, loader, env)
+    return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, grid=grid, dp_axis=dp_axis)
 
 
 if __name__ == "__main__":

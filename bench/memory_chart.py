@@ -76,10 +76,10 @@ def train_argv(flags, data_dir, out_dir):
 
 @contextmanager
 def instrumented(train_5d, seen):
-    """train_5d with its pipeline runner counting live saved activations and its data-parallel builder's
-    (grads, optimizer, shards) kept in `seen`: measured from outside, nothing in train_5d changes."""
+    """train_5d with its pipeline runner counting live saved activations into `seen`: measured from outside,
+    nothing in train_5d changes."""
     from common.metrics import LiveSavedActivationBytes
-    runner_class, build = train_5d.PipelineRunner, train_5d.data_parallel
+    runner_class = train_5d.PipelineRunner
 
     class CountingRunner(runner_class):
         def step(self, actions, get_batch):
@@ -88,15 +88,11 @@ def instrumented(train_5d, seen):
             seen["activations"] = max(seen.get("activations", 0), live.peak)
             return out
 
-    def keep(*args):
-        seen["grads"], seen["optimizer"], seen["shards"] = build(*args)
-        return seen["grads"], seen["optimizer"], seen["shards"]
-
-    train_5d.PipelineRunner, train_5d.data_parallel = CountingRunner, keep
+    train_5d.PipelineRunner = CountingRunner
     try:
         yield
     finally:
-        train_5d.PipelineRunner, train_5d.data_parallel = runner_class, build
+        train_5d.PipelineRunner = runner_class
 
 
 def state_bytes(chunks, grads, optimizer, shards):
@@ -124,7 +120,8 @@ def measure_layouts(labels, data_dir, out_root):
         seen, out_dir = {}, os.path.join(out_root, label.replace(" ", "_"))
         with instrumented(train_5d, seen):
             result = train_5d.main(train_argv(LAYOUTS[label], data_dir, out_dir))
-        states = state_bytes(result["chunks"], seen["grads"], seen["optimizer"], seen["shards"])
+        axis = result["dp_axis"]
+        states = state_bytes(result["chunks"], axis.grads, axis.optimizer, axis.shards)
         rows.append(dict(layout=label, coords=dict(result["grid"].coords), activations=seen["activations"],
                          vocab_size=result["gcfg"].vocab_size, **states))
     return rows

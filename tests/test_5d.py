@@ -18,8 +18,9 @@ def _runs(rank, world, argvs):
     out = []
     for argv in argvs:
         result = train_5d.main(argv)
-        shards = result["shards"]
-        sp_slices = [g.numel() for p, g in train_5d.my_slices(shards or []) if getattr(p, "sequence_parallel", False)]
+        shards = result["dp_axis"].shards
+        sp_slices = [g.numel() for p, g in result["dp_axis"].my_slices()
+                     if getattr(p, "sequence_parallel", False)] if shards else []
         tied = [s.padded for s in shards if s.params[0] is train_5d.tied_weight(result["chunks"])] if shards else []
         out.append(dict(n_params=sum(p.numel() for p in result["chunks"].parameters()),
                         n_padded=sum(s.padded for s in shards) if shards else None, sizes=result["grid"].sizes,
