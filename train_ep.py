@@ -25,10 +25,7 @@ Bytes this rank sends per MoE block per micro-batch (README, Metrics: only rows 
 (dispatch S + combine R forward, and the same amounts backward), plus the all_gather of the counts.
 Parameters per rank: P_dense + n_moe_blocks * (E/ep) * (8h^2 + 5h): the expert weights shrink by ep.
 """
-import contextlib
-import dataclasses
 import functools
-import io
 import time
 
 import torch
@@ -287,10 +284,7 @@ def main(argv=None):
         if should_save(cfg, step, last_step):
             checkpoint.save(cfg, model.cfg, step + 1, held)   # each tensor by one of its holders
     logger.close()
-    # every rank generates (each forward is collective over the experts), with the same seed and prompt,
-    # hence the same tokens; only rank 0's text is shown
-    with contextlib.nullcontext() if env.is_main else contextlib.redirect_stdout(io.StringIO()):
-        print_sample(model, loader, cfg, dataclasses.replace(env, rank=0))
+    print_sample(model, loader, cfg, env, collective=True)
     return dict(model=model, cfg=cfg)
 
 

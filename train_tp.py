@@ -22,9 +22,6 @@ shard for backward and gather it again there (2 extra all-gathers per block). Ac
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
 """
 import argparse
-import contextlib
-import dataclasses
-import io
 import math
 import time
 
@@ -429,8 +426,7 @@ def main(argv=None):
             checkpoint.save(cfg, model.cfg, step + 1, held)   # each gathered tensor written by one rank
     logger.close()
     if cfg.sample_tokens > 0 and not cfg.sp:     # every rank runs the forward (collectives), rank 0 prints
-        with contextlib.redirect_stdout(io.StringIO()) if not env.is_main else contextlib.nullcontext():
-            print_sample(model, loader, cfg, dataclasses.replace(env, rank=0))
+        print_sample(model, loader, cfg, env, collective=True)
     return dict(model=model, cfg=cfg, group=group)
 
 

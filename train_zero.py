@@ -25,9 +25,6 @@ ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
 """
 import argparse
-import contextlib
-import dataclasses
-import io
 import sys
 import time
 from itertools import accumulate
@@ -395,8 +392,7 @@ def main(argv=None):
         if should_save(cfg, step, last_step):
             checkpoint.save(cfg, model.cfg, step + 1, held)   # each bucket gathered, written by one rank
     logger.close()
-    with contextlib.redirect_stdout(io.StringIO()) if env.rank else contextlib.nullcontext():
-        print_sample(model, loader, cfg, dataclasses.replace(env, rank=0) if stage == 3 else env)
+    print_sample(model, loader, cfg, env, collective=stage == 3)
     return dict(model=model, cfg=cfg, shards=shards, grads=grads, optimizer=optimizer)
 
 

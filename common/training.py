@@ -143,9 +143,11 @@ def decode(tokens, meta):
                      f"tokenizer byte or gpt2, or an itos list (the text of each token id)")
 
 
-def print_sample(model, loader, cfg, env):
-    """Generate a short continuation of a validation snippet: the eyeball test that training worked."""
-    if cfg.sample_tokens <= 0 or env.rank != 0:
+def print_sample(model, loader, cfg, env, collective=False):
+    """Generate a short continuation of a validation snippet: the eyeball test that training worked, printed by
+    rank 0. collective: every rank generates too (a sharded model's forward is collective: TP, EP, ZeRO-3), with
+    the same seed and prompt, hence the same tokens."""
+    if cfg.sample_tokens <= 0 or (env.rank != 0 and not collective):
         return
     model.eval()
     prompt, _ = loader.micro_batch(0, 0, 1, split="val")
@@ -156,7 +158,8 @@ def print_sample(model, loader, cfg, env):
         text = decode(out[0].tolist(), loader.meta)
     except Exception as e:  # e.g. tiktoken cannot fetch its vocabulary offline
         text = f"<cannot decode: {e}>"
-    print(f"---- sample ----\n{text}\n----------------", flush=True)
+    if env.rank == 0:
+        print(f"---- sample ----\n{text}\n----------------", flush=True)
 
 
 def should_save(cfg, step, last_step):
