@@ -85,17 +85,17 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
     with torch.device("meta"):
         gpt = GPT(gcfg, seed=cfg.seed)
         if grid.ep > 1:                        # train_ep's MoE: my experts only, tokens exchanged over ep
-            swap_in_expert_parallel(gpt, grid.groups["ep"])
+            swap_in_expert_parallel(gpt, grid.groups.ep)
     if grid.sizes["tp"] > 1:
-        apply_tp(gpt, grid.groups["tp"], cfg.sp, device="meta")
+        apply_tp(gpt, grid.groups.tp, cfg.sp, device="meta")
     if grid.sizes["cp"] > 1:
         kernel = SDPA_CPU if device.type == "cpu" else PLAIN_TORCH
-        swap_attention_cores(gpt, lambda: ContextParallelAttentionCore(grid.groups["cp"], cfg.cp_layout, kernel))
+        swap_attention_cores(gpt, lambda: ContextParallelAttentionCore(grid.groups.cp, cfg.cp_layout, kernel))
     mine = stage_views(gpt, grid.coords["pp"], grid.sizes["pp"], cfg.pp_virtual, placement_of(cfg.pp_schedule))
     chunks = materialize(mine, device, dtype)
     pos = local_positions(cfg.cp_layout, cfg.block_size, grid.sizes["cp"], grid.coords["cp"], device)
     for chunk in chunks:
-        init_tp_weights(chunk, cfg.seed, grid.groups["tp"])    # my TP slice of each full initial value
+        init_tp_weights(chunk, cfg.seed, grid.groups.tp)    # my TP slice of each full initial value
         chunk.pos = pos                                        # RoPE at this CP rank's global positions
     return chunks, gcfg, pos
 
@@ -120,7 +120,7 @@ class DataParallelAxis:
         self.tied_copy = tied_weight(chunks) if not any(c.first for c in chunks) else None   # last stage's
 
     def counted(self, p):
-        return p is not self.tied_copy and tp_counts(p, self.grid.groups["tp"])
+        return p is not self.tied_copy and tp_counts(p, self.grid.groups.tp)
 
     def start(self):
         self.grads.require_sync(self.reduce_per_backward)
@@ -130,8 +130,8 @@ class DataParallelAxis:
             self.grads.finish()
 
     def finish(self):            # sums of this rank's gradients first (linear: before or after the mean alike)
-        tied_grads_sync(self.chunks, self.grid.groups["tied"])
-        all_reduce_sequence_parallel_grads(self.chunks, self.grid.groups["tp"])
+        tied_grads_sync(self.chunks, self.grid.groups.tied)
+        all_reduce_sequence_parallel_grads(self.chunks, self.grid.groups.tp)
         self.grads.require_sync(True)
         self.grads.finish()
 
@@ -154,19 +154,20 @@ class Replicas(DataParallelAxis):
         self.optimizer = configure_optimizer(chunks.named_parameters(), cfg, device.type)
         if grid.ep > 1:
             named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
-            self.grads = ExpertDataParallelGrads(named, grid.groups["dp_cp"], grid.groups["edp"], grid.ep,
+            self.grads = ExpertDataParallelGrads(named, grid.groups.dp_cp, grid.groups.edp, grid.ep,
                                                  cfg.bucket_mb)
         else:
-            self.grads = DataParallelGrads(list(chunks.parameters()), grid.groups["dp_cp"], "bucket", cfg.bucket_mb)
-        self.norm_group = grid.groups["mp"] if grid.ep == 1 else dist.group.WORLD
-        self.held = ModuleState(chunks, self.optimizer, holder, grid.groups["tp"])
+            self.grads = DataParallelGrads(list(chunks.parameters()), grid.groups.dp_cp, "bucket", cfg.bucket_mb)
+        self.norm_group = grid.groups.mp if grid.ep == 1 else dist.group.WORLD
+        self.held = ModuleState(chunks, self.optimizer, holder, grid.groups.tp)
 
     def owned_grads(self):
         """(gradients this rank counts in the norm, replicas it only scales); with ep > 1 experts differ over
         ep: the first dp x cp replica of each dense value and the first EDP replica of each expert's."""
+        groups = self.grid.groups
+
         def first(name):
-            return self.grid.ep == 1 or dist.get_rank(self.grid.groups["edp" if is_expert_param(name) else
-                                                                        "dp_cp"]) == 0
+            return self.grid.ep == 1 or dist.get_rank(groups.edp if is_expert_param(name) else groups.dp_cp) == 0
         pieces = [(p.grad, self.counted(p) and first(n)) for c in self.chunks for n, p in c.named_parameters()]
         return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
 
@@ -186,12 +187,12 @@ class ZeroShards(DataParallelAxis):
         tied = tied_weight(chunks)
         rest = [p for p in reversed(list(chunks.parameters())) if p is not tied]
         buckets = assign_buckets(rest, cfg.bucket_mb * 2 ** 20) + ([[tied]] if tied is not None else [])
-        self.shards = shard_model(chunks, cfg, cfg.zero_stage, grid.groups["dp_cp"], dtype, device,
+        self.shards = shard_model(chunks, cfg, cfg.zero_stage, grid.groups.dp_cp, dtype, device,
                                   dict(now=0, peak=0), names, buckets)
-        self.grads = ShardedGrads(self.shards, grid.groups["dp_cp"], cfg.zero_stage)
+        self.grads = ShardedGrads(self.shards, grid.groups.dp_cp, cfg.zero_stage)
         self.optimizer = ShardedAdamW(self.shards, cfg)
         self.reduce_per_backward, self.norm_group = cfg.zero_stage == 2, dist.group.WORLD
-        self.held = ShardState(self.shards, self.optimizer, chunks, holder, grid.groups["tp"])
+        self.held = ShardState(self.shards, self.optimizer, chunks, holder, grid.groups.tp)
 
     def my_slices(self):
         """(parameter, its part inside this rank's slice [lo, hi) of its bucket's gradient)."""
@@ -207,13 +208,13 @@ class ZeroShards(DataParallelAxis):
         if not self.reduce_per_backward:
             return super().finish()
         tied = tied_weight(self.chunks)              # ZeRO-2: the sums on the shards
-        if tied is not None and self.grid.groups["tied"] is not None:
+        if tied is not None and self.grid.groups.tied is not None:
             shard = next(s for s in self.shards if s.params[0] is tied)
-            comm.all_reduce(shard.grad, group=self.grid.groups["tied"])
+            comm.all_reduce(shard.grad, group=self.grid.groups.tied)
         partial = [g for p, g in self.my_slices() if getattr(p, "sequence_parallel", False)]
         if partial:
             flat = torch.cat(partial)
-            comm.all_reduce(flat, group=self.grid.groups["tp"])
+            comm.all_reduce(flat, group=self.grid.groups.tp)
             torch._foreach_copy_(partial, list(flat.split([g.numel() for g in partial])))
 
     def owned_grads(self):
@@ -231,14 +232,14 @@ def moe_metrics(chunks, grid, cfg):
     of the global batch (dp x cp; tp too under SP, where each TP rank routes its sequence chunk), which also
     sets every block's load for the next step (routing.end_moe_step); every stage's blocks then meet on rank 0."""
     def reduce(stats):
-        comm.all_reduce(stats, group=grid.groups["dp_cp"])
+        comm.all_reduce(stats, group=grid.groups.dp_cp)
         if cfg.sp:
-            comm.all_reduce(stats, group=grid.groups["tp"])
+            comm.all_reduce(stats, group=grid.groups.tp)
 
     stats = end_moe_step(chunks, reduce)
     if grid.sizes["pp"] > 1:
         stages = [None] * grid.sizes["pp"]
-        dist.all_gather_object(stages, stats.cpu(), group=grid.groups["pp"])
+        dist.all_gather_object(stages, stats.cpu(), group=grid.groups.pp)
         stats = torch.cat([s for s in stages if s.numel()])
     return router_metrics(stats, cfg.top_k)
 
@@ -250,7 +251,7 @@ def moe_metrics(chunks, grid, cfg):
 
 def checkpoint_holder(name, grid):
     """(key, holders, my index) of a whole tensor of my stages, for checkpoint.save."""
-    data_index, tp, tp_index = dist.get_rank(grid.groups["dp_cp"]), grid.sizes["tp"], grid.coords["tp"]
+    data_index, tp, tp_index = dist.get_rank(grid.groups.dp_cp), grid.sizes["tp"], grid.coords["tp"]
     slab = grid.sizes["dp"] * grid.sizes["cp"]
     if is_expert_param(name):
         return "experts", slab // grid.ep * tp, data_index // grid.ep * tp + tp_index
@@ -269,13 +270,13 @@ def gather_whole(held, grid):
     experts gathered over ep, the stages' parts over pp."""
     parts = {name: values[0].cpu() for name, values, _ in held.whole()}
     if grid.ep > 1:
-        gathered = gather_to_first(parts, grid.groups["ep"])
+        gathered = gather_to_first(parts, grid.groups.ep)
         if gathered is None:
             return None
         parts = {k: v for part in gathered for k, v in part.items()}
     if grid.coords["tp"] or grid.coords["cp"] or grid.coords["dp"]:
         return None
-    gathered = gather_to_first(parts, grid.groups["pp"])
+    gathered = gather_to_first(parts, grid.groups.pp)
     return None if gathered is None else {k: v for part in gathered for k, v in part.items()}
 
 
@@ -408,7 +409,7 @@ def main(argv=None):
     act_shape = (micro, len(pos) // (cfg.tp if cfg.sp else 1), cfg.n_embd)
     schedules = make_schedule(cfg.pp_schedule, cfg.pp, m, cfg.pp_virtual)
     sim = simulate(schedules, cfg.pp, cfg.pp_virtual)
-    runner = PipelineRunner(chunks, grid.groups["pp"], schedules, m, act_shape, env.device, store,
+    runner = PipelineRunner(chunks, grid.groups.pp, schedules, m, act_shape, env.device, store,
                             autocast_context(dtype, env.device), param_dtype(dtype))
     holder = functools.partial(checkpoint_holder, grid=grid)
     dp_axis = (ZeroShards(chunks, cfg, grid, param_dtype(dtype), env.device, holder) if cfg.zero_stage else
@@ -426,8 +427,8 @@ def main(argv=None):
               f"{sim['idle'][0] / sim['makespan']:.3f}, {dtype}, {env.device}, steps {start}..{last_step - 1}",
               flush=True)
 
-    for name in ("pp", "cp"):                  # a collective before the first send/recv of a group (NCCL
-        dist.barrier(group=grid.groups[name])  # connects a pair at its first p2p; torch wants the group up first)
+    for group in (grid.groups.pp, grid.groups.cp):   # a collective before the first send/recv of a group (NCCL
+        dist.barrier(group=group)              # connects a pair at its first p2p; torch wants the group up first)
 
     def batch(step, mb, split="train"):
         """This rank's micro-batch: its dp slice of the global batch, its cp positions of every sequence."""
@@ -436,7 +437,7 @@ def main(argv=None):
 
     def eval_loss(x, y):                       # every rank: the full loss of one validation micro-batch
         loss = runner.forward_only_loss(x[:, pos], y[:, pos])
-        comm.all_reduce(loss, group=grid.groups["cp"])
+        comm.all_reduce(loss, group=grid.groups.cp)
         return loss / cfg.cp
 
     for step in range(start, last_step):
@@ -448,9 +449,9 @@ def main(argv=None):
         dp_axis.finish()
         grad_norm = dp_axis.clip(cfg.grad_clip)
         with COMM.uncounted():                   # the logged loss, on every rank for the guard: not step traffic
-            comm.all_reduce(loss_sum, group=grid.groups["dp_cp"])      # the last stage's mean over dp x cp
-            last = dist.get_global_rank(grid.groups["pp"], runner.last_stage_rank)   # rank 0 in a V
-            comm.broadcast(loss_sum, last, group=grid.groups["pp"])
+            comm.all_reduce(loss_sum, group=grid.groups.dp_cp)      # the last stage's mean over dp x cp
+            last = dist.get_global_rank(grid.groups.pp, runner.last_stage_rank)   # rank 0 in a V
+            comm.broadcast(loss_sum, last, group=grid.groups.pp)
         loss_value = float(loss_sum) / (m * dp * cfg.cp)
         if guard.step_ok(step, loss_value, grad_norm):   # global loss and norm: every rank decides alike
             dp_axis.step(lr)
