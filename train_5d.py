@@ -117,10 +117,10 @@ class DataParallelAxis:
 
     def __init__(self, chunks, grid):
         self.chunks, self.grid = chunks, grid
-        self.tied_copy = tied_weight(chunks) if not any(c.first for c in chunks) else None   # last stage's
 
     def counted(self, p):
-        return p is not self.tied_copy and tp_counts(p, self.grid.groups.tp)
+        copy = tied_weight(self.chunks) if not any(c.first for c in self.chunks) else None   # the last stage's
+        return p is not copy and tp_counts(p, self.grid.groups.tp)
 
     def start(self):
         self.grads.require_sync(self.reduce_per_backward)
