@@ -6,7 +6,7 @@ flow back, activations and gradients crossing stage boundaries by point-to-point
     torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule 1f1b --n_microbatches 8
     torchrun --nproc_per_node 2 train_pp.py --pp 2 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
     torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule dualpipev --pp_virtual 2 --n_microbatches 8
-    python pipeline_schedules.py --pp 4 --n_microbatches 8 --schedule zb1     # just print a schedule
+    python -m common.pipeline_schedules --pp 4 --n_microbatches 8 --schedule zb1     # just print a schedule
 
 Stage s of S = p*V holds blocks [s*L/S, (s+1)*L/S); stage 0 also embeds, stage S-1 also applies ln_f and
 the LM head with its loss. Stage s is chunk s // p of rank s % p, or in a V (zbv, dualpipev: 2 chunks, rank r

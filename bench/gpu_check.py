@@ -153,7 +153,7 @@ def main(argv=None):
     P = 1 << (min(N, 8).bit_length() - 1)
     out = os.path.join(ROOT, args.out)
     os.makedirs(out, exist_ok=True)
-    subprocess.run([sys.executable, "-c", "from data import ensure_dataset, DEFAULT_DATA_DIR; "
+    subprocess.run([sys.executable, "-c", "from common.data import ensure_dataset, DEFAULT_DATA_DIR; "
                     "ensure_dataset(DEFAULT_DATA_DIR)"], cwd=ROOT, check=True)
     machine = f"{N} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     print(f"gpu_check: {machine}; multi-GPU layouts on {P} GPUs; {args.steps} steps a run", flush=True)

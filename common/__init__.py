@@ -3,10 +3,12 @@ common/: the plumbing every rung shares, one small module per concern. None of i
 imports a rung (train_*.py): read the ladder at the root first, come here for how a detail is done.
 
     config.py        the one command line of every script, its checks and its dataclass
-    comm.py          process groups and every collective, each one's bytes counted (torch and the stdlib only)
+    comm.py          every collective, each one's bytes counted (torch and the stdlib only: copied out with a rung)
+    distributed.py   the process group of a run (torchrun's environment, gloo / NCCL, timeouts, failing together)
+    errors.py        the one `error:` line and exit code 2 of every entry point
     data.py          corpus preparation (python -m common.data) and deterministic global batches
     optim.py         AdamW groups, warmup + cosine, grad-norm clipping over groups, the non-finite guard
-    loop.py          what every training loop shares: dtype, autocast, data setup, evaluation, sampling, errors
+    training.py      what every training loop shares: dtype, autocast, kernels / FP8, data setup, eval, sample
     checkpoint.py    the one save and load of every layout: train_single's format, written in parallel parts
     metrics.py       MFU, peak memory, metrics.jsonl and the progress line
     profiling.py     --profile: torch profiler traces and labels
