@@ -20,7 +20,7 @@ Parallelism is applied *to* this model by the train_*.py scripts (module swaps, 
 written into it. To make those swaps one-liners, the pieces a technique replaces are modules of their own:
 `CausalSelfAttention.core` (the softmax(QK^T)V part: ring attention, flash kernels) and `GPT.lm_head`.
 
-Deterministic init (README, "Parity"): every parameter is drawn from its own seed, derived from
+Deterministic init (docs/parity.md): every parameter is drawn from its own seed, derived from
 (seed, parameter name), by `init_parameter`. A sharded layout calls it for one full parameter at a time and
 keeps its slice, so every layout starts from bit-identical weights without ever materialising the model.
 

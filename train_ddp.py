@@ -16,7 +16,7 @@ Gradient accumulation: only the last micro-step of an optimizer step synchronize
 the decision is made *before* that micro-step's forward, so hooks know whether to communicate.
     global_batch_size = micro_batch_size * grad_acc * dp
 
-Communication per optimizer step (the README's ring convention), P parameters of b bytes, n ranks:
+Communication per optimizer step (docs/observability.md's convention), P parameters of b bytes, n ranks:
     comm_bytes = 2 (n-1)/n * P * b              in every mode, independent of grad_acc
 """
 import sys

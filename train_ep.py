@@ -20,7 +20,7 @@ One MoE block on rank r (ep=2, E=4: rank 0 owns experts 0-1, rank 1 owns experts
 Backward runs the two exchanges again with the splits swapped, so gradients reach the router and the input.
 
 Dropless by default (every routed row is computed), which is why this reproduces train_single.py exactly.
-Bytes this rank sends per MoE block per micro-batch (README, Metrics: only rows leaving the rank count):
+Bytes this rank sends per MoE block per micro-batch (docs/observability.md: only rows leaving the rank count):
     all_to_all = 2 * (S + R) * h * bytes     S rows sent to other ranks, R rows received from them
 (dispatch S + combine R forward, and the same amounts backward), plus the all_gather of the counts.
 Parameters per rank: P_dense + n_moe_blocks * (E/ep) * (8h^2 + 5h): the expert weights shrink by ep.

@@ -1,6 +1,6 @@
 """
 train_single.py: the first rung. Train model.py's GPT on one device; every other script must reproduce
-this one's loss curve for the same seed and global batch (README, "Parity").
+this one's loss curve for the same seed and global batch (docs/parity.md).
 
     python train_single.py                                  # default corpus, CPU-sized model
     python train_single.py --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 --global_batch_size 12 \

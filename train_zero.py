@@ -16,7 +16,7 @@ bf16 saves activation memory and matmul time here, not model-state bytes: a reci
 Model-state bytes per rank (P parameters, padded to P' with P' - P < N * buckets, N ranks):
     stage 0 (DP)  4P + 4P + 8P           stage 2  4P' + (4P' + 8P')/N
     stage 1       4P' + 4P' + 8P'/N      stage 3  (4P' + 4P' + 8P')/N  (+ gathered units in flight)
-Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (the README's ring convention):
+Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (docs/observability.md's convention):
     stage 1  reduce-scatter + all-gather          2 (N-1)/N P' b        (= one all-reduce)
     stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay whole)
     stage 3  all-gather fwd + bwd + reduce-scatter 3 g (N-1)/N P' b

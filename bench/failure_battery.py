@@ -11,7 +11,7 @@ model and tiny random-token data, CPU and gloo, each classified by what actually
     clean error    nonzero exit, no traceback, at most one `error: ...` line per rank, one naming the flag or file
     ok             a case that must succeed did, with the right result (the unbroken run's losses, a checkpoint)
     skipped        this machine cannot test the case (the reason is given)
-  and the outcomes the scripts promise never to have (README, "Failures and restarts"):
+  and the outcomes the scripts promise never to have (docs/failures.md):
     traceback      a Python traceback or a native crash (abort, fatal signal) on a rank that was not the victim
     hang           a rank still running at its wall-clock limit (--timeout per run; for a killed or stopped
                    rank's peers: --dist_timeout plus a margin after the failure)

@@ -10,7 +10,7 @@ Parameters are created on the meta device and each rank fills only its shard, on
 model.init_parameter (as train_zero.py does), so neither side ever materializes the whole model. FSDP2
 reduce-scatters after every micro-batch (like our stage 3). --dtype bfloat16 uses its MixedPrecisionPolicy
 (bf16 compute and reduction, fp32 sharded parameters). Its collectives bypass comm.py's counters, so
-comm_bytes is its schedule's volume under the README's convention, unpadded: blocks are all-gathered twice
+comm_bytes is its schedule's volume under docs/observability.md's convention, unpadded: blocks are all-gathered twice
 (forward, backward) and reduce-scattered once per micro-batch; the root is not resharded after forward
 (FSDP2's default for the root), so it is gathered once.
 """

@@ -8,7 +8,7 @@ metrics.jsonl, so bench/harness.py measures both alike.
 
 torch DDP runs its default C++ reducer (buckets of --bucket_mb, overlap with backward, gradient_as_bucket_view,
 `no_sync()` on all but the last micro-step). Its all-reduces bypass comm.py's counters, so comm_bytes is
-what its reducer sends under the README's convention: every gradient once per step, 2 (n-1)/n * P * bytes.
+what its reducer sends under docs/observability.md's convention: every gradient once per step, 2 (n-1)/n * P * bytes.
 """
 import contextlib
 import os

@@ -9,7 +9,7 @@ the same metrics.jsonl, so bench/harness.py measures both alike.
         --n_microbatches 4 --max_steps 20 --out_dir OUT
 
 torch's stages talk through their own send/recv, bypassing comm.py's counters, so comm_bytes adds what they
-send under the README's convention (m activations / gradients per boundary, as train_pp.py) to what is counted.
+send under docs/observability.md's convention (m activations / gradients per boundary, as train_pp.py) to what is counted.
 There is no zb1 here: torch's ScheduleInterleavedZeroBubble is a different schedule.
 """
 import os

@@ -10,7 +10,7 @@ the process group).
 Under a torch profiler (--profile, profiling.py) each call is also a range "comm:<op> [group's global ranks]", and
 an async call's wait() a range "comm:wait <op> ...": traces show communication (bench/timeline.py colours it).
 
-Bytes are counted under the standard ring algorithms (README, "Metrics"), S = the full tensor's bytes,
+Bytes are counted under the standard ring algorithms (docs/observability.md), S = the full tensor's bytes,
 n = group size, counting what *this rank sends*:
     all_reduce 2(n-1)/n * S     reduce_scatter (n-1)/n * S of its input    all_gather (n-1)/n * S of its output
     all_to_all: the bytes of its input that go to other ranks (= (n-1)/n * S for even splits)

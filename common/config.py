@@ -1,5 +1,5 @@
 """
-config.py: the one command line every nanoscale script shares (README, "Metrics").
+config.py: the one command line every nanoscale script shares (docs/observability.md).
 
     cfg = parse_config(argv, techniques=("tp", "sp"))          # only the flags that apply to the script
 
@@ -90,7 +90,7 @@ HELP = dict(
                   "such step is skipped: weights and optimizer state untouched)",
     device="auto | cpu | cuda | cuda:N (auto: the local GPU if there is one)",
     dtype="auto | float32 | bfloat16 | float16 | float64 (auto: bfloat16 on GPU, float32 on CPU; float64: the "
-          "exactness check of README's parity section, everything in float64)",
+          "exactness check of docs/parity.md, everything in float64)",
     compile="torch.compile the model", seed="seed of init, data order and dropout",
     recompute="activation recomputation: none | selective (attention core) | full (whole block)",
     kernels="fused kernels (kernels/): triton | torch (model.py as is) | compile (torch.compile'd fusions) | "

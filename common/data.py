@@ -14,7 +14,7 @@ source, token counts).
 The default corpus needs no download and exists wherever Python does: the source code of the running
 interpreter's standard library (~15-20 MB of text), tokenised as raw bytes (vocab 256).
 
-Loading (README, "Parity"): the global batch of optimizer step s is a fixed function of (seed, s):
+Loading (docs/parity.md): the global batch of optimizer step s is a fixed function of (seed, s):
 `global_batch_offsets` draws global_batch_size start offsets from a generator seeded by (seed, s). A DP rank's
 micro-batch is a fixed slice of it (`micro_batch`), so every layout sees exactly the same tokens per step.
 """

@@ -28,7 +28,7 @@ def resolve_dtype(cfg, device):
 
 def param_dtype(dtype):
     """Parameters, gradients and optimizer state: fp32 (16-bit compute comes from autocast), or float64 for
-    the exactness check (README, "Parity"), where every tensor of the run is float64."""
+    the exactness check (docs/parity.md), where every tensor of the run is float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

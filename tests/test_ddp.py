@@ -78,7 +78,7 @@ def test_parity_and_comm_bytes(dp, reference, tiny_data, tmp_path):
         n_tensors = len(r0["param_ids"])
         expected_calls = len(r0["buckets"]) if mode == "bucket" else n_tensors
         for row in r0["rows"]:
-            # the README's convention: all_reduce = 2(n-1)/n * S, once per optimizer step whatever grad_acc is
+            # the convention of docs/observability.md: all_reduce = 2(n-1)/n * S, once per optimizer step whatever grad_acc is
             assert row["comm_bytes"] == 2 * (dp - 1) / dp * P_bytes, (mode, grad_acc, row)
             assert row["comm_calls"] == expected_calls, (mode, grad_acc, row)
         if mode == "bucket":

@@ -147,7 +147,7 @@ def _expert_numel(h):
 
 def check_counts(rows, world, ep, n_experts, n_moe, a2a_per_micro=None, h=32, dense_numel=None,
                  local_expert_numel=None):
-    """The byte convention of README's Metrics section, per optimizer step on rank 0."""
+    """The byte convention of docs/observability.md, per optimizer step on rank 0."""
     grad_acc = 8 // (MICRO * world)
     replicas = world // ep
     grad_bytes = 2 * (world - 1) / world * dense_numel * 4

@@ -123,7 +123,7 @@ def test_linear_cross_entropy(backend):
 
 
 def test_linear_cross_entropy_float64_end_to_end():
-    """The float64 exactness runs (README, "Parity") keep the fused head in float64: loss and dW sums too."""
+    """The float64 exactness runs (docs/parity.md) keep the fused head in float64: loss and dW sums too."""
     torch.manual_seed(5)
     h, w, t = randn(45, 19, dtype=torch.float64), randn(101, 19, dtype=torch.float64), torch.randint(0, 101, (45,))
     t = t.to(DEVICE)
