@@ -33,7 +33,8 @@ from common.config import ConfigError, check, fail
 from common.metrics import gpu_chip_and_board
 from model import GPTConfig, flops_per_token, num_params
 from common.pipeline_schedules import placement_of, theory_idle_fraction
-from common.plan_inputs import (GIB, HARDWARE, LINK_EFF, PRECISION, RECOMPUTE, USABLE, Job, Layout, build_job, model_state_bytes_per_param,
+from common.plan_inputs import (GIB, HARDWARE, LINK_EFF, PRECISION, RECOMPUTE, USABLE, Job, Layout, build_job,
+                                model_state_bytes_per_param,
                          parse_args, parse_layout, validate)
 from common.plan_memory import MEM_PARTS, memory, stage_blocks
 

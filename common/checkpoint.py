@@ -1,26 +1,24 @@
 """
-checkpoint.py: step directories committed atomically, and RNG state, shared by every script.
+checkpoint.py: the one checkpoint of every script and layout, in train_single.py's form (the model's state_dict by
+its single-device names, AdamW's state in a single-device optimizer's order, next step, RNG states, config), so any
+layout or world size resumes any other. Two calls, whatever a rank holds (the API is at the bottom):
 
-Every script writes one format, train_single.py's (model state_dict, AdamW state in a single-device
-optimizer's order, next step, RNG states, config), so any layout resumes any other (the sharded layouts
-gather it with zero_checkpoint.py). A save is a step directory whose completeness is committed last:
+    checkpoint.save(cfg, model_cfg, next_step, held)       every rank, after a step
+    start = checkpoint.load(cfg, env, model_cfg, held)     every rank, on --resume
 
-    OUT_DIR/ckpt/step_00000010/ckpt.pt     written by rank 0 (temporary file, then renamed into place)
-    ... barrier: every rank's part is on disk ...
-    OUT_DIR/ckpt/latest                    "step_00000010", published by rank 0 (temporary file + os.replace)
+A save is a step directory whose completeness is committed last:
+
+    OUT_DIR/ckpt/step_00000010/part_00000.pt ... part_00007.pt   every rank's part, written at once
+    ... barrier: every part is on disk ...
+    OUT_DIR/ckpt/step_00000010/ckpt.pt   {step, rng, config, AdamW param_groups, parts: [...]}   by rank 0
+    OUT_DIR/ckpt/latest                  "step_00000010", published by rank 0 (temporary file + os.replace)
 
 so a crash at any moment leaves `latest` naming a complete checkpoint; resume reads it (or, if it was lost, the
-newest complete step directory). The sharded layouts never gather the whole model on one rank: each rank writes
-the whole tensors it was picked to write (zero_checkpoint.save_parts), in parallel, and ckpt.pt lists the parts:
-
-    OUT_DIR/ckpt/step_00000010/part_00000.pt ... part_00007.pt     every rank, at once (before the barrier)
-    OUT_DIR/ckpt/step_00000010/ckpt.pt   {step, rng, config, AdamW param_groups, parts: [...]}  (after it)
-
-A part holds some of the consolidated checkpoint's entries (model weights by name, AdamW states by index), so
-load_checkpoint merges them into the one-file form; parts are memory-mapped, so a rank that keeps a slice of
-each tensor (resharding at load) reads little more than its slice. After publishing, all but the newest --keep_checkpoints step directories are
-removed. Files are read with weights_only=True (no pickled code is executed). Data position needs no state:
-the batch of step s is a pure function of (seed, s) (data.py), so the step number *is* the data position.
+newest complete step directory). A one-process run writes ckpt.pt alone, with everything in it. Reading merges the
+parts into the one-file form, memory-mapped, so a rank that keeps a slice of each tensor reads little more than its
+slice. After publishing, all but the newest --keep_checkpoints step directories are removed. Files are read with
+weights_only=True (no pickled code is executed). Data position needs no state: the batch of step s is a pure
+function of (seed, s) (data.py), so the step number *is* the data position.
 """
 import os
 import re
