@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from common import comm
 from common import checkpoint
-from common.checkpoint import ModuleState, ShardState
+from common.checkpoint import ModuleState, ShardState, named_parameters
 from common.comm import COMM
 from common.distributed import destroy, init_distributed, world_size_from_env
 from common.config import ConfigError, check, fail, parse_config
@@ -168,7 +168,7 @@ class Replicas(DataParallelAxis):
 
         def first(name):
             return self.grid.ep == 1 or dist.get_rank(groups.edp if is_expert_param(name) else groups.dp_cp) == 0
-        pieces = [(p.grad, self.counted(p) and first(n)) for c in self.chunks for n, p in c.named_parameters()]
+        pieces = [(p.grad, self.counted(p) and first(n)) for n, p in named_parameters(self.chunks)]   # tied: once
         return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
 
     def step(self, lr):
