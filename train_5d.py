@@ -116,8 +116,8 @@ def data_parallel(chunks, cfg, grid, dtype, device):
     tied = tied_weight(chunks)
     rest = [p for p in reversed(list(chunks.parameters())) if p is not tied]
     buckets = assign_buckets(rest, cfg.bucket_mb * 2 ** 20) + ([[tied]] if tied is not None else [])
-    shards = shard_model(chunks, cfg, cfg.zero_stage, group, dtype, device, dict(now=0, peak=0), names, buckets)
-    return ShardedGrads(shards, group, cfg.zero_stage), ShardedAdamW(shards, cfg), shards
+    shards = shard_model(chunks, cfg.zero_stage, group, dtype, device, buckets=buckets, names=names)
+    return ShardedGrads(shards, group, cfg.zero_stage), ShardedAdamW(shards, cfg.weight_decay), shards
 
 
 def my_slices(shards):

@@ -22,7 +22,6 @@ is built, and comm.py adds no range.
 """
 import os
 
-import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from common.comm import label  # noqa: F401 (the rungs' profiler ranges; in comm.py, which they take along)
