@@ -63,7 +63,8 @@ from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr
 from common.pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
 from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_positions, swap_attention_cores
 from train_ddp import DataParallelGrads, assign_buckets
-from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
+from train_pp import PipelineRunner, stage_views
+from common.pipeline_tied import tied_grads_sync, tied_weight
 from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel

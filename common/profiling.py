@@ -24,8 +24,6 @@ import os
 
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from common.comm import label  # noqa: F401 (the rungs' profiler ranges; in comm.py, which they take along)
-
 TOP_OPERATORS = 20
 
 
