@@ -111,7 +111,8 @@ def data_parallel(chunks, cfg, grid, dtype, device):
         optimizer = configure_optimizer(chunks.named_parameters(), cfg, device.type)
         if grid.ep > 1:                          # train_ep's: experts averaged over their replicas only
             named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
-            return ExpertDataParallelGrads(named, group, grid.groups["edp"], grid.ep, cfg.bucket_mb), optimizer, None
+            return ExpertDataParallelGrads(named, group, grid.groups["edp"], grid.ep, cfg.bucket_mb,
+                                           is_expert_param), optimizer, None
         return DataParallelGrads(list(chunks.parameters()), group, "bucket", cfg.bucket_mb), optimizer, None
     names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
     tied = tied_weight(chunks)
