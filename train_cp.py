@@ -21,7 +21,9 @@ Bytes sent per layer and micro-batch (KV = this rank's K and V, dKV = the same i
 (cp-1)*KV forward, (cp-1)*KV + cp*dKV backward; allgather (cp-1)*(2*KV + dKV). Plus the all-reduce of
 every gradient over CP, 2(cp-1)/cp * 4N bytes, as every rank holds the whole model.
 Block attention: the plain-torch reference pair below, torch's fused CPU kernel on CPU, or with --kernels
-triton kernels/flash_attention.py's pair (same signatures).
+triton kernels/flash_attention.py's pair (same signatures). K/V may have fewer heads than Q (grouped-query
+attention): they travel with their own heads. Any model (docs/copy_out.md): swap_modules puts the core in place
+of the modules named; swap_attention_cores names model.py's.
 """
 import time
 
@@ -340,7 +342,7 @@ def swap_attention_cores(model, make_core):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the rest of a CP step: local loss, gradients summed over the CP group, activation bytes
+# the rest of a CP step: gradients summed over the CP group (the loss is local: the script divides it by cp)
 
 def allreduce_grads(params, group):
     """Sum gradients over `group` in one flat all-reduce: each CP rank's gradient covers only the paths
@@ -351,6 +353,9 @@ def allreduce_grads(params, group):
     for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(reduced)
 
+
+# ----------------------------------------------------------------------------------------------------------
+# the script
 
 def validate(cfg):
     from common.config import check, grad_accum_steps

@@ -24,6 +24,8 @@ Bytes this rank sends per MoE block per micro-batch (README, Metrics: only rows 
     all_to_all = 2 * (S + R) * h * bytes     S rows sent to other ranks, R rows received from them
 (dispatch S + combine R forward, and the same amounts backward), plus the all_gather of the counts.
 Parameters per rank: P_dense + n_moe_blocks * (E/ep) * (8h^2 + 5h): the expert weights shrink by ep.
+Any MoE whose experts are one module called on all routed rows (model.Experts; docs/copy_out.md) takes
+ExpertParallelExperts in their place.
 """
 import contextlib
 import dataclasses

@@ -27,6 +27,8 @@ NCCL-safe for every schedule (nccl_check.py replays the launches under NCCL's ru
 Loss scaling: the last stage backpropagates loss / m, so gradients equal train_single's for the same global
 batch. Tokens are read by the first and last stage from the deterministic loader, never sent.
 Dropout draws from each rank's own RNG stream, so runs with --dropout > 0 do not match train_single bit for bit.
+Any model (docs/copy_out.md): PipelineRunner runs any stage modules (its docstring: what a stage receives and
+returns); pipeline_stages cuts a model that is a chain of modules; stage_views cuts model.py's GPT.
 """
 import contextlib
 import time

@@ -20,6 +20,8 @@ T/tp of the sequence. f becomes an all-gather along the sequence and g a reduce-
 reduce-scatter then an all-gather, so the forward moves the same bytes. The column layers keep only their input
 shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
+Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the layers a plan names; apply_tp is
+that plan for model.py's GPT.
 """
 import argparse
 import contextlib

@@ -23,6 +23,8 @@ Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (the 
     stages 1-3 also all-reduce one fp32 scalar (the squared gradient norm): + 2 (N-1)/N * 4 bytes.
 ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre-backward: gather (prefetch
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
+Any model (docs/copy_out.md): shard_model(model, stage, group, ..., blocks=) and install_zero3_hooks take the
+blocks as an argument; shard_gpt is model.py's GPT.
 """
 import argparse
 import contextlib
