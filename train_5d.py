@@ -65,7 +65,8 @@ from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr
 from common.pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
 from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_positions, swap_attention_cores
 from train_ddp import DataParallelGrads, assign_buckets
-from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
+from train_pp import PipelineRunner, stage_views
+from common.pipeline_tied import tied_grads_sync, tied_weight
 from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
@@ -155,7 +156,7 @@ class Replicas(DataParallelAxis):
         if grid.ep > 1:
             named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
             self.grads = ExpertDataParallelGrads(named, grid.groups.dp_cp, grid.groups.edp, grid.ep,
-                                                 cfg.bucket_mb)
+                                                 cfg.bucket_mb, is_expert_param)
         else:
             self.grads = DataParallelGrads(list(chunks.parameters()), grid.groups.dp_cp, "bucket", cfg.bucket_mb)
         self.norm_group = grid.groups.mp if grid.ep == 1 else dist.group.WORLD
@@ -187,10 +188,10 @@ class ZeroShards(DataParallelAxis):
         tied = tied_weight(chunks)
         rest = [p for p in reversed(list(chunks.parameters())) if p is not tied]
         buckets = assign_buckets(rest, cfg.bucket_mb * 2 ** 20) + ([[tied]] if tied is not None else [])
-        self.shards = shard_model(chunks, cfg, cfg.zero_stage, grid.groups.dp_cp, dtype, device,
-                                  dict(now=0, peak=0), names, buckets)
+        self.shards = shard_model(chunks, cfg.zero_stage, grid.groups.dp_cp, dtype, device, buckets=buckets,
+                                  names=names)
         self.grads = ShardedGrads(self.shards, grid.groups.dp_cp, cfg.zero_stage)
-        self.optimizer = ShardedAdamW(self.shards, cfg)
+        self.optimizer = ShardedAdamW(self.shards, cfg.weight_decay)
         self.reduce_per_backward, self.norm_group = cfg.zero_stage == 2, dist.group.WORLD
         self.held = ShardState(self.shards, self.optimizer, chunks, holder, grid.groups.tp)
 

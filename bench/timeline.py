@@ -50,7 +50,7 @@ def trace_paths(out_dir):
     return dict(sorted(paths.items()))
 
 
-# profiling.label's ranges (pipeline actions, ring steps) name a phase, not a kind of work: what runs inside
+# comm.label's ranges (pipeline actions, ring steps) name a phase, not a kind of work: what runs inside
 # them (compute, backward, communication) is drawn instead
 PHASES = ("pp:", "cp:")
 

@@ -1,11 +1,14 @@
 """
-comm.py: every collective nanoscale uses, each one counted. Imports only torch and the stdlib, so a
-technique copied out of this project takes this file with it and nothing else (common/distributed.py starts
-the process group).
+comm.py: every collective nanoscale uses, each one counted, and the two things the rungs' building blocks need
+besides: the gradient norm over a group (one all-reduce) and profiler labels. Imports only torch and the stdlib,
+so a technique copied out of this project takes this file with it and nothing else (docs/copy_out.md;
+common/distributed.py starts the process group).
 
     all_reduce(grad, group=dp_group) # the same call as torch.distributed, plus bytes accounting
     COMM.bytes_sent                  # bytes this rank sent since the last COMM.reset()
     comm.LAUNCH_LOG = []             # record every launch in NCCL's groups, for nccl_check.py (default off)
+    clip_grad_norm(grads, 1.0, group=tp_group)   # the global grad norm of gradients spread over a group
+    with label("pp:F mb0 chunk0"): ...           # a named range in a --profile trace (nothing when off)
 
 Under a torch profiler (--profile, profiling.py) each call is also a range "comm:<op> [group's global ranks]", and
 an async call's wait() a range "comm:wait <op> ...": traces show communication (bench/timeline.py colours it).
@@ -81,6 +84,12 @@ def _log(ops):
 
 
 PROFILE_PREFIX = "comm:"
+
+
+def label(name):
+    """A range `name` in the trace while a torch profiler records (the pipeline runner's actions, the ring
+    attention's steps), else nothing: no cost when profiling is off."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 class LabelledWork:
@@ -206,3 +215,29 @@ def new_group(ranks, timeout_s=None):
     timeout_s = GROUP_TIMEOUT["s"] if timeout_s is None else timeout_s
     kwargs = {} if timeout_s is None else dict(timeout=timedelta(seconds=timeout_s))
     return dist.new_group(ranks, **kwargs)
+
+
+@torch.no_grad()
+def clip_grad_norm(grads, max_norm, group=None, device=None, dtype=torch.float32, replicas=()):
+    """Global L2 norm of `grads` and, if max_norm > 0, scale them in place so it is at most max_norm.
+
+    With `group`, each rank passes only the gradients it owns (a shard, or a parameter held by one rank)
+    and the squared norms are summed across the group, so every rank gets the same global norm. A gradient
+    replicated on several ranks of the group must be passed by exactly one of them; the others pass it in
+    `replicas`: left out of the norm, scaled like the rest (tensor-parallel replicas, a tied weight's copy).
+    `dtype`: the norm's dtype on a rank that owns no gradients (it must match the other ranks' for the
+    all-reduce: float64 runs pass it)."""
+    grads = [g for g in grads if g is not None]
+    if grads:
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        sq = norm.to(torch.promote_types(norm.dtype, torch.float32)).pow(2)   # float64 grads keep float64
+    else:                                   # a rank may own no gradients (e.g. an empty shard)
+        sq = torch.zeros((), dtype=dtype, device=device)
+    if group is not None:
+        all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    scaled = grads + [g for g in replicas if g is not None]
+    if max_norm > 0 and scaled:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(scaled, scale.to(scaled[0].dtype))
+    return norm

@@ -13,7 +13,7 @@ weight once. Where one rank holds both ends (p == 1, or the V placement of zbv a
     V:             wte + lm_head (one Parameter)                                nothing to sync
 """
 from common import comm
-from common.optim import clip_grad_norm
+from common.comm import clip_grad_norm
 from common.pipeline_schedules import rank_of
 
 

@@ -130,7 +130,8 @@ def moe_routed_rows(job, lay):
 
 def moe_extra_bytes(job, lay):
     """Bytes an MoE block keeps beyond the dense block's count (whose MLP input, the router's input here, stays),
-    as train_ep.ExpertParallelMoE saves them, (N, R, K) = moe_routed_rows, experts whole (not split over tp):
+    as model.MoE with train_ep.ExpertParallelExperts saves them, (N, R, K) = moe_routed_rows, experts whole (not
+    split over tp):
         router   N*E fp32 probabilities + N*k int64 top-k (+ N*k bool kept flags with a capacity)
         experts  R * (9h values: the gathered input rows, c_fc out, GeLU out; + h mask bytes with dropout
                  + 2 int64 indices: the regrouping permutation and its inverse)

@@ -171,9 +171,9 @@ CRASHING = """
 import os, sys
 sys.path.insert(0, {root!r})
 import train_ddp
-from common import comm, distributed
+from common import comm, distributed, optim
 
-real_lr_at = train_ddp.lr_at
+real_lr_at = optim.lr_at
 
 
 def lr_at(step, cfg):   # rank 1 dies at step {step}, on the first attempt only
@@ -182,7 +182,7 @@ def lr_at(step, cfg):   # rank 1 dies at step {step}, on the first attempt only
     return real_lr_at(step, cfg)
 
 
-train_ddp.lr_at = lr_at
+optim.lr_at = lr_at     # train_ddp.main imports its plumbing when it runs: it gets this one
 train_ddp.main(sys.argv[1:])
 distributed.destroy()
 """
