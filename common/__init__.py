@@ -3,9 +3,10 @@ common/: the plumbing every rung shares, one small module per concern. None of i
 imports a rung (train_*.py): read the ladder at the root first, come here for how a detail is done.
 
     config.py        the one command line of every script, its checks and its dataclass
-    comm.py          process groups and every collective, each one's bytes counted (torch and the stdlib only)
+    comm.py          every collective, each one's bytes counted, the gradient norm over a group and profiler
+                     labels (torch and the stdlib only: what a copied rung takes along, docs/copy_out.md)
     data.py          corpus preparation (python -m common.data) and deterministic global batches
-    optim.py         AdamW groups, warmup + cosine, grad-norm clipping over groups, the non-finite guard
+    optim.py         AdamW groups, warmup + cosine, the non-finite guard
     loop.py          what every training loop shares: dtype, autocast, data setup, evaluation, sampling, errors
     checkpoint.py    atomic step directories, RNG state, and the checkpoint every layout saves and loads
     zero_checkpoint.py  sharded layouts' parts gathered to train_single's layout and back
