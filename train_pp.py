@@ -120,6 +120,9 @@ class PipelineRunner:
         self.last_stage_rank = rank_of(self.p * self.v - 1, self.p, self.placement)   # it has the loss
         self.after_backward = None               # called with each B action when set (ZeRO-2: reduce now)
         self.action_hook = None                  # a context around each action's compute when set (a timer)
+        if store is None and any(getattr(a, "kind", None) == "W" for a in self.plan):
+            raise ValueError("this schedule has W actions (weight gradients computed later): pass store="
+                             "WeightGradStore() and defer_weight_grads(stages, store) (pipeline_weight_grads.py)")
 
     # ---- messages: (what, micro-batch, receiving stage), see pipeline_schedules.sends_of
     def _launch(self, exchange):
