@@ -20,7 +20,10 @@ Causal masking is top-left aligned (key j visible to query i when j <= i), as F.
 is_causal; ragged tails (T not a multiple of the block) and head dims that are not a power of two are masked.
 
 Precision: 16-bit and fp32 inputs are computed in fp32 (lse in fp32); float64 inputs (the exactness runs) in
-float64 throughout, lse included.
+float64 throughout, lse included. On a GPU: one program per (head, block of rows) on grid axis 0 (axes 1 and 2
+stop at 65535, so B*H there would cap the batch); row offsets in int64 (rows * stride passes 2^31 in a long
+sequence of the model's [B, T, H, D] layout); the autotuner's key rounds Tq and Tk up to a power of two, so
+sampling, whose length grows by one token a step, tunes about log2(T) times instead of T times.
 """
 import math
 import os
@@ -31,9 +34,9 @@ from kernels.backend import HAS_TRITON, compute_dtype, compute_type, next_pow2, 
 
 
 def _tile_configs():
-    """Tile shapes to try: on a GPU the autotuner times each once per (Tq, Tk, D, causal, dtypes) and keeps the
-    fastest (a shape that exceeds shared memory or registers there is skipped, not fatal); the interpreter, which
-    runs programs one by one in Python, gets one small tile."""
+    """Tile shapes to try: on a GPU the autotuner times each once per (Tq and Tk rounded up to a power of two, D,
+    causal, dtypes) and keeps the fastest (a shape that exceeds shared memory or registers there is skipped, not
+    fatal); the interpreter, which runs programs one by one in Python, gets one small tile."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4)]
     shapes = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2))
@@ -41,7 +44,8 @@ def _tile_configs():
 
 
 if HAS_TRITON:
-    autotune = triton.autotune(configs=_tile_configs(), key=["Tq", "Tk", "D", "CAUSAL"])
+    # Tq_bucket and Tk_bucket (next_pow2 of Tq and Tk) are kernel arguments only for this key
+    autotune = triton.autotune(configs=_tile_configs(), key=["Tq_bucket", "Tk_bucket", "D", "CAUSAL"])
 
     @triton.jit
     def _head_start(bh, H, stride_b, stride_h):
@@ -56,10 +60,24 @@ if HAS_TRITON:
         return tl.cast(bh, tl.int64) * T * D
 
     @triton.jit
+    def _program_tile(T, BLOCK: tl.constexpr):
+        """(head bh, block index) of this program. The grid is one axis of B*H*cdiv(T, BLOCK) programs (CUDA
+        allows 2^31 - 1 programs on axis 0 but 65535 on axes 1 and 2), head-major, so a head's blocks run side by
+        side and share its K and V in L2."""
+        n_blocks = tl.cdiv(T, BLOCK)
+        pid = tl.program_id(0)
+        return pid // n_blocks, pid % n_blocks
+
+    @triton.jit
+    def _offsets(rows, d, stride_t):
+        """rows * stride_t + d as a [rows, d] tile of int64 offsets: row offsets pass 2^31 long before a tensor
+        has 2^31 elements per head (the model's [B, T, H, D] layout strides rows by H*D)."""
+        return tl.cast(rows, tl.int64)[:, None] * stride_t + d[None, :]
+
+    @triton.jit
     def _tile(ptr, rows, d, T, D, stride_t):
         """A [rows, BLOCK_D] tile of one head's [T, D] matrix, zero outside it."""
-        return tl.load(ptr + rows[:, None] * stride_t + d[None, :], mask=(rows[:, None] < T) & (d[None, :] < D),
-                       other=0.0)
+        return tl.load(ptr + _offsets(rows, d, stride_t), mask=(rows[:, None] < T) & (d[None, :] < D), other=0.0)
 
     @triton.jit
     def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -82,10 +100,10 @@ if HAS_TRITON:
 
     @autotune
     @triton.jit
-    def _attn_fwd(Q, K, V, O, LSE, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, H, Tq, Tk, D, SCALE: tl.constexpr,
-                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
-        pid_m, bh = tl.program_id(0), tl.program_id(1)
+    def _attn_fwd(Q, K, V, O, LSE, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, H, Tq, Tk, D, Tq_bucket, Tk_bucket,
+                  SCALE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
+        bh, pid_m = _program_tile(Tq, BLOCK_M)
         Q, K, V = Q + _head_start(bh, H, sqb, sqh), K + _head_start(bh, H, skb, skh), V + _head_start(bh, H, svb, svh)
         O, LSE = O + _dense_head_start(bh, Tq, D), LSE + _dense_head_start(bh, Tq, 1)     # this head's rows
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -111,17 +129,16 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
             m_i = m_new
         o = acc / l_i[:, None]
-        tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty),
-                 mask=(rows[:, None] < Tq) & (d[None, :] < D))
+        tl.store(O + _offsets(rows, d, D), o.to(O.dtype.element_ty), mask=(rows[:, None] < Tq) & (d[None, :] < D))
         tl.store(LSE + rows, m_i + tl.log(l_i), mask=rows < Tq)
 
     @autotune
     @triton.jit
     def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
-                       H, Tq, Tk, D, SCALE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                       ACC: tl.constexpr):
-        pid_n, bh = tl.program_id(0), tl.program_id(1)
+                       H, Tq, Tk, D, Tq_bucket, Tk_bucket, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+                       UPCAST: tl.constexpr, ACC: tl.constexpr):
+        bh, pid_n = _program_tile(Tk, BLOCK_N)
         Q, K, V = Q + _head_start(bh, H, sqb, sqh), K + _head_start(bh, H, skb, skh), V + _head_start(bh, H, svb, svh)
         DO = DO + _dense_head_start(bh, Tq, D)
         LSE, Delta = LSE + _dense_head_start(bh, Tq, 1), Delta + _dense_head_start(bh, Tq, 1)
@@ -143,7 +160,7 @@ if HAS_TRITON:
             dp = _dot(do, tl.trans(v), PREC, UPCAST)
             ds = p * (dp - delta[:, None])
             dk += _dot(tl.trans(ds.to(q.dtype)), q, PREC, UPCAST)
-        out = _dense_head_start(bh, Tk, D) + cols[:, None] * D + d[None, :]
+        out = _dense_head_start(bh, Tk, D) + _offsets(cols, d, D)
         m = (cols[:, None] < Tk) & (d[None, :] < D)
         tl.store(DK + out, (dk * SCALE).to(DK.dtype.element_ty), mask=m)
         tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=m)
@@ -151,10 +168,10 @@ if HAS_TRITON:
     @autotune
     @triton.jit
     def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
-                     H, Tq, Tk, D, SCALE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                     ACC: tl.constexpr):
-        pid_m, bh = tl.program_id(0), tl.program_id(1)
+                     H, Tq, Tk, D, Tq_bucket, Tk_bucket, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+                     UPCAST: tl.constexpr, ACC: tl.constexpr):
+        bh, pid_m = _program_tile(Tq, BLOCK_M)
         Q, K, V = Q + _head_start(bh, H, sqb, sqh), K + _head_start(bh, H, skb, skh), V + _head_start(bh, H, svb, svh)
         DO, DQ = DO + _dense_head_start(bh, Tq, D), DQ + _dense_head_start(bh, Tq, D)
         LSE, Delta = LSE + _dense_head_start(bh, Tq, 1), Delta + _dense_head_start(bh, Tq, 1)
@@ -173,21 +190,30 @@ if HAS_TRITON:
             p = _probs(q, k, lse, rows, cols, Tq, Tk, SCALE, CAUSAL, PREC, UPCAST)
             ds = p * (_dot(do, tl.trans(v), PREC, UPCAST) - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, PREC, UPCAST)
-        tl.store(DQ + rows[:, None] * D + d[None, :], (dq * SCALE).to(DQ.dtype.element_ty),
+        tl.store(DQ + _offsets(rows, d, D), (dq * SCALE).to(DQ.dtype.element_ty),
                  mask=(rows[:, None] < Tq) & (d[None, :] < D))
 
 
 def _launch_args(q, k, v):
-    """Strides (batch, head, time) of q, k, v and the kernel meta-parameters other than the tile shape (which
-    the autotuner picks); the last dim must be dense."""
+    """Strides (batch, head, time) of q, k, v, the sizes (with the autotuner's power-of-two buckets of Tq and Tk),
+    and the kernel meta-parameters other than the tile shape (which the autotuner picks); the last dim must be
+    dense."""
     B, H, Tq, D = q.shape
+    Tk = k.shape[2]
     meta = dict(BLOCK_D=max(16, next_pow2(D)),
                 SCALE=1.0 / math.sqrt(D),           # a constexpr: float64 kernels multiply by it in float64
                 PREC="ieee" if q.element_size() >= 4 else "tf32",    # fp32 stays fp32 (no TF32 rounding)
                 UPCAST=not q.is_cuda and q.element_size() == 2,
                 ACC=compute_type(q))
     strides = [s for t in (q, k, v) for s in t.stride()[:3]]
-    return strides, (H, Tq, k.shape[2], D), meta
+    return strides, (H, Tq, Tk, D, next_pow2(Tq), next_pow2(Tk)), meta
+
+
+def _grid(n_heads, T, block):
+    """The launch grid of one program per (head, block of `block` rows): a single axis (see _program_tile)."""
+    def grid(tile):
+        return (n_heads * triton.cdiv(T, tile[block]),)
+    return grid
 
 
 def _dense_last(t):
@@ -209,10 +235,7 @@ def flash_attention_forward(q, k, v, causal=True):
     o = torch.empty(B, H, Tq, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, H, Tq, device=q.device, dtype=compute_dtype(q))
     strides, shape, meta = _launch_args(q, k, v)
-    def query_blocks(tile):                 # a program per block of queries; the autotuner picks BLOCK_M
-        return triton.cdiv(Tq, tile["BLOCK_M"]), B * H
-
-    _attn_fwd[query_blocks](q, k, v, o, lse, *strides, *shape, CAUSAL=causal, **meta)
+    _attn_fwd[_grid(B * H, Tq, "BLOCK_M")](q, k, v, o, lse, *strides, *shape, CAUSAL=causal, **meta)
     return o, lse
 
 
@@ -229,14 +252,9 @@ def flash_attention_backward(do, q, k, v, o, lse, causal=True):
     dk, dv = torch.empty(k.shape, device=q.device, dtype=k.dtype), torch.empty(v.shape, device=q.device, dtype=v.dtype)
     strides, shape, meta = _launch_args(q, k, v)
     lse = lse.to(acc).contiguous()
-    def key_blocks(tile):
-        return triton.cdiv(k.shape[2], tile["BLOCK_N"]), B * H
-
-    def query_blocks(tile):
-        return triton.cdiv(Tq, tile["BLOCK_M"]), B * H
-
-    _attn_bwd_dkdv[key_blocks](q, k, v, do, lse, delta, dk, dv, *strides, *shape, CAUSAL=causal, **meta)
-    _attn_bwd_dq[query_blocks](q, k, v, do, lse, delta, dq, *strides, *shape, CAUSAL=causal, **meta)
+    _attn_bwd_dkdv[_grid(B * H, k.shape[2], "BLOCK_N")](q, k, v, do, lse, delta, dk, dv, *strides, *shape,
+                                                          CAUSAL=causal, **meta)
+    _attn_bwd_dq[_grid(B * H, Tq, "BLOCK_M")](q, k, v, do, lse, delta, dq, *strides, *shape, CAUSAL=causal, **meta)
     return dq, dk, dv
 
 
