@@ -12,10 +12,12 @@ tests here skips what a GPU enforces, so these tests take the launches the kerne
     buckets, so sampling (one more token a step) tunes about log2(T) times, not T times.
 """
 import collections
+import concurrent.futures
 import dataclasses
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -43,23 +45,23 @@ def unique(launches):
 
 
 def compile_for_gpus(launches):
-    """tests/triton_aot.py's report for each (launch, target), compiled in up to two processes without the
-    interpreter (a compile is single-threaded)."""
+    """tests/triton_aot.py's report for each (launch, target), compiled by two processes side by side (a compile
+    is single-threaded) without the interpreter."""
+    chunks = [launches[i::2] for i in range(min(2, len(launches)))]
+    with concurrent.futures.ThreadPoolExecutor(len(chunks)) as pool:
+        return [report for reports in pool.map(compile_chunk, chunks) for report in reports]
+
+
+def compile_chunk(launches):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
-    chunks = [launches[i::2] for i in range(min(2, len(launches)))]
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "triton_aot.py")], cwd=ROOT, env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in chunks]
-    reports = []
-    for proc, chunk in zip(procs, chunks):
-        request = dict(targets=list(TARGETS), launches=[dataclasses.asdict(launch) for launch in chunk])
-        out, err = proc.communicate(json.dumps(request), timeout=1200)
-        assert proc.returncode == 0, err[-3000:]
-        for line in out.splitlines():
-            report = json.loads(line)
-            report["launch"] = chunk[report["launch"]]
-            reports.append(report)
+    request = dict(targets=list(TARGETS), launches=[dataclasses.asdict(launch) for launch in launches])
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "triton_aot.py")], cwd=ROOT, env=env,
+                          input=json.dumps(request), capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines()]
+    for report in reports:
+        report["launch"] = launches[report["launch"]]
     return reports
 
 
@@ -115,7 +117,6 @@ def describe_args(launch):
 def test_float64_kernels_never_round_to_fp32(compiled):
     """A float64 launch computes in float64: its TTIR has no float64 -> fp32 conversion (arith.truncf), which
     would make --dtype float64 --kernels triton only fp32-accurate without a word."""
-    import re
     truncation = re.compile(r"arith\.truncf .* : (?:tensor<[^>]*xf64>|f64) to (?:tensor<[^>]*xf32>|f32)")
     rounded = sorted({r["launch"].kernel for r in compiled["float64", 90] if truncation.search(r.get("ttir") or "")})
     assert not rounded, f"float64 kernels that round to fp32: {rounded}"
@@ -125,7 +126,6 @@ def test_flash_attention_addresses_tiles_with_64_bit_offsets(compiled):
     """A [rows, D] tile's address is row * stride + column; in the model's [B, T, H, D] layout the row stride is
     H*D, so rows * stride passes 2^31 at T*H*D > 2^31 (T = 1M tokens, H*D = 2048) though the head is far
     smaller: no 2-D tile of the flash kernels may be addressed by int32 offsets (TTIR `tt.addptr`)."""
-    import re
     addptr_2d = re.compile(r"tt\.addptr .* : tensor<\d+x\d+x!tt\.ptr<\w+>>, tensor<\d+x\d+x(i\d+)>")
     checked = 0
     for report in compiled["float32", 90]:

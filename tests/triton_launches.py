@@ -28,13 +28,14 @@ from triton.runtime.jit import JITFunction
 # What a script can send the kernels: --dtype float32 / bfloat16 / float16 (autocast) / float64 (exactness runs)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 H100_SMS = 132
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # CPU: the conftest put Triton in interpreter mode
 
 
 @dataclasses.dataclass
 class Launch:
     kernel: str             # "module:name" of the launched @triton.jit or @triton.autotune object
     args: dict              # argument name -> value (a tensor as {"tensor": dtype}, a tl.dtype as {"tl": name})
-    options: dict           # num_warps / num_stages given at the launch (autotuned kernels: from each config)
+    options: dict           # num_warps / num_stages given at the launch (autotuned kernels: in their configs)
     grids: list             # the grid, once per tile config (the autotuner's configs, or the one launch)
     autotune_key: tuple     # the autotuner's cache key from these arguments; () for a plain kernel
 
@@ -44,11 +45,6 @@ def python_function(kernel):
     while hasattr(kernel, "fn"):
         kernel = kernel.fn
     return kernel
-
-
-def constexpr_names(kernel):
-    params = inspect.signature(python_function(kernel)).parameters.values()
-    return {p.name for p in params if "constexpr" in str(p.annotation)}
 
 
 def describe(value):
@@ -124,9 +120,6 @@ def recorded_launches():
             mock.patch.object(torch.Tensor, "is_cuda", property(lambda self: True), create=True), \
             mock.patch.object(torch.cuda, "get_device_properties", lambda *device: gpu):
         yield log
-
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # CPU: the conftest put Triton in interpreter mode
 
 
 def tiny_gpt(dtype, dropout=0.0):
