@@ -70,22 +70,23 @@ def _named(kernel, args, kwargs):
     return named
 
 
-def _record_plain(log):
-    def run(self, *args, grid, warmup, **kwargs):
-        named = _named(self, args, kwargs)
-        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-        log.append(Launch(_name(self), {k: describe(v) for k, v in named.items()}, options,
-                          [_grid_of(grid, named)], ()))
-    return run
+def _recorder(log):
+    """A replacement for kernel[grid]: the launch it returns records itself in `log` instead of running."""
+    def getitem(self, grid):
+        def launch(*args, **kwargs):
+            log.append(_launch(self, grid, args, kwargs))
+        return launch
+    return getitem
 
 
-def _record_autotuned(log):
-    def run(self, *args, grid, warmup=False, **kwargs):
-        named = _named(self, args, kwargs)
-        grids = [_grid_of(grid, {**named, **config.kwargs}) for config in self.configs]
-        key = tuple(named[k] for k in self.keys)
-        log.append(Launch(_name(self), {k: describe(v) for k, v in named.items()}, {}, grids, key))
-    return run
+def _launch(kernel, grid, args, kwargs):
+    named = _named(kernel, args, kwargs)
+    described = {k: describe(v) for k, v in named.items()}
+    if isinstance(kernel, Autotuner):
+        grids = [_grid_of(grid, {**named, **config.kwargs}) for config in kernel.configs]
+        return Launch(_name(kernel), described, {}, grids, tuple(named[k] for k in kernel.keys))
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    return Launch(_name(kernel), described, options, [_grid_of(grid, named)], ())
 
 
 def _name(kernel):
@@ -114,9 +115,10 @@ def recorded_launches():
     """Record (not run) every Triton launch in the block, with the tensors looking like CUDA tensors."""
     log = []
     gpu = types.SimpleNamespace(multi_processor_count=H100_SMS, name="NVIDIA H100 80GB HBM3")
-    with mock.patch.object(JITFunction, "run", _record_plain(log)), \
-            mock.patch.object(InterpretedFunction, "run", _record_plain(log)), \
-            mock.patch.object(Autotuner, "run", _record_autotuned(log)), \
+    # kernel[grid](...) on each kind of kernel object (InterpretedFunction: TRITON_INTERPRET=1)
+    with mock.patch.object(JITFunction, "__getitem__", _recorder(log)), \
+            mock.patch.object(InterpretedFunction, "__getitem__", _recorder(log)), \
+            mock.patch.object(Autotuner, "__getitem__", _recorder(log)), \
             mock.patch.object(torch.Tensor, "is_cuda", property(lambda self: True), create=True), \
             mock.patch.object(torch.cuda, "get_device_properties", lambda *device: gpu):
         yield log
