@@ -154,7 +154,7 @@ def fp8_matmul(a, b, a_dtype, b_dtype, recipe, a_amax=None, b_amax=None, b_is_we
         # neither the product nor any amax
         k_multiple = BLOCK if recipe == "blockwise" and kind == "cuda_blocks" else 16
         a, b = _pad_rows(a, k_multiple, 1), _pad_rows(_pad_rows(b, k_multiple, 1), 16, 0)
-    # rowwise and blockwise on a GPU: the row-scaled kernels take a bf16 output only (on every torch build)
+    # rowwise and blockwise on a GPU: a bf16 output, the one every torch build's row-scaled kernels accept
     out_dtype = torch.bfloat16 if kind != "cpu" and recipe in ("rowwise", "blockwise") else torch.float32
     if recipe in ("tensorwise", "delayed"):
         qa, sa = quantize(a, a_dtype, "tensor", a_amax)
