@@ -1,6 +1,7 @@
 """
 bench/gpu_check.py: the one-command GPU check, run as `bash bench/gpu_check.sh` (which skips, exit 0, with one
-line, on a machine without a GPU). On N >= 1 CUDA GPUs it runs, each for a few steps on the default corpus in
+line, only on a machine without a GPU, and fails with an error line when a GPU exists but python, a CUDA build of
+torch or the driver is missing). On N >= 1 CUDA GPUs it runs, each for a few steps on the default corpus in
 bf16 (autocast), with P = the largest power of two <= min(N, 8) so that every degree divides the test model:
 
   1. every train script (single, ddp, zero 1/2/3, tp (+sp), cp, pp, ep, and 5d when train_5d.py exists) under
@@ -149,6 +150,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.plan_sweep:
         return plan_sweep_main(args)
+    if not torch.cuda.is_available():       # run directly on a machine without a usable GPU: fail, never pass
+        print("gpu_check: error: torch.cuda.is_available() is False (bash bench/gpu_check.sh says why)")
+        return 1
     N = torch.cuda.device_count()
     P = 1 << (min(N, 8).bit_length() - 1)
     out = os.path.join(ROOT, args.out)
