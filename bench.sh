@@ -22,7 +22,7 @@ export PYTHON=${PYTHON:-python}
 $PYTHON -c "import matplotlib" 2>/dev/null || $PYTHON -m pip install -q matplotlib
 
 # the default corpus is prepared once, outside any timed run
-$PYTHON -c "from data import ensure_dataset, DEFAULT_DATA_DIR; ensure_dataset(DEFAULT_DATA_DIR)"
+$PYTHON -c "from common.data import ensure_dataset, DEFAULT_DATA_DIR; ensure_dataset(DEFAULT_DATA_DIR)"
 
 harness() { $PYTHON bench/harness.py --repeats "$REPEATS" --warmup "$WARMUP" "$@"; }
 export -f harness

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import comm
-from comm import COMM
+from common import comm, distributed
+from common.comm import COMM
 
 
 def chunk_sizes(numel, n):
@@ -288,12 +288,12 @@ def main(argv=None):
     p.add_argument("--device", default="auto", help="auto: cuda (NCCL) when a GPU is present, else cpu (gloo)")
     p.add_argument("--dist_timeout", type=float, default=300.0)
     args = p.parse_args(argv)
-    env = comm.init_distributed(args)
+    env = distributed.init_distributed(args)
     if not args.size:
         for op in COLLECTIVES:
             walk_through(op, args.numel or 2 * env.world_size, None, env.device)
     sweep(args.size or [1.0], None, env.device)    # after the walk-through: both versions timed at 1 MiB
-    comm.destroy()
+    distributed.destroy()
 
 
 if __name__ == "__main__":

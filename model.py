@@ -18,9 +18,10 @@ A GPT-2-style pre-LayerNorm decoder in plain single-device PyTorch:
 
 Parallelism is applied *to* this model by the train_*.py scripts (module swaps, sharding, wrapping), never
 written into it. To make those swaps one-liners, the pieces a technique replaces are modules of their own:
-`CausalSelfAttention.core` (the softmax(QK^T)V part: ring attention, flash kernels) and `GPT.lm_head`.
+`CausalSelfAttention.core` (the softmax(QK^T)V part: ring attention, flash kernels), `MoE.experts` (expert
+parallelism) and `GPT.lm_head`.
 
-Deterministic init (README, "Parity"): every parameter is drawn from its own seed, derived from
+Deterministic init (docs/parity.md): every parameter is drawn from its own seed, derived from
 (seed, parameter name), by `init_parameter`. A sharded layout calls it for one full parameter at a time and
 keeps its slice, so every layout starts from bit-identical weights without ever materialising the model.
 
@@ -36,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from routing import combine, route
+from common.routing import combine, route
 
 
 @dataclass
@@ -143,18 +144,27 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+class Experts(nn.ModuleList):
+    """The E expert MLPs, called on all routed rows at once: the part expert parallelism replaces
+    (train_ep.ExpertParallelExperts runs the same rows on the ranks that own their experts)."""
+
+    def forward(self, rows, expert):
+        """rows [A, h] grouped by expert (expert 0's, then 1's, ...), expert [A] their experts -> [A, h]."""
+        chunks = rows.split(torch.bincount(expert, minlength=len(self)).tolist())
+        return torch.cat([mlp(chunk) for mlp, chunk in zip(self, chunks)])
+
+
 class MoE(nn.Module):
     """The reference mixture of experts: route, group the assignments by expert, run each expert on its
-    rows, scatter back weighted by the gates. train_ep.py sends the same groups to other ranks instead (and
-    passes its own `experts`). Load balancing (routing.py) acts on the router's gradient only: the loss the
-    model returns is the cross-entropy."""
+    rows, scatter back weighted by the gates. train_ep.py passes experts that run on the ranks owning them. Load
+    balancing (routing.py) acts on the router's gradient only: the loss the model returns is the cross-entropy."""
 
     def __init__(self, cfg, experts=None):
         super().__init__()
         self.top_k, self.capacity_factor = cfg.top_k, cfg.capacity_factor
         self.aux_loss_coef, self.aux_loss_scope = cfg.aux_loss_coef, cfg.aux_loss_scope
         self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList([MLP(cfg) for _ in range(cfg.n_experts)]) if experts is None else experts
+        self.experts = Experts([MLP(cfg) for _ in range(cfg.n_experts)]) if experts is None else experts
         # share of the previous step's global batch routed to each expert (zeros: no step yet), in checkpoints
         self.register_buffer("load", torch.zeros(cfg.n_experts))
         self.tokens_per_step = None                  # tokens of this rank's step loss (None: this forward's)
@@ -175,8 +185,7 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         r = self.routing = self.route(x)
         order = torch.argsort(r.expert, stable=True)                 # rows of expert 0, then 1, ...
-        rows = x[r.token[order]].split(torch.bincount(r.expert, minlength=len(self.experts)).tolist())
-        out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, rows)])
+        out = self.experts(x[r.token[order]], r.expert[order])
         return combine(x.shape[0], r.token[order], r.gate[order], out).view(shape)
 
 

@@ -44,34 +44,38 @@ rank (and the all_gather of the row counts). Checkpoints are one file in train_s
 layout: any layout, or train_single, resumes any other. With tp 1, --kernels and --fp8 apply inside the
 stages as in train_single.
 """
+import functools
 import time
 
 import torch
 import torch.distributed as dist
 
-import comm
-from checkpoint import load_latest, own_rng_state, set_rng_state
-from comm import COMM, destroy, init_distributed, world_size_from_env
-from config import ConfigError, check, fail, parse_config
-from grid import build_grid, bytes_by_axis, print_grid
-from layout_auto import apply_auto_layout
-from plan_inputs import HARDWARE
-from metrics import MetricsLogger
+from common import comm
+from common import checkpoint
+from common.checkpoint import ModuleState, ShardState, named_parameters
+from common.comm import COMM
+from common.distributed import destroy, init_distributed, world_size_from_env
+from common.config import ConfigError, check, fail, parse_config
+from common.grid import build_grid, bytes_by_axis, print_grid
+from plan import apply_auto_layout
+from common.plan_inputs import HARDWARE
+from common.metrics import MetricsLogger
 from model import GPT, flops_per_token
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
+from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
+from common.pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
 from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_positions, swap_attention_cores
 from train_ddp import DataParallelGrads, assign_buckets
-from train_pp import PipelineRunner, stage_views, tied_grads_sync, tied_weight
-from pipeline_weight_grads import WeightGradStore, defer_weight_grads
-from routing import end_moe_step, router_metrics, start_moe_training
+from train_pp import PipelineRunner, stage_views
+from common.pipeline_tied import tied_grads_sync, tied_weight
+from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
+from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
-from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
-                          gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
-from tp_shards import full_shape, init_tp_weights, tp_slice
+from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
+                             gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
+                             should_save)
+from common.tp_shards import init_tp_weights
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, shard_model
-from zero_checkpoint import flatten, gathered_values, optimizer_layout, save_modules, tied_copies, whole_values
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
@@ -82,106 +86,146 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
     with torch.device("meta"):
         gpt = GPT(gcfg, seed=cfg.seed)
         if grid.ep > 1:                        # train_ep's MoE: my experts only, tokens exchanged over ep
-            swap_in_expert_parallel(gpt, grid.groups["ep"])
+            swap_in_expert_parallel(gpt, grid.groups.ep)
     if grid.sizes["tp"] > 1:
-        apply_tp(gpt, grid.groups["tp"], cfg.sp, device="meta")
+        apply_tp(gpt, grid.groups.tp, cfg.sp, device="meta")
     if grid.sizes["cp"] > 1:
         kernel = SDPA_CPU if device.type == "cpu" else PLAIN_TORCH
-        swap_attention_cores(gpt, lambda: ContextParallelAttentionCore(grid.groups["cp"], cfg.cp_layout, kernel))
+        swap_attention_cores(gpt, lambda: ContextParallelAttentionCore(grid.groups.cp, cfg.cp_layout, kernel))
     mine = stage_views(gpt, grid.coords["pp"], grid.sizes["pp"], cfg.pp_virtual, placement_of(cfg.pp_schedule))
     chunks = materialize(mine, device, dtype)
     pos = local_positions(cfg.cp_layout, cfg.block_size, grid.sizes["cp"], grid.coords["cp"], device)
     for chunk in chunks:
-        init_tp_weights(chunk, cfg.seed, grid.groups["tp"])    # my TP slice of each full initial value
+        init_tp_weights(chunk, cfg.seed, grid.groups.tp)    # my TP slice of each full initial value
         chunk.pos = pos                                        # RoPE at this CP rank's global positions
     return chunks, gcfg, pos
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the dp x cp axis: train_ddp's buckets (every rank a full optimizer), or train_zero's ZeRO-1 shards
+# the dp x cp axis, one object whatever its mode, so the step below has no branch on it:
+#     start()               before the pipeline: reduce as each backward ends (ZeRO-2), or once after it
+#     after_backward(B)     the pipeline calls it after each backward action
+#     finish()              the sums of a rank's own gradients (tied embedding over its two stages, SP's LayerNorm
+#                           over tp), then the mean over dp x cp (ZeRO: into my shard of each bucket)
+#     clip(max_norm)        the global grad norm, each value counted once over the grid, gradients scaled
+#     step(lr), zero_grad(), held (what this rank holds, for checkpoint.save / load)
 
-def data_parallel(chunks, cfg, grid, dtype, device):
-    """(gradient reducer, optimizer, ZeRO shards or None) over the dp x cp group. Under ZeRO the tied weight
-    gets a bucket of its own, laid out alike on the first and last stage, so their shards can be summed."""
-    group = grid.groups["dp_cp"]
-    if cfg.zero_stage == 0:
-        optimizer = configure_optimizer(chunks.named_parameters(), cfg, device.type)
-        if grid.ep > 1:                          # train_ep's: experts averaged over their replicas only
+class DataParallelAxis:
+    """What every mode shares: the sums before the mean, and counting each value once in the norm (TP replicas
+    by TP rank 0, the tied weight by the first stage)."""
+    reduce_per_backward = False
+    shards = ()                                      # ZeRO's flat buckets (none when every rank holds all)
+
+    def __init__(self, chunks, grid):
+        self.chunks, self.grid = chunks, grid
+
+    def counted(self, p):
+        copy = tied_weight(self.chunks) if not any(c.first for c in self.chunks) else None   # the last stage's
+        return p is not copy and tp_counts(p, self.grid.groups.tp)
+
+    def start(self):
+        self.grads.require_sync(self.reduce_per_backward)
+
+    def after_backward(self, action):
+        if self.reduce_per_backward:
+            self.grads.finish()
+
+    def finish(self):            # sums of this rank's gradients first (linear: before or after the mean alike)
+        tied_grads_sync(self.chunks, self.grid.groups.tied)
+        all_reduce_sequence_parallel_grads(self.chunks, self.grid.groups.tp)
+        self.grads.require_sync(True)
+        self.grads.finish()
+
+    def clip(self, max_norm):
+        owned, replicas = self.owned_grads()
+        any_grad = (owned + replicas)[0]             # (with ep a rank may count none of its own)
+        return clip_grad_norm(owned, max_norm, group=self.norm_group, device=any_grad.device,
+                              dtype=any_grad.dtype, replicas=replicas)
+
+    def zero_grad(self):
+        self.grads.zero_grad()
+
+
+class Replicas(DataParallelAxis):
+    """train_ddp's buckets (train_ep's with experts: averaged over their replicas only); every rank a full AdamW.
+    The dp x cp replicas agree after averaging, so the norm is reduced over tp x pp (all ranks with ep > 1)."""
+
+    def __init__(self, chunks, cfg, grid, device, holder):
+        super().__init__(chunks, grid)
+        self.optimizer = configure_optimizer(chunks.named_parameters(), cfg, device.type)
+        if grid.ep > 1:
             named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
-            return ExpertDataParallelGrads(named, group, grid.groups["edp"], grid.ep, cfg.bucket_mb), optimizer, None
-        return DataParallelGrads(list(chunks.parameters()), group, "bucket", cfg.bucket_mb), optimizer, None
-    names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
-    tied = tied_weight(chunks)
-    rest = [p for p in reversed(list(chunks.parameters())) if p is not tied]
-    buckets = assign_buckets(rest, cfg.bucket_mb * 2 ** 20) + ([[tied]] if tied is not None else [])
-    shards = shard_model(chunks, cfg, cfg.zero_stage, group, dtype, device, dict(now=0, peak=0), names, buckets)
-    return ShardedGrads(shards, group, cfg.zero_stage), ShardedAdamW(shards, cfg), shards
+            self.grads = ExpertDataParallelGrads(named, grid.groups.dp_cp, grid.groups.edp, grid.ep,
+                                                 cfg.bucket_mb, is_expert_param)
+        else:
+            self.grads = DataParallelGrads(list(chunks.parameters()), grid.groups.dp_cp, "bucket", cfg.bucket_mb)
+        self.norm_group = grid.groups.mp if grid.ep == 1 else dist.group.WORLD
+        self.held = ModuleState(chunks, self.optimizer, holder, grid.groups.tp)
 
+    def owned_grads(self):
+        """(gradients this rank counts in the norm, replicas it only scales); with ep > 1 experts differ over
+        ep: the first dp x cp replica of each dense value and the first EDP replica of each expert's."""
+        groups = self.grid.groups
 
-def my_slices(shards):
-    """(parameter, its part inside this rank's slice [lo, hi) of its bucket's gradient) under ZeRO."""
-    out = []
-    for s in shards:
-        for p, off in zip(s.params, s.offsets):
-            a, b = max(off, s.lo), min(off + p.numel(), s.hi)
-            if a < b:
-                out.append((p, s.grad[a - s.lo: b - s.lo]))
-    return out
-
-
-def sum_shard_grads(chunks, shards, grid):
-    """ZeRO-2 keeps no full gradients, so the two sums the other recipes take before reducing are taken on
-    the shards: the tied weight's over its two stages (one bucket, the same layout on both), SP's LayerNorm and
-    row-bias gradients over tp (every TP rank's buckets have the same layout)."""
-    tied = tied_weight(chunks)
-    if tied is not None and grid.groups["tied"] is not None:
-        shard = next(s for s in shards if s.params[0] is tied)
-        comm.all_reduce(shard.grad, group=grid.groups["tied"])
-    partial = [g for p, g in my_slices(shards) if getattr(p, "sequence_parallel", False)]
-    if partial:
-        flat = torch.cat(partial)
-        comm.all_reduce(flat, group=grid.groups["tp"])
-        torch._foreach_copy_(partial, list(flat.split([g.numel() for g in partial])))
-
-
-def owned_grads(chunks, shards, grid):
-    """(gradients this rank counts in the global norm, replicas it only scales): TP replicas are counted by
-    TP rank 0, the tied weight by the first stage; under ZeRO the slices of this rank's shards; with ep > 1 the
-    first dp x cp replica of each dense value and the first EDP replica of each expert's."""
-    copy = tied_weight(chunks) if not any(c.first for c in chunks) else None   # the last stage's copy
-
-    def counted(p):
-        return p is not copy and tp_counts(p, grid.groups["tp"])
-
-    if shards is None and grid.ep > 1:   # experts differ over ep: first replica of each value, over all ranks
         def first(name):
-            return dist.get_rank(grid.groups["edp" if is_expert_param(name) else "dp_cp"]) == 0
-        pieces = [(p.grad, counted(p) and first(n)) for c in chunks for n, p in c.named_parameters()]
-    elif shards is None:
-        pieces = [(p.grad, counted(p)) for p in chunks.parameters()]
-    else:            # ZeRO: the part of each parameter inside my slice of its bucket
-        pieces = [(g, counted(p)) for p, g in my_slices(shards)]
-    return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
+            return self.grid.ep == 1 or dist.get_rank(groups.edp if is_expert_param(name) else groups.dp_cp) == 0
+        pieces = [(p.grad, self.counted(p) and first(n)) for n, p in named_parameters(self.chunks)]   # tied: once
+        return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
+
+    def step(self, lr):
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
 
 
-def clip_grid_grads(chunks, shards, max_norm, grid):
-    """The global grad norm, each value counted once over the grid, and every gradient scaled by the clip:
-    reduced over tp x pp (the dp x cp replicas agree after averaging), or over all ranks under ZeRO or ep."""
-    owned, replicas = owned_grads(chunks, shards, grid)
-    group = grid.groups["mp"] if shards is None and grid.ep == 1 else dist.group.WORLD
-    any_grad = (owned + replicas)[0]                 # (with ep a rank may count none of its own)
-    return clip_grad_norm(owned, max_norm, group=group, device=any_grad.device, dtype=any_grad.dtype,
-                          replicas=replicas)
+class ZeroShards(DataParallelAxis):
+    """train_zero's ZeRO-1/2 shards over dp x cp. The tied weight gets a bucket of its own, laid out alike on the
+    first and last stage, so their shards can be summed. ZeRO-2 keeps no full gradients: it reduce-scatters
+    after each backward and takes the two sums on the shards (every TP rank's buckets have the same layout)."""
 
+    def __init__(self, chunks, cfg, grid, dtype, device, holder):
+        super().__init__(chunks, grid)
+        names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
+        tied = tied_weight(chunks)
+        rest = [p for p in reversed(list(chunks.parameters())) if p is not tied]
+        buckets = assign_buckets(rest, cfg.bucket_mb * 2 ** 20) + ([[tied]] if tied is not None else [])
+        self.shards = shard_model(chunks, cfg.zero_stage, grid.groups.dp_cp, dtype, device, buckets=buckets,
+                                  names=names)
+        self.grads = ShardedGrads(self.shards, grid.groups.dp_cp, cfg.zero_stage)
+        self.optimizer = ShardedAdamW(self.shards, cfg.weight_decay)
+        self.reduce_per_backward, self.norm_group = cfg.zero_stage == 2, dist.group.WORLD
+        self.held = ShardState(self.shards, self.optimizer, chunks, holder, grid.groups.tp)
 
-def optimizer_step(optimizer, shards, lr):
-    if shards is None:
-        set_lr(optimizer, lr)
-        optimizer.step()
-        return
-    optimizer.step(lr, [s.grad for s in shards])          # ZeRO: my slice of every bucket
-    for s in shards:
-        s.publish()                                       # all-gather the updated slices
+    def my_slices(self):
+        """(parameter, its part inside this rank's slice [lo, hi) of its bucket's gradient)."""
+        out = []
+        for s in self.shards:
+            for p, off in zip(s.params, s.offsets):
+                lo, hi = max(off, s.lo), min(off + p.numel(), s.hi)
+                if lo < hi:
+                    out.append((p, s.grad[lo - s.lo: hi - s.lo]))
+        return out
+
+    def finish(self):
+        if not self.reduce_per_backward:
+            return super().finish()
+        tied = tied_weight(self.chunks)              # ZeRO-2: the sums on the shards
+        if tied is not None and self.grid.groups.tied is not None:
+            shard = next(s for s in self.shards if s.params[0] is tied)
+            comm.all_reduce(shard.grad, group=self.grid.groups.tied)
+        partial = [g for p, g in self.my_slices() if getattr(p, "sequence_parallel", False)]
+        if partial:
+            flat = torch.cat(partial)
+            comm.all_reduce(flat, group=self.grid.groups.tp)
+            torch._foreach_copy_(partial, list(flat.split([g.numel() for g in partial])))
+
+    def owned_grads(self):
+        pieces = [(g, self.counted(p)) for p, g in self.my_slices()]
+        return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
+
+    def step(self, lr):
+        self.optimizer.step(lr, [s.grad for s in self.shards])   # my slice of every bucket
+        for s in self.shards:
+            s.publish()                                          # all-gather the updated slices
 
 
 def moe_metrics(chunks, grid, cfg):
@@ -189,48 +233,30 @@ def moe_metrics(chunks, grid, cfg):
     of the global batch (dp x cp; tp too under SP, where each TP rank routes its sequence chunk), which also
     sets every block's load for the next step (routing.end_moe_step); every stage's blocks then meet on rank 0."""
     def reduce(stats):
-        comm.all_reduce(stats, group=grid.groups["dp_cp"])
+        comm.all_reduce(stats, group=grid.groups.dp_cp)
         if cfg.sp:
-            comm.all_reduce(stats, group=grid.groups["tp"])
+            comm.all_reduce(stats, group=grid.groups.tp)
 
     stats = end_moe_step(chunks, reduce)
     if grid.sizes["pp"] > 1:
         stages = [None] * grid.sizes["pp"]
-        dist.all_gather_object(stages, stats.cpu(), group=grid.groups["pp"])
+        dist.all_gather_object(stages, stats.cpu(), group=grid.groups.pp)
         stats = torch.cat([s for s in stages if s.numel()])
     return router_metrics(stats, cfg.top_k)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# checkpoints in train_single's layout, so any layout (or train_single) resumes any other: resharding resume
-
-def whole_state(chunks, optimizer, shards, tp_group):
-    """(name, [weight, exp_avg, exp_avg_sq, step]) of this rank's parameters as whole tensors (ZeRO slices gathered
-    over dp x cp one bucket at a time, TP parts over tp): collectives every rank of those groups runs."""
-    if shards is None:
-        yield from whole_values(chunks, optimizer, tp_group)
-        return
-    skip, step = tied_copies(chunks), torch.tensor(float(optimizer.steps))
-    for name, values in gathered_values(shards, tp_group):
-        if name not in skip:
-            yield name, values + [step]
-
+# checkpoints: common/checkpoint.py's one format, so any layout (or train_single) resumes any other. Each whole
+# tensor is written by one of the ranks holding it: a dense one by the ranks of its stage's dp x cp x tp slab
+# once gathered, an expert by the tp x edp ranks holding it.
 
 def checkpoint_holder(name, grid):
-    """(key, holders, my index) for zero_checkpoint.save_modules: a dense tensor of my stages is held whole by
-    every rank of the stage's dp x cp x tp slab once gathered, an expert by the tp x edp ranks holding it."""
-    data_index, tp, tp_index = dist.get_rank(grid.groups["dp_cp"]), grid.sizes["tp"], grid.coords["tp"]
+    """(key, holders, my index) of a whole tensor of my stages, for checkpoint.save."""
+    data_index, tp, tp_index = dist.get_rank(grid.groups.dp_cp), grid.sizes["tp"], grid.coords["tp"]
     slab = grid.sizes["dp"] * grid.sizes["cp"]
     if is_expert_param(name):
         return "experts", slab // grid.ep * tp, data_index // grid.ep * tp + tp_index
     return "dense", slab * tp, data_index * tp + tp_index
-
-
-def save_checkpoint(cfg, chunks, optimizer, shards, grid, gcfg, next_step):
-    """One checkpoint in train_single's layout, each whole tensor written by one of the ranks holding it, all
-    ranks at once (zero_checkpoint.save_modules); global rank 0 publishes the step once every part is on disk."""
-    save_modules(cfg, gcfg, chunks, whole_state(chunks, optimizer, shards, grid.groups["tp"]),
-                 lambda name: checkpoint_holder(name, grid), next_step)
 
 
 def gather_to_first(obj, group):
@@ -240,75 +266,28 @@ def gather_to_first(obj, group):
     return out
 
 
-def merged(parts):
-    """One (parameters, buffers) pair from several ranks' disjoint ones."""
-    return tuple({name: value for part in parts for name, value in part[i].items()} for i in range(2))
-
-
-def gather_whole(chunks, optimizer, shards, grid):
-    """({name: [weight, exp_avg, exp_avg_sq, step]}, {buffer name: tensor}) of the whole model on global rank 0
-    (None elsewhere), for the sample: experts gathered over ep, the stages' parts over pp."""
-    params = {name: [t.cpu() for t in values] for name, values in whole_state(chunks, optimizer, shards,
-                                                                              grid.groups["tp"])}
-    parts = params, {name: b.cpu() for chunk in chunks for name, b in chunk.named_buffers()}
+def gather_whole(held, grid):
+    """{name: whole weight} of the model (buffers too) on global rank 0 (None elsewhere), for the sample:
+    experts gathered over ep, the stages' parts over pp."""
+    parts = {name: values[0].cpu() for name, values, _ in held.whole()}
     if grid.ep > 1:
-        gathered = gather_to_first(parts, grid.groups["ep"])
+        gathered = gather_to_first(parts, grid.groups.ep)
         if gathered is None:
             return None
-        parts = merged(gathered)
+        parts = {k: v for part in gathered for k, v in part.items()}
     if grid.coords["tp"] or grid.coords["cp"] or grid.coords["dp"]:
         return None
-    gathered = gather_to_first(parts, grid.groups["pp"])
-    return None if gathered is None else merged(gathered)
+    gathered = gather_to_first(parts, grid.groups.pp)
+    return None if gathered is None else {k: v for part in gathered for k, v in part.items()}
 
 
-def sample_on_rank0(cfg, chunks, optimizer, shards, grid, gcfg, loader, env):
+def sample_on_rank0(cfg, held, grid, gcfg, loader, env):
     """The whole trained model on global rank 0, for the eyeball test that training worked."""
-    whole = gather_whole(chunks, optimizer, shards, grid)
+    whole = gather_whole(held, grid)
     if whole is not None:
-        params, buffers = whole
         model = GPT(gcfg).to(env.device)
-        model.load_state_dict({**{name: value[0] for name, value in params.items()}, **buffers,
-                               "lm_head.weight": params["transformer.wte.weight"][0]})
+        model.load_state_dict({**whole, "lm_head.weight": whole["transformer.wte.weight"]})
         print_sample(model, loader, cfg, env)
-
-
-@torch.no_grad()
-def load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg):
-    """Every rank reads the one checkpoint and keeps its slice of each weight and AdamW moment."""
-    tp = grid.groups["tp"]
-    try:
-        state, path = load_latest(cfg.out_dir)
-    except (FileNotFoundError, ValueError) as e:
-        fail(str(e), rank_local=True)
-    with torch.device("meta"):
-        gpt = GPT(gcfg)
-    order, _ = optimizer_layout(gpt, cfg)
-    saved = {name: state["optimizer"]["state"][i] for i, name in enumerate(order)}
-    mine = {}                                  # name -> [weight, exp_avg, exp_avg_sq]: my TP slices
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            value = state["model"].get(name)
-            if value is None or tuple(value.shape) != full_shape(p, tp):
-                fail(f"checkpoint {path} does not match this model: parameter {name} is "
-                     f"{None if value is None else tuple(value.shape)}, expected {full_shape(p, tp)}")
-            whole = (value, saved[name]["exp_avg"], saved[name]["exp_avg_sq"])
-            mine[name] = [tp_slice(p, t.to(p), tp) for t in whole]
-            p.copy_(mine[name][0])
-            if shards is None:
-                optimizer.state[p] = dict(step=saved[name]["step"].to(p.device), exp_avg=mine[name][1],
-                                          exp_avg_sq=mine[name][2])
-        for name, b in chunk.named_buffers():  # an MoE block's load: the previous step's expert shares
-            if name not in state["model"]:
-                fail(f"checkpoint {path} does not match this model: it has no {name}")
-            b.copy_(state["model"][name])
-    for s in shards or []:                     # ZeRO-1: the master and moments of my slice of each bucket
-        for i, t in enumerate((s.master, s.exp_avg, s.exp_avg_sq)):
-            t.copy_(flatten(s, {name: mine[name][i] for name in s.names})[s.lo: s.hi])
-    if shards is not None:
-        optimizer.steps = int(saved[order[0]]["step"])
-    set_rng_state(own_rng_state(state))
-    return state["step"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -317,7 +296,7 @@ def load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg):
 def extra_args(parser):
     parser.set_defaults(tp=0, cp=0, pp=0)      # 0: chosen by default_layout when no degree is given
     parser.add_argument("--layout", default="", choices=["", "auto"],
-                        help="auto: the layout plan.py ranks best for this model, world and GPU (layout_auto.py); "
+                        help="auto: the layout plan.py ranks best for this model, world and GPU (plan.py); "
                              "it replaces the degree, schedule, micro-batch, ZeRO and recompute flags")
     parser.add_argument("--plan_gpu", default="", help="with --layout auto: plan as if on this GPU (a100, h100, "
                                                        "h200, b200; default: the GPU found)")
@@ -431,14 +410,15 @@ def main(argv=None):
     act_shape = (micro, len(pos) // (cfg.tp if cfg.sp else 1), cfg.n_embd)
     schedules = make_schedule(cfg.pp_schedule, cfg.pp, m, cfg.pp_virtual)
     sim = simulate(schedules, cfg.pp, cfg.pp_virtual)
-    runner = PipelineRunner(chunks, grid.groups["pp"], schedules, m, act_shape, env.device, store,
+    runner = PipelineRunner(chunks, grid.groups.pp, schedules, m, act_shape, env.device, store,
                             autocast_context(dtype, env.device), param_dtype(dtype))
-    grads, optimizer, shards = data_parallel(chunks, cfg, grid, param_dtype(dtype), env.device)
-    if cfg.zero_stage == 2:                      # reduce-scatter each micro-batch's gradients as its B ends
-        runner.after_backward = lambda action: grads.finish()
+    holder = functools.partial(checkpoint_holder, grid=grid)
+    dp_axis = (ZeroShards(chunks, cfg, grid, param_dtype(dtype), env.device, holder) if cfg.zero_stage else
+               Replicas(chunks, cfg, grid, env.device, holder))
+    runner.after_backward = dp_axis.after_backward
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
-    start = load_consolidated(cfg, chunks, optimizer, shards, grid, gcfg) if cfg.resume else 0
+    start = checkpoint.load(cfg, env, gcfg, dp_axis.held) if cfg.resume else 0
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=env.world_size,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
@@ -448,8 +428,8 @@ def main(argv=None):
               f"{sim['idle'][0] / sim['makespan']:.3f}, {dtype}, {env.device}, steps {start}..{last_step - 1}",
               flush=True)
 
-    for name in ("pp", "cp"):                  # a collective before the first send/recv of a group (NCCL
-        dist.barrier(group=grid.groups[name])  # connects a pair at its first p2p; torch wants the group up first)
+    for group in (grid.groups.pp, grid.groups.cp):   # a collective before the first send/recv of a group (NCCL
+        dist.barrier(group=group)              # connects a pair at its first p2p; torch wants the group up first)
 
     def batch(step, mb, split="train"):
         """This rank's micro-batch: its dp slice of the global batch, its cp positions of every sequence."""
@@ -458,31 +438,25 @@ def main(argv=None):
 
     def eval_loss(x, y):                       # every rank: the full loss of one validation micro-batch
         loss = runner.forward_only_loss(x[:, pos], y[:, pos])
-        comm.all_reduce(loss, group=grid.groups["cp"])
+        comm.all_reduce(loss, group=grid.groups.cp)
         return loss / cfg.cp
 
     for step in range(start, last_step):
         t0 = time.perf_counter()
         COMM.reset()
         lr = lr_at(step, cfg)
-        grads.require_sync(cfg.zero_stage == 2)   # 0, 1: reduce once, after the pipeline; 2: after each B
+        dp_axis.start()
         loss_sum = runner.step(schedules[grid.coords["pp"]], lambda mb: batch(step, mb))
-        if cfg.zero_stage < 2:  # sums of this rank's gradients first (linear: before or after the mean alike)
-            tied_grads_sync(chunks, grid.groups["tied"])                   # the two embedding copies
-            all_reduce_sequence_parallel_grads(chunks, grid.groups["tp"])   # SP: LayerNorm grads over tp
-            grads.require_sync(True)
-            grads.finish()                       # mean over dp x cp (ZeRO-1: into my shard of each bucket)
-        else:                                    # ZeRO-2: already reduce-scattered after each B; the sums
-            sum_shard_grads(chunks, shards, grid)  # are taken on the shards
-        grad_norm = clip_grid_grads(chunks, shards, cfg.grad_clip, grid)
+        dp_axis.finish()
+        grad_norm = dp_axis.clip(cfg.grad_clip)
         with COMM.uncounted():                   # the logged loss, on every rank for the guard: not step traffic
-            comm.all_reduce(loss_sum, group=grid.groups["dp_cp"])      # the last stage's mean over dp x cp
-            last = dist.get_global_rank(grid.groups["pp"], runner.last_stage_rank)   # rank 0 in a V
-            comm.broadcast(loss_sum, last, group=grid.groups["pp"])
+            comm.all_reduce(loss_sum, group=grid.groups.dp_cp)      # the last stage's mean over dp x cp
+            last = dist.get_global_rank(grid.groups.pp, runner.last_stage_rank)   # rank 0 in a V
+            comm.broadcast(loss_sum, last, group=grid.groups.pp)
         loss_value = float(loss_sum) / (m * dp * cfg.cp)
         if guard.step_ok(step, loss_value, grad_norm):   # global loss and norm: every rank decides alike
-            optimizer_step(optimizer, shards, lr)
-        grads.zero_grad()
+            dp_axis.step(lr)
+        dp_axis.zero_grad()
         comm_bytes, by_axis = COMM.bytes_sent, bytes_by_axis(grid)     # this step's traffic, before logging
         router = moe_metrics(chunks, grid, cfg) if cfg.n_experts else {}
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
@@ -495,11 +469,11 @@ def main(argv=None):
             chunks.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_checkpoint(cfg, chunks, optimizer, shards, grid, gcfg, step + 1)
+            checkpoint.save(cfg, gcfg, step + 1, dp_axis.held)
     logger.close()
     if cfg.sample_tokens > 0 and last_step > start:     # (AdamW's state exists once a step has run)
-        sample_on_rank0(cfg, chunks, optimizer, shards, grid, gcfg, loader, env)
-    return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, grid=grid, shards=shards)
+        sample_on_rank0(cfg, dp_axis.held, grid, gcfg, loader, env)
+    return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, grid=grid, dp_axis=dp_axis)
 
 
 if __name__ == "__main__":

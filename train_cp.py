@@ -21,7 +21,9 @@ Bytes sent per layer and micro-batch (KV = this rank's K and V, dKV = the same i
 (cp-1)*KV forward, (cp-1)*KV + cp*dKV backward; allgather (cp-1)*(2*KV + dKV). Plus the all-reduce of
 every gradient over CP, 2(cp-1)/cp * 4N bytes, as every rank holds the whole model.
 Block attention: the plain-torch reference pair below, torch's fused CPU kernel on CPU, or with --kernels
-triton kernels/flash_attention.py's pair (same signatures).
+triton kernels/flash_attention.py's pair (same signatures). K/V may have fewer heads than Q (grouped-query
+attention): they travel with their own heads. Any model (docs/copy_out.md): swap_modules puts the core in place
+of the modules named; swap_attention_cores names model.py's.
 """
 import time
 
@@ -30,16 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from comm import COMM, destroy, all_gather, all_reduce, batch_isend_irecv, init_distributed, p2p_op, reduce_scatter, \
-    world_size_from_env
-from config import check, grad_accum_steps, parse_config
-from kernels.flash_attention import flash_attention_backward, flash_attention_forward
-from metrics import MetricsLogger, SavedActivationBytes
-from model import GPT, flops_per_token
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from profiling import label
-from train_single import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, \
-    load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype, save_training_state, should_save
+from common.comm import COMM, all_gather, all_reduce, batch_isend_irecv, clip_grad_norm, label, p2p_op, reduce_scatter
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -89,17 +82,23 @@ def merge_partial(out, lse, block_out, block_lse):
     lse.copy_(new_lse)
 
 
-class WORK:
-    """Attention score elements this rank computed in forward (unmasked (query, key) pairs x B x H)."""
-    score_elements = 0
+def repeat_heads(t, q):
+    """Grouped-query attention: K/V [B, H_kv, T, D] repeated to q's H heads (each K/V head serves H/H_kv query
+    heads, adjacent). K/V travel between ranks with their own H_kv heads; only the local blocks repeat them."""
+    rep = q.shape[1] // t.shape[1]
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def sum_heads(grad, kv):
+    """The backward of repeat_heads: the repeated heads' gradients summed back onto kv's H_kv heads."""
+    rep = grad.shape[1] // kv.shape[1]
+    return grad if rep == 1 else grad.unflatten(1, (kv.shape[1], rep)).sum(2)
 
 
 def attend(q, k, v, blocks, out, lse, kernel):
     """Queries q[rows] against k/v[cols] for each (rows, cols, causal) block, merged into out/lse."""
     for rows, cols, causal in blocks:
-        B, H, q_len, k_len = *q.shape[:2], rows.stop - rows.start, cols.stop - cols.start
-        WORK.score_elements += B * H * (q_len * (q_len + 1) // 2 if causal else q_len * k_len)
-        o, l = kernel[0](q[..., rows, :], k[..., cols, :], v[..., cols, :], causal)
+        o, l = kernel[0](q[..., rows, :], repeat_heads(k[..., cols, :], q), repeat_heads(v[..., cols, :], q), causal)
         merge_partial(out[..., rows, :], lse[..., rows], o, l)
 
 
@@ -107,10 +106,11 @@ def attend_backward(dout, q, k, v, out, lse, blocks, kernel, dq):
     """Backward of `attend`: adds into dq, returns [(cols, dk, dv)] for the caller to place."""
     grads = []
     for rows, cols, causal in blocks:
-        dq_b, dk_b, dv_b = kernel[1](dout[..., rows, :], q[..., rows, :], k[..., cols, :], v[..., cols, :],
+        kb, vb = k[..., cols, :], v[..., cols, :]
+        dq_b, dk_b, dv_b = kernel[1](dout[..., rows, :], q[..., rows, :], repeat_heads(kb, q), repeat_heads(vb, q),
                                      out[..., rows, :], lse[..., rows], causal)
         dq[..., rows, :] += dq_b
-        grads.append((cols, dk_b, dv_b))
+        grads.append((cols, sum_heads(dk_b, kb), sum_heads(dv_b, vb)))
     return grads
 
 
@@ -145,6 +145,17 @@ def ring_step_blocks(layout, rank, src, local_len):
     if src < rank:           # zigzag: both my chunks come after src's early chunk, before its late one
         return [(full, slice(0, half), False)]
     return [(slice(half, local_len), full, False)]             # only my late chunk sees src's two chunks
+
+
+def score_elements(layout, seq_len, cp, rank):
+    """Attention score elements (unmasked query-key pairs) this rank computes per sequence and head: the blocks
+    its attention runs (the metric attn_score_elements multiplies it by batch x heads x layers x forwards)."""
+    if layout == "allgather":
+        blocks = allgather_blocks(layout, seq_len, cp, rank)
+    else:
+        blocks = [b for s in range(cp) for b in ring_step_blocks(layout, rank, (rank - s) % cp, seq_len // cp)]
+    return sum((r.stop - r.start) * (r.stop - r.start + 1) // 2 if causal else (r.stop - r.start) * (c.stop - c.start)
+               for r, c, causal in blocks)
 
 
 def allgather_blocks(layout, seq_len, cp, rank):
@@ -297,14 +308,16 @@ class AllGatherKVAttention(torch.autograd.Function):
 
 
 def context_parallel_attention(q, k, v, group, layout, kernel=PLAIN_TORCH):
-    """(out, lse) of causal attention for this rank's chunk q/k/v [B, H, T_local, D] of a sequence laid out
-    across `group` by `layout` (ring | zigzag | allgather)."""
+    """(out, lse) of causal attention for this rank's chunk q [B, H, T_local, D], k/v [B, H_kv, T_local, D]
+    (H_kv divides H: grouped-query attention) of a sequence laid out across `group` by `layout` (ring | zigzag |
+    allgather)."""
     fn = AllGatherKVAttention if layout == "allgather" else RingAttention
     return fn.apply(q, k, v, group, layout, kernel)
 
 
 class ContextParallelAttentionCore(nn.Module):
-    """Drop-in for model.AttentionCore: forward(q, k, v) on the local chunk -> local attention output."""
+    """Drop-in for a model's causal attention core (model.AttentionCore, F.scaled_dot_product_attention(q, k, v,
+    is_causal=True) in a module of its own): forward(q, k, v) on the local chunk -> local attention output."""
 
     def __init__(self, group, layout, kernel=PLAIN_TORCH):
         super().__init__()
@@ -314,16 +327,22 @@ class ContextParallelAttentionCore(nn.Module):
         return context_parallel_attention(q, k, v, self.group, self.layout, self.kernel)[0]
 
 
-def swap_attention_cores(model, make_core):
-    """Replace every block's attention core; returns the old ones (to restore for single-device sampling)."""
-    old = [block.attn.core for block in model.transformer.h]
-    for block in model.transformer.h:
-        block.attn.core = make_core()
+def swap_modules(model, names, make):
+    """Replace each named module of `model` by make(); returns the old ones, in order (to swap back)."""
+    old = [model.get_submodule(name) for name in names]
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, make())
     return old
 
 
+def swap_attention_cores(model, make_core):
+    """swap_modules for model.py's GPT (or a pipeline stage of it): every block's attn.core."""
+    return swap_modules(model, [n for n, _ in model.named_modules() if n.endswith("attn.core")], make_core)
+
+
 # ----------------------------------------------------------------------------------------------------------
-# the rest of a CP step: local loss, gradients summed over the CP group, activation bytes
+# the rest of a CP step: gradients summed over the CP group (the loss is local: the script divides it by cp)
 
 def allreduce_grads(params, group):
     """Sum gradients over `group` in one flat all-reduce: each CP rank's gradient covers only the paths
@@ -335,7 +354,12 @@ def allreduce_grads(params, group):
         g.copy_(reduced)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# the script
+
 def validate(cfg):
+    from common.config import check, grad_accum_steps
+    from common.distributed import world_size_from_env
     world = world_size_from_env()
     check(cfg.cp == world, f"--cp {cfg.cp} must equal the number of processes ({world}): train_cp.py is "
           f"context parallel only (combine with data parallelism in train_5d.py)")
@@ -347,6 +371,17 @@ def validate(cfg):
 
 
 def main(argv=None):
+    # the script's plumbing, imported here: the building blocks above need only torch and comm.py
+    from common import checkpoint
+    from common.checkpoint import ModuleState, replicated
+    from common.config import grad_accum_steps, parse_config
+    from common.distributed import init_distributed
+    from common.metrics import MetricsLogger, SavedActivationBytes
+    from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
+    from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
+                                 prepare_data, param_dtype, print_sample, resolve_dtype, should_save)
+    from kernels.flash_attention import flash_attention_backward, flash_attention_forward
+    from model import GPT, flops_per_token
     cfg = parse_config(argv, techniques=("cp", "cp_layout", "fp8"), description=__doc__.split("\n\n")[0],
                        validate=validate)
     env = init_distributed(cfg)
@@ -367,13 +402,18 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed)                # same stream as train_single (no dropout here, though)
-    start = load_training_state(cfg, model, optimizer) if cfg.resume else 0
+    held = ModuleState([model], optimizer, replicated)   # what this rank holds, for checkpoints
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=cp,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
     activations = SavedActivationBytes(model)
+    # attention score elements this rank computes per step: every layer of every micro-batch, twice when
+    # recomputed in backward (--recompute selective or full runs the attention forward again)
+    score_work = (score_elements(cfg.cp_layout, cfg.block_size, cp, dist.get_rank(group)) * cfg.micro_batch_size
+                  * cfg.n_head * cfg.n_layer * grad_acc * (1 if cfg.recompute == "none" else 2))
     if env.is_main:
         print(f"train_cp: {sum(p.numel() for p in model.parameters()):,} parameters, cp {cp} ({cfg.cp_layout}), "
               f"{len(pos)} of {cfg.block_size} positions per rank, grad_acc {grad_acc}, {dtype}, {env.device}, "
@@ -390,7 +430,6 @@ def main(argv=None):
     for step in range(start, last_step):
         t0 = time.perf_counter()
         COMM.reset()
-        WORK.score_elements = 0
         lr = lr_at(step, cfg)
         set_lr(optimizer, lr)
         loss_sum = torch.zeros((), device=env.device, dtype=wide)
@@ -412,7 +451,7 @@ def main(argv=None):
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent,
-                        act_bytes=act_bytes, attn_score_elements=WORK.score_elements)
+                        act_bytes=act_bytes, attn_score_elements=score_work)
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
             model.eval()
@@ -421,14 +460,15 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):           # the CP ranks hold the same weights: rank 0 saves
-            save_training_state(cfg, model, optimizer, step + 1)
+            checkpoint.save(cfg, model.cfg, step + 1, held)
     logger.close()
-    for block, core in zip(model.transformer.h, local_cores):   # sample on one device with the plain core
-        block.attn.core = core
+    cores = iter(local_cores)                  # sample on one device with the plain cores
+    swap_attention_cores(model, lambda: next(cores))
     print_sample(model, loader, cfg, env)
     return dict(model=model, cfg=cfg)
 
 
 if __name__ == "__main__":
+    from common.distributed import destroy
     main()
     destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads

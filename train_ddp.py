@@ -16,7 +16,7 @@ Gradient accumulation: only the last micro-step of an optimizer step synchronize
 the decision is made *before* that micro-step's forward, so hooks know whether to communicate.
     global_batch_size = micro_batch_size * grad_acc * dp
 
-Communication per optimizer step (the README's ring convention), P parameters of b bytes, n ranks:
+Communication per optimizer step (docs/observability.md's convention), P parameters of b bytes, n ranks:
     comm_bytes = 2 (n-1)/n * P * b              in every mode, independent of grad_acc
 """
 import sys
@@ -25,20 +25,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from comm import COMM, destroy, all_reduce, init_distributed, world_size_from_env
-from config import check, fail, grad_accum_steps, parse_config
-from metrics import MetricsLogger
-from model import GPT, flops_per_token
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
-                          load_training_state, prepare_data, param_dtype, print_sample, resolve_dtype,
-                          save_training_state, should_save, wait_for_main_rank)
+from common.comm import COMM, all_reduce, clip_grad_norm
 
 MODES = ("naive", "overlap", "bucket")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# building blocks (train_zero.py and train_5d.py import these)
+# building blocks (train_zero.py, train_ep.py and train_5d.py import these; docs/copy_out.md: with comm.py alone
+# they work on any model)
 
 def assign_buckets(params, bucket_bytes):
     """Split `params` (in the order gradients are expected) into consecutive groups of at most
@@ -88,12 +82,19 @@ class GradBucket:
             p.grad = self.view(i)
 
 
+class GradNotInBucket(RuntimeError):
+    """A parameter's .grad is no longer the view of its bucket that DataParallelGrads attached."""
+
+
 class DataParallelGrads:
     """Averages the gradients of `params` over `group` (the building block; not a module wrapper).
 
     Use: `require_sync(flag)` before each micro-step's forward, `finish()` after the last backward (waits
-    for the in-flight reductions and averages), then the optimizer step, then `zero_grad()`.
-    Subclasses (ZeRO) change what a ready bucket does by overriding `launch` and `complete`."""
+    for the in-flight reductions and averages), then the optimizer step, then `zero_grad()` of this object,
+    never the optimizer's own: in bucket mode every param.grad is a view of a flat buffer, and torch's
+    zero_grad() (set_to_none=True) would replace it by a fresh tensor the buckets never see (a GradNotInBucket
+    error says so at the next backward). Subclasses (ZeRO) change what a ready bucket does by overriding
+    `launch` and `complete`."""
 
     def __init__(self, params, group, mode="bucket", bucket_mb=25.0, pad_to=1, attach=True, groups=None):
         """groups: explicit parameter groups as buckets, in launch order (ZeRO-3 passes its units);
@@ -104,7 +105,7 @@ class DataParallelGrads:
         self.n = dist.get_world_size(group)
         self.communicate = self.n > 1       # a one-rank group has nothing to average
         self.sync = True
-        self.buckets = []
+        self.buckets, self.attached = [], mode == "bucket" and attach
         if mode == "bucket":
             # backward produces gradients roughly in reverse order of use: last layers' buckets fill first
             if groups is None:
@@ -133,6 +134,11 @@ class DataParallelGrads:
             self.param_works.append(all_reduce(p.grad, group=self.group, async_op=True))
             return
         bucket, i = self.bucket_of[id(p)]
+        if self.attached and p.grad.untyped_storage().data_ptr() != bucket.buffer.untyped_storage().data_ptr():
+            raise GradNotInBucket(
+                f"a parameter of shape {tuple(p.shape)} got a gradient outside its bucket, so the all-reduce would "
+                f"skip it: its .grad, a view of the bucket, was replaced (the optimizer's own zero_grad(), which "
+                f"sets grads to None, or a `p.grad = ...`); call DataParallelGrads.zero_grad() instead")
         self.grad_landed(bucket, i, p)
         bucket.pending -= 1
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
@@ -218,6 +224,7 @@ def mean_over_group(value, group):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the script
 
 def add_args(parser):
     parser.add_argument("--ddp_mode", default="bucket", choices=MODES,
@@ -226,12 +233,24 @@ def add_args(parser):
 
 
 def validate(cfg):
+    from common.config import check, grad_accum_steps
+    from common.distributed import world_size_from_env
     dp = world_size_from_env()
     check(grad_accum_steps(cfg, dp) > 0, "empty batch")
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
 
 
 def main(argv=None):
+    # the script's plumbing, imported here: the building blocks above need only torch and comm.py
+    from common import checkpoint
+    from common.checkpoint import ModuleState, replicated
+    from common.config import fail, grad_accum_steps, parse_config
+    from common.distributed import init_distributed, wait_for_main_rank
+    from common.metrics import MetricsLogger
+    from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
+    from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
+                                 prepare_data, param_dtype, print_sample, resolve_dtype, should_save)
+    from model import GPT, flops_per_token
     cfg = parse_config(argv, techniques=("bucket_mb", "fp8"), description=__doc__.split("\n\n")[0],
                        extra_args=add_args, validate=validate)
     env = init_distributed(cfg)
@@ -254,7 +273,8 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
-    start = load_training_state(cfg, model, optimizer) if cfg.resume else 0   # each rank its own RNG state
+    held = ModuleState([model], optimizer, replicated)   # what this rank holds, for checkpoints
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0   # each rank its own RNG state
     grads = DataParallelGrads(model.parameters(), group, cfg.ddp_mode, cfg.bucket_mb)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
@@ -299,12 +319,13 @@ def main(argv=None):
                 logger.log_eval(step, val)
             wait_for_main_rank(group, cfg, "evaluation")
         if should_save(cfg, step, last_step):              # replicas agree: rank 0 writes, with each
-            save_training_state(cfg, model, optimizer, step + 1)   # rank's own dropout stream
+            checkpoint.save(cfg, model.cfg, step + 1, held)   # rank's own dropout stream
     logger.close()
     print_sample(model, loader, cfg, env)
     return dict(model=model, cfg=cfg, grads=grads)
 
 
 if __name__ == "__main__":
+    from common.distributed import destroy
     main()
     destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads

@@ -20,35 +20,27 @@ One MoE block on rank r (ep=2, E=4: rank 0 owns experts 0-1, rank 1 owns experts
 Backward runs the two exchanges again with the splits swapped, so gradients reach the router and the input.
 
 Dropless by default (every routed row is computed), which is why this reproduces train_single.py exactly.
-Bytes this rank sends per MoE block per micro-batch (README, Metrics: only rows leaving the rank count):
+Bytes this rank sends per MoE block per micro-batch (docs/observability.md: only rows leaving the rank count):
     all_to_all = 2 * (S + R) * h * bytes     S rows sent to other ranks, R rows received from them
 (dispatch S + combine R forward, and the same amounts backward), plus the all_gather of the counts.
 Parameters per rank: P_dense + n_moe_blocks * (E/ep) * (8h^2 + 5h): the expert weights shrink by ep.
+Any MoE whose experts are one module called on all routed rows (model.Experts; docs/copy_out.md) takes
+ExpertParallelExperts in their place.
 """
-import contextlib
-import dataclasses
-import io
+import functools
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from comm import COMM, destroy, all_gather, all_reduce, all_to_all, init_distributed, new_group, world_size_from_env
-from config import check, grad_accum_steps, parse_config
-from metrics import MetricsLogger
-from model import GPT, MLP, MoE, combine, flops_per_token, init_weights
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from routing import end_moe_step, router_metrics, start_moe_training
+from common.comm import COMM, all_gather, all_reduce, all_to_all, clip_grad_norm, new_group
 from train_ddp import DataParallelGrads, mean_over_group
-from train_single import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
-                          gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
-                          should_save)
-from zero_checkpoint import load_whole, save_whole
 
 
 # ----------------------------------------------------------------------------------------------------------
-# building blocks (train_5d.py imports these)
+# building blocks (train_5d.py imports these; with train_ddp.py and comm.py they work on any MoE whose experts
+# are one module called on all routed rows: docs/copy_out.md)
 
 class AllToAll(torch.autograd.Function):
     """all_to_all_single of rows with variable splits; its gradient is the same exchange with the splits
@@ -78,31 +70,28 @@ def gather_counts(counts, group):
     return table.view(n, -1)
 
 
-class ExpertParallelMoE(MoE):
-    """model.MoE with only this rank's E/ep experts: a drop-in for the MLP of an MoE block. Routing and load
-    balancing are model.MoE's, on this rank's tokens. Its parameters keep the single-device names (experts are
-    keyed by their global index), so each one is initialised by model.init_parameter exactly as in model.GPT
-    and checkpoints read the same. `group`: the ep ranks that share the E experts out."""
+class ExpertParallelExperts(nn.ModuleDict):
+    """Drop-in for an MoE's experts module (model.Experts): forward(rows, expert) runs rows [A, h], grouped by
+    expert, each on the expert `expert` [A] names, and returns their outputs in the same order; but this rank
+    holds only experts [r*E/ep, (r+1)*E/ep) of the E, and the rows travel to the rank owning their expert and
+    back. make_expert(e) builds (or hands over) expert e; keyed by its global index, each keeps the name it has
+    on one device (experts.5.c_fc.weight), so initialisation by name and checkpoints see the same tensors.
+    `group`: the ep ranks that share the E experts out."""
 
-    def __init__(self, cfg, group):
+    def __init__(self, make_expert, n_experts, group):
         self.ep, rank = dist.get_world_size(group), dist.get_rank(group)
-        n_local = cfg.n_experts // self.ep
+        n_local = n_experts // self.ep
         first = rank * n_local                                  # my experts: first .. first + n_local - 1
-        super().__init__(cfg, experts=nn.ModuleDict({str(e): MLP(cfg) for e in range(first, first + n_local)}))
-        self.group, self.n_experts, self.n_local, self.first = group, cfg.n_experts, n_local, first
+        super().__init__({str(e): make_expert(e) for e in range(first, first + n_local)})
+        self.group, self.n_experts, self.n_local, self.first = group, n_experts, n_local, first
 
-    def forward(self, x):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        r = self.routing = self.route(x)                        # my tokens only
-        order = torch.argsort(r.expert, stable=True)            # rows grouped by expert = by destination rank
-        table = gather_counts(torch.bincount(r.expert, minlength=self.n_experts), self.group)
+    def forward(self, rows, expert):
+        table = gather_counts(torch.bincount(expert, minlength=self.n_experts), self.group)
         mine = table[:, self.first:self.first + self.n_local]   # [ep, n_local]: rows each rank sends me
         send_splits = table[dist.get_rank(self.group)].view(self.ep, self.n_local).sum(1).tolist()
         recv_splits = mine.sum(1).tolist()
-        rows = AllToAll.apply(x[r.token[order]], recv_splits, send_splits, self.group)
-        out = AllToAll.apply(self.run_experts(rows, mine), send_splits, recv_splits, self.group)
-        return combine(x.shape[0], r.token[order], r.gate[order], out).view(shape)
+        arrived = AllToAll.apply(rows, recv_splits, send_splits, self.group)   # grouped by expert = by rank
+        return AllToAll.apply(self.run_experts(arrived, mine), send_splits, recv_splits, self.group)
 
     def run_experts(self, rows, mine):
         """rows arrive grouped by source rank, then by my local expert; regroup them by expert, run each
@@ -110,7 +99,7 @@ class ExpertParallelMoE(MoE):
         local = torch.arange(self.n_local, device=rows.device).repeat(self.ep)
         perm = torch.argsort(local.repeat_interleave(mine.reshape(-1)), stable=True)
         chunks = rows[perm].split(mine.sum(0).tolist())
-        out = torch.cat([expert(c) for expert, c in zip(self.experts.values(), chunks)])
+        out = torch.cat([expert(c) for expert, c in zip(self.values(), chunks)])
         return out[torch.argsort(perm)]
 
 
@@ -131,25 +120,6 @@ class GroupGradScaler(torch.amp.GradScaler):
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
 
 
-def swap_in_expert_parallel(gpt, ep_group):
-    """Replace each MoE block's MLP of `gpt` by an ExpertParallelMoE, on the device the GPT was built on (the
-    meta device in train_5d.py); the new parameters are left for init_parameter to fill."""
-    for block in gpt.transformer.h:
-        if isinstance(block.mlp, MoE):
-            block.mlp = ExpertParallelMoE(gpt.cfg, ep_group)
-
-
-def expert_parallel_gpt(gcfg, seed, ep_group):
-    """model.GPT with each MoE block's MLP replaced by its ExpertParallelMoE. The GPT is built on the meta
-    device and only then materialised, so no rank ever allocates all E experts."""
-    with torch.device("meta"):
-        model = GPT(gcfg, seed=seed)
-        swap_in_expert_parallel(model, ep_group)
-    materialize(model, "cpu")
-    init_weights(model, seed)                                    # by name: experts by their global index
-    return model
-
-
 def expert_groups(world_size, ep):
     """Every rank's (EP group, expert-replica group): EP groups are ep consecutive ranks; rank r's experts are
     replicated on the ranks with the same r % ep in the other EP groups. Every rank creates every group."""
@@ -159,21 +129,16 @@ def expert_groups(world_size, ep):
     return ep_groups[rank // ep], replica_groups[rank % ep]
 
 
-def is_expert_param(name):
-    return ".mlp.experts." in name
-
-
 class ExpertDataParallelGrads:
     """Data parallelism with experts sharded: dense gradients averaged over all `data_group` ranks (train_ddp's
     buckets); an expert's gradient already sums the tokens of its whole EP group (the all_to_all brought them),
     so it is averaged over the expert's replicas (`replica_group`) and divided by ep: the same 1/|data_group|
-    mean. `named`: (name, parameter) pairs, experts told apart by name."""
+    mean. `named`: (name, parameter) pairs; is_expert(name): whether it is an expert's (is_expert_param for
+    model.py's GPT)."""
 
-    def __init__(self, named, data_group, replica_group, ep, bucket_mb):
-        self.dense = DataParallelGrads([p for n, p in named if not is_expert_param(n)], data_group, "bucket",
-                                       bucket_mb)
-        self.experts = DataParallelGrads([p for n, p in named if is_expert_param(n)], replica_group, "bucket",
-                                         bucket_mb)
+    def __init__(self, named, data_group, replica_group, ep, bucket_mb, is_expert):
+        self.dense = DataParallelGrads([p for n, p in named if not is_expert(n)], data_group, "bucket", bucket_mb)
+        self.experts = DataParallelGrads([p for n, p in named if is_expert(n)], replica_group, "bucket", bucket_mb)
         self.ep = ep
 
     def require_sync(self, sync):
@@ -191,8 +156,48 @@ class ExpertDataParallelGrads:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# expert parallelism in model.py's GPT (this script and train_5d.py)
+
+def is_expert_param(name):
+    return ".mlp.experts." in name
+
+
+def swap_in_expert_parallel(gpt, ep_group):
+    """Give each MoE block of `gpt` ExpertParallelExperts (this rank's experts), on the device the GPT was built
+    on (the meta device in train_5d.py); the new parameters are left for init_parameter to fill."""
+    from model import MLP, MoE
+    for block in gpt.transformer.h:
+        if isinstance(block.mlp, MoE):
+            block.mlp.experts = ExpertParallelExperts(lambda e: MLP(gpt.cfg), gpt.cfg.n_experts, ep_group)
+
+
+def expert_parallel_moe(cfg, group):
+    """model.MoE with only this rank's E/ep experts: routing and load balancing are model.MoE's, on this rank's
+    tokens; its parameters have the single-device names."""
+    from model import MLP, MoE
+    return MoE(cfg, experts=ExpertParallelExperts(lambda e: MLP(cfg), cfg.n_experts, group))
+
+
+def expert_parallel_gpt(gcfg, seed, ep_group):
+    """model.GPT with each MoE block's experts replaced by its ExpertParallelExperts. The GPT is built on the
+    meta device and only then materialised, so no rank ever allocates all E experts."""
+    from common.training import materialize
+    from model import GPT, init_weights
+    with torch.device("meta"):
+        model = GPT(gcfg, seed=seed)
+        swap_in_expert_parallel(model, ep_group)
+    materialize(model, "cpu")
+    init_weights(model, seed)                                    # by name: experts by their global index
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the script
 
 def validate(cfg):
+    from common.config import check, grad_accum_steps
+    from common.distributed import world_size_from_env
+    from common.training import check_moe
     world = world_size_from_env()
     check_moe(cfg)
     check(cfg.n_experts > 0, "expert parallelism needs --n_experts > 0")
@@ -203,12 +208,23 @@ def validate(cfg):
 
 
 def checkpoint_holder(name, rank, world, ep):
-    """(key, holders, my index) of a tensor for zero_checkpoint.save_whole: an expert is held by its replicas
+    """(key, holders, my index) of a tensor for checkpoint.save: an expert is held by its replicas
     (rank r is the (r // ep)-th), everything else by every rank."""
     return ("experts", world // ep, rank // ep) if is_expert_param(name) else ("dense", world, rank)
 
 
 def main(argv=None):
+    # the script's plumbing, imported here: the building blocks above need only torch, comm.py and train_ddp.py
+    from common.config import grad_accum_steps, parse_config
+    from common.distributed import init_distributed
+    from common.metrics import MetricsLogger
+    from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
+    from common.routing import end_moe_step, router_metrics, start_moe_training
+    from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate,
+                                 gpt_config, param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
+    from common import checkpoint
+    from common.checkpoint import ModuleState
+    from model import flops_per_token
     cfg = parse_config(argv, techniques=("ep", "fp8") + MOE_FLAGS, description=__doc__.split("\n\n")[0],
                        validate=validate)
     env = init_distributed(cfg)
@@ -228,8 +244,10 @@ def main(argv=None):
     scaler = GroupGradScaler(env.device.type, dist.group.WORLD, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
-    start = load_whole(cfg, model.cfg, [model], optimizer, env) if cfg.resume else 0   # my experts
-    grads = ExpertDataParallelGrads(named, dist.group.WORLD, replica_group, cfg.ep, cfg.bucket_mb)
+    held = ModuleState([model], optimizer,                 # experts: written by one of their replicas
+                       functools.partial(checkpoint_holder, rank=env.rank, world=world, ep=cfg.ep))
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0   # my experts
+    grads = ExpertDataParallelGrads(named, dist.group.WORLD, replica_group, cfg.ep, cfg.bucket_mb, is_expert_param)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
@@ -280,16 +298,13 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_whole(cfg, model.cfg, [model], optimizer, step + 1,     # each tensor by one of its holders:
-                       holder=lambda name: checkpoint_holder(name, env.rank, world, cfg.ep))
+            checkpoint.save(cfg, model.cfg, step + 1, held)   # each tensor by one of its holders
     logger.close()
-    # every rank generates (each forward is collective over the experts), with the same seed and prompt,
-    # hence the same tokens; only rank 0's text is shown
-    with contextlib.nullcontext() if env.is_main else contextlib.redirect_stdout(io.StringIO()):
-        print_sample(model, loader, cfg, dataclasses.replace(env, rank=0))
+    print_sample(model, loader, cfg, env, collective=True)
     return dict(model=model, cfg=cfg)
 
 
 if __name__ == "__main__":
+    from common.distributed import destroy
     main()
     destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads

@@ -6,7 +6,7 @@ flow back, activations and gradients crossing stage boundaries by point-to-point
     torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule 1f1b --n_microbatches 8
     torchrun --nproc_per_node 2 train_pp.py --pp 2 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
     torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule dualpipev --pp_virtual 2 --n_microbatches 8
-    python pipeline_schedules.py --pp 4 --n_microbatches 8 --schedule zb1     # just print a schedule
+    python -m common.pipeline_schedules --pp 4 --n_microbatches 8 --schedule zb1     # just print a schedule
 
 Stage s of S = p*V holds blocks [s*L/S, (s+1)*L/S); stage 0 also embeds, stage S-1 also applies ln_f and
 the LM head with its loss. Stage s is chunk s // p of rank s % p, or in a V (zbv, dualpipev: 2 chunks, rank r
@@ -27,32 +27,25 @@ NCCL-safe for every schedule (nccl_check.py replays the launches under NCCL's ru
 Loss scaling: the last stage backpropagates loss / m, so gradients equal train_single's for the same global
 batch. Tokens are read by the first and last stage from the deterministic loader, never sent.
 Dropout draws from each rank's own RNG stream, so runs with --dropout > 0 do not match train_single bit for bit.
+Any model (docs/copy_out.md): PipelineRunner runs any stage modules (its docstring: what a stage receives and
+returns); pipeline_stages cuts a model that is a chain of modules; stage_views cuts model.py's GPT.
 """
+import contextlib
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as recompute
 
-import comm
-from comm import COMM, destroy, init_distributed, world_size_from_env
-from config import check, parse_config
-from metrics import MetricsLogger
-from model import GPT, collect_routing_stats, flops_per_token, init_weights, rope_cache
-from optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
-from pipeline_schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, make_schedule, placement_of,
-                                rank_of, recvs_of, render, schedule_placement, sends_of, simulate, stage_of)
-from pipeline_tied import clip_stage_grads, tied_grads_sync, tied_pair_group, tied_weight  # noqa: F401 (for 5d)
-from pipeline_weight_grads import WeightGradStore, defer_weight_grads
-from profiling import label
-from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
-                          prepare_data, materialize, param_dtype, print_sample, resolve_dtype, should_save)
-from zero_checkpoint import load_whole, save_whole
+from common import comm
+from common.comm import COMM, label
+from common.pipeline_schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, make_schedule, placement_of,
+                                       rank_of, recvs_of, render, schedule_placement, sends_of, simulate, stage_of)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# stages: contiguous slices of model.py's GPT, with the same parameter names
+# stages: contiguous runs of a model's blocks (docs/copy_out.md); a stage module is what PipelineRunner runs
 
 def layer_split(n_layer, n_stages):
     """Blocks of each stage; with an uneven split (--pp_uneven) the first n_layer % S stages get one more."""
@@ -61,72 +54,34 @@ def layer_split(n_layer, n_stages):
     return [range(a, a + n) for a, n in zip(starts, sizes)]
 
 
-class StageBlocks(nn.ModuleDict):
-    """A stage's blocks keyed by their index in the whole model (parameter names stay transformer.h.5.attn...),
-    iterated in order like GPT's ModuleList: code written for a GPT's blocks (train_tp.apply_tp, train_cp's
-    attention swap, kernels) runs on a stage unchanged."""
+def stages_of_rank(n_layer, rank, p, v=1, placement="loop"):
+    """[(stage, its blocks, first?, last?)] of this rank's v chunks (stages rank, rank+p, ...; in a V rank and
+    2p-1-rank), in chunk order."""
+    S = p * v
+    ranges = layer_split(n_layer, S)
+    return [(s, ranges[s], s == 0, s == S - 1) for s in (stage_of(rank, c, p, placement) for c in range(v))]
 
-    def __iter__(self):
-        return iter(self.values())
 
+class SequentialStage(nn.Module):
+    """A pipeline stage of a model whose forward is a chain of modules (embedding, blocks, final norm, head):
+    `layers` applied in order; the last stage returns loss_fn(output, targets), the mean over the micro-batch."""
 
-class PipelineStage(nn.Module):
-    """A view of blocks `layers` of a GPT (its own modules, not copies); the first stage embeds tokens, the
-    last one applies ln_f and the LM head and returns the mean loss. Parameter names are the GPT's. The last
-    stage holds the tied embedding too (as transformer.wte): on another rank than the first stage it is a
-    copy, kept equal by tied_grads_sync."""
-
-    def __init__(self, gpt, layers, first, last):
+    def __init__(self, layers, first, last, loss_fn=None):
         super().__init__()
-        self.cfg, self.first, self.last = gpt.cfg, first, last
-        self.pos = None                          # global positions of this rank's tokens (CP); None: 0..T-1
-        self.transformer = nn.ModuleDict()
-        if first or last:
-            self.transformer["wte"] = gpt.transformer.wte
-        if first:
-            self.transformer["drop"] = gpt.transformer.drop
-        self.transformer["h"] = StageBlocks({str(i): gpt.transformer.h[i] for i in layers})
-        if last:
-            self.transformer["ln_f"] = gpt.transformer.ln_f
-            self.lm_head = gpt.lm_head
-
-    def body(self, x):
-        """Token ids [b, T] (first stage) or the previous stage's activations [b, T, h] -> [b, T, h]."""
-        # RoPE needs only global positions: every stage rebuilds the same small table
-        pos = torch.arange(x.shape[1], device=x.device) if self.pos is None else self.pos
-        rope = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base, next(self.parameters()).dtype)
-        if self.first:
-            x = self.transformer["drop"](self.transformer["wte"](x))
-        for block in self.transformer["h"]:
-            full = self.cfg.recompute == "full" and self.training
-            x = checkpoint(block, x, rope, use_reentrant=False) if full else block(x, rope)
-        if self.training:
-            collect_routing_stats(self.transformer["h"])     # MoE blocks: this forward's routing, counted once
-        return x
+        self.layers, self.first, self.last, self.loss_fn = nn.ModuleList(layers), first, last, loss_fn
 
     def forward(self, x, targets=None):
-        """The activations for the next stage, or on the last stage the mean loss over the micro-batch."""
-        x = self.body(x)
-        return self.lm_head(self.transformer["ln_f"](x), targets)[1] if self.last else x
+        for layer in self.layers:
+            x = layer(x)
+        return self.loss_fn(x, targets) if self.last else x
 
 
-def stage_views(gpt, rank, p, v, placement="loop"):
-    """This rank's V chunks (stages rank, rank+p, ...; in a V rank and 2p-1-rank) of `gpt`, as PipelineStage
-    views."""
-    ranges, S = layer_split(gpt.cfg.n_layer, p * v), p * v
-    return nn.ModuleList([PipelineStage(gpt, ranges[s], s == 0, s == S - 1)
-                          for s in (stage_of(rank, c, p, placement) for c in range(v))])
-
-
-def build_stages(gcfg, rank, p, v, seed, device, dtype=torch.float32, placement="loop"):
-    """This rank's V chunks of a GPT built on the meta device: only their parameters get memory, each filled
-    from model.init_parameter (the same values as train_single's), in dtype."""
-    with torch.device("meta"):
-        gpt = GPT(gcfg, seed=seed)
-    chunks = materialize(stage_views(gpt, rank, p, v, placement), device, dtype)
-    for chunk in chunks:
-        init_weights(chunk, seed)                # by name: a stage's names are the GPT's
-    return chunks
+def pipeline_stages(before, blocks, after, rank, p, v=1, placement="loop", loss_fn=None):
+    """This rank's stages of any model as SequentialStages (its own modules, not copies): the blocks cut by
+    layer_split, `before` (embedding) on the first stage, `after` (final norm, LM head) and loss_fn on the last."""
+    return nn.ModuleList([SequentialStage((list(before) if first else []) + [blocks[i] for i in layers]
+                                          + (list(after) if last else []), first, last, loss_fn)
+                          for _, layers, first, last in stages_of_rank(len(blocks), rank, p, v, placement)])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -142,19 +97,32 @@ class PipelineRunner:
     reached (nccl_check.py replays the launches to prove it). A batch goes out right after the action that
     produced its sends and runs while the next actions compute; an action waits only for its own receives. A
     sent activation's storage is freed once its send completes: backward needs only its autograd graph (the
-    last op, an add, saves nothing)."""
+    last op, an add, saves nothing).
+
+    The stages (`chunks`: this rank's v stage modules, in chunk order) are called stage(input, targets):
+    input is get_batch(mb)'s x on the first stage and the previous stage's output elsewhere; targets is
+    get_batch(mb)'s y on the last stage, else None. A stage returns its output activations, one tensor of
+    act_shape (sent as act_dtype), or on the last stage the mean loss over the micro-batch (a scalar). A stage
+    has attributes `first` and `last`. `store`: a WeightGradStore, for the schedules with W actions (zb1, zbv,
+    dualpipev); `amp`: a context for each stage call (autocast; default none); `action_hook(action)`, when set,
+    a context manager around each action's compute (metrics.ActionTimer times the pipeline's idle share)."""
 
     def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None,
                  act_dtype=torch.float32):
         self.chunks, self.group, self.schedules, self.n_micro = chunks, group, schedules, n_micro
         self.rank, self.p, self.v = dist.get_rank(group), dist.get_world_size(group), len(chunks)
-        self.act_shape, self.device, self.store, self.amp = act_shape, device, store, amp
+        self.act_shape, self.device, self.store = act_shape, device, store
+        self.amp = contextlib.nullcontext() if amp is None else amp
         self.act_dtype = act_dtype               # what crosses stages: fp32 even under autocast (or float64)
         self.peer = [dist.get_global_rank(group, r) for r in range(self.p)]
         self.plan = comm_plan(schedules, self.p, self.v)[self.rank]   # actions and batches, in launch order
         self.placement = schedule_placement(schedules)                  # stage -> rank: round-robin or a V
         self.last_stage_rank = rank_of(self.p * self.v - 1, self.p, self.placement)   # it has the loss
         self.after_backward = None               # called with each B action when set (ZeRO-2: reduce now)
+        self.action_hook = None                  # a context around each action's compute when set (a timer)
+        if store is None and any(getattr(a, "kind", None) == "W" for a in self.plan):
+            raise ValueError("this schedule has W actions (weight gradients computed later): pass store="
+                             "WeightGradStore() and defer_weight_grads(stages, store) (pipeline_weight_grads.py)")
 
     # ---- messages: (what, micro-batch, receiving stage), see pipeline_schedules.sends_of
     def _launch(self, exchange):
@@ -232,15 +200,14 @@ class PipelineRunner:
         # sends not yet launched / in progress; receives posted; same-rank hand-overs; what B needs
         self.outbox, self.sending, self.posted, self.local, self.saved = {}, [], {}, {}, {}
         self.loss_sum = torch.zeros((), device=self.device, dtype=self.act_dtype)
-        self.busy, t_step = 0.0, time.perf_counter()
         for a in self.plan:
             self._free_sent()
             if isinstance(a, Exchange):
                 self._launch(a)
                 continue
-            received = self._received(a)
-            t0 = time.perf_counter()
-            with label(f"pp:{a.kind} mb{a.mb} chunk{a.chunk}"):    # a range in --profile's trace
+            received = self._received(a)         # (waiting for them is idle time: outside the hook)
+            hook = contextlib.nullcontext() if self.action_hook is None else self.action_hook(a)
+            with label(f"pp:{a.kind} mb{a.mb} chunk{a.chunk}"), hook:   # a range in --profile's trace
                 if a.kind == "F":
                     self._forward(a, received, get_batch)
                 elif a.kind == "B":
@@ -249,10 +216,8 @@ class PipelineRunner:
                         self.after_backward(a)
                 else:
                     self.store.compute((a.mb, a.chunk))
-            self.busy += time.perf_counter() - t0
         self._free_sent(wait=True)
         assert not (self.saved or self.posted or self.outbox or self.local), "schedule left work"
-        self.elapsed = time.perf_counter() - t_step   # idle = elapsed - busy: waiting for messages
         return self.loss_sum
 
     @torch.no_grad()
@@ -277,10 +242,84 @@ class PipelineRunner:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# model.py's GPT cut into stages (this script and train_5d.py): views with the GPT's parameter names
+
+class StageBlocks(nn.ModuleDict):
+    """A stage's blocks keyed by their index in the whole model (parameter names stay transformer.h.5.attn...),
+    iterated in order like GPT's ModuleList: code written for a GPT's blocks (train_tp.apply_tp, train_cp's
+    attention swap, kernels) runs on a stage unchanged."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+
+class PipelineStage(nn.Module):
+    """A view of blocks `layers` of a GPT (its own modules, not copies); the first stage embeds tokens, the
+    last one applies ln_f and the LM head and returns the mean loss. Parameter names are the GPT's. The last
+    stage holds the tied embedding too (as transformer.wte): on another rank than the first stage it is a
+    copy, kept equal by tied_grads_sync."""
+
+    def __init__(self, gpt, layers, first, last):
+        super().__init__()
+        self.cfg, self.first, self.last = gpt.cfg, first, last
+        self.pos = None                          # global positions of this rank's tokens (CP); None: 0..T-1
+        self.transformer = nn.ModuleDict()
+        if first or last:
+            self.transformer["wte"] = gpt.transformer.wte
+        if first:
+            self.transformer["drop"] = gpt.transformer.drop
+        self.transformer["h"] = StageBlocks({str(i): gpt.transformer.h[i] for i in layers})
+        if last:
+            self.transformer["ln_f"] = gpt.transformer.ln_f
+            self.lm_head = gpt.lm_head
+
+    def body(self, x):
+        """Token ids [b, T] (first stage) or the previous stage's activations [b, T, h] -> [b, T, h]."""
+        from model import collect_routing_stats, rope_cache
+        # RoPE needs only global positions: every stage rebuilds the same small table
+        pos = torch.arange(x.shape[1], device=x.device) if self.pos is None else self.pos
+        rope = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base, next(self.parameters()).dtype)
+        if self.first:
+            x = self.transformer["drop"](self.transformer["wte"](x))
+        for block in self.transformer["h"]:
+            full = self.cfg.recompute == "full" and self.training
+            x = recompute(block, x, rope, use_reentrant=False) if full else block(x, rope)
+        if self.training:
+            collect_routing_stats(self.transformer["h"])     # MoE blocks: this forward's routing, counted once
+        return x
+
+    def forward(self, x, targets=None):
+        """The activations for the next stage, or on the last stage the mean loss over the micro-batch."""
+        x = self.body(x)
+        return self.lm_head(self.transformer["ln_f"](x), targets)[1] if self.last else x
+
+
+def stage_views(gpt, rank, p, v, placement="loop"):
+    """This rank's V chunks (stages rank, rank+p, ...; in a V rank and 2p-1-rank) of `gpt`, as PipelineStage
+    views."""
+    return nn.ModuleList([PipelineStage(gpt, layers, first, last)
+                          for _, layers, first, last in stages_of_rank(gpt.cfg.n_layer, rank, p, v, placement)])
+
+
+def build_stages(gcfg, rank, p, v, seed, device, dtype=torch.float32, placement="loop"):
+    """This rank's V chunks of a GPT built on the meta device: only their parameters get memory, each filled
+    from model.init_parameter (the same values as train_single's), in dtype."""
+    from common.training import materialize
+    from model import GPT, init_weights
+    with torch.device("meta"):
+        gpt = GPT(gcfg, seed=seed)
+    chunks = materialize(stage_views(gpt, rank, p, v, placement), device, dtype)
+    for chunk in chunks:
+        init_weights(chunk, seed)                # by name: a stage's names are the GPT's
+    return chunks
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the full model back on one rank (for the sample at the end, and for the parity tests)
 
 def gather_full_state(chunks, gcfg, group, v, device, placement="loop"):
     """{GPT parameter name: tensor} on pipeline rank 0 (None elsewhere), every other rank sending its own."""
+    from model import GPT
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     ranges, full = layer_split(gcfg.n_layer, p * v), {}
     with torch.device("meta"):
@@ -307,9 +346,11 @@ def gather_full_state(chunks, gcfg, group, v, device, placement="loop"):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the script
 
 def n_microbatches(cfg):
     """(m, micro-batch size): --n_microbatches M sets the micro-batch to global / M."""
+    from common.config import check
     by, name = (cfg.n_microbatches, "--n_microbatches") if cfg.n_microbatches > 0 else \
         (cfg.micro_batch_size, "micro_batch_size")
     check(cfg.global_batch_size % by == 0, f"global_batch_size={cfg.global_batch_size} is not divisible by {name}={by}")
@@ -317,6 +358,8 @@ def n_microbatches(cfg):
 
 
 def validate(cfg):
+    from common.config import check
+    from common.distributed import world_size_from_env
     world, p, v, name = world_size_from_env(), cfg.pp, cfg.pp_virtual, cfg.pp_schedule
     check(cfg.n_microbatches >= 0, f"--n_microbatches must be >= 1, or 0 for global / micro_batch_size; got "
                                    f"{cfg.n_microbatches}")
@@ -350,6 +393,19 @@ def extra_args(parser):
 
 
 def main(argv=None):
+    # the script's plumbing, imported here: the building blocks above need only torch, comm.py and
+    # pipeline_schedules.py
+    from common.config import parse_config
+    from common.distributed import init_distributed
+    from common.metrics import ActionTimer, MetricsLogger
+    from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
+    from common.pipeline_tied import clip_stage_grads, tied_grads_sync, tied_pair_group
+    from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
+    from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
+                                 param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
+    from common import checkpoint
+    from common.checkpoint import ModuleState, only_mine
+    from model import GPT, flops_per_token
     cfg = parse_config(argv, techniques=("pp", "pp_schedule", "pp_virtual", "n_microbatches", "fp8"),
                        description=__doc__.split("\n\n")[0], extra_args=extra_args, validate=validate)
     env = init_distributed(cfg)
@@ -378,7 +434,8 @@ def main(argv=None):
     optimizer = configure_optimizer(chunks.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + rank)           # this rank's dropout stream
-    start = load_whole(cfg, gcfg, chunks, optimizer, env) if cfg.resume else 0   # my stages' parts
+    held = ModuleState(chunks, optimizer, only_mine)     # my stages: every rank writes its own
+    start = checkpoint.load(cfg, env, gcfg, held) if cfg.resume else 0   # my stages' parts
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=p,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
@@ -389,14 +446,17 @@ def main(argv=None):
               f"simulated bubble {sim['idle'][0] / sim['makespan']:.3f}, {dtype}, steps {start}..{last_step - 1}",
               flush=True)
     dist.barrier(group=group)                    # every pipeline rank is up before the first send
-    idle_fracs = []                              # per step: the schedule's share of time spent waiting
+    idle_fracs, timer = [], ActionTimer(env.device)   # per step: the schedule's share of time spent waiting
+    runner.action_hook = timer
 
     for step in range(start, last_step):
         COMM.reset()
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         set_lr(optimizer, lr)
+        timer.start()
         loss_sum = runner.step(schedules[rank], lambda mb: loader.micro_batch(step, mb, micro))
+        timer.stop()
         p2p_bytes = COMM.bytes_sent
         tied_grads_sync(chunks, tied_group)
         grad_norm = clip_stage_grads(chunks, cfg.grad_clip, group, env.device)
@@ -406,7 +466,7 @@ def main(argv=None):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step_time = time.perf_counter() - t0
-        idle_fracs.append(1.0 - runner.busy / runner.elapsed)
+        idle_fracs.append(timer.idle_fraction())
         logger.log_step(step, loss_value, lr, float(grad_norm), step_time, step_bytes := COMM.bytes_sent,
                         p2p_bytes=p2p_bytes, idle_frac=idle_fracs[-1],
                         bubble_sim=sim["idle"][rank] / sim["makespan"])
@@ -417,7 +477,7 @@ def main(argv=None):
             chunks.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_whole(cfg, gcfg, chunks, optimizer, step + 1)   # the stages' parts, merged on rank 0
+            checkpoint.save(cfg, gcfg, step + 1, held)   # the stages' parts, written in parallel
     logger.close()
 
     # measured idle share per rank (median over the steps after the first) next to the simulator's
@@ -438,5 +498,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from common.distributed import destroy
     main()
     destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads

@@ -1,6 +1,6 @@
 """
 train_single.py: the first rung. Train model.py's GPT on one device; every other script must reproduce
-this one's loss curve for the same seed and global batch (README, "Parity").
+this one's loss curve for the same seed and global batch (docs/parity.md).
 
     python train_single.py                                  # default corpus, CPU-sized model
     python train_single.py --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 --global_batch_size 12 \
@@ -18,228 +18,23 @@ Memory levers here: gradient accumulation (activations of one micro-batch at a t
 recomputation (--recompute selective: recompute the T x T attention scores; full: recompute every block from
 its input). Precision: bf16 autocast on GPU, fp16 autocast with a GradScaler, fp32 on CPU.
 """
-import contextlib
 import time
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
-from checkpoint import load_latest, own_rng_state, rng_state, rng_states_by_rank, save_step, set_rng_state, unwrap
-from comm import COMM, init_distributed
-from config import check, fail, grad_accum_steps, parse_config, config_dict
-from data import GlobalBatchLoader, ensure_dataset
-from kernels import apply_kernels, convert_to_float8
-from kernels.fp8 import check_fp8_support
-from metrics import MetricsLogger
-from model import GPT, GPTConfig, flops_per_token
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from routing import end_moe_step, router_metrics, start_moe_training
+from common import checkpoint
+from common.checkpoint import ModuleState, replicated
+from common.comm import COMM
+from common.config import check, grad_accum_steps, parse_config
+from common.distributed import init_distributed
+from common.metrics import MetricsLogger
+from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
+from common.routing import end_moe_step, router_metrics, start_moe_training
+from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
+                             gpt_config, param_dtype, prepare_data, print_sample, resolve_dtype,
+                             should_save)
+from model import GPT, flops_per_token
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-MOE_FLAGS = ("n_experts", "top_k", "moe_every", "aux_loss_coef", "aux_loss_scope", "capacity_factor")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# building blocks the other train_*.py scripts import
-
-def resolve_dtype(cfg, device):
-    if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[cfg.dtype]
-
-
-def param_dtype(dtype):
-    """Parameters, gradients and optimizer state: fp32 (16-bit compute comes from autocast), or float64 for
-    the exactness check (README, "Parity"), where every tensor of the run is float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def autocast_context(dtype, device):
-    """Mixed precision by autocast: matmuls in 16 bits, parameters and optimizer state stay fp32."""
-    if dtype in (torch.float32, torch.float64):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def enable_tf32(device):
-    """fp32 matmuls on a CUDA GPU in TF32 (tensor cores, 10-bit mantissa), the same in every script; no-op on CPU."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-
-def apply_kernels_and_fp8(model, cfg, device):
-    """--kernels (fused modules) and --fp8 (Float8Linear GEMMs) swapped into a model or a pipeline stage in
-    place, parameters unchanged; one clear error line when the device cannot run them. Returns the kernel mode."""
-    try:
-        mode = apply_kernels(model, cfg.kernels)
-        if getattr(cfg, "fp8", "none") != "none":
-            check_fp8_support(device)
-            convert_to_float8(model, recipe=cfg.fp8)
-    except (ValueError, RuntimeError) as e:
-        fail(str(e))
-    return mode
-
-
-def fail_together(error, env):
-    """Every rank passes its own error message (or None). If any rank has one, each failing rank prints its
-    own and every rank exits with code 2: no rank is left waiting in a collective for one that has exited."""
-    if dist.is_initialized():
-        flag = torch.tensor([error is not None], dtype=torch.int32, device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed = bool(flag.item())
-    else:
-        failed = error is not None
-    if error is not None:
-        fail(error, rank_local=True)
-    if failed:
-        fail("another rank failed (its error line names it)")
-
-
-def prepares_data(env):
-    """Who prepares the default corpus: local rank 0 of every node, as nodes need not share a filesystem."""
-    return env.local_rank == 0
-
-
-def prepare_data(cfg, env):
-    """The deterministic loader. Each node's local rank 0 prepares the default corpus on first use while the
-    others wait; then every rank opens it. A rank that cannot (no dataset on its node) says so itself."""
-    error = None
-    if prepares_data(env):
-        try:
-            ensure_dataset(cfg.data_dir)
-        except (OSError, ValueError) as e:          # FileNotFoundError is an OSError
-            error = str(e)
-    fail_together(error, env)                       # also the barrier: the node's corpus is ready
-    loader = None
-    try:
-        ensure_dataset(cfg.data_dir)
-        loader = GlobalBatchLoader(cfg.data_dir, cfg.block_size, cfg.global_batch_size, cfg.seed, env.device)
-    except (OSError, ValueError) as e:
-        error = str(e)
-    fail_together(error, env)
-    return loader
-
-
-def wait_for_main_rank(group, cfg, what):
-    """After work that only rank 0 does (a checkpoint save, an evaluation): the other ranks wait for it here,
-    bounded by --dist_timeout, instead of inside the next step's collective; a too-slow save or evaluation
-    is then reported as what it is."""
-    try:
-        dist.barrier(group=group)
-    except RuntimeError as e:                        # DistBackendError: a timeout (or a rank gone)
-        fail(f"waited longer than --dist_timeout {cfg.dist_timeout:g} s for rank 0's {what} "
-             f"({type(e).__name__}); raise --dist_timeout", rank_local=True)
-
-
-def materialize(module, device, dtype=torch.float32):
-    """Give every parameter still on the meta device real (uninitialised) memory on `device`, in place, keeping
-    its attributes (tensor-parallel tags) and its sharing (a tied weight stays one tensor). The way to build
-    a big model: GPT on the meta device, cut into stages / swap in sharded layers, materialize what this rank
-    keeps, then fill it from model.init_parameter (init_weights, or tp_shards.init_tp_weights for shards)."""
-    new = {}
-    for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None and p.is_meta:
-                if id(p) not in new:
-                    new[id(p)] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), p.requires_grad)
-                    new[id(p)].__dict__.update(p.__dict__)
-                m._parameters[name] = new[id(p)]
-        for name, b in m._buffers.items():              # (an MoE block's load statistics: zeros)
-            if b is not None and b.is_meta:
-                kind = dtype if b.is_floating_point() else b.dtype
-                m._buffers[name] = torch.zeros(b.shape, device=device, dtype=kind)
-    return module
-
-
-def gpt_config(cfg, vocab_size):
-    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, dropout=cfg.dropout, recompute=cfg.recompute,
-                     **{name: getattr(cfg, name) for name in MOE_FLAGS})
-
-
-def check_moe(cfg):
-    """The MoE flags' bad values, as one clear error before any work."""
-    check(cfg.n_experts >= 0 and cfg.moe_every >= 1, "need --n_experts >= 0 and --moe_every >= 1")
-    check(cfg.capacity_factor >= 0 and cfg.aux_loss_coef >= 0,
-          "need --capacity_factor >= 0 and --aux_loss_coef >= 0")
-    check(cfg.n_experts == 0 or 1 <= cfg.top_k <= cfg.n_experts,
-          f"--top_k {cfg.top_k} must be between 1 and --n_experts {cfg.n_experts}")
-
-
-@torch.no_grad()
-def evaluate(loss_fn, loader, cfg):
-    """Mean validation loss over eval_iters fixed micro-batches; loss_fn(x, y) -> scalar loss."""
-    losses = [float(loss_fn(*loader.micro_batch(i, 0, cfg.micro_batch_size, split="val")))
-              for i in range(cfg.eval_iters)]
-    return sum(losses) / len(losses)
-
-
-def decode(tokens, meta):
-    """Token ids -> text: GPT-2 BPE, raw bytes, or a character table `itos` (nanoGPT's character-level meta.pkl,
-    or a list in meta.json). Any other tokenizer has no decoder here: ValueError, and the sample says so."""
-    if meta.get("tokenizer") == "gpt2":
-        import tiktoken
-        return tiktoken.get_encoding("gpt2").decode(tokens)
-    if "itos" in meta:
-        itos = meta["itos"]
-        table = dict(enumerate(itos)) if isinstance(itos, list) else {int(k): v for k, v in itos.items()}
-        return "".join(table.get(t, "\ufffd") for t in tokens)
-    if meta.get("tokenizer") == "byte":
-        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
-    raise ValueError(f"the dataset's tokenizer {meta.get('tokenizer')!r} is unknown here; meta.json needs "
-                     f"tokenizer byte or gpt2, or an itos list (the text of each token id)")
-
-
-def print_sample(model, loader, cfg, env):
-    """Generate a short continuation of a validation snippet: the eyeball test that training worked."""
-    if cfg.sample_tokens <= 0 or env.rank != 0:
-        return
-    model.eval()
-    prompt, _ = loader.micro_batch(0, 0, 1, split="val")
-    prompt = prompt[:, : min(32, cfg.block_size)]
-    torch.manual_seed(cfg.seed)
-    out = model.generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50)
-    try:
-        text = decode(out[0].tolist(), loader.meta)
-    except Exception as e:  # e.g. tiktoken cannot fetch its vocabulary offline
-        text = f"<cannot decode: {e}>"
-    print(f"---- sample ----\n{text}\n----------------", flush=True)
-
-
-def save_training_state(cfg, model, optimizer, next_step):
-    """Every rank calls this; rank 0 writes the checkpoint for all (replicas agree on weights and optimizer state),
-    with every rank's RNG state, since ranks that each draw their own dropout stream resume their own."""
-    rngs = rng_states_by_rank()
-    state = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        state = dict(model=unwrap(model).state_dict(), optimizer=optimizer.state_dict(), step=next_step,
-                     rng=rng_state(), rng_by_rank=rngs, config=config_dict(cfg))
-    save_step(cfg, state, next_step)
-
-
-def load_training_state(cfg, model, optimizer):
-    """Restore model, optimizer and RNG from the latest checkpoint; returns the step to continue from. A missing,
-    unreadable or other model's checkpoint is one error line on the rank that reads it."""
-    path = None
-    try:
-        state, path = load_latest(cfg.out_dir)
-        unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    except (FileNotFoundError, ValueError) as e:
-        fail(str(e), rank_local=True)
-    except (RuntimeError, KeyError) as e:            # load_state_dict: missing keys or other shapes
-        fail(f"--resume: {path} does not match this model ({str(e).splitlines()[0]})", rank_local=True)
-    set_rng_state(own_rng_state(state))
-    return state["step"]
-
-
-def should_save(cfg, step, last_step):
-    return step == last_step - 1 or (cfg.save_interval > 0 and (step + 1) % cfg.save_interval == 0)
-
-
-# ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
     cfg = parse_config(argv, techniques=MOE_FLAGS + ("fp8",), description=__doc__.split("\n\n")[0],
@@ -257,7 +52,8 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, scaler=scaler)
     torch.manual_seed(cfg.seed)                      # dropout stream, identical in every run with this seed
-    start = load_training_state(cfg, model, optimizer) if cfg.resume else 0
+    held = ModuleState([model], optimizer, replicated)   # what this rank holds, for checkpoints
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
@@ -294,7 +90,7 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_training_state(cfg, model, optimizer, step + 1)
+            checkpoint.save(cfg, model.cfg, step + 1, held)
     logger.close()
     print_sample(model, loader, cfg, env)
     return dict(model=model, cfg=cfg)

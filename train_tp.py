@@ -20,11 +20,10 @@ T/tp of the sequence. f becomes an all-gather along the sequence and g a reduce-
 reduce-scatter then an all-gather, so the forward moves the same bytes. The column layers keep only their input
 shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
+Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the layers a plan names; apply_tp is
+that plan for model.py's GPT.
 """
 import argparse
-import contextlib
-import dataclasses
-import io
 import math
 import time
 
@@ -33,15 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from comm import COMM, destroy, all_gather, all_reduce, init_distributed, reduce_scatter, world_size_from_env
-from config import check, grad_accum_steps, parse_config
-from metrics import MetricsLogger, SavedActivationBytes
-from model import GPT, MoE, activation_bytes_per_layer, flops_per_token
-from optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from train_single import (autocast_context, enable_tf32, evaluate, gpt_config, prepare_data, materialize,
-                          param_dtype, print_sample, resolve_dtype, should_save)
-from tp_shards import init_tp_weights
-from zero_checkpoint import load_whole, save_whole
+from common.comm import COMM, all_gather, all_reduce, clip_grad_norm, reduce_scatter
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -109,6 +100,34 @@ class ReduceScatterToSP(torch.autograd.Function):
         return gather_seq(grad, ctx.group)[0], None
 
 
+class ScatterToSP(torch.autograd.Function):
+    """Enter SP from a replicated region (a replicated embedding's output): keep my sequence chunk. Backward:
+    every rank's chunk gradient, all-gathered, is the gradient of the replicated input on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_seq(grad, ctx.group)[0], None
+
+
+class GatherFromSP(torch.autograd.Function):
+    """Leave SP into a replicated region (a replicated final layer or head): all-gather the sequence. Backward:
+    every rank computed the same replicated gradient, so my chunk of it is mine (no sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_seq(x, group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(dist.get_world_size(ctx.group), dim=1)[dist.get_rank(ctx.group)], None
+
+
 class ColumnLinearFn(torch.autograd.Function):
     """f fused with the column-parallel matmul, for two things autograd's composition cannot do. SP: keep only
     the input's sequence shard for backward and all-gather it again there, so every activation is 1/tp-sized.
@@ -152,24 +171,36 @@ def leave_tp_region(x, group, sp):
 
 # ----------------------------------------------------------------------------------------------------------
 # the parallel layers. A sharded parameter carries `tp_split = (dim, parts)`: the full tensor is `parts`
-# equal blocks along `dim` (3 for c_attn's q|k|v) and a rank keeps its 1/tp slice of each block
+# equal blocks along `dim` (3 for a fused q|k|v) and a rank keeps its 1/tp slice of each block
 # (tp_shards.py: a parameter's slice of its full tensor and back, init_tp_weights, gather_full_weights).
 
-def shard_param(shape, dim, parts, group, device):
+def shard_param(shape, dim, parts, group, device=None, dtype=None):
     shape = [size // dist.get_world_size(group) if i == dim else size for i, size in enumerate(shape)]
-    p = nn.Parameter(torch.empty(shape, device=device))
+    p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
     p.tp_split, p.tp_pad = (dim, parts), 0       # tp_pad: zero rows appended to the full tensor (vocabulary)
     return p
+
+
+@torch.no_grad()
+def load_shard(p, full, group):
+    """Fill parameter p with its slice of `full`, the whole tensor (tp_split and tp_pad say which; a replicated
+    parameter takes it all): the rule of tp_shards.tp_slice, which train_tp's checkpoints use."""
+    if hasattr(p, "tp_split"):
+        (dim, parts), n, r = p.tp_split, dist.get_world_size(group), dist.get_rank(group)
+        full = torch.cat([full, full.new_zeros(p.tp_pad, *full.shape[1:])])   # padding rows (dim 0): zeros
+        full = torch.cat([block.chunk(n, dim)[r] for block in full.chunk(parts, dim)], dim)
+    p.copy_(full)
 
 
 class ColumnParallelLinear(nn.Module):
     """y[:, my rows] = x W[my rows]^T + b[my rows]: the output stays split over ranks (no communication)."""
 
-    def __init__(self, in_features, out_features, group, sp=False, overlap=False, parts=1, device=None):
+    def __init__(self, in_features, out_features, group, sp=False, overlap=False, parts=1, bias=True, device=None,
+                 dtype=None):
         super().__init__()
         self.group, self.sp, self.overlap = group, sp, overlap
-        self.weight = shard_param((out_features, in_features), 0, parts, group, device)
-        self.bias = shard_param((out_features,), 0, parts, group, device)
+        self.weight = shard_param((out_features, in_features), 0, parts, group, device, dtype)
+        self.bias = shard_param((out_features,), 0, parts, group, device, dtype) if bias else None
 
     def forward(self, x):
         return column_parallel(x, self.weight, self.bias, self.group, self.sp, self.overlap)
@@ -178,25 +209,28 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x[:, my cols] W[:, my cols]^T, then + b (replicated; added once, after the sum)."""
 
-    def __init__(self, in_features, out_features, group, sp=False, device=None):
+    def __init__(self, in_features, out_features, group, sp=False, bias=True, device=None, dtype=None):
         super().__init__()
         self.group, self.sp = group, sp
-        self.weight = shard_param((out_features, in_features), 1, 1, group, device)
-        self.bias = nn.Parameter(torch.empty(out_features, device=device))
-        self.bias.sequence_parallel = sp           # under SP each rank sees a sequence chunk: partial grad
+        self.weight = shard_param((out_features, in_features), 1, 1, group, device, dtype)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+            self.bias.sequence_parallel = sp       # under SP each rank sees a sequence chunk: partial grad
 
     def forward(self, x):
-        return leave_tp_region(F.linear(x, self.weight), self.group, self.sp) + self.bias
+        y = leave_tp_region(F.linear(x, self.weight), self.group, self.sp)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rank r holds vocabulary rows [r*V/tp, (r+1)*V/tp): look up the ids it owns, zeros elsewhere, then sum."""
 
-    def __init__(self, vocab_size, dim, group, sp=False, device=None):
+    def __init__(self, vocab_size, dim, group, sp=False, device=None, dtype=None):
         super().__init__()
         self.group, self.sp, n = group, sp, dist.get_world_size(group)
         rows = -(-vocab_size // n)                 # the vocabulary is padded with zero rows up to a multiple of tp
-        self.weight = shard_param((rows * n, dim), 0, 1, group, device)
+        self.weight = shard_param((rows * n, dim), 0, 1, group, device, dtype)
         self.weight.tp_pad = rows * n - vocab_size
         self.vocab_start = dist.get_rank(group) * rows
         self.n_valid = max(0, min(rows, vocab_size - self.vocab_start))    # my rows that are real tokens
@@ -275,44 +309,90 @@ class RankRNG(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# applying TP to model.py's GPT
+# applying TP to any model, by module name (docs/copy_out.md). The model computes its heads from its projections'
+# width (a reshape to (-1, head_dim)), so a rank's column slice of q, k, v simply runs its share of the heads.
 
-def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
-    """Swap model.py's layers for tensor-parallel ones, in place (model.py is untouched). Build the model on the
-    meta device: new parameters are allocated here, empty, on `device` (which may be "meta" too); fill them
-    with init_tp_weights."""
-    rng = (lambda mod: RankRNG(mod, group)) if model.cfg.dropout > 0 else (lambda mod: mod)
-    h = model.cfg.n_embd
-    for block in model.transformer.h:
-        attn, mlp = block.attn, block.mlp
-        attn.c_attn = ColumnParallelLinear(h, 3 * h, group, sp, overlap, parts=3, device=device)
-        attn.c_proj = RowParallelLinear(h, h, group, sp, device)
-        attn.core = rng(attn.core)                               # attention dropout: my heads
-        if sp:                                                   # residual dropout: my sequence chunk
-            attn.resid_dropout = rng(attn.resid_dropout)
-        if isinstance(mlp, MoE):     # experts stay whole (train_5d shards them over ep); under SP the block
-            for p in mlp.parameters():   # routes my sequence chunk: router and expert grads are partial sums
-                p.sequence_parallel = sp
+def tensor_parallel(model, plan, group, sp=False, overlap=False, sequence_parallel=(), replicated=(), device=None):
+    """Swap the modules `plan` names for tensor-parallel ones, in place. plan: {module name: style}:
+        "column"            an nn.Linear whose output features are split (q, k, v; an MLP's gate and up):
+                            ("column", 3) when one Linear holds q|k|v
+        "row"               an nn.Linear whose input features are split (attention's output, the MLP's down)
+        "embedding"         an nn.Embedding split by vocabulary rows (under SP its output is my sequence chunk)
+        "sp_begin"/"sp_end" under SP, a replicated module whose output is cut to my sequence chunk (a replicated
+                            embedding) / whose input is gathered whole first (a replicated LM head); else nothing
+    A module built on the meta device gives an empty layer on `device` (fill it: tp_shards.init_tp_weights); a
+    built one gives a layer holding this rank's slice of its weights. Under SP every module between sp_begin
+    (or "embedding") and sp_end sees my sequence chunk, so the gradients of its replicated parameters are partial
+    sums: name those modules in `sequence_parallel` (their parameters get all_reduce_sequence_parallel_grads;
+    row biases are marked already). A norm-like module with parameters named in neither `sequence_parallel` nor
+    `replicated` (a norm outside the SP region) is a ValueError: its gradient would silently be 1/tp of it."""
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        if style in ("sp_begin", "sp_end"):
+            if sp:
+                sequence_parallel_edge(module, style, group)
             continue
-        mlp.c_fc = ColumnParallelLinear(h, 4 * h, group, sp, overlap, device=device)
-        mlp.c_proj = RowParallelLinear(4 * h, h, group, sp, device)
-        if sp:
-            mlp.dropout = rng(mlp.dropout)
-    model.transformer.wte = wte = VocabParallelEmbedding(model.cfg.padded_vocab_size, h, group, sp, device)
-    model.lm_head = VocabParallelLMHead(wte, group, sp, overlap)
+        new = parallel_layer(module, style, group, sp, overlap, device)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
     if sp:
-        model.transformer.drop = rng(model.transformer.drop)
-    for module in model.modules():
-        if isinstance(module, nn.LayerNorm):     # under SP a LayerNorm sees my sequence chunk: partial grads
-            for p in module.parameters(recurse=False):
-                p.sequence_parallel = sp
-    # what is still on the meta device is replicated on every TP rank: the LayerNorms and row-parallel biases
-    # (device "meta": shapes only, for train_5d, which cuts the model into stages before materializing)
-    return model if torch.device(device).type == "meta" else materialize(model, device)
+        mark_sequence_parallel(model, sequence_parallel, replicated)
+    return model
+
+
+def parallel_layer(module, style, group, sp, overlap, device=None):
+    """The tensor-parallel layer for `module` (an nn.Linear or nn.Embedding) in `style`, holding this rank's
+    slice of its weights (empty when `module` is on the meta device)."""
+    kind, parts = style if isinstance(style, tuple) else (style, 1)
+    w = module.weight
+    kwargs = dict(device=w.device if device is None else device, dtype=w.dtype)
+    if kind == "column":
+        new = ColumnParallelLinear(module.in_features, module.out_features, group, sp, overlap, parts,
+                                   module.bias is not None, **kwargs)
+    elif kind == "row":
+        new = RowParallelLinear(module.in_features, module.out_features, group, sp, module.bias is not None, **kwargs)
+    elif kind == "embedding":
+        new = VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, group, sp, **kwargs)
+    else:
+        raise ValueError(f"unknown tensor-parallel style {style!r}: column, row, embedding, sp_begin or sp_end")
+    if not w.is_meta:
+        for key, p in new.named_parameters():
+            load_shard(p, getattr(module, key).detach().to(p.device), group)
+    return new
+
+
+def sequence_parallel_edge(module, style, group):
+    """Hooks that cut a replicated module's output to my sequence chunk (sp_begin) or gather its input (sp_end);
+    its parameters and their names stay as they are."""
+    if style == "sp_begin":
+        module.register_forward_hook(lambda mod, args, out: ScatterToSP.apply(out, group))
+    else:
+        module.register_forward_pre_hook(lambda mod, args: (GatherFromSP.apply(args[0], group),) + tuple(args[1:]))
+
+
+def is_norm(module):
+    """LayerNorm, RMSNorm, GroupNorm, a fused or a user's own norm: by class name, with parameters of its own."""
+    return "Norm" in type(module).__name__ and any(True for _ in module.parameters(recurse=False))
+
+
+def mark_sequence_parallel(model, names, replicated=()):
+    """Tag every parameter of the named modules `sequence_parallel` (its gradient is summed over tp after
+    backward); refuse a norm with parameters that is named in neither list."""
+    for name in names:
+        for p in model.get_submodule(name).parameters():
+            p.sequence_parallel = True
+    covered = tuple(names) + tuple(replicated)
+    missed = [n for n, m in model.named_modules() if is_norm(m)
+              and not any(n == c or n.startswith(c + ".") for c in covered)]
+    if missed:
+        raise ValueError(f"sequence parallelism: the norms {missed} have parameters but are not named in "
+                         f"sequence_parallel: under SP a norm sees this rank's sequence chunk, so its gradient must "
+                         f"be summed over tp (name it in sequence_parallel), or, if it runs on the whole sequence "
+                         f"outside the SP region, name it in replicated")
 
 
 def all_reduce_sequence_parallel_grads(model, group):
-    """Under SP each rank's LayerNorms and row biases saw only its sequence chunk: sum their grads (one bucket)."""
+    """Under SP each rank's norms and row biases saw only its sequence chunk: sum their grads (one bucket)."""
     grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -322,7 +402,7 @@ def all_reduce_sequence_parallel_grads(model, group):
 
 def tp_counts(p, group):
     """Whether this TP rank counts p in a global norm: every rank its shards, TP rank 0 the replicated
-    parameters (LayerNorms, row biases), so each value is counted once."""
+    parameters (norms, row biases), so each value is counted once."""
     return hasattr(p, "tp_split") or dist.get_rank(group) == 0
 
 
@@ -338,20 +418,47 @@ def clip_tp_grads(model, max_norm, group):
     return clip_grad_norm(owned, max_norm, group, device=owned[0].device, dtype=owned[0].dtype, replicas=replicas)
 
 
-def tp_activation_bytes_per_layer(seq_len, batch, cfg, tp, sp=False, **kw):
-    """Korthikanti et al.'s activation bytes per layer under TP (+SP), from model.activation_bytes_per_layer (same
-    keywords). TP splits all inside the TP regions; the two LayerNorm inputs, the inputs of c_attn and c_fc and the
-    two residual dropout masks stay whole. SP splits those along the sequence too: everything is 1/tp."""
-    full = activation_bytes_per_layer(seq_len, batch, cfg, **kw)
-    if sp:
-        return full / tp
-    bpv, masks = kw.get("bytes_per_value", 2), 2 if kw.get("dropout", True) else 0
-    whole = full if kw.get("recompute") == "full" else seq_len * batch * cfg.n_embd * (4 * bpv + masks)
-    return whole + (full - whole) / tp
+# ----------------------------------------------------------------------------------------------------------
+# applying TP to model.py's GPT (for this script and train_5d.py): the plan above, plus the tied vocab-parallel
+# LM head and per-rank dropout streams
 
+def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
+    """Swap model.py's layers for tensor-parallel ones, in place (model.py is untouched). Build the model on the
+    meta device: new parameters are allocated here, empty, on `device` (which may be "meta" too); fill them
+    with init_tp_weights."""
+    from common.training import materialize
+    from model import MoE
+    rng = (lambda mod: RankRNG(mod, group)) if model.cfg.dropout > 0 else (lambda mod: mod)
+    plan, partial = {"transformer.wte": "embedding"}, []
+    for i, block in enumerate(model.transformer.h):
+        attn, mlp, name = block.attn, block.mlp, f"transformer.h.{i}"
+        plan.update({f"{name}.attn.c_attn": ("column", 3), f"{name}.attn.c_proj": "row"})
+        attn.core = rng(attn.core)                               # attention dropout: my heads
+        if sp:                                                   # residual dropout: my sequence chunk
+            attn.resid_dropout = rng(attn.resid_dropout)
+        if isinstance(mlp, MoE):     # experts stay whole (train_5d shards them over ep); under SP the block
+            partial.append(f"{name}.mlp")   # routes my sequence chunk: router and expert grads are partial sums
+            continue
+        plan.update({f"{name}.mlp.c_fc": "column", f"{name}.mlp.c_proj": "row"})
+        if sp:
+            mlp.dropout = rng(mlp.dropout)
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]   # under SP: my chunk
+    tensor_parallel(model, plan, group, sp, overlap, sequence_parallel=partial + norms, device=device)
+    model.lm_head = VocabParallelLMHead(model.transformer.wte, group, sp, overlap)
+    if sp:
+        model.transformer.drop = rng(model.transformer.drop)
+    # what is still on the meta device is replicated on every TP rank: the LayerNorms and row-parallel biases
+    # (device "meta": shapes only, for train_5d, which cuts the model into stages before materializing)
+    return model if torch.device(device).type == "meta" else materialize(model, device)
+
+
+# ---------------------------------------------------------------------------------------------- the script
 
 def build_tp_model(cfg, vocab_size, group, device, dtype=torch.float32):
     """The GPT with TP layers, this rank's shards only, parameters in `dtype` (fp32, or float64)."""
+    from common.tp_shards import init_tp_weights
+    from common.training import gpt_config
+    from model import GPT
     with torch.device("meta"):
         model = GPT(gpt_config(cfg, vocab_size), seed=cfg.seed)
     apply_tp(model, group, cfg.sp, cfg.tp_overlap, device)
@@ -359,13 +466,14 @@ def build_tp_model(cfg, vocab_size, group, device, dtype=torch.float32):
     return model.to(dtype)        # in place: the Parameters (and their tp_split tags) are kept
 
 
-# ---------------------------------------------------------------------------------------------- the script
 def extra_args(parser):
     parser.add_argument("--tp_overlap", action=argparse.BooleanOptionalAction, default=False,
                         help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
 
 
 def validate(cfg):
+    from common.config import check, grad_accum_steps
+    from common.distributed import world_size_from_env
     world = world_size_from_env()
     check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
                            f"combine with data parallelism in train_5d.py")
@@ -382,6 +490,16 @@ def validate(cfg):
 
 
 def main(argv=None):
+    # the script's plumbing, imported here: the building blocks above need only torch and comm.py
+    from common.config import grad_accum_steps, parse_config
+    from common.distributed import init_distributed
+    from common.metrics import MetricsLogger, SavedActivationBytes
+    from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
+    from common.training import autocast_context, enable_tf32, evaluate, param_dtype, prepare_data, print_sample, \
+        resolve_dtype, should_save
+    from common import checkpoint
+    from common.checkpoint import ModuleState, replicated
+    from model import flops_per_token
     cfg = parse_config(argv, techniques=("tp", "sp", "fp8"), description=__doc__.split("\n\n")[0],
                        extra_args=extra_args, validate=validate)
     env = init_distributed(cfg)
@@ -394,7 +512,8 @@ def main(argv=None):
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank
-    start = load_whole(cfg, model.cfg, [model], optimizer, env, group) if cfg.resume else 0   # my slices
+    held = ModuleState([model], optimizer, replicated, group)   # TP slices, made whole over tp to save
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0   # my slices
     train_model = torch.compile(model) if cfg.compile else model
     amp, activations = autocast_context(dtype, env.device), SavedActivationBytes(model)
     last_step = cfg.stop_step or cfg.max_steps
@@ -435,15 +554,14 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_whole(cfg, model.cfg, [model], optimizer, step + 1, group,   # each tensor by one rank
-                       holder=lambda name: ("all", env.world_size, env.rank))
+            checkpoint.save(cfg, model.cfg, step + 1, held)   # each gathered tensor written by one rank
     logger.close()
     if cfg.sample_tokens > 0 and not cfg.sp:     # every rank runs the forward (collectives), rank 0 prints
-        with contextlib.redirect_stdout(io.StringIO()) if not env.is_main else contextlib.nullcontext():
-            print_sample(model, loader, cfg, dataclasses.replace(env, rank=0))
+        print_sample(model, loader, cfg, env, collective=True)
     return dict(model=model, cfg=cfg, group=group)
 
 
 if __name__ == "__main__":
+    from common.distributed import destroy
     main()
     destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads

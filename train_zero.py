@@ -16,18 +16,17 @@ bf16 saves activation memory and matmul time here, not model-state bytes: a reci
 Model-state bytes per rank (P parameters, padded to P' with P' - P < N * buckets, N ranks):
     stage 0 (DP)  4P + 4P + 8P           stage 2  4P' + (4P' + 8P')/N
     stage 1       4P' + 4P' + 8P'/N      stage 3  (4P' + 4P' + 8P')/N  (+ gathered units in flight)
-Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (the README's ring convention):
+Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (docs/observability.md's convention):
     stage 1  reduce-scatter + all-gather          2 (N-1)/N P' b        (= one all-reduce)
     stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay whole)
     stage 3  all-gather fwd + bwd + reduce-scatter 3 g (N-1)/N P' b
     stages 1-3 also all-reduce one fp32 scalar (the squared gradient norm): + 2 (N-1)/N * 4 bytes.
 ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre-backward: gather (prefetch
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
+Any model (docs/copy_out.md): shard_model(model, stage, group, ..., blocks=) and install_zero3_hooks take the
+blocks as an argument; shard_gpt is model.py's GPT.
 """
 import argparse
-import contextlib
-import dataclasses
-import io
 import sys
 import time
 from itertools import accumulate
@@ -35,19 +34,13 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
-from comm import COMM, destroy, all_gather, init_distributed, reduce_scatter, world_size_from_env
-from config import check, grad_accum_steps, parse_config
-from metrics import MetricsLogger
-from model import GPT, flops_per_token, init_parameter
-from optim import BETAS, EPS, NonFiniteGuard, clip_grad_norm, lr_at
+from common.comm import COMM, all_gather, clip_grad_norm, reduce_scatter
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
-from train_single import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config, param_dtype,
-                          prepare_data, print_sample, resolve_dtype, should_save)
-from zero_checkpoint import flatten, load_consolidated, save_consolidated
 
 
 # ----------------------------------------------------------------------------------------------------------
-# building blocks: one shard of a flat parameter group, its optimizer, its gradient reduction
+# building blocks: one shard of a flat parameter group, its optimizer, its gradient reduction (with train_ddp.py
+# and comm.py they work on any model: docs/copy_out.md)
 
 class Shard:
     """One bucket (stages 0-2) or unit (stage 3) of parameters: a flat buffer `full` whose views are the model's
@@ -56,9 +49,9 @@ class Shard:
     autocast. Stage 3 keeps only `shard` at rest: `full` has its storage resized to zero except between
     `gather()` and `free()`."""
 
-    def __init__(self, names, params, stage, group, dtype, device, initial, tracker=None):
-        """dtype: the parameters' (train_single.param_dtype); initial: {name: value} of these parameters
-        (model.init_parameter's, or an already built model's)."""
+    def __init__(self, names, params, stage, group, dtype, device, initial):
+        """dtype: the parameters' (fp32, or float64); initial: {name: full value} of these parameters (a built
+        model's current values, or model.init_parameter's for one on the meta device)."""
         assert dtype in (torch.float32, torch.float64), f"Shard keeps fp32 (or float64) parameters, got {dtype}"
         self.names, self.stage, self.group = names, stage, group
         n, rank = (1, 0) if stage == 0 else (dist.get_world_size(group), dist.get_rank(group))
@@ -67,7 +60,7 @@ class Shard:
         self.padded = -(-total // n) * n
         self.lo, self.hi = rank * (self.padded // n), (rank + 1) * (self.padded // n)
         self.master_dtype = dtype
-        self.full = flatten(self, initial).to(device)   # the full initial values of this bucket / unit only
+        self.full = self.flatten(initial).to(device)    # the full initial values of this bucket / unit only
         self.params = [torch.nn.Parameter(self.full[off: off + p.numel()].view(p.shape))
                        for p, off in zip(params, self.offsets)]
         for new, old in zip(self.params, params):
@@ -79,17 +72,23 @@ class Shard:
         self.decay_runs = [(max(off, self.lo) - self.lo, min(off + p.numel(), self.hi) - self.lo)
                            for p, off in zip(params, self.offsets)
                            if p.dim() >= 2 and off < self.hi and off + p.numel() > self.lo]
-        self.tracker, self.handle, self.in_backward = tracker, None, False
+        self.handle, self.in_backward = None, False
         if stage == 3:
             self.full.untyped_storage().resize_(0)      # at rest: only the shard
+
+    def flatten(self, values):
+        """Whole tensors (by parameter name) laid out as this shard's zero-padded flat buffer, in the master's
+        dtype: ZeRO's flat layout, also how a checkpoint's whole tensors become this rank's slice on load."""
+        full = torch.zeros(self.padded, dtype=self.master_dtype)
+        for name, off in zip(self.names, self.offsets):
+            value = values[name].reshape(-1)
+            full[off: off + value.numel()] = value
+        return full
 
     def gather(self):
         """Stage 3: start the all-gather of the full parameters (async); `wait()` before use."""
         if self.handle is None and self.full.untyped_storage().nbytes() == 0:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-            t = self.tracker                            # bytes gathered now, and the most at any moment
-            t["now"] += self.padded * self.full.element_size()
-            t["peak"] = max(t["peak"], t["now"])
             # into `.data` (same memory, own version counter): refilling saved parameters is no modification
             self.handle = all_gather(self.full.data, self.shard, group=self.group, async_op=True)
 
@@ -100,10 +99,7 @@ class Shard:
             self.handle = None
 
     def free(self):
-        nbytes = self.full.untyped_storage().nbytes()
-        if nbytes:
-            self.full.untyped_storage().resize_(0)      # parameter views keep their shape, lose their memory
-            self.tracker["now"] -= nbytes
+        self.full.untyped_storage().resize_(0)          # parameter views keep their shape, lose their memory
         self.in_backward = False
 
     @torch.no_grad()
@@ -115,11 +111,13 @@ class Shard:
 
 
 class ShardedAdamW:
-    """AdamW on the flat fp32 (float64) shards (elementwise, so a shard is stepped exactly like the full tensor) with
-    optim.py's hyperparameters and the one-pass kernel behind torch.optim.AdamW(fused=True)."""
+    """AdamW on the flat fp32 (float64) shards (elementwise, so a shard is stepped exactly like the full tensor)
+    with the one-pass kernel behind torch.optim.AdamW(fused=True). Weight decay applies to >= 2-D parameters
+    only (matmul weights, embeddings; not biases or norms), as optim.configure_optimizer's groups; betas and eps
+    default to optim.py's."""
 
-    def __init__(self, shards, cfg):
-        (self.beta1, self.beta2), self.eps, self.wd = BETAS, EPS, cfg.weight_decay
+    def __init__(self, shards, weight_decay, betas=(0.9, 0.95), eps=1e-8):
+        (self.beta1, self.beta2), self.eps, self.wd = betas, eps, weight_decay
         self.shards, self.steps = shards, 0
 
     @torch.no_grad()
@@ -199,23 +197,28 @@ class ShardedGrads(DataParallelGrads):
             (b.buffer if self.stage <= 1 else b.shard.grad).zero_()
 
 
-def shard_model(model, cfg, stage, group, dtype, device, tracker, names=None, buckets=None):
-    """Swap the model's parameters for views of flat per-bucket (stage 0-2) or per-unit (stage 3) Shards.
-    A model on the meta device starts from model.init_parameter; a built one (train_5d's tensor-parallel
-    stages, `names` giving each parameter's GPT name) from its current values. `buckets`: the parameter groups
-    of stages 0-2, when the caller chooses them (default: assign_buckets over --bucket_mb)."""
+def shard_model(model, stage, group, dtype, device, blocks=None, buckets=None, bucket_mb=25.0, names=None,
+                initial_value=None):
+    """Swap the model's parameters for views of flat Shards, in place; returns the shards (launch order).
+
+    Stage 3 shards one unit per module of `blocks` (the modules gathered one at a time, in forward order: a
+    transformer's blocks) and a root unit of every other parameter (embeddings, final norm, head). Stages 0-2
+    shard `buckets` (parameter groups in the order their gradients come; default assign_buckets over
+    bucket_mb MiB, last parameters first). names: {parameter: name} (default model.named_parameters()'s).
+    initial_value(name, p): the full initial value of p (default its current value; a model built on the meta
+    device needs one, e.g. model.init_parameter)."""
     named = names or {p: n for n, p in model.named_parameters()}
-    if stage == 3:   # units: blocks in backward order, then the root (embedding, final LayerNorm)
-        blocks = [list(b.parameters()) for b in model.transformer.h]
-        root = [p for p in model.parameters() if all(p is not q for blk in blocks for q in blk)]
-        groups = list(reversed(blocks)) + [root]
+    if stage == 3:   # units: blocks in backward order, then the root
+        assert blocks is not None, "ZeRO-3 needs the blocks: the modules whose parameters are gathered together"
+        units = [list(b.parameters()) for b in blocks]
+        root = [p for p in model.parameters() if all(p is not q for unit in units for q in unit)]
+        groups = list(reversed(units)) + [root]
     else:
-        groups = buckets or assign_buckets(list(reversed(list(model.parameters()))), cfg.bucket_mb * 2 ** 20)
+        groups = buckets or assign_buckets(list(reversed(list(model.parameters()))), bucket_mb * 2 ** 20)
     shards = []
     for params in groups:
-        initial = {named[p]: init_parameter(named[p], p.shape, cfg.n_layer, cfg.seed) if p.is_meta else p.detach()
-                   for p in params}
-        s = Shard([named[p] for p in params], params, stage, group, dtype, device, initial, tracker)
+        initial = {named[p]: p.detach() if initial_value is None else initial_value(named[p], p) for p in params}
+        s = Shard([named[p] for p in params], params, stage, group, dtype, device, initial)
         new = {id(old): p for old, p in zip(params, s.params)}
         for module in model.modules():                 # every attribute holding one (tied weights: two)
             for key, p in module._parameters.items():
@@ -224,52 +227,80 @@ def shard_model(model, cfg, stage, group, dtype, device, tracker, names=None, bu
     return shards
 
 
-def install_zero3_hooks(model, shards, grads, prefetch):
-    """Gather a block's parameters just before its forward and its backward, free them right after;
-    with prefetch, start the all-gather of the block that runs next while this one computes."""
-    blocks, root = list(reversed(shards[:-1])), shards[-1]     # blocks in forward order
+def output_tensors(out):
+    """The tensors of a module's output: a tensor, or tensors inside tuples, lists and dicts (logits, loss)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else []
+    return [t for v in values for t in output_tensors(v)]
+
+
+def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=None):
+    """Gather a block's parameters just before its forward and its backward, free them right after; with
+    prefetch, start the all-gather of the block that runs next while this one computes. `blocks` and `shards`:
+    as given to and returned by shard_model. The root unit is gathered around the model's forward and from the
+    first gradient reaching any of its outputs (whatever they are: logits, a loss, a tuple) until backward ends.
+    on_gather(): called after each all-gather is started (a memory probe: train_zero's peak gathered bytes)."""
+    units, root = list(reversed(shards[:-1])), shards[-1]     # blocks' units in forward order
+
+    def fetch(unit):
+        unit.gather()
+        if on_gather is not None:
+            on_gather()
 
     def pre_backward(i):
         def hook(grad):
-            unit = root if i is None else blocks[i]
+            unit = root if i is None else units[i]
+            if i is None and unit.in_backward:         # the root has a hook on each output: the first one acts
+                return
             unit.in_backward = True
+            fetch(unit)
             unit.wait()
             grads.prepare(unit)
-            nxt = len(blocks) - 1 if i is None else i - 1
+            nxt = len(units) - 1 if i is None else i - 1
             if prefetch and nxt >= 0:
-                blocks[nxt].gather()
+                fetch(units[nxt])
         return hook
 
     def pre_forward(i):
         def hook(module, args):
-            if blocks[i].in_backward:                  # a recompute (--recompute full) inside backward
+            if units[i].in_backward:                   # a recompute (--recompute full) inside backward
                 return
-            blocks[i].wait()
-            if prefetch and i + 1 < len(blocks):
-                blocks[i + 1].gather()
+            fetch(units[i])
+            units[i].wait()
+            if prefetch and i + 1 < len(units):
+                fetch(units[i + 1])
         return hook
 
     def post_forward(i):
         def hook(module, args, out):
-            if blocks[i].in_backward:
+            if units[i].in_backward:
                 return
-            blocks[i].free()
-            if out.requires_grad:
-                out.register_hook(pre_backward(i))
+            units[i].free()
+            first = next((t for t in output_tensors(out) if t.requires_grad), None)
+            if first is not None:
+                first.register_hook(pre_backward(i))
         return hook
+
+    def root_pre_forward(module, args):
+        fetch(root)
+        root.wait()
 
     def root_post_forward(module, args, out):
         root.free()
-        first = next((t for t in out if t is not None and t.requires_grad), None)
-        if first is not None:
-            first.register_hook(pre_backward(None))
+        for t in output_tensors(out):
+            if t.requires_grad:
+                t.register_hook(pre_backward(None))
 
-    for i, block in enumerate(model.transformer.h):
+    for i, block in enumerate(blocks):
         block.register_forward_pre_hook(pre_forward(i))
         block.register_forward_hook(post_forward(i))
-    model.register_forward_pre_hook(lambda module, args: root.wait())
+    model.register_forward_pre_hook(root_pre_forward)
     model.register_forward_hook(root_post_forward)
 
+
+# ----------------------------------------------------------------------------------------------------------
+# the script
 
 def model_state_bytes(model, shards, grads):
     """Bytes of the parameter, gradient and optimizer-state tensors alive on this rank, each storage once."""
@@ -290,7 +321,26 @@ def model_state_bytes(model, shards, grads):
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
+def shard_gpt(model, cfg, stage, group, dtype, device):
+    """shard_model for model.py's GPT built on the meta device: blocks transformer.h, values from init_parameter."""
+    from model import init_parameter
+
+    def initial_value(name, p):
+        return init_parameter(name, p.shape, cfg.n_layer, cfg.seed)
+    return shard_model(model, stage, group, dtype, device, blocks=list(model.transformer.h),
+                       bucket_mb=cfg.bucket_mb, initial_value=initial_value)
+
+
+class GatheredBytes:
+    """ZeRO-3's gathered parameters: the bytes of whole units alive, at their peak (install_zero3_hooks's
+    on_gather; memory only grows at a gather, so sampling there finds the peak)."""
+
+    def __init__(self, shards):
+        self.shards, self.peak = shards, 0
+
+    def __call__(self):
+        self.peak = max(self.peak, sum(s.full.untyped_storage().nbytes() for s in self.shards))
+
 
 def add_args(parser):
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
@@ -298,6 +348,8 @@ def add_args(parser):
 
 
 def validate(cfg):
+    from common.config import check, grad_accum_steps
+    from common.distributed import world_size_from_env
     check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
     check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3")
@@ -311,6 +363,16 @@ def validate(cfg):
 
 
 def main(argv=None):
+    # the script's plumbing, imported here: the building blocks above need only torch, comm.py and train_ddp.py
+    from common.config import grad_accum_steps, parse_config
+    from common.distributed import init_distributed
+    from common.metrics import MetricsLogger
+    from common.optim import BETAS, EPS, NonFiniteGuard, lr_at
+    from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
+                                 param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
+    from common import checkpoint
+    from common.checkpoint import ShardState, replicated
+    from model import GPT, flops_per_token
     cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb", "fp8"), description=__doc__.split("\n\n")[0],
                        extra_args=add_args, validate=validate)
     env = init_distributed(cfg)
@@ -325,16 +387,16 @@ def main(argv=None):
 
     with torch.device("meta"):                          # shapes only: each Shard builds its own values
         model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed)
-    gathered = dict(now=0, peak=0)
-    shards = shard_model(model, cfg, stage, group, param_dtype(dtype), env.device, gathered)
+    shards = shard_gpt(model, cfg, stage, group, param_dtype(dtype), env.device)
     apply_kernels_and_fp8(model, cfg, env.device)       # stages 0-2 (validate): the same, sharded, parameters
-    grads = ShardedGrads(shards, group, stage)
+    grads, gathered = ShardedGrads(shards, group, stage), GatheredBytes(shards)
     if stage == 3:
-        install_zero3_hooks(model, shards, grads, cfg.prefetch)
-    optimizer = ShardedAdamW(shards, cfg)
+        install_zero3_hooks(model, list(model.transformer.h), shards, grads, cfg.prefetch, on_gather=gathered)
+    optimizer = ShardedAdamW(shards, cfg.weight_decay, BETAS, EPS)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + env.rank)              # dropout: each rank masks its own sequences
-    start = load_consolidated(cfg, model, shards, optimizer, env) if cfg.resume else 0   # each its own RNG
+    held = ShardState(shards, optimizer, [model], replicated)   # what this rank holds, for checkpoints
+    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0   # each rank its own RNG
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
@@ -371,7 +433,7 @@ def main(argv=None):
         grads.zero_grad()
         comm_bytes = COMM.bytes_sent
         logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
-                        padded_params=padded, gathered_peak_bytes=gathered["peak"],
+                        padded_params=padded, gathered_peak_bytes=gathered.peak,
                         **{f"state_bytes_{k}": v for k, v in state_bytes.items()})
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
@@ -381,13 +443,13 @@ def main(argv=None):
             model.train()
             logger.log_eval(step, val)
         if should_save(cfg, step, last_step):
-            save_consolidated(cfg, model, shards, optimizer, step + 1, env.rank)
+            checkpoint.save(cfg, model.cfg, step + 1, held)   # each bucket gathered, written by one rank
     logger.close()
-    with contextlib.redirect_stdout(io.StringIO()) if env.rank else contextlib.nullcontext():
-        print_sample(model, loader, cfg, dataclasses.replace(env, rank=0) if stage == 3 else env)
+    print_sample(model, loader, cfg, env, collective=stage == 3)
     return dict(model=model, cfg=cfg, shards=shards, grads=grads, optimizer=optimizer)
 
 
 if __name__ == "__main__":
+    from common.distributed import destroy
     main()
     destroy()   # leave the group together: a rank exiting early aborts the others' gloo/NCCL threads

@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from pipeline_schedules import (Action, make_schedule, placement_of, recvs_of, simulate, stage_of,  # noqa: E402
+from common.pipeline_schedules import (Action, make_schedule, placement_of, recvs_of, simulate, stage_of,  # noqa: E402
                                 theory_idle_fraction)
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb1", "zbv", "dualpipev")
@@ -204,7 +204,7 @@ def main(argv=None):
         if os.environ["RANK"] == "0":
             with open(os.path.join(a.measure, "runner_idle.json"), "w") as f:
                 json.dump(rows, f)
-        from comm import destroy
+        from common.distributed import destroy
         destroy()
         return rows
     from harness import machine_description

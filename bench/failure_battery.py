@@ -11,7 +11,7 @@ model and tiny random-token data, CPU and gloo, each classified by what actually
     clean error    nonzero exit, no traceback, at most one `error: ...` line per rank, one naming the flag or file
     ok             a case that must succeed did, with the right result (the unbroken run's losses, a checkpoint)
     skipped        this machine cannot test the case (the reason is given)
-  and the outcomes the scripts promise never to have (README, "Failures and restarts"):
+  and the outcomes the scripts promise never to have (docs/failures.md):
     traceback      a Python traceback or a native crash (abort, fatal signal) on a rank that was not the victim
     hang           a rank still running at its wall-clock limit (--timeout per run; for a killed or stopped
                    rank's peers: --dist_timeout plus a margin after the failure)
@@ -49,7 +49,7 @@ from failure_runs import (BROKEN, CLASSES, GOOD, LOST, OK, SILENT, SKIPPED, Job,
                           checkpoint_files, checkpoint_problem, data_kept, judge_error,
                           judge_ok, judge_result, kill_everything_left, latest_step_dir, losses_by_step,
                           metric_rows, snapshot, steps_logged, temp_files, wait_until)
-from config import argv_of  # noqa: E402
+from common.config import argv_of  # noqa: E402
 from train_helpers import make_tiny_dataset  # noqa: E402
 
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, global_batch_size=8, micro_batch_size=4,

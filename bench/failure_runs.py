@@ -9,7 +9,7 @@ bench/failure_runs.py: how bench/failure_battery.py runs a script and judges wha
 A multi-rank run is started the way torchrun starts its workers (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT in each process's environment) but without torchrun's elastic agent, which would kill every rank as
 soon as one fails: here a killed or stopped rank's peers must end by themselves, which is what the scripts
-promise (README, "Failures and restarts"). A one-rank run is plain `python SCRIPT.py`, as a user types it.
+promise (docs/failures.md). A one-rank run is plain `python SCRIPT.py`, as a user types it.
 
 Checkpoints are found without knowing their layout inside a step directory: OUT_DIR/ckpt/latest names a step
 directory, and every *.pt file in it belongs to that checkpoint.

@@ -1,6 +1,7 @@
 """
 bench/gpu_check.py: the one-command GPU check, run as `bash bench/gpu_check.sh` (which skips, exit 0, with one
-line, on a machine without a GPU). On N >= 1 CUDA GPUs it runs, each for a few steps on the default corpus in
+line, only on a machine without a GPU, and fails with an error line when a GPU exists but python, a CUDA build of
+torch or the driver is missing). On N >= 1 CUDA GPUs it runs, each for a few steps on the default corpus in
 bf16 (autocast), with P = the largest power of two <= min(N, 8) so that every degree divides the test model:
 
   1. every train script (single, ddp, zero 1/2/3, tp (+sp), cp, pp, ep, and 5d when train_5d.py exists) under
@@ -32,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from metrics import read_metrics  # noqa: E402
+from common.metrics import read_metrics  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
@@ -149,11 +150,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.plan_sweep:
         return plan_sweep_main(args)
+    if not torch.cuda.is_available():       # run directly on a machine without a usable GPU: fail, never pass
+        print("gpu_check: error: torch.cuda.is_available() is False (bash bench/gpu_check.sh says why)")
+        return 1
     N = torch.cuda.device_count()
     P = 1 << (min(N, 8).bit_length() - 1)
     out = os.path.join(ROOT, args.out)
     os.makedirs(out, exist_ok=True)
-    subprocess.run([sys.executable, "-c", "from data import ensure_dataset, DEFAULT_DATA_DIR; "
+    subprocess.run([sys.executable, "-c", "from common.data import ensure_dataset, DEFAULT_DATA_DIR; "
                     "ensure_dataset(DEFAULT_DATA_DIR)"], cwd=ROOT, check=True)
     machine = f"{N} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     print(f"gpu_check: {machine}; multi-GPU layouts on {P} GPUs; {args.steps} steps a run", flush=True)
@@ -194,8 +198,8 @@ def main(argv=None):
 def plan_sweep_main(args):
     """--plan_sweep: on min(N, 8) CUDA GPUs (a power of two), or with --dry as if on --plan_gpus x --plan_gpu.
     Writes OUT/plan_sweep.md; the default corpus is byte-level, so the vocabulary is 256 without reading it."""
-    from layout_auto import gpu_kind
-    from plan_inputs import HARDWARE
+    from plan import gpu_kind
+    from common.plan_inputs import HARDWARE
     from plan_sweep import plan_sweep
     N = torch.cuda.device_count()
     if N == 0 and not args.dry:

@@ -6,7 +6,7 @@ bench/harness.py: run competing commands side by side and write a markdown resul
         --run "nanoGPT=python bench/peer_nanogpt.py --max_steps 20 --out_dir {out}"
 
 Each --run is LABEL=COMMAND; `{out}` becomes a fresh output directory. Every command must write
-{out}/metrics.jsonl in the nanoscale format (README, "Metrics"): peers are wrapped to do so. The runs are
+{out}/metrics.jsonl in the nanoscale format (docs/observability.md): peers are wrapped to do so. The runs are
 executed alternately (A B A B ...) so slow drifts of a shared machine hit all of them alike; a run's
 throughput is the median tokens_per_s over its steps after --warmup, and the table reports the median over
 repeats and the ratio to the first run (the baseline) in two ways: the ratio of the two medians, and the
@@ -30,7 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from metrics import read_metrics  # noqa: E402  (the repo root is not on the path when run as a script)
+from common.metrics import read_metrics  # noqa: E402  (the repo root is not on the path when run as a script)
 
 
 def machine_description():

@@ -76,10 +76,10 @@ def train_argv(flags, data_dir, out_dir):
 
 @contextmanager
 def instrumented(train_5d, seen):
-    """train_5d with its pipeline runner counting live saved activations and its data-parallel builder's
-    (grads, optimizer, shards) kept in `seen`: measured from outside, nothing in train_5d changes."""
-    from metrics import LiveSavedActivationBytes
-    runner_class, build = train_5d.PipelineRunner, train_5d.data_parallel
+    """train_5d with its pipeline runner counting live saved activations into `seen`: measured from outside,
+    nothing in train_5d changes."""
+    from common.metrics import LiveSavedActivationBytes
+    runner_class = train_5d.PipelineRunner
 
     class CountingRunner(runner_class):
         def step(self, actions, get_batch):
@@ -88,15 +88,11 @@ def instrumented(train_5d, seen):
             seen["activations"] = max(seen.get("activations", 0), live.peak)
             return out
 
-    def keep(*args):
-        seen["grads"], seen["optimizer"], seen["shards"] = build(*args)
-        return seen["grads"], seen["optimizer"], seen["shards"]
-
-    train_5d.PipelineRunner, train_5d.data_parallel = CountingRunner, keep
+    train_5d.PipelineRunner = CountingRunner
     try:
         yield
     finally:
-        train_5d.PipelineRunner, train_5d.data_parallel = runner_class, build
+        train_5d.PipelineRunner = runner_class
 
 
 def state_bytes(chunks, grads, optimizer, shards):
@@ -124,7 +120,8 @@ def measure_layouts(labels, data_dir, out_root):
         seen, out_dir = {}, os.path.join(out_root, label.replace(" ", "_"))
         with instrumented(train_5d, seen):
             result = train_5d.main(train_argv(LAYOUTS[label], data_dir, out_dir))
-        states = state_bytes(result["chunks"], seen["grads"], seen["optimizer"], seen["shards"])
+        axis = result["dp_axis"]
+        states = state_bytes(result["chunks"], axis.grads, axis.optimizer, axis.shards)
         rows.append(dict(layout=label, coords=dict(result["grid"].coords), activations=seen["activations"],
                          vocab_size=result["gcfg"].vocab_size, **states))
     return rows
@@ -135,7 +132,7 @@ def measure_layouts(labels, data_dir, out_root):
 
 def plan_layout(flags):
     """plan_inputs.Layout of train_5d's flags (schedule 1f1b without pp, as train_5d's default)."""
-    from plan_inputs import Layout
+    from common.plan_inputs import Layout
     return Layout(dp=flags.get("dp", 1), tp=flags.get("tp", 1), cp=flags.get("cp", 1), pp=flags.get("pp", 1),
                   ep=flags.get("ep", 1), sp=flags.get("sp", False), zero_stage=flags.get("zero_stage", 0),
                   schedule=flags.get("pp_schedule", "1f1b"), v=flags.get("pp_virtual", 1),
@@ -145,9 +142,9 @@ def plan_layout(flags):
 def predicted(label, vocab_size, pp_rank):
     """plan.py's bytes by part for one layout's pipeline rank."""
     import plan
-    import plan_memory
+    from common import plan_memory
     from model import GPTConfig
-    from plan_inputs import Job
+    from common.plan_inputs import Job
     flags = LAYOUTS[label]
     cfg = GPTConfig(vocab_size=vocab_size, block_size=MODEL["block_size"], n_layer=MODEL["n_layer"],
                     n_head=MODEL["n_head"], n_embd=MODEL["n_embd"], n_experts=flags.get("n_experts", 0),
@@ -244,7 +241,7 @@ def launch(world, labels, data_dir, out_root):
 
 def default_corpus():
     """The default corpus's folder, prepared on first use (data.ensure_dataset knows it by its relative path)."""
-    from data import DEFAULT_DATA_DIR, ensure_dataset
+    from common.data import DEFAULT_DATA_DIR, ensure_dataset
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
@@ -266,7 +263,7 @@ def main(argv=None):
         rows = measure_layouts(labels, a.data_dir, a.measure)
         with open(os.path.join(a.measure, f"rank{os.environ['RANK']}.json"), "w") as f:
             json.dump(rows, f)
-        from comm import destroy
+        from common.distributed import destroy
         destroy()                                # leave the group together
         return rows
     data_dir = a.data_dir or default_corpus()

@@ -27,9 +27,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.harness import machine_description  # noqa: E402
-from config import Config  # noqa: E402
+from common.config import Config  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from optim import clip_grad_norm, configure_optimizer  # noqa: E402
+from common.optim import clip_grad_norm, configure_optimizer  # noqa: E402
 
 
 def load_nanogpt_model(nanogpt_dir):

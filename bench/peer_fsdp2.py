@@ -10,7 +10,7 @@ Parameters are created on the meta device and each rank fills only its shard, on
 model.init_parameter (as train_zero.py does), so neither side ever materializes the whole model. FSDP2
 reduce-scatters after every micro-batch (like our stage 3). --dtype bfloat16 uses its MixedPrecisionPolicy
 (bf16 compute and reduction, fp32 sharded parameters). Its collectives bypass comm.py's counters, so
-comm_bytes is its schedule's volume under the README's convention, unpadded: blocks are all-gathered twice
+comm_bytes is its schedule's volume under docs/observability.md's convention, unpadded: blocks are all-gathered twice
 (forward, backward) and reduce-scattered once per micro-batch; the root is not resharded after forward
 (FSDP2's default for the root), so it is gathered once.
 """
@@ -24,13 +24,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from comm import destroy, init_distributed                                # noqa: E402
-from config import grad_accum_steps, parse_config                     # noqa: E402
-from metrics import MetricsLogger                                     # noqa: E402
+from common.distributed import init_distributed, destroy  # noqa: E402
+from common.config import grad_accum_steps, parse_config                     # noqa: E402
+from common.metrics import MetricsLogger                                     # noqa: E402
 from model import GPT, flops_per_token, init_parameter                # noqa: E402
-from optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
+from common.optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
 from train_ddp import mean_over_group                                 # noqa: E402
-from train_single import gpt_config, prepare_data, resolve_dtype      # noqa: E402
+from common.training import gpt_config, prepare_data, resolve_dtype  # noqa: E402
 from train_zero import validate                                       # noqa: E402
 
 

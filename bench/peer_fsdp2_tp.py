@@ -33,14 +33,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from comm import destroy, init_distributed, world_size_from_env            # noqa: E402
-from config import check, grad_accum_steps, parse_config              # noqa: E402
-from metrics import MetricsLogger                                     # noqa: E402
+from common.distributed import world_size_from_env, destroy, init_distributed  # noqa: E402
+from common.config import check, grad_accum_steps, parse_config              # noqa: E402
+from common.metrics import MetricsLogger                                     # noqa: E402
 from model import GPT, flops_per_token, init_parameter                # noqa: E402
-from optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
+from common.optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
 from train_ddp import mean_over_group                                 # noqa: E402
-from train_single import gpt_config, prepare_data, resolve_dtype      # noqa: E402
-from tp_shards import shard_of                                        # noqa: E402
+from common.training import gpt_config, prepare_data, resolve_dtype  # noqa: E402
+from common.tp_shards import shard_of                                        # noqa: E402
 from peer_tp_dtensor import apply_dtensor_tp, plan_comm_bytes         # noqa: E402
 
 

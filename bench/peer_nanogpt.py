@@ -47,7 +47,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from config import Config  # noqa: E402
+from common.config import Config  # noqa: E402
 
 ITER_LINE = re.compile(r"^iter (\d+): loss ([-+0-9.eEnaif]+), time ([0-9.]+)ms")
 VAL_LINE = re.compile(r"^step (\d+): train loss [-+0-9.eEnaif]+, val loss ([-+0-9.eEnaif]+)")
@@ -84,7 +84,7 @@ def parse_args(argv=None):
 
 def make_workdir(a, tmp):
     """tmp/data/nanoscale/{train.bin,val.bin,meta.pkl} and tmp/configurator.py (train.py execs it from cwd)."""
-    from data import ensure_dataset, read_meta
+    from common.data import ensure_dataset, read_meta
     if os.path.normpath(a.data_dir) == os.path.normpath(os.path.join(ROOT, Config().data_dir)):
         cwd = os.getcwd()
         os.chdir(ROOT)                       # the default corpus is prepared relative to the repo root
@@ -145,7 +145,7 @@ def parse_log(stdout, a, flops_per_token_over_peak, peak_mem):
 def main(argv=None):
     a = parse_args(argv)
     import torch
-    from metrics import measure_cpu_matmul_flops
+    from common.metrics import measure_cpu_matmul_flops
     from model import GPTConfig, flops_per_token
 
     os.makedirs(a.out_dir, exist_ok=True)

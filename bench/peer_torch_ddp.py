@@ -8,7 +8,7 @@ metrics.jsonl, so bench/harness.py measures both alike.
 
 torch DDP runs its default C++ reducer (buckets of --bucket_mb, overlap with backward, gradient_as_bucket_view,
 `no_sync()` on all but the last micro-step). Its all-reduces bypass comm.py's counters, so comm_bytes is
-what its reducer sends under the README's convention: every gradient once per step, 2 (n-1)/n * P * bytes.
+what its reducer sends under docs/observability.md's convention: every gradient once per step, 2 (n-1)/n * P * bytes.
 """
 import contextlib
 import os
@@ -19,13 +19,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from comm import destroy, init_distributed                                # noqa: E402
-from config import grad_accum_steps, parse_config                     # noqa: E402
-from metrics import MetricsLogger                                     # noqa: E402
+from common.distributed import init_distributed, destroy  # noqa: E402
+from common.config import grad_accum_steps, parse_config                     # noqa: E402
+from common.metrics import MetricsLogger                                     # noqa: E402
 from model import GPT, flops_per_token                                # noqa: E402
-from optim import clip_grad_norm, configure_optimizer, lr_at, set_lr  # noqa: E402
+from common.optim import clip_grad_norm, configure_optimizer, lr_at, set_lr  # noqa: E402
 from train_ddp import mean_over_group, validate                       # noqa: E402
-from train_single import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
+from common.training import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
 
 
 def main(argv=None):

@@ -9,7 +9,7 @@ the same metrics.jsonl, so bench/harness.py measures both alike.
         --n_microbatches 4 --max_steps 20 --out_dir OUT
 
 torch's stages talk through their own send/recv, bypassing comm.py's counters, so comm_bytes adds what they
-send under the README's convention (m activations / gradients per boundary, as train_pp.py) to what is counted.
+send under docs/observability.md's convention (m activations / gradients per boundary, as train_pp.py) to what is counted.
 There is no zb1 here: torch's ScheduleInterleavedZeroBubble is a different schedule.
 """
 import os
@@ -24,17 +24,18 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining import schedules as torch_schedules
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import comm                                                           # noqa: E402
-from comm import COMM, destroy, init_distributed                           # noqa: E402
-from config import check, parse_config                                # noqa: E402
-from metrics import MetricsLogger                                     # noqa: E402
+from common import comm                                                        # noqa: E402
+from common.comm import COMM  # noqa: E402
+from common.distributed import init_distributed, destroy  # noqa: E402
+from common.config import check, parse_config                                # noqa: E402
+from common.metrics import MetricsLogger                                     # noqa: E402
 from model import flops_per_token                                     # noqa: E402
-from optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
-from pipeline_schedules import V_SHAPED, placement_of, rank_of, stage_of   # noqa: E402
-from pipeline_tied import tied_pair_group                                # noqa: E402
+from common.optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
+from common.pipeline_schedules import V_SHAPED, placement_of, rank_of, stage_of   # noqa: E402
+from common.pipeline_tied import tied_pair_group                                # noqa: E402
 from train_pp import (build_stages, clip_stage_grads, extra_args, n_microbatches, tied_grads_sync,  # noqa: E402
                       validate)
-from train_single import autocast_context, gpt_config, prepare_data, resolve_dtype        # noqa: E402
+from common.training import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
 
 SCHEDULES = {"afab": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zbv": getattr(torch_schedules, "ScheduleZBVZeroBubble", None),    # older torch: not there

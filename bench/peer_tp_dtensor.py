@@ -29,13 +29,13 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from comm import destroy, init_distributed                                # noqa: E402
-from config import check, grad_accum_steps, parse_config              # noqa: E402
-from metrics import MetricsLogger                                     # noqa: E402
+from common.distributed import init_distributed, destroy  # noqa: E402
+from common.config import check, grad_accum_steps, parse_config              # noqa: E402
+from common.metrics import MetricsLogger                                     # noqa: E402
 from model import GPT, flops_per_token                                # noqa: E402
-from optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
-from train_single import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
-from tp_shards import shard_of                                        # noqa: E402
+from common.optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
+from common.training import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
+from common.tp_shards import shard_of                                        # noqa: E402
 from train_tp import extra_args, validate as validate_tp              # noqa: E402
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 from model import GPTConfig  # noqa: E402
 from plan import evaluate  # noqa: E402
-from plan_inputs import GIB, Job, Layout  # noqa: E402
+from common.plan_inputs import GIB, Job, Layout  # noqa: E402
 
 SEQ, VOCAB = 2048, 51200
 

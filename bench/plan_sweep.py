@@ -7,7 +7,7 @@ train_5d.py layouts, and whether plan.py calls OOM right. One command on a machi
                                                                   # predictions, nothing run
 
 The sweep: the layouts of sweep_model(P) that train_5d.py's validate accepts on the P GPUs gpu_check uses, as plan.py
-ranks them (layout_auto's job: bf16 autocast over fp32 states), RUNS of them spread evenly by predicted memory from
+ranks them (train_5d --layout auto's job: bf16 autocast over fp32 states), RUNS of them spread evenly by predicted memory from
 the smallest to 1.5x the GPU's memory, so that some are predicted to fit and some not. Each runs STEPS steps under
 torchrun; every rank writes its torch.cuda.max_memory_allocated (this file's --worker mode), and a run that dies of
 CUDA OOM counts as OOM. Compared: plan.py's total less FRAMEWORK_BYTES (the CUDA context and NCCL buffers, which
@@ -23,7 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from plan_inputs import FRAMEWORK_BYTES, GIB, USABLE  # noqa: E402
+from common.plan_inputs import FRAMEWORK_BYTES, GIB, USABLE  # noqa: E402
 
 RUNS, STEPS = 12, 3
 KEYS = ("dp", "tp", "cp", "pp", "ep", "sp", "zero_stage", "schedule", "v", "micro_batch_size", "recompute")
@@ -42,8 +42,8 @@ def sweep_layouts(world, gpu, memory_bytes, vocab_size, runs=RUNS):
     node; for each of `runs` memory targets evenly spaced from the smallest prediction to 1.5 x memory_bytes, the
     layout predicted nearest to it (each at most once), in order of predicted memory."""
     import train_5d
-    from config import Config
-    from layout_auto import accepted_by, plan_job
+    from common.config import Config
+    from plan import accepted_by, plan_job
     from plan import rank_layouts
     cfg = Config(**sweep_model(world), dtype="bfloat16")
     cfg.layout, cfg.plan_gpu = "", ""
@@ -66,7 +66,7 @@ def sweep_layouts(world, gpu, memory_bytes, vocab_size, runs=RUNS):
 
 
 def train_argv(row, world, steps, out_dir):
-    """train_5d.py's flags for a plan.py row (as layout_auto.set_layout sets them)."""
+    """train_5d.py's flags for a plan.py row (as plan.set_layout sets them)."""
     flags = dict(sweep_model(world), dp=row["dp"], tp=row["tp"], cp=row["cp"], pp=row["pp"], ep=row["ep"],
                  zero_stage=row["zero_stage"], pp_schedule=row["schedule"], pp_virtual=row["v"],
                  micro_batch_size=row["micro_batch_size"], recompute=row["recompute"], max_steps=steps,

@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 
 from model import GPTConfig, flops_per_token  # noqa: E402
 from plan import evaluate, rank_layouts  # noqa: E402
-from plan_inputs import GIB, Job, Layout  # noqa: E402
+from common.plan_inputs import GIB, Job, Layout  # noqa: E402
 
 A100, H100_SXM = 312e12, 989.5e12        # metrics.GPU_PEAK_TFLOPS: the peaks the publications' MFU used
 MEGATRON = "Narayanan et al. 2021 (SC'21, arXiv 2104.04473) Table 1"

@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from metrics import read_metrics  # noqa: E402
+from common.metrics import read_metrics  # noqa: E402
 
 PANELS = (("loss", "training loss"), ("val_loss", "val loss"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU (%)"))
 

@@ -31,7 +31,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from comm import PROFILE_PREFIX  # noqa: E402
+from common.comm import PROFILE_PREFIX  # noqa: E402
 
 COLOURS = {"compute": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2", "communication": "#DD8452",
            "wait": "#C44E52"}
@@ -50,7 +50,7 @@ def trace_paths(out_dir):
     return dict(sorted(paths.items()))
 
 
-# profiling.label's ranges (pipeline actions, ring steps) name a phase, not a kind of work: what runs inside
+# comm.label's ranges (pipeline actions, ring steps) name a phase, not a kind of work: what runs inside
 # them (compute, backward, communication) is drawn instead
 PHASES = ("pp:", "cp:")
 

@@ -8,6 +8,12 @@ kernels/backend.py: which implementation of a kernel runs, decided in one place.
     backend="compile" the plain-torch reference through torch.compile (a fused path where Triton can't run)
 
 triton is imported here, guarded, so every kernel file works on a machine without it.
+
+Dtypes: a kernel computes what it is given. float16, bfloat16 and float32 tensors are computed in fp32 (the
+tensor cores' accumulation; outputs rounded back to the input dtype), float64 tensors in float64 (the exactness
+runs, --dtype float64 --kernels triton); any other dtype is refused with a ValueError. A compiled GPU kernel
+enforces types the interpreter does not check, so tests/test_gpu_rules.py compiles every kernel for sm_80 and
+sm_90 in each of these dtypes.
 """
 import functools
 import os
@@ -23,6 +29,7 @@ except ImportError:        # CPU-only installs: every kernel falls back to its t
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "torch", "compile")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def use_triton(x, backend):
@@ -37,7 +44,20 @@ def use_triton(x, backend):
         raise RuntimeError("backend='triton' but triton is not installed (pip install triton)")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+    if x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the Triton kernels compute float16, bfloat16, float32 and float64 tensors, not {x.dtype}; "
+                         f"use backend='torch' (or --kernels torch) for {x.dtype}")
     return True
+
+
+def compute_dtype(x):
+    """The torch dtype a kernel computes x in (and keeps its statistics in): float64 for float64, else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def compute_type(x):
+    """compute_dtype(x) as the Triton type the kernels take as their ACC constexpr."""
+    return tl.float64 if x.dtype == torch.float64 else tl.float32
 
 
 def maybe_compiled(fn, backend):

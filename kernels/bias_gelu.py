@@ -12,54 +12,56 @@ Memory traffic for a tensor of E values of s bytes: eager does x + b (read 2 wri
 and only x is kept (z = x + b is recomputed in backward). bias_dropout_add: eager moves 3 + 2 + 3 = 8E*s and
 keeps a byte mask; fused moves 3E*s (read x and r, write y) and keeps nothing: the dropout mask is regenerated
 in backward from (seed, offset) by the Philox counter-based generator instead of stored.
+
+Precision: computed in fp32 for 16-bit and fp32 tensors and in float64 when x is float64; the dropout rate is a
+constexpr so that 1 / (1 - p) is exact in a float64 kernel (a runtime float argument reaches a GPU kernel as fp32).
 """
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import HAS_TRITON, block_offsets, maybe_compiled, tl, triton, use_triton
+from kernels.backend import (HAS_TRITON, block_offsets, compute_dtype, compute_type, maybe_compiled, tl, triton,
+                             use_triton)
 
 BLOCK = 1024
 
 if HAS_TRITON:
     @triton.jit
-    def _bias_gelu_fwd(X, Bias, Y, numel, N, BLOCK: tl.constexpr):
+    def _bias_gelu_fwd(X, Bias, Y, numel, N, BLOCK: tl.constexpr, ACC: tl.constexpr):
         offs = block_offsets(tl.program_id(0), BLOCK)
         mask = offs < numel
-        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) \
-            + tl.load(Bias + offs % N, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(X + offs, mask=mask, other=0.0).to(ACC) + tl.load(Bias + offs % N, mask=mask, other=0.0).to(ACC)
         y = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bias_gelu_bwd(X, Bias, DY, DX, numel, N, BLOCK: tl.constexpr):
+    def _bias_gelu_bwd(X, Bias, DY, DX, numel, N, BLOCK: tl.constexpr, ACC: tl.constexpr):
         offs = block_offsets(tl.program_id(0), BLOCK)
         mask = offs < numel
-        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) \
-            + tl.load(Bias + offs % N, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(X + offs, mask=mask, other=0.0).to(ACC) + tl.load(Bias + offs % N, mask=mask, other=0.0).to(ACC)
         cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
         pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327          # 1 / sqrt(2 pi)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
         tl.store(DX + offs, (dy * (cdf + z * pdf)).to(DX.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bias_dropout_add_fwd(X, Bias, R, Y, numel, N, p, seed, BLOCK: tl.constexpr, DROPOUT: tl.constexpr):
+    def _bias_dropout_add_fwd(X, Bias, R, Y, numel, N, seed, P: tl.constexpr, BLOCK: tl.constexpr,
+                              DROPOUT: tl.constexpr, ACC: tl.constexpr):
         offs = block_offsets(tl.program_id(0), BLOCK)
         mask = offs < numel
-        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) \
-            + tl.load(Bias + offs % N, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(X + offs, mask=mask, other=0.0).to(ACC) + tl.load(Bias + offs % N, mask=mask, other=0.0).to(ACC)
         if DROPOUT:
-            keep = tl.rand(seed, offs) >= p       # same (seed, offset) -> same mask in backward
-            z = tl.where(keep, z / (1.0 - p), 0.0)
-        y = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32) + z
+            keep = tl.rand(seed, offs) >= P       # same (seed, offset) -> same mask in backward
+            z = tl.where(keep, z / (1.0 - P), 0.0)
+        y = tl.load(R + offs, mask=mask, other=0.0).to(ACC) + z
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _dropout_bwd(DY, DX, numel, p, seed, BLOCK: tl.constexpr):
+    def _dropout_bwd(DY, DX, numel, seed, P: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
         offs = block_offsets(tl.program_id(0), BLOCK)
         mask = offs < numel
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        keep = tl.rand(seed, offs) >= p
-        tl.store(DX + offs, tl.where(keep, dy / (1.0 - p), 0.0).to(DX.dtype.element_ty), mask=mask)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
+        keep = tl.rand(seed, offs) >= P
+        tl.store(DX + offs, tl.where(keep, dy / (1.0 - P), 0.0).to(DX.dtype.element_ty), mask=mask)
 
 
 def _grid(numel):
@@ -67,7 +69,7 @@ def _grid(numel):
 
 
 def _sum_to_bias(g, bias):
-    return g.reshape(-1, bias.numel()).sum(0, dtype=torch.float32).to(bias.dtype)
+    return g.reshape(-1, bias.numel()).sum(0, dtype=compute_dtype(g)).to(bias.dtype)
 
 
 class BiasGeluFunction(torch.autograd.Function):
@@ -75,7 +77,7 @@ class BiasGeluFunction(torch.autograd.Function):
     def forward(ctx, x, bias):
         x = x.contiguous()
         y = torch.empty_like(x)
-        _bias_gelu_fwd[_grid(x.numel())](x, bias, y, x.numel(), bias.numel(), BLOCK=BLOCK)
+        _bias_gelu_fwd[_grid(x.numel())](x, bias, y, x.numel(), bias.numel(), BLOCK=BLOCK, ACC=compute_type(x))
         ctx.save_for_backward(x, bias)        # z = x + b is recomputed, not stored
         return y
 
@@ -83,7 +85,8 @@ class BiasGeluFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, bias = ctx.saved_tensors
         dx = torch.empty_like(x)
-        _bias_gelu_bwd[_grid(x.numel())](x, bias, dy.contiguous(), dx, x.numel(), bias.numel(), BLOCK=BLOCK)
+        _bias_gelu_bwd[_grid(x.numel())](x, bias, dy.contiguous(), dx, x.numel(), bias.numel(), BLOCK=BLOCK,
+                                         ACC=compute_type(x))
         return dx, _sum_to_bias(dx, bias)
 
 
@@ -95,8 +98,9 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         dropout = training and p > 0
         # a fresh seed from torch's generator: --seed makes runs reproducible, the mask is never stored
         seed = int(torch.randint(0, 2 ** 31 - 1, (1,))) if dropout else 0
-        _bias_dropout_add_fwd[_grid(x.numel())](x, bias, residual, y, x.numel(), bias.numel(), p, seed,
-                                                BLOCK=BLOCK, DROPOUT=dropout)
+        # computed in the residual stream's precision (fp32 under autocast, where x is 16-bit; float64 in float64)
+        _bias_dropout_add_fwd[_grid(x.numel())](x, bias, residual, y, x.numel(), bias.numel(), seed, P=float(p),
+                                                BLOCK=BLOCK, DROPOUT=dropout, ACC=compute_type(residual))
         ctx.dropout, ctx.p, ctx.seed, ctx.x_dtype = dropout, p, seed, x.dtype
         ctx.save_for_backward(bias)
         return y
@@ -108,7 +112,8 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         dx = dy
         if ctx.dropout:
             dx = torch.empty_like(dy)
-            _dropout_bwd[_grid(dy.numel())](dy, dx, dy.numel(), ctx.p, ctx.seed, BLOCK=BLOCK)
+            _dropout_bwd[_grid(dy.numel())](dy, dx, dy.numel(), ctx.seed, P=float(ctx.p), BLOCK=BLOCK,
+                                            ACC=compute_type(dy))
         return dx.to(ctx.x_dtype), _sum_to_bias(dx, bias), dy, None, None
 
 

@@ -13,44 +13,51 @@ separate passes for dx, dw, db. Only the per-row mean and rstd (8 bytes a row) a
 
     from kernels import layer_norm
     y = layer_norm(x, weight, bias, eps=1e-5)              # backend: auto | triton | torch | compile
+
+Precision: 16-bit and fp32 rows are normalized in fp32, float64 rows in float64 (mean, rstd and the dw/db
+partials too); eps is a constexpr so that a float64 kernel adds it in float64 (a runtime float argument reaches
+a GPU kernel as fp32).
 """
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import HAS_TRITON, block_offsets, maybe_compiled, next_pow2, tl, triton, use_triton
+from kernels.backend import (HAS_TRITON, block_offsets, compute_dtype, compute_type, maybe_compiled, next_pow2, tl,
+                             triton, use_triton)
 
 if HAS_TRITON:
     @triton.jit
-    def _ln_fwd(X, Y, W, B, Mean, Rstd, M, N, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _ln_fwd(X, Y, W, B, Mean, Rstd, M, N, EPS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                ACC: tl.constexpr):
         # ROWS rows per program (1 on a GPU for wide rows; more under the interpreter, where programs are costly)
         rows = block_offsets(tl.program_id(0), ROWS)     # int64: rows * N passes 2^31 at scale
         cols = tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         offs = rows[:, None] * N + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(mask, x - mean[:, None], 0.0)       # the ragged tail must not count in the variance
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-        b = tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + EPS)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
+        b = tl.load(B + cols, mask=cols < N, other=0.0).to(ACC)
         tl.store(Y + offs, (xc * rstd[:, None] * w[None, :] + b[None, :]).to(Y.dtype.element_ty), mask=mask)
         tl.store(Mean + rows, mean, mask=rows < M)
         tl.store(Rstd + rows, rstd, mask=rows < M)
 
     @triton.jit
-    def _ln_bwd(X, DY, DX, W, Mean, Rstd, DWp, DBp, M, N, G, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _ln_bwd(X, DY, DX, W, Mean, Rstd, DWp, DBp, M, N, G, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                ACC: tl.constexpr):
         # program p handles row tiles p, p+G, p+2G, ... and keeps its share of dw, db in registers
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-        db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
+        dw = tl.zeros([BLOCK_N], dtype=ACC)
+        db = tl.zeros([BLOCK_N], dtype=ACC)
         for tile in range(pid, tl.cdiv(M, ROWS), G):
             rows = block_offsets(tile, ROWS)
             mask = (rows[:, None] < M) & (cols[None, :] < N)
             offs = rows[:, None] * N + cols[None, :]
-            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
             mean = tl.load(Mean + rows, mask=rows < M, other=0.0)
             rstd = tl.load(Rstd + rows, mask=rows < M, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
@@ -65,10 +72,10 @@ if HAS_TRITON:
         tl.store(DBp + pid * N + cols, db, mask=cols < N)
 
     @triton.jit
-    def _sum_rows(P, Out, G, N, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _sum_rows(P, Out, G, N, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
         # Out[c] = sum_g P[g, c]: the final reduction of the per-program partials
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_C], dtype=ACC)
         for g0 in range(0, G, BLOCK_G):
             rows = g0 + tl.arange(0, BLOCK_G)
             m = (rows[:, None] < G) & (cols[None, :] < N)
@@ -100,11 +107,12 @@ class LayerNormFunction(torch.autograd.Function):
         x2 = x.reshape(-1, N).contiguous()
         M = x2.shape[0]
         y = torch.empty_like(x2)
-        mean = torch.empty(M, device=x.device, dtype=torch.float32)
-        rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+        mean = torch.empty(M, device=x.device, dtype=compute_dtype(x))
+        rstd = torch.empty(M, device=x.device, dtype=compute_dtype(x))
         R = _rows_per_program(x2)
-        _ln_fwd[(triton.cdiv(M, R),)](x2, y, weight.contiguous(), bias.contiguous(), mean, rstd, M, N, eps,
-                                      ROWS=R, BLOCK_N=next_pow2(N), num_warps=_num_warps(next_pow2(N)))
+        _ln_fwd[(triton.cdiv(M, R),)](x2, y, weight.contiguous(), bias.contiguous(), mean, rstd, M, N, EPS=eps,
+                                      ROWS=R, BLOCK_N=next_pow2(N), ACC=compute_type(x),
+                                      num_warps=_num_warps(next_pow2(N)))
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.shape = shape
         return y.view(shape)
@@ -117,14 +125,15 @@ class LayerNormFunction(torch.autograd.Function):
         dx = torch.empty_like(x2)
         R = _rows_per_program(x2)
         G = _n_partials(triton.cdiv(M, R), x2.device)
-        dw_part = torch.empty(G, N, device=x2.device, dtype=torch.float32)
-        db_part = torch.empty(G, N, device=x2.device, dtype=torch.float32)
+        dw_part = torch.empty(G, N, device=x2.device, dtype=compute_dtype(x2))
+        db_part = torch.empty(G, N, device=x2.device, dtype=compute_dtype(x2))
         _ln_bwd[(G,)](x2, dy2, dx, weight.contiguous(), mean, rstd, dw_part, db_part, M, N, G,
-                      ROWS=R, BLOCK_N=next_pow2(N), num_warps=_num_warps(next_pow2(N)))
+                      ROWS=R, BLOCK_N=next_pow2(N), ACC=compute_type(x2), num_warps=_num_warps(next_pow2(N)))
         dw, db = torch.empty_like(weight), torch.empty_like(weight)
         BLOCK_C = min(128, next_pow2(N))
         for part, out in ((dw_part, dw), (db_part, db)):
-            _sum_rows[(triton.cdiv(N, BLOCK_C),)](part, out, G, N, BLOCK_G=min(32, next_pow2(G)), BLOCK_C=BLOCK_C)
+            _sum_rows[(triton.cdiv(N, BLOCK_C),)](part, out, G, N, BLOCK_G=min(32, next_pow2(G)), BLOCK_C=BLOCK_C,
+                                                 ACC=compute_type(x2))
         return dx.view(ctx.shape), dw, db, None
 
 

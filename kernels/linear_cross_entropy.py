@@ -17,41 +17,45 @@ softmax and the logit gradient: about 3-4 x 4*N*V bytes at peak. Fused: 4*n*V fo
 and dW (V*C). Measured on CPU, fp32, 4096 tokens, C = 768, V = 50304 (bench/kernels_lm_head.py): the step's
 working memory is 2413 MiB unfused vs 349 MiB fused (6.9x less), at ~0.8x the unfused speed.
 Targets equal to ignore_index (-100, as F.cross_entropy) count neither in the loss nor in the mean.
+Precision: the row kernel works in fp32 for 16-bit and fp32 logits and in float64 for float64 logits (the
+per-row losses too), so the float64 exactness runs keep the fused head in float64.
 """
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import HAS_TRITON, maybe_compiled, next_pow2, tl, triton, use_triton
+from kernels.backend import (HAS_TRITON, compute_dtype, compute_type, maybe_compiled, next_pow2, tl, triton,
+                             use_triton)
 
 if HAS_TRITON:
     @triton.jit
-    def _ce_grad_rows(Z, T, Loss, InvN, M, V, stride, ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _ce_grad_rows(Z, T, Loss, InvN, M, V, stride, ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+                      ACC: tl.constexpr):
         """Rows r of Z (ROWS per program): Loss[r] = lse - z[t]; Z[r] <- (softmax - onehot(t)) * inv_n, in place.
         inv_n is read from device memory: the host never waits for the count of valid targets."""
-        inv_n = tl.load(InvN).to(tl.float32)
+        inv_n = tl.load(InvN).to(ACC)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = rows < M
         z_rows = Z + rows.to(tl.int64)[:, None] * stride
         t = tl.load(T + rows, mask=live, other=ignore_index)
-        m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        s = tl.zeros([ROWS], dtype=tl.float32)
+        m = tl.full([ROWS], float("-inf"), dtype=ACC)
+        s = tl.zeros([ROWS], dtype=ACC)
         for v0 in range(0, V, BLOCK_V):         # pass 1: online max and sum of exponentials
             cols = v0 + tl.arange(0, BLOCK_V)
             z = tl.load(z_rows + cols[None, :], mask=live[:, None] & (cols[None, :] < V),
-                        other=float("-inf")).to(tl.float32)
+                        other=float("-inf")).to(ACC)
             m_new = tl.maximum(m, tl.max(z, axis=1))
             m_new = tl.where(live, m_new, 0.0)  # rows past the end stay finite (they are never stored)
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
             m = m_new
         lse = m + tl.log(tl.where(live, s, 1.0))
         valid = live & (t != ignore_index)
-        z_t = tl.load(Z + rows.to(tl.int64) * stride + t, mask=valid, other=0.0).to(tl.float32)
+        z_t = tl.load(Z + rows.to(tl.int64) * stride + t, mask=valid, other=0.0).to(ACC)
         tl.store(Loss + rows, tl.where(valid, lse - z_t, 0.0), mask=live)
         scale = tl.where(valid, inv_n, 0.0)
         for v0 in range(0, V, BLOCK_V):         # pass 2: the gradient, written over the logits
             cols = v0 + tl.arange(0, BLOCK_V)
             mask = live[:, None] & (cols[None, :] < V)
-            z = tl.load(z_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
             g = (tl.exp(z - lse[:, None]) - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)) * scale[:, None]
             tl.store(z_rows + cols[None, :], g.to(Z.dtype.element_ty), mask=mask)
 
@@ -76,11 +80,11 @@ def ce_grad_reference(z, targets, inv_n, ignore_index=-100):
 def _ce_grad_(z, targets, inv_n, ignore_index, backend):
     """Per-row losses; z is overwritten with the logit gradient."""
     if use_triton(z, backend):
-        loss = torch.empty(z.shape[0], device=z.device, dtype=torch.float32)
+        loss = torch.empty(z.shape[0], device=z.device, dtype=compute_dtype(z))
         M, V = z.shape
         R = 1 if z.is_cuda else 16        # rows per program: the interpreter pays per program
-        _ce_grad_rows[(cdiv(M, R),)](z, targets, loss, inv_n, M, V, z.stride(0), ignore_index,
-                                     ROWS=R, BLOCK_V=min(4096 if z.is_cuda else 64, next_pow2(V)))
+        _ce_grad_rows[(cdiv(M, R),)](z, targets, loss, inv_n, M, V, z.stride(0), ignore_index, ROWS=R,
+                                     BLOCK_V=min(4096 if z.is_cuda else 64, next_pow2(V)), ACC=compute_type(z))
         return loss
     loss, g = maybe_compiled(ce_grad_reference, backend)(z, targets, inv_n, ignore_index)
     z.copy_(g)

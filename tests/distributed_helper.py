@@ -4,7 +4,7 @@ Run a function on N gloo worker processes on CPU and collect what each rank retu
     results = run_workers(fn, world_size=2, args=(...))   # fn(rank, world_size, *args), a module-level function
 
 Each worker gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and one
-thread, so `comm.init_distributed` and the train scripts' main() work inside it unchanged. A worker's exception
+thread, so `distributed.init_distributed` and the train scripts' main() work inside it unchanged. A worker's exception
 comes back with its traceback; a worker that hangs is killed after `timeout` seconds and the test fails.
 """
 import os
@@ -71,7 +71,7 @@ def recorded_runs(rank, world_size, script, argvs):
     """`script`.main(argv) for each argv (a worker for run_workers), with comm.py recording every launch
     (p2p batches and collectives): one launch log per run, for nccl_check.check."""
     import importlib
-    import comm
+    from common import comm
     main, logs = importlib.import_module(script).main, []
     for argv in argvs:
         comm.LAUNCH_LOG = []

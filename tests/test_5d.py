@@ -6,7 +6,7 @@ import json
 import pytest
 
 from distributed_helper import recorded_runs, run_workers
-from metrics import read_metrics
+from common.metrics import read_metrics
 from train_helpers import MODELS, assert_exact, curves, losses, run_single, text_argv, tiny_argv
 
 H, T, HEADS, VOCAB = 32, 32, 4, 256        # the exactness checks' model (train_helpers.SPIKY, MODELS["L2"])
@@ -18,8 +18,9 @@ def _runs(rank, world, argvs):
     out = []
     for argv in argvs:
         result = train_5d.main(argv)
-        shards = result["shards"]
-        sp_slices = [g.numel() for p, g in train_5d.my_slices(shards or []) if getattr(p, "sequence_parallel", False)]
+        shards = result["dp_axis"].shards
+        sp_slices = [g.numel() for p, g in result["dp_axis"].my_slices()
+                     if getattr(p, "sequence_parallel", False)] if shards else []
         tied = [s.padded for s in shards if s.params[0] is train_5d.tied_weight(result["chunks"])] if shards else []
         out.append(dict(n_params=sum(p.numel() for p in result["chunks"].parameters()),
                         n_padded=sum(s.padded for s in shards) if shards else None, sizes=result["grid"].sizes,
@@ -218,7 +219,7 @@ def test_launches_are_nccl_safe(tiny_data, tmp_path):
     """What every rank launched in real gloo runs (ring and zigzag attention, pipeline with TP and SP inside,
     gradient buckets, the tied pair, evaluation, expert parallelism) replayed under NCCL's rules (nccl_check.py):
     no deadlock."""
-    from nccl_check import check
+    from common.nccl_check import check
     layouts = [dict(tp=2, sp=True, cp=2, pp=2, cp_layout="ring", eval_interval=1, eval_iters=1),
                dict(dp=2, cp=2, pp=2, cp_layout="zigzag", zero_stage=1),
                dict(cp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, n_layer=4, cp_layout="allgather"),

@@ -1,4 +1,4 @@
-"""Checkpoints (checkpoint.py, zero_checkpoint.py): one format for every script, so any layout resumes any other
+"""Checkpoints (common/checkpoint.py): one format for every script, so any layout resumes any other
 with the unbroken run's losses; step directories committed last (a crash leaves the previous one as latest),
 the newest --keep_checkpoints kept; --resume auto; a job killed mid-run restarts under torchrun by itself."""
 import json
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import train_single
-from checkpoint import CKPT_DIR, FILE, latest_checkpoint, load_checkpoint, remove_stale_temp_files, save_step, step_dir
+from common.checkpoint import CKPT_DIR, FILE, latest_checkpoint, load_checkpoint, remove_stale_temp_files, save_step, step_dir
 from distributed_helper import exit_code_and_stderr, recorded_runs, run_workers
-from metrics import read_metrics
+from common.metrics import read_metrics
 from train_helpers import assert_exact, curves, losses, run_single, text_argv, tiny_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,9 +170,10 @@ def test_per_rank_files_of_an_earlier_version_are_one_clear_line(tiny_data, tmp_
 CRASHING = """
 import os, sys
 sys.path.insert(0, {root!r})
-import comm, train_ddp
+import train_ddp
+from common import comm, distributed, optim
 
-real_lr_at = train_ddp.lr_at
+real_lr_at = optim.lr_at
 
 
 def lr_at(step, cfg):   # rank 1 dies at step {step}, on the first attempt only
@@ -181,9 +182,9 @@ def lr_at(step, cfg):   # rank 1 dies at step {step}, on the first attempt only
     return real_lr_at(step, cfg)
 
 
-train_ddp.lr_at = lr_at
+optim.lr_at = lr_at     # train_ddp.main imports its plumbing when it runs: it gets this one
 train_ddp.main(sys.argv[1:])
-comm.destroy()
+distributed.destroy()
 """
 
 

@@ -33,8 +33,8 @@ def expected_bytes(op, S, n, rank, root=0):
 
 
 def _init():
-    import comm
-    return comm.init_distributed(SimpleNamespace(device="cpu", dist_timeout=60))
+    from common import distributed
+    return distributed.init_distributed(SimpleNamespace(device="cpu", dist_timeout=60))
 
 
 def _all_collectives(rank, world_size, numels):

@@ -17,7 +17,7 @@ import torch
 
 from distributed_helper import run_workers
 from kernels.backend import HAS_TRITON
-from metrics import SavedActivationBytes
+from common.metrics import SavedActivationBytes
 from train_helpers import (EXACT, assert_exact, assert_same_losses, assert_same_weights, curves, losses, run_single,
                            text_argv, tiny_argv)
 
@@ -59,7 +59,8 @@ def attention_worker(rank, world_size):
     """cp = 2, 3 and 4 on groups of the first cp ranks of a 4-rank world: the blocks take any group."""
     import torch.distributed as dist
     import train_cp
-    from comm import COMM, init_distributed, new_group
+    from common.comm import COMM, new_group
+    from common.distributed import init_distributed
     init_distributed(types.SimpleNamespace(device="cpu", dist_timeout=60.0))
     results = {}
     for cp in (2, 3, 4):
@@ -77,7 +78,6 @@ def attention_worker(rank, world_size):
                 ref_out.backward(dout)
                 local = [t[..., pos, :].clone().requires_grad_() for t in (q, k, v)]
                 COMM.reset()
-                train_cp.WORK.score_elements = 0
                 out, lse = train_cp.context_parallel_attention(*local, group, layout, kernel)
                 out.backward(dout[..., pos, :])
                 for name, got, want in (("out", out, ref_out[..., pos, :]), ("lse", lse, ref_lse[..., pos]),
@@ -85,7 +85,8 @@ def attention_worker(rank, world_size):
                     err = (got.double() - want.double()).abs().max().item()
                     assert err <= tol * max(1.0, want.abs().max().item()), \
                         f"cp={cp} {layout} {dtype} {kernel_name(kernel)} {name}: error {err}"
-                results[cp, layout, str(dtype), kernel_name(kernel)] = (COMM.bytes_sent, train_cp.WORK.score_elements, T)
+                work = B * H * train_cp.score_elements(layout, T, cp, dist.get_rank(group))   # the blocks it ran
+                results[cp, layout, str(dtype), kernel_name(kernel)] = (COMM.bytes_sent, work, T)
     return results
 
 
@@ -123,7 +124,7 @@ def train_worker(rank, world_size, data_dir, out_root, steps):
         if rank == 0:
             results[layout] = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     # activation bytes of the same model on one device (a one-rank group) and the full sequence
-    from comm import new_group
+    from common.comm import new_group
     solo = new_group([0])
     if rank == 0:
         train_cp.swap_attention_cores(model, lambda: train_cp.ContextParallelAttentionCore(solo, "ring"))

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import torch
 
-from data import GlobalBatchLoader, encode, write_dataset
+from common.data import GlobalBatchLoader, encode, write_dataset
 from distributed_helper import run_workers
 
 
@@ -52,10 +52,10 @@ def _two_node_worker(rank, world, root, data_dir):
     directory); returns (exit code, this rank's stderr, files left in its node's data directory)."""
     import contextlib
     import io
-    import data
-    import train_single
-    from comm import init_distributed
-    from config import Config
+    from common import data
+    from common import training
+    from common.distributed import init_distributed
+    from common.config import Config
     os.environ["LOCAL_RANK"] = str(rank % 2)
     os.chdir(os.path.join(root, f"node{rank // 2}"))
     stdlib_root, files = data.stdlib_text_files()
@@ -65,7 +65,7 @@ def _two_node_worker(rank, world, root, data_dir):
     err, code = io.StringIO(), 0
     with contextlib.redirect_stderr(err):
         try:
-            loader = train_single.prepare_data(cfg, env)
+            loader = training.prepare_data(cfg, env)
             assert loader.vocab_size == 256
         except SystemExit as e:
             code = e.code
@@ -77,8 +77,8 @@ def test_every_node_prepares_its_own_data(tmp_path):
     """Without a shared filesystem each node's local rank 0 prepares the default corpus (no node waits on a
     file only another node has, no half-written temporary file stays); a dataset missing on one node makes
     that node's preparer print its own error (rank 0 only could not) and every rank exit with code 2."""
-    from comm import DistEnv
-    from train_single import prepares_data
+    from common.distributed import DistEnv
+    from common.training import prepares_data
     assert [prepares_data(DistEnv(r, 4, r % 2, torch.device("cpu"), "gloo")) for r in range(4)] == [True, False] * 2
     for node in ("node0", "node1"):
         os.makedirs(tmp_path / node)

@@ -39,7 +39,7 @@ def _torch_state(state):
 
 
 def _rows(argv):
-    from metrics import read_metrics
+    from common.metrics import read_metrics
     return read_metrics(argv[argv.index("--out_dir") + 1])
 
 
@@ -78,7 +78,7 @@ def test_parity_and_comm_bytes(dp, reference, tiny_data, tmp_path):
         n_tensors = len(r0["param_ids"])
         expected_calls = len(r0["buckets"]) if mode == "bucket" else n_tensors
         for row in r0["rows"]:
-            # the README's convention: all_reduce = 2(n-1)/n * S, once per optimizer step whatever grad_acc is
+            # the convention of docs/observability.md: all_reduce = 2(n-1)/n * S, once per optimizer step whatever grad_acc is
             assert row["comm_bytes"] == 2 * (dp - 1) / dp * P_bytes, (mode, grad_acc, row)
             assert row["comm_calls"] == expected_calls, (mode, grad_acc, row)
         if mode == "bucket":
@@ -135,8 +135,8 @@ def test_bucket_count(tiny_data, tmp_path):
 
 def _mismatch(rank, world_size, argv):
     import train_ddp
-    from comm import init_distributed
-    from config import parse_config
+    from common.distributed import init_distributed
+    from common.config import parse_config
     import torch.distributed as dist
     # the building block on its own: one rank's weights perturbed in the last bit
     init_distributed(parse_config(["--device", "cpu"]))
@@ -200,9 +200,9 @@ def _slow_rank0_worker(rank, world, delay):
     import io
     import time
     import torch.distributed as dist
-    from comm import init_distributed
-    from config import Config
-    from train_single import wait_for_main_rank
+    from common.distributed import init_distributed
+    from common.config import Config
+    from common.distributed import wait_for_main_rank
     init_distributed(Config(device="cpu", dist_timeout=2.0))
     err, code = io.StringIO(), 0
     if rank == 0:

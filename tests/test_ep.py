@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed_helper import run_workers
-from metrics import read_metrics
+from common.metrics import read_metrics
 from train_helpers import (EXACT, assert_exact, assert_same_losses, assert_same_weights, curves, run_single, text_argv,
                            tiny_argv)
 
@@ -23,17 +23,19 @@ def _to_numpy(obj):
 
 def _dispatch_worker(rank, world, n_experts, top_k, dtype_name, idle, capacity_factor):
     """One MoE layer on `world` ranks, each with its own (differently sized) batch of tokens: the reference
-    model.MoE on this rank's tokens vs ExpertParallelMoE; returns both results and the counted bytes."""
+    model.MoE on this rank's tokens vs model.MoE with ExpertParallelExperts; returns both results and the
+    counted bytes."""
     import torch.distributed as dist
-    from comm import COMM, init_distributed
-    from config import Config
+    from common.comm import COMM
+    from common.distributed import init_distributed
+    from common.config import Config
     from model import GPTConfig, MoE, init_parameter
-    from train_ep import ExpertParallelMoE
+    from train_ep import expert_parallel_moe
     init_distributed(Config(device="cpu"))
     dtype = getattr(torch, dtype_name)
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=H, n_experts=n_experts, top_k=top_k,
                     capacity_factor=capacity_factor)
-    ref, ep = MoE(cfg), ExpertParallelMoE(cfg, dist.group.WORLD)
+    ref, ep = MoE(cfg), expert_parallel_moe(cfg, dist.group.WORLD)
     with torch.no_grad():
         for m in (ref, ep):                            # experts by their global index: the same values
             for name, p in m.named_parameters():
@@ -146,7 +148,7 @@ def _expert_numel(h):
 
 def check_counts(rows, world, ep, n_experts, n_moe, a2a_per_micro=None, h=32, dense_numel=None,
                  local_expert_numel=None):
-    """The byte convention of README's Metrics section, per optimizer step on rank 0."""
+    """The byte convention of docs/observability.md, per optimizer step on rank 0."""
     grad_acc = 8 // (MICRO * world)
     replicas = world // ep
     grad_bytes = 2 * (world - 1) / world * dense_numel * 4
@@ -272,7 +274,7 @@ def test_every_group_has_the_run_timeout(tiny_data, tmp_path, monkeypatch):
     """Subgroups (EP groups, expert replicas, pipeline's tied pair) are created with --dist_timeout, so a
     stopped rank makes the others raise instead of waiting torch's default 30 minutes."""
     import torch.distributed as dist
-    import comm
+    from common import comm
     import train_ep
     seen, real = [], dist.new_group
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import train_single
-from checkpoint import latest_checkpoint, load_checkpoint
-from comm import collective_failure
+from common import training
+from common.checkpoint import latest_checkpoint, load_checkpoint
+from common.distributed import collective_failure
 from distributed_helper import exit_code_and_stderr, free_port, recorded_runs, run_workers
 from train_helpers import losses, make_tiny_dataset, run_single, text_argv, tiny_argv
 
@@ -91,7 +92,7 @@ def test_non_finite_weights_are_never_saved(tmp_path, capsys):
     """The last line of defence: a save of inf/NaN weights is refused with one error line, and the good
     checkpoint stays the latest."""
     from types import SimpleNamespace
-    from checkpoint import save_step
+    from common.checkpoint import save_step
     cfg = SimpleNamespace(out_dir=str(tmp_path), keep_checkpoints=2, dist_timeout=60.0)
     save_step(cfg, dict(model={"w": torch.ones(2)}, step=1), 1)
     with pytest.raises(SystemExit) as stop:
@@ -194,19 +195,18 @@ def test_a_collective_failure_is_named_in_one_line():
 
 
 def test_a_failed_multi_process_run_exits_with_its_code_before_teardown(monkeypatch):
-    """comm.destroy_at_exit after config.fail on 2 ranks: the group is left, then os._exit(2), so gloo threads that
-    outlive the group cannot abort the process in the interpreter's teardown. One rank (tests in this process),
+    """distributed.destroy_at_exit after errors.fail on 2 ranks: the group is left, then os._exit(2), so gloo threads
+    that outlive the group cannot abort the process in the interpreter's teardown. One rank (tests in this process),
     or no failure: no hard exit."""
-    import comm
-    import config
+    from common import distributed, errors
     calls = []
-    monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(comm.dist, "destroy_process_group", lambda: calls.append("destroyed"))
-    monkeypatch.setattr(comm.os, "_exit", lambda code: calls.append(code))
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: calls.append("destroyed"))
+    monkeypatch.setattr(distributed.os, "_exit", lambda code: calls.append(code))
     for world, failed in ((2, 2), (1, 2), (2, None)):
-        monkeypatch.setattr(comm.dist, "get_world_size", lambda: world)
-        monkeypatch.setitem(config.FAILED, "code", failed)
-        comm.destroy_at_exit()
+        monkeypatch.setattr(distributed.dist, "get_world_size", lambda: world)
+        monkeypatch.setitem(errors.FAILED, "code", failed)
+        distributed.destroy_at_exit()
     assert calls == ["destroyed", 2, "destroyed", "destroyed"]
 
 
@@ -302,6 +302,6 @@ def test_character_level_samples_are_decoded(tmp_path, capsys):
     run_single(tiny_argv(data, str(tmp_path / "out"), max_steps=2, sample_tokens=20))
     sample = capsys.readouterr().out.split("---- sample ----\n")[1].split("\n----------------")[0]
     assert sample[:16] in val_text and set(sample) <= set(text), repr(sample)       # the prompt, then text
-    assert train_single.decode([0, 1, 2], {"vocab_size": 3, "itos": ["a", "b", "c"]}) == "abc"   # meta.json's list
+    assert training.decode([0, 1, 2], {"vocab_size": 3, "itos": ["a", "b", "c"]}) == "abc"   # meta.json's list
     with pytest.raises(ValueError, match="tokenizer 'synthetic' is unknown"):
-        train_single.decode([1, 2], {"vocab_size": 64, "tokenizer": "synthetic"})
+        training.decode([1, 2], {"vocab_size": 64, "tokenizer": "synthetic"})

@@ -1,6 +1,9 @@
 """
 FP8 (kernels/fp8.py): signal-to-quantization-noise gates from torchao's tests for each recipe, blockwise
 scaling beating tensorwise on outliers, and a 100-step toy GPT run in FP8 within 1% of the same run in fp32.
+Every test runs fp8.py's GPU path under CUDA's torch._scaled_mm rules (tests/cuda_scaled_mm.py: the CPU kernel
+accepts what CUDA refuses), including the shapes MoE experts produce: token counts that are no multiple of 16,
+and experts that receive no token at all.
 """
 import functools
 
@@ -8,8 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from cuda_scaled_mm import scaled_mm_under_cuda_rules, scaled_mm_under_cuda_rules_without_blocks  # noqa: F401
 from kernels.fp8 import (E4M3, E5M2, RECIPES, Float8Linear, convert_to_float8, dequantize, fp8_matmul,
                          quantize, sqnr_db)
+
+pytestmark = pytest.mark.usefixtures("scaled_mm_under_cuda_rules")
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "tile", "block"])
@@ -159,3 +165,65 @@ def test_every_selected_linear_runs_fp8_under_each_kernels_mode(mode, fp8):
     high_precision_loss = tiny_gpt("torch", "none", device)[0](idx[:, :-1], idx[:, 1:])[1].item()
     assert abs(loss.item() - fp8_loss) <= 1e-5 * fp8_loss
     assert abs(loss.item() - high_precision_loss) > 10 * abs(loss.item() - fp8_loss)
+
+
+TOKEN_COUNTS = (0, 1, 7, 13, 40, 130)        # what top-k routing gives experts: rarely a multiple of 16, or none
+
+
+def expert_step(layer, tokens, seed):
+    """Forward and backward of one expert Linear on `tokens` rows: (y, dx, dW, db)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, layer.in_features, generator=gen).requires_grad_()
+    g = torch.randn(tokens, layer.out_features, generator=gen)
+    layer.zero_grad()
+    y = layer(x)
+    y.backward(g)
+    return y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_expert_token_counts(recipe):
+    """An expert Linear in FP8 for every token count routing may give it: forward and backward pass CUDA's
+    rules (dW contracts over the tokens), match the high-precision layer, and an expert without tokens gets an
+    empty output and zero gradients."""
+    torch.manual_seed(8)
+    ref = nn.Linear(64, 48)
+    fp8 = Float8Linear.from_float(nn.Linear(64, 48), recipe)
+    fp8.load_state_dict(ref.state_dict())
+    for tokens in TOKEN_COUNTS:
+        got, want = expert_step(fp8, tokens, seed=tokens), expert_step(ref, tokens, seed=tokens)
+        assert [t.shape for t in got] == [t.shape for t in want], tokens
+        if tokens == 0:
+            assert (got[2] == 0).all() and (got[3] == 0).all()
+            continue
+        floor = 15 if tokens > 1 else 10           # one token: its dW is a single outer product
+        for name, a, b in zip(("y", "dx", "dW"), got, want):
+            assert sqnr_db(b, a) >= floor, f"{recipe}, {tokens} tokens: {name} at {sqnr_db(b, a):.1f} dB"
+
+
+@pytest.mark.usefixtures("scaled_mm_under_cuda_rules_without_blocks")
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_fp8_expert_token_counts_without_native_block_scales(recipe):
+    """The same on a GPU without native block scales (Ada, or cuBLAS < 12.9), where blockwise runs per K-slice."""
+    test_fp8_expert_token_counts(recipe)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_moe_model_with_idle_experts(recipe):
+    """A GPT whose MoE experts run in FP8, with more experts than tokens (some receive none, the others odd
+    counts): a training step passes CUDA's rules and tracks the high-precision model."""
+    from model import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, n_experts=8, top_k=1)
+    idx = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))   # 5 tokens, 8 experts
+    losses = {}
+    for fp8 in (False, True):
+        model = GPT(cfg, seed=0)
+        swapped = convert_to_float8(model, recipe) if fp8 else []
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        losses[fp8] = loss.item()
+    counts = torch.bincount(model.transformer.h[0].mlp.routing.expert, minlength=8)
+    assert (counts == 0).any() and any(f"experts.{e}.c_fc" in name for name in swapped for e in range(8))
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert abs(losses[True] - losses[False]) <= 0.02 * losses[False], losses
+

@@ -123,12 +123,66 @@ def test_linear_cross_entropy(backend):
 
 
 def test_linear_cross_entropy_float64_end_to_end():
-    """The float64 exactness runs (README, "Parity") keep the fused head in float64: loss and dW sums too."""
+    """The float64 exactness runs (docs/parity.md) keep the fused head in float64: loss and dW sums too."""
     torch.manual_seed(5)
     h, w, t = randn(45, 19, dtype=torch.float64), randn(101, 19, dtype=torch.float64), torch.randint(0, 101, (45,))
     t = t.to(DEVICE)
     check_against_float64(lambda h, w: linear_cross_entropy(h, w, t, chunk=16, backend="torch"),
                           lambda h, w: linear_cross_entropy_reference(h, w, t), [h, w], randn(()), rtol=1e-12)
+
+
+F64_RTOL = 1e-12           # float64 rounding and reordering stay ~1e-15; a step through fp32 costs ~1e-7
+F64_CASES = {
+    "layer_norm": (lambda x, w, b: layer_norm(x, w, b, backend="triton"),
+                   lambda x, w, b: F.layer_norm(x, (37,), w, b), [(15, 37), (37,), (37,)], (15, 37)),
+    "bias_gelu": (lambda x, b: bias_gelu(x, b, backend="triton"), lambda x, b: F.gelu(x + b),
+                  [(6, 49), (49,)], (6, 49)),
+    "bias_dropout_add": (lambda x, b, r: bias_dropout_add(x, b, r, 0.0, True, backend="triton"),
+                         lambda x, b, r: r + x + b, [(5, 41), (41,), (5, 41)], (5, 41)),
+    "flash_attention": (lambda q, k, v: flash_attention(q, k, v, True, backend="triton"),
+                        lambda q, k, v: attention_reference(q, k, v, True), [(1, 2, 37, 24)] * 3, (1, 2, 37, 24)),
+    "linear_cross_entropy": (lambda h, w: linear_cross_entropy(h, w, TARGETS_45, chunk=16, backend="triton"),
+                             lambda h, w: linear_cross_entropy_reference(h, w, TARGETS_45), [(45, 19), (101, 19)], ()),
+}
+TARGETS_45 = torch.randint(0, 101, (45,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+
+
+@pytest.mark.parametrize("kernel", F64_CASES)
+def test_float64_is_computed_in_float64(kernel):
+    """--dtype float64 --kernels triton (the exactness runs): each kernel's output and gradients equal the float64
+    reference to float64 rounding; a kernel that computed float64 in fp32 would be ~1e-7 off."""
+    torch.manual_seed(6)
+    fn_kernel, fn_ref, shapes, out_shape = F64_CASES[kernel]
+    inputs = [randn(*shape, dtype=torch.float64) for shape in shapes]
+    upstream = torch.randn(out_shape, device=DEVICE, dtype=torch.float64)
+    check_against_float64(fn_kernel, fn_ref, inputs, upstream, rtol=F64_RTOL)
+
+
+def test_float64_attention_lse_and_dropout_scale():
+    """The float64 kernels' side outputs: the attention lse is float64 (a merge in train_cp.py and the backward
+    rebuild probabilities from it), and dropout's 1 / (1 - p) is exact."""
+    torch.manual_seed(7)
+    q, k, v = (randn(1, 2, 37, 24, dtype=torch.float64) for _ in range(3))
+    _, lse = flash_attention(q, k, v, True, backend="triton")
+    assert lse.dtype == torch.float64 and rel_err(lse, attention_reference(q, k, v, True)[1]) <= F64_RTOL
+    x, b, r = randn(5, 41, dtype=torch.float64), randn(41, dtype=torch.float64), randn(5, 41, dtype=torch.float64)
+    y = bias_dropout_add(x, b, r, 0.1, True, backend="triton")
+    keep = (y - r) != 0
+    torch.testing.assert_close((y - r)[keep], ((x + b) / 0.9)[keep], rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
+def test_kernels_refuse_dtypes_they_do_not_compute(dtype):
+    """A dtype a kernel does not compute is a clear error before any launch, naming it and what to use instead."""
+    x = randn(4, 32).to(dtype)
+    for call in (lambda: layer_norm(x, randn(32), randn(32), backend="triton"),
+                 lambda: bias_gelu(x, randn(32), backend="triton"),
+                 lambda: flash_attention(x[None, None], x[None, None], x[None, None], backend="triton")):
+        with pytest.raises(ValueError, match=rf"{str(dtype).removeprefix('torch.')}.*backend='torch'"):
+            call()
+    with pytest.raises(ValueError, match="one dtype"):
+        q = randn(1, 1, 16, 16)
+        flash_attention(q, q.double(), q, backend="triton")
 
 
 class LargestAllocation(TorchDispatchMode):

@@ -4,9 +4,9 @@ and router statistics."""
 import pytest
 import torch
 
-from metrics import read_metrics
+from common.metrics import read_metrics
 from model import GPT, MLP, GPTConfig, MoE, flops_per_token, init_parameter, num_params, route
-from routing import end_moe_step, moe_blocks, start_moe_training, switch_aux_loss
+from common.routing import end_moe_step, moe_blocks, start_moe_training, switch_aux_loss
 from train_helpers import run_single, tiny_argv
 
 

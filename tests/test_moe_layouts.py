@@ -6,7 +6,7 @@ The ep axis of train_5d sends exactly what train_ep sends for the same tokens.""
 import pytest
 
 from distributed_helper import run_workers
-from metrics import read_metrics
+from common.metrics import read_metrics
 from train_helpers import assert_exact, curves, run_single, text_argv
 
 MOE = dict(n_experts=8, moe_every=1)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import plan
-import plan_memory
-from config import ConfigError
-from plan_inputs import Job
+from common import plan_memory
+from common.config import ConfigError
+from common.plan_inputs import Job
 from distributed_helper import run_workers
 from model import GPT, GPTConfig, num_params
 from train_ddp import assign_buckets
@@ -66,7 +66,7 @@ def test_tensor_parallel_shard_sizes(tp):
 
 def _zero_worker(rank, world, data_dir, out_root):
     import train_zero
-    from metrics import read_metrics
+    from common.metrics import read_metrics
     out = {}
     for stage in (1, 2, 3):
         out_dir = f"{out_root}/z{stage}"
@@ -108,7 +108,7 @@ def test_state_and_comm_bytes_equal_train_zero(zero_rows, stage):
 def test_activation_bytes_equal_saved_tensors(recompute, shape):
     """What autograd keeps for backward in one forward of model.py's GPT (metrics.SavedActivationBytes, fp32, CPU's
     fused attention) equals plan's prediction within 2% (it is within a few bytes)."""
-    from metrics import SavedActivationBytes
+    from common.metrics import SavedActivationBytes
     L, h, a, s, b, v = shape
     cfg = GPTConfig(vocab_size=v, block_size=s, n_layer=L, n_head=a, n_embd=h, recompute=recompute)
     model = GPT(cfg)
@@ -160,7 +160,7 @@ def test_korthikanti_cases():
 def simulated_schedules(schedule):
     """(p, m, v, pipeline_schedules.simulate's result) for p = 2..6 and every m the schedule takes (train_5d's
     validate: m >= p except afab and zbv, m % p == 0 interleaved, m >= 2p dualpipev)."""
-    from pipeline_schedules import make_schedule, simulate
+    from common.pipeline_schedules import make_schedule, simulate
     v = dict(interleaved=2, zbv=2, dualpipev=2).get(schedule, 1)
     for p in range(2, 7):
         for m in range(1, 4 * p + 2):
@@ -175,7 +175,7 @@ def test_pipeline_in_flight_and_bubble_equal_the_simulator(schedule):
     """plan's closed forms against pipeline_schedules.simulate (F = B = W), every rank, p = 2..6, every valid m up to
     4p+1: the micro-batch-chunks each rank holds at its peak are equal, and the bubble plan adds is the simulated
     idle share: bubble / compute = idle / (makespan - idle) on every rank."""
-    from plan_inputs import Layout
+    from common.plan_inputs import Layout
     cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=24, n_head=4, n_embd=64)
     for p, m, v, sim in simulated_schedules(schedule):
         assert [plan_memory.in_flight(schedule, p, m, v, r) for r in range(p)] == sim["peak_in_flight"], (p, m)
@@ -190,7 +190,7 @@ def test_pipeline_in_flight_and_bubble_equal_the_simulator(schedule):
 def test_v_placement_states_match_the_stages(schedule):
     """In a V rank r holds stages r and 2p-1-r (train_pp.stage_views): plan's parameter count per rank equals the
     views' (rank 0 holds the embedding once, tied, with ln_f), and the ranks together hold the model once."""
-    from pipeline_schedules import placement_of
+    from common.pipeline_schedules import placement_of
     from train_pp import stage_views
     cfg = GPTConfig(vocab_size=100, n_layer=8, n_head=4, n_embd=32)
     with torch.device("meta"):
@@ -207,8 +207,8 @@ def test_plan_and_train_5d_accept_the_same_layouts(monkeypatch):
     and micro-batches per step: plan's validate and train_5d's accept exactly the same layouts (V schedules need v = 2, dualpipev
     m >= 2p, others but afab and zbv m >= p, interleaved m % p == 0)."""
     import train_5d
-    from config import Config
-    from plan_inputs import Layout, validate
+    from common.config import Config
+    from common.plan_inputs import Layout, validate
     monkeypatch.setenv("WORLD_SIZE", "8")
     schedules = [("afab", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2), ("zbv", 1)]
     verdicts = []
@@ -415,7 +415,7 @@ def test_bad_input_one_error_line(capsys, argv, message):
 
 def auto_cfg(**shape):
     """A train_5d config for --layout auto (its parser adds --layout and --plan_gpu to config.Config's flags)."""
-    from config import Config
+    from common.config import Config
     cfg = Config(**shape)
     cfg.layout, cfg.plan_gpu = "auto", "h100"
     return cfg
@@ -423,8 +423,8 @@ def auto_cfg(**shape):
 
 def test_auto_layout_is_the_fastest_runnable_layout_that_fits(monkeypatch):
     import train_5d
-    from layout_auto import accepted_by, choose_layout
-    from plan_inputs import GIB, USABLE
+    from plan import accepted_by, choose_layout
+    from common.plan_inputs import GIB, USABLE
     monkeypatch.setenv("WORLD_SIZE", "8")
     job = job_for(GPTConfig(vocab_size=50257, block_size=2048, n_layer=24, n_head=16, n_embd=2048), gpus=8,
                   global_seqs=64, precision="amp")
@@ -452,10 +452,10 @@ def _auto_run(rank, world, argv):
 
 
 def test_train_5d_layout_auto_runs_plans_choice(tiny_data, tmp_path, monkeypatch):
-    """On CPU with --plan_gpu: train_5d runs the layout layout_auto chooses for the same job."""
+    """On CPU with --plan_gpu: train_5d runs the layout plan.py chooses for the same job."""
     import train_5d
-    from layout_auto import accepted_by, choose_layout, plan_job
-    from plan_inputs import HARDWARE
+    from plan import accepted_by, choose_layout, plan_job
+    from common.plan_inputs import HARDWARE
     argv = tiny_argv(tiny_data, str(tmp_path), max_steps=2, layout="auto", plan_gpu="h100", n_layer=4)
     got = run_workers(_auto_run, 4, args=(argv,), timeout=600)[0]
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from distributed_helper import run_workers
-from metrics import read_metrics
-from pipeline_schedules import V_SHAPED, placement_of, rank_of
+from common.metrics import read_metrics
+from common.pipeline_schedules import V_SHAPED, placement_of, rank_of
 from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, run_single,
                            text_argv, tiny_argv)
 

@@ -7,8 +7,8 @@ from collections import deque
 import pytest
 
 from distributed_helper import recorded_runs, run_workers
-from nccl_check import check, first_ops, replay
-from pipeline_schedules import (SCHEDULES, V_SHAPED, Exchange, comm_plan, make_schedule, message_order,
+from common.nccl_check import check, first_ops, replay
+from common.pipeline_schedules import (SCHEDULES, V_SHAPED, Exchange, comm_plan, make_schedule, message_order,
                                 recvs_of, sends_of)
 from train_helpers import tiny_argv
 

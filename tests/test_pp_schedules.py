@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline_schedules import (SCHEDULES, SPLIT_BACKWARD, V_SHAPED, Action, make_schedule, message_order,
+from common.pipeline_schedules import (SCHEDULES, SPLIT_BACKWARD, V_SHAPED, Action, make_schedule, message_order,
                                 peak_in_flight, rank_of, render, sends_of, simulate, stage_of,
                                 theory_idle_fraction)
 

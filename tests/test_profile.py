@@ -88,8 +88,8 @@ def _async_collective_labels(rank, world_size):
     import torch
     from torch.profiler import profile
 
-    import comm
-    comm.init_distributed(SimpleNamespace(device="cpu", dist_timeout=60.0))
+    from common import comm, distributed
+    distributed.init_distributed(SimpleNamespace(device="cpu", dist_timeout=60.0))
     t = torch.ones(4)
     plain = comm.all_reduce(t, async_op=True)
     plain.wait()

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import train_single
-from checkpoint import latest_checkpoint, load_checkpoint
-from metrics import read_metrics
+from common import training
+from common.checkpoint import latest_checkpoint, load_checkpoint
+from common.metrics import read_metrics
 from train_helpers import (MODELS, assert_exact, assert_same_losses, assert_same_weights, losses, run_single,
                            text_argv, tiny_argv)
 
@@ -193,9 +194,9 @@ def test_tf32_enabled_in_every_script():
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
-        train_single.enable_tf32(torch.device("cpu"))
+        training.enable_tf32(torch.device("cpu"))
         assert not torch.backends.cuda.matmul.allow_tf32
-        train_single.enable_tf32(torch.device("cuda"))          # a device object: no GPU needed to set the flag
+        training.enable_tf32(torch.device("cuda"))          # a device object: no GPU needed to set the flag
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from distributed_helper import run_workers
 from model import GPTConfig, num_params
-from tp_shards import gather_full_weights, init_tp_weights, shard_of
+from common.tp_shards import gather_full_weights, init_tp_weights, shard_of
 from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, losses,
                            run_single, text_argv, tiny_argv)
-from metrics import read_metrics
+from common.metrics import read_metrics
 
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, micro_batch_size=4, global_batch_size=8, vocab=64)
 
@@ -30,7 +30,7 @@ def _rel_err(a, b):
 def _layers_worker(rank, n, argv):
     import torch.distributed as dist
     import train_tp as tp
-    from comm import all_reduce
+    from common.comm import all_reduce
     dist.init_process_group("gloo")
     g, errs = dist.group.WORLD, {}
 
@@ -147,8 +147,8 @@ def _block_report(n):
     import torch.distributed as dist
     import model as M
     import train_tp as tp
-    from comm import COMM
-    from metrics import SavedActivationBytes
+    from common.comm import COMM
+    from common.metrics import SavedActivationBytes
     g, s, b = dist.group.WORLD, 32, 2
     # 8 heads: >= 2 per rank, so the attention output's reshape copies as it does on one device
     cfg = M.GPTConfig(vocab_size=64, block_size=s, n_layer=1, n_head=8, n_embd=64)
@@ -294,7 +294,7 @@ def test_comm_bytes_and_params_per_rank_equal_theory(tp_runs):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_block_collectives_and_activation_memory(tp_runs, n):
-    from train_tp import tp_activation_bytes_per_layer
+    from common.plan_memory import tp_activation_bytes_per_layer
     from model import activation_bytes_per_layer
     rep = tp_runs[n]["block"]
     S, part = 2 * 32 * 64 * 4, (n - 1) / n

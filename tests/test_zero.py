@@ -22,8 +22,8 @@ def _zero_runs(rank, world_size, runs):
     """Run train_zero.main for each argv in one process group; return what the assertions need, with the
     dtypes the parameters, the reduced gradient shards and the Linear layers' outputs (matmuls) had."""
     import train_zero
-    import zero_checkpoint
-    from metrics import read_metrics
+    from common.checkpoint import gathered_values
+    from common.metrics import read_metrics
     out = []
     for argv in runs:
         matmul_dtypes = set()
@@ -39,7 +39,7 @@ def _zero_runs(rank, world_size, runs):
             continue
         finally:
             hook.remove()
-        weights = zero_checkpoint.full_values(result["shards"], "master")      # consolidated, on every rank
+        weights = {n: v[0].cpu().clone() for n, v in gathered_values(result["shards"])}   # whole, on every rank
         out_dir = argv[argv.index("--out_dir") + 1]
         out.append(dict(exit=0, losses=losses(out_dir) if rank == 0 else None,
                         rows=read_metrics(out_dir) if rank == 0 else None,
@@ -185,7 +185,7 @@ def test_checkpoint_consolidates_across_stages_and_world_sizes(reference, tiny_d
 def test_bad_input(tiny_data, tmp_path, capsys):
     import torch.distributed as dist
     import train_zero
-    import zero_checkpoint
+    from common.checkpoint import gathered_values
     for bad in (dict(zero_stage=4), dict(dtype="float16")):
         with pytest.raises(SystemExit) as e:
             train_zero.main(tiny_argv(tiny_data, str(tmp_path / "bad"), **bad))
@@ -196,7 +196,7 @@ def test_bad_input(tiny_data, tmp_path, capsys):
     ref_losses, ref_state = run_single(tiny_argv(tiny_data, str(tmp_path / "single"), **argv))
     try:
         result = train_zero.main(tiny_argv(tiny_data, str(tmp_path / "z"), zero_stage=3, **argv))
-        state = zero_checkpoint.full_values(result["shards"], "master")
+        state = {n: v[0].cpu().clone() for n, v in gathered_values(result["shards"])}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

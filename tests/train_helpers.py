@@ -1,14 +1,14 @@
 """
 Helpers for parity tests: a tiny dataset, a tiny config, train_single's reference run, and the comparison
-the README's parity contract asks for (step-0 loss to 1e-6 relative, the curve to 1e-4, final weights to 1e-4 norm).
+docs/parity.md's contract asks for (step-0 loss to 1e-6 relative, the curve to 1e-4, final weights to 1e-4 norm).
 """
 import os
 
 import numpy as np
 import torch
 
-from config import argv_of
-from metrics import read_metrics
+from common.config import argv_of
+from common.metrics import read_metrics
 
 
 def make_tiny_dataset(path, vocab_size=64, n_train=20_000, n_val=4_000, seed=0):
@@ -31,7 +31,7 @@ TEXT_FILES = ("argparse.py", "inspect.py", "typing.py", "tarfile.py")   # stable
 def make_text_dataset(path, n_val=20_000):
     """Real text: a few standard-library modules as byte tokens (vocab 256), the default corpus in small.
 
-    Unlike random tokens, real text has sharp points where a gradient jumps tens of times (README, "Parity"):
+    Unlike random tokens, real text has sharp points where a gradient jumps tens of times (docs/parity.md):
     the place where a reordering bug and fp32 noise look alike, and where float64 tells them apart."""
     import json
     import sysconfig
@@ -57,7 +57,7 @@ def tiny_argv(data_dir, out_dir, **overrides):
     return argv_of(args)
 
 
-# The exactness check (README, "Parity"): float64 on real text (make_text_dataset), clipping on, 30 steps at a
+# The exactness check (docs/parity.md): float64 on real text (make_text_dataset), clipping on, 30 steps at a
 # learning rate that crosses a gradient spike (global batch 8: the grad norm jumps 26x at step 18, from 1.0 to
 # 26.4) without turning chaotic: reordering (micro-batches of 2 vs 8) differs by < 1e-12 at every step here.
 # At lr 1.5e-2 the same model amplifies float64 noise to 3e-7: there no tolerance could tell noise from a bug.
@@ -84,7 +84,7 @@ def curves(out_dir):
 
 def assert_exact(ref, got, rtol=EXACT):
     """The float64 contract: per-step loss and grad norm within rtol relative; ref, got are curves() pairs.
-    Returns the worst relative difference seen (README's parity table reports it per technique)."""
+    Returns the worst relative difference seen (docs/parity.md's table reports it per technique)."""
     assert len(ref[0]) == len(got[0]), f"{len(got[0])} steps, expected {len(ref[0])}"
     worst = 0.0
     for what, a_list, b_list in (("loss", ref[0], got[0]), ("grad_norm", ref[1], got[1])):

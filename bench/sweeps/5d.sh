@@ -51,7 +51,7 @@ trap - EXIT
 $PYTHON - <<'PY'
 import json, os, statistics
 import torch
-from data import DEFAULT_DATA_DIR
+from common.data import DEFAULT_DATA_DIR
 from model import GPT, GPTConfig
 vocab = json.load(open(os.path.join(DEFAULT_DATA_DIR, "meta.json")))["vocab_size"]
 with torch.device("meta"):

@@ -3,9 +3,9 @@ data.py: prepare a corpus into nanoGPT-style .bin files, and serve deterministic
 
 Preparation (run once; train scripts do it automatically for the default corpus):
 
-    python data.py                                   # default: this Python's standard library, byte tokens
-    python data.py --input my.txt --tokenizer gpt2   # any text files, GPT-2 BPE (tiktoken, needs internet once)
-    python data.py --shakespeare                     # tiny-shakespeare download, byte tokens
+    python -m common.data                                   # default: this Python's standard library, bytes
+    python -m common.data --input my.txt --tokenizer gpt2   # any text files, GPT-2 BPE (tiktoken: internet once)
+    python -m common.data --shakespeare                     # tiny-shakespeare download, byte tokens
 
 Output in --out_dir (default data/stdlib): train.bin and val.bin (uint16 memmaps: every token id < 2^16,
 so nanoGPT-prepared directories work unchanged via --data_dir) and meta.json (vocab_size, tokenizer,
@@ -14,7 +14,7 @@ source, token counts).
 The default corpus needs no download and exists wherever Python does: the source code of the running
 interpreter's standard library (~15-20 MB of text), tokenised as raw bytes (vocab 256).
 
-Loading (README, "Parity"): the global batch of optimizer step s is a fixed function of (seed, s):
+Loading (docs/parity.md): the global batch of optimizer step s is a fixed function of (seed, s):
 `global_batch_offsets` draws global_batch_size start offsets from a generator seeded by (seed, s). A DP rank's
 micro-batch is a fixed slice of it (`micro_batch`), so every layout sees exactly the same tokens per step.
 """
@@ -126,7 +126,7 @@ def ensure_dataset(data_dir):
         prepare_stdlib(data_dir)
         return
     raise FileNotFoundError(f"no dataset in {data_dir!r} (expected train.bin, val.bin, meta.json); "
-                            f"prepare one with `python data.py --out_dir {data_dir}`")
+                            f"prepare one with `python -m common.data --out_dir {data_dir}`")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -17,14 +17,12 @@ evaluation that follows a step is traced inside the next one. Labels in the trac
 ("comm:all_reduce [0, 1]", the group named by its global ranks) and the wait() of an async one ("comm:wait ..."),
 so a ring attention step or a pipeline send shows as its p2p launch, then compute, then the wait; the pipeline
 runner's actions ("pp:F mb3 chunk0", "pp:B ...", "pp:W ...") and train_cp's ring steps ("cp:ring step 1",
-"cp:ring step 1 backward") through `label`; autograd's backward nodes; the optimizer step. Off (N = 0) nothing
-is built, and neither comm.py nor `label` adds a range.
+"cp:ring step 1 backward") through comm.label; autograd's backward nodes; the optimizer step. Off (N = 0) nothing
+is built, and comm.py adds no range.
 """
-import contextlib
 import os
 
-import torch
-from torch.profiler import ProfilerActivity, profile, record_function, schedule
+from torch.profiler import ProfilerActivity, profile, schedule
 
 TOP_OPERATORS = 20
 
@@ -63,12 +61,6 @@ class StepProfiler:
         if not self.written and self.rank == 0:
             print("profile: the run ended before a step was recorded (the first two steps are warm-up); "
                   "no trace written", flush=True)
-
-
-def label(name):
-    """A range `name` in the trace while a profiler records (the pipeline runner's actions, train_cp's ring steps),
-    else nothing: no cost when --profile is off."""
-    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def make_profiler(cfg, rank, device):

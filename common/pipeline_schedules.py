@@ -2,7 +2,7 @@
 pipeline_schedules.py: the pipeline schedules of train_pp.py as plain action lists, and a simulator that
 replays them to count bubbles and in-flight micro-batches. Needs only the standard library.
 
-    python pipeline_schedules.py --pp 4 --n_microbatches 8 --schedule 1f1b     # print the timeline
+    python -m common.pipeline_schedules --pp 4 --n_microbatches 8 --schedule 1f1b     # print the timeline
 
 A schedule is, for every pipeline rank, the ordered list of what it does in one optimizer step:
 Action(kind, mb, chunk) with kind F (forward), B (backward) or W (weight gradient). Schedules without W

@@ -18,10 +18,10 @@ A layout is valid when
 import argparse
 from dataclasses import dataclass, fields
 
-from config import check
-from metrics import GPU_PEAK_TFLOPS
+from common.errors import check
+from common.metrics import GPU_PEAK_TFLOPS
 from model import GPTConfig
-from pipeline_schedules import SCHEDULES, V_SHAPED
+from common.pipeline_schedules import SCHEDULES, V_SHAPED
 
 GIB = 2 ** 30
 # Per GPU. peak: metrics.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per

@@ -16,13 +16,10 @@ embedding once).
 import math
 from functools import lru_cache
 
-import torch
 
-from model import GPTConfig
-from pipeline_schedules import placement_of, rank_of, stage_of
-from plan_inputs import FRAMEWORK_BYTES, PRECISION, model_state_bytes_per_param
-from train_ddp import assign_buckets
-from train_tp import tp_activation_bytes_per_layer
+from model import GPTConfig, activation_bytes_per_layer
+from common.pipeline_schedules import placement_of, rank_of, stage_of
+from common.plan_inputs import FRAMEWORK_BYTES, PRECISION, model_state_bytes_per_param
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total")
 
@@ -72,8 +69,31 @@ def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb, placement="loop"):
     if stage == 3:
         return tuple([sum(b) for b in reversed(blocks)] + ([sum(root)] if root else []))
     ordered = embed + [n for b in blocks for n in b] + ([cfg.n_embd, cfg.n_embd] if last else [])
-    metas = [torch.empty(n, device="meta") for n in reversed(ordered)]
-    return tuple(sum(p.numel() for p in bucket) for bucket in assign_buckets(metas, bucket_mb * 2 ** 20))
+    return bucket_numels(list(reversed(ordered)), bucket_mb * 2 ** 20 / 4)
+
+
+def bucket_numels(numels, bucket_numel):
+    """train_ddp.assign_buckets' rule on parameter sizes (fp32: bucket_numel = bucket bytes / 4): consecutive
+    parameters in backward order fill a bucket until the next would overflow it; a larger one is alone."""
+    buckets, current = [], 0
+    for n in numels:
+        if current and current + n > bucket_numel:
+            buckets.append(current)
+            current = 0
+        current += n
+    return tuple(buckets + [current] if current else buckets)
+
+
+def tp_activation_bytes_per_layer(seq_len, batch, cfg, tp, sp=False, **kw):
+    """Korthikanti et al.'s activation bytes per layer under TP (+SP), from model.activation_bytes_per_layer (same
+    keywords). TP splits all inside the TP regions; the two LayerNorm inputs, the inputs of c_attn and c_fc and the
+    two residual dropout masks stay whole. SP splits those along the sequence too: everything is 1/tp."""
+    full = activation_bytes_per_layer(seq_len, batch, cfg, **kw)
+    if sp:
+        return full / tp
+    bpv, masks = kw.get("bytes_per_value", 2), 2 if kw.get("dropout", True) else 0
+    whole = full if kw.get("recompute") == "full" else seq_len * batch * cfg.n_embd * (4 * bpv + masks)
+    return whole + (full - whole) / tp
 
 
 def zero_state_bytes(groups, n, stage, recipe):
@@ -110,7 +130,8 @@ def moe_routed_rows(job, lay):
 
 def moe_extra_bytes(job, lay):
     """Bytes an MoE block keeps beyond the dense block's count (whose MLP input, the router's input here, stays),
-    as train_ep.ExpertParallelMoE saves them, (N, R, K) = moe_routed_rows, experts whole (not split over tp):
+    as model.MoE with train_ep.ExpertParallelExperts saves them, (N, R, K) = moe_routed_rows, experts whole (not
+    split over tp):
         router   N*E fp32 probabilities + N*k int64 top-k (+ N*k bool kept flags with a capacity)
         experts  R * (9h values: the gathered input rows, c_fc out, GeLU out; + h mask bytes with dropout
                  + 2 int64 indices: the regrouping permutation and its inverse)
@@ -130,7 +151,7 @@ def moe_extra_bytes(job, lay):
 
 def layer_activation_bytes(job, lay, moe=False, extras=True):
     """Bytes one block keeps for backward for one micro-batch of b sequences of s = seq/cp tokens:
-    train_tp.tp_activation_bytes_per_layer (Korthikanti eq. 2 with TP: sbh(10 + 24/t + 5as/(ht)), TP+SP: /t; with
+    tp_activation_bytes_per_layer (Korthikanti eq. 2 with TP: sbh(10 + 24/t + 5as/(ht)), TP+SP: /t; with
     flash attention the 5as/h scores term is not stored, as with selective recompute), plus what this model keeps
     beyond the paper's count: q and k before and after RoPE (+2sbh/t values), the fp32 log-sum-exp of the fused
     attention (a*s*b*4/t bytes, gone with selective recompute), two LayerNorms' mean and rstd (16sb bytes, /t

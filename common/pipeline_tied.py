@@ -12,9 +12,9 @@ weight once. Where one rank holds both ends (p == 1, or the V placement of zbv a
     round-robin:   wte ....................................... lm_head (copy)   all-reduce the pair (0, 3)
     V:             wte + lm_head (one Parameter)                                nothing to sync
 """
-import comm
-from optim import clip_grad_norm
-from pipeline_schedules import rank_of
+from common import comm
+from common.comm import clip_grad_norm
+from common.pipeline_schedules import rank_of
 
 
 def tied_ranks(p, v, placement="loop"):

@@ -1,37 +1,34 @@
 """
-comm.py: process-group setup and every collective nanoscale uses, each one counted.
+comm.py: every collective nanoscale uses, each one counted, and the two things the rungs' building blocks need
+besides: the gradient norm over a group (one all-reduce) and profiler labels. Imports only torch and the stdlib,
+so a technique copied out of this project takes this file with it and nothing else (docs/copy_out.md;
+common/distributed.py starts the process group).
 
-    env = init_distributed(cfg)      # reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK; gloo on CPU, nccl on GPU
     all_reduce(grad, group=dp_group) # the same call as torch.distributed, plus bytes accounting
     COMM.bytes_sent                  # bytes this rank sent since the last COMM.reset()
     comm.LAUNCH_LOG = []             # record every launch in NCCL's groups, for nccl_check.py (default off)
+    clip_grad_norm(grads, 1.0, group=tp_group)   # the global grad norm of gradients spread over a group
+    with label("pp:F mb0 chunk0"): ...           # a named range in a --profile trace (nothing when off)
 
 Under a torch profiler (--profile, profiling.py) each call is also a range "comm:<op> [group's global ranks]", and
 an async call's wait() a range "comm:wait <op> ...": traces show communication (bench/timeline.py colours it).
 
-Bytes are counted under the standard ring algorithms (README, "Metrics"), S = the full tensor's bytes,
+Bytes are counted under the standard ring algorithms (docs/observability.md), S = the full tensor's bytes,
 n = group size, counting what *this rank sends*:
     all_reduce 2(n-1)/n * S     reduce_scatter (n-1)/n * S of its input    all_gather (n-1)/n * S of its output
     all_to_all: the bytes of its input that go to other ranks (= (n-1)/n * S for even splits)
     send S (recv 0)             broadcast (n-1)/n * S (pipelined chain)
 So one convention holds everywhere and DP, ZeRO-1/2 and ZeRO-3 come out at 2P, 2P and 3P times (n-1)/n.
 
-Every process group is created with a timeout (--dist_timeout), so a dead or diverged rank raises an error
+Every subgroup is created with a timeout (--dist_timeout; new_group), so a dead or diverged rank raises an error
 instead of hanging forever.
 """
-import atexit
 import contextlib
-import os
-import re
-import sys
 from collections import defaultdict
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-from config import FAILED, fail
 
 # torch >= 2.13 renamed the flat-tensor collectives and warns on the old names; older torch only has those.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -87,6 +84,12 @@ def _log(ops):
 
 
 PROFILE_PREFIX = "comm:"
+
+
+def label(name):
+    """A range `name` in the trace while a torch profiler records (the pipeline runner's actions, the ring
+    attention's steps), else nothing: no cost when profiling is off."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 class LabelledWork:
@@ -203,113 +206,7 @@ def batch_isend_irecv(ops):
                    peer=sorted({op.peer for op in ops}))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# process-group setup
-
-@dataclass
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-
-    @property
-    def is_main(self):
-        return self.rank == 0
-
-
-def world_size_from_env():
-    """WORLD_SIZE as torchrun sets it (1 when launched with plain python); usable before init."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def pick_device(requested, local_rank):
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda":
-        requested = f"cuda:{local_rank}"
-    device = torch.device(requested)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {requested} requested but CUDA is not available")
-        torch.cuda.set_device(device)
-    return device
-
-
 GROUP_TIMEOUT = dict(s=None)     # --dist_timeout, set by init_distributed for every group created after it
-
-
-def restart_store(rank, world_size, timeout):
-    """Under torchrun with --max-restarts, its agent's store with a prefix per attempt (None otherwise: env://).
-    The agent keeps one store across restarts, so the keys a crashed attempt left (its ranks' gloo addresses, an
-    NCCL unique id) would otherwise be read by the restarted ranks, which then connect to dead peers and time out."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def init_distributed(cfg, need_group=True):
-    """Device and (optionally) the default process group, from torchrun's environment variables.
-
-    Launched with plain `python` (no RANK in the environment), a script that needs a group gets a
-    one-process group on an in-memory store, so every script also runs on a single device."""
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = world_size_from_env()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    try:
-        device = pick_device(cfg.device, local_rank)
-    except ValueError as e:                      # --device cuda on a machine without one: one line, not a trace
-        fail(str(e))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    GROUP_TIMEOUT["s"] = cfg.dist_timeout        # every subgroup gets it too (new_group), not torch's 30 min
-    if need_group and not dist.is_initialized():
-        timeout = timedelta(seconds=cfg.dist_timeout)
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None,
-                                    store=restart_store(rank, world_size, timeout))
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        report_collective_failures(rank, cfg.dist_timeout)
-        atexit.unregister(destroy_at_exit)       # registered once, however often main() runs in one process
-        atexit.register(destroy_at_exit)
-    return DistEnv(rank, world_size, local_rank, device, backend)
-
-
-# what gloo's transport says when a peer is gone or too slow (its RuntimeErrors mostly also name their source file,
-# third_party/gloo/..., but "Application timeout caused pair closure", on a pair an earlier timeout closed, does not)
-GLOO_FAILURES = ("/gloo/", "Application timeout caused pair closure", "Connection closed by peer", "Socket closed",
-                 "Read error", "Timed out waiting")
-
-
-def collective_failure(exc):
-    """The reason of a failed collective or p2p transfer, in one line, or None for any other exception. NCCL and
-    the store raise DistError; gloo a RuntimeError with one of GLOO_FAILURES in its first line."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    gloo = isinstance(exc, RuntimeError) and any(sign in text for sign in GLOO_FAILURES)
-    if not isinstance(exc, dist.DistError) and not gloo:
-        return None
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text)            # gloo's "[.../pair.cc:537] " source position
-    return text.split(". This is typically")[0].rstrip(".")
-
-
-def report_collective_failures(rank, timeout_s):
-    """A collective that fails mid-run (a peer was killed, or stalled past --dist_timeout) ends this rank with
-    one error line instead of a traceback through the training loop. Other exceptions keep their traceback."""
-    previous = sys.excepthook
-
-    def hook(kind, exc, tb):
-        reason = collective_failure(exc)
-        if reason is None:
-            return previous(kind, exc, tb)
-        print(f"error: rank {rank}: a collective failed ({reason}): another rank exited, or stalled longer than "
-              f"--dist_timeout {timeout_s:g} s; its own output says which", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(2)     # not the normal teardown: it would wait on (or abort in) the dead peer's connections
-    sys.excepthook = hook
 
 
 def new_group(ranks, timeout_s=None):
@@ -320,24 +217,27 @@ def new_group(ranks, timeout_s=None):
     return dist.new_group(ranks, **kwargs)
 
 
-def destroy_at_exit():
-    """Leave the process group before the interpreter tears down its modules. A run that ended by config.fail
-    (its error line printed) on several processes then exits at once, skipping that teardown: objects built on the
-    group can outlive it (gradient hooks keep their owners alive where the garbage collector cannot see them), and
-    gloo's threads, still running while the interpreter and C++ runtime shut down, abort the process now and then
-    ("terminate called without an active exception", exit -6 after the clean error line: 3 of 30 two-rank runs
-    here). Whatever the run wrote is on disk by then (metrics rows and checkpoints are flushed as written)."""
-    if not dist.is_initialized():
-        return
-    several = dist.get_world_size() > 1
-    dist.destroy_process_group()
-    if several and FAILED["code"] is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(FAILED["code"])
+@torch.no_grad()
+def clip_grad_norm(grads, max_norm, group=None, device=None, dtype=torch.float32, replicas=()):
+    """Global L2 norm of `grads` and, if max_norm > 0, scale them in place so it is at most max_norm.
 
-
-def destroy():
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    With `group`, each rank passes only the gradients it owns (a shard, or a parameter held by one rank)
+    and the squared norms are summed across the group, so every rank gets the same global norm. A gradient
+    replicated on several ranks of the group must be passed by exactly one of them; the others pass it in
+    `replicas`: left out of the norm, scaled like the rest (tensor-parallel replicas, a tied weight's copy).
+    `dtype`: the norm's dtype on a rank that owns no gradients (it must match the other ranks' for the
+    all-reduce: float64 runs pass it)."""
+    grads = [g for g in grads if g is not None]
+    if grads:
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        sq = norm.to(torch.promote_types(norm.dtype, torch.float32)).pow(2)   # float64 grads keep float64
+    else:                                   # a rank may own no gradients (e.g. an empty shard)
+        sq = torch.zeros((), dtype=dtype, device=device)
+    if group is not None:
+        all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    scaled = grads + [g for g in replicas if g is not None]
+    if max_norm > 0 and scaled:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(scaled, scale.to(scaled[0].dtype))
+    return norm

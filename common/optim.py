@@ -1,14 +1,15 @@
 """
-optim.py: AdamW parameter groups, the learning-rate schedule, gradient-norm clipping that also works
-when gradients are sharded across ranks, and the guard that skips a step whose loss or gradients are not finite.
+optim.py: AdamW parameter groups, the learning-rate schedule, and the guard that skips a step whose loss or
+gradients are not finite. Gradient-norm clipping that also works when gradients are sharded across ranks is
+comm.clip_grad_norm (imported here too): the rungs' building blocks use it, and comm.py is what they take along.
 """
 import math
 import sys
 
 import torch
 
-from comm import all_reduce
-from config import fail
+from common.comm import clip_grad_norm  # noqa: F401 (lives in comm.py so copied-out blocks have it; scripts import it here)
+from common.errors import fail
 
 
 BETAS, EPS = (0.9, 0.95), 1e-8      # AdamW hyperparameters of every script (GPT-3 paper, as nanoGPT)
@@ -41,32 +42,6 @@ def lr_at(step, cfg):
 def set_lr(optimizer, lr):
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-@torch.no_grad()
-def clip_grad_norm(grads, max_norm, group=None, device=None, dtype=torch.float32, replicas=()):
-    """Global L2 norm of `grads` and, if max_norm > 0, scale them in place so it is at most max_norm.
-
-    With `group`, each rank passes only the gradients it owns (a shard, or a parameter held by one rank)
-    and the squared norms are summed across the group, so every rank gets the same global norm. A gradient
-    replicated on several ranks of the group must be passed by exactly one of them; the others pass it in
-    `replicas`: left out of the norm, scaled like the rest (tensor-parallel replicas, a tied weight's copy).
-    `dtype`: the norm's dtype on a rank that owns no gradients (it must match the other ranks' for the
-    all-reduce: float64 runs pass it)."""
-    grads = [g for g in grads if g is not None]
-    if grads:
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        sq = norm.to(torch.promote_types(norm.dtype, torch.float32)).pow(2)   # float64 grads keep float64
-    else:                                   # a rank may own no gradients (e.g. an empty shard)
-        sq = torch.zeros((), dtype=dtype, device=device)
-    if group is not None:
-        all_reduce(sq, group=group)
-    norm = sq.sqrt()
-    scaled = grads + [g for g in replicas if g is not None]
-    if max_norm > 0 and scaled:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(scaled, scale.to(scaled[0].dtype))
-    return norm
 
 
 class NonFiniteGuard:

@@ -7,10 +7,12 @@ MFU = achieved model FLOP/s / peak FLOP/s of the devices used, with model FLOPs 
   and MFU reported as null rather than a guess;
 - CPU: measured once per process as the best of a few large fp32 matmuls on the threads torch uses.
 SavedActivationBytes counts the activation bytes autograd keeps for backward (train_cp, train_tp);
-LiveSavedActivationBytes their peak over a pipeline step (bench/memory_chart.py).
+LiveSavedActivationBytes their peak over a pipeline step (bench/memory_chart.py); ActionTimer a pipeline rank's
+idle share (train_pp).
 Peak memory: torch.cuda.max_memory_allocated on GPU; on CPU there is no allocator counter, so what is reported
 is the process's peak resident set size (ru_maxrss): model, optimizer, activations *and* the Python/torch runtime.
 """
+import contextlib
 import json
 import math
 import os
@@ -20,7 +22,7 @@ import time
 
 import torch
 
-from profiling import make_profiler
+from common.profiling import make_profiler
 
 # Dense bf16 tensor-core TFLOP/s (no 2:4 sparsity) per (chip, board), from the vendor's datasheets, which print
 # the sparse figure: dense = sparse / 2. A device name is split into words and matched exactly: the chip is the
@@ -127,6 +129,42 @@ class SavedActivationBytes:
 
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
+
+
+class ActionTimer:
+    """The share of a pipeline step a rank spends idle (waiting for messages): installed as PipelineRunner's
+    action_hook it times each action's compute; idle = 1 - busy / the step's span. On a GPU the times are CUDA
+    events on the compute stream, read once the step is over (a host clock would time only the kernel launches);
+    on CPU, host clocks."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self):
+        self.spans, self.begin = [], self.mark()
+
+    def stop(self):
+        self.end = self.mark()
+
+    @contextlib.contextmanager
+    def __call__(self, action):
+        begin = self.mark()
+        yield
+        self.spans.append((begin, self.mark()))
+
+    def idle_fraction(self):
+        if self.cuda:
+            self.end.synchronize()
+            busy = sum(a.elapsed_time(b) for a, b in self.spans)
+            return 1.0 - busy / self.begin.elapsed_time(self.end)
+        return 1.0 - sum(b - a for a, b in self.spans) / (self.end - self.begin)
 
 
 class _Held:

@@ -9,8 +9,9 @@ dp x cp, the printout, and the step's counted bytes by axis.
 """
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
-from comm import COMM, new_group
+from common.comm import COMM, new_group
 
 AXES = ("tp", "cp", "dp", "pp")          # innermost first
 GROUPS = dict(tp=("tp",), cp=("cp",), dp=("dp",), pp=("pp",),
@@ -50,7 +51,8 @@ def tied_pairs(sizes, v_shaped=False):
 class Grid:
     sizes: dict        # axis -> degree
     coords: dict       # axis -> this rank's index
-    groups: dict       # name -> this rank's process group (GROUPS, and "tied" on the first / last stage)
+    groups: SimpleNamespace   # this rank's process group of each name: groups.tp, .cp, .dp, .pp, .dp_cp, .mp,
+                              # .tied (first / last stage; else None), .ep and .edp (experts)
     members: dict      # name -> every group's global ranks (for the printout)
     ep: int = 1        # expert-parallel degree: experts sharded over ep ranks of each dp x cp group
 
@@ -77,7 +79,7 @@ def build_grid(sizes, rank, timeout_s, ep=1, v_shaped=False):
             if rank in ranks:
                 groups[name] = group
     groups.setdefault("tied", None)              # middle stages, or pp == 1
-    return Grid(sizes, coords_of(rank, sizes), groups, members, ep)
+    return Grid(sizes, coords_of(rank, sizes), SimpleNamespace(**groups), members, ep)
 
 
 def print_grid(grid, cfg, act_shape, n_params_local):
@@ -99,7 +101,7 @@ def print_grid(grid, cfg, act_shape, n_params_local):
 def bytes_by_axis(grid):
     """This step's counted bytes by grid axis (the tied-weight pair counts as pp, the norm's scalar as mp)."""
     axis = dict(tied="pp", dp_cp="dp", edp="dp")
-    names = {group: axis.get(name, name) for name, group in grid.groups.items() if group is not None}
+    names = {group: axis.get(name, name) for name, group in vars(grid.groups).items() if group is not None}
     out = dict(dp=0.0, tp=0.0, cp=0.0, pp=0.0, ep=0.0, mp=0.0)
     for group, nbytes in COMM.by_group.items():
         out[names.get(group, "mp")] += nbytes

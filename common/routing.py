@@ -1,7 +1,7 @@
 """
-routing.py: how a mixture-of-experts block (model.MoE, train_ep.ExpertParallelMoE) sends tokens to experts and
-keeps the experts' load balanced. Plain single-device torch; the parallel scripts only choose which ranks'
-statistics are summed (`end_moe_step`'s reduce).
+routing.py: how a mixture-of-experts block (model.MoE, its experts local or train_ep.ExpertParallelExperts) sends
+tokens to experts and keeps the experts' load balanced. Plain single-device torch; the parallel scripts only choose
+which ranks' statistics are summed (`end_moe_step`'s reduce).
 
 Routing: softmax over the E router logits, each token to its top_k experts; dropless unless capacity_factor > 0.
 

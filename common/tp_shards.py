@@ -13,7 +13,7 @@ model.init_parameter and keeps its slice; gather_full_weights and tp_gather go b
 import torch
 import torch.distributed as dist
 
-from comm import all_gather
+from common.comm import all_gather
 from model import init_parameter
 
 

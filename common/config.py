@@ -1,5 +1,5 @@
 """
-config.py: the one command line every nanoscale script shares (README, "Metrics").
+config.py: the one command line every nanoscale script shares (docs/observability.md).
 
     cfg = parse_config(argv, techniques=("tp", "sp"))          # only the flags that apply to the script
 
@@ -10,10 +10,10 @@ import argparse
 import math
 import os
 import re
-import sys
 from dataclasses import asdict, dataclass, fields
 
-from checkpoint import CKPT_DIR, LATEST, remove_stale_temp_files, resolve_resume
+from common.errors import ConfigError, check, fail  # noqa: F401 (the checks every script makes come from here)
+from common.checkpoint import CKPT_DIR, LATEST, remove_stale_temp_files, resolve_resume
 
 
 @dataclass
@@ -90,7 +90,7 @@ HELP = dict(
                   "such step is skipped: weights and optimizer state untouched)",
     device="auto | cpu | cuda | cuda:N (auto: the local GPU if there is one)",
     dtype="auto | float32 | bfloat16 | float16 | float64 (auto: bfloat16 on GPU, float32 on CPU; float64: the "
-          "exactness check of README's parity section, everything in float64)",
+          "exactness check of docs/parity.md, everything in float64)",
     compile="torch.compile the model", seed="seed of init, data order and dropout",
     recompute="activation recomputation: none | selective (attention core) | full (whole block)",
     kernels="fused kernels (kernels/): triton | torch (model.py as is) | compile (torch.compile'd fusions) | "
@@ -131,31 +131,6 @@ CHOICES = dict(recompute=["none", "selective", "full"], kernels=["auto", "triton
 TECHNIQUE_FLAGS = ("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp_virtual", "n_microbatches",
                    "zero_stage", "ep", "n_experts", "top_k", "moe_every", "aux_loss_coef", "aux_loss_scope",
                    "capacity_factor", "bucket_mb", "fp8")
-
-
-class ConfigError(ValueError):
-    """An invalid configuration, reported as one line before any work starts."""
-
-
-def check(condition, message):
-    if not condition:
-        raise ConfigError(message)
-
-
-FAILED = dict(code=None)     # set by fail(); comm.destroy_at_exit ends a failed multi-process run with it
-
-
-def fail(message, rank_local=False):
-    """Print one clear error line and exit with code 2. A configuration error is the same on every rank and
-    prints once (rank 0); a rank-local one (this node's files, this rank's checkpoint) prints on the rank that
-    hit it, named, since rank 0 may not have seen it."""
-    rank = int(os.environ.get("RANK", "0"))
-    if rank_local and "RANK" in os.environ:
-        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
-    elif rank == 0 or rank_local:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    FAILED["code"] = 2
-    sys.exit(2)
 
 
 def build_parser(description, techniques):

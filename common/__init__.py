@@ -1,0 +1,23 @@
+"""
+common/: the plumbing every rung shares, one small module per concern. None of it is a technique, and none of it
+imports a rung (train_*.py): read the ladder at the root first, come here for how a detail is done.
+
+    config.py        the one command line of every script, its checks and its dataclass
+    comm.py          every collective, each one's bytes counted, the gradient norm over a group and profiler
+                     labels (torch and the stdlib only: what a copied rung takes along, docs/copy_out.md)
+    distributed.py   the process group of a run (torchrun's environment, gloo / NCCL, timeouts, failing together)
+    errors.py        the one `error:` line and exit code 2 of every entry point
+    data.py          corpus preparation (python -m common.data) and deterministic global batches
+    optim.py         AdamW groups, warmup + cosine, the non-finite guard
+    training.py      what every training loop shares: dtype, autocast, kernels / FP8, data setup, eval, sample
+    checkpoint.py    the one save and load of every layout: train_single's format, written in parallel parts
+    metrics.py       MFU, peak memory, metrics.jsonl and the progress line
+    profiling.py     --profile: torch profiler traces and labels
+    grid.py          train_5d's rank grid and its process groups
+    routing.py       mixture-of-experts routing (model.MoE and train_ep's experts)
+    tp_shards.py     how a tensor-parallel slice maps to the full parameter
+    pipeline_schedules.py, pipeline_tied.py, pipeline_weight_grads.py   the pipeline's schedules as data,
+                     the tied embedding across stages, the split backward of zero-bubble schedules
+    nccl_check.py    replays each rank's p2p launches under NCCL's grouping rules (tests)
+    plan_inputs.py, plan_memory.py   plan.py's inputs (GPUs, presets, layouts) and memory formulas
+"""

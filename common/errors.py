@@ -1,0 +1,31 @@
+"""
+errors.py: how every entry point reports a bad input or a failed run: one `error:` line and exit code 2, never a
+traceback. Imports only the stdlib (config, checkpoint and the process-group setup all use it).
+"""
+import os
+import sys
+
+
+class ConfigError(ValueError):
+    """An invalid configuration, reported as one line before any work starts."""
+
+
+def check(condition, message):
+    if not condition:
+        raise ConfigError(message)
+
+
+FAILED = dict(code=None)     # set by fail(); distributed.destroy_at_exit ends a failed multi-process run with it
+
+
+def fail(message, rank_local=False):
+    """Print one clear error line and exit with code 2. A configuration error is the same on every rank and
+    prints once (rank 0); a rank-local one (this node's files, this rank's checkpoint) prints on the rank that
+    hit it, named, since rank 0 may not have seen it."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank_local and "RANK" in os.environ:
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    elif rank == 0 or rank_local:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    FAILED["code"] = 2
+    sys.exit(2)

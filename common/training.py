@@ -1,0 +1,166 @@
+"""
+training.py: what every training loop of the ladder shares and none of them teaches: the dtype and autocast of
+--dtype, the fused kernels and FP8 of --kernels / --fp8, opening the data on every rank, evaluation, the
+end-of-run sample, and when to save.
+train_single.py's loop uses each of these; every other rung's loop is the same loop with its technique added.
+"""
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from common.errors import check, fail
+from common.distributed import fail_together
+from common.data import GlobalBatchLoader, ensure_dataset
+from kernels import apply_kernels, convert_to_float8
+from kernels.fp8 import check_fp8_support
+from model import GPTConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+MOE_FLAGS = ("n_experts", "top_k", "moe_every", "aux_loss_coef", "aux_loss_scope", "capacity_factor")
+
+
+def resolve_dtype(cfg, device):
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[cfg.dtype]
+
+
+def param_dtype(dtype):
+    """Parameters, gradients and optimizer state: fp32 (16-bit compute comes from autocast), or float64 for
+    the exactness check (docs/parity.md), where every tensor of the run is float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def autocast_context(dtype, device):
+    """Mixed precision by autocast: matmuls in 16 bits, parameters and optimizer state stay fp32."""
+    if dtype in (torch.float32, torch.float64):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def enable_tf32(device):
+    """fp32 matmuls on a CUDA GPU in TF32 (tensor cores, 10-bit mantissa), the same in every script; no-op on CPU."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def apply_kernels_and_fp8(model, cfg, device):
+    """--kernels (fused modules) and --fp8 (Float8Linear GEMMs) swapped into a model or a pipeline stage in
+    place, parameters unchanged; one clear error line when the device cannot run them. Returns the kernel mode."""
+    try:
+        mode = apply_kernels(model, cfg.kernels)
+        if getattr(cfg, "fp8", "none") != "none":
+            check_fp8_support(device)
+            convert_to_float8(model, recipe=cfg.fp8)
+    except (ValueError, RuntimeError) as e:
+        fail(str(e))
+    return mode
+
+
+def prepares_data(env):
+    """Who prepares the default corpus: local rank 0 of every node, as nodes need not share a filesystem."""
+    return env.local_rank == 0
+
+
+def prepare_data(cfg, env):
+    """The deterministic loader. Each node's local rank 0 prepares the default corpus on first use while the
+    others wait; then every rank opens it. A rank that cannot (no dataset on its node) says so itself."""
+    error = None
+    if prepares_data(env):
+        try:
+            ensure_dataset(cfg.data_dir)
+        except (OSError, ValueError) as e:          # FileNotFoundError is an OSError
+            error = str(e)
+    fail_together(error, env)                       # also the barrier: the node's corpus is ready
+    loader = None
+    try:
+        ensure_dataset(cfg.data_dir)
+        loader = GlobalBatchLoader(cfg.data_dir, cfg.block_size, cfg.global_batch_size, cfg.seed, env.device)
+    except (OSError, ValueError) as e:
+        error = str(e)
+    fail_together(error, env)
+    return loader
+
+
+def materialize(module, device, dtype=torch.float32):
+    """Give every parameter still on the meta device real (uninitialised) memory on `device`, in place, keeping
+    its attributes (tensor-parallel tags) and its sharing (a tied weight stays one tensor). The way to build
+    a big model: GPT on the meta device, cut into stages / swap in sharded layers, materialize what this rank
+    keeps, then fill it from model.init_parameter (init_weights, or tp_shards.init_tp_weights for shards)."""
+    new = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), p.requires_grad)
+                    new[id(p)].__dict__.update(p.__dict__)
+                m._parameters[name] = new[id(p)]
+        for name, b in m._buffers.items():              # (an MoE block's load statistics: zeros)
+            if b is not None and b.is_meta:
+                kind = dtype if b.is_floating_point() else b.dtype
+                m._buffers[name] = torch.zeros(b.shape, device=device, dtype=kind)
+    return module
+
+
+def gpt_config(cfg, vocab_size):
+    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, dropout=cfg.dropout, recompute=cfg.recompute,
+                     **{name: getattr(cfg, name) for name in MOE_FLAGS})
+
+
+def check_moe(cfg):
+    """The MoE flags' bad values, as one clear error before any work."""
+    check(cfg.n_experts >= 0 and cfg.moe_every >= 1, "need --n_experts >= 0 and --moe_every >= 1")
+    check(cfg.capacity_factor >= 0 and cfg.aux_loss_coef >= 0,
+          "need --capacity_factor >= 0 and --aux_loss_coef >= 0")
+    check(cfg.n_experts == 0 or 1 <= cfg.top_k <= cfg.n_experts,
+          f"--top_k {cfg.top_k} must be between 1 and --n_experts {cfg.n_experts}")
+
+
+@torch.no_grad()
+def evaluate(loss_fn, loader, cfg):
+    """Mean validation loss over eval_iters fixed micro-batches; loss_fn(x, y) -> scalar loss."""
+    losses = [float(loss_fn(*loader.micro_batch(i, 0, cfg.micro_batch_size, split="val")))
+              for i in range(cfg.eval_iters)]
+    return sum(losses) / len(losses)
+
+
+def decode(tokens, meta):
+    """Token ids -> text: GPT-2 BPE, raw bytes, or a character table `itos` (nanoGPT's character-level meta.pkl,
+    or a list in meta.json). Any other tokenizer has no decoder here: ValueError, and the sample says so."""
+    if meta.get("tokenizer") == "gpt2":
+        import tiktoken
+        return tiktoken.get_encoding("gpt2").decode(tokens)
+    if "itos" in meta:
+        itos = meta["itos"]
+        table = dict(enumerate(itos)) if isinstance(itos, list) else {int(k): v for k, v in itos.items()}
+        return "".join(table.get(t, "\ufffd") for t in tokens)
+    if meta.get("tokenizer") == "byte":
+        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+    raise ValueError(f"the dataset's tokenizer {meta.get('tokenizer')!r} is unknown here; meta.json needs "
+                     f"tokenizer byte or gpt2, or an itos list (the text of each token id)")
+
+
+def print_sample(model, loader, cfg, env, collective=False):
+    """Generate a short continuation of a validation snippet: the eyeball test that training worked, printed by
+    rank 0. collective: every rank generates too (a sharded model's forward is collective: TP, EP, ZeRO-3), with
+    the same seed and prompt, hence the same tokens."""
+    if cfg.sample_tokens <= 0 or (env.rank != 0 and not collective):
+        return
+    model.eval()
+    prompt, _ = loader.micro_batch(0, 0, 1, split="val")
+    prompt = prompt[:, : min(32, cfg.block_size)]
+    torch.manual_seed(cfg.seed)
+    out = model.generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50)
+    try:
+        text = decode(out[0].tolist(), loader.meta)
+    except Exception as e:  # e.g. tiktoken cannot fetch its vocabulary offline
+        text = f"<cannot decode: {e}>"
+    if env.rank == 0:
+        print(f"---- sample ----\n{text}\n----------------", flush=True)
+
+
+def should_save(cfg, step, last_step):
+    return step == last_step - 1 or (cfg.save_interval > 0 and (step + 1) % cfg.save_interval == 0)

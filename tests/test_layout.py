@@ -1,0 +1,76 @@
+"""The shape a reader meets: the root is the ladder (model.py, the train_*.py rungs, plan.py, collectives.py), the
+shared plumbing sits in common/ and never imports a rung, and no module imports itself back through others.
+Read from the source (every module's import statements), nothing is run."""
+import ast
+import os
+
+from conftest import ROOT
+
+LESSONS = {"model", "plan", "collectives"}      # with the train_* rungs: what the root holds
+
+
+def project_modules():
+    """{module name: path} of the project's own Python modules (root, common/, kernels/)."""
+    out = {}
+    for folder in ("", "common", "kernels"):
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if name.endswith(".py"):
+                module = name[:-3] if not folder else f"{folder}.{name[:-3]}"
+                out[module.replace(".__init__", "")] = os.path.join(ROOT, folder, name)
+    return out
+
+
+def imports_of(path, modules):
+    """The project modules a file imports, at any depth of its code (imports inside functions count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        found.update(n for n in names if n in modules)
+    return found
+
+
+def test_root_is_the_ladder():
+    root_py = {n[:-3] for n in os.listdir(ROOT) if n.endswith(".py")}
+    rungs = {n for n in root_py if n.startswith("train_")}
+    assert root_py - rungs == LESSONS, sorted(root_py - rungs - LESSONS)
+    assert len(root_py) <= 11, sorted(root_py)
+
+
+def test_the_package_imports_no_lesson():
+    modules = project_modules()
+    lessons = {m for m in modules if "." not in m and m != "kernels" and (m.startswith("train_") or m in LESSONS)}
+    lessons.discard("model")                      # the one GPT: plumbing may build it (checkpoints, planner)
+    for module, path in modules.items():
+        if module.startswith(("common", "kernels")):
+            bad = imports_of(path, modules) & lessons
+            assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def test_comm_imports_only_torch_and_the_stdlib():
+    """The one project file a copied-out technique takes along."""
+    assert imports_of(project_modules()["common.comm"], project_modules()) == set()
+
+
+def test_no_import_cycle():
+    modules = project_modules()
+    graph = {m: imports_of(p, modules) - {m} for m, p in modules.items()}
+    graph = {m: {d if d in modules else d.rsplit(".", 1)[0] for d in deps} - {m} for m, deps in graph.items()}
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for d in sorted(graph.get(m, ())):
+            if d in ("common", "kernels"):         # a package's __init__ re-exports; its members are the edges
+                continue
+            assert state.get(d) != "open", "import cycle: " + " -> ".join(path + [d])
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
