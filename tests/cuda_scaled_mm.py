@@ -97,7 +97,13 @@ def cuda_rules_scaled_mm(native_blocks=True):
     """A torch._scaled_mm that refuses what CUDA refuses, then computes on the CPU (CUDA tensors go to the real
     kernel, whose rules are the real ones). torch.compile runs it eagerly, outside the graph, as the check it is."""
     @torch.compiler.disable
-    def scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False,
+                  out=None):
+        """out=: a compiled graph (inductor's extern kernel) passes its output buffer; the result is written there."""
+        result = checked(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)
+        return result if out is None else out.copy_(result)
+
+    def checked(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum):
         if a.is_cuda:
             return REAL_SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, scale_result=scale_result,
                                  out_dtype=out_dtype, use_fast_accum=use_fast_accum)
