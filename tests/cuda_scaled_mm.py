@@ -135,6 +135,7 @@ def scaled_mm_under_cuda_rules(monkeypatch):
     """kernels/fp8.py on its H100 path (native block scales), every _scaled_mm call checked by CUDA's rules."""
     monkeypatch.setattr(fp8, "gemm_kind", simulated_gpu("cuda_blocks"))
     monkeypatch.setattr(torch, "_scaled_mm", cuda_rules_scaled_mm(native_blocks=True))
+    yield from fresh_compiles()
 
 
 @pytest.fixture
@@ -142,3 +143,17 @@ def scaled_mm_under_cuda_rules_without_blocks(monkeypatch):
     """The same on a GPU without native block scales (Ada, or cuBLAS < 12.9): blockwise by K-slices."""
     monkeypatch.setattr(fp8, "gemm_kind", simulated_gpu("cuda"))
     monkeypatch.setattr(torch, "_scaled_mm", cuda_rules_scaled_mm(native_blocks=False))
+    yield from fresh_compiles()
+
+
+def fresh_compiles():
+    """No torch.compile graph crosses the fixture's border, in memory or in the on-disk caches: one traced
+    outside it took the CPU's GEMM choices (an fp32 output for row scales), one traced under it the simulated
+    GPU's; a reused graph would replay them (seen in the full suite, not in this file alone)."""
+    import torch._functorch.config
+    import torch._inductor.config
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        torch._dynamo.reset()
+        yield
+        torch._dynamo.reset()

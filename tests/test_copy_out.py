@@ -443,12 +443,17 @@ if __name__ == "__main__":
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     WORLD = dist.group.WORLD
     got = RUNS[run]()
+    dist.barrier()                               # both ranks done before either leaves the group
     dist.destroy_process_group()
     copied = sorted(m for m in sys.modules if m.split(".")[0] in ("common", "model", "config", "data")
                     or m.startswith("train_"))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(dict(got=got, one_process=one_process(), modules=copied), f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)     # gloo's threads can abort the interpreter's teardown now and then ("terminate called without
+                    # an active exception"), as common/distributed.destroy_at_exit says: the work is done and written
 '''
 
 
