@@ -16,9 +16,10 @@ A layout is valid when
     grad_acc >= pp except for afab and zbv, grad_acc >= 2*pp for dualpipev (as train_5d.py and train_pp.py).
 """
 import argparse
+import math
 from dataclasses import dataclass, fields
 
-from common.errors import check
+from common.errors import check, fail
 from common.metrics import GPU_PEAK_TFLOPS
 from model import GPTConfig
 from common.pipeline_schedules import SCHEDULES, V_SHAPED
@@ -168,24 +169,43 @@ FLAGS = [("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", in
          ("precision", str, "bf16", "bf16 (train_zero) | amp (fp32 states, bf16 autocast) | fp32"),
          ("attn", str, "flash", "flash (no s x s scores kept) | eager (Korthikanti's 5as/h term)"),
          ("bucket_mb", float, 25.0, "gradient bucket MiB (ZeRO padding)"),
-         ("eff", float, 0.0, "compute efficiency (0: the GPU's default, see HARDWARE)"),
+         ("eff", float, None, "compute efficiency in (0, 1] (default: the GPU's, see HARDWARE)"),
          ("dp_overlap", bool, True, "gradient reductions overlap the backward (--no-dp_overlap: after it)"),
          ("pp_scatter_gather", bool, False, "pipeline messages as 1/tp per rank, all-gathered over tp (Megatron)"),
          ("layout", str, None, "evaluate one layout, e.g. tp=8,zero_stage=1,micro_batch_size=2"),
          ("top", int, 10, "rows printed")]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors (unknown flag, unreadable number, bad choice) are one `error:` line and exit 2, as
+    every other bad input of plan.py (argparse's own prints the usage first)."""
+
+    def error(self, message):
+        fail(message)
+
+
+def finite(kind):
+    """An argparse type: `kind` (int or float) that also refuses nan and inf (float('nan') reads fine)."""
+    def read(text):
+        value = kind(text)
+        if not math.isfinite(value):
+            raise ValueError(text)
+        return value
+    read.__name__ = kind.__name__     # argparse names the type in its message: "invalid float value: 'nan'"
+    return read
+
+
 def parse_args(argv, description):
     """plan.py's flags: a --model preset or the SHAPE flags, then FLAGS, then --json."""
-    ap = argparse.ArgumentParser(description=description)
+    ap = OneLineParser(description=description)
     ap.add_argument("--model", default=None, help=f"preset: {', '.join(MODELS)}")
     for k in SHAPE:
-        ap.add_argument(f"--{k}", type=int, default=0, help="model shape (overrides the preset)")
+        ap.add_argument(f"--{k}", type=int, default=None, help="model shape (overrides the preset)")
     for name, kind, default, text in FLAGS:
         if kind is bool:
             ap.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=text)
             continue
-        ap.add_argument(f"--{name}", type=kind, default=default, help=text,
+        ap.add_argument(f"--{name}", type=finite(kind) if kind in (int, float) else kind, default=default, help=text,
                         choices=dict(precision=list(PRECISION), attn=["flash", "eager"]).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
     return ap.parse_args(argv)
@@ -199,32 +219,71 @@ def parse_tokens(text):
     return int(float(number) * scale)
 
 
+def check_flags(a):
+    """Every number plan.py reads from its flags is in range (ConfigError naming the flag otherwise)."""
+    for k in SHAPE:
+        check(getattr(a, k) is None or getattr(a, k) > 0, f"--{k} must be a positive integer, got {getattr(a, k)}")
+    for k in ("gpus", "gpus_per_node", "seq", "top", "top_k"):
+        check(getattr(a, k) > 0, f"--{k} must be a positive integer, got {getattr(a, k)}")
+    check(a.gpus <= a.gpus_per_node or a.gpus % a.gpus_per_node == 0,
+          f"--gpus {a.gpus} is not a whole number of nodes of --gpus_per_node {a.gpus_per_node}")
+    check(a.n_experts >= 0, f"--n_experts must be >= 0 (0: dense), got {a.n_experts}")
+    check(a.n_experts == 0 or a.top_k <= a.n_experts, f"--top_k {a.top_k} exceeds --n_experts {a.n_experts}")
+    check(a.capacity_factor >= 0, f"--capacity_factor must be >= 0 (0: dropless), got {a.capacity_factor}")
+    check(a.bucket_mb > 0, f"--bucket_mb must be positive, got {a.bucket_mb}")
+    check(a.eff is None or 0 < a.eff <= 1, f"--eff is a fraction of peak in (0, 1], got {a.eff}")
+
+
 def build_job(a):
     """The Job of plan.py's parsed command line: a --model preset, any of whose shape flags override it."""
+    check_flags(a)
     check(a.gpu in HARDWARE, f"unknown GPU {a.gpu!r}; known: {', '.join(HARDWARE)}")
     check(a.model is None or a.model in MODELS, f"unknown model {a.model!r}; known: {', '.join(MODELS)}")
-    shape = {**MODELS.get(a.model, {}), **{k: getattr(a, k) for k in SHAPE if getattr(a, k)}}
+    shape = {**MODELS.get(a.model, {}), **{k: getattr(a, k) for k in SHAPE if getattr(a, k) is not None}}
     check(len(shape) == 4, "give --model or all of --n_layer --n_embd --n_head --vocab")
     check(shape["n_embd"] % shape["n_head"] == 0, "n_embd must be divisible by n_head")
-    check(min(a.gpus, a.gpus_per_node, a.seq) > 0, "--gpus, --gpus_per_node and --seq must be positive")
     tokens = parse_tokens(a.global_batch_tokens)
     check(tokens % a.seq == 0 and tokens >= a.seq, f"global batch of {tokens} tokens is not a multiple of seq={a.seq}")
     cfg = GPTConfig(vocab_size=shape["vocab"], block_size=a.seq, n_layer=shape["n_layer"], n_head=shape["n_head"],
                     n_embd=shape["n_embd"], n_experts=a.n_experts, top_k=a.top_k, capacity_factor=a.capacity_factor)
-    return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb, a.eff,
+    return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb, a.eff or 0.0,
                a.dp_overlap, a.pp_scatter_gather)
+
+
+BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused
+
+
+def read_layout_value(key, kind, value):
+    """One --layout value as Layout's field `key` reads it; ConfigError (naming key and value) when it cannot."""
+    if kind is bool:
+        check(value.lower() in BOOLEAN, f"--layout: {key}={value!r} is not a boolean (true/false or 1/0)")
+        return BOOLEAN[value.lower()]
+    if kind is int:
+        check(value.isdigit(), f"--layout: {key}={value!r} is not a whole number")
+        number = int(value)
+        if key == "zero_stage":
+            check(number in (0, 1, 2, 3), f"--layout: zero_stage={number}; ZeRO has stages 0, 1, 2 and 3")
+        else:
+            check(number > 0, f"--layout: {key}={number} must be a positive integer")
+        return number
+    check(value != "", f"--layout: {key} has no value")
+    return value
 
 
 def parse_layout(text, job):
     """'tp=4,zero_stage=1,schedule=interleaved,...' (Layout's fields; dp defaults to gpus / (tp*cp*pp))."""
     kinds = {f.name: f.type for f in fields(Layout)}
     values = {}
-    for key, _, value in (item.partition("=") for item in text.split(",") if item):
+    for item in text.split(","):
+        key, eq, value = item.strip().partition("=")
+        check(eq == "=", f"--layout: {item!r} is not key=value (e.g. tp=8,zero_stage=1)")
         check(key in kinds, f"--layout: unknown key {key!r}; known: {', '.join(kinds)}")
-        check(kinds[key] is not int or value.isdigit(), f"--layout: {key}={value!r} is not a positive integer")
-        values[key] = value in ("1", "true") if kinds[key] is bool else kinds[key](value)
+        check(key not in values, f"--layout: {key} is given twice")
+        values[key] = read_layout_value(key, kinds[key], value.strip())
     rest = values.get("tp", 1) * values.get("cp", 1) * values.get("pp", 1)
-    check(rest > 0 and job.gpus % rest == 0, f"tp*cp*pp = {rest} does not divide {job.gpus} GPUs")
+    check(job.gpus % rest == 0, f"tp*cp*pp = {rest} does not divide {job.gpus} GPUs")
+    check(values.get("pp", 1) > 1 or values.get("schedule", "1f1b") == "1f1b" and values.get("v", 1) == 1,
+          f"--layout: schedule={values.get('schedule', '1f1b')} v={values.get('v', 1)} needs pp > 1 (a pipeline)")
     values.setdefault("dp", job.gpus // rest)
     values.setdefault("v", 2 if values.get("schedule") in ("interleaved",) + V_SHAPED else 1)
     return Layout(**values)

@@ -1,0 +1,113 @@
+"""plan.py's bad inputs: every flag and --layout key a new user can get wrong gives one `error:` line on stderr and
+exit 2, before any work (never a traceback, never a silent guess); good spellings still read."""
+import subprocess
+import sys
+
+import pytest
+
+import plan
+from common.plan_inputs import build_job, parse_args, parse_layout
+
+BASE = ["--model", "gpt2", "--gpus", "8", "--seq", "1024", "--global_batch_tokens", "64K"]
+
+
+def layout(text):
+    return BASE + ["--layout", text]
+
+
+BAD = [
+    # --layout keys: zero / negative / unknown / loose / inconsistent
+    (layout("micro_batch_size=0"), "micro_batch_size=0 must be a positive integer"),
+    (layout("v=0,pp=2,schedule=interleaved"), "v=0 must be a positive integer"),
+    (layout("tp=0"), "tp=0 must be a positive integer"),
+    (layout("dp=0"), "dp=0 must be a positive integer"),
+    (layout("pp=-2"), "pp='-2' is not a whole number"),
+    (layout("micro_batch_size=1.5"), "is not a whole number"),
+    (layout("zero_stage=5"), "zero_stage=5; ZeRO has stages 0, 1, 2 and 3"),
+    (layout("tp=2,sp=yes"), "sp='yes' is not a boolean"),
+    (layout("tp=2,sp=on"), "sp='on' is not a boolean"),
+    (layout("schedule=interleaved"), "needs pp > 1"),
+    (layout("schedule=zbv"), "needs pp > 1"),
+    (layout("v=2"), "needs pp > 1"),
+    (layout("pp=2,schedule=wavy"), "unknown schedule 'wavy'"),
+    (layout("recompute=some"), "unknown recompute 'some'"),
+    (layout("tensor=2"), "unknown key 'tensor'"),
+    (layout("tp"), "is not key=value"),
+    (layout("tp=2,,pp=2"), "is not key=value"),
+    (layout("tp=2,tp=4"), "tp is given twice"),
+    (layout("schedule="), "schedule has no value"),
+    (layout("tp=3"), "does not divide"),
+    (layout("tp=8"), "n_head=12 is not divisible by tp=8"),
+    (layout("pp=8,schedule=1f1b"), "n_layer=12"),
+    (layout("dp=3"), "!= 8 GPUs"),
+    # flags: ranges, NaN, unknown, unreadable
+    (BASE + ["--eff", "2"], "--eff is a fraction of peak in (0, 1], got 2.0"),
+    (BASE + ["--eff", "-1"], "--eff is a fraction of peak in (0, 1], got -1.0"),
+    (BASE + ["--eff", "0"], "--eff is a fraction of peak in (0, 1]"),
+    (BASE + ["--eff", "nan"], "invalid float value: 'nan'"),
+    (BASE + ["--gpus_per_node", "3"], "--gpus 8 is not a whole number of nodes of --gpus_per_node 3"),
+    (["--model", "gpt2", "--gpus", "12", "--gpus_per_node", "8"], "not a whole number of nodes"),
+    (BASE + ["--gpus", "0"], "--gpus must be a positive integer"),
+    (BASE + ["--gpus", "-8"], "--gpus must be a positive integer"),
+    (BASE + ["--gpus_per_node", "0"], "--gpus_per_node must be a positive integer"),
+    (BASE + ["--seq", "0"], "--seq must be a positive integer"),
+    (BASE + ["--top", "0"], "--top must be a positive integer"),
+    (BASE + ["--n_layer", "0"], "--n_layer must be a positive integer, got 0"),
+    (BASE + ["--n_embd", "-768"], "--n_embd must be a positive integer"),
+    (BASE + ["--n_head", "0"], "--n_head must be a positive integer"),
+    (BASE + ["--vocab", "0"], "--vocab must be a positive integer"),
+    (BASE + ["--n_head", "7"], "n_embd must be divisible by n_head"),
+    (BASE + ["--n_experts", "-1"], "--n_experts must be >= 0"),
+    (BASE + ["--n_experts", "4", "--top_k", "5"], "--top_k 5 exceeds --n_experts 4"),
+    (BASE + ["--top_k", "0"], "--top_k must be a positive integer"),
+    (BASE + ["--capacity_factor", "-1"], "--capacity_factor must be >= 0"),
+    (BASE + ["--capacity_factor", "inf"], "invalid float value: 'inf'"),
+    (BASE + ["--bucket_mb", "0"], "--bucket_mb must be positive"),
+    (BASE + ["--bucket_mb", "nan"], "invalid float value"),
+    (BASE + ["--gpus", "eight"], "invalid int value: 'eight'"),
+    (BASE + ["--global_batch_tokens", "lots"], "cannot read"),
+    (BASE + ["--global_batch_tokens=-4M"], "cannot read"),
+    (BASE + ["--global_batch_tokens", "0"], "not a multiple of seq"),
+    (BASE + ["--global_batch_tokens", "1000"], "not a multiple of seq"),
+    (BASE + ["--precision", "fp8"], "invalid choice: 'fp8'"),
+    (BASE + ["--attn", "sparse"], "invalid choice: 'sparse'"),
+    (BASE + ["--gpu", "x100"], "unknown GPU 'x100'"),
+    (["--model", "gpt5"], "unknown model 'gpt5'"),
+    (["--n_layer", "2"], "give --model or all of"),
+    (BASE + ["--tensor_parallel", "2"], "unrecognized arguments: --tensor_parallel 2"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a[len(BASE):] or a) for a, _ in BAD])
+def test_bad_input_one_error_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        plan.main(argv)
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), captured.err
+    assert message in err[0], err[0]
+    assert captured.out == ""                       # before any work: no table, no partial output
+
+
+@pytest.mark.parametrize("argv", [layout("zero_stage=5"), BASE + ["--eff", "2"], BASE + ["--gpus", "eight"]])
+def test_bad_input_from_the_command_line(argv):
+    """The same through the real CLI: one line on stderr, exit 2, no traceback."""
+    r = subprocess.run([sys.executable, "plan.py"] + argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("text,sp", [("sp=true", True), ("sp=True", True), ("sp=1", True), ("sp=false", False),
+                                     ("sp=FALSE", False), ("sp=0", False)])
+def test_booleans_read_strictly_and_case_blind(text, sp):
+    job = build_job(parse_args(BASE, ""))
+    assert parse_layout(f"tp=2,{text}", job).sp is sp
+
+
+def test_good_layout_reads():
+    job = build_job(parse_args(BASE, ""))
+    lay = parse_layout(" pp=2, schedule=interleaved ,zero_stage=0,micro_batch_size=2", job)
+    assert (lay.dp, lay.pp, lay.v, lay.schedule, lay.micro_batch_size) == (4, 2, 2, "interleaved", 2)
+    assert parse_layout("pp=2,schedule=interleaved,v=3", job).v == 3
+    assert build_job(parse_args(BASE + ["--gpus", "4"], "")).gpus == 4          # part of one node
+    assert build_job(parse_args(BASE + ["--eff", "1"], "")).eff == 1.0
