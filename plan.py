@@ -36,7 +36,9 @@ from common.pipeline_schedules import placement_of, theory_idle_fraction
 from common.plan_inputs import (GIB, HARDWARE, LINK_EFF, PRECISION, RECOMPUTE, USABLE, Job, Layout, build_job,
                                 model_state_bytes_per_param,
                          parse_args, parse_layout, validate)
-from common.plan_memory import MEM_PARTS, memory, stage_blocks
+from common import plan_shape
+from common import plan_time as time_model
+from common.plan_memory import MEM_PARTS, layers_per_rank, memory, stage_blocks
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -60,21 +62,22 @@ def link_bandwidth(job, lay, axis):
     return min(job.hw["nvlink"], nics * job.hw["net"]) * LINK_EFF
 
 
-def hardware_flops_per_token(cfg, recompute):
-    """model.flops_per_token (6N + 12*L*h*T) plus what recompute adds: full a second forward of every block
-    (2 N_blocks + 4*L*h*T), selective the attention scores' forward (4*L*h*T)."""
-    L, h, T = cfg.n_layer, cfg.n_embd, cfg.block_size
-    blocks = num_params(cfg, cfg.top_k if cfg.n_experts else None) - h * cfg.padded_vocab_size - 2 * h
-    extra = dict(none=0, selective=4 * L * h * T, full=2 * blocks + 4 * L * h * T)[recompute]
-    return flops_per_token(cfg) + extra
+def hardware_flops_per_token(job, recompute):
+    """plan_shape.flops_per_token (6N + 12*L*h*T) plus what recompute adds: full a second forward of every block
+    (2 N_blocks + 4*L*h*T), selective the attention scores' forward (4*L*h*T). Returns (all, attention's part)."""
+    cfg = job.cfg
+    attn = plan_shape.attention_flops_per_token(job) * (1 + (recompute != "none") / 3)
+    extra = 2 * plan_shape.block_params(job) if recompute == "full" else 0
+    return plan_shape.flops_per_token(job) + extra + attn - plan_shape.attention_flops_per_token(job), attn
 
 
 def comm_bytes(job, lay, padded):
     """Bytes this rank sends per step on each axis (comm.py's ring convention, part = (n-1)/n), m micro-batches,
-    S = b*s*h*bpv of one micro-batch's activations (s = seq/cp), L/pp blocks on the rank:
-        tp  m*L/pp * part_t * S * (8 TP: 2 all-reduces fwd + 2 bwd | 10 SP: 2 AG + 2 RS fwd, 4 AG + 2 RS bwd) + 4 more
+    S = b*s*h*bpv of one micro-batch's activations (s = seq/cp), L_r blocks on the busiest pipeline rank:
+        tp  m*L_r * part_t * S * (8 TP: 2 all-reduces fwd + 2 bwd | 10 SP: 2 AG + 2 RS fwd, 4 AG + 2 RS bwd) + 4 more
             per block under full recompute (test_tp.py counts these)
-        cp  m*L/pp * ((cp-1)*2 KV + cp * dKV (fp32)), + (cp-1) KV with full recompute, KV = 2b*s*h/t*bpv (train_cp)
+        cp  m*L_r * ((cp-1)*2 KV + cp * dKV (fp32)), + (cp-1) KV with full recompute, KV = 2b*s*kv/t*bpv, kv the
+            key/value width (h without GQA; train_cp)
         dp  over n = dp*cp, P' padded rank params, p/g bytes: stage 0 all-reduce 2 part P g; 1: RS part P' g + AG
             part P' p; 2: RS per micro-batch m part P' g + AG part P' p; 3: 2m part P' p (AG fwd+bwd) + m part P' g
         pp  2*m*v*S/(t if SP) (activations forward, gradients back); with job.pp_scatter_gather (Megatron) S/t
@@ -82,18 +85,18 @@ def comm_bytes(job, lay, padded):
         ep  per MoE block and micro-batch 4 * part_ep * top_k * b*s*h*bpv (dispatch + combine, fwd + bwd)"""
     cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
     s, b, h, m, t = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd, lay.grad_acc(job), lay.tp
-    S, blocks = b * s * h * bpv, cfg.n_layer // lay.pp
+    S, blocks = b * s * h * bpv, max(layers_per_rank(job, lay))
     full = lay.recompute == "full"
     out = dict(tp=0.0, cp=0.0, dp=0.0, dp_reduce=0.0, pp=0.0, ep=0.0)
     if t > 1:
         out["tp"] = m * blocks * (t - 1) / t * S * ((10 if lay.sp else 8) + 4 * full)
     if lay.cp > 1:
-        kv = 2 * b * s * h / t * bpv
+        kv = 2 * b * s * plan_shape.kv_dim(job) / t * bpv
         out["cp"] = m * blocks * ((lay.cp - 1) * kv * (2 + full) + lay.cp * kv * 4 / bpv)
     n = lay.dp * lay.cp
     if n > 1:
         part = (n - 1) / n * padded
-        sizes = model_state_bytes_per_param(recipe)
+        sizes = model_state_bytes_per_param(recipe, job.moments)
         reduce = {0: 2, 1: 1, 2: m, 3: m}[lay.zero_stage] * part * sizes["grads"]
         gather = {0: 0, 1: 1, 2: 1, 3: 2 * m}[lay.zero_stage] * part * sizes["params"]
         out["dp"] = reduce + gather
@@ -103,8 +106,50 @@ def comm_bytes(job, lay, padded):
         out["pp"] = 2 * m * lay.v * S / (t if split else 1)
         out["tp"] += 2 * m * lay.v * (t - 1) / t * S if job.pp_scatter_gather and not lay.sp else 0
     if lay.ep > 1:
-        moe = sum(cfg.is_moe_block(i) for i in stage_blocks(cfg, lay.pp, lay.v, 0, placement_of(lay.schedule)))
+        moe = sum(cfg.is_moe_block(i) for i in stage_blocks(job, lay.pp, lay.v, 0, placement_of(lay.schedule)))
         out["ep"] = m * moe * 4 * (lay.ep - 1) / lay.ep * cfg.top_k * b * s * h * bpv
+    return out
+
+
+def axis_group(job, lay, axis):
+    """(members, nodes they span, hop: 'nvlink' or 'net') of one group of `axis` (rank order tp, cp, dp, pp)."""
+    node = job.gpus_per_node
+    n = dict(tp=lay.tp, cp=lay.cp, dp=lay.dp * lay.cp, ep=lay.ep, pp=lay.pp)[axis]
+    span = dict(tp=lay.tp, cp=lay.tp * lay.cp, ep=lay.tp * lay.ep, dp=lay.tp * lay.cp * lay.dp, pp=job.gpus)[axis]
+    if span <= node:
+        return n, 1, "nvlink"
+    stride = dict(tp=1, pp=job.gpus // lay.pp).get(axis, lay.tp)     # ranks between two members of a group
+    per_node = max(1, node // stride)
+    return n, max(1, n // per_node), "net"
+
+
+def comm_latency(job, lay, groups):
+    """Seconds of NCCL latency (plan_time.latency) per step on each axis: the number of collectives each runs
+    times the fixed cost of one. Per block and micro-batch: tp 4 all-reduces (TP; 6 with full recompute) or 4
+    all-gathers + 2 reduce-scatters forward and backward (SP; 8 with full recompute); cp one send per KV hop
+    (2(cp-1) + cp, + cp-1 with full recompute); ep 4 all-to-alls per MoE block. dp: one collective per bucket
+    (ZeRO 0-2: all-reduce, or reduce-scatter + all-gather, stage 2's reduce-scatter every micro-batch) or per unit
+    (ZeRO-3: 2 all-gathers + 1 reduce-scatter per micro-batch). pp: 2 sends per micro-batch and chunk."""
+    m, blocks, full = lay.grad_acc(job), max(layers_per_rank(job, lay)), lay.recompute == "full"
+    out = {}
+    for axis in ("tp", "cp", "dp", "pp", "ep"):
+        n, nodes, _ = axis_group(job, lay, axis)
+        lat = {kind: time_model.latency(kind, n, nodes) for kind in time_model.STEPS}
+        if axis == "tp":
+            per = (6 + 4 * full) * lat["all_gather"] if lay.sp else (4 + 2 * full) * lat["all_reduce"]
+            out[axis] = m * blocks * per
+        elif axis == "cp":
+            out[axis] = m * blocks * (3 * n - 2 + (n - 1) * full) * lat["send"]
+        elif axis == "dp":
+            per_step = {0: lat["all_reduce"], 1: lat["reduce_scatter"] + lat["all_gather"],
+                        2: m * lat["reduce_scatter"] + lat["all_gather"],
+                        3: m * (2 * lat["all_gather"] + lat["reduce_scatter"])}[lay.zero_stage]
+            out[axis] = groups * per_step
+        elif axis == "pp":
+            out[axis] = 2 * m * lay.v * lat["send"]
+        else:
+            moe = sum(job.cfg.is_moe_block(i) for i in stage_blocks(job, lay.pp, lay.v, 0, placement_of(lay.schedule)))
+            out[axis] = 4 * m * moe * lat["all_to_all"]
     return out
 
 
@@ -126,28 +171,39 @@ def eager_attention_time(job, lay):
 
 def step_time(job, lay, mem):
     """Seconds per optimizer step by part:
-        compute    tokens * hardware_flops_per_token / world / (peak * eff)
+        compute    tokens / world x plan_time.compute_time(hardware_flops_per_token): matmuls at the GPU's measured
+                   GEMM ceiling, the attention scores at the flash kernel's (half of them causal), both x the software
+                   share; x the busiest pipeline rank's share of the blocks (uneven stages)
         attn_hbm   eager_attention_time (0 with flash attention)
         bubble     (compute + attn_hbm) * f/(1-f), f = pipeline_schedules.theory_idle_fraction ((p-1)/(m+p-1), /v interleaved,
                    zb1 (p-1)/(3m+p-1), zbv and dualpipev (p-1)/(6m+p-1) in chunk units, zbv with m < 2p-1
                    2(2p-1-m)/(6m+2(2p-1-m)); equal to pipeline_schedules.simulate's idle share, F = B = W)
-        tp, pp, ep comm bytes / link bandwidth, exposed whole
+        each axis  comm bytes / link bandwidth + comm_latency (NCCL's alpha per collective), then what overlaps:
+        tp         exposed, less job.tp_overlap x the compute it runs beside (plan_time.TP_OVERLAP)
+        pp         exposed; with job.pp_overlap only the 2(p-1) transfers of the fill and drain stay on the path
         cp         exposed beyond the attention compute it overlaps (ring hops run under the block attention)
         dp         reductions exposed beyond the backward they overlap (stage 0-1: the last micro-batch's, 2/3 of
                    compute/m; stage 2: every backward, 2/3 of compute; stage 3 also the gathers, all compute);
                    stage 1-2's all-gather after the step is exposed; all exposed without job.dp_overlap
         optimizer  read + write of the rank's model states at HBM bandwidth"""
     cfg, hw = job.cfg, job.hw
-    peak, eff, m = job.peak, job.eff or hw["eff"], lay.grad_acc(job)
-    f_hw = hardware_flops_per_token(cfg, lay.recompute)
-    compute = job.global_seqs * cfg.block_size * f_hw / job.gpus / (peak * eff)
+    m = lay.grad_acc(job)
+    f_hw, f_attn = hardware_flops_per_token(job, lay.recompute)
+    imbalance = max(layers_per_rank(job, lay)) * lay.pp / cfg.n_layer
+    compute = imbalance * job.global_seqs * cfg.block_size / job.gpus * time_model.compute_time(f_hw, f_attn, job)
     idle = theory_idle_fraction(lay.schedule, lay.pp, m, lay.v) if lay.pp > 1 else 0.0
-    attn_share = 12 * cfg.n_layer * cfg.n_embd * cfg.block_size * (1 + (lay.recompute != "none") / 3) / f_hw
+    attn_share = f_attn / f_hw
     nbytes = comm_bytes(job, lay, mem["padded_params"])
-    t = {axis: nbytes[axis] / link_bandwidth(job, lay, axis) for axis in ("tp", "cp", "pp", "ep")}
+    alpha = comm_latency(job, lay, mem["groups"])
+    t = {axis: nbytes[axis] / link_bandwidth(job, lay, axis) + alpha[axis] for axis in ("tp", "cp", "pp", "ep")}
+    t["tp"] = max(0.0, t["tp"] - job.tp_overlap * compute)
+    if job.pp_overlap and lay.pp > 1:
+        t["pp"] = t["pp"] * 2 * (lay.pp - 1) / (2 * m * lay.v)
     t["cp"] = max(0.0, t["cp"] - attn_share * compute)
     bw = link_bandwidth(job, lay, "dp")
     reduce, gather = nbytes["dp_reduce"] / bw, (nbytes["dp"] - nbytes["dp_reduce"]) / bw
+    reduce += alpha["dp"] * nbytes["dp_reduce"] / max(nbytes["dp"], 1)
+    gather += alpha["dp"] * (1 - nbytes["dp_reduce"] / max(nbytes["dp"], 1))
     if lay.zero_stage == 3:
         t["dp"] = max(0.0, reduce + gather - compute * job.dp_overlap)
     else:
@@ -169,7 +225,7 @@ def evaluate(job, lay):
     tps = tokens / time["total"]
     return dict(asdict(lay), mem_bytes={k: mem[k] for k in MEM_PARTS},
                 time_s=time, step_time_s=time["total"], tokens_per_s=tps,
-                mfu=tps * flops_per_token(job.cfg) / (job.gpus * job.peak),
+                mfu=tps * plan_shape.flops_per_token(job) / (job.gpus * job.peak),
                 oom=mem["total"] > USABLE * job.hw["mem"])
 
 
@@ -251,8 +307,10 @@ def format_row(i, r):
 def print_table(job, rows, top):
     """The job in one line, the first `top` rows, how many fit and the launch command of the best."""
     cfg = job.cfg
-    print(f"{num_params(cfg) / 1e9:.2f}B params (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, V="
-          f"{cfg.padded_vocab_size}), {flops_per_token(cfg) / 1e9:.1f} GFLOP/token; {job.gpus} x {job.gpu}, "
+    print(f"{plan_shape.num_params(job) / 1e9:.2f}B params (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "
+          f"kv={job.n_kv_head or cfg.n_head}, f={plan_shape.ffn(job)}{' gated' if job.gated else ''}, V="
+          f"{cfg.padded_vocab_size}{'' if job.tied else ' untied'}), {plan_shape.flops_per_token(job) / 1e9:.1f} "
+          f"GFLOP/token; {job.gpus} x {job.gpu}, "
           f"{job.gpus_per_node}/node; seq {cfg.block_size}, {job.global_seqs} sequences/step, {job.precision}")
     print(HEADER)
     print("\n".join(format_row(i + 1, r) for i, r in enumerate(rows[:top])))

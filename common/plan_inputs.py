@@ -23,46 +23,58 @@ from common.errors import check, fail
 from common.metrics import GPU_PEAK_TFLOPS
 from model import GPTConfig
 from common.pipeline_schedules import SCHEDULES, V_SHAPED
+from common.plan_shape import SHAPE_OPTIONS, stage_layer_counts
 
 GIB = 2 ** 30
 # Per GPU. peak: metrics.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per
 # direction): NVIDIA datasheets (A100 80GB SXM: NVLink3 600 GB/s, DGX A100 8x HDR 200 Gb/s; H100 SXM: NVLink4
-# 900 GB/s, DGX H100 8x NDR 400 Gb/s; H200 141 GB; HGX B200 180 GB, NVLink5 1.8 TB/s).
-# eff: fraction of peak the model FLOPs reach with communication hidden, measured by MosaicML llm-foundry
-# (scripts/train/benchmarking/README.md: 7B, seq 2048, 8 GPUs, no activation checkpointing: A100-80GB 64.23%,
-# H100-80GB 46.44% MFU = HFU). H200 and B200 have no such row: they take H100's (an assumption).
+# 900 GB/s, DGX H100 8x NDR 400 Gb/s; H200 141 GB; HGX B200 180 GB, NVLink5 1.8 TB/s). The compute efficiency of
+# each GPU is plan_time's: its measured GEMM and attention ceilings x a software share, each cited there.
 # h100-hbm2e: torchtitan's Grand Teton H100 (benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e at 2.4 TB/s,
 # 500 W, 400 Gb/s per GPU), whose dense peak that file puts "between SXM and NVL", exact value unknown: NVL's
-# 835.5 TFLOP/s is taken (the lower bound), and H100's eff.
+# 835.5 TFLOP/s is taken (the lower bound).
 HARDWARE = {
-    "a100": dict(peak="A100", mem=80 * GIB, hbm=2.039e12, nvlink=300e9, net=25e9, eff=0.6423),
-    "h100": dict(peak="H100", mem=80 * GIB, hbm=3.35e12, nvlink=450e9, net=50e9, eff=0.4644),
-    "h100-hbm2e": dict(peak="H100", board="NVL", mem=96e9, hbm=2.4e12, nvlink=450e9, net=50e9, eff=0.4644),
-    "h200": dict(peak="H200", mem=141e9, hbm=4.8e12, nvlink=450e9, net=50e9, eff=0.4644),
-    "b200": dict(peak="B200", mem=180e9, hbm=8.0e12, nvlink=900e9, net=50e9, eff=0.4644),
+    "a100": dict(peak="A100", mem=80 * GIB, hbm=2.039e12, nvlink=300e9, net=25e9),
+    "h100": dict(peak="H100", mem=80 * GIB, hbm=3.35e12, nvlink=450e9, net=50e9),
+    "h100-hbm2e": dict(peak="H100", board="NVL", mem=96e9, hbm=2.4e12, nvlink=450e9, net=50e9),
+    "h200": dict(peak="H200", mem=141e9, hbm=4.8e12, nvlink=450e9, net=50e9),
+    "b200": dict(peak="B200", mem=180e9, hbm=8.0e12, nvlink=900e9, net=50e9),
 }
 LINK_EFF = 0.8          # NCCL bus bandwidth / link rate (nccl-tests all_reduce on DGX A100/H100: about 75-85%)
 USABLE = 0.95           # allocator fragmentation margin
 FRAMEWORK_BYTES = GIB   # CUDA context, cuBLAS workspace, NCCL buffers
-# model.py's GPT at these shapes (GeLU MLP of 4h, tied embeddings, full multi-head attention): the llama3-* presets
-# have Llama 3's depth, width, heads and vocabulary, not its SwiGLU / GQA (6.97B parameters for llama3-8b, not 8.03B)
+# Presets. gpt2*: model.py's GPT (Radford et al. 2019). llama3-*: Llama 3 as published (Dubey et al. 2024, "The Llama 3
+# Herd of Models", arXiv 2407.21783, Table 3: layers, model dimension, FFN dimension, attention heads, 8 key/value
+# heads, vocabulary 128K = 128,256 tokens; SwiGLU, untied embeddings). gpt3-175b: Brown et al. 2020, Table 2.1
+# (GeLU MLP of 4h, full multi-head attention). A plain GPT of Llama's depth and width: --model llama3-8b-gpt.
 MODELS = {
     "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab=50257),
     "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25, vocab=50257),
-    "llama3-8b": dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256),
-    "llama3-70b": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256),
-    "llama3-405b": dict(n_layer=126, n_embd=16384, n_head=128, vocab=128256),
+    "llama3-8b": dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256, n_kv_head=8, ffn_hidden=14336, gated=True,
+                      tied=False),
+    "llama3-70b": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256, n_kv_head=8, ffn_hidden=28672, gated=True,
+                       tied=False),
+    "llama3-405b": dict(n_layer=126, n_embd=16384, n_head=128, vocab=128256, n_kv_head=8, ffn_hidden=53248,
+                        gated=True, tied=False),
+    "llama3-8b-gpt": dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256),
+    "llama3-70b-gpt": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256),
     "gpt3-175b": dict(n_layer=96, n_embd=12288, n_head=96, vocab=51200),
 }
-def model_state_bytes_per_param(recipe="fp32"):
+
+
+def model_state_bytes_per_param(recipe="fp32", moments="fp32"):
     """Bytes per parameter of params + grads + optimizer state for AdamW (ZeRO paper's accounting).
 
     fp32: 4 (param) + 4 (grad) + 8 (Adam m, v)                          = 16
-    bf16: 2 (param) + 2 (grad) + 12 (fp32 master copy + Adam m, v), K=12 = 16"""
+    bf16: 2 (param) + 2 (grad) + 12 (fp32 master copy + Adam m, v), K=12 = 16
+    moments="bf16" keeps Adam's m and v in 2 bytes each (as recipes that store them in bf16 do): optimizer 4 less
+    (fp32) or K = 8 (bf16)."""
     table = {"fp32": dict(params=4, grads=4, optim=8), "bf16": dict(params=2, grads=2, optim=12)}
-    if recipe not in table:
-        raise ValueError(f"unknown precision recipe {recipe!r}; expected one of {sorted(table)}")
-    return table[recipe]
+    if recipe not in table or moments not in ("fp32", "bf16"):
+        raise ValueError(f"unknown precision recipe {recipe!r} / moments {moments!r}; expected one of {sorted(table)}")
+    out = dict(table[recipe])
+    out["optim"] -= 4 if moments == "bf16" else 0
+    return out
 
 
 PRECISION = {   # model-state recipe of model_state_bytes_per_param, bytes per activation value
@@ -85,16 +97,32 @@ class Job:
     precision: str = "bf16"  # a PRECISION key
     attn: str = "flash"       # flash: no s x s scores stored (torch's fused SDPA); eager: Korthikanti's 5as/h term
     bucket_mb: float = 25.0
-    eff: float = 0.0          # 0: the GPU's default
+    eff: float = 0.0          # one efficiency for every executed FLOP; 0: plan_time's measured kernel ceilings
     dp_overlap: bool = True   # gradient reductions overlap the backward (DDP buckets); False: after it, as
                               # Megatron-LM's 2021 "local" DDP (megatron/training.py train_step)
     pp_scatter_gather: bool = False   # a pipeline message leaves as 1/t per tp rank and is all-gathered over tp
                                       # on arrival (Megatron-LM, Narayanan et al. 2021 Sec. 4.1); SP does so anyway
+    # model shapes beyond model.py's GPT (plan_shape.py): 0 / the defaults are model.py's own
+    n_kv_head: int = 0        # key/value heads (GQA); 0: n_head
+    ffn_hidden: int = 0       # MLP width; 0: 4 * n_embd
+    gated: bool = False       # SwiGLU-style MLP: gate, up and down matrices
+    tied: bool = True         # input embedding and LM head share one matrix
+    first_stage_layers: int = 0   # layers of the first / last pipeline stage (0: an even share), as Megatron-LM's
+    last_stage_layers: int = 0    # --decoder-first/last-pipeline-num-layers
+    # software behaviour (plan_time.py)
+    tp_overlap: float = 0.0   # share of tp's communication hidden under GEMMs (plan_time.TP_OVERLAP for published)
+    pp_overlap: bool = False  # pipeline sends overlap the next micro-batch's compute (Megatron-Core
+                              # --overlap-p2p-communication): only the fill and drain transfers stay exposed
+    attn_eff: float = 0.0     # flash attention's share of peak; 0: plan_time.ATTN_EFF (FlashAttention-2's)
+    causal: bool = True       # flash attention skips the masked half of the scores (time only; MFU counts all)
+    moments: str = "fp32"     # AdamW m and v precision (bf16: 2 + 2 bytes instead of 4 + 4)
 
     @property
     def shape(self):
-        """The model config as a hashable key (for the cached flat_groups)."""
-        return tuple((k, getattr(self.cfg, k)) for k in ("vocab_size", "n_layer", "n_embd", "n_experts", "moe_every"))
+        """The model as a hashable key (for the cached flat_groups): GPTConfig's fields, then the shape options."""
+        return (tuple((k, getattr(self.cfg, k)) for k in ("vocab_size", "n_layer", "n_embd", "n_head", "n_experts",
+                                                          "moe_every", "top_k"))
+                + tuple((k, getattr(self, k)) for k in SHAPE_OPTIONS))
 
     @property
     def hw(self):
@@ -138,7 +166,12 @@ def validate(job, lay):
     check(not lay.sp or lay.tp > 1, "sp needs tp > 1")
     check(lay.cp == 1 or cfg.block_size % (2 * lay.cp) == 0, f"seq={cfg.block_size} not divisible by 2*cp (zigzag)")
     check(lay.cp == 1 or job.attn == "flash", "eager attention is modelled without cp only")
-    check(cfg.n_layer % (lay.pp * lay.v) == 0, f"n_layer={cfg.n_layer} not divisible by pp*v={lay.pp * lay.v}")
+    kv = job.n_kv_head or cfg.n_head
+    check(kv % lay.tp == 0, f"n_kv_head={kv} is not divisible by tp={lay.tp} (each tp rank holds whole KV heads)")
+    uneven = job.first_stage_layers or job.last_stage_layers
+    check(uneven or cfg.n_layer % (lay.pp * lay.v) == 0 or cfg.n_layer >= lay.pp * lay.v,
+          f"n_layer={cfg.n_layer} not divisible by pp*v={lay.pp * lay.v}")
+    stage_layer_counts(job, lay.pp * lay.v)
     check(job.global_seqs % (lay.dp * lay.micro_batch_size) == 0,
           f"global batch of {job.global_seqs} sequences not divisible by dp*micro_batch_size = "
           f"{lay.dp}*{lay.micro_batch_size}")
@@ -160,17 +193,32 @@ def validate(job, lay):
 # ----------------------------------------------------------------------------------------------------------
 # command line
 
-FLAGS = [("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", int, 2, "experts per token"),
+FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; default n_head)"),
+         ("ffn_hidden", int, None, "MLP width (default 4 * n_embd)"),
+         ("gated", bool, None, "gated MLP (SwiGLU: gate, up, down matrices; default: the preset's, else plain)"),
+         ("tied", bool, None, "input embedding tied to the LM head (default: the preset's, else tied)"),
+         ("first_stage_layers", int, 0, "layers of the first pipeline stage (0: an even share)"),
+         ("last_stage_layers", int, 0, "layers of the last pipeline stage (0: an even share)"),
+         ("dropout", float, 0.0, "dropout probability (masks kept for backward when > 0)"),
+         ("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", int, 2, "experts per token"),
          ("capacity_factor", float, 0.0, "MoE expert capacity factor (0: dropless, expert memory at the even share; "
           "> 0: bounded by the capacity)"),
          ("gpus", int, 8, "GPUs in all"), ("gpus_per_node", int, 8, "GPUs sharing NVLink"),
          ("gpu", str, "h100", f"one of {', '.join(HARDWARE)}"), ("seq", int, 4096, "sequence length"),
          ("global_batch_tokens", str, "4M", "tokens per optimizer step (K/M/G binary)"),
          ("precision", str, "bf16", "bf16 (train_zero) | amp (fp32 states, bf16 autocast) | fp32"),
+         ("moments", str, "fp32", "AdamW m and v precision: fp32 | bf16"),
          ("attn", str, "flash", "flash (no s x s scores kept) | eager (Korthikanti's 5as/h term)"),
+         ("causal", bool, True, "causal flash attention skips the masked half of the scores (time only)"),
          ("bucket_mb", float, 25.0, "gradient bucket MiB (ZeRO padding)"),
-         ("eff", float, None, "compute efficiency in (0, 1] (default: the GPU's, see HARDWARE)"),
+         ("eff", float, None, "one compute efficiency in (0, 1] for every FLOP (default: plan_time's measured GEMM "
+          "and attention ceilings x the software share)"),
+         ("attn_eff", float, None, "flash attention's fraction of peak, forward + backward (default: FlashAttention-2's "
+          "published, plan_time.ATTN_EFF)"),
          ("dp_overlap", bool, True, "gradient reductions overlap the backward (--no-dp_overlap: after it)"),
+         ("tp_overlap", float, 0.0, "share of tp communication hidden under its GEMMs, 0-1 (Megatron-LM 2021, "
+          "torchtitan: 0; NeMo/Transformer Engine --tp-comm-overlap: 1)"),
+         ("pp_overlap", bool, False, "pipeline sends overlap compute (Megatron-Core --overlap-p2p-communication)"),
          ("pp_scatter_gather", bool, False, "pipeline messages as 1/tp per rank, all-gathered over tp (Megatron)"),
          ("layout", str, None, "evaluate one layout, e.g. tp=8,zero_stage=1,micro_batch_size=2"),
          ("top", int, 10, "rows printed")]
@@ -206,7 +254,8 @@ def parse_args(argv, description):
             ap.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=text)
             continue
         ap.add_argument(f"--{name}", type=finite(kind) if kind in (int, float) else kind, default=default, help=text,
-                        choices=dict(precision=list(PRECISION), attn=["flash", "eager"]).get(name))
+                        choices=dict(precision=list(PRECISION), attn=["flash", "eager"],
+                                     moments=["fp32", "bf16"]).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
     return ap.parse_args(argv)
 
@@ -232,6 +281,13 @@ def check_flags(a):
     check(a.capacity_factor >= 0, f"--capacity_factor must be >= 0 (0: dropless), got {a.capacity_factor}")
     check(a.bucket_mb > 0, f"--bucket_mb must be positive, got {a.bucket_mb}")
     check(a.eff is None or 0 < a.eff <= 1, f"--eff is a fraction of peak in (0, 1], got {a.eff}")
+    check(a.attn_eff is None or 0 < a.attn_eff <= 1, f"--attn_eff is a fraction of peak in (0, 1], got {a.attn_eff}")
+    check(0 <= a.tp_overlap <= 1, f"--tp_overlap is a share in [0, 1], got {a.tp_overlap}")
+    check(0 <= a.dropout < 1, f"--dropout is a probability in [0, 1), got {a.dropout}")
+    for k in ("n_kv_head", "ffn_hidden"):
+        check(getattr(a, k) is None or getattr(a, k) > 0, f"--{k} must be a positive integer, got {getattr(a, k)}")
+    for k in ("first_stage_layers", "last_stage_layers"):
+        check(getattr(a, k) >= 0, f"--{k} must be >= 0 (0: an even share), got {getattr(a, k)}")
 
 
 def build_job(a):
@@ -239,15 +295,25 @@ def build_job(a):
     check_flags(a)
     check(a.gpu in HARDWARE, f"unknown GPU {a.gpu!r}; known: {', '.join(HARDWARE)}")
     check(a.model is None or a.model in MODELS, f"unknown model {a.model!r}; known: {', '.join(MODELS)}")
-    shape = {**MODELS.get(a.model, {}), **{k: getattr(a, k) for k in SHAPE if getattr(a, k) is not None}}
+    preset = dict(MODELS.get(a.model, {}))
+    options = dict(n_kv_head=preset.pop("n_kv_head", 0), ffn_hidden=preset.pop("ffn_hidden", 0),
+                   gated=preset.pop("gated", False), tied=preset.pop("tied", True))
+    options.update({k: getattr(a, k) for k in options if getattr(a, k) is not None})
+    shape = {**preset, **{k: getattr(a, k) for k in SHAPE if getattr(a, k) is not None}}
     check(len(shape) == 4, "give --model or all of --n_layer --n_embd --n_head --vocab")
     check(shape["n_embd"] % shape["n_head"] == 0, "n_embd must be divisible by n_head")
+    kv = options["n_kv_head"] or shape["n_head"]
+    check(kv <= shape["n_head"] and shape["n_head"] % kv == 0,
+          f"--n_kv_head {kv} must divide n_head={shape['n_head']} (query heads share each key/value head)")
     tokens = parse_tokens(a.global_batch_tokens)
     check(tokens % a.seq == 0 and tokens >= a.seq, f"global batch of {tokens} tokens is not a multiple of seq={a.seq}")
     cfg = GPTConfig(vocab_size=shape["vocab"], block_size=a.seq, n_layer=shape["n_layer"], n_head=shape["n_head"],
-                    n_embd=shape["n_embd"], n_experts=a.n_experts, top_k=a.top_k, capacity_factor=a.capacity_factor)
-    return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb, a.eff or 0.0,
-               a.dp_overlap, a.pp_scatter_gather)
+                    n_embd=shape["n_embd"], dropout=a.dropout, n_experts=a.n_experts, top_k=a.top_k,
+                    capacity_factor=a.capacity_factor)
+    return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb,
+               eff=a.eff or 0.0, dp_overlap=a.dp_overlap, pp_scatter_gather=a.pp_scatter_gather, **options, first_stage_layers=a.first_stage_layers,
+               last_stage_layers=a.last_stage_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,
+               causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0)
 
 
 BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused

@@ -20,6 +20,8 @@ from functools import lru_cache
 from model import GPTConfig, activation_bytes_per_layer
 from common.pipeline_schedules import placement_of, rank_of, stage_of
 from common.plan_inputs import FRAMEWORK_BYTES, PRECISION, model_state_bytes_per_param
+from common.plan_shape import (activation_delta_values, block_numels, embedding_numels, job_of_shape, kv_dim,
+                               stage_layer_counts)
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total")
 
@@ -27,12 +29,14 @@ MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total")
 # ----------------------------------------------------------------------------------------------------------
 # where the stages are
 
-def stage_blocks(cfg, pp, v, rank, placement="loop"):
+def stage_blocks(job, pp, v, rank, placement="loop"):
     """Global block indices on pipeline rank `rank`: its v chunks (stages stage_of(rank, c): rank, rank+p, ...
-    round-robin; rank and 2p-1-rank in a V) of L/(p*v) blocks each, chunk 0 first."""
-    per = cfg.n_layer // (pp * v)
+    round-robin; rank and 2p-1-rank in a V), stage k holding plan_shape.stage_layer_counts' k-th share (L/(p*v)
+    each when they divide and no end is cut), chunk 0 first."""
+    counts = stage_layer_counts(job, pp * v)
+    starts = [sum(counts[:k]) for k in range(pp * v)]
     stages = [stage_of(rank, c, pp, placement) for c in range(v)]
-    return [i for s in stages for i in range(s * per, (s + 1) * per)]
+    return [i for s in stages for i in range(starts[s], starts[s] + counts[s])]
 
 
 def end_ranks(lay):
@@ -43,17 +47,6 @@ def end_ranks(lay):
 # ----------------------------------------------------------------------------------------------------------
 # model states
 
-def block_numels(cfg, tp, ep, moe):
-    """One block's parameters on a tp rank, in model.parameters() order. Column-parallel c_attn / c_fc (weights and
-    biases / tp), row-parallel projections (weights / tp, biases whole), LayerNorms whole; an MoE block has a whole
-    router (E*h) and E/ep whole experts (8h^2 + 5h each) instead of the MLP."""
-    h = cfg.n_embd
-    attn = [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h]
-    if moe:
-        return attn + [cfg.n_experts * h] + [4 * h * h, 4 * h, 4 * h * h, h] * (cfg.n_experts // ep)
-    return attn + [4 * h * h // tp, 4 * h // tp, 4 * h * h // tp, h]
-
-
 @lru_cache(maxsize=None)
 def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb, placement="loop"):
     """Numels of train_zero.py's flat groups on this rank: stage 3 one unit per block (backward order) + the root
@@ -61,14 +54,17 @@ def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb, placement="loop"):
     fp32 bytes (train_zero builds the model in fp32 on the meta device). The vocab-parallel embedding (V/tp rows) is
     on the rank of the first stage and, tied, on the rank of the last (once when one rank holds both, as in a V);
     ln_f on the last. cfg: a Job.shape."""
-    cfg = GPTConfig(**dict(cfg))
-    blocks = [block_numels(cfg, tp, ep, cfg.is_moe_block(i)) for i in stage_blocks(cfg, pp, v, rank, placement)]
+    job = job_of_shape(cfg)
+    cfg = job.cfg
+    blocks = [block_numels(job, tp, ep, cfg.is_moe_block(i)) for i in stage_blocks(job, pp, v, rank, placement)]
     first, last = rank == 0, rank == rank_of(pp * v - 1, pp, placement)
-    embed = [cfg.padded_vocab_size * cfg.n_embd // tp] if first or last else []
-    root = embed + ([cfg.n_embd, cfg.n_embd] if last else [])
+    embed = embedding_numels(job, tp, first, last)
+    head = embed[-1:] if last and not job.tied else []          # untied: the LM head, after ln_f in backward
+    embed = embed[:len(embed) - len(head)]
+    root = embed + head + ([cfg.n_embd, cfg.n_embd] if last else [])
     if stage == 3:
         return tuple([sum(b) for b in reversed(blocks)] + ([sum(root)] if root else []))
-    ordered = embed + [n for b in blocks for n in b] + ([cfg.n_embd, cfg.n_embd] if last else [])
+    ordered = embed + [n for b in blocks for n in b] + ([cfg.n_embd, cfg.n_embd] if last else []) + head
     return bucket_numels(list(reversed(ordered)), bucket_mb * 2 ** 20 / 4)
 
 
@@ -96,13 +92,13 @@ def tp_activation_bytes_per_layer(seq_len, batch, cfg, tp, sp=False, **kw):
     return whole + (full - whole) / tp
 
 
-def zero_state_bytes(groups, n, stage, recipe):
+def zero_state_bytes(groups, n, stage, recipe, moments="fp32"):
     """Model-state bytes per rank, groups padded to a multiple of n ranks (P' = sum ceil(g/n)*n; P' = P at stage 0),
     bytes per parameter (p, g, o) from plan_inputs.model_state_bytes_per_param (bf16: 2, 2, 12; fp32: 4, 4, 8):
         stage 0: (p + g + o) P      stage 1: (p + g) P' + o P'/n      stage 2: p P' + (g + o) P'/n
         stage 3: (p + g + o) P'/n   (ZeRO paper, 7.5B on 64 GPUs, bf16: 120 / 31.4 / 16.6 / 1.9 GB)"""
     padded = sum(groups) if stage == 0 else sum(-(-g // n) * n for g in groups)
-    b = model_state_bytes_per_param(recipe)
+    b = model_state_bytes_per_param(recipe, moments)
     return dict(params=b["params"] * padded / (n if stage >= 3 else 1),
                 grads=b["grads"] * padded / (n if stage >= 2 else 1),
                 optimizer=b["optim"] * padded / (n if stage >= 1 else 1), padded=padded)
@@ -166,6 +162,7 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
         return base
     lse = cfg.n_head * s * b * 4 / t if (lay.recompute == "none" and job.attn == "flash") else 0
     extra = 2 * s * b * h * bpv / t + lse + 16 * s * b / (t if lay.sp else 1)
+    extra += s * b * activation_delta_values(job) * bpv / t
     if moe:
         extra += moe_extra_bytes(job, lay)
     return base + extra
@@ -196,8 +193,9 @@ def in_flight(schedule, p, m, v, rank):
 def activation_bytes(job, lay, rank):
     """in_flight(rank) x (L/(p*v) blocks of layer_activation_bytes) + head_activation_bytes on the last stage's rank
     (x m for afab, else 1: every other schedule runs a micro-batch's last-stage backward right after its forward)."""
-    blocks = stage_blocks(job.cfg, lay.pp, lay.v, rank, placement_of(lay.schedule))
-    per_chunk = len(blocks) // lay.v
+    blocks = stage_blocks(job, lay.pp, lay.v, rank, placement_of(lay.schedule))
+    counts = stage_layer_counts(job, lay.pp * lay.v)
+    per_chunk = max(counts[stage_of(rank, c, lay.pp, placement_of(lay.schedule))] for c in range(lay.v))
     moe_share = sum(job.cfg.is_moe_block(i) for i in blocks) / len(blocks)
     layer = (1 - moe_share) * layer_activation_bytes(job, lay) + moe_share * layer_activation_bytes(job, lay, True)
     total = in_flight(lay.schedule, lay.pp, lay.grad_acc(job), lay.v, rank) * per_chunk * layer
@@ -214,7 +212,7 @@ def other_bytes(job, lay, rank, groups):
     (2 * 2b*s*h/t values); FRAMEWORK_BYTES."""
     cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
-    sizes = model_state_bytes_per_param(recipe)
+    sizes = model_state_bytes_per_param(recipe, job.moments)
     out = FRAMEWORK_BYTES
     if rank == end_ranks(lay)[1]:
         out += s * b * cfg.padded_vocab_size / lay.tp * (bpv + (4 if bpv < 4 else 0))
@@ -227,7 +225,7 @@ def other_bytes(job, lay, rank, groups):
     if lay.pp > 1:
         out += 2 * s * b * h * bpv / (lay.tp if lay.sp else 1)
     if lay.cp > 1:
-        out += 4 * s * b * h / lay.tp * bpv
+        out += 4 * s * b * kv_dim(job) / lay.tp * bpv
     return out
 
 
@@ -239,12 +237,19 @@ def memory(job, lay):
     for rank in sorted({0, lay.pp - 1}):
         groups = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, job.bucket_mb,
                              placement_of(lay.schedule))
-        st = zero_state_bytes(groups, lay.dp * lay.cp, lay.zero_stage, PRECISION[job.precision][0])
+        st = zero_state_bytes(groups, lay.dp * lay.cp, lay.zero_stage, PRECISION[job.precision][0], job.moments)
         parts = dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
                      activations=activation_bytes(job, lay, rank), other=other_bytes(job, lay, rank, groups))
         parts["total"] = sum(parts.values())
         parts["padded_params"] = st["padded"]
+        parts["groups"] = len(groups)        # buckets (ZeRO 0-2) or units (ZeRO-3): one collective each
         if best is None or parts["total"] > best["total"]:
             best = parts
     return best
 
+
+
+def layers_per_rank(job, lay):
+    """Blocks on each pipeline rank (its v chunks' stages), uneven stages included."""
+    counts, placement = stage_layer_counts(job, lay.pp * lay.v), placement_of(lay.schedule)
+    return [sum(counts[stage_of(r, c, lay.pp, placement)] for c in range(lay.v)) for r in range(lay.pp)]

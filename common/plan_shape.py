@@ -1,0 +1,140 @@
+"""
+plan_shape.py: the model shapes plan.py predicts for beyond model.py's GPT, as formulas: grouped-query attention
+(n_kv_head key/value heads shared by n_head query heads), any MLP width (ffn_hidden) with a plain or gated (SwiGLU:
+three matrices) MLP, tied or untied embeddings, and pipeline stages of uneven size (first and last stages cut
+shorter, or a layer count that pp x v does not divide). model.py stays the GPT it is; with the defaults
+(n_kv_head = n_head, ffn_hidden = 4h, plain GeLU MLP, tied, even stages) every formula here is model.py's own
+(tests/test_plan_shape.py holds them equal), so the exact checks against CPU runs still validate this case.
+
+    per block (tp ranks, kv = n_kv_head * head_dim, f = ffn_hidden, g = 2 gated / 1 plain):
+        attention  q, k, v: (h + 2 kv) h / t  (+ biases)     out: h^2 / t
+        MLP        up (and gate): g f h / t   (+ biases)     down: f h / t
+    parameters     N = V h (x 2 untied) + L (block) + 2h
+    FLOPs/token    6 N_matmul + 12 L h s    (N_matmul: every weight a token multiplies; an untied input embedding
+                                             is a lookup, not a matmul)
+    stages         stage_layer_counts: first / last as given, the rest as even as they go (the earlier middle
+                   stages take one more layer when they do not divide)
+"""
+from functools import lru_cache
+from types import SimpleNamespace
+
+from common.errors import check
+from model import GPTConfig
+
+
+def kv_dim(job):
+    """Key/value width: n_kv_head * head_dim (= h without GQA)."""
+    cfg = job.cfg
+    return (job.n_kv_head or cfg.n_head) * (cfg.n_embd // cfg.n_head)
+
+
+def ffn(job):
+    """MLP hidden width f (model.py: 4h)."""
+    return job.ffn_hidden or 4 * job.cfg.n_embd
+
+
+def mlp_matrices(job):
+    """Weight matrices of f x h in one MLP: 3 gated (gate, up, down), else 2."""
+    return 3 if job.gated else 2
+
+
+def block_numels(job, tp, ep, moe):
+    """One block's parameters on a tp rank, in model.parameters() order (model.py's GPT for the defaults).
+    Column-parallel c_attn / c_fc (weights and biases / tp), row-parallel projections (weights / tp, biases whole),
+    LayerNorms whole; an MoE block has a whole router (E*h) and E/ep whole experts instead of the MLP."""
+    h, kv, f, up = job.cfg.n_embd, kv_dim(job), ffn(job), mlp_matrices(job) - 1
+    attn = [h, h, (h + 2 * kv) * h // tp, (h + 2 * kv) // tp, h * h // tp, h, h, h]
+    if moe:
+        return attn + [job.cfg.n_experts * h] + [up * f * h, up * f, f * h, h] * (job.cfg.n_experts // ep)
+    return attn + [up * f * h // tp, up * f // tp, f * h // tp, h]
+
+
+def embedding_numels(job, tp, first, last):
+    """Vocab-parallel embedding rows (V/tp x h) on the ranks of the first and last stage: tied, one matrix on
+    each end (once where one rank holds both); untied, the input embedding on the first, the LM head on the last."""
+    one = job.cfg.padded_vocab_size * job.cfg.n_embd // tp
+    if job.tied:
+        return [one] if first or last else []
+    return [one] * (int(first) + int(last))
+
+
+SHAPE_OPTIONS = ("n_kv_head", "ffn_hidden", "gated", "tied", "first_stage_layers", "last_stage_layers")
+
+
+def job_of_shape(shape):
+    """A Job.shape (hashable) back as the fields this module's formulas read: cfg and the shape options."""
+    items = dict(shape)
+    options = {k: items.pop(k) for k in SHAPE_OPTIONS}
+    return SimpleNamespace(cfg=GPTConfig(**items), **options)
+
+
+def num_params(job, active=False):
+    """Every parameter (active=True: an MoE block counts only its top_k experts, as model.num_params)."""
+    return count_params(job.shape, active)
+
+
+@lru_cache(maxsize=None)
+def count_params(shape, active):
+    """num_params of a Job.shape: the embedding(s), L blocks (dense and MoE ones), ln_f."""
+    job = job_of_shape(shape)
+    cfg = job.cfg
+    n_moe = sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
+    dense, moe = sum(block_numels(job, 1, 1, False)), 0
+    if n_moe:
+        numels = block_numels(job, 1, 1, True)
+        moe = sum(numels[:9]) + sum(numels[9:]) * (cfg.top_k / cfg.n_experts if active else 1)
+    embed = cfg.padded_vocab_size * cfg.n_embd * (1 if job.tied else 2)
+    return embed + (cfg.n_layer - n_moe) * dense + n_moe * round(moe) + 2 * cfg.n_embd
+
+
+def matmul_params(job):
+    """Active parameters a token multiplies (the 6N of the FLOP count): all but an untied input embedding."""
+    return num_params(job, active=bool(job.cfg.n_experts)) - (0 if job.tied else job.cfg.padded_vocab_size
+                                                               * job.cfg.n_embd)
+
+
+def block_params(job):
+    """Active parameters of the L blocks (what full recompute runs forward again)."""
+    cfg = job.cfg
+    return num_params(job, active=bool(cfg.n_experts)) - cfg.padded_vocab_size * cfg.n_embd * (1 if job.tied else 2) \
+        - 2 * cfg.n_embd
+
+
+def attention_flops_per_token(job):
+    """12 L h s: QK^T and AV forward (4 h s per layer) and backward (8 h s), unmasked (the MFU convention)."""
+    cfg = job.cfg
+    return 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def flops_per_token(job):
+    """Model FLOPs per token, forward + backward: 6 N_matmul + 12 L h s (model.flops_per_token for the GPT)."""
+    return 6 * matmul_params(job) + attention_flops_per_token(job)
+
+
+def activation_delta_values(job):
+    """Activation values per token and layer a block keeps beyond model.py's GPT count (which is Korthikanti's 34
+    sbh with q, k, v of h each and an MLP keeping c_fc's and GeLU's outputs of 4h each): k and v of kv each (and k
+    once more, after RoPE), a gated MLP's gate, up and product (3f) or a plain one's two (2f). All of it sits
+    inside the tensor-parallel region: / t on a tp rank."""
+    h, kv, f = job.cfg.n_embd, kv_dim(job), ffn(job)
+    return 3 * (kv - h) + mlp_matrices(job) * f - 8 * h
+
+
+def stage_layer_counts(job, stages):
+    """Layers of each of `stages` pipeline stages (even_split, cached: the search asks for it per layout)."""
+    return list(even_split(job.cfg.n_layer, job.first_stage_layers, job.last_stage_layers, stages))
+
+
+@lru_cache(maxsize=None)
+def even_split(L, first, last, stages):
+    """Layers of each of `stages` pipeline stages: first_stage_layers / last_stage_layers as given (0: an even
+    share), the others as even as they go, the earlier ones taking one more when they do not divide (each >= 1)."""
+    if stages == 1:
+        return (L,)
+    shared = stages - (first > 0) - (last > 0)
+    rest = L - first - last
+    check(rest >= shared and (shared > 0 or rest == 0),
+          f"n_layer={L} does not fill {stages} pipeline stages with first_stage_layers={first}, "
+          f"last_stage_layers={last}")
+    share = [rest // shared + (i < rest % shared) for i in range(shared)] if shared else []
+    return tuple(([first] if first else []) + share + ([last] if last else []))

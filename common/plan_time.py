@@ -1,0 +1,100 @@
+"""
+plan_time.py: the published measurements plan.py's step time rests on, and the two formulas that use them: compute
+time from FLOPs at an efficiency made of hardware measurements, and the alpha-beta time of a collective (NCCL's
+latency model + bandwidth). plan.py's step_time adds the parts up.
+
+    compute   = (matmul FLOPs / GEMM_EFF + attention FLOPs executed / ATTN_EFF) / (peak * SOFTWARE_EFF)
+                GEMM_EFF: measured maximum achievable matmul FLOP/s / peak, per GPU; ATTN_EFF: the flash kernel's
+                published utilization; SOFTWARE_EFF: what one measured training stack keeps of its kernels' speed
+                attention executed: half of 12 L h s with a causal flash kernel (it skips the masked blocks), all of
+                it eager (scores computed, then masked); the MFU convention keeps counting 12 L h s either way
+    collective = latency + bytes / bandwidth, latency = NCCL's ring model: base + (steps - inter-node steps) *
+                 intra-node hop + inter-node steps * network hop; steps 2(n-1) all-reduce, n-1 reduce-scatter /
+                 all-gather / all-to-all, 1 send
+"""
+import math
+
+# Maximum achievable matmul FLOP/s (bf16, dense, best shape of a sweep) / datasheet peak, measured with
+# mamf-finder.py: S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable
+# Matmul FLOPS comparison table" (https://github.com/stas00/ml-engineering): A100 SXM 267.9 of 312 TFLOP/s (CUDA
+# 12.1), H100 SXM 792.1 of 989 (CUDA 12.1). The benchmark follows Anthony et al. 2024, "The Case for Co-Designing
+# Model Architectures with Hardware" (arXiv 2401.14489). H200 is H100's chip and clocks with more HBM: H100's row
+# (an assumption); h100-hbm2e (500 W) and B200 have no measured row: H100's fraction (an assumption, see docs).
+GEMM_EFF = {"a100": 267.9 / 312, "h100": 792.1 / 989, "h100-hbm2e": 792.1 / 989, "h200": 792.1 / 989,
+            "b200": 792.1 / 989}
+
+# Fraction of peak a flash-attention kernel reaches, forward + backward, on the executed FLOPs of plan's count (4 h s
+# per layer forward, 8 backward; halved for causal). FlashAttention-2 (Dao 2023, arXiv 2307.08691, abstract):
+# "reaching 50-73% of the theoretical maximum FLOPs/s on A100", the backward the slower pass: 50% taken for forward +
+# backward. On H100 the same kernel (what torch's SDPA flash backend runs): "FlashAttention-2 achieving only 35%
+# utilization on H100 GPUs" (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, abstract). Both papers' FLOP/s
+# count the backward as 2.5x the forward (benchmark_flash_attention.py: fwd_bwd = 3.5 f), plan counts 2x: their
+# utilization x 3 / 3.5 on plan's count. H200 and B200: H100's (an assumption). --attn_eff overrides it (e.g. for
+# FlashAttention-3 or cuDNN's fused attention).
+ATTN_EFF = {gpu: u * 3 / 3.5 for gpu, u in dict(a100=0.50, h100=0.35, **{"h100-hbm2e": 0.35}, h200=0.35,
+                                                   b200=0.35).items()}
+
+# What a tuned training stack keeps of its kernels' speed end to end (non-matmul kernels, launches, the optimizer's
+# kernels...): measured once, on A100, by MosaicML llm-foundry (scripts/train/benchmarking/README.md: MPT-7B, seq
+# 2048, 8 x A100-80GB, no activation checkpointing: 64.23% MFU = HFU), as the time its kernels would take at the
+# A100's GEMM and attention ceilings above over the time it took. A property of the software, carried to every GPU
+# through that GPU's own kernel measurements; no run plan.py is compared with (bench/plan_validation.py) went into it.
+MPT7B = dict(n_layer=32, n_embd=4096, vocab=50432, seq=2048, mfu=0.6423)
+
+
+def mpt7b_kernel_share():
+    """(kernel time at the A100 ceilings) / (measured time) for the MPT-7B row, N = 12 L h^2 + V h, causal flash."""
+    L, h, s = MPT7B["n_layer"], MPT7B["n_embd"], MPT7B["seq"]
+    matmul, attention = 6 * (12 * L * h * h + MPT7B["vocab"] * h), 12 * L * h * s
+    kernels = matmul / GEMM_EFF["a100"] + attention / 2 / ATTN_EFF["a100"]
+    return kernels / ((matmul + attention) / MPT7B["mfu"])
+
+
+SOFTWARE_EFF = mpt7b_kernel_share()
+
+
+def compute_time(flops, attention_flops, job):
+    """Seconds of the FLOPs of one token (model count + recompute, `attention_flops` of them QK^T / AV) on job's GPU:
+    matmuls at peak * GEMM_EFF * SOFTWARE_EFF; a flash kernel's attention at peak * ATTN_EFF * SOFTWARE_EFF, half of
+    it when causal (Dao 2023, FlashAttention-2 Sec. 3.1.1: blocks above the diagonal are skipped); eager attention
+    as batched matmuls, all of it (the scores are computed, then masked). job.eff (--eff): one efficiency for every
+    executed FLOP instead."""
+    flash = job.attn == "flash"
+    attention = attention_flops / (2 if flash and job.causal else 1)
+    if job.eff:
+        return (flops - attention_flops + attention) / (job.peak * job.eff)
+    attn_eff = (job.attn_eff or ATTN_EFF[job.gpu]) if flash else GEMM_EFF[job.gpu]
+    return ((flops - attention_flops) / GEMM_EFF[job.gpu] + attention / attn_eff) / (job.peak * SOFTWARE_EFF)
+
+
+# NCCL's latency model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel; ring algorithm, Simple protocol, the
+# protocol of large messages): baseLat 8.4 us per collective, hwLat 3.4 us per ring step over NVLink, 9.6 us per
+# step through the network; ring steps 2(n-1) for all-reduce (2(nodes-1) of them inter-node), n-1 for
+# reduce-scatter and all-gather; the tree all-reduce 2 ((n/nodes - 1) * 28 + log2(nodes) * 50) us without base.
+# NCCL times a call as latency + bytes / bandwidth and picks the faster algorithm (ring or tree for all-reduce).
+NCCL_BASE_S = 8.4e-6
+NCCL_HOP_S = dict(nvlink=3.4e-6, net=9.6e-6)
+NCCL_TREE_HOP_S = dict(nvlink=28e-6, net=50e-6)
+STEPS = dict(all_reduce=lambda n: 2 * (n - 1), reduce_scatter=lambda n: n - 1, all_gather=lambda n: n - 1,
+             all_to_all=lambda n: n - 1, send=lambda n: 1)
+
+
+def latency(kind, n, nodes):
+    """Seconds of fixed cost of one collective `kind` over n ranks spread over `nodes` nodes (NCCL's model)."""
+    if n <= 1:
+        return 0.0
+    steps = STEPS[kind](n)
+    inter = min(steps, STEPS[kind](nodes) if nodes > 1 else 0)
+    ring = NCCL_BASE_S + (steps - inter) * NCCL_HOP_S["nvlink"] + inter * NCCL_HOP_S["net"]
+    if kind != "all_reduce":
+        return ring
+    per_node = max(1, n // max(nodes, 1))
+    tree = 2 * ((per_node - 1) * NCCL_TREE_HOP_S["nvlink"] + math.log2(max(nodes, 1)) * NCCL_TREE_HOP_S["net"])
+    return min(ring, tree) if nodes > 1 else ring
+
+
+# Tensor-parallel communication hidden under the GEMMs it feeds, as the software modelled does it by default:
+# Megatron-LM 2021 and torchtitan's TP (DTensor) run it in the open (0); NeMo / Megatron-Core with Transformer
+# Engine's userbuffers (--tp-comm-overlap, "TP communication overlap" in the NeMo performance guide) split each
+# SP all-gather / reduce-scatter into chunks that run beside the GEMM's (1: all of it, up to the GEMM time).
+TP_OVERLAP = {"megatron-2021": 0.0, "torchtitan": 0.0, "nemo-te": 1.0}
