@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from model import GPTConfig, flops_per_token  # noqa: E402
+from common import plan_shape  # noqa: E402
+from common.plan_inputs import MODELS  # noqa: E402
+from model import GPTConfig  # noqa: E402
 from plan import evaluate, rank_layouts  # noqa: E402
 from common.plan_inputs import GIB, Job, Layout  # noqa: E402
 
@@ -30,6 +32,7 @@ MEGATRON = "Narayanan et al. 2021 (SC'21, arXiv 2104.04473) Table 1"
 TITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TITAN_A100 = "torchtitan docs/performance.md (2024-04)"
 SYSTEMS = ("megatron-2021", "torchtitan-2024-04", "torchtitan-2024-12")
+LLAMA3_8B, LLAMA3_70B = MODELS["llama3-8b"], MODELS["llama3-70b"]     # Llama 3's published shapes (GQA, SwiGLU)
 
 
 @dataclass
@@ -78,16 +81,16 @@ SETUPS = [
     megatron("18.4B", 40, 6144, 48, 256, 8, 1, 8, 1024, 135, overlap=True),
     megatron("145.6B", 80, 12288, 96, 1536, 8, 8, 2, 2304, 148, v=2),
     megatron("1008B", 128, 25600, 160, 3072, 8, 64, 1, 3072, 163),
-    Setup("Llama 3.1 8B, Table 1", TITAN_H100, dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256), 8,
+    Setup("Llama 3.1 8B, Table 1", TITAN_H100, LLAMA3_8B, 8,
           "h100-hbm2e", 8192, 16, Layout(dp=8, zero_stage=3, micro_batch_size=2, recompute="selective"),
           titan_mfu(5762, 8.03e9, 32, 4096, 8192, 128256, H100_SXM), "5,762 TPS/GPU, 82.4 GiB", "torchtitan-2024-12"),
-    Setup("Llama 3.1 8B, Table 3", TITAN_H100, dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256), 128,
+    Setup("Llama 3.1 8B, Table 3", TITAN_H100, LLAMA3_8B, 128,
           "h100-hbm2e", 8192, 256, Layout(dp=128, zero_stage=3, micro_batch_size=2, recompute="selective"),
           titan_mfu(5605, 8.03e9, 32, 4096, 8192, 128256, H100_SXM), "5,605 TPS/GPU, 67.0 GiB", "torchtitan-2024-12"),
-    Setup("Llama 3 8B", TITAN_A100, dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256), 64, "a100", 8192, 64,
+    Setup("Llama 3 8B", TITAN_A100, LLAMA3_8B, 64, "a100", 8192, 64,
           Layout(dp=64, zero_stage=3, micro_batch_size=1, recompute="selective"),
           titan_mfu(2973, 8.03e9, 32, 4096, 8192, 128256, A100), "2,973 TPS/GPU, 58.2% MFU", "torchtitan-2024-04"),
-    Setup("Llama 3 70B", TITAN_A100, dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256), 64, "a100", 8192, 64,
+    Setup("Llama 3 70B", TITAN_A100, LLAMA3_70B, 64, "a100", 8192, 64,
           Layout(dp=64, zero_stage=3, micro_batch_size=1, recompute="full"),
           titan_mfu(331, 70.55e9, 80, 8192, 8192, 128256, A100), "331 TPS/GPU, 51.7% MFU", "torchtitan-2024-04"),
 ]
@@ -106,9 +109,11 @@ def offered(system, row):
 
 
 def job_of(setup):
-    cfg = GPTConfig(vocab_size=setup.shape["vocab"], block_size=setup.seq, n_layer=setup.shape["n_layer"],
-                    n_head=setup.shape["n_head"], n_embd=setup.shape["n_embd"], dropout=setup.shape.get("dropout", 0.0))
-    return Job(cfg, setup.gpus, 8, setup.gpu, setup.global_seqs, "bf16", **setup.job)
+    """plan.py's Job for a setup: its shape (with the shape options of plan_shape: GQA, MLP width, gated, untied)."""
+    shape = dict(setup.shape)
+    cfg = GPTConfig(vocab_size=shape.pop("vocab"), block_size=setup.seq, n_layer=shape.pop("n_layer"),
+                    n_head=shape.pop("n_head"), n_embd=shape.pop("n_embd"), dropout=shape.pop("dropout", 0.0))
+    return Job(cfg, setup.gpus, 8, setup.gpu, setup.global_seqs, "bf16", **shape, **setup.job)
 
 
 def rank_of(row, rows):
@@ -135,13 +140,13 @@ def compare(setup):
     rows = rank_layouts(job)
     offered_rows = [r for r in rows if offered(setup.system, r)]
     same_recompute = [r for r in offered_rows if r["recompute"] == setup.layout.recompute]
-    predicted = mine["tokens_per_s"] * flops_per_token(job.cfg) / (job.gpus * peak)
+    predicted = mine["tokens_per_s"] * plan_shape.flops_per_token(job) / (job.gpus * peak)
     best = rows[0]
     return dict(setup=setup, row=mine, mfu=predicted, error=predicted / setup.published_mfu - 1,
                 rank=rank_of(mine, rows), n=len(rows), rank_offered=rank_of(mine, offered_rows),
                 n_offered=len(offered_rows), rank_same=rank_of(mine, same_recompute), n_same=len(same_recompute),
                 share=mine["tokens_per_s"] / best["tokens_per_s"], best=best, best_offered=offered_rows[0],
-                best_mfu=best["tokens_per_s"] * flops_per_token(job.cfg) / (job.gpus * peak))
+                best_mfu=best["tokens_per_s"] * plan_shape.flops_per_token(job) / (job.gpus * peak))
 
 
 def top3(results, key):

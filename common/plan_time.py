@@ -3,9 +3,10 @@ plan_time.py: the published measurements plan.py's step time rests on, and the t
 time from FLOPs at an efficiency made of hardware measurements, and the alpha-beta time of a collective (NCCL's
 latency model + bandwidth). plan.py's step_time adds the parts up.
 
-    compute   = (matmul FLOPs / GEMM_EFF + attention FLOPs executed / ATTN_EFF) / (peak * SOFTWARE_EFF)
+    compute   = (matmul FLOPs / GEMM_EFF + attention FLOPs executed / ATTN_EFF) / peak      the kernels
+                + (1/KERNEL_SHARE - 1) x (the same on A100) x A100's HBM bandwidth / this GPU's   the memory-bound rest
                 GEMM_EFF: measured maximum achievable matmul FLOP/s / peak, per GPU; ATTN_EFF: the flash kernel's
-                published utilization; SOFTWARE_EFF: what one measured training stack keeps of its kernels' speed
+                published utilization; KERNEL_SHARE: the kernels' share of one measured A100 training step
                 attention executed: half of 12 L h s with a causal flash kernel (it skips the masked blocks), all of
                 it eager (scores computed, then masked); the MFU convention keeps counting 12 L h s either way
     collective = latency + bytes / bandwidth, latency = NCCL's ring model: base + (steps - inter-node steps) *
@@ -34,37 +35,48 @@ GEMM_EFF = {"a100": 267.9 / 312, "h100": 792.1 / 989, "h100-hbm2e": 792.1 / 989,
 ATTN_EFF = {gpu: u * 3 / 3.5 for gpu, u in dict(a100=0.50, h100=0.35, **{"h100-hbm2e": 0.35}, h200=0.35,
                                                    b200=0.35).items()}
 
-# What a tuned training stack keeps of its kernels' speed end to end (non-matmul kernels, launches, the optimizer's
-# kernels...): measured once, on A100, by MosaicML llm-foundry (scripts/train/benchmarking/README.md: MPT-7B, seq
-# 2048, 8 x A100-80GB, no activation checkpointing: 64.23% MFU = HFU), as the time its kernels would take at the
-# A100's GEMM and attention ceilings above over the time it took. A property of the software, carried to every GPU
-# through that GPU's own kernel measurements; no run plan.py is compared with (bench/plan_validation.py) went into it.
+# What a training step spends beyond its GEMM and attention kernels: the memory-bound kernels (norms, activations,
+# residual adds, casts, the optimizer's element-wise update) and the gaps between launches. Measured once, on A100,
+# by MosaicML llm-foundry (scripts/train/benchmarking/README.md: MPT-7B, seq 2048, 8 x A100-80GB, no activation
+# checkpointing: 64.23% MFU = HFU): the time its kernels would take at the A100's ceilings above is KERNEL_SHARE of
+# the time it took. The rest is priced as memory-bound work: the same bytes per FLOP of the model, moved at each
+# GPU's own HBM bandwidth (a roofline split: on H100 the GEMMs run 2.96x faster than on A100, HBM 1.64x). No run
+# plan.py is compared with went into it (llm-foundry's H100 row of the same model is one of the comparisons).
 MPT7B = dict(n_layer=32, n_embd=4096, vocab=50432, seq=2048, mfu=0.6423)
+A100_HBM = 2.039e12          # plan_inputs.HARDWARE["a100"]["hbm"], the bandwidth of that measurement
+
+
+def kernel_time(matmul_flops, attention_flops, gpu, peak, attn_eff=0.0):
+    """Seconds of the GEMM and attention kernels alone at `gpu`'s measured ceilings (attention_flops: executed)."""
+    return (matmul_flops / GEMM_EFF[gpu] + attention_flops / (attn_eff or ATTN_EFF[gpu])) / peak
 
 
 def mpt7b_kernel_share():
     """(kernel time at the A100 ceilings) / (measured time) for the MPT-7B row, N = 12 L h^2 + V h, causal flash."""
     L, h, s = MPT7B["n_layer"], MPT7B["n_embd"], MPT7B["seq"]
     matmul, attention = 6 * (12 * L * h * h + MPT7B["vocab"] * h), 12 * L * h * s
-    kernels = matmul / GEMM_EFF["a100"] + attention / 2 / ATTN_EFF["a100"]
-    return kernels / ((matmul + attention) / MPT7B["mfu"])
+    return kernel_time(matmul, attention / 2, "a100", 1.0) / ((matmul + attention) / MPT7B["mfu"])
 
 
-SOFTWARE_EFF = mpt7b_kernel_share()
+KERNEL_SHARE = mpt7b_kernel_share()
+A100_PEAK = 312e12
 
 
 def compute_time(flops, attention_flops, job):
     """Seconds of the FLOPs of one token (model count + recompute, `attention_flops` of them QK^T / AV) on job's GPU:
-    matmuls at peak * GEMM_EFF * SOFTWARE_EFF; a flash kernel's attention at peak * ATTN_EFF * SOFTWARE_EFF, half of
-    it when causal (Dao 2023, FlashAttention-2 Sec. 3.1.1: blocks above the diagonal are skipped); eager attention
-    as batched matmuls, all of it (the scores are computed, then masked). job.eff (--eff): one efficiency for every
-    executed FLOP instead."""
+    matmuls at peak * GEMM_EFF, a flash kernel's attention at peak * ATTN_EFF, half of it when causal (Dao 2023,
+    FlashAttention-2 Sec. 3.1.1: blocks above the diagonal are skipped), eager attention as batched matmuls, all of
+    it (the scores are computed, then masked); plus the memory-bound rest: (1/KERNEL_SHARE - 1) x the same kernels'
+    time on A100, x A100's HBM bandwidth / this GPU's. job.eff (--eff): one efficiency for every executed FLOP."""
     flash = job.attn == "flash"
     attention = attention_flops / (2 if flash and job.causal else 1)
+    matmul = flops - attention_flops + (0 if flash else attention)
+    attention = attention if flash else 0.0
     if job.eff:
-        return (flops - attention_flops + attention) / (job.peak * job.eff)
-    attn_eff = (job.attn_eff or ATTN_EFF[job.gpu]) if flash else GEMM_EFF[job.gpu]
-    return ((flops - attention_flops) / GEMM_EFF[job.gpu] + attention / attn_eff) / (job.peak * SOFTWARE_EFF)
+        return (matmul + attention) / (job.peak * job.eff)
+    kernels = kernel_time(matmul, attention, job.gpu, job.peak, job.attn_eff)
+    on_a100 = kernel_time(matmul, attention, "a100", A100_PEAK)
+    return kernels + (1 / KERNEL_SHARE - 1) * on_a100 * A100_HBM / job.hw["hbm"]
 
 
 # NCCL's latency model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel; ring algorithm, Simple protocol, the
