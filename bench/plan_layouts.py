@@ -285,7 +285,8 @@ NOTES = """## Where plan.py disagrees, and why
 - **Fig. 15 at B = 32, t = 4 vs 2 (the same gap, a near tie).** The paper's second reason, "smaller matrix
   multiplications on every GPU", costs nothing in plan.py, which charges a larger t only its communication. At the
   smallest batch the data-parallel all-reduce (after the backward, DDP `local`) weighs most, and t = 4's halved
-  gradient bytes and optimizer step pay for its tensor-parallel all-reduces: t = 4 comes out 0.5% ahead. At B = 128
+  gradient bytes and optimizer step pay for its tensor-parallel all-reduces: t = 4 comes out 6.5% ahead (0.5% before
+  NCCL's per-collective latency was charged: the data-parallel ring of t = 2 has twice the ranks). At B = 128
   and 512 the order is the paper's.
 - **Fig. 12 without scatter/gather (a near tie).** plan.py keeps the interleaved schedule 3% ahead at B = 60: its
   smaller bubble (0.4 s of a 12.2 s step instead of 1.7 s) against four times the pipeline messages, each sent whole
