@@ -11,7 +11,8 @@ formula in the docstring, and the tests hold each against what the rungs count (
 
 Stages are placed as pipeline_schedules.stage_of places them: round-robin (stage c*p + rank is chunk c of rank),
 or in a V for zbv and dualpipev (rank r holds stages r and 2p-1-r, so rank 0 holds both ends and the tied
-embedding once).
+embedding once); stage k holds plan_shape.stage_layer_counts' k-th share of the layers (L/(p*v) unless the ends are
+cut or p*v does not divide L). The model's shape (GQA, MLP width, gated, untied) comes from plan_shape.
 """
 import math
 from functools import lru_cache
