@@ -71,11 +71,14 @@ def test_uneven_stages():
     assert plan_memory.layers_per_rank(even, Layout(dp=4, pp=16)) == [8] * 14 + [7] * 2
     lay = Layout(dp=4, pp=16, micro_batch_size=1)
     assert sum(plan_memory.layers_per_rank(job, lay)) == 126
-    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=6, n_head=4, n_embd=64)
-    bal, cut = job_for(cfg, gpus=4, global_seqs=8), job_for(cfg, gpus=4, global_seqs=8, first_stage_layers=1)
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=8, n_head=4, n_embd=64)
+    bal = job_for(cfg, gpus=4, global_seqs=8)
+    cut = job_for(cfg, gpus=4, global_seqs=8, first_stage_layers=1, last_stage_layers=1)
     lay = Layout(dp=1, pp=4, micro_batch_size=1)
+    assert plan_memory.layers_per_rank(cut, lay) == [1, 3, 3, 1]
     tb, tc = (plan.step_time(j, lay, plan_memory.memory(j, lay))["compute"] for j in (bal, cut))
-    assert tc / tb == pytest.approx((2 * 4 / 6) / (2 * 4 / 6))       # 2,2,1,1 vs 1,2,2,1: the busiest has 2 both
+    assert tc / tb == pytest.approx(3 / 2)                  # the busiest rank: 3 layers instead of 2
+    assert plan_memory.memory(cut, lay)["activations"] < plan_memory.memory(bal, lay)["activations"]   # rank 0: 1
 
 
 def test_nccl_latency_model():
@@ -141,3 +144,15 @@ def test_moments_and_dropout():
     assert drop - plan_memory.layer_activation_bytes(job_for(cfg), Layout(dp=8)) == 2 * 64 * 64
     assert preset("gpt2", dropout=0.1).cfg.dropout == 0.1
     assert set(MODELS) >= {"llama3-8b", "llama3-70b", "llama3-405b"}
+
+
+def test_latency_makes_large_zero3_rings_cost():
+    """A fixed model and batch spread over more GPUs with ZeRO-3: NCCL's per-step latency grows with the ring
+    (n-1 steps per gather), so MFU falls from 768 to 2,304 GPUs, as published runs lose it."""
+    job = preset("llama3-8b")
+    rows = []
+    for gpus in (768, 2304):
+        big = replace(job, gpus=gpus, global_seqs=2304)
+        rows.append(plan.evaluate(big, Layout(dp=gpus, zero_stage=3, micro_batch_size=1)))
+    assert rows[1]["mfu"] < rows[0]["mfu"]
+    assert rows[1]["time_s"]["dp"] > rows[0]["time_s"]["dp"]
