@@ -64,10 +64,12 @@ def link_bandwidth(job, lay, axis):
 
 def hardware_flops_per_token(job, recompute):
     """plan_shape.flops_per_token (6N + 12*L*h*T) plus what recompute adds: full a second forward of every block
-    (2 N_blocks + 4*L*h*T), selective the attention scores' forward (4*L*h*T). Returns (all, attention's part)."""
+    (2 N_blocks + 4*L*h*T), selective the attention scores' forward (4*L*h*T), op (torchtitan's policy) the
+    forward of the matmuls it does not keep (plan_shape.op_recompute_values). Returns (all, attention's part)."""
     cfg = job.cfg
-    attn = plan_shape.attention_flops_per_token(job) * (1 + (recompute != "none") / 3)
+    attn = plan_shape.attention_flops_per_token(job) * (1 + (recompute in ("selective", "full")) / 3)
     extra = 2 * plan_shape.block_params(job) if recompute == "full" else 0
+    extra += cfg.n_layer * plan_shape.op_recompute_values(job)[2] if recompute == "op" else 0
     return plan_shape.flops_per_token(job) + extra + attn - plan_shape.attention_flops_per_token(job), attn
 
 
@@ -164,7 +166,7 @@ def eager_attention_time(job, lay):
     if job.attn == "flash":
         return 0.0
     cfg, drop = job.cfg, job.cfg.dropout > 0
-    forward = (4 + 5 * drop) * (1 + (lay.recompute != "none"))
+    forward = (4 + 5 * drop) * (1 + (lay.recompute in ("selective", "full")))
     elements = cfg.n_head // lay.tp * cfg.block_size ** 2 * job.global_seqs // lay.dp * cfg.n_layer // lay.pp
     return elements * (forward + 6 + 5 * drop) / job.hw["hbm"]
 
@@ -315,11 +317,11 @@ def print_table(job, rows, top):
     print(HEADER)
     print("\n".join(format_row(i + 1, r) for i, r in enumerate(rows[:top])))
     gpt = (job.n_kv_head in (0, cfg.n_head) and plan_shape.ffn(job) == 4 * cfg.n_embd and not job.gated and job.tied
-           and not (job.first_stage_layers or job.last_stage_layers))
+           and not (job.first_stage_layers or job.last_stage_layers) and rows[0]["recompute"] != "op")
     print(("OOM: no layout fits (the smallest is first). " if rows[0]["oom"] else "")
           + f"{sum(not r['oom'] for r in rows)} of {len(rows)} layouts fit. Launch"
           + ("" if gpt else " (model.py's GPT of this depth and width: train_5d has no GQA, SwiGLU, untied or uneven "
-                            "stages)") + f":\n{launch_command(job, rows[0])}")
+                            "stages, nor recompute op)") + f":\n{launch_command(job, rows[0])}")
 
 
 # ----------------------------------------------------------------------------------------------------------

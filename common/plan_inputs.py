@@ -82,7 +82,9 @@ PRECISION = {   # model-state recipe of model_state_bytes_per_param, bytes per a
     "amp": ("fp32", 2),    # fp32 params/grads/AdamW, bf16 autocast (every train script here on GPU)
     "fp32": ("fp32", 4),
 }
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full")   # what the search ranks (train_5d's modes)
+# and for --layout only: torchtitan's selective op policy (plan_shape.op_recompute_values), which train_5d lacks
+LAYOUT_RECOMPUTE = RECOMPUTE + ("op",)
 SHAPE = ("n_layer", "n_embd", "n_head", "vocab")   # a MODELS entry; each also a command-line flag
 
 
@@ -185,7 +187,9 @@ def validate(job, lay):
     check(lay.schedule != "dualpipev" or m >= 2 * lay.pp,
           f"dualpipev needs micro-batches per step ({m}) >= 2 * pp = {2 * lay.pp}")
     check(lay.zero_stage in (0, 1, 2, 3) and (lay.zero_stage < 3 or lay.pp == 1), "zero_stage 3 only with pp=1")
-    check(lay.recompute in RECOMPUTE, f"unknown recompute {lay.recompute!r}")
+    check(lay.recompute in LAYOUT_RECOMPUTE, f"unknown recompute {lay.recompute!r}; known: {', '.join(LAYOUT_RECOMPUTE)}")
+    check(lay.recompute != "op" or job.attn == "flash", "recompute=op (torchtitan's op policy) is modelled with flash "
+                                                        "attention")
     check(lay.ep == 1 or (cfg.n_experts > 0 and cfg.n_experts % lay.ep == 0 and (lay.dp * lay.cp) % lay.ep == 0),
           f"ep={lay.ep} needs experts, and must divide n_experts={cfg.n_experts} and dp*cp={lay.dp * lay.cp}")
 

@@ -22,7 +22,7 @@ from model import GPTConfig, activation_bytes_per_layer
 from common.pipeline_schedules import placement_of, rank_of, stage_of
 from common.plan_inputs import FRAMEWORK_BYTES, PRECISION, model_state_bytes_per_param
 from common.plan_shape import (activation_delta_values, block_numels, embedding_numels, job_of_shape, kv_dim,
-                               stage_layer_counts)
+                               op_recompute_values, stage_layer_counts)
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total")
 
@@ -156,6 +156,10 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
     output is laid out as SDPA's, so c_proj's input is a view of the one saved copy under cp too."""
     cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
     s, b, h = job.cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
+    if lay.recompute == "op":
+        block_input, kept, _ = op_recompute_values(job)
+        lse = cfg.n_head * s * b * 4 / t
+        return s * b * bpv * (block_input / (t if lay.sp else 1) + kept / t) + lse
     rc = "selective" if (job.attn == "flash" and lay.recompute == "none") else lay.recompute
     base = tp_activation_bytes_per_layer(s, b, cfg, t, sp=lay.sp, bytes_per_value=bpv, recompute=rc,
                                          dropout=cfg.dropout > 0)

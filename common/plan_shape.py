@@ -120,6 +120,17 @@ def activation_delta_values(job):
     return 3 * (kv - h) + mlp_matrices(job) * f - 8 * h
 
 
+def op_recompute_values(job):
+    """torchtitan's selective op policy (torchtitan/models/llama3/parallelize_llama.py, _save_list and
+    _custom_policy): per layer it keeps the block input, the attention kernel's output and every other matmul's
+    output in execution order (q, k, v, o, then gate, up, down), so q, v, gate (the first MLP matrix) and down are
+    kept and k, o and up are recomputed. Values per token and layer kept (all / t on a tp rank but the input without
+    SP), and the forward FLOPs per token and layer it spends again: 2 (h kv + h^2 + f h)."""
+    h, kv, f = job.cfg.n_embd, kv_dim(job), ffn(job)
+    kept = h + kv + f + (h if job.gated else 0) + h      # q, v, gate/c_fc, down (gated), attention output
+    return h, kept, 2 * (h * kv + h * h + f * h)
+
+
 def stage_layer_counts(job, stages):
     """Layers of each of `stages` pipeline stages (even_split, cached: the search asks for it per layout)."""
     return list(even_split(job.cfg.n_layer, job.first_stage_layers, job.last_stage_layers, stages))

@@ -156,3 +156,18 @@ def test_latency_makes_large_zero3_rings_cost():
         rows.append(plan.evaluate(big, Layout(dp=gpus, zero_stage=3, micro_batch_size=1)))
     assert rows[1]["mfu"] < rows[0]["mfu"]
     assert rows[1]["time_s"]["dp"] > rows[0]["time_s"]["dp"]
+
+
+def test_op_recompute_policy():
+    """torchtitan's op policy (--layout recompute=op): per layer the block input, the attention output, q, v, the
+    gate and down projections' outputs (values), plus the attention's fp32 log-sum-exp; its forward of k, o and the
+    up projection again in the FLOPs. It is a --layout mode only: the search ranks train_5d's three."""
+    job = preset("llama3-8b")
+    h, kv, f, s = 4096, 1024, 14336, 8192
+    lay = Layout(dp=64, zero_stage=3, micro_batch_size=1, recompute="op")
+    assert plan_memory.layer_activation_bytes(job, lay) == s * 2 * (h + h + kv + f + h + h) + 32 * s * 4
+    f_op, _ = plan.hardware_flops_per_token(job, "op")
+    f_none, _ = plan.hardware_flops_per_token(job, "none")
+    assert f_op - f_none == 32 * 2 * (h * kv + h * h + f * h)
+    assert plan.evaluate(job, lay)["recompute"] == "op"
+    assert all(r != "op" for r in plan.RECOMPUTE)
