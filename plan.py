@@ -31,7 +31,7 @@ import torch
 
 from common.config import ConfigError, check, fail
 from common.metrics import gpu_chip_and_board
-from model import GPTConfig, flops_per_token, num_params
+from model import GPTConfig
 from common.pipeline_schedules import placement_of, theory_idle_fraction
 from common.plan_inputs import (GIB, HARDWARE, LINK_EFF, PRECISION, RECOMPUTE, USABLE, Job, Layout, build_job,
                                 model_state_bytes_per_param,

@@ -15,7 +15,6 @@ Every run ran, so the right OOM verdict for each is "fits".
 import argparse
 import os
 import sys
-from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

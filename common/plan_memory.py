@@ -18,7 +18,7 @@ import math
 from functools import lru_cache
 
 
-from model import GPTConfig, activation_bytes_per_layer
+from model import activation_bytes_per_layer
 from common.pipeline_schedules import placement_of, rank_of, stage_of
 from common.plan_inputs import FRAMEWORK_BYTES, PRECISION, model_state_bytes_per_param
 from common.plan_shape import (activation_delta_values, block_numels, embedding_numels, job_of_shape, kv_dim,

@@ -1,6 +1,7 @@
 """plan.py's model shapes beyond model.py's GPT (plan_shape.py) and its time model (plan_time.py): the GPT case is
 model.py's own count, GQA / SwiGLU / untied / uneven stages change exactly the terms they should, published
 parameter counts come out, and NCCL's latency model, the causal-attention time and the overlap options hold."""
+import re
 from dataclasses import replace
 
 import pytest
@@ -171,3 +172,19 @@ def test_op_recompute_policy():
     assert f_op - f_none == 32 * 2 * (h * kv + h * h + f * h)
     assert plan.evaluate(job, lay)["recompute"] == "op"
     assert all(r != "op" for r in plan.RECOMPUTE)
+
+
+def test_plan_validation_script(tmp_path):
+    """bench/plan_validation.py (bench/results/plan_validation.md): every published run is evaluated as published,
+    with its MFU error and OOM verdict; its headline counts are the table's."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plan_validation", "bench/plan_validation.py")
+    validation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(validation)
+    text = validation.main(["--out", str(tmp_path / "v.md")])
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| run ")]
+    assert len(rows) == len(validation.RUNS) == 17
+    errors = [int(re.search(r"\| [\d.]+% \(([+-]\d+)%\) \|", r).group(1)) for r in rows]
+    within = sum(abs(e) <= 15 for e in errors)
+    fits = sum(r.endswith("| fits |") for r in rows)
+    assert f"within 15% of the published: {within} of 17" in text and f"(the run fits): {fits} of 17" in text
