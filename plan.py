@@ -136,7 +136,7 @@ def comm_latency(job, lay, groups):
     out = {}
     for axis in ("tp", "cp", "dp", "pp", "ep"):
         n, nodes, _ = axis_group(job, lay, axis)
-        lat = {kind: time_model.latency(kind, n, nodes) for kind in time_model.STEPS}
+        lat = {kind: time_model.latency(kind, n, nodes) for kind in time_model.COLLECTIVES}
         if axis == "tp":
             per = (6 + 4 * full) * lat["all_gather"] if lay.sp else (4 + 2 * full) * lat["all_reduce"]
             out[axis] = m * blocks * per

@@ -87,16 +87,22 @@ def compute_time(flops, attention_flops, job):
 NCCL_BASE_S = 8.4e-6
 NCCL_HOP_S = dict(nvlink=3.4e-6, net=9.6e-6)
 NCCL_TREE_HOP_S = dict(nvlink=28e-6, net=50e-6)
-STEPS = dict(all_reduce=lambda n: 2 * (n - 1), reduce_scatter=lambda n: n - 1, all_gather=lambda n: n - 1,
-             all_to_all=lambda n: n - 1, send=lambda n: 1)
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
+
+
+def ring_steps(kind, n):
+    """Ring steps of one collective over n ranks: 2(n-1) all-reduce, n-1 the others, 1 a send."""
+    if kind == "send":
+        return 1
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
 def latency(kind, n, nodes):
     """Seconds of fixed cost of one collective `kind` over n ranks spread over `nodes` nodes (NCCL's model)."""
     if n <= 1:
         return 0.0
-    steps = STEPS[kind](n)
-    inter = min(steps, STEPS[kind](nodes) if nodes > 1 else 0)
+    steps = ring_steps(kind, n)
+    inter = min(steps, ring_steps(kind, nodes) if nodes > 1 else 0)
     ring = NCCL_BASE_S + (steps - inter) * NCCL_HOP_S["nvlink"] + inter * NCCL_HOP_S["net"]
     if kind != "all_reduce":
         return ring
