@@ -387,7 +387,7 @@ def test_table_and_launch_command(capsys):
 
 
 def test_big_model_needs_sharded_states():
-    """llama3-70b's shape (64.4B parameters, 16 bytes each in states) cannot fit 8 H100s at all; on 32 the best layout
+    """llama3-70b (70.6B parameters, 16 bytes each in states) cannot fit 8 H100s at all; on 32 the best layout
     fits, and every layout that shards nothing (tp = pp = 1, no ZeRO) is OOM."""
     argv = ["--model", "llama3-70b", "--gpu", "h100", "--seq", "4096", "--global_batch_tokens", "256K", "--json"]
     assert all(r["oom"] for r in plan.main(argv + ["--gpus", "8"]))
