@@ -127,8 +127,9 @@ def axis_group(job, lay, axis):
 
 def comm_latency(job, lay, groups):
     """Seconds of NCCL latency (plan_time.latency) per step on each axis: the number of collectives each runs
-    times the fixed cost of one. Per block and micro-batch: tp 4 all-reduces (TP; 6 with full recompute) or 4
-    all-gathers + 2 reduce-scatters forward and backward (SP; 8 with full recompute); cp one send per KV hop
+    times the fixed cost of one. Per block and micro-batch: tp 4 all-reduces (TP; 6 with full recompute) or 6
+    all-gathers + 4 reduce-scatters (SP; 14 with full recompute), as comm_bytes counts them, + the all-gather of
+    every pipeline message Megatron's scatter/gather splits; cp one send per KV hop
     (2(cp-1) + cp, + cp-1 with full recompute); ep 4 all-to-alls per MoE block. dp: one collective per bucket
     (ZeRO 0-2: all-reduce, or reduce-scatter + all-gather, stage 2's reduce-scatter every micro-batch) or per unit
     (ZeRO-3: 2 all-gathers + 1 reduce-scatter per micro-batch). pp: 2 sends per micro-batch and chunk."""
@@ -138,8 +139,9 @@ def comm_latency(job, lay, groups):
         n, nodes, _ = axis_group(job, lay, axis)
         lat = {kind: time_model.latency(kind, n, nodes) for kind in time_model.COLLECTIVES}
         if axis == "tp":
-            per = (6 + 4 * full) * lat["all_gather"] if lay.sp else (4 + 2 * full) * lat["all_reduce"]
-            out[axis] = m * blocks * per
+            per = (10 + 4 * full) * lat["all_gather"] if lay.sp else (4 + 2 * full) * lat["all_reduce"]
+            gathers = 2 * m * lay.v if lay.pp > 1 and job.pp_scatter_gather and not lay.sp else 0
+            out[axis] = m * blocks * per + gathers * lat["all_gather"]
         elif axis == "cp":
             out[axis] = m * blocks * (3 * n - 2 + (n - 1) * full) * lat["send"]
         elif axis == "dp":
