@@ -32,8 +32,8 @@ GEMM_EFF = {"a100": 267.9 / 312, "h100": 792.1 / 989, "h100-hbm2e": 792.1 / 989,
 # count the backward as 2.5x the forward (benchmark_flash_attention.py: fwd_bwd = 3.5 f), plan counts 2x: their
 # utilization x 3 / 3.5 on plan's count. H200 and B200: H100's (an assumption). --attn_eff overrides it (e.g. for
 # FlashAttention-3 or cuDNN's fused attention).
-ATTN_EFF = {gpu: u * 3 / 3.5 for gpu, u in dict(a100=0.50, h100=0.35, **{"h100-hbm2e": 0.35}, h200=0.35,
-                                                   b200=0.35).items()}
+FLASH_UTILIZATION = {"a100": 0.50, "h100": 0.35, "h100-hbm2e": 0.35, "h200": 0.35, "b200": 0.35}
+ATTN_EFF = {gpu: u * 3 / 3.5 for gpu, u in FLASH_UTILIZATION.items()}
 
 # What a training step spends beyond its GEMM and attention kernels: the memory-bound kernels (norms, activations,
 # residual adds, casts, the optimizer's element-wise update) and the gaps between launches. Measured once, on A100,
