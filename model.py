@@ -73,8 +73,9 @@ def rope_cache(head_dim, positions, base=10000.0, param_dtype=torch.float32):
     """The rotations e^(i pos theta_j) for these (global) positions, as view_as_real stores them: [T, D/2, 2];
     fp32 for fp32/16-bit models, float64 for a float64 model (angles of large positions need the bits)."""
     dtype = torch.promote_types(param_dtype, torch.float32)
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim))
-    angles = positions.to(dtype)[:, None] * inv_freq[None, :].to(positions.device)
+    # built where the positions are: a table made on the host would be copied to the GPU every forward, a sync
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype, device=positions.device) / head_dim))
+    angles = positions.to(dtype)[:, None] * inv_freq[None, :]
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 

@@ -25,6 +25,7 @@ triton kernels/flash_attention.py's pair (same signatures). K/V may have fewer h
 attention): they travel with their own heads. Any model (docs/copy_out.md): swap_modules puts the core in place
 of the modules named; swap_attention_cores names model.py's.
 """
+import functools
 import time
 
 import torch
@@ -131,7 +132,7 @@ def chunk_runs(layout, seq_len, cp, rank):
 
 
 def local_positions(layout, seq_len, cp, rank, device="cpu"):
-    return torch.cat([torch.arange(s, s + n) for s, n in chunk_runs(layout, seq_len, cp, rank)]).to(device)
+    return torch.cat([torch.arange(s, s + n, device=device) for s, n in chunk_runs(layout, seq_len, cp, rank)])
 
 
 def ring_step_blocks(layout, rank, src, local_len):
@@ -254,9 +255,11 @@ class RingAttention(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------
 # all-gather KV attention (Llama 3), on the zigzag layout so that the work is balanced
 
+@functools.lru_cache(maxsize=None)
 def global_order(layout, seq_len, cp, device):
-    """Index that sorts the rank-major concatenation of all local chunks into global position order."""
-    return torch.cat([local_positions(layout, seq_len, cp, i) for i in range(cp)]).argsort().to(device)
+    """Index that sorts the rank-major concatenation of all local chunks into global position order. Built once
+    on the device (every layer uses it three times a micro-batch: a host-built index is a copy and a sync each)."""
+    return torch.cat([local_positions(layout, seq_len, cp, i, device) for i in range(cp)]).argsort()
 
 
 def gather_sequence(local, group, layout, seq_len):
