@@ -261,14 +261,20 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """Sample tokens autoregressively (no KV cache: this is for a short sample at the end of training)."""
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.cfg.block_size:])
-            logits = logits[:, -1, : self.cfg.vocab_size] / max(temperature, 1e-6)
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
-        return idx
+        return generate(lambda ids: self(ids)[0][:, -1], idx, max_new_tokens, self.cfg, temperature, top_k)
+
+
+@torch.no_grad()
+def generate(next_logits, idx, max_new_tokens, cfg, temperature=1.0, top_k=None):
+    """Extend idx [B, T] by max_new_tokens sampled tokens; next_logits(idx) -> the logits of the next token
+    [B, padded vocab]: GPT's forward, or one that runs on several ranks (a pipeline's, train_pp.py)."""
+    for _ in range(max_new_tokens):
+        logits = next_logits(idx[:, -cfg.block_size:])[:, : cfg.vocab_size] / max(temperature, 1e-6)
+        if top_k is not None:
+            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+            logits[logits < v[:, [-1]]] = -float("inf")
+        idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
+    return idx
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -199,3 +199,34 @@ def test_resume_and_eval(tmp_path, tiny_data):
     assert [row["step"] for row in vals["whole"]] == [0, 4, 7]
     for a, b in zip(vals["single"], vals["whole"], strict=True):
         assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
+
+
+def _pp_sample(rank, world_size, argv):
+    """A worker: train_pp.main with the sample on, gather_full_state made to fail (the sample must not gather the
+    model on one rank); this rank's stdout."""
+    import contextlib
+    import io
+    import train_pp
+
+    def gathers(*args, **kwargs):
+        raise AssertionError("the sample gathered the whole model on one rank")
+    train_pp.gather_full_state, out = gathers, io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_pp.main(argv)
+    return out.getvalue()
+
+
+def sample_text(stdout):
+    return stdout.split("---- sample ----\n")[1].split("\n----------------")[0]
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zbv", 2)])
+def test_sample_runs_through_the_pipeline(schedule, v, text_data, tmp_path, capsys):
+    """The end-of-run sample is train_single's (float64: the same logits, the same seed), every rank running only
+    its own stages: no rank holds the whole model, as none could when it does not fit one device."""
+    argv = text_argv(text_data, str(tmp_path / "pp"), max_steps=3, sample_tokens=24, n_layer=4)
+    run_single(text_argv(text_data, str(tmp_path / "single"), max_steps=3, sample_tokens=24, n_layer=4))
+    expected = sample_text(capsys.readouterr().out)
+    outs = run_workers(_pp_sample, 2, args=(argv + ["--pp", "2", "--pp_schedule", schedule, "--pp_virtual", str(v)],))
+    assert sample_text(outs[0]) == expected and len(expected) >= 24
+    assert "---- sample ----" not in outs[1]          # rank 0 prints it
