@@ -2,7 +2,7 @@
 No host-to-device copy and no read of a device value on the host inside a training step, except where one must
 be (DESIGN.md, "Tests"): each is a full stop of the host until the GPU catches up, once per micro-batch or per
 layer when it sits in the model. Checked on CPU by tests/step_syncs.py, which reads the device off the code as it
-would run on a GPU, on train_single in this process and on the distributed rungs on 2 gloo ranks.
+would run on a GPU, on train_single in this process and on the distributed rungs (and train_5d) on 2 gloo ranks.
 
 The places that must read a device value, once per optimizer step: the logged loss and gradient norm, the
 non-finite guard (a skipped step must be decided on the host), the MoE routing statistics of the metrics row. And
@@ -60,6 +60,9 @@ RUNGS = {
     "cp_zigzag": ("train_cp", dict(cp=2, cp_layout="zigzag")),
     "pp_1f1b": ("train_pp", dict(pp=2, pp_schedule="1f1b", n_microbatches=4, n_layer=4)),
     "ep": ("train_ep", dict(ep=2, n_experts=2, top_k=1)),
+    "tp_sp": ("train_tp", dict(tp=2, sp=True)),
+    "zero3": ("train_zero", dict(zero_stage=3)),
+    "5d_cp_allgather": ("train_5d", dict(dp=1, tp=1, pp=1, cp=2, cp_layout="allgather")),
 }
 
 
