@@ -357,37 +357,6 @@ class PipelineSampler:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the full model back on one rank (for the parity tests)
-
-def gather_full_state(chunks, gcfg, group, v, device, placement="loop"):
-    """{GPT parameter name: tensor} on pipeline rank 0 (None elsewhere), every other rank sending its own."""
-    from model import GPT
-    rank, p = dist.get_rank(group), dist.get_world_size(group)
-    ranges, full = layer_split(gcfg.n_layer, p * v), {}
-    with torch.device("meta"):
-        meta_gpt = GPT(gcfg)
-    for s in range(p * v):
-        owner = rank_of(s, p, placement)
-        if rank not in (0, owner):
-            continue
-        if owner == rank:
-            params = dict(chunks[s // p].named_parameters())
-        else:                                    # rank 0 learns names and shapes without allocating
-            params = dict(PipelineStage(meta_gpt, ranges[s], s == 0, s == p * v - 1).named_parameters())
-        for name, param in params.items():
-            if name == "transformer.wte.weight" and s > 0:    # the tied copy: rank 0 has wte
-                continue
-            if rank == owner == 0:
-                full[name] = param.detach().clone()
-            elif rank == owner:
-                comm.send(param.detach().contiguous(), dist.get_global_rank(group, 0), group=group)
-            else:
-                full[name] = torch.empty(param.shape, device=device, dtype=next(chunks.parameters()).dtype)
-                comm.recv(full[name], dist.get_global_rank(group, owner), group=group)
-    return full if rank == 0 else None
-
-
-# ----------------------------------------------------------------------------------------------------------
 # the script
 
 def n_microbatches(cfg):

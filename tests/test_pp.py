@@ -16,6 +16,38 @@ from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, asse
 H, T, VOCAB_PADDED = 32, 16, 64          # tiny_argv's n_embd and block_size; the tiny dataset's vocab (64)
 
 
+def gather_full_state(chunks, gcfg, group, v, device, placement="loop"):
+    """{GPT parameter name: tensor} on pipeline rank 0 (None elsewhere), every other rank sending its own: the
+    whole trained model, to compare with train_single's."""
+    import torch.distributed as dist
+    from common import comm
+    from model import GPT
+    from train_pp import PipelineStage, layer_split
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    ranges, full = layer_split(gcfg.n_layer, p * v), {}
+    with torch.device("meta"):
+        meta_gpt = GPT(gcfg)
+    for s in range(p * v):
+        owner = rank_of(s, p, placement)
+        if rank not in (0, owner):
+            continue
+        if owner == rank:
+            params = dict(chunks[s // p].named_parameters())
+        else:                                    # rank 0 learns names and shapes without allocating
+            params = dict(PipelineStage(meta_gpt, ranges[s], s == 0, s == p * v - 1).named_parameters())
+        for name, param in params.items():
+            if name == "transformer.wte.weight" and s > 0:    # the tied copy: rank 0 has wte
+                continue
+            if rank == owner == 0:
+                full[name] = param.detach().clone()
+            elif rank == owner:
+                comm.send(param.detach().contiguous(), dist.get_global_rank(group, 0), group=group)
+            else:
+                full[name] = torch.empty(param.shape, device=device, dtype=next(chunks.parameters()).dtype)
+                comm.recv(full[name], dist.get_global_rank(group, owner), group=group)
+    return full if rank == 0 else None
+
+
 def _pp_runs(rank, world_size, runs):
     """Several train_pp.main configurations in one process group; per run: rank's bytes, and on rank 0 the
     gathered full weights and the metrics rows. Tensors travel as numpy (by value)."""
@@ -24,7 +56,7 @@ def _pp_runs(rank, world_size, runs):
     for argv in runs:
         r = train_pp.main(argv)
         v = r["cfg"].pp_virtual
-        full = train_pp.gather_full_state(r["chunks"], r["gcfg"], r["group"], v, torch.device("cpu"),
+        full = gather_full_state(r["chunks"], r["gcfg"], r["group"], v, torch.device("cpu"),
                                           placement_of(r["cfg"].pp_schedule))
         tied = {n: p.detach().numpy().copy() for n, p in r["chunks"].named_parameters()
                 if n.endswith(("wte.weight", "lm_head.weight"))}
@@ -202,15 +234,22 @@ def test_resume_and_eval(tmp_path, tiny_data):
 
 
 def _pp_sample(rank, world_size, argv):
-    """A worker: train_pp.main with the sample on, gather_full_state made to fail (the sample must not gather the
-    model on one rank); this rank's stdout."""
+    """A worker: train_pp.main with the sample on, where building a GPT once training is over fails (the whole model
+    on one rank, or even on the meta device to gather it by name); this rank's stdout."""
     import contextlib
     import io
+    import model
     import train_pp
+    from common import metrics
+    close = metrics.MetricsLogger.close
 
-    def gathers(*args, **kwargs):
-        raise AssertionError("the sample gathered the whole model on one rank")
-    train_pp.gather_full_state, out = gathers, io.StringIO()
+    def close_then_forbid_gpt(self):
+        close(self)
+
+        def no_gpt(*args, **kwargs):
+            raise AssertionError("the sample built a whole GPT after training")
+        model.GPT.__init__ = no_gpt
+    metrics.MetricsLogger.close, out = close_then_forbid_gpt, io.StringIO()
     with contextlib.redirect_stdout(out):
         train_pp.main(argv)
     return out.getvalue()
