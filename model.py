@@ -73,8 +73,9 @@ def rope_cache(head_dim, positions, base=10000.0, param_dtype=torch.float32):
     """The rotations e^(i pos theta_j) for these (global) positions, as view_as_real stores them: [T, D/2, 2];
     fp32 for fp32/16-bit models, float64 for a float64 model (angles of large positions need the bits)."""
     dtype = torch.promote_types(param_dtype, torch.float32)
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim))
-    angles = positions.to(dtype)[:, None] * inv_freq[None, :].to(positions.device)
+    # built where the positions are: a table made on the host would be copied to the GPU every forward, a sync
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype, device=positions.device) / head_dim))
+    angles = positions.to(dtype)[:, None] * inv_freq[None, :]
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
@@ -260,14 +261,20 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """Sample tokens autoregressively (no KV cache: this is for a short sample at the end of training)."""
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.cfg.block_size:])
-            logits = logits[:, -1, : self.cfg.vocab_size] / max(temperature, 1e-6)
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
-        return idx
+        return generate(lambda ids: self(ids)[0][:, -1], idx, max_new_tokens, self.cfg, temperature, top_k)
+
+
+@torch.no_grad()
+def generate(next_logits, idx, max_new_tokens, cfg, temperature=1.0, top_k=None):
+    """Extend idx [B, T] by max_new_tokens sampled tokens; next_logits(idx) -> the logits of the next token
+    [B, padded vocab]: GPT's forward, or one that runs on several ranks (a pipeline's, train_pp.py)."""
+    for _ in range(max_new_tokens):
+        logits = next_logits(idx[:, -cfg.block_size:])[:, : cfg.vocab_size] / max(temperature, 1e-6)
+        if top_k is not None:
+            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+            logits[logits < v[:, [-1]]] = -float("inf")
+        idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
+    return idx
 
 
 # ----------------------------------------------------------------------------------------------------------

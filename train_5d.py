@@ -269,7 +269,7 @@ def gather_to_first(obj, group):
 def gather_whole(held, grid):
     """{name: whole weight} of the model (buffers too) on global rank 0 (None elsewhere), for the sample:
     experts gathered over ep, the stages' parts over pp."""
-    parts = {name: values[0].cpu() for name, values, _ in held.whole()}
+    parts = {name: values[0].cpu() for name, values, _ in held.whole(moments=False)}
     if grid.ep > 1:
         gathered = gather_to_first(parts, grid.groups.ep)
         if gathered is None:

@@ -20,11 +20,13 @@ allgather (Llama 3): K/V all-gathered, local queries attend to what they can see
 Bytes sent per layer and micro-batch (KV = this rank's K and V, dKV = the same in fp32): ring and zigzag
 (cp-1)*KV forward, (cp-1)*KV + cp*dKV backward; allgather (cp-1)*(2*KV + dKV). Plus the all-reduce of
 every gradient over CP, 2(cp-1)/cp * 4N bytes, as every rank holds the whole model.
-Block attention: the plain-torch reference pair below, torch's fused CPU kernel on CPU, or with --kernels
+Block attention: the plain-torch reference pair below, torch's fused CPU kernel on CPU, aten's flash or
+memory-efficient kernels on CUDA (kernels/attention_lse.py; --kernels torch: the reference), or with --kernels
 triton kernels/flash_attention.py's pair (same signatures). K/V may have fewer heads than Q (grouped-query
 attention): they travel with their own heads. Any model (docs/copy_out.md): swap_modules puts the core in place
 of the modules named; swap_attention_cores names model.py's.
 """
+import functools
 import time
 
 import torch
@@ -131,7 +133,7 @@ def chunk_runs(layout, seq_len, cp, rank):
 
 
 def local_positions(layout, seq_len, cp, rank, device="cpu"):
-    return torch.cat([torch.arange(s, s + n) for s, n in chunk_runs(layout, seq_len, cp, rank)]).to(device)
+    return torch.cat([torch.arange(s, s + n, device=device) for s, n in chunk_runs(layout, seq_len, cp, rank)])
 
 
 def ring_step_blocks(layout, rank, src, local_len):
@@ -254,9 +256,11 @@ class RingAttention(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------
 # all-gather KV attention (Llama 3), on the zigzag layout so that the work is balanced
 
+@functools.lru_cache(maxsize=None)
 def global_order(layout, seq_len, cp, device):
-    """Index that sorts the rank-major concatenation of all local chunks into global position order."""
-    return torch.cat([local_positions(layout, seq_len, cp, i) for i in range(cp)]).argsort().to(device)
+    """Index that sorts the rank-major concatenation of all local chunks into global position order. Built once
+    on the device (every layer uses it three times a micro-batch: a host-built index is a copy and a sync each)."""
+    return torch.cat([local_positions(layout, seq_len, cp, i, device) for i in range(cp)]).argsort()
 
 
 def gather_sequence(local, group, layout, seq_len):
@@ -380,6 +384,7 @@ def main(argv=None):
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
     from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
                                  prepare_data, param_dtype, print_sample, resolve_dtype, should_save)
+    from kernels.attention_lse import fused_block_attention
     from kernels.flash_attention import flash_attention_backward, flash_attention_forward
     from model import GPT, flops_per_token
     cfg = parse_config(argv, techniques=("cp", "cp_layout", "fp8"), description=__doc__.split("\n\n")[0],
@@ -394,8 +399,13 @@ def main(argv=None):
 
     model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device, param_dtype(dtype))
     mode = apply_kernels_and_fp8(model, cfg, env.device)   # fused modules, FP8 GEMMs: same parameters
-    kernel = {"triton": (flash_attention_forward, flash_attention_backward), "cpu": SDPA_CPU}.get(
-        mode if mode == "triton" else env.device.type, PLAIN_TORCH)
+    kernel = PLAIN_TORCH                       # block attention: the reference, or a fused pair with the same math
+    if mode == "triton":
+        kernel = (flash_attention_forward, flash_attention_backward)
+    elif env.device.type == "cpu":
+        kernel = SDPA_CPU
+    elif mode != "torch":                      # CUDA: aten's flash / memory-efficient pair (kernels/attention_lse.py)
+        kernel = fused_block_attention(env.device, dtype, cfg.n_embd // cfg.n_head) or PLAIN_TORCH
     local_cores = swap_attention_cores(model, lambda: ContextParallelAttentionCore(group, cfg.cp_layout, kernel))
     pos = local_positions(cfg.cp_layout, cfg.block_size, cp, dist.get_rank(group), env.device)  # for RoPE, too
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)

@@ -176,8 +176,10 @@ class PipelineRunner:
         stage = self.chunks[a.chunk]
         x, y = get_batch(a.mb) if (stage.first or stage.last) else (None, None)
         inp = x if stage.first else received[0].requires_grad_()   # a leaf: B sends back its .grad
+        # the stage gets a view: autocast caches its casts of leaves for the whole step (_one_cast_per_step), which
+        # is meant for the weights, not for a micro-batch's input
         with self.amp:
-            out = stage(inp, y if stage.last else None)
+            out = stage(inp if stage.first else inp.view_as(inp), y if stage.last else None)
         if stage.last:
             self.loss_sum += out.detach().to(self.act_dtype)
             out = out / self.n_micro             # mean over the global batch = mean of micro-batch means
@@ -193,6 +195,15 @@ class PipelineRunner:
         if not self.chunks[a.chunk].first:
             self._send(a, inp.grad)
 
+    def _one_cast_per_step(self):
+        """Autocast casts each weight once and caches the copy until its outermost region exits: with a region
+        per forward action, every micro-batch in flight would hold its own 16-bit copy of the stage's weights
+        (m under AFAB). A disabled region around the whole step keeps one cache (one copy per weight, freed at
+        the end of the step) while backward stays outside autocast, as before."""
+        if isinstance(self.amp, torch.autocast):
+            return torch.autocast(self.amp.device, enabled=False)
+        return contextlib.nullcontext()
+
     def step(self, actions, get_batch):
         """Run one optimizer step's actions; returns the summed micro-batch losses (0 off the last stage)."""
         assert list(actions) == [a for a in self.plan if not isinstance(a, Exchange)], \
@@ -200,35 +211,42 @@ class PipelineRunner:
         # sends not yet launched / in progress; receives posted; same-rank hand-overs; what B needs
         self.outbox, self.sending, self.posted, self.local, self.saved = {}, [], {}, {}, {}
         self.loss_sum = torch.zeros((), device=self.device, dtype=self.act_dtype)
-        for a in self.plan:
-            self._free_sent()
-            if isinstance(a, Exchange):
-                self._launch(a)
-                continue
-            received = self._received(a)         # (waiting for them is idle time: outside the hook)
-            hook = contextlib.nullcontext() if self.action_hook is None else self.action_hook(a)
-            with label(f"pp:{a.kind} mb{a.mb} chunk{a.chunk}"), hook:   # a range in --profile's trace
-                if a.kind == "F":
-                    self._forward(a, received, get_batch)
-                elif a.kind == "B":
-                    self._backward(a, received)
-                    if self.after_backward is not None:
-                        self.after_backward(a)
-                else:
-                    self.store.compute((a.mb, a.chunk))
+        with self._one_cast_per_step():
+            for a in self.plan:
+                self._free_sent()
+                if isinstance(a, Exchange):
+                    self._launch(a)
+                    continue
+                received = self._received(a)         # (waiting for them is idle time: outside the hook)
+                hook = contextlib.nullcontext() if self.action_hook is None else self.action_hook(a)
+                with label(f"pp:{a.kind} mb{a.mb} chunk{a.chunk}"), hook:   # a range in --profile's trace
+                    if a.kind == "F":
+                        self._forward(a, received, get_batch)
+                    elif a.kind == "B":
+                        self._backward(a, received)
+                        if self.after_backward is not None:
+                            self.after_backward(a)
+                    else:
+                        self.store.compute((a.mb, a.chunk))
         self._free_sent(wait=True)
         assert not (self.saved or self.posted or self.outbox or self.local), "schedule left work"
         return self.loss_sum
 
-    @torch.no_grad()
     def forward_only_loss(self, x, y):
         """Mean loss of one batch through all stages in order (evaluation); every rank gets it."""
-        S, loss = self.p * self.v, torch.zeros((), device=self.device, dtype=self.act_dtype)
+        return self.forward_only(x, y, ())
+
+    @torch.no_grad()
+    def forward_only(self, x, y, out_shape, act_shape=None):
+        """What the last stage returns for one batch through all stages in order, shaped out_shape, on every rank:
+        the mean loss (y given), or without targets what the stage returns then (the next token's logits, for
+        sampling: PipelineStage). act_shape: of the activations between stages, when not the training ones'."""
+        S, loss = self.p * self.v, torch.zeros(out_shape, device=self.device, dtype=self.act_dtype)
         owner = [rank_of(s, self.p, self.placement) for s in range(S)]
         for s in (s for s in range(S) if owner[s] == self.rank):    # this rank's stages, in pipeline order
             stage = self.chunks[s // self.p]
             if s > 0 and owner[s - 1] != self.rank:
-                shape = (x.shape[0],) + tuple(self.act_shape[1:])   # [b, T (/tp under SP), h]
+                shape = act_shape or (x.shape[0],) + tuple(self.act_shape[1:])   # [b, T (/tp under SP), h]
                 h = torch.empty(shape, device=self.device, dtype=self.act_dtype)
                 comm.recv(h, self.peer[owner[s - 1]], group=self.group)
             with self.amp:
@@ -289,9 +307,14 @@ class PipelineStage(nn.Module):
         return x
 
     def forward(self, x, targets=None):
-        """The activations for the next stage, or on the last stage the mean loss over the micro-batch."""
+        """The activations for the next stage, or on the last stage the mean loss over the micro-batch (without
+        targets: the logits of the last position, [b, padded vocab], what sampling needs)."""
         x = self.body(x)
-        return self.lm_head(self.transformer["ln_f"](x), targets)[1] if self.last else x
+        if not self.last:
+            return x
+        if targets is None:
+            return self.lm_head(self.transformer["ln_f"](x[:, -1]))[0]
+        return self.lm_head(self.transformer["ln_f"](x), targets)[1]
 
 
 def stage_views(gpt, rank, p, v, placement="loop"):
@@ -314,35 +337,23 @@ def build_stages(gcfg, rank, p, v, seed, device, dtype=torch.float32, placement=
     return chunks
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the full model back on one rank (for the sample at the end, and for the parity tests)
+class PipelineSampler:
+    """model.py's generate through the pipeline: every token is one forward of all stages in order, its logits
+    broadcast from the last stage, so that every rank draws the same token with the same seed."""
 
-def gather_full_state(chunks, gcfg, group, v, device, placement="loop"):
-    """{GPT parameter name: tensor} on pipeline rank 0 (None elsewhere), every other rank sending its own."""
-    from model import GPT
-    rank, p = dist.get_rank(group), dist.get_world_size(group)
-    ranges, full = layer_split(gcfg.n_layer, p * v), {}
-    with torch.device("meta"):
-        meta_gpt = GPT(gcfg)
-    for s in range(p * v):
-        owner = rank_of(s, p, placement)
-        if rank not in (0, owner):
-            continue
-        if owner == rank:
-            params = dict(chunks[s // p].named_parameters())
-        else:                                    # rank 0 learns names and shapes without allocating
-            params = dict(PipelineStage(meta_gpt, ranges[s], s == 0, s == p * v - 1).named_parameters())
-        for name, param in params.items():
-            if name == "transformer.wte.weight" and s > 0:    # the tied copy: rank 0 has wte
-                continue
-            if rank == owner == 0:
-                full[name] = param.detach().clone()
-            elif rank == owner:
-                comm.send(param.detach().contiguous(), dist.get_global_rank(group, 0), group=group)
-            else:
-                full[name] = torch.empty(param.shape, device=device, dtype=next(chunks.parameters()).dtype)
-                comm.recv(full[name], dist.get_global_rank(group, owner), group=group)
-    return full if rank == 0 else None
+    def __init__(self, runner, chunks, gcfg):
+        self.runner, self.chunks, self.cfg = runner, chunks, gcfg
+
+    def eval(self):
+        self.chunks.eval()
+
+    def next_logits(self, ids):
+        b, t = ids.shape
+        return self.runner.forward_only(ids, None, (b, self.cfg.padded_vocab_size), (b, t, self.cfg.n_embd))
+
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        from model import generate
+        return generate(self.next_logits, idx, max_new_tokens, self.cfg, temperature, top_k)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -405,7 +416,7 @@ def main(argv=None):
                                  param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
     from common import checkpoint
     from common.checkpoint import ModuleState, only_mine
-    from model import GPT, flops_per_token
+    from model import flops_per_token
     cfg = parse_config(argv, techniques=("pp", "pp_schedule", "pp_virtual", "n_microbatches", "fp8"),
                        description=__doc__.split("\n\n")[0], extra_args=extra_args, validate=validate)
     env = init_distributed(cfg)
@@ -487,12 +498,8 @@ def main(argv=None):
     if env.is_main:
         print("idle per rank, measured " + " ".join(f"{x:.3f}" for x in idle_all.tolist()) + " | simulated "
               + " ".join(f"{i / sim['makespan']:.3f}" for i in sim["idle"]), flush=True)
-    if cfg.sample_tokens > 0:                    # the whole model on rank 0, for the eyeball test
-        full = gather_full_state(chunks, gcfg, group, v, env.device, placement)
-        if env.is_main:
-            model = GPT(gcfg, seed=cfg.seed).to(env.device)
-            model.load_state_dict({**full, "lm_head.weight": full["transformer.wte.weight"]})
-            print_sample(model, loader, cfg, env)
+    # the sample runs through the pipeline (every rank its own stages), never gathering the model on one rank
+    print_sample(PipelineSampler(runner, chunks, gcfg), loader, cfg, env, collective=True)
     return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, group=group, p2p_bytes=p2p_bytes, comm_bytes=step_bytes,
                 idle=idle_all.tolist(), sim=sim)
 

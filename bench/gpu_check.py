@@ -7,7 +7,10 @@ bf16 (autocast), with P = the largest power of two <= min(N, 8) so that every de
   1. every train script (single, ddp, zero 1/2/3, tp (+sp), cp, pp, ep, and 5d when train_5d.py exists) under
      torchrun with NCCL at 1 GPU and at P GPUs, its loss at every step against train_single's within BF16_RTOL;
   2. train_single with --kernels triton / compile, and --fp8 with the fused kernels, against --kernels torch;
-  3. train_single with each FP8 recipe against bf16 within FP8_RTOL (GPUs of compute capability >= 8.9);
+  3. train_single with each FP8 recipe against bf16 within FP8_RTOL (GPUs of compute capability >= 8.9), and
+     FP8 with MoE experts;
+  and on P > 1 GPUs: train_cp's three layouts at a long sequence (T = 8192) against train_single there, and
+  train_pp's end-of-run sample run through the stages (no rank gathers the model);
   4. the kernel and FP8 tests (tests/test_kernels.py, tests/test_fp8.py), whose tensors live on the GPU;
 then prints one markdown table (script, layout, ok, loss vs reference, tokens/s, MFU, peak memory, from each
 run's metrics.jsonl via metrics.read_metrics) and writes it to OUT/table.md. Exit code 1 if any row failed.
@@ -41,6 +44,8 @@ BF16_RTOL = 2e-2     # max over steps of |loss - reference| / reference, bf16 ru
 FP8_RTOL = 5e-2      # the same for FP8 runs against bf16
 MODEL = dict(n_layer=8, n_head=8, n_embd=512, block_size=256, global_batch_size=16, micro_batch_size=2)
 MOE = dict(n_experts=8, top_k=2)
+LONG = dict(block_size=8192, global_batch_size=4, micro_batch_size=1)   # CP's case: [T, T] scores would be 256 MiB
+                                                                         # per head in fp32
 
 
 def train_argv(steps, out_dir, **flags):
@@ -79,10 +84,17 @@ def runs(P, steps, out):
         add(f"cp-{n}", f"cp={n} zigzag", "train_cp.py", n, "single", BF16_RTOL, cp=n, cp_layout="zigzag")
         add(f"pp-{n}", f"pp={n} 1f1b", "train_pp.py", n, "single", BF16_RTOL, pp=n, pp_schedule="1f1b")
         add(f"ep-{n}", f"ep={n}, 8 experts", "train_ep.py", n, "single-moe", BF16_RTOL, ep=n, **MOE)
+        add(f"pp-sample-{n}", f"pp={n} 1f1b, sample through the stages", "train_pp.py", n, "single", BF16_RTOL,
+            pp=n, pp_schedule="1f1b", sample_tokens=64)
         if os.path.exists(os.path.join(ROOT, "train_5d.py")):
             degrees = grid_5d(n)
             layout = " ".join(f"{k}={v}" for k, v in degrees.items())
             add(f"5d-{n}", layout, "train_5d.py", n, "single", BF16_RTOL, **degrees)
+    if P > 1:     # CP where it matters: a long sequence, fused block attention (kernels/attention_lse.py)
+        add("single-long", f"1 GPU, T={LONG['block_size']}", "train_single.py", 1, None, None, kernels="torch", **LONG)
+        for layout in ("ring", "zigzag", "allgather"):
+            add(f"cp-long-{layout}", f"cp={P} {layout}, T={LONG['block_size']}", "train_cp.py", P, "single-long",
+                BF16_RTOL, cp=P, cp_layout=layout, **LONG)
     for mode in ("triton", "compile"):
         add(f"kernels-{mode}", f"1 GPU --kernels {mode}", "train_single.py", 1, "single", BF16_RTOL, kernels=mode)
     if torch.cuda.get_device_capability() >= (8, 9):
@@ -91,6 +103,8 @@ def runs(P, steps, out):
                 kernels="torch", fp8=recipe)
         add("fp8-triton", "1 GPU --fp8 tensorwise --kernels triton", "train_single.py", 1, "fp8-tensorwise",
             BF16_RTOL, kernels="triton", fp8="tensorwise")
+        add("fp8-moe", "1 GPU, 8 experts --fp8 rowwise", "train_single.py", 1, "single-moe", FP8_RTOL,
+            kernels="torch", fp8="rowwise", **MOE)     # experts get token counts that are not multiples of 16
     return rows
 
 

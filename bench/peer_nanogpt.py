@@ -22,8 +22,9 @@ evaluates at iteration N before training it (after N steps), train_single at ste
 Each "iter N: loss X, time Yms" line becomes one row: step N, loss X (nanoGPT prints the last micro-batch's loss
 times grad_acc, an approximation of the global mean), step_time_s = Y/1000, tokens_per_s = global_batch_size *
 block_size / step_time_s, mfu computed exactly as train_single does (nanoscale's flops_per_token of the same
-model shape / a large fp32 matmul measured in this process on the same threads), peak_mem_bytes the nanoGPT
-process's peak RSS (resource.getrusage(RUSAGE_CHILDREN)), comm_bytes 0. nanoGPT's dt is the period between
+model shape / the machine's measured fp32 matmul peak at this thread count, metrics.machine_cpu_peak_flops),
+peak_mem_bytes the nanoGPT process's lifetime peak RSS (resource.getrusage(RUSAGE_CHILDREN); train_single's rows
+hold each step's peak, from after its set-up), comm_bytes 0. nanoGPT's dt is the period between
 consecutive iterations (it includes fetching the next batch and the previous iteration's logging), train_single's
 step_time_s is the step itself: both are per-step wall clocks of the training loop.
 
@@ -145,7 +146,7 @@ def parse_log(stdout, a, flops_per_token_over_peak, peak_mem):
 def main(argv=None):
     a = parse_args(argv)
     import torch
-    from common.metrics import measure_cpu_matmul_flops
+    from common.metrics import machine_cpu_peak_flops
     from model import GPTConfig, flops_per_token
 
     os.makedirs(a.out_dir, exist_ok=True)
@@ -164,7 +165,7 @@ def main(argv=None):
     # MFU exactly as train_single computes it: same formula, same model shape, same measured peak
     fpt = flops_per_token(GPTConfig(vocab_size=vocab_size, block_size=a.block_size, n_layer=a.n_layer,
                                     n_head=a.n_head, n_embd=a.n_embd))
-    peak_flops = measure_cpu_matmul_flops()
+    peak_flops = machine_cpu_peak_flops()
     rows = parse_log(proc.stdout, a, fpt / peak_flops, peak_mem)
     train_rows = [r for r in rows if "loss" in r]
     if len(train_rows) != a.max_steps:

@@ -255,7 +255,8 @@ def load_latest(out_dir, device="cpu"):
 # Both speak in whole tensors by the single-device model's names, so every layout writes and reads one format.
 #
 #   held.whole()         (name, values, (key, holders, my index)) of every whole tensor this rank can produce:
-#                        values [weight, exp_avg, exp_avg_sq, step] of a parameter, [tensor] of a buffer
+#                        values [weight, exp_avg, exp_avg_sq, step] of a parameter, [tensor] of a buffer;
+#                        whole(moments=False): [weight] only, nothing of AdamW gathered (for a sample)
 #   held.shapes()        (name, full shape) of every tensor this rank takes its part of on load
 #   held.restore(saved)  saved: {name: (whole value, {exp_avg, exp_avg_sq, step} or None)}: keep my part
 #
@@ -398,18 +399,20 @@ class ModuleState:
         return ([(n, full_shape(p, tp) if tp is not None else tuple(p.shape)) for n, p in named]
                 + [(n, tuple(b.shape)) for m in self.modules for n, b in m.named_buffers()])
 
-    def whole(self):
+    def whole(self, moments=True):
         """TP slices gathered over tp_group (a collective every TP rank runs). AdamW state a skipped first step
-        never created is zeros at step 0, as AdamW would create it."""
+        never created is zeros at step 0, as AdamW would create it. moments=False: the weights alone."""
         skip = tied_copies(self.modules)
         for name, p in named_parameters(self.modules):
             if name in skip:
                 continue
             st = self.optimizer.state[p]
             values = [p, st.get("exp_avg", torch.zeros_like(p)), st.get("exp_avg_sq", torch.zeros_like(p))]
+            values = values if moments else values[:1]
             if self.tp_group is not None:
                 values = [tp_gather(p, t, self.tp_group) for t in values]
-            yield name, [t.detach() for t in values] + [st.get("step", torch.tensor(0.0))], self.holder(name)
+            step = [st.get("step", torch.tensor(0.0))] if moments else []
+            yield name, [t.detach() for t in values] + step, self.holder(name)
         for m in self.modules:
             for name, b in m.named_buffers():
                 yield name, [b], self.holder(name)
@@ -431,13 +434,13 @@ class ModuleState:
 
 
 @torch.no_grad()
-def gathered_values(shards, tp_group=None):
+def gathered_values(shards, tp_group=None, moments=True):
     """(parameter name, [weight, exp_avg, exp_avg_sq]) of every parameter of ZeRO shards as whole tensors: each
     bucket's flat buffers all-gathered over its group in turn, TP slices then gathered over tp_group. Collectives
-    every rank of those groups runs; only one bucket is whole at a time."""
+    every rank of those groups runs; only one bucket is whole at a time. moments=False: [weight] only."""
     for s in shards:
         flats = []
-        for local in (s.master, s.exp_avg, s.exp_avg_sq):
+        for local in (s.master, s.exp_avg, s.exp_avg_sq) if moments else (s.master,):
             full = local
             if s.stage > 0:
                 full = torch.empty(s.padded, dtype=local.dtype, device=local.device)
@@ -459,11 +462,11 @@ class ShardState(ModuleState):
         super().__init__(modules, optimizer, holder, tp_group)
         self.shards = shards
 
-    def whole(self):
-        skip, step = tied_copies(self.modules), torch.tensor(float(self.optimizer.steps))
-        for name, values in gathered_values(self.shards, self.tp_group):
+    def whole(self, moments=True):
+        skip, step = tied_copies(self.modules), [torch.tensor(float(self.optimizer.steps))] if moments else []
+        for name, values in gathered_values(self.shards, self.tp_group, moments):
             if name not in skip:
-                yield name, values + [step], self.holder(name)
+                yield name, values + step, self.holder(name)
         for m in self.modules:
             for name, b in m.named_buffers():
                 yield name, [b], self.holder(name)

@@ -5,17 +5,23 @@ MFU = achieved model FLOP/s / peak FLOP/s of the devices used, with model FLOPs 
 `model.flops_per_token` (6N + 12*L*h*T). Peaks:
 - GPU: a per-device table of dense bf16 tensor-core peaks (vendor datasheets); an unknown GPU gets a warning
   and MFU reported as null rather than a guess;
-- CPU: measured once per process as the best of a few large fp32 matmuls on the threads torch uses.
+- CPU: the best of a few large fp32 matmuls on the threads torch uses, measured once per machine and thread
+  count and kept in ~/.cache/nanoscale/cpu_peak_flops.json (keyed by host name, CPU model and threads), so that
+  every run on a machine divides by the same peak: MFU and tokens/s then rank runs alike. Delete the file to
+  measure again (after a hardware change).
 SavedActivationBytes counts the activation bytes autograd keeps for backward (train_cp, train_tp);
 LiveSavedActivationBytes their peak over a pipeline step (bench/memory_chart.py); ActionTimer a pipeline rank's
 idle share (train_pp).
-Peak memory: torch.cuda.max_memory_allocated on GPU; on CPU there is no allocator counter, so what is reported
-is the process's peak resident set size (ru_maxrss): model, optimizer, activations *and* the Python/torch runtime.
+Peak memory, per step (the peak is reset after each logged step): torch.cuda.max_memory_allocated on GPU; on CPU
+there is no allocator counter, so what is reported is the process's peak resident set size (Linux's VmHWM, reset
+through /proc/self/clear_refs): model, optimizer, activations *and* the Python/torch runtime. Where the peak cannot
+be reset (not Linux) it is the lifetime peak (ru_maxrss).
 """
 import contextlib
 import json
 import math
 import os
+import platform
 import resource
 import sys
 import time
@@ -53,7 +59,7 @@ _cpu_peak_cache = {}
 
 
 def measure_cpu_matmul_flops(n=1024, repeats=5):
-    """Best achieved fp32 FLOP/s of an n x n matmul on this process's threads (cached)."""
+    """Best achieved fp32 FLOP/s of an n x n matmul on this process's threads (cached in the process)."""
     key = (n, torch.get_num_threads())
     if key not in _cpu_peak_cache:
         g = torch.Generator().manual_seed(0)            # private: must not disturb the training RNG
@@ -66,6 +72,47 @@ def measure_cpu_matmul_flops(n=1024, repeats=5):
             best = min(best, time.perf_counter() - t0)
         _cpu_peak_cache[key] = 2 * n ** 3 / best
     return _cpu_peak_cache[key]
+
+
+def cpu_model():
+    """The CPU's model name (Linux's /proc/cpuinfo), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_file():
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "nanoscale", "cpu_peak_flops.json")
+
+
+def machine_cpu_peak_flops(path=None):
+    """The CPU peak of this machine at this thread count, measured by the first run that needs it (20 repeats:
+    the best of them) and read from cpu_peak_file() by every later one. A file that cannot be written only
+    means the next run measures again."""
+    path = path or cpu_peak_file()
+    key = f"{platform.node()} | {cpu_model()} | {torch.get_num_threads()} threads"
+    try:
+        with open(path) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known.get(key), (int, float)):
+        known[key] = measure_cpu_matmul_flops(repeats=20)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(known, f, indent=1)
+            os.replace(tmp, path)                   # atomic: ranks starting together never see half a file
+        except OSError:
+            pass
+    return float(known[key])
 
 
 def gpu_chip_and_board(name):
@@ -98,14 +145,34 @@ def gpu_peak_flops(name):
 def device_peak_flops(device):
     """Peak FLOP/s of one device, or None when unknown (then MFU is not reported)."""
     if device.type == "cpu":
-        return measure_cpu_matmul_flops()
+        return machine_cpu_peak_flops()
     return gpu_peak_flops(torch.cuda.get_device_name(device))
 
 
 def peak_memory_bytes(device):
+    """The peak since the last reset_peak_memory (the process's start before the first)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB (macOS: bytes)
+
+
+def reset_peak_memory(device):
+    """Start a new peak at the current use: so that each step's row reports that step's peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                            # Linux >= 4.0: peak RSS := current RSS
+    except OSError:
+        pass
 
 
 class SavedActivationBytes:
@@ -251,6 +318,7 @@ class MetricsLogger:
             self.file = open(self.path, "a" if resume else "w")
         self.step_times = []
         self.profiler = make_profiler(cfg, env.rank, env.device)
+        reset_peak_memory(env.device)                # step 0's peak: from here, not the setup's temporaries
 
     def log_step(self, step, loss, lr, grad_norm, step_time_s, comm_bytes, **extra):
         if self.profiler is not None:
@@ -262,6 +330,7 @@ class MetricsLogger:
         row = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=(step + 1) * self.tokens_per_step,
                    step_time_s=step_time_s, tokens_per_s=tokens_per_s, mfu=mfu,
                    peak_mem_bytes=peak_memory_bytes(self.env.device), comm_bytes=comm_bytes, **extra)
+        reset_peak_memory(self.env.device)
         self.write(row)
         self.step_times.append(step_time_s)
         last = self.cfg.stop_step or self.cfg.max_steps

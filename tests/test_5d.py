@@ -232,3 +232,30 @@ def test_launches_are_nccl_safe(tiny_data, tmp_path):
         launches = [logs[r][i] for r in range(8)]
         assert any(op[0] == "send" for groups in launches for g in groups for op in g), "nothing recorded"
         assert check(launches) == [], layout
+
+
+def _sample_gathers(rank, world, argv):
+    """train_5d.main with the sample on; the elements checkpoint.py all-gathered after training (for the sample)."""
+    import train_5d
+    from common import checkpoint, metrics
+    gathered, training = [], [True]
+    real_gather, real_close = checkpoint.all_gather, metrics.MetricsLogger.close
+
+    def counting_gather(out, t, group=None):
+        if not training[0]:
+            gathered.append(out.numel())
+        return real_gather(out, t, group=group)
+
+    def close(self):
+        training[0] = False
+        real_close(self)
+    checkpoint.all_gather, metrics.MetricsLogger.close = counting_gather, close
+    result = train_5d.main(argv)
+    return sum(gathered), sum(p.numel() for p in result["chunks"].parameters())
+
+
+def test_sample_gathers_weights_not_adam_moments(tiny_data, tmp_path):
+    """The end-of-run sample needs the weights: under ZeRO the shards' AdamW moments stay where they are."""
+    argv = tiny_argv(tiny_data, str(tmp_path), dp=2, zero_stage=1, max_steps=1, sample_tokens=4)
+    for gathered, n_params in run_workers(_sample_gathers, 2, args=(argv,)):
+        assert n_params <= gathered < 1.5 * n_params, f"{gathered} elements gathered for {n_params} weights"

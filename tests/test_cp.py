@@ -192,3 +192,103 @@ def test_block_size_not_divisible_is_one_clear_error(tiny_data, tmp_path, monkey
     with pytest.raises(SystemExit):
         train_cp.main(tiny_argv(tiny_data, str(tmp_path), cp=4))      # cp must equal the world size
     assert "must equal the number of processes" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the CUDA block attention (kernels/attention_lse.py), checked without a GPU
+
+class EmulatedCudaOps:
+    """aten's four CUDA attention ops on CPU: train_cp's plain-torch math (float64 stays float64) behind CUDA's calling
+    conventions, which kernels/attention_lse.py must follow: dense batches (cum_seq None, max_q/k the lengths), no
+    dropout, the memory-efficient lse padded to a multiple of 32 rows (NaN here, so a wrapper that reads it shows)."""
+
+    @staticmethod
+    def _scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal):
+        import train_cp
+        out, lse = train_cp.attention_forward(q, k, v, is_causal)
+        return out, lse, None, None, q.shape[-2], k.shape[-2], torch.empty(2), torch.empty(()), torch.empty(0)
+
+    @staticmethod
+    def _scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, p, causal,
+                                                     seed, offset):
+        import train_cp
+        assert cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[-2], k.shape[-2]) and p == 0.0
+        assert lse.shape == q.shape[:-1] and lse.is_contiguous()
+        return train_cp.attention_backward(dout, q, k, v, out, lse, causal)
+
+    @staticmethod
+    def _scaled_dot_product_efficient_attention(q, k, v, bias, compute_lse, dropout_p, is_causal):
+        import train_cp
+        assert bias is None and compute_lse and dropout_p == 0.0
+        out, lse = train_cp.attention_forward(q, k, v, is_causal)
+        padded = torch.full(lse.shape[:-1] + (-(-lse.shape[-1] // 32) * 32,), float("nan"), dtype=lse.dtype)
+        padded[..., : lse.shape[-1]] = lse
+        return out, padded, torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
+
+    @staticmethod
+    def _scaled_dot_product_efficient_attention_backward(dout, q, k, v, bias, out, lse, seed, offset, p, mask, causal):
+        import train_cp
+        assert bias is None and p == 0.0 and list(mask) == [True, True, True, False]
+        assert lse.shape[-1] % 32 == 0 and lse.shape[-1] >= q.shape[-2] and lse.is_contiguous()
+        return train_cp.attention_backward(dout, q, k, v, out, lse[..., : q.shape[-2]], causal) + (None,)
+
+
+def cuda_pairs_worker(rank, world_size):
+    """Ring, zigzag and allgather at cp = 2 with each CUDA pair on the emulated ops, against full attention."""
+    import train_cp
+    from common.distributed import init_distributed
+    from kernels import attention_lse
+    init_distributed(types.SimpleNamespace(device="cpu", dist_timeout=60.0))
+    attention_lse.aten = EmulatedCudaOps
+    import torch.distributed as dist
+    for layout in LAYOUTS:
+        T = seq_len_for(layout, 2)
+        pos = train_cp.local_positions(layout, T, 2, rank)
+        for name, pair in (("flash", attention_lse.FLASH_CUDA), ("efficient", attention_lse.EFFICIENT_CUDA)):
+            g = torch.Generator().manual_seed(7)
+            q, k, v, dout = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(4))
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref_out, ref_lse = reference_attention(*full)
+            ref_out.backward(dout)
+            local = [t[..., pos, :].clone().requires_grad_() for t in (q, k, v)]
+            out, lse = train_cp.context_parallel_attention(*local, dist.group.WORLD, layout, pair)
+            out.backward(dout[..., pos, :])
+            for what, got, want in (("out", out, ref_out[..., pos, :]), ("lse", lse, ref_lse[..., pos]),
+                                    *((f"d{n}", t.grad, f.grad[..., pos, :]) for n, t, f in zip("qkv", local, full))):
+                err = (got - want).abs().max().item()
+                assert err <= 1e-10, f"{layout} {name} {what}: error {err}"
+
+
+def test_cuda_block_attention_wrappers_follow_the_ops_conventions():
+    run_workers(cuda_pairs_worker, 2, timeout=300)
+
+
+@pytest.mark.parametrize("pair, dtype", [("FLASH_CUDA", torch.bfloat16), ("EFFICIENT_CUDA", torch.float32),
+                                         ("EFFICIENT_CUDA", torch.bfloat16)])
+def test_cuda_block_attention_ops_exist_with_these_shapes(pair, dtype):
+    """The installed torch's CUDA ops (their meta kernels) take the wrappers' arguments and give train_cp's shapes:
+    a causal diagonal block and a rectangular one."""
+    from kernels import attention_lse
+    forward, backward = getattr(attention_lse, pair)
+    for (tq, tk), causal in (((40, 40), True), ((40, 24), False)):
+        q = torch.empty(2, 4, tq, 64, device="meta", dtype=dtype)
+        k, v = (torch.empty(2, 4, tk, 64, device="meta", dtype=dtype) for _ in range(2))
+        out, lse = forward(q, k, v, causal)
+        assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, 4, tq) and lse.dtype == torch.float32
+        dq, dk, dv = backward(out, q, k, v, out, lse, causal)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_cuda_block_attention_choice():
+    """Which pair train_cp runs on a GPU, by dtype, head dim and compute capability (flash: 16-bit, head dim a
+    multiple of 8 up to 256, sm80+; memory-efficient: fp32 too, 16-byte rows; else the plain-torch reference)."""
+    from kernels.attention_lse import EFFICIENT_CUDA, FLASH_CUDA, fused_block_attention
+    cuda, h100, t4 = torch.device("cuda"), (9, 0), (7, 5)
+    assert fused_block_attention(cuda, torch.bfloat16, 64, h100) is FLASH_CUDA
+    assert fused_block_attention(cuda, torch.float16, 256, (8, 0)) is FLASH_CUDA
+    assert fused_block_attention(cuda, torch.bfloat16, 64, t4) is EFFICIENT_CUDA
+    assert fused_block_attention(cuda, torch.bfloat16, 264, h100) is EFFICIENT_CUDA
+    assert fused_block_attention(cuda, torch.float32, 12, h100) is EFFICIENT_CUDA
+    assert fused_block_attention(cuda, torch.bfloat16, 12, h100) is None        # 24-byte rows
+    assert fused_block_attention(cuda, torch.float64, 64, h100) is None
+    assert fused_block_attention(torch.device("cpu"), torch.float32, 64) is None

@@ -16,6 +16,38 @@ from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, asse
 H, T, VOCAB_PADDED = 32, 16, 64          # tiny_argv's n_embd and block_size; the tiny dataset's vocab (64)
 
 
+def gather_full_state(chunks, gcfg, group, v, device, placement="loop"):
+    """{GPT parameter name: tensor} on pipeline rank 0 (None elsewhere), every other rank sending its own: the
+    whole trained model, to compare with train_single's."""
+    import torch.distributed as dist
+    from common import comm
+    from model import GPT
+    from train_pp import PipelineStage, layer_split
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    ranges, full = layer_split(gcfg.n_layer, p * v), {}
+    with torch.device("meta"):
+        meta_gpt = GPT(gcfg)
+    for s in range(p * v):
+        owner = rank_of(s, p, placement)
+        if rank not in (0, owner):
+            continue
+        if owner == rank:
+            params = dict(chunks[s // p].named_parameters())
+        else:                                    # rank 0 learns names and shapes without allocating
+            params = dict(PipelineStage(meta_gpt, ranges[s], s == 0, s == p * v - 1).named_parameters())
+        for name, param in params.items():
+            if name == "transformer.wte.weight" and s > 0:    # the tied copy: rank 0 has wte
+                continue
+            if rank == owner == 0:
+                full[name] = param.detach().clone()
+            elif rank == owner:
+                comm.send(param.detach().contiguous(), dist.get_global_rank(group, 0), group=group)
+            else:
+                full[name] = torch.empty(param.shape, device=device, dtype=next(chunks.parameters()).dtype)
+                comm.recv(full[name], dist.get_global_rank(group, owner), group=group)
+    return full if rank == 0 else None
+
+
 def _pp_runs(rank, world_size, runs):
     """Several train_pp.main configurations in one process group; per run: rank's bytes, and on rank 0 the
     gathered full weights and the metrics rows. Tensors travel as numpy (by value)."""
@@ -24,7 +56,7 @@ def _pp_runs(rank, world_size, runs):
     for argv in runs:
         r = train_pp.main(argv)
         v = r["cfg"].pp_virtual
-        full = train_pp.gather_full_state(r["chunks"], r["gcfg"], r["group"], v, torch.device("cpu"),
+        full = gather_full_state(r["chunks"], r["gcfg"], r["group"], v, torch.device("cpu"),
                                           placement_of(r["cfg"].pp_schedule))
         tied = {n: p.detach().numpy().copy() for n, p in r["chunks"].named_parameters()
                 if n.endswith(("wte.weight", "lm_head.weight"))}
@@ -199,3 +231,41 @@ def test_resume_and_eval(tmp_path, tiny_data):
     assert [row["step"] for row in vals["whole"]] == [0, 4, 7]
     for a, b in zip(vals["single"], vals["whole"], strict=True):
         assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
+
+
+def _pp_sample(rank, world_size, argv):
+    """A worker: train_pp.main with the sample on, where building a GPT once training is over fails (the whole model
+    on one rank, or even on the meta device to gather it by name); this rank's stdout."""
+    import contextlib
+    import io
+    import model
+    import train_pp
+    from common import metrics
+    close = metrics.MetricsLogger.close
+
+    def close_then_forbid_gpt(self):
+        close(self)
+
+        def no_gpt(*args, **kwargs):
+            raise AssertionError("the sample built a whole GPT after training")
+        model.GPT.__init__ = no_gpt
+    metrics.MetricsLogger.close, out = close_then_forbid_gpt, io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_pp.main(argv)
+    return out.getvalue()
+
+
+def sample_text(stdout):
+    return stdout.split("---- sample ----\n")[1].split("\n----------------")[0]
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zbv", 2)])
+def test_sample_runs_through_the_pipeline(schedule, v, text_data, tmp_path, capsys):
+    """The end-of-run sample is train_single's (float64: the same logits, the same seed), every rank running only
+    its own stages: no rank holds the whole model, as none could when it does not fit one device."""
+    argv = text_argv(text_data, str(tmp_path / "pp"), max_steps=3, sample_tokens=24, n_layer=4)
+    run_single(text_argv(text_data, str(tmp_path / "single"), max_steps=3, sample_tokens=24, n_layer=4))
+    expected = sample_text(capsys.readouterr().out)
+    outs = run_workers(_pp_sample, 2, args=(argv + ["--pp", "2", "--pp_schedule", schedule, "--pp_virtual", str(v)],))
+    assert sample_text(outs[0]) == expected and len(expected) >= 24
+    assert "---- sample ----" not in outs[1]          # rank 0 prints it

@@ -1,0 +1,146 @@
+"""
+What a training step would make a GPU wait for, recorded on a CPU (DESIGN.md, "Tests"): host-to-device copies
+and reads of device values on the host (`.item()`, `float()`, `.tolist()` ...), each a full stop of the host
+until the GPU has caught up.
+
+On a CPU every tensor lives on the host, so the device cannot be read off a tensor. It is read off the code
+instead, as it would run on a GPU: a factory call with no `device=` (torch.arange(n), torch.tensor([...])) makes
+a tensor on the host wherever the step runs, and so does any op whose tensor inputs are all such host tensors.
+Every other tensor (parameters, the batch, activations, a factory with `device=x.device`) is on the compute
+device. A TorchFunctionMode sees each call with the arguments as written (a TorchDispatchMode would see the
+device already filled in), tags host tensors and records:
+
+    copy   a host tensor moved to a device (.to(device), .to(tensor), .cuda(), device.copy_(host))
+    mixed  a host tensor of one or more dimensions in an op with a device tensor (an implicit copy, or on CUDA
+           a device-mismatch error; a 0-dim host tensor is a scalar argument and fine)
+    sync   .item() / float() / int() / bool() / .tolist() of a device tensor
+
+Each event names the innermost line of the repository (outside tests/) that led to it. The recorder runs from
+the MetricsLogger's creation (after the model, optimizer and checkpoint are set up) to its close, and numbers
+events by the optimizer step they fall in (log_step calls so far).
+"""
+import dataclasses
+import linecache
+import os
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+FACTORIES = {torch.arange, torch.tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.linspace,
+             torch.logspace, torch.eye, torch.rand, torch.randn, torch.randint, torch.randperm, torch.scalar_tensor,
+             torch.as_tensor}
+SYNCS = {torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__,
+         torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy}
+MOVES = {torch.Tensor.to, torch.Tensor.cuda}
+HOST = "_made_on_host"
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    kind: str        # copy | mixed | sync
+    step: int        # optimizer steps logged before it
+    where: str       # "file:function: code" of the innermost repository line
+    what: str        # the torch call
+
+
+def repo_line():
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith(ROOT + os.sep) and not path.startswith(TESTS) and "site-packages" not in path:
+            code = linecache.getline(path, frame.f_lineno).strip()
+            return f"{os.path.relpath(path, ROOT)}:{frame.f_code.co_name}: {code}"
+        frame = frame.f_back
+    return "<outside the repository>"
+
+
+def is_host(t):
+    return isinstance(t, torch.Tensor) and getattr(t, HOST, False)
+
+
+def names_a_device(args, kwargs):
+    """Tensor.to's arguments move it to a device (not only cast it): a device, a device string, a tensor."""
+    if kwargs.get("device") is not None:
+        return True
+    return any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args[1:])
+
+
+class StepRecorder(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.events, self.step = [], 0
+
+    def record(self, kind, func):
+        self.events.append(Event(kind, self.step, repo_line(), getattr(func, "__qualname__", str(func))))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        host = [t for t in tensors if is_host(t)]
+        out = func(*args, **kwargs)
+        if func in SYNCS:
+            if tensors and not host:
+                self.record("sync", func)
+            return out
+        if func in MOVES and host and args[0] is host[0] and (func is torch.Tensor.cuda or names_a_device(args, kwargs)):
+            self.record("copy", func)
+            self.tag(out, False)
+            return out
+        if func is torch.Tensor.copy_ and len(args) > 1 and is_host(args[1]) and not is_host(args[0]):
+            self.record("copy", func)
+            return out
+        if func in FACTORIES and not (tensors and func is torch.as_tensor):
+            self.tag(out, kwargs.get("device") is None)
+        elif host and len(host) < len(tensors):
+            if any(t.dim() > 0 for t in host):
+                self.record("mixed", func)
+        elif host:
+            self.tag(out, True)
+        return out
+
+    @staticmethod
+    def tag(out, host):
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                setattr(t, HOST, host)
+
+
+def record_steps(fn):
+    """fn() with a StepRecorder on from the MetricsLogger's creation to its close; returns (fn's result, events)."""
+    from common import metrics
+    recorder, logger_cls = StepRecorder(), metrics.MetricsLogger
+    init, log_step, close = logger_cls.__init__, logger_cls.log_step, logger_cls.close
+
+    def init_then_record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        recorder.__enter__()
+
+    def log_and_count(self, *args, **kwargs):
+        row = log_step(self, *args, **kwargs)
+        recorder.step += 1
+        return row
+
+    def stop_then_close(self):
+        recorder.__exit__(None, None, None)
+        close(self)
+
+    logger_cls.__init__, logger_cls.log_step, logger_cls.close = init_then_record, log_and_count, stop_then_close
+    try:
+        result = fn()
+    finally:
+        logger_cls.__init__, logger_cls.log_step, logger_cls.close = init, log_step, close
+        if torch.overrides._get_current_function_mode() is recorder:     # fn failed with the recorder on
+            recorder.__exit__(None, None, None)
+    return result, recorder.events
+
+
+def recorded_step_events(rank, world_size, script, argv):
+    """A worker for distributed_helper.run_workers: script.main(argv) under record_steps; this rank's events."""
+    import importlib
+    main = importlib.import_module(script).main
+    return record_steps(lambda: main(argv))[1]

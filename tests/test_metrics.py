@@ -1,0 +1,52 @@
+"""metrics.py's two machine-dependent numbers: the peak memory of each step (reset after every logged row, not the
+process's lifetime peak) and the CPU's peak FLOP/s for MFU (measured once per machine and thread count, then read
+back, so that every run on a machine divides by the same number)."""
+import json
+import os
+import platform
+import types
+
+import pytest
+import torch
+
+from common import metrics
+
+
+def logger_for(tmp_path):
+    cfg = types.SimpleNamespace(out_dir=str(tmp_path), log_interval=100, stop_step=0, max_steps=10, profile=0)
+    env = types.SimpleNamespace(rank=0, device=torch.device("cpu"))
+    return metrics.MetricsLogger(cfg, env, flops_per_token=1.0, n_devices=1, tokens_per_step=1)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="resetting the peak RSS needs Linux")
+def test_peak_memory_is_per_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "device_peak_flops", lambda device: 1e9)
+    logger = logger_for(tmp_path)
+    big = torch.ones(64 * 2 ** 20 // 4)          # 64 MiB, touched: a peak inside step 0, freed before its row
+    del big
+    first = logger.log_step(0, 1.0, 1e-3, 1.0, 0.1, 0)["peak_mem_bytes"]
+    second = logger.log_step(1, 1.0, 1e-3, 1.0, 0.1, 0)["peak_mem_bytes"]
+    logger.close()
+    assert first - second > 48 * 2 ** 20, f"step 0 peaked at {first} bytes, step 1 at {second}: not reset per step"
+
+
+def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
+    path = str(tmp_path / "cache" / "cpu_peak_flops.json")
+    calls = []
+    monkeypatch.setattr(metrics, "measure_cpu_matmul_flops", lambda repeats: calls.append(repeats) or 5e10)
+    assert metrics.machine_cpu_peak_flops(path) == 5e10 and len(calls) == 1
+    assert metrics.machine_cpu_peak_flops(path) == 5e10 and len(calls) == 1       # read back, not measured
+    with open(path) as f:
+        (key, value), = json.load(f).items()
+    assert platform.node() in key and f"{torch.get_num_threads()} threads" in key and value == 5e10
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 977)                       # other threads: measured
+    assert metrics.machine_cpu_peak_flops(path) == 5e10 and len(calls) == 2
+    with open(path) as f:
+        assert len(json.load(f)) == 2
+
+
+def test_cpu_peak_without_a_writable_cache_still_measures(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")                       # a file where the cache's folder would be
+    monkeypatch.setattr(metrics, "measure_cpu_matmul_flops", lambda repeats: 7e9)
+    assert metrics.machine_cpu_peak_flops(str(blocked / "sub" / "peak.json")) == 7e9
