@@ -35,11 +35,8 @@ class DistEnv:
 
 
 def world_size_from_env():
-    """WORLD_SIZE as torchrun sets it, usable before init: 1 when launched with plain python. A WORLD_SIZE without
-    RANK (left in a shell, not set by a launcher) is not a world: the batch is never split for ranks that do not
-    exist."""
-    if "RANK" not in os.environ:
-        return 1
+    """WORLD_SIZE as torchrun sets it (1 when launched with plain python); usable before init, to validate a
+    layout (init_distributed refuses a WORLD_SIZE that came without RANK, i.e. not from a launcher)."""
     return launch_env()[1]
 
 
@@ -92,10 +89,15 @@ def init_distributed(cfg, need_group=True):
     one-process group on an in-memory store, so every script also runs on a single device. A script that needs
     no group (train_single) refuses a world of several ranks: each would train alone, racing on one out_dir."""
     try:
-        rank, world_size, local_rank = launch_env() if "RANK" in os.environ else (0, 1, 0)
-        if "RANK" not in os.environ and os.environ.get("WORLD_SIZE", "1").strip() != "1":
-            print(f"warning: WORLD_SIZE={os.environ['WORLD_SIZE']} without RANK is not a launch by torchrun: "
-                  f"running as one process", flush=True)
+        rank, world_size, local_rank = launch_env()
+        if "RANK" not in os.environ and world_size > 1:     # a WORLD_SIZE left in the shell, not a launch
+            check(not need_group, f"WORLD_SIZE={world_size} is set but RANK is not: this is not a launch by "
+                                  f"torchrun, and one process would split the batch for {world_size - 1} ranks "
+                                  f"that do not exist; launch with torchrun --nproc_per_node {world_size}, or unset "
+                                  f"WORLD_SIZE")
+            print(f"warning: WORLD_SIZE={world_size} without RANK is not a launch by torchrun: running as one "
+                  f"process", flush=True)
+            world_size = 1
         check(need_group or world_size == 1,
               f"{os.path.basename(sys.argv[0]) or 'this script'} trains on one device, but it was launched as "
               f"{world_size} ranks (WORLD_SIZE={world_size}); run it with plain python, or use a parallel script "

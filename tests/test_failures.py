@@ -278,7 +278,7 @@ def test_a_rank_that_never_starts_is_one_line_within_dist_timeout(tiny_data, tmp
 def test_a_single_device_script_refuses_a_world_of_several_ranks(tiny_data, tmp_path):
     """train_single under torchrun on 2 ranks would train twice on one out_dir: each rank exits 2 before any work,
     one line in all. A WORLD_SIZE without RANK (a stray shell variable) is not a world: one process, the whole
-    batch, the same losses as without it."""
+    batch, the same losses as without it; a parallel script refuses it (it would split the batch)."""
     procs = _launch("train_single.py", tiny_argv(tiny_data, str(tmp_path / "a"), max_steps=3), 2, [0, 1], free_port())
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [2, 2], outputs
@@ -291,6 +291,10 @@ def test_a_single_device_script_refuses_a_world_of_several_ranks(tiny_data, tmp_
                          cwd=ROOT, text=True, capture_output=True, env=dict(env, WORLD_SIZE="4"), timeout=120)
     assert run.returncode == 0 and "without RANK" in run.stdout, run.stderr
     assert losses(str(tmp_path / "c")) == reference
+    run = subprocess.run([sys.executable, "train_ddp.py", *tiny_argv(tiny_data, str(tmp_path / "d"), max_steps=3)],
+                         cwd=ROOT, text=True, capture_output=True, env=dict(env, WORLD_SIZE="2"), timeout=120)
+    lines = run.stderr.strip().splitlines()      # a parallel script would split the batch: refused
+    assert run.returncode == 2 and len(lines) == 1 and "WORLD_SIZE=2 is set but RANK is not" in lines[0], lines
 
 
 def test_one_run_writes_an_out_dir_and_a_dead_ones_lock_is_taken_over(tiny_data, tmp_path):
