@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from common import comm, distributed
 from common.comm import COMM
-from common.config import parse_collectives_args
 
 
 def chunk_sizes(numel, n):
@@ -282,6 +281,7 @@ def sweep(sizes, group, device):
 
 
 def main(argv=None):
+    from common.config import parse_collectives_args
     args = parse_collectives_args(argv, __doc__)   # --numel --size --device --dist_timeout, each checked
     env = distributed.init_distributed(args)
     if not args.size:
