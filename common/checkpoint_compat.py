@@ -54,7 +54,7 @@ def compatibility_problem(state, path, gcfg, cfg, order, keys):
         return f"--resume: {path} is not a training checkpoint (no optimizer state or step in it)"
     differ = model_differences(saved_model_config(state), gcfg)
     if differ:
-        return (f"--resume: {path} is another model's checkpoint: {'; '.join(differ)}. These define the model and "
+        return (f"--resume: {path} does not match this model: {'; '.join(differ)}. These define the model and "
                 f"must match the checkpoint; on resume you may change {RESUMABLE}")
     extra, missing = sorted(set(state["model"]) - set(keys)), sorted(set(keys) - set(state["model"]))
     names = state["optimizer"].get("names", order)

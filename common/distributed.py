@@ -92,7 +92,7 @@ def init_distributed(cfg, need_group=True):
         rank, world_size, local_rank = launch_env()
         if "RANK" not in os.environ and world_size > 1:     # a WORLD_SIZE left in the shell, not a launch
             check(not need_group, f"WORLD_SIZE={world_size} is set but RANK is not: this is not a launch by "
-                                  f"torchrun, and one process would split the batch for {world_size - 1} ranks "
+                                  f"torchrun, and one process would split the batch for {world_size - 1} rank(s) "
                                   f"that do not exist; launch with torchrun --nproc_per_node {world_size}, or unset "
                                   f"WORLD_SIZE")
             print(f"warning: WORLD_SIZE={world_size} without RANK is not a launch by torchrun: running as one "
@@ -182,8 +182,8 @@ def describe_failure(reason, what, timeout_s):
         return (f"{what} failed: another rank exited or lost its connection ({reason}); its own output says why, "
                 f"then restart (--resume auto continues from the last checkpoint)")
     if kind == "timed out":
-        return (f"{what} waited longer than --dist_timeout {timeout_s:g} s ({reason}): another rank is stuck or "
-                f"much slower; its own output says which; raise --dist_timeout if it was only slow")
+        return (f"waited longer than --dist_timeout {timeout_s:g} s for {what} ({reason}): another rank is stuck "
+                f"or much slower; its own output says which; raise --dist_timeout if it was only slow")
     return f"{what} failed ({reason}); the other ranks' output may say why"
 
 
@@ -283,4 +283,4 @@ def wait_for_main_rank(group, cfg, what):
     """After work that only rank 0 does (a checkpoint save, an evaluation): the other ranks wait for it here,
     bounded by --dist_timeout, instead of inside the next step's collective; a too-slow save or evaluation
     is then reported as what it is."""
-    barrier(group, cfg.dist_timeout, f"waiting for rank 0's {what}")
+    barrier(group, cfg.dist_timeout, f"rank 0's {what}")
