@@ -147,8 +147,11 @@ def publish(out_dir, step, keep):
 
 
 def remove_step_dir(out_dir, step):
-    """A failed save's step directory (never the one `latest` names: a save never reuses a published step)."""
-    shutil.rmtree(step_dir(out_dir, step), ignore_errors=True)
+    """A failed save's step directory, unless `latest` names it (a fresh run saving a step an earlier run in this
+    out_dir published): that checkpoint stays, whatever this save wrote into it."""
+    latest = latest_checkpoint(out_dir)
+    if latest is None or os.path.dirname(latest) != step_dir(out_dir, step):
+        shutil.rmtree(step_dir(out_dir, step), ignore_errors=True)
 
 
 def remove_stale_temp_files(out_dir):

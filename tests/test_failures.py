@@ -411,3 +411,25 @@ def test_character_level_samples_are_decoded(tmp_path, capsys):
     assert training.decode([0, 1, 2], {"vocab_size": 3, "itos": ["a", "b", "c"]}) == "abc"   # meta.json's list
     with pytest.raises(ValueError, match="tokenizer 'synthetic' is unknown"):
         training.decode([1, 2], {"vocab_size": 64, "tokenizer": "synthetic"})
+
+
+def test_nccl_failures_raise_in_the_training_thread_unless_the_user_chose(monkeypatch):
+    """Before an NCCL group is built: blocking wait, so a dead or stuck peer raises where the one-line handler sees
+    it (not the watchdog's abort); a value the user set is kept."""
+    from common.distributed import nccl_error_defaults
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+        monkeypatch.delenv(name, raising=False)
+    nccl_error_defaults()
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
+    nccl_error_defaults()
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0"
+
+
+def test_a_gpu_index_the_node_lacks_is_one_line(monkeypatch):
+    """--device cuda:3 (or local rank 3) on a node with 2 GPUs: a ValueError naming the range, not CUDA's trace."""
+    from common.distributed import pick_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"--device cuda:3 \(local rank 3\): this node has 2 GPU\(s\), cuda:0..cuda:1"):
+        pick_device("cuda", 3)
