@@ -74,13 +74,14 @@ def save_step(cfg, state, next_step, part=None):
     what = f"the checkpoint save of step {next_step}"
     error = None
     if part is not None:
-        error = write_or_error(lambda: write_file(f"{directory}/{PART.format(rank)}", part))
+        error = write_or_error(write_file, f"{directory}/{PART.format(rank)}", part)
     commit_or_fail(cfg, next_step, error, what)
     if rank == 0:
         if part is not None:                         # exactly this save's parts (not an interrupted one's)
             state = dict(state, parts=[PART.format(r) for r in range(world)])
-        error = write_or_error(lambda: (write_file(f"{directory}/{FILE}", state),
-                                        publish(cfg.out_dir, next_step, cfg.keep_checkpoints)))
+        error = write_or_error(write_file, f"{directory}/{FILE}", state)
+        if error is None:
+            error = write_or_error(publish, cfg.out_dir, next_step, cfg.keep_checkpoints)
     if world > 1:                                    # rank 0's commit worked, or every rank stops here with it
         commit_or_fail(cfg, next_step, error, what)
     elif error is not None:
@@ -88,9 +89,10 @@ def save_step(cfg, state, next_step, part=None):
         fail(error)
 
 
-def write_or_error(write):
+def write_or_error(write, *args):
+    """None if write(*args) worked, else its SaveError's one line."""
     try:
-        write()
+        write(*args)
     except SaveError as e:
         return str(e)
     return None
