@@ -14,7 +14,6 @@ Ring all-reduce of S bytes over n ranks, the one picture to remember:
     all-gather, n-1 more steps: the finished chunks go round once more, copied instead of added
     each rank sends 2(n-1) chunks of S/n = 2(n-1)/n * S: almost flat in n, which is why rings scale.
 """
-import argparse
 import math
 import time
 from collections import namedtuple
@@ -282,19 +281,15 @@ def sweep(sizes, group, device):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--numel", type=int, default=0, help="elements of the shown tensors (default: 2 per rank)")
-    p.add_argument("--size", nargs="+", type=float, help="only the bandwidth sweep, over these sizes in MiB")
-    p.add_argument("--device", default="auto", help="auto: cuda (NCCL) when a GPU is present, else cpu (gloo)")
-    p.add_argument("--dist_timeout", type=float, default=300.0)
-    args = p.parse_args(argv)
+    from common.config import parse_collectives_args
+    args = parse_collectives_args(argv, __doc__)   # --numel --size --device --dist_timeout, each checked
     env = distributed.init_distributed(args)
     if not args.size:
         for op in COLLECTIVES:
             walk_through(op, args.numel or 2 * env.world_size, None, env.device)
     sweep(args.size or [1.0], None, env.device)    # after the walk-through: both versions timed at 1 MiB
-    distributed.destroy()
 
 
 if __name__ == "__main__":
     main()
+    distributed.destroy()    # leave the group together, then exit without the interpreter's teardown

@@ -1,5 +1,5 @@
 """
-bench/failure_battery.py: the failure battery, kept so that it can be rerun. About 210 cases of bad input
+bench/failure_battery.py: the failure battery, kept so that it can be rerun. About 430 cases of bad input
 and bad luck over every script (train_single, ddp, zero stages 1-3, tp, cp, pp, ep, train_5d), each on a tiny
 model and tiny random-token data, CPU and gloo, each classified by what actually happened:
 
@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]   # run as a script
-from failure_runs import (BROKEN, CLASSES, GOOD, LOST, OK, SILENT, SKIPPED, Job,  # noqa: E402
-                          checkpoint_files, checkpoint_problem, data_kept, judge_error,
+from failure_runs import (BROKEN, CLASSES, CLEAN, GOOD, LOST, OK, REFUSED, SILENT, SKIPPED, UNCLEAR,  # noqa: E402
+                          Job, checkpoint_files, checkpoint_problem, data_kept, first_bad, free_port, judge_error,
                           judge_ok, judge_result, kill_everything_left, latest_step_dir, losses_by_step,
-                          metric_rows, snapshot, steps_logged, temp_files, wait_until)
+                          metric_rows, rank_env, snapshot, steps_logged, temp_files, wait_until)
 from common.config import argv_of  # noqa: E402
 from train_helpers import make_tiny_dataset  # noqa: E402
 
@@ -418,6 +418,323 @@ def torchrun_restart(box):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# cases: resume compatibility (every loader x every model-defining field), a damaged value, the schedule
+
+MODEL_CHANGES = [("n_layer", 4), ("n_head", 2), ("block_size", 32), ("vocab_size", 128)]
+MOE_CHANGES = [("n_experts", 4), ("top_k", 2), ("moe_every", 2)]
+MOE_LAYOUTS = [BY_NAME["train_ep"], Layout("train_5d_ep", "train_5d.py", 2, dict(dp=2, ep=2, n_experts=2, top_k=1))]
+
+
+def other_vocab(box, vocab):
+    """The tiny dataset with meta.json saying another vocab_size (its token ids stay below it)."""
+    import json
+    data = box.path("data")
+    shutil.copytree(box.data, data)
+    with open(os.path.join(data, "meta.json")) as f:
+        meta = json.load(f)
+    with open(os.path.join(data, "meta.json"), "w") as f:
+        json.dump(dict(meta, vocab_size=vocab), f)
+    return data
+
+
+def changed_model(layout, field, value, box):
+    """Resume the layout's own checkpoint with one model-defining field changed: one error line naming it, the
+    checkpoint untouched."""
+    out = good_checkpoint(box, layout)
+    before = snapshot(out)
+    if field == "vocab_size":
+        run = box.run(layout, out, data=other_vocab(box, value), resume=True, **RESUME)
+    else:
+        run = box.run(layout, out, resume=True, **{field: value}, **RESUME)
+    verdict = judge_error(run, [field], out_dir=out)
+    return data_kept(before, out) or verdict
+
+
+def poison_checkpoint(out, name="transformer.h.1.attn.c_attn.weight"):
+    """One weight of the latest checkpoint set to NaN, in whichever file (ckpt.pt or a part) holds it."""
+    import torch
+    for path in checkpoint_files(latest_step_dir(out)):
+        state = torch.load(path, weights_only=True)
+        if name in state.get("model", {}):
+            state["model"][name].view(-1)[0] = float("nan")
+            torch.save(state, path)
+            return
+    raise Verdict(BROKEN, f"no checkpoint file holds {name}")
+
+
+def nan_in_checkpoint(layout, box):
+    out = good_checkpoint(box, layout)
+    poison_checkpoint(out)
+    return judge_error(box.run(layout, out, resume=True, **RESUME), ["inf/NaN"], out_dir=out)
+
+
+def resume_past_schedule(layout, flag, box):
+    """The checkpoint is at step 6: --max_steps 4, or --stop_step 3, ends before it."""
+    out = good_checkpoint(box, layout)
+    flags = dict(max_steps=4) if flag == "--max_steps" else dict(stop_step=3)
+    return judge_error(box.run(layout, out, resume=True, **{**RESUME, **flags}), [flag], out_dir=out)
+
+
+def missing_part(layout, box):
+    """A sharded checkpoint with one part file deleted (a node's disk lost): one line naming it."""
+    out = good_checkpoint(box, layout)
+    parts = [p for p in checkpoint_files(latest_step_dir(out)) if "part_" in p]
+    if not parts:
+        return SKIPPED, "a one-file checkpoint has no parts"
+    os.remove(parts[-1])
+    return judge_error(box.run(layout, out, resume=True, **RESUME), [os.path.basename(parts[-1])], out_dir=out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cases: one writer per out_dir, and world sizes a script does not take
+
+def concurrent_writers(layout, box):
+    """A second run on the out_dir of a running one: one error line naming the first (its pid); the first goes
+    on, its metrics.jsonl stays whole."""
+    out = box.path("run")
+    first = running_job(box, layout, out)
+    second = box.run(layout, out)
+    alive = first.alive()
+    first.kill_all()
+    verdict = judge_error(second, ["is in use by another run"], out_dir=None)
+    if verdict[0] == CLEAN and not alive:
+        return SILENT, "the first run died when the second started"
+    rows, problem = metric_rows(out)
+    steps = [r["step"] for r in rows]
+    if problem or steps != list(range(len(steps))):
+        return SILENT, problem or f"metrics.jsonl steps {steps[:6]}... interleaved"
+    return verdict
+
+
+def stale_lock(layout, box):
+    """A run killed with -9 leaves its lock file; the next run takes it over (a note) and trains."""
+    out = box.path("run")
+    running_job(box, layout, out).kill_all()
+    run = box.run(layout, out)
+    verdict = judge_ok(run, out, TINY["max_steps"])
+    if verdict[0] == OK and "took over" not in run.outs[0]:
+        return SILENT, "no note that a dead run's lock was taken over"
+    return verdict
+
+
+def single_under_torchrun(box):
+    """train_single launched as 2 ranks (torchrun --nproc_per_node 2 train_single.py): each would train alone on
+    one out_dir; refused before any work."""
+    out = box.path("run")
+    layout = Layout("train_single x2", "train_single.py", 2)
+    verdict = judge_error(box.run(layout, out), ["one device"], out_dir=out)
+    return (SILENT, "metrics.jsonl written") if os.path.exists(os.path.join(out, "metrics.jsonl")) else verdict
+
+
+def stray_world_size(layout, box):
+    """WORLD_SIZE=2 left in the shell, no RANK: train_single runs as one process (the unbroken run's losses); a
+    parallel script refuses (it would split the batch for a rank that does not exist)."""
+    out = box.path("run")
+    argv = argv_of({**TINY, **layout.flags, "data_dir": box.data, "out_dir": out})
+    env = dict(rank_env(0, 1, 0), WORLD_SIZE="2")
+    run = Job([([sys.executable, layout.script, *argv], env)], box.root, "stray").wait(box.timeout)
+    if layout.world == 1:
+        return judge_ok(run, out, TINY["max_steps"], unbroken_losses(box, layout))
+    return judge_error(run, ["WORLD_SIZE=2"], out_dir=out)
+
+
+def bad_rank_env(box):
+    """RANK=abc: one line naming it."""
+    out = box.path("run")
+    argv = argv_of({**TINY, "data_dir": box.data, "out_dir": out})
+    env = dict(rank_env(0, 2, free_port()), RANK="abc")
+    run = Job([([sys.executable, "train_ddp.py", *argv], env)], box.root, "rank").wait(box.timeout)
+    return judge_error(run, ["RANK"], out_dir=out)
+
+
+def lock_is_a_directory(layout, box):
+    out = box.path("run")
+    os.makedirs(os.path.join(out, "run.lock"))
+    return judge_error(box.run(layout, out), ["run.lock"], out_dir=out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cases: a full disk during a save (a real one: a small tmpfs; needs root to mount it)
+
+def disk_full(layout, box, leave=24 * 1024):
+    """The good checkpoint on a tmpfs filled up to `leave` bytes; the resumed run's save hits ENOSPC: one line
+    naming the directory and ENOSPC on the rank(s) that hit it, every rank stopped, the checkpoint kept, no
+    temporary file left."""
+    import subprocess
+    src = good_checkpoint(box, layout)
+    disk = box.path("disk")
+    os.makedirs(disk)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs) + 1024 * 1024
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", disk], capture_output=True)
+    if mount.returncode != 0:
+        return SKIPPED, "cannot mount a tmpfs here (needs root)"
+    try:
+        out = os.path.join(disk, "run")
+        shutil.copytree(src, out)
+        free = os.statvfs(disk)
+        with open(os.path.join(disk, "filler"), "wb") as f:
+            f.write(b"\0" * max(0, free.f_bavail * free.f_frsize - leave))
+        before = snapshot(out)
+        run = box.run(layout, out, resume=True, **RESUME)
+        verdict = judge_error(run, ["ENOSPC"], out_dir=out)
+        lost = data_kept(before, out)
+        if lost:
+            return lost
+        if temp_files(out):
+            return SILENT, f"temporary files left: {temp_files(out)[:2]}"
+        if verdict[0] == CLEAN and disk not in verdict[1]:
+            return UNCLEAR, f"does not name the directory: {verdict[1]}"
+        return verdict
+    finally:
+        subprocess.run(["umount", "-l", disk], capture_output=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cases: a peer gone during a save, a rank that never starts, collectives.py
+
+def killed_during_save(layout, box):
+    """The last rank killed (-9) while a checkpoint is being written: the survivors end within --dist_timeout with
+    one line saying a rank exited (not a timeout), and a consistent checkpoint is left."""
+    out = box.path("run")
+    job = box.start(layout, out, dist_timeout=DIST_TIMEOUT, **SAVE_HEAVY)
+    if not wait_until(lambda: temp_files(out) and latest_step_dir(out), job, box.timeout, interval=0.002):
+        raise Verdict(*judge_ok(job.wait(0), out, SAVE_HEAVY["max_steps"]))
+    victim = layout.world - 1
+    job.signal(victim, signal.SIGKILL)
+    survivors = [r for r in range(layout.world) if r != victim]
+    run = job.wait(DIST_TIMEOUT + MARGIN, survivors)
+    cls, detail = judge_error(run, ranks=survivors)
+    if cls == CLEAN and "raise --dist_timeout" in detail:
+        return UNCLEAR, f"a killed peer reported as a timeout: {detail}"
+    problem = checkpoint_problem(out)
+    return (LOST, problem) if problem else (cls, detail)
+
+
+def never_started(script, box, world=2):
+    """Only rank 0 of `world` is launched: it gives up the rendezvous after --dist_timeout with one line."""
+    out = box.path("run")
+    argv = argv_of({**TINY, "data_dir": box.data, "out_dir": out, "dist_timeout": 3}) if script != "collectives.py" \
+        else ["--dist_timeout", "3"]
+    run = Job([([sys.executable, script, *argv], rank_env(0, world, free_port()))], box.root, "alone").wait(60)
+    return judge_error(run, ["could not join"])
+
+
+def collectives_run(box, world=4, args=()):
+    """collectives.py's README command: every rank exits 0 with no abort at exit."""
+    run = Job.launch("collectives.py", world, ["--dist_timeout", "60", *args], box.root, "coll").wait(box.timeout)
+    bad = first_bad(run, range(world))
+    if bad:
+        return bad
+    if any(run.codes):
+        return REFUSED, f"exit {run.codes}: {run.errs[0].strip()[-200:]}"
+    return OK, f"{world} ranks, exit 0 everywhere"
+
+
+def collectives_rank_killed(box):
+    """Rank 1 of 2 killed during the bandwidth sweep: rank 0 ends with one line."""
+    job = Job.launch("collectives.py", 2, ["--size", "8", "8", "8", "8", "8", "8", "--dist_timeout",
+                                           str(DIST_TIMEOUT)], box.root, "coll")
+    time.sleep(4)
+    job.signal(1, signal.SIGKILL)
+    run = job.wait(DIST_TIMEOUT + MARGIN, [0])
+    if run.codes[0] == 0:
+        return SKIPPED, "the sweep ended before the kill"
+    return judge_error(run, ranks=[0])
+
+
+def bad_tool_args(cmd, world, names, box):
+    """collectives.py or `python -m common.data` with a bad argument: one line naming it."""
+    run = Job([(cmd, rank_env(r, world, free_port())) for r in range(world)], box.root, "tool").wait(box.timeout)
+    return judge_error(run, names)
+
+
+def data_tool(box, what):
+    """python -m common.data over a good dataset with a bad --input: one line, the dataset untouched."""
+    good = box.path("data")
+    shutil.copytree(box.data, good)
+    before = {n: open(os.path.join(good, n), "rb").read() for n in os.listdir(good)}
+    path = box.path("input.txt")
+    if what == "a directory":
+        os.makedirs(path)
+    elif what != "missing":
+        with open(path, "wb") as f:
+            f.write({"empty": b"", "one byte": b"x"}[what])
+    run = Job([([sys.executable, "-m", "common.data", "--input", path, "--out_dir", good], rank_env(0, 1, 0))],
+              box.root, "data").wait(box.timeout)
+    verdict = judge_error(run, ["--input", "token"])
+    after = {n: open(os.path.join(good, n), "rb").read() for n in os.listdir(good)}
+    return (LOST, "the good dataset was overwritten") if after != before else verdict
+
+
+def range_cases():
+    """Every entry point x the ranges of its flags."""
+    cases = []
+    bad = [("--seed 2**63", ["--seed"], dict(seed=2 ** 63)), ("--dist_timeout 1e-9", ["--dist_timeout"],
+           dict(dist_timeout=1e-9)), ("--micro_batch_size -1", ["--micro_batch_size"], dict(micro_batch_size=-1)),
+           ("--dropout nan", ["--dropout"], dict(dropout="nan")), ("--warmup_steps -1", ["--warmup_steps"],
+           dict(warmup_steps=-1)), ("--eval_iters 0", ["--eval_iters"], dict(eval_iters=0))]
+    for layout in LAYOUTS:
+        cases += [(f"{layout.name}: {what}", functools.partial(bad_flags, layout, names, **flags))
+                  for what, names, flags in bad]
+    cases += [flag_case("train_single", "--capacity_factor inf", ["--capacity_factor"], n_experts=2,
+                        capacity_factor="inf"),
+              flag_case("train_ep", "--aux_loss_coef nan", ["--aux_loss_coef"], aux_loss_coef="nan"),
+              flag_case("train_ddp", "--bucket_mb nan", ["--bucket_mb"], bucket_mb="nan"),
+              flag_case("train_5d", "--seed 2**63-2 on 4 ranks (seed + rank overflows)", ["--seed"], seed=2 ** 63 - 2),
+              flag_case("train_tp", "--tp 0", ["--tp"], tp=0), flag_case("train_pp", "--pp_virtual 0",
+                                                                         ["--pp_virtual"], pp_virtual=0)]
+    tool = [sys.executable, "collectives.py"]
+    for what, argv in (("--numel -3", ["--numel", "-3"]), ("--size nan", ["--size", "nan"]),
+                       ("--size 0", ["--size", "0"]), ("--device tpu", ["--device", "tpu"]),
+                       ("--dist_timeout 1e-9", ["--dist_timeout", "1e-9"]), ("--numel 10**6", ["--numel", "1000000"])):
+        cases.append((f"collectives.py: {what}", functools.partial(bad_tool_args, tool + argv, 2, [argv[0]])))
+    for what in ("missing", "a directory", "empty", "one byte"):
+        cases.append((f"common.data: --input {what} over a good dataset", functools.partial(data_tool, what=what)))
+    cases.append(("common.data: --out_dir a file", functools.partial(
+        bad_tool_args, [sys.executable, "-m", "common.data", "--input", "README.md", "--out_dir", "README.md"], 1,
+        ["--out_dir"])))
+    return cases
+
+
+def new_class_cases():
+    """Another model's checkpoint, shared out_dirs, a full disk, a dead peer during a save, a rank that never
+    starts, collectives.py, each over every script it applies to."""
+    cases = []
+    for layout in LAYOUTS:
+        name = layout.name
+        cases += [(f"{name}: resume with {field} {value}", functools.partial(changed_model, layout, field, value))
+                  for field, value in MODEL_CHANGES]
+        cases += [(f"{name}: checkpoint holding NaN", functools.partial(nan_in_checkpoint, layout)),
+                  (f"{name}: resume past --max_steps", functools.partial(resume_past_schedule, layout, "--max_steps")),
+                  (f"{name}: resume past --stop_step", functools.partial(resume_past_schedule, layout, "--stop_step")),
+                  (f"{name}: disk full during the save", functools.partial(disk_full, layout)),
+                  (f"{name}: run.lock is a directory", functools.partial(lock_is_a_directory, layout))]
+        if layout.world > 1:
+            cases += [(f"{name}: a part file missing", functools.partial(missing_part, layout)),
+                      (f"{name}: rank {layout.world - 1} killed during a save",
+                       functools.partial(killed_during_save, layout))]
+    for layout in MOE_LAYOUTS:
+        cases += [(f"{layout.name}: resume with {field} {value}", functools.partial(changed_model, layout, field,
+                                                                                  value)) for field, value in MOE_CHANGES]
+    cases.append(("train_single: dense checkpoint resumed with --n_experts 2",
+                  functools.partial(changed_model, BY_NAME["train_single"], "n_experts", 2)))
+    for name in ("train_single", "train_ddp", "train_tp", "train_5d"):
+        cases += [(f"{name}: a second run on a busy out_dir", functools.partial(concurrent_writers, BY_NAME[name])),
+                  (f"{name}: a killed run's lock is taken over", functools.partial(stale_lock, BY_NAME[name]))]
+    cases += [("train_single launched as 2 ranks", single_under_torchrun),
+              ("train_single: stray WORLD_SIZE=2 without RANK", functools.partial(stray_world_size,
+                                                                                  BY_NAME["train_single"])),
+              ("train_ddp: stray WORLD_SIZE=2 without RANK", functools.partial(stray_world_size, BY_NAME["train_ddp"])),
+              ("train_ddp: RANK=abc", bad_rank_env),
+              ("train_ddp: rank 1 never starts", functools.partial(never_started, "train_ddp.py")),
+              ("train_5d: ranks 1-3 never start", functools.partial(never_started, "train_5d.py", world=4)),
+              ("collectives.py: rank 1 never starts", functools.partial(never_started, "collectives.py")),
+              ("collectives.py: rank 1 killed during the sweep", collectives_rank_killed)]
+    cases += [(f"collectives.py on 4 ranks, run {i}", collectives_run) for i in range(1, 7)]
+    return cases + range_cases()
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the case list
 
 def per_layout_cases(layout):
@@ -556,7 +873,7 @@ def selfcheck(kind, box):
 
 def all_cases(with_selfcheck=False):
     cases = [case for layout in LAYOUTS for case in per_layout_cases(layout)]
-    cases += flag_cases() + layout_flag_cases() + data_cases() + crash_cases()
+    cases += flag_cases() + layout_flag_cases() + data_cases() + crash_cases() + new_class_cases()
     if with_selfcheck:
         cases += [(f"selfcheck: a script that {kind}", functools.partial(selfcheck, kind)) for kind in SELFCHECK]
     return cases

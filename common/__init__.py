@@ -11,6 +11,8 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     optim.py         AdamW groups, warmup + cosine, the non-finite guard
     training.py      what every training loop shares: dtype, autocast, kernels / FP8, data setup, eval, sample
     checkpoint.py    the one save and load of every layout: train_single's format, written in parallel parts
+    checkpoint_files.py   its files: paths, atomic writes, a full disk in one line, the out_dir lock
+    checkpoint_compat.py  whether a checkpoint fits this run: model-defining fields, entries by name, inf/NaN
     metrics.py       MFU, peak memory, metrics.jsonl and the progress line
     profiling.py     --profile: torch profiler traces and labels
     grid.py          train_5d's rank grid and its process groups

@@ -9,8 +9,9 @@ layout or world size resumes any other. Two calls, whatever a rank holds (the AP
 A save is a step directory whose completeness is committed last:
 
     OUT_DIR/ckpt/step_00000010/part_00000.pt ... part_00007.pt   every rank's part, written at once
-    ... barrier: every part is on disk ...
-    OUT_DIR/ckpt/step_00000010/ckpt.pt   {step, rng, config, AdamW param_groups, parts: [...]}   by rank 0
+    ... every rank says its part is on disk (or why not: all stop, the step directory removed) ...
+    OUT_DIR/ckpt/step_00000010/ckpt.pt   {step, rng, config, model_config, AdamW param_groups and parameter
+                                          names, parts: [...]}   by rank 0
     OUT_DIR/ckpt/latest                  "step_00000010", published by rank 0 (temporary file + os.replace)
 
 so a crash at any moment leaves `latest` naming a complete checkpoint; resume reads it (or, if it was lost, the
@@ -19,115 +20,29 @@ parts into the one-file form, memory-mapped, so a rank that keeps a slice of eac
 slice. After publishing, all but the newest --keep_checkpoints step directories are removed. Files are read with
 weights_only=True (no pickled code is executed). Data position needs no state: the batch of step s is a pure
 function of (seed, s) (data.py), so the step number *is* the data position.
-"""
-import os
-import re
-import shutil
 
+The files themselves (paths, atomic writes, a full disk, the out_dir lock) are checkpoint_files.py's; whether a
+checkpoint fits this run (the model-defining fields, the entries, AdamW state by name, inf/NaN) is
+checkpoint_compat.py's.
+"""
 import torch
 import torch.distributed as dist
 
+from common.checkpoint_files import (CKPT_DIR, FILE, LATEST, PART, SaveError, latest_checkpoint,  # noqa: F401
+                                     load_checkpoint, load_latest, publish, remove_stale_temp_files, remove_step_dir,
+                                     resolve_resume, step_dir, write_file)
+from common.checkpoint_compat import compatibility_problem, model_config, rank_problem
 from common.comm import all_gather
-from common.distributed import fail_together
+from common.distributed import agree, fail_together
 from common.errors import fail
 from common.optim import configure_optimizer
 from common.tp_shards import full_shape, tp_gather, tp_slice
 from model import GPT
 
-CKPT_DIR, FILE, LATEST = "ckpt", "ckpt.pt", "latest"
-STEP_DIR = re.compile(r"step_(\d{8})")
-PART = "part_{:05d}.pt"                                               # a rank's part of a sharded save
-TEMP_FILE = re.compile(r"(ckpt(_rank\d+)?\.pt|part_\d+\.pt|latest)\.tmp\.\d+")   # temporary files of killed saves
-LEGACY = "ckpt.pt"                                                    # OUT_DIR/ckpt.pt of earlier versions
-
-
-def step_dir(out_dir, step):
-    return os.path.join(out_dir, CKPT_DIR, f"step_{step:08d}")
-
-
-def complete_steps(out_dir):
-    """Steps whose directory holds its checkpoint file (renamed into place only once fully written), oldest first."""
-    root = os.path.join(out_dir, CKPT_DIR)
-    names = os.listdir(root) if os.path.isdir(root) else []
-    steps = [int(m.group(1)) for m in map(STEP_DIR.fullmatch, names) if m]
-    return sorted(s for s in steps if os.path.isfile(os.path.join(step_dir(out_dir, s), FILE)))
-
-
-def latest_checkpoint(out_dir):
-    """The checkpoint file to resume from, or None: the step directory `latest` names, else the newest complete
-    one (latest lost), else an earlier version's OUT_DIR/ckpt.pt."""
-    try:
-        with open(os.path.join(out_dir, CKPT_DIR, LATEST)) as f:
-            path = os.path.join(out_dir, CKPT_DIR, f.read().strip(), FILE)
-        if os.path.isfile(path):
-            return path
-    except OSError:
-        pass
-    steps = complete_steps(out_dir)
-    if steps:
-        return os.path.join(step_dir(out_dir, steps[-1]), FILE)
-    legacy = os.path.join(out_dir, LEGACY)
-    return legacy if os.path.isfile(legacy) else None
-
-
-def per_rank_files(out_dir):
-    """ckpt_rank{r}.pt files of earlier versions' tp / pp / ep runs (this version cannot read them)."""
-    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
-    return sorted(n for n in names if re.fullmatch(r"ckpt_rank\d+\.pt", n))
-
-
-def missing_checkpoint_message(out_dir):
-    old = per_rank_files(out_dir)
-    if old:
-        return (f"--resume: {out_dir} holds only per-rank checkpoints of an earlier version ({', '.join(old[:2])}"
-                f"{', ...' if len(old) > 2 else ''}), which this version does not read; resume them with the "
-                f"version that wrote them, or start without --resume")
-    return f"--resume: no checkpoint at {os.path.join(out_dir, CKPT_DIR)} (no complete step directory)"
-
-
-def resolve_resume(value, out_dir):
-    """--resume (yes), --resume auto (yes if a complete checkpoint exists, else start fresh), or no: a bool.
-    ValueError where auto would silently drop an earlier version's per-rank checkpoints."""
-    if value != "auto":
-        return value == "yes"
-    if latest_checkpoint(out_dir) is not None:
-        return True
-    if per_rank_files(out_dir):
-        raise ValueError(missing_checkpoint_message(out_dir))
-    return False
-
 
 def non_finite_entries(state):
     """Names of the model entries of a checkpoint (or a part of one) that hold inf or NaN."""
     return [k for k, t in state["model"].items() if t.is_floating_point() and not torch.isfinite(t).all()]
-
-
-def write_file(path, state):
-    """Write atomically: a temporary file, flushed to disk, then renamed into place."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())                         # on disk before it is renamed into place (a node crash too)
-    os.replace(tmp, path)
-
-
-def publish(out_dir, step, keep):
-    """Commit step `step` as the latest checkpoint, then remove the step directories that are not among the
-    newest `keep` (and any newer than `step`: left by a run that crashed before publishing them)."""
-    root = os.path.join(out_dir, CKPT_DIR)
-    tmp = os.path.join(root, f"{LATEST}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(f"step_{step:08d}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, LATEST))
-    steps = [int(m.group(1)) for m in map(STEP_DIR.fullmatch, os.listdir(root)) if m]
-    kept = [s for s in complete_steps(out_dir) if s <= step][-keep:]     # never an interrupted save's directory
-    for s in steps:
-        if s not in kept:
-            shutil.rmtree(step_dir(out_dir, s), ignore_errors=True)
 
 
 def refuse_non_finite(cfg, state, next_step):
@@ -148,44 +63,59 @@ def refuse_non_finite(cfg, state, next_step):
 def save_step(cfg, state, next_step, part=None):
     """Every rank of the run calls this after step next_step - 1. `state`: the checkpoint (train_single's layout,
     or its metadata when the weights come in parts) on rank 0, None elsewhere. `part`: this rank's part of a
-    sharded save (`save`: every rank passes one, maybe empty), else None. Parts are written
-    in parallel, then a barrier, then rank 0 writes ckpt.pt and publishes the step as latest: a crash at any
-    point leaves the previous complete checkpoint as latest."""
+    sharded save (`save`: every rank passes one, maybe empty), else None. Parts are written in parallel, then every
+    rank says whether its write worked (also the barrier: every part is on disk), then rank 0 writes ckpt.pt and
+    publishes the step as latest, and says so. A crash at any point leaves the previous complete checkpoint as
+    latest; a failed write (a full disk) ends every rank with one line, the step directory removed."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     refuse_non_finite(cfg, part if part is not None else state, next_step)
     directory = step_dir(cfg.out_dir, next_step)
+    what = f"the checkpoint save of step {next_step}"
+    error = None
     if part is not None:
-        write_file(os.path.join(directory, PART.format(rank)), part)
-    if dist.is_initialized():
-        try:
-            dist.barrier()                           # every part is on disk (bounded by --dist_timeout)
-        except RuntimeError as e:                    # DistBackendError: a timeout, or a rank gone
-            fail(f"waited longer than --dist_timeout {cfg.dist_timeout:g} s for the checkpoint save of step "
-                 f"{next_step} ({type(e).__name__}); raise --dist_timeout", rank_local=True)
+        error = write_or_error(write_file, f"{directory}/{PART.format(rank)}", part)
+    commit_or_fail(cfg, next_step, error, what)
     if rank == 0:
         if part is not None:                         # exactly this save's parts (not an interrupted one's)
             state = dict(state, parts=[PART.format(r) for r in range(world)])
-        write_file(os.path.join(directory, FILE), state)
-        publish(cfg.out_dir, next_step, cfg.keep_checkpoints)
+        error = write_or_error(write_file, f"{directory}/{FILE}", state)
+        if error is None:
+            error = write_or_error(publish, cfg.out_dir, next_step, cfg.keep_checkpoints)
+    if world > 1:                                    # rank 0's commit worked, or every rank stops here with it
+        commit_or_fail(cfg, next_step, error, what)
+    elif error is not None:
+        remove_step_dir(cfg.out_dir, next_step)
+        fail(error)
 
 
-def remove_stale_temp_files(out_dir):
-    """Delete the temporary files of saves that were killed mid-write (the checkpoint they would have replaced
-    is intact). Called before a run starts, by rank 0 only, when no save of this run can be under way."""
-    root = os.path.join(out_dir, CKPT_DIR)
-    dirs = [out_dir, root] + [os.path.join(root, n) for n in (os.listdir(root) if os.path.isdir(root) else [])]
-    stale = [os.path.join(d, n) for d in dirs if os.path.isdir(d) for n in os.listdir(d) if TEMP_FILE.fullmatch(n)]
-    for path in stale:
-        os.remove(path)
-    if stale:
-        print(f"removed {len(stale)} temporary file(s) of interrupted checkpoint saves from {out_dir}", flush=True)
+def write_or_error(write, *args):
+    """None if write(*args) worked, else its SaveError's one line."""
+    try:
+        write(*args)
+    except SaveError as e:
+        return str(e)
+    return None
+
+
+def commit_or_fail(cfg, next_step, error, what):
+    """Every rank's write worked, or each stops: the one that failed with its line, the others saying so; the
+    failed save's step directory is removed (`latest` still names the previous one)."""
+    if not dist.is_initialized():
+        return
+    if not agree(error, cfg.dist_timeout, what):
+        if dist.get_rank() == 0:
+            remove_step_dir(cfg.out_dir, next_step)
+        if error is not None:
+            fail(error, rank_local=True)
+        fail(f"{what} failed on another rank (its error line says why); the previous checkpoint is kept")
 
 
 def rng_state():
+    """The CPU generator's state, and the current GPU's (not every GPU's: a node with fewer GPUs resumes too)."""
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -209,44 +139,18 @@ def own_rng_state(state):
 
 
 def set_rng_state(state):
+    """Restore the CPU state, and the current GPU's: saved as one state (this version), or as one per GPU of the
+    saving node (earlier versions: this device's, or the first if the node had fewer)."""
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def unwrap(model):
-    """The module whose state_dict has clean names (no `_orig_mod.` from torch.compile)."""
-    return getattr(model, "_orig_mod", model)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# reading: a checkpoint in train_single's one-file form, its parts merged in
-
-def read_file(path, device, mmap=False):
-    try:
-        return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
-    except Exception as e:   # truncated, empty, missing, or not a checkpoint: torch raises several kinds
-        raise ValueError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
-
-
-def load_checkpoint(path, device="cpu"):
-    """The checkpoint in train_single's one-file form; a sharded save's parts are merged in (memory-mapped)."""
-    if path is None or not os.path.exists(path):
-        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
-    state = read_file(path, device)
-    for name in state.pop("parts", []):
-        part = read_file(os.path.join(os.path.dirname(path), name), device, mmap=device == "cpu")
-        state["model"].update(part["model"])
-        state["optimizer"]["state"].update(part["optimizer"]["state"])
-    return state
-
-
-def load_latest(out_dir, device="cpu"):
-    """(the checkpoint to resume from, its path); FileNotFoundError or ValueError carry one clear line."""
-    path = latest_checkpoint(out_dir)
-    if path is None:
-        raise FileNotFoundError(missing_checkpoint_message(out_dir))
-    return load_checkpoint(path, device), path
+    cuda = state.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    if isinstance(cuda, (list, tuple)):
+        if not cuda:
+            return
+        index = torch.cuda.current_device()
+        cuda = cuda[index] if index < len(cuda) else cuda[0]
+    torch.cuda.set_rng_state(cuda)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -308,8 +212,8 @@ def save(cfg, gcfg, next_step, held):
                                       for i, n in enumerate(order) if n in mine}))
     meta = None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        meta = dict(model={}, optimizer=dict(state={}, param_groups=param_groups), step=next_step, rng=rng_state(),
-                    rng_by_rank=rngs, config=dict(vars(cfg)))
+        meta = dict(model={}, optimizer=dict(state={}, param_groups=param_groups, names=order), step=next_step,
+                    rng=rng_state(), rng_by_rank=rngs, config=dict(vars(cfg)), model_config=model_config(gcfg))
     if not dist.is_initialized() or dist.get_world_size() == 1:
         meta["model"], meta["optimizer"]["state"] = part["model"], part["optimizer"]["state"]
         save_step(cfg, meta, next_step)
@@ -318,35 +222,36 @@ def save(cfg, gcfg, next_step, held):
 
 
 def read_matching(out_dir, gcfg, cfg, shapes):
-    """(checkpoint, None), or (None, why this rank cannot use it: missing on its node, unreadable, or another
-    model's: other entries, or other shapes of the ones this rank takes its part of)."""
+    """(checkpoint, AdamW moments by parameter name, None), or (None, None, why this rank cannot use it: missing
+    on its node, unreadable, another model's, past this run's schedule, or a part of it this rank takes is
+    damaged). Moments are matched by the names the checkpoint stores, never by position."""
     try:
         state, path = load_latest(out_dir)
     except (FileNotFoundError, ValueError) as e:
-        return None, str(e)
-    expected = set(optimizer_layout(gcfg, cfg)[2])
-    extra, missing = sorted(set(state["model"]) - expected), sorted(expected - set(state["model"]))
-    if extra or missing:
-        return None, (f"checkpoint {path} does not match this model: " + "; ".join(
-            f"{what} {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
-            for what, names in (("it has", extra), ("it lacks", missing)) if names))
-    for name, shape in shapes:
-        value = state["model"][name]
-        if tuple(value.shape) != shape:
-            return None, f"checkpoint {path} does not match this model: {name} {tuple(value.shape)} vs {shape}"
-    return state, None
+        return None, None, str(e)
+    order, _, keys = optimizer_layout(gcfg, cfg)
+    problem = compatibility_problem(state, path, gcfg, cfg, order, keys)
+    if problem is not None:
+        return None, None, problem
+    by_index = state["optimizer"]["state"]
+    names = state["optimizer"].get("names", order)   # earlier versions: this (identical) model's order
+    moments = {name: by_index.get(i) for i, name in enumerate(names)}
+    problem = rank_problem(state, path, shapes, moments)
+    return (None, None, problem) if problem else (state, moments, None)
 
 
 @torch.no_grad()
 def load(cfg, env, gcfg, held):
     """Every rank reads the one checkpoint and keeps its part of what it holds; returns the step to continue
     from. A rank that cannot (no checkpoint on its node, unreadable, another model's) says why, and all stop."""
-    state, error = read_matching(cfg.out_dir, gcfg, cfg, held.shapes())
+    state, moments, error = read_matching(cfg.out_dir, gcfg, cfg, held.shapes())
     fail_together(error, env)
-    order = optimizer_layout(gcfg, cfg)[0]
-    moments = {name: state["optimizer"]["state"].get(i) for i, name in enumerate(order)}
     held.restore({name: (state["model"][name], moments.get(name)) for name, _ in held.shapes()})
     set_rng_state(own_rng_state(state))
+    saved_seed = (state.get("config") or {}).get("seed", cfg.seed)
+    if saved_seed != cfg.seed and env.rank == 0:
+        print(f"warning: --seed {cfg.seed} differs from the checkpoint's {saved_seed}: from step {state['step']} "
+              f"on, the batches and dropout masks differ from the original run's", flush=True)
     return state["step"]
 
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from common.errors import ConfigError, check, fail  # noqa: F401 (the checks every script makes come from here)
-from common.checkpoint import CKPT_DIR, LATEST, remove_stale_temp_files, resolve_resume
+from common.checkpoint_files import CKPT_DIR, LATEST, resolve_resume
 
 
 @dataclass
@@ -177,39 +177,84 @@ def parse_config(argv=None, techniques=(), description=None, extra_args=None, va
         if k not in names:
             setattr(cfg, k, v)
     try:
-        validate_common(cfg)
+        validate_common(cfg, zero_means_auto={n for n in DEGREES if parser.get_default(n) == 0})
         if validate is not None:
             validate(cfg)
         cfg.resume = resolve_resume(cfg.resume, cfg.out_dir)
     except ValueError as e:                     # a ConfigError, or resolve_resume's
         fail(str(e))
-    if os.environ.get("RANK", "0") == "0":      # before any work, so no save of this run is under way
-        remove_stale_temp_files(cfg.out_dir)
     return cfg
 
 
-def validate_common(cfg):
+FLOAT_FLAGS = ("lr", "min_lr", "weight_decay", "grad_clip", "dist_timeout", "dropout", "aux_loss_coef",
+               "capacity_factor", "bucket_mb")
+MAX_DIST_TIMEOUT = 10 ** 7                      # seconds (about 4 months): beyond it, timedelta and gloo overflow
+
+
+DEGREES = ("tp", "cp", "pp", "pp_virtual", "ep", "top_k", "moe_every")
+
+
+def validate_common(cfg, zero_means_auto=()):
+    """The range of every shared flag (a script's own flags are checked by its validate). zero_means_auto: the
+    degrees a script's parser defaults to 0, meaning "chosen for you" (train_5d's tp, cp, pp)."""
+    from common.distributed import world_size_from_env
     for name in ("n_layer", "n_head", "n_embd", "block_size", "global_batch_size", "micro_batch_size",
                  "max_steps", "eval_iters", "log_interval", "max_bad_steps", "keep_checkpoints"):
         check(getattr(cfg, name) > 0, f"--{name} must be positive, got {getattr(cfg, name)}")
-    check(0.0 <= cfg.dropout < 1.0, f"--dropout must be in [0, 1), got {cfg.dropout}")
+    for name in FLOAT_FLAGS:
+        value = getattr(cfg, name)
+        check(math.isfinite(value) and value >= 0, f"--{name} must be a finite number >= 0, got {value}")
+    check(cfg.dropout < 1.0, f"--dropout must be in [0, 1), got {cfg.dropout}")
     check(cfg.n_embd % cfg.n_head == 0, f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
     check((cfg.n_embd // cfg.n_head) % 2 == 0,
           f"head dim n_embd/n_head={cfg.n_embd // cfg.n_head} must be even for rotary embeddings")
-    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "dist_timeout"):
-        value = getattr(cfg, name)
-        check(math.isfinite(value) and value >= 0, f"--{name} must be a finite number >= 0, got {value}")
-    check(cfg.lr > 0 and cfg.dist_timeout > 0, f"--lr and --dist_timeout must be positive, got {cfg.lr} and "
-                                               f"{cfg.dist_timeout}")
-    check(cfg.warmup_steps >= 0 and cfg.min_lr <= cfg.lr, "need warmup_steps >= 0 and min_lr <= lr")
-    for name in ("seed", "stop_step", "eval_interval", "save_interval", "sample_tokens", "profile"):
+    check(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
+    check(cfg.warmup_steps >= 0, f"--warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    check(cfg.min_lr <= cfg.lr, f"--min_lr {cfg.min_lr:g} must not exceed --lr {cfg.lr:g}")
+    for name in ("seed", "stop_step", "eval_interval", "save_interval", "sample_tokens", "profile", "dp",
+                 "n_experts"):                          # (--n_microbatches: each script says what 0 means)
         check(getattr(cfg, name) >= 0, f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    for name in DEGREES:
+        least = 0 if name in zero_means_auto else 1
+        check(getattr(cfg, name) >= least, f"--{name} must be >= {least}, got {getattr(cfg, name)}")
+    world = world_size_from_env()               # each rank seeds its dropout with seed + rank: all within 63 bits
+    check(cfg.seed <= 2 ** 63 - world, f"--seed must be at most 2**63 - {world} (the seed plus each rank's index "
+                                       f"fits in 63 bits), got {cfg.seed}")
     check(cfg.stop_step <= cfg.max_steps, f"--stop_step {cfg.stop_step} is past --max_steps {cfg.max_steps} (the "
                                           f"schedule ends there)")
     check(cfg.out_dir.strip() != "", "--out_dir must name a directory")
     check_out_dir(cfg.out_dir)
-    check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device) is not None,
-          f"--device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
+    check_system_flags(cfg.device, cfg.dist_timeout)
+
+
+def check_system_flags(device, dist_timeout):
+    """--device and --dist_timeout, shared by the train scripts and collectives.py."""
+    check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", device) is not None,
+          f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    check(math.isfinite(dist_timeout) and 1 <= dist_timeout <= MAX_DIST_TIMEOUT,
+          f"--dist_timeout must be between 1 and {MAX_DIST_TIMEOUT:g} seconds, got {dist_timeout:g}")
+
+
+MAX_SHOWN, MAX_MIB = 4096, 65536     # collectives.py: elements printed per rank; MiB of one sweep tensor
+
+
+def parse_collectives_args(argv, description):
+    """collectives.py's command line: one `error:` line and exit code 2 for a value out of range."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--numel", type=int, default=0, help="elements of the shown tensors (default: 2 per rank)")
+    p.add_argument("--size", nargs="+", type=float, help="only the bandwidth sweep, over these sizes in MiB")
+    p.add_argument("--device", default="auto", help="auto: cuda (NCCL) when a GPU is present, else cpu (gloo)")
+    p.add_argument("--dist_timeout", type=float, default=300.0, help=HELP["dist_timeout"])
+    args = p.parse_args(argv)
+    try:
+        check_system_flags(args.device, args.dist_timeout)
+        check(0 <= args.numel <= MAX_SHOWN, f"--numel must be in 0..{MAX_SHOWN} (0: 2 per rank; the walk-through "
+                                           f"prints every element), got {args.numel}")
+        check(all(0 < s <= MAX_MIB for s in args.size or [1.0]),     # (NaN fails the comparison too)
+              f"--size: every size must be in (0, {MAX_MIB}] MiB, got {' '.join(map(str, args.size or []))}")
+    except ConfigError as e:
+        fail(str(e))
+    return args
 
 
 def check_out_dir(out_dir):

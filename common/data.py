@@ -20,6 +20,7 @@ micro-batch is a fixed slice of it (`micro_batch`), so every layout sees exactly
 """
 import argparse
 import json
+import math
 import os
 import pickle
 import socket
@@ -55,28 +56,43 @@ def encode(text_bytes, tokenizer):
         try:
             enc = tiktoken.get_encoding("gpt2")
         except Exception as e:  # no network: tiktoken downloads its BPE file on first use
-            sys.exit(f"error: tiktoken could not load the GPT-2 BPE file ({type(e).__name__}: {e}).\n"
-                     f"It is downloaded on first use; without internet use --tokenizer byte.")
+            raise ValueError(f"tiktoken could not load the GPT-2 BPE file ({type(e).__name__}: {e}); it is "
+                             f"downloaded on first use: without internet use --tokenizer byte") from None
         ids = enc.encode_ordinary(text_bytes.decode("utf-8", errors="replace"))
         return np.array(ids, dtype=np.uint16), enc.n_vocab          # 50257 < 2^16
     raise ValueError(f"unknown tokenizer {tokenizer!r}; expected byte or gpt2")
 
 
+MIN_SPLIT_TOKENS = 3        # block_size 1 needs block_size + 2 tokens in a split (GlobalBatchLoader)
+
+
 def write_dataset(out_dir, tokens, vocab_size, tokenizer, source, val_fraction=0.1):
-    """Split tokens (last val_fraction for validation) and write train.bin / val.bin / meta.json."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Split tokens (last val_fraction for validation) and write train.bin / val.bin / meta.json. Too few tokens
+    for a usable dataset is a ValueError before anything is written (a good dataset there stays as it was); a
+    failed write removes its temporary files and raises OSError naming the directory."""
     n_val = max(int(len(tokens) * val_fraction), 1)
+    if len(tokens) - n_val < MIN_SPLIT_TOKENS or n_val < MIN_SPLIT_TOKENS:
+        raise ValueError(f"{source}: {len(tokens)} token(s), too few for a dataset (train and val need at least "
+                         f"{MIN_SPLIT_TOKENS} each, val being the last {val_fraction:.0%}: at least "
+                         f"{math.ceil(MIN_SPLIT_TOKENS / val_fraction)} tokens); nothing was written to {out_dir}")
+    os.makedirs(out_dir, exist_ok=True)
     splits = {"train": tokens[:-n_val], "val": tokens[-n_val:]}
-    for split, arr in splits.items():
-        tmp = temporary_name(out_dir, f"{split}.bin")
-        arr.astype(np.uint16).tofile(tmp)
-        os.replace(tmp, os.path.join(out_dir, f"{split}.bin"))
     meta = dict(vocab_size=vocab_size, tokenizer=tokenizer, source=source,
                 train_tokens=int(len(splits["train"])), val_tokens=int(len(splits["val"])))
-    tmp = temporary_name(out_dir, "meta.json")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, "meta.json"))   # last: a meta.json means the .bin files are complete
+    temps = [temporary_name(out_dir, name) for name in ("train.bin", "val.bin", "meta.json")]
+    try:
+        for split, tmp in zip(splits, temps):
+            splits[split].astype(np.uint16).tofile(tmp)
+        with open(temps[2], "w") as f:
+            json.dump(meta, f, indent=1)
+    except OSError as e:                             # a full disk: the dataset there (if any) stays as it was
+        for tmp in temps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        raise OSError(f"cannot write the dataset to {out_dir} ({e.strerror or e}); nothing there was changed") \
+            from None
+    for name, tmp in zip(("train.bin", "val.bin", "meta.json"), temps):
+        os.replace(tmp, os.path.join(out_dir, name))   # meta.json last: a meta.json means the .bin files are complete
     return meta
 
 
@@ -102,9 +118,22 @@ def prepare_stdlib(out_dir=DEFAULT_DATA_DIR):
     return meta
 
 
+def read_inputs(paths):
+    """The bytes of every --input file, joined by newlines; ValueError naming a path that is not a readable file."""
+    chunks = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ValueError(f"--input {path}: {'a directory, not a file' if os.path.isdir(path) else 'no such file'}")
+        try:
+            with open(path, "rb") as f:
+                chunks.append(f.read())
+        except OSError as e:
+            raise ValueError(f"--input {path}: cannot read it ({e.strerror or e})") from None
+    return b"\n".join(chunks)
+
+
 def prepare_text_files(paths, out_dir, tokenizer):
-    text = b"\n".join(open(p, "rb").read() for p in paths)
-    tokens, vocab = encode(text, tokenizer)
+    tokens, vocab = encode(read_inputs(paths), tokenizer)
     return write_dataset(out_dir, tokens, vocab, tokenizer, ", ".join(paths))
 
 
@@ -113,7 +142,11 @@ def prepare_shakespeare(out_dir, tokenizer):
     path = os.path.join(out_dir, "input.txt")
     if not os.path.exists(path):
         print(f"data: downloading {SHAKESPEARE_URL}", flush=True)
-        urllib.request.urlretrieve(SHAKESPEARE_URL, path)
+        try:
+            urllib.request.urlretrieve(SHAKESPEARE_URL, path + ".part")
+        except OSError as e:                         # no network (URLError is an OSError)
+            raise ValueError(f"cannot download {SHAKESPEARE_URL} ({e}); without internet use --input FILES") from None
+        os.replace(path + ".part", path)
     return prepare_text_files([path], out_dir, tokenizer)
 
 
@@ -206,8 +239,9 @@ class GlobalBatchLoader:
         self.data = {split: open_tokens(os.path.join(data_dir, f"{split}.bin")) for split in ("train", "val")}
         for split, arr in self.data.items():
             path = os.path.join(data_dir, f"{split}.bin")
-            if len(arr) <= block_size + 1:
-                raise ValueError(f"{path} has {len(arr)} tokens, fewer than block_size+1 = {block_size + 1}")
+            if len(arr) < block_size + 2:            # a sequence of block_size + 1 tokens from one of >= 2 offsets
+                raise ValueError(f"{path} has {len(arr)} tokens; --block_size {block_size} needs at least "
+                                 f"block_size + 2 = {block_size + 2}: a smaller --block_size, or more data")
             check_token_ids(path, arr, self.vocab_size, meta_path)
 
     @property
@@ -239,15 +273,37 @@ def main(argv=None):
     p.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2"],
                    help="byte: raw bytes, vocab 256 (offline); gpt2: tiktoken BPE (downloads its file once)")
     a = p.parse_args(argv)
-    if a.shakespeare:
-        meta = prepare_shakespeare(a.out_dir or os.path.join("data", "shakespeare"), a.tokenizer)
-    elif a.input:
-        meta = prepare_text_files(a.input, a.out_dir or os.path.join("data", "custom"), a.tokenizer)
-    else:
-        if a.tokenizer != "byte":
-            sys.exit("error: the default stdlib corpus is byte-level; use --input FILES with --tokenizer gpt2")
-        meta = prepare_stdlib(a.out_dir or DEFAULT_DATA_DIR)
+    from common.errors import fail
+    try:
+        check_out_dir_arg(a.out_dir)
+        if a.shakespeare and a.input:
+            raise ValueError("--shakespeare and --input both name the text: pick one")
+        if a.shakespeare:
+            meta = prepare_shakespeare(a.out_dir or os.path.join("data", "shakespeare"), a.tokenizer)
+        elif a.input:
+            meta = prepare_text_files(a.input, a.out_dir or os.path.join("data", "custom"), a.tokenizer)
+        else:
+            if a.tokenizer != "byte":
+                raise ValueError("the default stdlib corpus is byte-level; use --input FILES with --tokenizer gpt2")
+            meta = prepare_stdlib(a.out_dir or DEFAULT_DATA_DIR)
+    except (ValueError, OSError) as e:
+        fail(str(e))
     print(json.dumps(meta, indent=1))
+
+
+def check_out_dir_arg(out_dir):
+    """--out_dir is a directory, or can be made one (not a file, nor under one)."""
+    if out_dir is None:
+        return
+    if out_dir.strip() == "":
+        raise ValueError("--out_dir must name a directory")
+    existing = os.path.abspath(out_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--out_dir {out_dir}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out_dir {out_dir}: {existing} is not writable")
 
 
 if __name__ == "__main__":

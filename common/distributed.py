@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from common import comm
-from common.errors import FAILED, fail
+from common.errors import FAILED, check, fail
 
 
 @dataclass
@@ -35,8 +35,23 @@ class DistEnv:
 
 
 def world_size_from_env():
-    """WORLD_SIZE as torchrun sets it (1 when launched with plain python); usable before init."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """WORLD_SIZE as torchrun sets it (1 when launched with plain python); usable before init, to validate a
+    layout (init_distributed refuses a WORLD_SIZE that came without RANK, i.e. not from a launcher)."""
+    return launch_env()[1]
+
+
+def launch_env():
+    """(rank, world size, local rank) from torchrun's environment; ConfigError for values no launcher sets."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    values = []
+    for name, default in zip(names, ("0", "1", "0")):
+        text = os.environ.get(name, default)
+        check(re.fullmatch(r"\d+", text.strip()) is not None,
+              f"environment variable {name}={text!r} is not a non-negative integer (torchrun sets it)")
+        values.append(int(text))
+    rank, world, local = values
+    check(world >= 1 and rank < world, f"RANK={rank} is not below WORLD_SIZE={world} (torchrun sets both)")
+    return rank, world, local
 
 
 def pick_device(requested, local_rank):
@@ -48,6 +63,10 @@ def pick_device(requested, local_rank):
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device {requested} requested but CUDA is not available")
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ValueError(f"--device {requested} (local rank {local_rank}): this node has {count} GPU(s), "
+                             f"cuda:0..cuda:{count - 1}; launch at most {count} ranks per node")
         torch.cuda.set_device(device)
     return device
 
@@ -67,48 +86,108 @@ def init_distributed(cfg, need_group=True):
     """Device and (optionally) the default process group, from torchrun's environment variables.
 
     Launched with plain `python` (no RANK in the environment), a script that needs a group gets a
-    one-process group on an in-memory store, so every script also runs on a single device."""
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = world_size_from_env()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    one-process group on an in-memory store, so every script also runs on a single device. A script that needs
+    no group (train_single) refuses a world of several ranks: each would train alone, racing on one out_dir."""
     try:
+        rank, world_size, local_rank = launch_env()
+        if "RANK" not in os.environ and world_size > 1:     # a WORLD_SIZE left in the shell, not a launch
+            check(not need_group, f"WORLD_SIZE={world_size} is set but RANK is not: this is not a launch by "
+                                  f"torchrun, and one process would split the batch for {world_size - 1} rank(s) "
+                                  f"that do not exist; launch with torchrun --nproc_per_node {world_size}, or unset "
+                                  f"WORLD_SIZE")
+            print(f"warning: WORLD_SIZE={world_size} without RANK is not a launch by torchrun: running as one "
+                  f"process", flush=True)
+            world_size = 1
+        check(need_group or world_size == 1,
+              f"{os.path.basename(sys.argv[0]) or 'this script'} trains on one device, but it was launched as "
+              f"{world_size} ranks (WORLD_SIZE={world_size}); run it with plain python, or use a parallel script "
+              f"(train_ddp.py, ...) under torchrun")
         device = pick_device(cfg.device, local_rank)
     except ValueError as e:                      # --device cuda on a machine without one: one line, not a trace
         fail(str(e))
     backend = "nccl" if device.type == "cuda" else "gloo"
     comm.GROUP_TIMEOUT["s"] = cfg.dist_timeout        # every subgroup gets it too (new_group), not torch's 30 min
     if need_group and not dist.is_initialized():
+        if backend == "nccl":
+            nccl_error_defaults()
         timeout = timedelta(seconds=cfg.dist_timeout)
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None,
-                                    store=restart_store(rank, world_size, timeout))
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        report_collective_failures(rank, cfg.dist_timeout)
+        try:
+            if "RANK" in os.environ:
+                dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                        device_id=device if device.type == "cuda" else None,
+                                        store=restart_store(rank, world_size, timeout))
+            else:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        except (RuntimeError, ValueError, TimeoutError, OSError) as e:    # DistError is a RuntimeError
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            fail(f"could not join the process group of {world_size} rank(s) at {where} within --dist_timeout "
+                 f"{cfg.dist_timeout:g} s ({first_line(e)}): a rank did not start or exited early, or "
+                 f"MASTER_ADDR/MASTER_PORT are wrong; launch every rank with torchrun", rank_local=True)
+        report_collective_failures(rank)         # outermost: torch's own hook, installed by init, buffers output
         atexit.unregister(destroy_at_exit)       # registered once, however often main() runs in one process
         atexit.register(destroy_at_exit)
     return DistEnv(rank, world_size, local_rank, device, backend)
 
 
-# what gloo's transport says when a peer is gone or too slow (its RuntimeErrors mostly also name their source file,
-# third_party/gloo/..., but "Application timeout caused pair closure", on a pair an earlier timeout closed, does not)
-GLOO_FAILURES = ("/gloo/", "Application timeout caused pair closure", "Connection closed by peer", "Socket closed",
-                 "Read error", "Timed out waiting")
+def nccl_error_defaults():
+    """NCCL reports a dead or stuck peer from its watchdog thread, and by default (TORCH_NCCL_ASYNC_ERROR_HANDLING
+    3) tears the process down from there: a C++ log and SIGABRT, no line of ours. With blocking wait, which torch
+    gives precedence over async error handling, the failed collective raises in the training thread instead, where
+    report_collective_failures turns it into one error line. Set before init (ProcessGroupNCCL reads it when it is
+    built); a value the user set is kept (docs/failures.md: what it costs, and what happens otherwise)."""
+    if "TORCH_NCCL_BLOCKING_WAIT" not in os.environ and "NCCL_BLOCKING_WAIT" not in os.environ:
+        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+
+
+# what a failed collective says, by cause. gloo: its RuntimeErrors mostly name their source file, third_party/gloo/...,
+# but "Application timeout caused pair closure", on a pair an earlier timeout closed, does not. NCCL and the store
+# raise DistError. A peer that is gone shows as a closed or reset connection; a stuck one as a timeout.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Socket closed", "Broken pipe", "Read error",
+             "Write error", "remote process exited", "communicator was aborted", "ncclRemoteError")
+TIMED_OUT = ("Timed out waiting", "Application timeout caused pair closure", "timed out", "timeout", "Timeout")
+GLOO_FAILURES = ("/gloo/", "Application timeout caused pair closure", "Connection closed by peer",
+                 "Connection reset by peer", "Socket closed", "Read error", "Timed out waiting")
+
+
+def first_line(exc):
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)            # gloo's "[.../pair.cc:537] " source position
+    return text.split(". This is typically")[0].rstrip(".")
 
 
 def collective_failure(exc):
     """The reason of a failed collective or p2p transfer, in one line, or None for any other exception. NCCL and
     the store raise DistError; gloo a RuntimeError with one of GLOO_FAILURES in its first line."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     gloo = isinstance(exc, RuntimeError) and any(sign in text for sign in GLOO_FAILURES)
     if not isinstance(exc, dist.DistError) and not gloo:
         return None
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text)            # gloo's "[.../pair.cc:537] " source position
-    return text.split(". This is typically")[0].rstrip(".")
+    return first_line(exc)
 
 
-def report_collective_failures(rank, timeout_s):
+def failure_kind(reason):
+    """"peer gone" (its connection closed or reset: it exited or was killed), "timed out" (no answer within
+    --dist_timeout: stuck or slow), or "failed" (anything else the backend said)."""
+    if any(sign in reason for sign in PEER_GONE):
+        return "peer gone"
+    if any(sign in reason for sign in TIMED_OUT):
+        return "timed out"
+    return "failed"
+
+
+def describe_failure(reason, what, timeout_s):
+    """One line saying what happened to `what` (a collective, a checkpoint save's barrier...) and what to do."""
+    kind = failure_kind(reason)
+    if kind == "peer gone":
+        return (f"{what} failed: another rank exited or lost its connection ({reason}); its own output says why, "
+                f"then restart (--resume auto continues from the last checkpoint)")
+    if kind == "timed out":
+        return (f"waited longer than --dist_timeout {timeout_s:g} s for {what} ({reason}): another rank is stuck "
+                f"or much slower; its own output says which; raise --dist_timeout if it was only slow")
+    return f"{what} failed ({reason}); the other ranks' output may say why"
+
+
+def report_collective_failures(rank):
     """A collective that fails mid-run (a peer was killed, or stalled past --dist_timeout) ends this rank with
     one error line instead of a traceback through the training loop. Other exceptions keep their traceback."""
     previous = sys.excepthook
@@ -117,11 +196,22 @@ def report_collective_failures(rank, timeout_s):
         reason = collective_failure(exc)
         if reason is None:
             return previous(kind, exc, tb)
-        print(f"error: rank {rank}: a collective failed ({reason}): another rank exited, or stalled longer than "
-              f"--dist_timeout {timeout_s:g} s; its own output says which", file=sys.stderr, flush=True)
+        what = describe_failure(reason, "a collective", comm.GROUP_TIMEOUT["s"])
+        print(f"error: rank {rank}: {what}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2)     # not the normal teardown: it would wait on (or abort in) the dead peer's connections
-    sys.excepthook = hook
+    hook.nanoscale = True
+    if not getattr(previous, "nanoscale", False):     # once per process, however often main() runs
+        sys.excepthook = hook                         # (outermost: torch's hook would buffer our line away)
+
+
+def barrier(group, timeout_s, what):
+    """dist.barrier bounded by --dist_timeout; a failure is one line saying whether a peer is gone or timed out."""
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as e:                        # DistBackendError (a RuntimeError), or gloo's RuntimeError
+        reason = collective_failure(e) or first_line(e)
+        fail(describe_failure(reason, what, timeout_s), rank_local=True)
 
 
 def destroy_at_exit():
@@ -142,9 +232,23 @@ def destroy_at_exit():
 
 
 def destroy():
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    """The end of a run of several ranks: leave the group together (a barrier, then destroy it), then end the
+    process without the interpreter's teardown, for the reason destroy_at_exit gives: gloo's threads, still
+    running while the interpreter and C++ runtime shut down, abort a good run now and then ("terminate called
+    without an active exception": collectives.py on 4 ranks, about one run in four). Call it last: whatever the
+    run wrote is on disk by then (metrics rows and checkpoints are flushed as written); the out_dir lock is
+    released first."""
+    if not dist.is_initialized():
+        return
+    several = dist.get_world_size() > 1
+    dist.barrier()
+    dist.destroy_process_group()
+    if several:
+        from common.checkpoint_files import release_out_dir_locks
+        release_out_dir_locks()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def fail_together(error, env):
@@ -162,12 +266,21 @@ def fail_together(error, env):
         fail("another rank failed (its error line names it)")
 
 
+def agree(error, timeout_s, what):
+    """True if no rank has an error (each passes its own, or None). An all-reduce that is also the barrier of
+    `what`, bounded by --dist_timeout; if it fails, one line says whether a peer is gone or timed out."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    try:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    except RuntimeError as e:
+        reason = collective_failure(e) or first_line(e)
+        fail(describe_failure(reason, what, timeout_s), rank_local=True)
+    return not bool(flag.item())
+
+
 def wait_for_main_rank(group, cfg, what):
     """After work that only rank 0 does (a checkpoint save, an evaluation): the other ranks wait for it here,
     bounded by --dist_timeout, instead of inside the next step's collective; a too-slow save or evaluation
     is then reported as what it is."""
-    try:
-        dist.barrier(group=group)
-    except RuntimeError as e:                        # DistBackendError: a timeout (or a rank gone)
-        fail(f"waited longer than --dist_timeout {cfg.dist_timeout:g} s for rank 0's {what} "
-             f"({type(e).__name__}); raise --dist_timeout", rank_local=True)
+    barrier(group, cfg.dist_timeout, f"rank 0's {what}")

@@ -22,7 +22,11 @@ def fail(message, rank_local=False):
     """Print one clear error line and exit with code 2. A configuration error is the same on every rank and
     prints once (rank 0); a rank-local one (this node's files, this rank's checkpoint) prints on the rank that
     hit it, named, since rank 0 may not have seen it."""
-    rank = int(os.environ.get("RANK", "0"))
+    text = os.environ.get("RANK", "0").strip()
+    world = os.environ.get("WORLD_SIZE", "1").strip()
+    rank = int(text) if text.isdigit() else 0       # (a malformed RANK is itself reported through here)
+    if world.isdigit() and rank >= int(world):      # a rank outside its world: no rank 0 will say it
+        rank = 0
     if rank_local and "RANK" in os.environ:
         print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
     elif rank == 0 or rank_local:

@@ -9,6 +9,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from common.checkpoint_files import lock_out_dir, remove_stale_temp_files
 from common.errors import check, fail
 from common.distributed import fail_together
 from common.data import GlobalBatchLoader, ensure_dataset
@@ -65,15 +66,24 @@ def prepares_data(env):
 
 
 def prepare_data(cfg, env):
-    """The deterministic loader. Each node's local rank 0 prepares the default corpus on first use while the
-    others wait; then every rank opens it. A rank that cannot (no dataset on its node) says so itself."""
+    """The out_dir lock, then the deterministic loader. Rank 0 takes the lock of --out_dir (one run writes there:
+    a second one stops here naming the first) and then removes the temporary files of killed saves. Each node's
+    local rank 0 prepares the default corpus on first use while the others wait; then every rank opens it. A rank
+    that cannot (no dataset on its node) says so itself."""
     error = None
-    if prepares_data(env):
+    if env.rank == 0:
+        try:
+            error = lock_out_dir(cfg.out_dir)
+        except OSError as e:
+            error = f"--out_dir {cfg.out_dir}: cannot create its lock file ({e})"
+    if prepares_data(env) and error is None:
         try:
             ensure_dataset(cfg.data_dir)
         except (OSError, ValueError) as e:          # FileNotFoundError is an OSError
             error = str(e)
     fail_together(error, env)                       # also the barrier: the node's corpus is ready
+    if env.rank == 0:                               # this run holds the lock: no save of any run is under way
+        remove_stale_temp_files(cfg.out_dir)
     loader = None
     try:
         ensure_dataset(cfg.data_dir)

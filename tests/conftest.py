@@ -51,3 +51,12 @@ def text_reference_for(text_data, tmp_path_factory):
 def text_reference(text_reference_for):
     """The float64 reference of the default tiny model (MODELS["L2"]), what most parity tests compare against."""
     return text_reference_for("L2")
+
+
+@pytest.fixture(autouse=True)
+def release_out_dir_locks():
+    """A run's main() called in this process holds its out_dir lock until the process ends; a test's runs end
+    with the test, so a later test's subprocess may write the same directory."""
+    yield
+    from common.checkpoint_files import release_out_dir_locks
+    release_out_dir_locks()

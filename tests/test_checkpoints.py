@@ -1,6 +1,7 @@
 """Checkpoints (common/checkpoint.py): one format for every script, so any layout resumes any other
 with the unbroken run's losses; step directories committed last (a crash leaves the previous one as latest),
 the newest --keep_checkpoints kept; --resume auto; a job killed mid-run restarts under torchrun by itself."""
+import errno
 import json
 import os
 import shutil
@@ -81,18 +82,194 @@ def test_sharded_saves_are_written_by_every_rank_in_parts(text_data, tmp_path, f
             assert torch.allclose(merged["optimizer"]["state"][i][name], st[name], rtol=1e-9, atol=1e-15), (i, name)
 
 
-def test_another_models_checkpoint_is_one_line_in_the_sharded_layouts(tiny_data, tmp_path):
-    out = str(tmp_path / "run")
-    run_single(tiny_argv(tiny_data, out, max_steps=2))
-    for script, flags in (("train_tp", dict(tp=2)), ("train_pp", dict(pp=2)),
-                          ("train_ep", dict(ep=2, n_experts=2, top_k=1))):
-        argv = tiny_argv(tiny_data, out, max_steps=4, resume=True, n_embd=48, **flags)
-        results = run_workers(exit_code_and_stderr, 2, args=(script, argv), timeout=300)
-        assert [code for code, _ in results] == [2, 2], (script, results)
-        for rank, (_, err) in enumerate(results):
-            lines = err.strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith(f"error: rank {rank}: checkpoint ") and \
-                "does not match this model" in lines[0], (script, lines)
+# ----------------------------------------------------------------------------------------------------------
+# resume compatibility: one check in checkpoint.load, whichever script loads
+
+# (script, its layout, a model-defining flag changed against the checkpoint of tiny_argv's model: n_layer 2,
+# n_head 4, n_embd 32, block_size 16, dense). n_head 2 keeps every tensor's shape: only the config can tell.
+OTHER_MODELS = [("train_single", {}, dict(n_head=2)), ("train_ddp", {}, dict(n_layer=4)),
+                ("train_zero", dict(zero_stage=1), dict(n_head=2)), ("train_zero", dict(zero_stage=3), dict(n_layer=4)),
+                ("train_tp", dict(tp=2), dict(n_embd=48)), ("train_cp", dict(cp=2), dict(n_head=2)),
+                ("train_pp", dict(pp=2), dict(n_layer=4)), ("train_ep", dict(ep=2, top_k=1), dict(n_experts=2)),
+                ("train_5d", dict(dp=2), dict(block_size=32)), ("train_5d", dict(tp=2, pp=2), dict(n_head=2))]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tiny_data, tmp_path_factory):
+    """A 2-step train_single run of tiny_argv's model with its checkpoint (copied by each test that resumes it)."""
+    out = str(tmp_path_factory.mktemp("tiny_checkpoint") / "run")
+    run_single(tiny_argv(tiny_data, out, max_steps=4, stop_step=2))
+    return out
+
+
+def _copy(src, tmp_path):
+    dst = str(tmp_path / "run")
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("script, layout, changed", OTHER_MODELS,
+                         ids=[f"{s}-{'-'.join(map(str, lay.values()))}-{next(iter(c))}" for s, lay, c in OTHER_MODELS])
+def test_another_models_checkpoint_is_one_line_in_every_loader(tiny_data, tiny_checkpoint, tmp_path, script, layout,
+                                                               changed):
+    """Every loader refuses a checkpoint whose model-defining fields differ, naming the field, both values and what
+    may change on resume, before any work; the checkpoint stays as it was."""
+    out = _copy(tiny_checkpoint, tmp_path)
+    before = {p: open(os.path.join(dp, p), "rb").read() for dp, _, fs in os.walk(out) for p in fs if p.endswith(".pt")}
+    argv = tiny_argv(tiny_data, out, max_steps=4, resume=True, **layout, **changed)
+    world = 1 if script == "train_single" else 4 if layout.get("tp") == 2 and layout.get("pp") == 2 else 2
+    if world == 1:
+        results = [exit_code_and_stderr(0, 1, script, argv)]
+    else:
+        results = run_workers(exit_code_and_stderr, world, args=(script, argv), timeout=300)
+    name, value = next(iter(changed.items()))
+    assert [code for code, _ in results] == [2] * world, results
+    for _, err in results:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "does not match this model: --" in lines[0], lines
+        assert f"--{name} " in lines[0] and f"vs {value} in this run" in lines[0] and "you may change" in lines[0]
+    after = {p: open(os.path.join(dp, p), "rb").read() for dp, _, fs in os.walk(out) for p in fs if p.endswith(".pt")}
+    assert after == before
+
+
+def _rewrite(out, edit):
+    """Apply edit(state) to the newest checkpoint file (a one-process save: everything is in it)."""
+    path = latest_checkpoint(out)
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, path)
+
+
+def test_adam_moments_are_matched_by_name_not_position(tiny_data, tiny_checkpoint, tmp_path):
+    """The same checkpoint with its optimizer entries stored in reverse order (names and moments together): the
+    resumed run is bit-identical to resuming the original, since each moment goes to the parameter it names."""
+    ref = _copy(tiny_checkpoint, tmp_path / "a")
+    reference = run_single(tiny_argv(tiny_data, ref, max_steps=4, resume=True))[0]
+
+    def reverse(state):
+        names, moments = state["optimizer"]["names"], state["optimizer"]["state"]
+        n = len(names)
+        state["optimizer"]["names"] = names[::-1]
+        state["optimizer"]["state"] = {n - 1 - i: m for i, m in moments.items()}
+    out = _copy(tiny_checkpoint, tmp_path / "b")
+    _rewrite(out, reverse)
+    assert run_single(tiny_argv(tiny_data, out, max_steps=4, resume=True))[0] == reference
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s["model"]["transformer.h.1.attn.c_proj.weight"].fill_(float("nan")),
+     "inf/NaN in transformer.h.1.attn.c_proj.weight;"),
+    (lambda s: s["optimizer"]["state"][0]["exp_avg_sq"].fill_(float("inf")), "inf/NaN in "),
+    (lambda s: s["model"].update(extra=torch.zeros(2)), "it has extra"),
+    (lambda s: s["optimizer"]["names"].__setitem__(0, "transformer.h.9.mlp.c_fc.weight"), "optimizer state names"),
+    (lambda s: s["optimizer"]["state"].pop(3), "lacks the optimizer state of"),
+    (lambda s: s.update(step=7), "is at step 7, past --max_steps 4"),
+], ids=["nan-weight", "inf-moment", "extra-entry", "foreign-optimizer-name", "missing-moment", "step-past-schedule"])
+def test_a_damaged_or_unusable_checkpoint_is_one_line_on_load(tiny_data, tiny_checkpoint, tmp_path, damage, message):
+    out = _copy(tiny_checkpoint, tmp_path)
+    _rewrite(out, damage)
+    code, err = exit_code_and_stderr(0, 1, "train_single", tiny_argv(tiny_data, out, max_steps=4, resume=True))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --resume: ") and message in lines[0], lines
+
+
+def test_a_non_finite_value_is_found_on_load_in_a_sharded_layout(tiny_data, tiny_checkpoint, tmp_path):
+    """train_tp: the rank that takes the damaged tensor names it, the other says another rank failed."""
+    out = _copy(tiny_checkpoint, tmp_path)
+    _rewrite(out, lambda s: s["model"]["transformer.h.0.mlp.c_fc.weight"][0, 0].fill_(float("nan")))
+    results = run_workers(exit_code_and_stderr, 2, args=("train_tp", tiny_argv(tiny_data, out, max_steps=4,
+                                                                                resume=True, tp=2)), timeout=300)
+    assert [code for code, _ in results] == [2, 2], results
+    lines = [line for _, err in results for line in err.strip().splitlines()]
+    assert any("inf/NaN in transformer.h.0.mlp.c_fc.weight" in line for line in lines), lines
+
+
+def test_only_the_current_gpus_rng_state_is_saved_and_restored(monkeypatch):
+    """A checkpoint of a node with 8 GPUs (an earlier version saved every device's state) resumes on a node with
+    one: the current device's state is set, never an index the node lacks; this version saves one state."""
+    from common import checkpoint
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([7], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state saved"))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: calls.append(int(state[0])))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("every GPU's state restored"))
+    assert int(checkpoint.rng_state()["cuda"][0]) == 7
+    cpu = torch.get_rng_state()
+    checkpoint.set_rng_state(dict(cpu=cpu, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(8)]))
+    checkpoint.set_rng_state(dict(cpu=cpu, cuda=torch.tensor([5], dtype=torch.uint8)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)   # local rank 3 of a node, 2 states saved
+    checkpoint.set_rng_state(dict(cpu=cpu, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(2)]))
+    assert calls == [0, 5, 0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a full disk during a save
+
+def _disk_full_after(monkeypatch, nbytes):
+    """Every checkpoint file write fails with ENOSPC after nbytes bytes, as a full disk does."""
+    from common import checkpoint_files
+    real_open = open
+
+    class Full:
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > nbytes:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(checkpoint_files, "open", lambda path, mode="r", **kw: Full(real_open(path, mode, **kw))
+                        if ".tmp." in str(path) else real_open(path, mode, **kw), raising=False)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tiny_data, tiny_checkpoint,
+                                                                                 tmp_path, monkeypatch):
+    out = _copy(tiny_checkpoint, tmp_path)
+    before = latest_checkpoint(out)
+    _disk_full_after(monkeypatch, 1000)
+    code, err = exit_code_and_stderr(0, 1, "train_single", tiny_argv(tiny_data, out, max_steps=4, resume=True))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: cannot write a checkpoint to {step_dir(out, 4)} (ENOSPC: No space left"), lines
+    assert latest_checkpoint(out) == before and load_checkpoint(before)["step"] == 2
+    leftovers = [f for _, _, fs in os.walk(out) for f in fs if ".tmp." in f]
+    assert leftovers == [] and not os.path.exists(step_dir(out, 4))
+
+
+def _full_disk_on_rank_1(rank, world_size, argv):
+    if rank == 1:
+        import pytest as _pytest
+        with _pytest.MonkeyPatch.context() as mp:
+            _disk_full_after(mp, 100)
+            return exit_code_and_stderr(rank, world_size, "train_zero", argv)
+    return exit_code_and_stderr(rank, world_size, "train_zero", argv)
+
+
+def test_a_full_disk_on_one_rank_of_a_sharded_save_stops_every_rank(tiny_data, tiny_checkpoint, tmp_path):
+    """ZeRO-3 on 2 ranks, rank 1's part hits ENOSPC: both exit 2 (rank 1 naming the directory and ENOSPC, rank 0
+    saying another rank failed), latest still names the previous checkpoint, no temporary file is left."""
+    out = _copy(tiny_checkpoint, tmp_path)
+    before = latest_checkpoint(out)
+    argv = tiny_argv(tiny_data, out, max_steps=4, resume=True, zero_stage=3)
+    results = run_workers(_full_disk_on_rank_1, 2, args=(argv,), timeout=300)
+    assert [code for code, _ in results] == [2, 2], results
+    assert "ENOSPC" in results[1][1] and "error: rank 1: cannot write a checkpoint to" in results[1][1], results
+    assert "failed on another rank" in results[0][1] and len(results[0][1].strip().splitlines()) == 1, results
+    assert latest_checkpoint(out) == before
+    assert [f for _, _, fs in os.walk(out) for f in fs if ".tmp." in f] == []
 
 
 def _cfg(out_dir, keep=2):

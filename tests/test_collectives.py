@@ -120,3 +120,17 @@ def test_walk_through_and_sweep_print_every_collective():
                                     "reduce_scatter", "all_to_all"]
     for row in rows:                               # bytes, then (us, algbw, busbw) for torch and by hand
         assert int(row[1]) == 4096 and float(row[2]) > 0 and float(row[5]) > 0 and len(row) == 8
+
+
+@pytest.mark.parametrize("argv, flag", [(["--numel", "-3"], "--numel"), (["--numel", "100000"], "--numel"),
+                                        (["--size", "nan"], "--size"), (["--size", "0"], "--size"),
+                                        (["--size", "1", "-2"], "--size"), (["--device", "tpu"], "--device"),
+                                        (["--dist_timeout", "1e-9"], "--dist_timeout"),
+                                        (["--dist_timeout", "inf"], "--dist_timeout")])
+def test_bad_arguments_are_one_line_before_any_group(argv, flag, capsys):
+    """Checked before the process group starts: one `error:` line naming the flag, exit code 2."""
+    import collectives
+    with pytest.raises(SystemExit) as e:
+        collectives.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {flag}"), lines

@@ -3,6 +3,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 
 from common.data import GlobalBatchLoader, encode, write_dataset
@@ -92,3 +93,62 @@ def test_every_node_prepares_its_own_data(tmp_path):
     # node 1's preparer (rank 2) reports for its node; rank 0 points to it; the others stay quiet
     assert errs[2].startswith("error: rank 2: no dataset in 'mine'"), errs
     assert errs[0].startswith("error: another rank failed") and errs[1] == errs[3] == "", errs
+
+
+def _prepare(argv, capsys):
+    """python -m common.data argv in this process: (exit code, stderr lines)."""
+    from common import data
+    code = 0
+    try:
+        data.main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("case, content, message", [
+    ("missing", None, "no such file"), ("a directory", "dir", "a directory, not a file"),
+    ("empty", b"", "0 token(s), too few"), ("one byte", b"x", "1 token(s), too few"),
+    ("29 bytes", b"x" * 29, "29 token(s), too few")])
+def test_preparing_from_a_bad_input_is_one_line_and_keeps_a_good_dataset(tmp_path, capsys, case, content, message):
+    """A missing, directory, empty or too short --input: one `error:` line, exit 2, and the good dataset already
+    in --out_dir is left exactly as it was (nothing is written before the input is known to be usable)."""
+    good = tmp_path / "data"
+    write_dataset(str(good), np.arange(1000, dtype=np.uint16) % 64, 64, "byte", "test")
+    before = {name: (good / name).read_bytes() for name in os.listdir(good)}
+    path = tmp_path / "input.txt"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    code, lines = _prepare(["--input", str(path), "--out_dir", str(good)], capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert {name: (good / name).read_bytes() for name in os.listdir(good)} == before
+
+
+def test_thirty_bytes_make_a_usable_dataset(tmp_path, capsys, tiny_data):
+    """The smallest input data.py accepts trains (block_size 1: 3 tokens per split)."""
+    path = tmp_path / "input.txt"
+    path.write_bytes(bytes(range(65, 95)))
+    assert _prepare(["--input", str(path), "--out_dir", str(tmp_path / "d")], capsys)[0] == 0
+    loader = GlobalBatchLoader(str(tmp_path / "d"), 1, 2, seed=0)
+    assert loader.micro_batch(0, 0, 2)[0].shape == (2, 1)
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_out_dir_that_is_a_file_is_one_line(tmp_path, capsys, where):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file")
+    (tmp_path / "in.txt").write_bytes(b"some text " * 10)
+    out = blocker if where == "a file" else blocker / "data"
+    code, lines = _prepare(["--input", str(tmp_path / "in.txt"), "--out_dir", str(out)], capsys)
+    assert code == 2 and len(lines) == 1 and f"{blocker} is a file" in lines[0], lines
+    assert blocker.read_text() == "a file"
+
+
+def test_too_few_tokens_for_block_size_says_how_many_are_needed(tmp_path):
+    write_dataset(str(tmp_path), np.arange(200, dtype=np.uint16) % 64, 64, "byte", "test")
+    with pytest.raises(ValueError) as e:
+        GlobalBatchLoader(str(tmp_path), 19, 2, seed=0)         # val.bin holds 20 tokens: 19 + 2 = 21 needed
+    assert "has 20 tokens; --block_size 19 needs at least block_size + 2 = 21" in str(e.value)
+    GlobalBatchLoader(str(tmp_path), 18, 2, seed=0)

@@ -194,6 +194,30 @@ def test_a_collective_failure_is_named_in_one_line():
     assert collective_failure(ValueError("/gloo/ but not a RuntimeError")) is None
 
 
+@pytest.mark.parametrize("message, kind", [
+    ("[/x/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:48030: Connection reset by peer", "peer gone"),
+    ("[/x/gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:5357", "peer gone"),
+    ("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation to complete",
+     "timed out"),
+    ("Application timeout caused pair closure", "timed out"),
+    ("NCCL communicator was aborted on rank 1.", "peer gone"),
+    ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 30000 "
+     "milliseconds before timing out.", "timed out"),
+])
+def test_a_failed_collective_says_whether_a_peer_is_gone_or_timed_out(message, kind):
+    """The one classifier of every barrier and collective: a dead peer is never reported as a timeout (nor the
+    advice to raise --dist_timeout given for one)."""
+    from common.distributed import describe_failure, failure_kind
+    reason = collective_failure(RuntimeError(message) if "gloo" in message or "Application" in message
+                                else torch.distributed.DistBackendError(message))
+    assert failure_kind(reason) == kind
+    line = describe_failure(reason, "the checkpoint save of step 4", 30)
+    if kind == "timed out":
+        assert "waited longer than --dist_timeout 30 s" in line and "raise --dist_timeout" in line, line
+    else:
+        assert "another rank exited" in line and "--dist_timeout" not in line, line
+
+
 def test_a_failed_multi_process_run_exits_with_its_code_before_teardown(monkeypatch):
     """distributed.destroy_at_exit after errors.fail on 2 ranks: the group is left, then os._exit(2), so gloo threads
     that outlive the group cannot abort the process in the interpreter's teardown. One rank (tests in this process),
@@ -230,8 +254,90 @@ def test_a_killed_rank_ends_the_other_with_one_error_line(tiny_data, tmp_path):
             p.kill()
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert procs[0].returncode == 2 and "Traceback" not in err, err
-    assert len(lines) == 1 and lines[0].startswith("error: rank 0: a collective failed (") and \
-        "--dist_timeout 120 s" in lines[0], err
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: a collective failed: another rank exited"), err
+
+
+def _launch(script, argv, world, ranks, port, **env):
+    """Processes of `ranks` (of a world of `world`) as torchrun starts them; (Popen, ...)."""
+    base = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1", **env)
+    return [subprocess.Popen([sys.executable, script, *argv], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in ranks]
+
+
+def test_a_rank_that_never_starts_is_one_line_within_dist_timeout(tiny_data, tmp_path):
+    """Rank 1 of 2 is never launched: rank 0 gives up the rendezvous after --dist_timeout with one line."""
+    (proc,) = _launch("train_ddp.py", tiny_argv(tiny_data, str(tmp_path / "run"), dist_timeout=2), 2, [0],
+                      free_port())
+    out, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and "could not join the process group of 2 rank(s)" in lines[0], err
+
+
+def test_a_single_device_script_refuses_a_world_of_several_ranks(tiny_data, tmp_path):
+    """train_single under torchrun on 2 ranks would train twice on one out_dir: each rank exits 2 before any work,
+    one line in all. A WORLD_SIZE without RANK (a stray shell variable) is not a world: one process, the whole
+    batch, the same losses as without it; a parallel script refuses it (it would split the batch)."""
+    procs = _launch("train_single.py", tiny_argv(tiny_data, str(tmp_path / "a"), max_steps=3), 2, [0, 1], free_port())
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    lines = [line for _, err in outputs for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "trains on one device" in lines[0] and "WORLD_SIZE=2" in lines[0], lines
+    assert not os.path.exists(tmp_path / "a" / "metrics.jsonl")
+    reference = run_single(tiny_argv(tiny_data, str(tmp_path / "b"), max_steps=3))[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    run = subprocess.run([sys.executable, "train_single.py", *tiny_argv(tiny_data, str(tmp_path / "c"), max_steps=3)],
+                         cwd=ROOT, text=True, capture_output=True, env=dict(env, WORLD_SIZE="4"), timeout=120)
+    assert run.returncode == 0 and "without RANK" in run.stdout, run.stderr
+    assert losses(str(tmp_path / "c")) == reference
+    run = subprocess.run([sys.executable, "train_ddp.py", *tiny_argv(tiny_data, str(tmp_path / "d"), max_steps=3)],
+                         cwd=ROOT, text=True, capture_output=True, env=dict(env, WORLD_SIZE="2"), timeout=120)
+    lines = run.stderr.strip().splitlines()      # a parallel script would split the batch: refused
+    assert run.returncode == 2 and len(lines) == 1 and "WORLD_SIZE=2 is set but RANK is not" in lines[0], lines
+
+
+def test_one_run_writes_an_out_dir_and_a_dead_ones_lock_is_taken_over(tiny_data, tmp_path):
+    """A second run on a busy out_dir stops before any work with one line naming the first (pid, host); its
+    files are untouched. A lock left by a killed run is taken over with a note."""
+    out = str(tmp_path / "run")
+    argv = tiny_argv(tiny_data, out, max_steps=100_000, save_interval=5)
+    first = subprocess.Popen([sys.executable, "train_single.py", *argv], cwd=ROOT, text=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while not metrics.exists() or metrics.read_text().count("\n") < 2:
+            assert first.poll() is None, first.communicate()[1]
+            time.sleep(0.05)
+        second = subprocess.run([sys.executable, "train_single.py", *argv], cwd=ROOT, text=True,
+                                capture_output=True, timeout=120)
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        assert f"is in use by another run (pid {first.pid} on host " in lines[0], lines
+        assert first.poll() is None                 # the first run goes on
+    finally:
+        first.kill()
+        first.wait()
+    rows = strict_rows(out)                         # every row whole: no second writer interleaved
+    assert [r["step"] for r in rows] == list(range(len(rows)))
+    again = subprocess.run([sys.executable, "train_single.py", *tiny_argv(tiny_data, out, max_steps=2)], cwd=ROOT,
+                           text=True, capture_output=True, timeout=120)
+    assert again.returncode == 0 and f"took over {os.path.realpath(out)}/run.lock from pid {first.pid}" in again.stdout
+
+
+@pytest.mark.parametrize("flag, value", [("seed", 2 ** 63), ("seed", -1), ("dist_timeout", 1e-9),
+                                         ("dist_timeout", "nan"), ("capacity_factor", "inf"), ("aux_loss_coef", "nan"),
+                                         ("n_embd", -4), ("micro_batch_size", 0), ("dropout", "nan")])
+def test_every_shared_flag_has_a_range(tiny_data, tmp_path, capsys, flag, value):
+    line = one_error_line(capsys, tiny_argv(tiny_data, str(tmp_path), **{flag: value}))
+    assert f"--{flag}" in line, line
+
+
+def test_seed_plus_rank_must_fit_in_63_bits(tiny_data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    line = one_error_line(capsys, tiny_argv(tiny_data, str(tmp_path), seed=2 ** 63 - 2))
+    assert "--seed must be at most 2**63 - 4" in line, line
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -255,7 +361,7 @@ def test_stale_temporary_checkpoint_files_are_removed_at_start(tiny_data, tmp_pa
         (out / name).write_bytes(b"x")
     with pytest.raises(SystemExit):             # ckpt.pt is junk: the resume fails, after the clean-up
         train_single.main(tiny_argv(tiny_data, str(out), resume=True))
-    assert sorted(os.listdir(out)) == sorted(kept)
+    assert sorted(os.listdir(out)) == sorted(kept + ["run.lock"])     # (the lock: this run writes here)
     assert "removed 2 temporary file(s) of interrupted checkpoint saves" in capsys.readouterr().out
 
 
@@ -305,3 +411,25 @@ def test_character_level_samples_are_decoded(tmp_path, capsys):
     assert training.decode([0, 1, 2], {"vocab_size": 3, "itos": ["a", "b", "c"]}) == "abc"   # meta.json's list
     with pytest.raises(ValueError, match="tokenizer 'synthetic' is unknown"):
         training.decode([1, 2], {"vocab_size": 64, "tokenizer": "synthetic"})
+
+
+def test_nccl_failures_raise_in_the_training_thread_unless_the_user_chose(monkeypatch):
+    """Before an NCCL group is built: blocking wait, so a dead or stuck peer raises where the one-line handler sees
+    it (not the watchdog's abort); a value the user set is kept."""
+    from common.distributed import nccl_error_defaults
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+        monkeypatch.delenv(name, raising=False)
+    nccl_error_defaults()
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
+    nccl_error_defaults()
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0"
+
+
+def test_a_gpu_index_the_node_lacks_is_one_line(monkeypatch):
+    """--device cuda:3 (or local rank 3) on a node with 2 GPUs: a ValueError naming the range, not CUDA's trace."""
+    from common.distributed import pick_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"--device cuda:3 \(local rank 3\): this node has 2 GPU\(s\), cuda:0..cuda:1"):
+        pick_device("cuda", 3)
