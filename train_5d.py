@@ -44,6 +44,7 @@ rank (and the all_gather of the row counts). Checkpoints are one file in train_s
 layout: any layout, or train_single, resumes any other. With tp 1, --kernels and --fp8 apply inside the
 stages as in train_single.
 """
+import argparse
 import functools
 import time
 
@@ -74,8 +75,8 @@ from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context,
                              gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
                              should_save)
 from common.tp_shards import init_tp_weights
-from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
-from train_zero import ShardedAdamW, ShardedGrads, shard_model
+from train_tp import all_reduce_sequence_parallel_grads, apply_tp, check_tp, tp_counts
+from train_zero import ShardedAdamW, ShardedGrads, check_zero3, install_zero3_hooks, shard_model
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
@@ -225,7 +226,46 @@ class ZeroShards(DataParallelAxis):
     def step(self, lr):
         self.optimizer.step(lr, [s.grad for s in self.shards])   # my slice of every bucket
         for s in self.shards:
-            s.publish()                                          # all-gather the updated slices
+            s.publish()                                          # all-gather the updated slices (not ZeRO-3)
+
+
+class ZeroUnits(ZeroShards):
+    """train_zero's ZeRO-3 over dp x cp: each chunk's blocks one unit each, its other parameters a root unit (the
+    tied weight alone where its copy is on another stage, so the two copies' shards line up). Each chunk has its
+    own hooks and reduction: a micro-batch's F or B action gathers (and prefetches) its chunk's units block by
+    block, and reduce-scatters their gradients as each block's backward ends; the sums are then taken on the
+    shards, as for ZeRO-2."""
+
+    def __init__(self, chunks, cfg, grid, dtype, device, holder):
+        DataParallelAxis.__init__(self, chunks, grid)
+        names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
+        tied = tied_weight(chunks) if grid.groups.tied is not None else None
+        self.shards, self.grads_of = [], []
+        for chunk in chunks:
+            blocks = list(chunk.transformer["h"])
+            in_blocks = {id(p) for block in blocks for p in block.parameters()}
+            rest = [p for p in chunk.parameters() if id(p) not in in_blocks]
+            roots = [g for g in ([p for p in rest if p is tied], [p for p in rest if p is not tied]) if g]
+            shards = shard_model(chunk, 3, grid.groups.dp_cp, dtype, device, blocks=blocks, buckets=roots,
+                                 names=names)
+            grads = ShardedGrads(shards, grid.groups.dp_cp, 3)
+            install_zero3_hooks(chunk, blocks, shards, grads, reshard_after_forward=cfg.reshard_after_forward)
+            self.shards += shards
+            self.grads_of.append(grads)
+        self.optimizer = ShardedAdamW(self.shards, cfg.weight_decay)
+        self.reduce_per_backward, self.norm_group = True, dist.group.WORLD
+        self.held = ShardState(self.shards, self.optimizer, chunks, holder, grid.groups.tp)
+
+    def start(self):
+        for grads in self.grads_of:
+            grads.require_sync(True)
+
+    def after_backward(self, action):          # this chunk's units only: the other chunk has no gradients now
+        self.grads_of[action.chunk].finish()
+
+    def zero_grad(self):
+        for grads in self.grads_of:
+            grads.zero_grad()
 
 
 def moe_metrics(chunks, grid, cfg):
@@ -300,6 +340,9 @@ def extra_args(parser):
                              "it replaces the degree, schedule, micro-batch, ZeRO and recompute flags")
     parser.add_argument("--plan_gpu", default="", help="with --layout auto: plan as if on this GPU (a100, h100, "
                                                        "h200, b200; default: the GPU found)")
+    parser.add_argument("--reshard_after_forward", action=argparse.BooleanOptionalAction, default=True,
+                        help="ZeRO-3: free each block's gathered weights after its forward and gather them again for "
+                             "its backward (--no-reshard_after_forward: keep them until its backward is over)")
 
 
 def default_layout(cfg, world):
@@ -331,13 +374,11 @@ def validate(cfg):
     cfg.dp = cfg.dp or world // (tp * cp * pp)
     check(cfg.dp * tp * cp * pp == world, f"dp*tp*cp*pp = {cfg.dp}*{tp}*{cp}*{pp} = {cfg.dp * tp * cp * pp} "
                                           f"!= world size {world}")
-    check(cfg.n_head % tp == 0, f"n_head={cfg.n_head} is not divisible by tp={tp}")
     multiple = cp if cfg.cp_layout == "ring" else 2 * cp
     check(cp == 1 or cfg.block_size % multiple == 0, f"--block_size {cfg.block_size} must be a multiple of "
           f"{multiple} (--cp_layout {cfg.cp_layout} cuts every sequence into {multiple} equal chunks at cp={cp})")
     check(not cfg.sp or tp > 1, "--sp needs --tp > 1")
-    check(not cfg.sp or (cfg.block_size // cp) % tp == 0,
-          f"--sp: the {cfg.block_size // cp} positions per CP rank are not divisible by tp={tp}")
+    check_tp(cfg, tp, cfg.block_size // cp, what="block_size/cp")
     check(cp == 1 or cfg.dropout == 0.0, "--dropout must be 0 with --cp > 1 (the ring attention has no dropout)")
     stages = pp * cfg.pp_virtual
     check(cfg.n_layer % stages == 0, f"n_layer={cfg.n_layer} does not split into pp*pp_virtual={stages} stages")
@@ -361,8 +402,12 @@ def validate(cfg):
     check(tp == 1 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
           "--kernels triton|compile and --fp8 fuse or swap nn.Linear layers; with --tp > 1 the layers are "
           "tensor-parallel (their communication would be skipped): use --kernels torch --fp8 none")
-    check(cfg.zero_stage in (0, 1, 2), f"--zero_stage {cfg.zero_stage}: train_5d offers 0, 1 and 2; ZeRO-3 gathers "
-          f"each block's weights per micro-batch and is in train_zero.py")
+    check(cfg.zero_stage in (0, 1, 2, 3), f"--zero_stage {cfg.zero_stage}: 0 (replicas), 1, 2 or 3")
+    check_zero3(cfg)
+    check(cfg.zero_stage < 3 or cfg.dp * cp > 1, "--zero_stage 3 shards over dp x cp: with dp*cp = 1 there is "
+                                                 "nothing to shard")
+    check(cfg.zero_stage < 3 or cfg.pp_schedule not in SPLIT_BACKWARD, f"--zero_stage 3 reduce-scatters each "
+          f"block's gradients as its backward ends: not with {cfg.pp_schedule}, whose weight gradients come later")
     check_moe(cfg)
     check(cfg.ep >= 1 and (cfg.dp * cp) % cfg.ep == 0, f"--ep {cfg.ep} must divide dp*cp = {cfg.dp * cp} (experts "
                                                         f"are shared out over ranks holding different tokens)")
@@ -371,7 +416,7 @@ def validate(cfg):
     check(cfg.n_experts == 0 or cfg.moe_every <= cfg.n_layer, f"--moe_every {cfg.moe_every} > --n_layer: no MoE block")
     check(cfg.ep == 1 or cfg.zero_stage == 0, "--ep > 1 keeps every rank's full optimizer (expert and dense "
           "gradients are averaged over different groups): use --zero_stage 0")
-    check(cfg.zero_stage < 2 or (cfg.pp_virtual == 1 and cfg.pp_schedule != "zb1"),
+    check(cfg.zero_stage != 2 or (cfg.pp_virtual == 1 and cfg.pp_schedule != "zb1"),
           "--zero_stage 2 reduce-scatters after each backward of the whole stage: not with --pp_virtual > 1 (a "
           "backward covers one chunk) or zb1 (weight gradients come later)")
 
@@ -413,8 +458,11 @@ def main(argv=None):
     runner = PipelineRunner(chunks, grid.groups.pp, schedules, m, act_shape, env.device, store,
                             autocast_context(dtype, env.device), param_dtype(dtype))
     holder = functools.partial(checkpoint_holder, grid=grid)
-    dp_axis = (ZeroShards(chunks, cfg, grid, param_dtype(dtype), env.device, holder) if cfg.zero_stage else
-               Replicas(chunks, cfg, grid, env.device, holder))
+    if cfg.zero_stage:
+        dp_axis = (ZeroUnits if cfg.zero_stage == 3 else ZeroShards)(chunks, cfg, grid, param_dtype(dtype),
+                                                                     env.device, holder)
+    else:
+        dp_axis = Replicas(chunks, cfg, grid, env.device, holder)
     runner.after_backward = dp_axis.after_backward
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice

@@ -471,16 +471,22 @@ def extra_args(parser):
                         help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
 
 
+def check_tp(cfg, tp, positions, what="block_size"):
+    """The shapes tensor parallelism of degree tp needs, in any layout (this script, train_5d.py): the heads split
+    over tp, and under --sp the positions of a sequence each rank holds (`what`: how they are named)."""
+    from common.config import check
+    check(cfg.n_head % tp == 0, f"n_head={cfg.n_head} is not divisible by tp={tp} (the heads, and so "
+                                f"the MLP width 4*n_embd, are split over the TP ranks)")
+    check(not cfg.sp or positions % tp == 0, f"--sp: sequence length {what}={positions} is not divisible by tp={tp}")
+
+
 def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
     world = world_size_from_env()
     check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
                            f"combine with data parallelism in train_5d.py")
-    check(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp} (the heads, and so "
-                                    f"the MLP width 4*n_embd, are split over the TP ranks)")
-    check(not cfg.sp or cfg.block_size % cfg.tp == 0,
-          f"--sp: sequence length block_size={cfg.block_size} is not divisible by tp={cfg.tp}")
+    check_tp(cfg, cfg.tp, cfg.block_size)
     check(cfg.dtype != "float16", "train_tp supports float32, bfloat16 and float64 (no fp16 loss scaling across TP "
                                   "ranks)")
     check(cfg.kernels in ("auto", "torch") and cfg.fp8 == "none",
