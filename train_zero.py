@@ -189,6 +189,18 @@ class ShardedGrads(DataParallelGrads):
             bucket.buffer = None                       # the non-owned part of the gradients is gone
         bucket.out = None
 
+    def reduce_held(self):
+        """Stage 2: reduce-scatter the gradients the parameters hold now and drop them, for gradients written
+        outside autograd's hooks (a zero-bubble pipeline's W action sets .grad itself; its B ran without sync)."""
+        held = [p for b in self.buckets for p in b.params if p.grad is not None]
+        if not held:
+            return
+        self.require_sync(True)
+        for p in held:
+            self._grad_ready(p)
+        self.finish()
+        self.require_sync(False)
+
     def grads(self):
         return [b.shard.grad for b in self.buckets]
 

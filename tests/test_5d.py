@@ -81,7 +81,13 @@ CASES = {
         ("L2", dict(dp=2, cp=2, zero_stage=1)), ("L2", dict(dp=2, tp=2, sp=True, zero_stage=2)),
         ("L4", dict(dp=2, pp=2, pp_schedule="zbv", pp_virtual=2, zero_stage=1)),
         ("L4", dict(cp=2, pp=2, pp_schedule="dualpipev", pp_virtual=2)),
-        ("L2", dict(dp=2, pp=2, zero_stage=2)), ("L2", dict(dp=2, cp=2, zero_stage=2))],
+        ("L2", dict(dp=2, pp=2, zero_stage=2)), ("L2", dict(dp=2, cp=2, zero_stage=2)),
+        ("L4", dict(dp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, zero_stage=2)),
+        ("L4", dict(tp=2, pp=2, sp=True, pp_schedule="zb1")), ("L4", dict(tp=2, pp=2, pp_schedule="zbv", pp_virtual=2)),
+        ("L4", dict(tp=2, pp=2, sp=True, pp_schedule="dualpipev", pp_virtual=2)),
+        ("L4", dict(dp=2, pp=2, pp_schedule="zb1", zero_stage=2)),
+        ("L4", dict(dp=2, pp=2, pp_schedule="zbv", pp_virtual=2, zero_stage=2)),
+        ("L4", dict(cp=2, pp=2, pp_schedule="dualpipev", pp_virtual=2, zero_stage=2))],
     8: [("L2", dict(dp=2, tp=2, pp=2, sp=True)), ("L2", dict(tp=2, cp=2, pp=2)), ("L2", dict(dp=2, tp=2, cp=2))],
     16: [("L2", dict(dp=2, tp=2, cp=2, pp=2, sp=True))],
 }
@@ -151,15 +157,15 @@ def test_default_layout_shows_more_than_one_axis(tiny_data, tmp_path):
     (4, dict(cp=4, block_size=18, cp_layout="ring"), "must be a multiple of 4 (--cp_layout ring"),
     (2, dict(cp=2, block_size=6), "must be a multiple of 4 (--cp_layout zigzag"),
     (2, dict(pp=2, global_batch_size=2, micro_batch_size=2), "needs at least pp=2 micro-batches"),
-    (2, dict(tp=2, pp_schedule="zb1"), "zb1 defers"),
+    (2, dict(pp=2, pp_schedule="zb1", kernels="triton"), "zb1 defers"),
     (2, dict(pp=2, pp_schedule="zbv"), "pass --pp_virtual 2"),
     (2, dict(pp=2, pp_schedule="dualpipev", pp_virtual=2, n_layer=4, micro_batch_size=4), "dualpipev needs"),
     (2, dict(tp=2, kernels="compile"), "with --tp > 1 the layers are tensor-parallel"),
     (4, dict(dp=2, pp=2, zero_stage=3, pp_schedule="zb1", micro_batch_size=2), "--zero_stage 3 reduce-scatters"),
+    (4, dict(dp=2, pp=2, zero_stage=3, pp_schedule="zbv", pp_virtual=2, n_layer=4), "not with zbv"),
     (2, dict(tp=2, zero_stage=3), "with dp*cp = 1 there is nothing to shard"),
     (2, dict(dp=2, zero_stage=3, kernels="triton"), "--kernels triton|compile and --fp8 apply to ZeRO stages 0-2"),
     (2, dict(tp=2, sp=True, block_size=15, cp_layout="ring"), "block_size/cp=15 is not divisible by tp=2"),
-    (4, dict(dp=2, pp=2, zero_stage=2, pp_schedule="zb1", micro_batch_size=2), "--zero_stage 2 reduce-scatters"),
 ])
 def test_bad_layout_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys, world, overrides, message):
     import train_5d

@@ -3,12 +3,14 @@ in float64 at 1e-9 per step (loss and grad norm) on real text across a gradient 
 resharding after forward; the dp axis sends exactly ZeRO-3's bytes with the composed sizes (each chunk's units
 all-gathered as often as the schedule needs them, reduce-scattered once per micro-batch); a ZeRO-3 run resumes as
 (tp 2, pp 2) and then as train_single."""
+from types import SimpleNamespace
+
 import pytest
 
 from distributed_helper import run_workers
 from common.metrics import read_metrics
 from common.pipeline_schedules import make_schedule
-from test_5d import T, expected_bytes_by_axis
+from test_5d import HEADS, H, T, VOCAB, expected_bytes_by_axis
 from train_helpers import MODELS, assert_exact, curves, losses, run_single, text_argv
 
 
@@ -16,12 +18,14 @@ def _runs(rank, world, argvs):
     """train_5d.main for each argv in one process group; rank 0 returns, per run, its padded units by chunk and
     what the byte formulas need."""
     import train_5d
+    from train_zero import model_state_bytes
     out = []
     for argv in argvs:
         result = train_5d.main(argv)
         axis = result["dp_axis"]
         tied = train_5d.tied_weight(result["chunks"])
-        out.append(dict(sizes=result["grid"].sizes,
+        buckets = SimpleNamespace(buckets=[b for g in axis.grads_of for b in g.buckets])   # in the shards' order
+        out.append(dict(sizes=result["grid"].sizes, states=model_state_bytes(result["chunks"], axis.shards, buckets),
                         padded_by_chunk=[sum(b.shard.padded for b in g.buckets) for g in axis.grads_of],
                         n_sp_shard=sum(g.numel() for p, g in axis.my_slices() if getattr(p, "sequence_parallel", 0)),
                         tied_padded=sum(s.padded for s in axis.shards if s.params[0] is tied and len(s.params) == 1)))
@@ -38,6 +42,19 @@ def gathers_per_step(schedule, pp, m, v, chunk, reshard):
         count += not whole
         whole = a.kind == "F" and not reshard
     return count
+
+
+def predicted_states(n_layer, v, dp, tp, cp, pp):
+    """plan.py's model-state bytes of pipeline rank 0 (its units: a block each, the embedding and final norm), in
+    float64: twice its fp32 recipe's 4 + 4 + 8 bytes per parameter, all three sharded over dp x cp."""
+    from common import plan_memory
+    from common.plan_inputs import Job
+    from model import GPTConfig
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=n_layer, n_head=HEADS, n_embd=H)
+    job = Job(cfg, dp * tp * cp * pp, 8, "h100", 8, precision="fp32")
+    groups = plan_memory.flat_groups(job.shape, tp, 1, pp, v, 0, 3, job.bucket_mb)
+    st = plan_memory.zero_state_bytes(groups, dp * cp, 3, "fp32")
+    return dict(params=2 * st["params"], grads=2 * st["grads"], optim=2 * st["optimizer"])
 
 
 CASES = {
@@ -72,6 +89,7 @@ def test_zero3_float64_parity_and_bytes(text_reference_for, text_data, tmp_path,
         # each chunk's units: its all-gathers and m reduce-scatters, at (N-1)/N of their padded bytes
         n = sizes["dp"] * sizes["cp"]
         want["dp"] = sum((g + m) * (n - 1) / n * 8 * p for g, p in zip(gathers, padded))
+        assert result["states"] == predicted_states(MODELS[model].get("n_layer", 2), v, **sizes), opts
         for row in read_metrics(out):
             got = row["comm_bytes_by_axis"]
             for axis, value in want.items():
