@@ -327,25 +327,6 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
 # ----------------------------------------------------------------------------------------------------------
 # the script
 
-def model_state_bytes(model, shards, grads):
-    """Bytes of the parameter, gradient and optimizer-state tensors alive on this rank, each storage once."""
-    seen, out = set(), dict(params=0, grads=0, optim=0)
-
-    def add(kind, t):
-        st = None if t is None else t.untyped_storage()
-        if st is not None and st.nbytes() and st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            out[kind] += st.nbytes()
-    for p in model.parameters():
-        add("params", p)
-        add("grads", p.grad)
-    for b, s in zip(grads.buckets, shards):           # the master *is* the parameter shard: counted once
-        for kind, t in (("params", s.shard), ("grads", b.buffer), ("grads", s.grad), ("optim", s.master),
-                        ("optim", s.exp_avg), ("optim", s.exp_avg_sq)):
-            add(kind, t)
-    return out
-
-
 def shard_gpt(model, cfg, stage, group, dtype, device):
     """shard_model for model.py's GPT built on the meta device: blocks transformer.h, values from init_parameter."""
     from model import init_parameter
@@ -354,17 +335,6 @@ def shard_gpt(model, cfg, stage, group, dtype, device):
         return init_parameter(name, p.shape, cfg.n_layer, cfg.seed)
     return shard_model(model, stage, group, dtype, device, blocks=list(model.transformer.h),
                        bucket_mb=cfg.bucket_mb, initial_value=initial_value)
-
-
-class GatheredBytes:
-    """ZeRO-3's gathered parameters: the bytes of whole units alive, at their peak (install_zero3_hooks's
-    on_gather; memory only grows at a gather, so sampling there finds the peak)."""
-
-    def __init__(self, shards):
-        self.shards, self.peak = shards, 0
-
-    def __call__(self):
-        self.peak = max(self.peak, sum(s.full.untyped_storage().nbytes() for s in self.shards))
 
 
 def add_args(parser):
@@ -397,7 +367,7 @@ def main(argv=None):
     # the script's plumbing, imported here: the building blocks above need only torch, comm.py and train_ddp.py
     from common.config import grad_accum_steps, parse_config
     from common.distributed import init_distributed
-    from common.metrics import MetricsLogger
+    from common.metrics import GatheredBytes, MetricsLogger, model_state_bytes
     from common.optim import BETAS, EPS, NonFiniteGuard, lr_at
     from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
                                  param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
@@ -451,7 +421,7 @@ def main(argv=None):
             (loss / grad_acc).backward()                # fp32 gradients: accumulated and reduced in fp32
             grads.finish()
             loss_sum += loss.detach()
-        state_bytes = model_state_bytes(model, shards, grads)           # params + grads + optimizer, alive
+        state_bytes = model_state_bytes(model, shards, grads.buckets)   # params + grads + optimizer, alive
         g = grads.grads()                                               # fp32 (float64), like the shards
         grad_norm = clip_grad_norm(g, cfg.grad_clip, group=group if stage > 0 else None, device=env.device,
                                    dtype=shards[0].master_dtype)

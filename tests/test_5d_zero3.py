@@ -3,8 +3,6 @@ in float64 at 1e-9 per step (loss and grad norm) on real text across a gradient 
 resharding after forward; the dp axis sends exactly ZeRO-3's bytes with the composed sizes (each chunk's units
 all-gathered as often as the schedule needs them, reduce-scattered once per micro-batch); a ZeRO-3 run resumes as
 (tp 2, pp 2) and then as train_single."""
-from types import SimpleNamespace
-
 import pytest
 
 from distributed_helper import run_workers
@@ -18,15 +16,16 @@ def _runs(rank, world, argvs):
     """train_5d.main for each argv in one process group; rank 0 returns, per run, its padded units by chunk and
     what the byte formulas need."""
     import train_5d
-    from train_zero import model_state_bytes
+    from common.metrics import model_state_bytes
     out = []
     for argv in argvs:
         result = train_5d.main(argv)
         axis = result["dp_axis"]
         tied = train_5d.tied_weight(result["chunks"])
-        buckets = SimpleNamespace(buckets=[b for g in axis.grads_of for b in g.buckets])   # in the shards' order
+        buckets = [b for grads in axis.reductions() for b in grads.buckets]     # in the shards' order
         out.append(dict(sizes=result["grid"].sizes, states=model_state_bytes(result["chunks"], axis.shards, buckets),
-                        padded_by_chunk=[sum(b.shard.padded for b in g.buckets) for g in axis.grads_of],
+                        padded_by_chunk=[sum(b.shard.padded for g in part for b in g.buckets)
+                                         for part in axis.grads_of],
                         n_sp_shard=sum(g.numel() for p, g in axis.my_slices() if getattr(p, "sequence_parallel", 0)),
                         tied_padded=sum(s.padded for s in axis.shards if s.params[0] is tied and len(s.params) == 1)))
     return out if rank == 0 else None
