@@ -6,6 +6,7 @@ train_single.
     torchrun --nproc_per_node=8 train_5d.py                                   # default grid: dp 2 x tp 2 x pp 2
     torchrun --nproc_per_node=8 train_5d.py --tp 2 --sp --cp 2 --pp 2         # tp, cp, pp (dp = 8 / 8 = 1)
     torchrun --nproc_per_node=8 train_5d.py --dp 4 --tp 2 --zero_stage 2      # ZeRO-2 over dp x cp
+    torchrun --nproc_per_node=8 train_5d.py --dp 2 --tp 2 --sp --pp 2 --zero_stage 3   # ZeRO-3 (FSDP) in the grid
     torchrun --nproc_per_node=8 train_5d.py --dp 2 --pp 4 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
     torchrun --nproc_per_node=8 train_5d.py --dp 4 --tp 2 --sp --ep 4 --n_experts 8   # MoE, experts over 4 ranks
     torchrun --nproc_per_node=8 train_5d.py --layout auto     # plan.py's best layout for this model and GPU
@@ -25,7 +26,9 @@ What each axis does in one optimizer step (each from its rung):
         interleaved, zb1, and zbv / dualpipev with their stages in a V), activations and their gradients sent
         point to point
     dp  train_ddp: each (dp, cp) pair of coordinates holds its slice of the batch / sequence; gradients are
-        averaged over the dp x cp group in flat buckets (or train_zero's ZeRO-1/2 shards over it)
+        averaged over the dp x cp group in flat buckets, or train_zero's ZeRO-1/2 shards over it, or ZeRO-3's
+        units: each chunk's blocks gathered block by block in every F and B action, reduce-scattered as each
+        block's backward ends (experts, with ep > 1 and ZeRO-1/2, sharded over their edp group instead)
     ep  train_ep: with --n_experts, each MoE block's experts are shared out over ep consecutive ranks of the
         dp x cp group (ep | dp*cp); tokens go to their experts' ranks and back by all_to_all. Expert gradients
         are averaged over the ranks holding the same experts (edp), dense ones over dp x cp. Under --sp each TP
@@ -40,10 +43,12 @@ Bytes per step (metrics.jsonl `comm_bytes_by_axis`, this rank, comm.py's ring co
 formula with the sizes of the composed step: tp its block all-reduces on [b, T/cp, h], cp its ring on this TP
 rank's heads, pp its p2p of [b, T/cp (/tp under SP), h], dp the all-reduce (ZeRO: reduce-scatters, one per
 micro-batch for ZeRO-2, + all-gather) of this rank's gradients, ep train_ep's all_to_all rows that leave this
-rank (and the all_gather of the row counts). Checkpoints are one file in train_single's
-layout: any layout, or train_single, resumes any other. With tp 1, --kernels and --fp8 apply inside the
-stages as in train_single.
+rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/N of each unit's padded bytes.
+Checkpoints are one file in train_single's layout: any layout, or train_single, resumes any other. With tp 1,
+--kernels and --fp8 apply inside the stages as in train_single. zb1, zbv and dualpipev defer the weight
+gradients of nn.Linear and of train_tp's parallel layers (their B keeps TP's communication).
 """
+import argparse
 import functools
 import time
 
@@ -74,8 +79,8 @@ from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context,
                              gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
                              should_save)
 from common.tp_shards import init_tp_weights
-from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
-from train_zero import ShardedAdamW, ShardedGrads, shard_model
+from train_tp import all_reduce_sequence_parallel_grads, apply_tp, check_tp, tp_counts
+from train_zero import ShardedAdamW, ShardedGrads, check_zero3, install_zero3_hooks, shard_model
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
@@ -103,8 +108,8 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
 
 # ----------------------------------------------------------------------------------------------------------
 # the dp x cp axis, one object whatever its mode, so the step below has no branch on it:
-#     start()               before the pipeline: reduce as each backward ends (ZeRO-2), or once after it
-#     after_backward(B)     the pipeline calls it after each backward action
+#     start()               before the pipeline: reduce as each backward ends (ZeRO-2/3), or once after it
+#     after_backward(B)     the pipeline calls it after each backward action (ZeRO-2/3: B's chunk reduces)
 #     finish()              the sums of a rank's own gradients (tied embedding over its two stages, SP's LayerNorm
 #                           over tp), then the mean over dp x cp (ZeRO: into my shard of each bucket)
 #     clip(max_norm)        the global grad norm, each value counted once over the grid, gradients scaled
@@ -113,7 +118,7 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
 class DataParallelAxis:
     """What every mode shares: the sums before the mean, and counting each value once in the norm (TP replicas
     by TP rank 0, the tied weight by the first stage)."""
-    reduce_per_backward = False
+    reduce_per_backward, after_w = False, False
     shards = ()                                      # ZeRO's flat buckets (none when every rank holds all)
 
     def __init__(self, chunks, grid):
@@ -123,18 +128,25 @@ class DataParallelAxis:
         copy = tied_weight(self.chunks) if not any(c.first for c in self.chunks) else None   # the last stage's
         return p is not copy and tp_counts(p, self.grid.groups.tp)
 
-    def start(self):
-        self.grads.require_sync(self.reduce_per_backward)
+    def reductions(self):
+        """Every gradient reduction: `grads_of` lists them per chunk (ZeRO-2/3) or for all chunks at once."""
+        return [grads for part in self.grads_of for grads in part]
 
-    def after_backward(self, action):
-        if self.reduce_per_backward:
-            self.grads.finish()
+    def start(self):
+        for grads in self.reductions():
+            grads.require_sync(self.reduce_per_backward and not self.after_w)
+
+    def after_backward(self, action):          # ZeRO-2/3: this chunk's buckets (the other chunk has none now)
+        if self.reduce_per_backward and not self.after_w:
+            for grads in self.grads_of[action.chunk]:
+                grads.finish()
 
     def finish(self):            # sums of this rank's gradients first (linear: before or after the mean alike)
         tied_grads_sync(self.chunks, self.grid.groups.tied)
         all_reduce_sequence_parallel_grads(self.chunks, self.grid.groups.tp)
-        self.grads.require_sync(True)
-        self.grads.finish()
+        for grads in self.reductions():
+            grads.require_sync(True)
+            grads.finish()
 
     def clip(self, max_norm):
         owned, replicas = self.owned_grads()
@@ -143,7 +155,8 @@ class DataParallelAxis:
                               dtype=any_grad.dtype, replicas=replicas)
 
     def zero_grad(self):
-        self.grads.zero_grad()
+        for grads in self.reductions():
+            grads.zero_grad()
 
 
 class Replicas(DataParallelAxis):
@@ -159,6 +172,7 @@ class Replicas(DataParallelAxis):
                                                  cfg.bucket_mb, is_expert_param)
         else:
             self.grads = DataParallelGrads(list(chunks.parameters()), grid.groups.dp_cp, "bucket", cfg.bucket_mb)
+        self.grads_of = [[self.grads]]
         self.norm_group = grid.groups.mp if grid.ep == 1 else dist.group.WORLD
         self.held = ModuleState(chunks, self.optimizer, holder, grid.groups.tp)
 
@@ -178,22 +192,50 @@ class Replicas(DataParallelAxis):
 
 
 class ZeroShards(DataParallelAxis):
-    """train_zero's ZeRO-1/2 shards over dp x cp. The tied weight gets a bucket of its own, laid out alike on the
-    first and last stage, so their shards can be summed. ZeRO-2 keeps no full gradients: it reduce-scatters
-    after each backward and takes the two sums on the shards (every TP rank's buckets have the same layout)."""
+    """train_zero's ZeRO-1/2 shards over dp x cp (with ep > 1 each expert's over its edp group, divided by ep as
+    train_ep's ExpertDataParallelGrads does). The tied weight gets a bucket of its own, laid out alike on the first
+    and last stage, so their shards can be summed. ZeRO-1 reduces once, after the pipeline. ZeRO-2 keeps no full
+    gradients: each chunk's buckets are reduce-scattered after each backward of that chunk (interleaved chunks
+    apart), and the two sums are taken on the shards (every TP rank's buckets have the same layout)."""
 
     def __init__(self, chunks, cfg, grid, dtype, device, holder):
         super().__init__(chunks, grid)
         names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
-        tied = tied_weight(chunks)
-        rest = [p for p in reversed(list(chunks.parameters())) if p is not tied]
-        buckets = assign_buckets(rest, cfg.bucket_mb * 2 ** 20) + ([[tied]] if tied is not None else [])
-        self.shards = shard_model(chunks, cfg.zero_stage, grid.groups.dp_cp, dtype, device, buckets=buckets,
-                                  names=names)
-        self.grads = ShardedGrads(self.shards, grid.groups.dp_cp, cfg.zero_stage)
+        self.shards, self.grads_of, self.expert_shards = [], [], []
+        for part in ([chunks] if cfg.zero_stage == 1 else chunks):   # ZeRO-1: one set over all chunks
+            self.grads_of.append([])
+            for group, shards in self.shard(part, cfg, grid, dtype, device, names):
+                self.grads_of[-1].append(ShardedGrads(shards, group, cfg.zero_stage))
+                self.shards += shards
+                self.expert_shards += shards if group is not grid.groups.dp_cp else []
         self.optimizer = ShardedAdamW(self.shards, cfg.weight_decay)
-        self.reduce_per_backward, self.norm_group = cfg.zero_stage == 2, dist.group.WORLD
+        self.reduce_per_backward, self.norm_group = cfg.zero_stage >= 2, dist.group.WORLD
+        self.after_w = cfg.pp_schedule in SPLIT_BACKWARD     # ZeRO-2: reduce after W, when dW has come
         self.held = ShardState(self.shards, self.optimizer, chunks, holder, grid.groups.tp)
+
+    def shard(self, part, cfg, grid, dtype, device, names):
+        """[(group, its shards)] of `part`: dense buckets over dp x cp, with ep > 1 the experts' over edp. In a V
+        the tied weight is one Parameter in both chunks: the first chunk's buckets hold it."""
+        tied = tied_weight(part if isinstance(part, torch.nn.ModuleList) else [part])
+        params = [p for p in reversed(list(part.parameters())) if p is not tied]
+        if any(tied is q for s in self.shards for q in s.params):
+            tied = None
+        experts = [p for p in params if grid.ep > 1 and is_expert_param(names[p])]
+        dense = [p for p in params if not (grid.ep > 1 and is_expert_param(names[p]))]
+        out = []
+        for group, these, extra in ((grid.groups.dp_cp, dense, [[tied]] if tied is not None else []),
+                                    (getattr(grid.groups, "edp", None), experts, [])):
+            buckets = assign_buckets(these, cfg.bucket_mb * 2 ** 20) + extra
+            if buckets:
+                out.append((group, shard_model(self.chunks, cfg.zero_stage, group, dtype, device, buckets=buckets,
+                                               names=names)))     # (every chunk's modules: a V's LM head too)
+        return out
+
+    def after_weight_grads(self, key):
+        """ZeRO-2 under zb1, zbv, dualpipev, after W (micro-batch, chunk): reduce-scatter what the chunk holds
+        (this W's weight gradients and what B left since; sums, so their order does not matter)."""
+        for grads in self.grads_of[key[1]]:
+            grads.reduce_held()
 
     def my_slices(self):
         """(parameter, its part inside this rank's slice [lo, hi) of its bucket's gradient)."""
@@ -207,16 +249,21 @@ class ZeroShards(DataParallelAxis):
 
     def finish(self):
         if not self.reduce_per_backward:
-            return super().finish()
-        tied = tied_weight(self.chunks)              # ZeRO-2: the sums on the shards
-        if tied is not None and self.grid.groups.tied is not None:
-            shard = next(s for s in self.shards if s.params[0] is tied)
-            comm.all_reduce(shard.grad, group=self.grid.groups.tied)
-        partial = [g for p, g in self.my_slices() if getattr(p, "sequence_parallel", False)]
-        if partial:
-            flat = torch.cat(partial)
-            comm.all_reduce(flat, group=self.grid.groups.tp)
-            torch._foreach_copy_(partial, list(flat.split([g.numel() for g in partial])))
+            super().finish()
+        else:                                        # ZeRO-2/3: the sums on the shards
+            for grads in self.reductions() if self.after_w else ():
+                grads.reduce_held()                  # a V's tied weight: B of the other chunk may come last
+            tied = tied_weight(self.chunks)
+            if tied is not None and self.grid.groups.tied is not None:
+                shard = next(s for s in self.shards if s.params[0] is tied)
+                comm.all_reduce(shard.grad, group=self.grid.groups.tied)
+            partial = [g for p, g in self.my_slices() if getattr(p, "sequence_parallel", False)]
+            if partial:
+                flat = torch.cat(partial)
+                comm.all_reduce(flat, group=self.grid.groups.tp)
+                torch._foreach_copy_(partial, list(flat.split([g.numel() for g in partial])))
+        if self.expert_shards:                       # an expert's gradient sums its EP group's tokens already
+            torch._foreach_div_([s.grad for s in self.expert_shards], self.grid.ep)
 
     def owned_grads(self):
         pieces = [(g, self.counted(p)) for p, g in self.my_slices()]
@@ -225,7 +272,30 @@ class ZeroShards(DataParallelAxis):
     def step(self, lr):
         self.optimizer.step(lr, [s.grad for s in self.shards])   # my slice of every bucket
         for s in self.shards:
-            s.publish()                                          # all-gather the updated slices
+            s.publish()                                          # all-gather the updated slices (not ZeRO-3)
+
+
+class ZeroUnits(ZeroShards):
+    """train_zero's ZeRO-3 over dp x cp: each chunk's blocks one unit each, its other parameters a root unit (the
+    tied weight alone where its copy is on another stage, so the two copies' shards line up). Each chunk has its
+    own hooks and reduction: a micro-batch's F or B action gathers (and prefetches) its chunk's units block by
+    block, and reduce-scatters their gradients as each block's backward ends; the sums are then taken on the
+    shards, as for ZeRO-2."""
+
+    def shard(self, chunk, cfg, grid, dtype, device, names):
+        tied = tied_weight([chunk]) if grid.groups.tied is not None else None
+        blocks = list(chunk.transformer["h"])
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        rest = [p for p in chunk.parameters() if id(p) not in in_blocks]
+        roots = [g for g in ([p for p in rest if p is tied], [p for p in rest if p is not tied]) if g]
+        return [(grid.groups.dp_cp, shard_model(chunk, 3, grid.groups.dp_cp, dtype, device, blocks=blocks,
+                                                buckets=roots, names=names))]
+
+    def __init__(self, chunks, cfg, grid, dtype, device, holder):
+        super().__init__(chunks, cfg, grid, dtype, device, holder)
+        for chunk, (grads,) in zip(chunks, self.grads_of):     # gather, free and reduce-scatter unit by unit
+            install_zero3_hooks(chunk, list(chunk.transformer["h"]), [b.shard for b in grads.buckets], grads,
+                                reshard_after_forward=cfg.reshard_after_forward)
 
 
 def moe_metrics(chunks, grid, cfg):
@@ -300,6 +370,9 @@ def extra_args(parser):
                              "it replaces the degree, schedule, micro-batch, ZeRO and recompute flags")
     parser.add_argument("--plan_gpu", default="", help="with --layout auto: plan as if on this GPU (a100, h100, "
                                                        "h200, b200; default: the GPU found)")
+    parser.add_argument("--reshard_after_forward", action=argparse.BooleanOptionalAction, default=True,
+                        help="ZeRO-3: free each block's gathered weights after its forward and gather them again for "
+                             "its backward (--no-reshard_after_forward: keep them until its backward is over)")
 
 
 def default_layout(cfg, world):
@@ -331,13 +404,11 @@ def validate(cfg):
     cfg.dp = cfg.dp or world // (tp * cp * pp)
     check(cfg.dp * tp * cp * pp == world, f"dp*tp*cp*pp = {cfg.dp}*{tp}*{cp}*{pp} = {cfg.dp * tp * cp * pp} "
                                           f"!= world size {world}")
-    check(cfg.n_head % tp == 0, f"n_head={cfg.n_head} is not divisible by tp={tp}")
     multiple = cp if cfg.cp_layout == "ring" else 2 * cp
     check(cp == 1 or cfg.block_size % multiple == 0, f"--block_size {cfg.block_size} must be a multiple of "
           f"{multiple} (--cp_layout {cfg.cp_layout} cuts every sequence into {multiple} equal chunks at cp={cp})")
     check(not cfg.sp or tp > 1, "--sp needs --tp > 1")
-    check(not cfg.sp or (cfg.block_size // cp) % tp == 0,
-          f"--sp: the {cfg.block_size // cp} positions per CP rank are not divisible by tp={tp}")
+    check_tp(cfg, tp, cfg.block_size // cp, what="block_size/cp")
     check(cp == 1 or cfg.dropout == 0.0, "--dropout must be 0 with --cp > 1 (the ring attention has no dropout)")
     stages = pp * cfg.pp_virtual
     check(cfg.n_layer % stages == 0, f"n_layer={cfg.n_layer} does not split into pp*pp_virtual={stages} stages")
@@ -354,26 +425,27 @@ def validate(cfg):
           f"interleaved needs --pp_virtual >= 2 and micro-batches per step ({m}) divisible by pp={pp}")
     check(cfg.pp_schedule in ("afab", "zbv") or m >= pp, f"--pp_schedule {cfg.pp_schedule} needs at least pp={pp} "
           f"micro-batches per step, got {m} (global / (micro * dp))")
-    plain_linears = tp == 1 and cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"
+    plain_linears = cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"
     check(cfg.pp_schedule not in SPLIT_BACKWARD or plain_linears, f"{cfg.pp_schedule} defers the weight gradients "
-          "of plain nn.Linear layers: with --tp > 1, fused kernels or --fp8 use afab, 1f1b or interleaved")
+          "of nn.Linear and tensor-parallel layers: with fused kernels or --fp8 use afab, 1f1b or interleaved")
     check(cfg.dtype != "float16", "train_5d supports float32, bfloat16 and float64 (no fp16 loss scaling)")
     check(tp == 1 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
           "--kernels triton|compile and --fp8 fuse or swap nn.Linear layers; with --tp > 1 the layers are "
           "tensor-parallel (their communication would be skipped): use --kernels torch --fp8 none")
-    check(cfg.zero_stage in (0, 1, 2), f"--zero_stage {cfg.zero_stage}: train_5d offers 0, 1 and 2; ZeRO-3 gathers "
-          f"each block's weights per micro-batch and is in train_zero.py")
+    check(cfg.zero_stage in (0, 1, 2, 3), f"--zero_stage {cfg.zero_stage}: 0 (replicas), 1, 2 or 3")
+    check_zero3(cfg)
+    check(cfg.zero_stage < 3 or cfg.dp * cp > 1, "--zero_stage 3 shards over dp x cp: with dp*cp = 1 there is "
+                                                 "nothing to shard")
+    check(cfg.zero_stage < 3 or cfg.pp_schedule not in SPLIT_BACKWARD, f"--zero_stage 3 reduce-scatters each "
+          f"block's gradients as its backward ends: not with {cfg.pp_schedule}, whose weight gradients come later")
     check_moe(cfg)
     check(cfg.ep >= 1 and (cfg.dp * cp) % cfg.ep == 0, f"--ep {cfg.ep} must divide dp*cp = {cfg.dp * cp} (experts "
                                                         f"are shared out over ranks holding different tokens)")
     check(cfg.ep == 1 or (cfg.n_experts > 0 and cfg.n_experts % cfg.ep == 0),
           f"--ep {cfg.ep} needs --n_experts > 0 and divisible by it, got {cfg.n_experts}")
     check(cfg.n_experts == 0 or cfg.moe_every <= cfg.n_layer, f"--moe_every {cfg.moe_every} > --n_layer: no MoE block")
-    check(cfg.ep == 1 or cfg.zero_stage == 0, "--ep > 1 keeps every rank's full optimizer (expert and dense "
-          "gradients are averaged over different groups): use --zero_stage 0")
-    check(cfg.zero_stage < 2 or (cfg.pp_virtual == 1 and cfg.pp_schedule != "zb1"),
-          "--zero_stage 2 reduce-scatters after each backward of the whole stage: not with --pp_virtual > 1 (a "
-          "backward covers one chunk) or zb1 (weight gradients come later)")
+    check(cfg.ep == 1 or cfg.zero_stage < 3, "--zero_stage 3 with --ep > 1: a MoE block's unit would hold dense "
+          "weights sharded over dp x cp and experts over edp (two gathers per block, not built): use --zero_stage 2")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -413,9 +485,14 @@ def main(argv=None):
     runner = PipelineRunner(chunks, grid.groups.pp, schedules, m, act_shape, env.device, store,
                             autocast_context(dtype, env.device), param_dtype(dtype))
     holder = functools.partial(checkpoint_holder, grid=grid)
-    dp_axis = (ZeroShards(chunks, cfg, grid, param_dtype(dtype), env.device, holder) if cfg.zero_stage else
-               Replicas(chunks, cfg, grid, env.device, holder))
+    if cfg.zero_stage:
+        dp_axis = (ZeroUnits if cfg.zero_stage == 3 else ZeroShards)(chunks, cfg, grid, param_dtype(dtype),
+                                                                     env.device, holder)
+    else:
+        dp_axis = Replicas(chunks, cfg, grid, env.device, holder)
     runner.after_backward = dp_axis.after_backward
+    if store is not None and cfg.zero_stage == 2:
+        store.after_compute = dp_axis.after_weight_grads
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
     start = checkpoint.load(cfg, env, gcfg, dp_axis.held) if cfg.resume else 0

@@ -129,14 +129,17 @@ class GatherFromSP(torch.autograd.Function):
 
 
 class ColumnLinearFn(torch.autograd.Function):
-    """f fused with the column-parallel matmul, for two things autograd's composition cannot do. SP: keep only
+    """f fused with the column-parallel matmul, for three things autograd's composition cannot do. SP: keep only
     the input's sequence shard for backward and all-gather it again there, so every activation is 1/tp-sized.
-    Overlap: launch the input-gradient all-reduce (or reduce-scatter) async, compute dW while it travels."""
+    Overlap: launch the input-gradient all-reduce (or reduce-scatter) async, compute dW while it travels. A split
+    backward (zero-bubble pipelines): with a `store` (pipeline_weight_grads.WeightGradStore), backward returns dx
+    with its communication and stashes (W, b, x, dy) for the pipeline's W action."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sp, overlap):
+    def forward(ctx, x, weight, bias, group, sp, overlap, store=None):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sp, ctx.overlap, ctx.has_bias = group, sp, overlap, bias is not None
+        ctx.store, ctx.params = store, (weight, bias)          # the Parameters themselves, for W
         full = gather_seq(x, group)[0] if sp else x
         return F.linear(full, weight, bias)
 
@@ -149,18 +152,23 @@ class ColumnLinearFn(torch.autograd.Function):
             grad_in, work = reduce_scatter_seq(grad_in, ctx.group, async_op=ctx.overlap)
         else:
             work = all_reduce(grad_in, group=ctx.group, async_op=ctx.overlap)
+        if ctx.store is not None:                                # dW and db wait for the W action
+            ctx.store.stash(*ctx.params, x, grad_out)
+            if work is not None:
+                work.wait()
+            return grad_in, None, None, None, None, None, None
         g2 = grad_out.reshape(-1, grad_out.shape[-1])            # (overlap: this runs while the sum travels)
         grad_w = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype)
         grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
         if work is not None:
             work.wait()
-        return grad_in, grad_w, grad_b, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None
 
 
 @torch.compiler.disable      # collectives (and comm.py's byte counters) run eagerly: a graph break under --compile
-def column_parallel(x, weight, bias, group, sp, overlap):
-    if sp or overlap:
-        return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap)
+def column_parallel(x, weight, bias, group, sp, overlap, store=None):
+    if sp or overlap or store is not None:
+        return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap, store)
     return F.linear(CopyToTP.apply(x, group), weight, bias)      # the textbook form: f, then a local matmul
 
 
@@ -201,9 +209,10 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sp, self.overlap = group, sp, overlap
         self.weight = shard_param((out_features, in_features), 0, parts, group, device, dtype)
         self.bias = shard_param((out_features,), 0, parts, group, device, dtype) if bias else None
+        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline_weight_grads.py)
 
     def forward(self, x):
-        return column_parallel(x, self.weight, self.bias, self.group, self.sp, self.overlap)
+        return column_parallel(x, self.weight, self.bias, self.group, self.sp, self.overlap, self.weight_grad_store)
 
 
 class RowParallelLinear(nn.Module):
@@ -217,10 +226,13 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
             self.bias.sequence_parallel = sp       # under SP each rank sees a sequence chunk: partial grad
+        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (dx needs no communication)
 
     def forward(self, x):
-        y = leave_tp_region(F.linear(x, self.weight), self.group, self.sp)
-        return y if self.bias is None else y + self.bias
+        store = self.weight_grad_store
+        partial = F.linear(x, self.weight) if store is None else store.linear(x, self.weight)
+        y = leave_tp_region(partial, self.group, self.sp)
+        return y if self.bias is None else y + self.bias      # the bias's gradient: autograd's, in B
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -275,10 +287,12 @@ class VocabParallelLMHead(nn.Module):
         super().__init__()
         self.weight, self.vocab_start, self.n_valid = wte.weight, wte.vocab_start, wte.n_valid
         self.group, self.sp, self.overlap = group, sp, overlap
+        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred
 
     @torch.compiler.disable
     def forward(self, x, targets=None):
-        logits = column_parallel(x, self.weight, None, self.group, self.sp, self.overlap)   # [B, T, V/tp]
+        logits = column_parallel(x, self.weight, None, self.group, self.sp, self.overlap,
+                                 self.weight_grad_store)                                   # [B, T, V/tp]
         if self.n_valid < logits.shape[-1]:        # padding rows: probability 0, gradient 0
             logits = logits.masked_fill(torch.arange(logits.shape[-1], device=x.device) >= self.n_valid, -math.inf)
         if targets is None:          # generation: gather the vocabulary (the only place full logits exist)
@@ -471,16 +485,22 @@ def extra_args(parser):
                         help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
 
 
+def check_tp(cfg, tp, positions, what="block_size"):
+    """The shapes tensor parallelism of degree tp needs, in any layout (this script, train_5d.py): the heads split
+    over tp, and under --sp the positions of a sequence each rank holds (`what`: how they are named)."""
+    from common.config import check
+    check(cfg.n_head % tp == 0, f"n_head={cfg.n_head} is not divisible by tp={tp} (the heads, and so "
+                                f"the MLP width 4*n_embd, are split over the TP ranks)")
+    check(not cfg.sp or positions % tp == 0, f"--sp: sequence length {what}={positions} is not divisible by tp={tp}")
+
+
 def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
     world = world_size_from_env()
     check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
                            f"combine with data parallelism in train_5d.py")
-    check(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp} (the heads, and so "
-                                    f"the MLP width 4*n_embd, are split over the TP ranks)")
-    check(not cfg.sp or cfg.block_size % cfg.tp == 0,
-          f"--sp: sequence length block_size={cfg.block_size} is not divisible by tp={cfg.tp}")
+    check_tp(cfg, cfg.tp, cfg.block_size)
     check(cfg.dtype != "float16", "train_tp supports float32, bfloat16 and float64 (no fp16 loss scaling across TP "
                                   "ranks)")
     check(cfg.kernels in ("auto", "torch") and cfg.fp8 == "none",

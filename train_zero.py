@@ -189,6 +189,18 @@ class ShardedGrads(DataParallelGrads):
             bucket.buffer = None                       # the non-owned part of the gradients is gone
         bucket.out = None
 
+    def reduce_held(self):
+        """Stage 2: reduce-scatter the gradients the parameters hold now and drop them, for gradients written
+        outside autograd's hooks (a zero-bubble pipeline's W action sets .grad itself; its B ran without sync)."""
+        held = [p for b in self.buckets for p in b.params if p.grad is not None]
+        if not held:
+            return
+        self.require_sync(True)
+        for p in held:
+            self._grad_ready(p)
+        self.finish()
+        self.require_sync(False)
+
     def grads(self):
         return [b.shard.grad for b in self.buckets]
 
@@ -202,17 +214,18 @@ def shard_model(model, stage, group, dtype, device, blocks=None, buckets=None, b
     """Swap the model's parameters for views of flat Shards, in place; returns the shards (launch order).
 
     Stage 3 shards one unit per module of `blocks` (the modules gathered one at a time, in forward order: a
-    transformer's blocks) and a root unit of every other parameter (embeddings, final norm, head). Stages 0-2
-    shard `buckets` (parameter groups in the order their gradients come; default assign_buckets over
-    bucket_mb MiB, last parameters first). names: {parameter: name} (default model.named_parameters()'s).
-    initial_value(name, p): the full initial value of p (default its current value; a model built on the meta
-    device needs one, e.g. model.init_parameter)."""
+    transformer's blocks) and root units of every other parameter (embeddings, final norm, head): one, or the
+    groups `buckets` gives (a pipeline stage's tied embedding alone, so that its two copies' shards line up), or
+    none where there is no other parameter (a middle pipeline stage). Stages 0-2 shard `buckets` (parameter
+    groups in the order their gradients come; default assign_buckets over bucket_mb MiB, last parameters first).
+    names: {parameter: name} (default model.named_parameters()'s). initial_value(name, p): the full initial value
+    of p (default its current value; a model built on the meta device needs one, e.g. model.init_parameter)."""
     named = names or {p: n for n, p in model.named_parameters()}
-    if stage == 3:   # units: blocks in backward order, then the root
+    if stage == 3:   # units: blocks in backward order, then the roots
         assert blocks is not None, "ZeRO-3 needs the blocks: the modules whose parameters are gathered together"
         units = [list(b.parameters()) for b in blocks]
         root = [p for p in model.parameters() if all(p is not q for unit in units for q in unit)]
-        groups = list(reversed(units)) + [root]
+        groups = list(reversed(units)) + (buckets if buckets is not None else [root] if root else [])
     else:
         groups = buckets or assign_buckets(list(reversed(list(model.parameters()))), bucket_mb * 2 ** 20)
     shards = []
@@ -235,28 +248,37 @@ def output_tensors(out):
     return [t for v in values for t in output_tensors(v)]
 
 
-def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=None):
+def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=None, reshard_after_forward=True):
     """Gather a block's parameters just before its forward and its backward, free them right after; with
     prefetch, start the all-gather of the block that runs next while this one computes. `blocks` and `shards`:
-    as given to and returned by shard_model. The root unit is gathered around the model's forward and from the
+    as given to and returned by shard_model. The root units are gathered around the model's forward and from the
     first gradient reaching any of its outputs (whatever they are: logits, a loss, a tuple) until backward ends.
+    reshard_after_forward=False (FSDP2's name) keeps a unit gathered from its forward until its backward is
+    over: one all-gather fewer per use, the whole unit held in between. Called per module (a pipeline chunk),
+    each forward and backward of the module gathers its own units: a chunk's units per micro-batch action.
     on_gather(): called after each all-gather is started (a memory probe: train_zero's peak gathered bytes)."""
-    units, root = list(reversed(shards[:-1])), shards[-1]     # blocks' units in forward order
+    units, roots = list(reversed(shards[:len(blocks)])), shards[len(blocks):]    # blocks' units in forward order
 
     def fetch(unit):
         unit.gather()
         if on_gather is not None:
             on_gather()
 
+    def release(unit):               # after a forward; kept for its backward when not resharding (training only)
+        if reshard_after_forward or not torch.is_grad_enabled():
+            unit.free()
+
     def pre_backward(i):
         def hook(grad):
-            unit = root if i is None else units[i]
-            if i is None and unit.in_backward:         # the root has a hook on each output: the first one acts
+            mine = roots if i is None else [units[i]]
+            if any(unit.in_backward for unit in mine):   # the roots hook every output: the first one acts
                 return
-            unit.in_backward = True
-            fetch(unit)
-            unit.wait()
-            grads.prepare(unit)
+            for unit in mine:
+                unit.in_backward = True
+                fetch(unit)
+            for unit in mine:
+                unit.wait()
+                grads.prepare(unit)
             nxt = len(units) - 1 if i is None else i - 1
             if prefetch and nxt >= 0:
                 fetch(units[nxt])
@@ -276,18 +298,21 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
         def hook(module, args, out):
             if units[i].in_backward:
                 return
-            units[i].free()
+            release(units[i])
             first = next((t for t in output_tensors(out) if t.requires_grad), None)
             if first is not None:
                 first.register_hook(pre_backward(i))
         return hook
 
     def root_pre_forward(module, args):
-        fetch(root)
-        root.wait()
+        for unit in roots:
+            fetch(unit)
+        for unit in roots:
+            unit.wait()
 
     def root_post_forward(module, args, out):
-        root.free()
+        for unit in roots:
+            release(unit)
         for t in output_tensors(out):
             if t.requires_grad:
                 t.register_hook(pre_backward(None))
@@ -302,25 +327,6 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
 # ----------------------------------------------------------------------------------------------------------
 # the script
 
-def model_state_bytes(model, shards, grads):
-    """Bytes of the parameter, gradient and optimizer-state tensors alive on this rank, each storage once."""
-    seen, out = set(), dict(params=0, grads=0, optim=0)
-
-    def add(kind, t):
-        st = None if t is None else t.untyped_storage()
-        if st is not None and st.nbytes() and st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            out[kind] += st.nbytes()
-    for p in model.parameters():
-        add("params", p)
-        add("grads", p.grad)
-    for b, s in zip(grads.buckets, shards):           # the master *is* the parameter shard: counted once
-        for kind, t in (("params", s.shard), ("grads", b.buffer), ("grads", s.grad), ("optim", s.master),
-                        ("optim", s.exp_avg), ("optim", s.exp_avg_sq)):
-            add(kind, t)
-    return out
-
-
 def shard_gpt(model, cfg, stage, group, dtype, device):
     """shard_model for model.py's GPT built on the meta device: blocks transformer.h, values from init_parameter."""
     from model import init_parameter
@@ -331,20 +337,19 @@ def shard_gpt(model, cfg, stage, group, dtype, device):
                        bucket_mb=cfg.bucket_mb, initial_value=initial_value)
 
 
-class GatheredBytes:
-    """ZeRO-3's gathered parameters: the bytes of whole units alive, at their peak (install_zero3_hooks's
-    on_gather; memory only grows at a gather, so sampling there finds the peak)."""
-
-    def __init__(self, shards):
-        self.shards, self.peak = shards, 0
-
-    def __call__(self):
-        self.peak = max(self.peak, sum(s.full.untyped_storage().nbytes() for s in self.shards))
-
-
 def add_args(parser):
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="ZeRO-3: start the next block's all-gather while the current block computes")
+
+
+def check_zero3(cfg):
+    """What ZeRO-3's hooks on model.py's blocks are not checked with, in any layout (this script, train_5d.py)."""
+    from common.config import check
+    check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3")
+    check(cfg.zero_stage < 3 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
+          "--kernels triton|compile and --fp8 apply to ZeRO stages 0-2; ZeRO-3 gathers and frees each block's "
+          "parameters from hooks on model.py's blocks, which the fused or FP8 modules are not checked with: "
+          "use --kernels torch --fp8 none")
 
 
 def validate(cfg):
@@ -352,21 +357,17 @@ def validate(cfg):
     from common.distributed import world_size_from_env
     check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
-    check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3")
     check(cfg.dtype in ("auto", "float32", "bfloat16", "float64"),
           f"train_zero.py supports --dtype float32, bfloat16 (autocast over fp32 parameters) or float64, got "
           f"{cfg.dtype} (fp16 needs a GradScaler whose overflow check spans the gradient shards)")
-    check(cfg.zero_stage < 3 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
-          "--kernels triton|compile and --fp8 apply to ZeRO stages 0-2; ZeRO-3 gathers and frees each block's "
-          "parameters from hooks on model.py's blocks, which the fused or FP8 modules are not checked with: "
-          "use --kernels torch --fp8 none")
+    check_zero3(cfg)
 
 
 def main(argv=None):
     # the script's plumbing, imported here: the building blocks above need only torch, comm.py and train_ddp.py
     from common.config import grad_accum_steps, parse_config
     from common.distributed import init_distributed
-    from common.metrics import MetricsLogger
+    from common.metrics import GatheredBytes, MetricsLogger, model_state_bytes
     from common.optim import BETAS, EPS, NonFiniteGuard, lr_at
     from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
                                  param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
@@ -420,7 +421,7 @@ def main(argv=None):
             (loss / grad_acc).backward()                # fp32 gradients: accumulated and reduced in fp32
             grads.finish()
             loss_sum += loss.detach()
-        state_bytes = model_state_bytes(model, shards, grads)           # params + grads + optimizer, alive
+        state_bytes = model_state_bytes(model, shards, grads.buckets)   # params + grads + optimizer, alive
         g = grads.grads()                                               # fp32 (float64), like the shards
         grad_norm = clip_grad_norm(g, cfg.grad_clip, group=group if stage > 0 else None, device=env.device,
                                    dtype=shards[0].master_dtype)

@@ -9,7 +9,7 @@ size in one torchrun launch. Every rank counts, exactly:
     model states  bytes of its live parameter, gradient and optimizer-state tensors after the run, each storage once:
                   the parameters and their .grad (train_ddp's buckets), AdamW's exp_avg and exp_avg_sq (its
                   one-element step counters are left out, as plan.py leaves them out), or under ZeRO the flat
-                  shards as train_zero.model_state_bytes counts them
+                  shards as metrics.model_state_bytes counts them
     activations   the peak, over a step, of the bytes autograd holds for backward: metrics.LiveSavedActivationBytes
                   around the pipeline runner's step, so the micro-batches a schedule keeps in flight all count
 plan.py predicts the same parts for the same plan_inputs.Layout and pipeline rank: plan_memory.flat_groups and
@@ -95,11 +95,11 @@ def instrumented(train_5d, seen):
         train_5d.PipelineRunner = runner_class
 
 
-def state_bytes(chunks, grads, optimizer, shards):
-    """Live model-state bytes of this rank by part, each storage once."""
+def state_bytes(chunks, buckets, optimizer, shards):
+    """Live model-state bytes of this rank by part, each storage once (buckets: the ZeRO shards' own)."""
     if shards:
-        from train_zero import model_state_bytes
-        out = model_state_bytes(chunks, shards, grads)
+        from common.metrics import model_state_bytes
+        out = model_state_bytes(chunks, shards, buckets)
         return dict(params=out["params"], grads=out["grads"], optimizer=out["optim"])
     seen, out = set(), dict(params=0, grads=0, optimizer=0)
     for p in chunks.parameters():
@@ -121,7 +121,8 @@ def measure_layouts(labels, data_dir, out_root):
         with instrumented(train_5d, seen):
             result = train_5d.main(train_argv(LAYOUTS[label], data_dir, out_dir))
         axis = result["dp_axis"]
-        states = state_bytes(result["chunks"], axis.grads, axis.optimizer, axis.shards)
+        buckets = [b for grads in axis.reductions() for b in getattr(grads, "buckets", [])]
+        states = state_bytes(result["chunks"], buckets, axis.optimizer, axis.shards)
         rows.append(dict(layout=label, coords=dict(result["grid"].coords), activations=seen["activations"],
                          vocab_size=result["gcfg"].vocab_size, **states))
     return rows

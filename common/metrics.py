@@ -371,3 +371,37 @@ def read_metrics(out_dir):
             if "loss" in row:
                 rows[row["step"]] = row
     return [rows[s] for s in sorted(rows)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ZeRO's model states and gathered units (train_zero.py's shards and buckets, by duck typing: no rung imported)
+
+def model_state_bytes(model, shards, buckets):
+    """Bytes of the parameter, gradient and optimizer-state tensors alive on this rank, each storage once.
+    shards: train_zero's Shards; buckets: their ShardedGrads' buckets, in the same order."""
+    seen, out = set(), dict(params=0, grads=0, optim=0)
+
+    def add(kind, t):
+        st = None if t is None else t.untyped_storage()
+        if st is not None and st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            out[kind] += st.nbytes()
+    for p in model.parameters():
+        add("params", p)
+        add("grads", p.grad)
+    for b, s in zip(buckets, shards):                 # the master *is* the parameter shard: counted once
+        for kind, t in (("params", s.shard), ("grads", b.buffer), ("grads", s.grad), ("optim", s.master),
+                        ("optim", s.exp_avg), ("optim", s.exp_avg_sq)):
+            add(kind, t)
+    return out
+
+
+class GatheredBytes:
+    """ZeRO-3's gathered parameters: the bytes of whole units alive, at their peak (install_zero3_hooks's
+    on_gather; memory only grows at a gather, so sampling there finds the peak)."""
+
+    def __init__(self, shards):
+        self.shards, self.peak = shards, 0
+
+    def __call__(self):
+        self.peak = max(self.peak, sum(s.full.untyped_storage().nbytes() for s in self.shards))

@@ -6,44 +6,58 @@ for) and dW = gy^T x (the weight gradient nothing downstream needs until the opt
 computes only dx and sends it at once; the matching W action computes dW later, in what would be a bubble
 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"). Here the blocks' nn.Linear layers are swapped for
 DeferredWeightGradLinear: its backward returns dx and stashes (layer, x, gy) in a WeightGradStore, and
-W(micro-batch) turns the stash into gradients. Parameters and their names are unchanged.
+W(micro-batch) turns the stash into gradients. Parameters and their names are unchanged. Tensor-parallel layers
+(train_tp.py) take the store themselves: their B keeps the input gradient's all-reduce (or SP's reduce-scatter)
+and stashes the weight's part for W.
 """
 import torch
 import torch.nn as nn
 
 
 class WeightGradStore:
-    """Linear layers stash (layer, input, output gradient) during B; W(mb) computes their dW = gy^T x."""
+    """Layers stash (weight, bias, input, output gradient) during B; W(mb) computes their dW = gy^T x (and db)."""
 
     def __init__(self):
         self.pending, self.saved = [], {}
+        self.after_compute = None                # called with the key after each W (ZeRO-2: reduce now)
+
+    def stash(self, weight, bias, x, gy):
+        """From a backward that returned only dx (bias None: its gradient is not this layer's to defer)."""
+        self.pending.append((weight, bias, x, gy))
+
+    def linear(self, x, weight, bias=None):
+        """y = x W^T + b whose backward returns only dx and stashes the rest here: for layers that own their
+        forward (train_tp's parallel layers read it from their `weight_grad_store`)."""
+        return _LinearInputGradOnly.apply(x, weight, bias, self)
 
     def close(self, key):
         self.saved[key], self.pending = self.pending, []
 
     @torch.no_grad()
     def compute(self, key):
-        for layer, x, gy in self.saved.pop(key):
+        for weight, bias, x, gy in self.saved.pop(key):
             gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1]).to(gy.dtype)  # tokens as rows
-            grads = [(layer.weight, gy2.t() @ x2)] + ([(layer.bias, gy2.sum(0))] if layer.bias is not None else [])
+            grads = [(weight, gy2.t() @ x2)] + ([(bias, gy2.sum(0))] if bias is not None else [])
             for p, g in grads:
                 p.grad = g.to(p.dtype) if p.grad is None else p.grad.add_(g.to(p.dtype))
+        if self.after_compute is not None:
+            self.after_compute(key)
 
 
 class _LinearInputGradOnly(torch.autograd.Function):
     """y = x W^T + b whose backward returns only dx and leaves dW, db to the store."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, store):
+    def forward(ctx, x, weight, bias, store):
         ctx.save_for_backward(x, weight)
-        ctx.layer, ctx.store = layer, store
+        ctx.params, ctx.store = (weight, bias), store          # the Parameters themselves, for W
         return nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
-        ctx.store.pending.append((ctx.layer, x, gy))
-        return (gy @ weight.to(gy.dtype)).to(x.dtype), None, None, None, None   # dx: the critical path
+        ctx.store.stash(*ctx.params, x, gy)
+        return (gy @ weight.to(gy.dtype)).to(x.dtype), None, None, None   # dx: the critical path
 
 
 class DeferredWeightGradLinear(nn.Module):
@@ -54,12 +68,16 @@ class DeferredWeightGradLinear(nn.Module):
         self.weight, self.bias, self.store = linear.weight, linear.bias, store
 
     def forward(self, x):
-        return _LinearInputGradOnly.apply(x, self.weight, self.bias, self, self.store)
+        return self.store.linear(x, self.weight, self.bias)
 
 
 def defer_weight_grads(module, store):
-    """Swap every nn.Linear inside `module` (the blocks' four matmuls) for DeferredWeightGradLinear."""
+    """Swap every nn.Linear inside `module` (the blocks' four matmuls) for DeferredWeightGradLinear; a layer that
+    runs its own matmul (train_tp's column- and row-parallel layers: a `weight_grad_store` attribute) is handed
+    the store and defers its own dW, keeping its communication in B."""
     for parent in list(module.modules()):
+        if hasattr(parent, "weight_grad_store"):
+            parent.weight_grad_store = store
         for name, child in parent.named_children():
             if type(child) is nn.Linear:
                 setattr(parent, name, DeferredWeightGradLinear(child, store))

@@ -38,7 +38,7 @@ def part(n):
 
 def expected_bytes_by_axis(dp=1, tp=1, cp=1, pp=1, sp=False, micro=2, n_layer=2, v=1, cp_layout="zigzag",
                            n_params=0, n_padded=None, zero_stage=0, n_sp_shard=0, tied_padded=0, value_bytes=8,
-                           v_shaped=False):
+                           v_shaped=False, gathers=0):
     """Bytes global rank 0 (first stage; tp, cp, dp index 0) sends in one step, per axis: each rung's formula
     (tests/test_tp.py, test_cp.py, test_pp.py, test_ddp.py) with the composed step's sizes."""
     m, t_local, layers = 8 // (micro * dp), T // cp, n_layer // pp      # rank 0 holds n_layer / pp blocks
@@ -49,7 +49,7 @@ def expected_bytes_by_axis(dp=1, tp=1, cp=1, pp=1, sp=False, micro=2, n_layer=2,
     else:        # block 10 gathers / scatters; embedding 2; head 3
         tp_micro = (10 * layers + 2 * first + 3 * last) * part(tp) * S
     tp_micro += last * 3 * ar(tp) * N * value_bytes
-    sp_grads = n_sp_shard if zero_stage == 2 else 6 * H * layers + 2 * H * last   # ZeRO-2: my shards' part
+    sp_grads = n_sp_shard if zero_stage >= 2 else 6 * H * layers + 2 * H * last   # ZeRO-2/3: my shards' part
     tp_step = m * tp_micro + (ar(tp) * value_bytes * sp_grads if sp else 0)
     kv = 2 * micro * t_local * (H // tp) * value_bytes                  # train_cp: this rank's K and V
     ring = (cp - 1) * 2 * kv + (cp if cp_layout != "allgather" else cp - 1) * kv
@@ -59,12 +59,13 @@ def expected_bytes_by_axis(dp=1, tp=1, cp=1, pp=1, sp=False, micro=2, n_layer=2,
     if pp > 1 and v_shaped:   # rank 0: stage 0's output forward, stage 2p-1's input gradient back; one tied copy
         pp_step = m * act * 2
     elif pp > 1:  # the first rank sends 2V - 1 messages per micro-batch; the tied weight's two copies all-reduce
-        tied = tied_padded // (dp * cp) if zero_stage == 2 else (VOCAB // tp) * H   # ZeRO-2: my shard of it
+        tied = tied_padded // (dp * cp) if zero_stage >= 2 else (VOCAB // tp) * H   # ZeRO-2/3: my shard of it
         pp_step = m * act * (2 * v - 1) + tied * value_bytes * ar(2)
-    if n_padded is not None:      # train_zero: reduce-scatters (ZeRO-2: one per micro-batch) + an all-gather of
-        scatters = m if zero_stage == 2 else 1        # the padded buckets; the norm's scalar over all ranks
-        return dict(dp=(scatters + 1) * part(dp * cp) * value_bytes * n_padded, tp=tp_step, cp=cp_step,
-                    pp=pp_step, mp=ar(dp * tp * cp * pp) * value_bytes)
+    if n_padded is not None:      # train_zero: reduce-scatters (ZeRO-2/3: one per micro-batch) + all-gathers of
+        scatters = m if zero_stage >= 2 else 1        # the padded buckets (ZeRO-3: `gathers` per unit, the
+        dp_step = (scatters + (gathers if zero_stage == 3 else 1)) * part(dp * cp) * value_bytes * n_padded
+        return dict(dp=dp_step, tp=tp_step, cp=cp_step, pp=pp_step,   # schedule's count); the norm's scalar
+                    mp=ar(dp * tp * cp * pp) * value_bytes)           # over all ranks
     return dict(dp=ar(dp * cp) * value_bytes * n_params, tp=tp_step, cp=cp_step, pp=pp_step,
                 mp=ar(tp * pp) * value_bytes)
 
@@ -80,7 +81,13 @@ CASES = {
         ("L2", dict(dp=2, cp=2, zero_stage=1)), ("L2", dict(dp=2, tp=2, sp=True, zero_stage=2)),
         ("L4", dict(dp=2, pp=2, pp_schedule="zbv", pp_virtual=2, zero_stage=1)),
         ("L4", dict(cp=2, pp=2, pp_schedule="dualpipev", pp_virtual=2)),
-        ("L2", dict(dp=2, pp=2, zero_stage=2)), ("L2", dict(dp=2, cp=2, zero_stage=2))],
+        ("L2", dict(dp=2, pp=2, zero_stage=2)), ("L2", dict(dp=2, cp=2, zero_stage=2)),
+        ("L4", dict(dp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, zero_stage=2)),
+        ("L4", dict(tp=2, pp=2, sp=True, pp_schedule="zb1")), ("L4", dict(tp=2, pp=2, pp_schedule="zbv", pp_virtual=2)),
+        ("L4", dict(tp=2, pp=2, sp=True, pp_schedule="dualpipev", pp_virtual=2)),
+        ("L4", dict(dp=2, pp=2, pp_schedule="zb1", zero_stage=2)),
+        ("L4", dict(dp=2, pp=2, pp_schedule="zbv", pp_virtual=2, zero_stage=2)),
+        ("L4", dict(cp=2, pp=2, pp_schedule="dualpipev", pp_virtual=2, zero_stage=2))],
     8: [("L2", dict(dp=2, tp=2, pp=2, sp=True)), ("L2", dict(tp=2, cp=2, pp=2)), ("L2", dict(dp=2, tp=2, cp=2))],
     16: [("L2", dict(dp=2, tp=2, cp=2, pp=2, sp=True))],
 }
@@ -150,12 +157,15 @@ def test_default_layout_shows_more_than_one_axis(tiny_data, tmp_path):
     (4, dict(cp=4, block_size=18, cp_layout="ring"), "must be a multiple of 4 (--cp_layout ring"),
     (2, dict(cp=2, block_size=6), "must be a multiple of 4 (--cp_layout zigzag"),
     (2, dict(pp=2, global_batch_size=2, micro_batch_size=2), "needs at least pp=2 micro-batches"),
-    (2, dict(tp=2, pp_schedule="zb1"), "zb1 defers"),
+    (2, dict(pp=2, pp_schedule="zb1", kernels="triton"), "zb1 defers"),
     (2, dict(pp=2, pp_schedule="zbv"), "pass --pp_virtual 2"),
     (2, dict(pp=2, pp_schedule="dualpipev", pp_virtual=2, n_layer=4, micro_batch_size=4), "dualpipev needs"),
     (2, dict(tp=2, kernels="compile"), "with --tp > 1 the layers are tensor-parallel"),
-    (2, dict(dp=2, zero_stage=3), "--zero_stage 3"),
-    (4, dict(dp=2, pp=2, zero_stage=2, pp_schedule="zb1", micro_batch_size=2), "--zero_stage 2 reduce-scatters"),
+    (4, dict(dp=2, pp=2, zero_stage=3, pp_schedule="zb1", micro_batch_size=2), "--zero_stage 3 reduce-scatters"),
+    (4, dict(dp=2, pp=2, zero_stage=3, pp_schedule="zbv", pp_virtual=2, n_layer=4), "not with zbv"),
+    (2, dict(tp=2, zero_stage=3), "with dp*cp = 1 there is nothing to shard"),
+    (2, dict(dp=2, zero_stage=3, kernels="triton"), "--kernels triton|compile and --fp8 apply to ZeRO stages 0-2"),
+    (2, dict(tp=2, sp=True, block_size=15, cp_layout="ring"), "block_size/cp=15 is not divisible by tp=2"),
 ])
 def test_bad_layout_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys, world, overrides, message):
     import train_5d

@@ -210,7 +210,7 @@ def test_tf32_enabled_in_every_script():
 @pytest.mark.parametrize("flags,message", [
     (["--lr", "-1"], "--lr must be a finite number >= 0"), (["--lr", "inf"], "--lr must be a finite number"),
     (["--weight_decay", "-5"], "--weight_decay must be"), (["--seed", "-1"], "--seed must be >= 0"),
-    (["--dist_timeout", "0"], "--dist_timeout must be positive"), (["--stop_step", "-3"], "--stop_step must be"),
+    (["--dist_timeout", "0"], "--dist_timeout must be between"), (["--stop_step", "-3"], "--stop_step must be"),
     (["--stop_step", "30"], "is past --max_steps"), (["--out_dir", ""], "--out_dir must name a directory"),
     (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "cuda:99"], "cuda"),

@@ -1,0 +1,116 @@
+"""train_5d.py --zero_stage 3: ZeRO-3 (FSDP) over dp x cp composed with tp (+SP), cp and pp reproduces train_single.py
+in float64 at 1e-9 per step (loss and grad norm) on real text across a gradient spike, clipping on, with and without
+resharding after forward; the dp axis sends exactly ZeRO-3's bytes with the composed sizes (each chunk's units
+all-gathered as often as the schedule needs them, reduce-scattered once per micro-batch); a ZeRO-3 run resumes as
+(tp 2, pp 2) and then as train_single."""
+import pytest
+
+from distributed_helper import run_workers
+from common.metrics import read_metrics
+from common.pipeline_schedules import make_schedule
+from test_5d import HEADS, H, T, VOCAB, expected_bytes_by_axis
+from train_helpers import MODELS, assert_exact, curves, losses, run_single, text_argv
+
+
+def _runs(rank, world, argvs):
+    """train_5d.main for each argv in one process group; rank 0 returns, per run, its padded units by chunk and
+    what the byte formulas need."""
+    import train_5d
+    from common.metrics import model_state_bytes
+    out = []
+    for argv in argvs:
+        result = train_5d.main(argv)
+        axis = result["dp_axis"]
+        tied = train_5d.tied_weight(result["chunks"])
+        buckets = [b for grads in axis.reductions() for b in grads.buckets]     # in the shards' order
+        out.append(dict(sizes=result["grid"].sizes, states=model_state_bytes(result["chunks"], axis.shards, buckets),
+                        padded_by_chunk=[sum(b.shard.padded for g in part for b in g.buckets)
+                                         for part in axis.grads_of],
+                        n_sp_shard=sum(g.numel() for p, g in axis.my_slices() if getattr(p, "sequence_parallel", 0)),
+                        tied_padded=sum(s.padded for s in axis.shards if s.params[0] is tied and len(s.params) == 1)))
+    return out if rank == 0 else None
+
+
+def gathers_per_step(schedule, pp, m, v, chunk, reshard):
+    """All-gathers of each unit of `chunk` on pipeline rank 0 in one step: before every forward and every backward
+    (resharding after forward), or, kept from a forward to the end of the next backward, only where it is not whole."""
+    whole, count = False, 0
+    for a in make_schedule(schedule, pp, m, v)[0]:
+        if a.chunk != chunk or a.kind not in "FB":
+            continue
+        count += not whole
+        whole = a.kind == "F" and not reshard
+    return count
+
+
+def predicted_states(n_layer, v, dp, tp, cp, pp):
+    """plan.py's model-state bytes of pipeline rank 0 (its units: a block each, the embedding and final norm), in
+    float64: twice its fp32 recipe's 4 + 4 + 8 bytes per parameter, all three sharded over dp x cp."""
+    from common import plan_memory
+    from common.plan_inputs import Job
+    from model import GPTConfig
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=n_layer, n_head=HEADS, n_embd=H)
+    job = Job(cfg, dp * tp * cp * pp, 8, "h100", 8, precision="fp32")
+    groups = plan_memory.flat_groups(job.shape, tp, 1, pp, v, 0, 3, job.bucket_mb)
+    st = plan_memory.zero_state_bytes(groups, dp * cp, 3, "fp32")
+    return dict(params=2 * st["params"], grads=2 * st["grads"], optim=2 * st["optimizer"])
+
+
+CASES = {
+    2: [("L2", dict(dp=2)), ("L2", dict(dp=2, reshard_after_forward=False))],
+    4: [("L2", dict(dp=2, tp=2, sp=True)), ("L2", dict(dp=2, pp=2)),
+        ("L4", dict(dp=2, pp=2, pp_schedule="interleaved", pp_virtual=2)), ("L2", dict(dp=2, cp=2)),
+        ("L2", dict(dp=2, pp=2, reshard_after_forward=False)),
+        ("L4", dict(dp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, reshard_after_forward=False))],
+    16: [("L2", dict(dp=2, tp=2, sp=True, cp=2, pp=2))],
+}
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_zero3_float64_parity_and_bytes(text_reference_for, text_data, tmp_path, world):
+    cases = [(model, {"micro_batch_size": 2, "zero_stage": 3, **opts}) for model, opts in CASES[world]]
+    argvs = [text_argv(text_data, str(tmp_path / f"run{i}"), **MODELS[model], **opts)
+             for i, (model, opts) in enumerate(cases)]
+    results = run_workers(_runs, world, args=(argvs,), timeout=1500)[0]
+    for i, ((model, opts), result) in enumerate(zip(cases, results)):
+        out = str(tmp_path / f"run{i}")
+        assert_exact(text_reference_for(model)[0], curves(out))
+        sizes = {k: opts.get(k, 1) for k in ("dp", "tp", "cp", "pp")}
+        assert result["sizes"] == sizes
+        m, v = 8 // (opts["micro_batch_size"] * sizes["dp"]), opts.get("pp_virtual", 1)
+        schedule, reshard = opts.get("pp_schedule", "1f1b"), opts.get("reshard_after_forward", True)
+        padded = result["padded_by_chunk"]
+        gathers = [gathers_per_step(schedule, sizes["pp"], m, v, c, reshard) for c in range(len(padded))]
+        assert gathers == [2 * m] * len(padded) if reshard else all(g < 2 * m for g in gathers), gathers
+        want = expected_bytes_by_axis(micro=opts["micro_batch_size"], n_layer=MODELS[model].get("n_layer", 2), v=v,
+                                      sp=opts.get("sp", False), n_padded=sum(padded), zero_stage=3,
+                                      n_sp_shard=result["n_sp_shard"], tied_padded=result["tied_padded"], **sizes)
+        # each chunk's units: its all-gathers and m reduce-scatters, at (N-1)/N of their padded bytes
+        n = sizes["dp"] * sizes["cp"]
+        want["dp"] = sum((g + m) * (n - 1) / n * 8 * p for g, p in zip(gathers, padded))
+        assert result["states"] == predicted_states(MODELS[model].get("n_layer", 2), v, **sizes), opts
+        for row in read_metrics(out):
+            got = row["comm_bytes_by_axis"]
+            for axis, value in want.items():
+                assert got[axis] == pytest.approx(value, rel=1e-12, abs=1e-9), (opts, axis, got, want)
+            assert row["tokens"] == (row["step"] + 1) * 8 * T
+
+
+def _resume_runs(rank, world, argvs):
+    import train_5d
+    for argv in argvs:
+        train_5d.main(argv)
+
+
+def test_zero3_resharding_resume(text_reference, text_data, tmp_path):
+    """Steps 0-9 as ZeRO-3 over (dp 2, cp 2), 10-19 as (tp 2, pp 2), 20-29 as train_single: the unbroken run's
+    losses and grad norms (float64, 1e-9)."""
+    out = str(tmp_path / "run")
+    run_workers(_resume_runs, 4, args=([text_argv(text_data, out, dp=2, cp=2, zero_stage=3, micro_batch_size=2,
+                                                  stop_step=10)],))
+    assert len(losses(out)) == 10
+    run_workers(_resume_runs, 4, args=([text_argv(text_data, out, tp=2, pp=2, micro_batch_size=2, resume=True,
+                                                  stop_step=20)],))
+    assert len(losses(out)) == 20
+    run_single(text_argv(text_data, out, micro_batch_size=8, resume=True))
+    assert_exact(text_reference[0], curves(out))
