@@ -207,8 +207,8 @@ def test_train_single_moe_router_stats(tiny_data, tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [(dict(n_experts=2, top_k=3), "--top_k 3 must be between 1"),
-                                           (dict(n_experts=2, moe_every=0), "--moe_every >= 1"),
-                                           (dict(n_experts=2, capacity_factor=-1), "--capacity_factor >= 0")])
+                                           (dict(n_experts=2, moe_every=0), "--moe_every must be >= 1"),
+                                           (dict(n_experts=2, capacity_factor=-1), "--capacity_factor must be a finite number >= 0")])
 def test_train_single_bad_moe_flags(tiny_data, tmp_path, capsys, flags, message):
     import train_single
     with pytest.raises(SystemExit) as e:
