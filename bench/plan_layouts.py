@@ -25,10 +25,12 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from model import GPTConfig  # noqa: E402
 from plan import evaluate  # noqa: E402
 from common.plan_inputs import GIB, Job, Layout  # noqa: E402
+from plan_tables import write_report  # noqa: E402
 
 SEQ, VOCAB = 2048, 51200
 
@@ -320,11 +322,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "plan_layouts.md"), help="markdown file, or -")
     args = p.parse_args(argv)
     text = markdown(evaluate_sweeps())
-    print(text)
-    if args.out != "-":
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return text
+    return write_report(text, args.out)
 
 
 if __name__ == "__main__":

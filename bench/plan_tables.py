@@ -301,16 +301,21 @@ s = 2048, V = 51200); torchtitan `benchmarks/llama3_h100_202412_torchtitan.md` a
 80GB); MosaicML llm-foundry `scripts/train/benchmarking/README.md`; Dao et al., "FlashAttention", NeurIPS 2022."""
 
 
+def write_report(text, out):
+    """Print a bench table and write it to `out` (a markdown file; "-": print only). Returns the text."""
+    print(text)
+    if out != "-":
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    return text
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "plan_tables.md"), help="markdown file, or - ")
     args = p.parse_args(argv)
     text = markdown([compare(s) for s in SETUPS])
-    print(text)
-    if args.out != "-":
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return text
+    return write_report(text, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from common import plan_shape  # noqa: E402
 from common.plan_inputs import GIB, MODELS, Layout  # noqa: E402
 from plan import evaluate  # noqa: E402
-from plan_tables import A100, H100_SXM, SETUPS, Setup, describe, job_of, megatron  # noqa: E402
+from plan_tables import A100, H100_SXM, SETUPS, Setup, describe, job_of, megatron, write_report  # noqa: E402
 
 LLAMA3 = "Dubey et al. 2024 (arXiv 2407.21783) Table 4"
 
@@ -98,11 +98,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "plan_validation.md"), help="file, or -")
     args = p.parse_args(argv)
     text = HEAD + "\n" + table([predict(s) for s in RUNS])
-    print(text)
-    if args.out != "-":
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return text
+    return write_report(text, args.out)
 
 
 if __name__ == "__main__":
