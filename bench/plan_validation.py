@@ -40,14 +40,19 @@ MEGATRON_MORE = [
 
 
 def llama3_405b(name, gpus, cp, seq, tflops):
-    """A row of Table 4: TP 8, PP 16, 16M tokens per step, 126 layers with one layer less on the first and last
-    stages (Sec. 3.3.2), the interleaved schedule (Fig. 6) with v = 2 (not stated: an assumption), micro-batch 1,
-    SP with TP, optimizer states sharded over dp (ZeRO-1 here; the paper's FSDP shards gradients too), no recompute
-    (not stated). Its MFU is over H100 SXM's 989 TFLOP/s; the paper does not state its FLOP count (plan.py's counts
-    the attention scores unmasked: at 131,072 tokens that is 1.4x what a causal count gives)."""
+    """A row of Table 4: TP 8, PP 16, 16M tokens per step, micro-batch 1, SP with TP, optimizer states sharded over
+    dp (ZeRO-1 here; the paper's FSDP shards gradients too), no recompute at 8K ("we could pre-train Llama 3 on
+    sequences of 8K tokens without activation checkpointing"; not stated at 128K: the same assumed). Stages
+    (Sec. 3.3.2): the interleaved schedule with the embedding and the loss each in a layer's place ("we reduce one
+    Transformer layer each from the first and the last stages ... the first model chunk on the first stage has only
+    the embedding, and the last model chunk on the last stage has only output projection and loss"): chunks of one
+    layer, so (126 + 2) / 16 = 8 chunks per rank. The paper's schedule groups N micro-batches per chunk, N between
+    PP (Megatron's depth-first order, what plan.py models) and M; the in-flight count is Megatron's at N = PP, the
+    fewest of that range. Its MFU is over H100 SXM's 989 TFLOP/s; the paper does not state its FLOP count (plan.py's
+    counts the attention scores unmasked: at 131,072 tokens that is 1.4x what a causal count gives)."""
     dp = gpus // (8 * cp * 16)
-    shape = dict(MODELS["llama3-405b"], first_stage_layers=3, last_stage_layers=3)
-    lay = Layout(dp=dp, tp=8, cp=cp, pp=16, sp=True, zero_stage=1, schedule="interleaved", v=2, micro_batch_size=1)
+    shape = dict(MODELS["llama3-405b"], ends_as_layers=True)
+    lay = Layout(dp=dp, tp=8, cp=cp, pp=16, sp=True, zero_stage=1, schedule="interleaved", v=8, micro_batch_size=1)
     return Setup(name, LLAMA3, shape, gpus, "h100", seq, 16 * 2 ** 20 // seq, lay, tflops * 1e12 / H100_SXM,
                  f"{tflops} TFLOP/s/GPU", "llama3")
 

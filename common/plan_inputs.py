@@ -111,6 +111,7 @@ class Job:
     tied: bool = True         # input embedding and LM head share one matrix
     first_stage_layers: int = 0   # layers of the first / last pipeline stage (0: an even share), as Megatron-LM's
     last_stage_layers: int = 0    # --decoder-first/last-pipeline-num-layers
+    ends_as_layers: bool = False  # embedding and loss each take a layer's place in the pipeline split (Llama 3)
     # software behaviour (plan_time.py)
     tp_overlap: float = 0.0   # share of tp's communication hidden under GEMMs (plan_time.TP_OVERLAP for published)
     pp_overlap: bool = False  # pipeline sends overlap the next micro-batch's compute (Megatron-Core
@@ -170,7 +171,7 @@ def validate(job, lay):
     check(lay.cp == 1 or job.attn == "flash", "eager attention is modelled without cp only")
     kv = job.n_kv_head or cfg.n_head
     check(kv % lay.tp == 0, f"n_kv_head={kv} is not divisible by tp={lay.tp} (each tp rank holds whole KV heads)")
-    uneven = job.first_stage_layers or job.last_stage_layers
+    uneven = job.first_stage_layers or job.last_stage_layers or job.ends_as_layers
     check(uneven or cfg.n_layer % (lay.pp * lay.v) == 0 or cfg.n_layer >= lay.pp * lay.v,
           f"n_layer={cfg.n_layer} not divisible by pp*v={lay.pp * lay.v}")
     stage_layer_counts(job, lay.pp * lay.v)
@@ -203,6 +204,8 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("tied", bool, None, "input embedding tied to the LM head (default: the preset's, else tied)"),
          ("first_stage_layers", int, 0, "layers of the first pipeline stage (0: an even share)"),
          ("last_stage_layers", int, 0, "layers of the last pipeline stage (0: an even share)"),
+         ("ends_as_layers", bool, False, "the embedding and the loss each take a layer's place in the pipeline "
+          "split (Megatron-Core --account-for-embedding/loss-in-pipeline-split; Llama 3)"),
          ("dropout", float, 0.0, "dropout probability (masks kept for backward when > 0)"),
          ("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", int, 2, "experts per token"),
          ("capacity_factor", float, 0.0, "MoE expert capacity factor (0: dropless, expert memory at the even share; "
@@ -316,7 +319,7 @@ def build_job(a):
                     capacity_factor=a.capacity_factor)
     return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb,
                eff=a.eff or 0.0, dp_overlap=a.dp_overlap, pp_scatter_gather=a.pp_scatter_gather, **options, first_stage_layers=a.first_stage_layers,
-               last_stage_layers=a.last_stage_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,
+               last_stage_layers=a.last_stage_layers, ends_as_layers=a.ends_as_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,
                causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0)
 
 
