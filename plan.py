@@ -147,6 +147,58 @@ def rank_layouts(job):
     return sorted(rows, key=ranking_key)
 
 
+def layout_keys(text):
+    """The Layout fields a --layout text gives (parse_layout has checked it)."""
+    return {item.strip().partition("=")[0] for item in text.split(",")}
+
+
+def consistent_layouts(job, fixed):
+    """The search space (candidate_layouts) with the keys of `fixed` set as given: dp follows tp*cp*pp unless
+    given; without a pipeline the schedule is 1f1b; an interleaved schedule whose v is not given takes every v from
+    2 to (layers + 2) / pp (deep interleaving, one layer per chunk, as Llama 3 runs it)."""
+    seen = set()
+    for lay in candidate_layouts(job):
+        values = {**asdict(lay), **fixed}
+        rest = values["tp"] * values["cp"] * values["pp"]
+        values["dp"] = fixed.get("dp", job.gpus // rest)
+        if values["pp"] == 1 and "schedule" not in fixed:
+            values.update(schedule="1f1b", v=1)
+        vs = [values["v"]]
+        if values["schedule"] == "interleaved" and "v" not in fixed:
+            vs = range(2, (job.cfg.n_layer + 2) // values["pp"] + 1)
+        for v in vs:
+            layout = Layout(**{**values, "v": v})
+            if layout not in seen:
+                seen.add(layout)
+                yield layout
+
+
+def complete_layout(job, text):
+    """--layout's row: the layout as given when it names every key; else the best (ranking_key) of the layouts
+    consistent with the keys it gives, the others searched (the first ConfigError of the defaults' layout when none
+    is valid). Returns (row, the keys searched)."""
+    given = layout_keys(text)
+    default = parse_layout(text, job)
+    derived = {"dp"} if {"tp", "cp", "pp"} <= given else set()      # dp = gpus / (tp*cp*pp): not searched
+    searched = [k for k in Layout.__dataclass_fields__ if k not in given | derived]
+    try:
+        rows, error = [evaluate(job, default)], None
+    except ConfigError as e:
+        rows, error = [], e
+    if not searched:
+        if error:
+            raise error
+        return rows[0], []
+    for lay in consistent_layouts(job, {k: getattr(default, k) for k in given}):
+        try:
+            rows.append(evaluate(job, lay))
+        except ConfigError:
+            continue
+    if not rows:
+        raise error
+    return min(rows, key=ranking_key), searched
+
+
 def launch_command(job, row):
     """The train_5d.py command line of a layout (flag names as in config.py)."""
     cfg = job.cfg
@@ -276,7 +328,12 @@ def main(argv=None):
     a = parse_args(argv, description=__doc__.split("\n\n")[0])
     try:
         job = build_job(a)
-        rows = [evaluate(job, parse_layout(a.layout, job))] if a.layout else rank_layouts(job)
+        searched = []
+        if a.layout:
+            row, searched = complete_layout(job, a.layout)
+            rows = [dict(row, searched=searched)]
+        else:
+            rows = rank_layouts(job)
     except ConfigError as e:
         fail(str(e))
     if not rows:
@@ -284,8 +341,11 @@ def main(argv=None):
     if a.json:
         for r in rows:
             print(json.dumps(r))
-    else:
-        print_table(job, rows, a.top)
+        return rows
+    if searched:
+        print(f"--layout {a.layout}: the keys it leaves out searched (the fastest layout that fits, else the smallest): "
+              + ", ".join(f"{k}={rows[0][k]}" for k in searched))
+    print_table(job, rows, a.top)
     return rows
 
 
