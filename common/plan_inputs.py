@@ -24,6 +24,7 @@ from common.metrics import GPU_PEAK_TFLOPS
 from model import GPTConfig
 from common.pipeline_schedules import SCHEDULES, V_SHAPED
 from common.plan_shape import SHAPE_OPTIONS, stage_layer_counts
+from common.plan_time import SOFTWARE
 
 GIB = 2 ** 30
 # Per GPU. peak: metrics.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per
@@ -227,6 +228,8 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
           "torchtitan: 0; NeMo/Transformer Engine --tp-comm-overlap: 1)"),
          ("pp_overlap", bool, False, "pipeline sends overlap compute (Megatron-Core --overlap-p2p-communication)"),
          ("pp_scatter_gather", bool, False, "pipeline messages as 1/tp per rank, all-gathered over tp (Megatron)"),
+         ("software", str, None, f"the attention and overlap defaults of one stack: {', '.join(SOFTWARE)} "
+          "(plan_time.SOFTWARE; a flag given beside it wins)"),
          ("layout", str, None, "evaluate one layout, e.g. tp=8,zero_stage=1,micro_batch_size=2"),
          ("top", int, 10, "rows printed")]
 
@@ -261,7 +264,7 @@ def parse_args(argv, description):
             ap.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=text)
             continue
         ap.add_argument(f"--{name}", type=finite(kind) if kind in (int, float) else kind, default=default, help=text,
-                        choices=dict(precision=list(PRECISION), attn=["flash", "eager"],
+                        choices=dict(precision=list(PRECISION), attn=["flash", "eager"], software=list(SOFTWARE),
                                      moments=["fp32", "bf16"]).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
     return ap.parse_args(argv)
@@ -298,8 +301,13 @@ def check_flags(a):
 
 
 def build_job(a):
-    """The Job of plan.py's parsed command line: a --model preset, any of whose shape flags override it."""
+    """The Job of plan.py's parsed command line: a --model preset, any of whose shape flags override it; --software's
+    fields where their flags keep the default."""
     check_flags(a)
+    defaults = {name: default for name, _, default, _ in FLAGS}
+    for key, value in SOFTWARE.get(a.software, {}).items():
+        if getattr(a, key) == defaults[key]:
+            setattr(a, key, value)
     check(a.gpu in HARDWARE, f"unknown GPU {a.gpu!r}; known: {', '.join(HARDWARE)}")
     check(a.model is None or a.model in MODELS, f"unknown model {a.model!r}; known: {', '.join(MODELS)}")
     preset = dict(MODELS.get(a.model, {}))

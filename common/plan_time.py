@@ -145,3 +145,25 @@ def eager_attention_time(job, lay):
     forward = (4 + 5 * drop) * (1 + (lay.recompute in ("selective", "full")))
     elements = cfg.n_head // lay.tp * cfg.block_size ** 2 * job.global_seqs // lay.dp * cfg.n_layer // lay.pp
     return elements * (forward + 6 + 5 * drop) / job.hw["hbm"]
+
+
+# --software: what the software a run used does by default, as Job fields (a flag given beside it, other than its
+# default, wins). Each entry names its source.
+SOFTWARE = {
+    # Megatron-LM as Narayanan et al. 2021 ran it (SC'21; NVIDIA/Megatron-LM examples/sc21/run_table_1.sh): the
+    # attention unfused through HBM (fused scale-mask-softmax, no flash kernel), gradients all-reduced after the
+    # backward (--DDP-impl local), pipeline messages scattered over tp and all-gathered on arrival (Sec. 4.1).
+    "megatron-2021": dict(attn="eager", dp_overlap=False, pp_scatter_gather=True, tp_overlap=0.0, pp_overlap=False),
+    # torchtitan (pytorch/torchtitan, 2024): flash attention through SDPA, FSDP2 prefetching its all-gathers and
+    # reducing under the backward, tensor-parallel collectives in the open (its async TP is an opt-in compile pass),
+    # pipeline sends blocking (torch.distributed.pipelining).
+    "torchtitan": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=False),
+    # Megatron-Core / NeMo with Transformer Engine as NeMo's performance recipes run it (NeMo Framework user guide,
+    # "Communication Overlap"): data-parallel reduce-scatters per layer chunk under the backward, TP all-gathers and
+    # reduce-scatters pipelined with their GEMMs (userbuffers; with SP), pipeline sends under the interleaved chunks.
+    "megatron-core": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=TP_OVERLAP["nemo-te"],
+                          pp_overlap=True),
+    # Llama 3's stack (Dubey et al. 2024, Sec. 3.3.2): FSDP "asynchronously prefetching sharded model weights and
+    # reducing gradients", "asynchronous point-to-point communication in PP"; TP overlap is not stated (none here).
+    "llama3": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=True),
+}

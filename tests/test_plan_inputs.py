@@ -48,6 +48,7 @@ BAD = [
     (BASE + ["--tp_overlap", "1.5"], "--tp_overlap is a share in [0, 1]"),
     (BASE + ["--dropout", "1"], "--dropout is a probability in [0, 1)"),
     (BASE + ["--moments", "fp8"], "invalid choice: 'fp8'"),
+    (BASE + ["--software", "deepspeed"], "invalid choice: 'deepspeed'"),
     (BASE + ["--gated", "yes"], "unrecognized arguments: yes"),
     (layout("dp=3"), "!= 8 GPUs"),
     # flags: ranges, NaN, unknown, unreadable
@@ -152,3 +153,16 @@ def test_partial_interleaved_layout_searches_deep_interleaving():
         lay = plan.Layout(dp=128, tp=8, pp=16, sp=True, zero_stage=1, schedule="interleaved", v=v)
         other = plan.evaluate(job, lay)
         assert other["oom"] or other["tokens_per_s"] <= row["tokens_per_s"]
+
+
+def test_software_sets_its_stack_unless_a_flag_says_otherwise():
+    """--software fills the Job fields of plan_time.SOFTWARE's entry; a flag given beside it with another value wins."""
+    from dataclasses import fields
+    from common.plan_time import SOFTWARE
+    assert all(set(entry) <= {f.name for f in fields(plan.Job)} for entry in SOFTWARE.values())
+    job = build_job(parse_args(BASE + ["--software", "megatron-2021"], ""))
+    assert (job.attn, job.dp_overlap, job.pp_scatter_gather, job.tp_overlap) == ("eager", False, True, 0.0)
+    job = build_job(parse_args(BASE + ["--software", "megatron-core", "--tp_overlap", "0.5"], ""))
+    assert (job.tp_overlap, job.pp_overlap, job.dp_overlap) == (0.5, True, True)
+    plain = build_job(parse_args(BASE, ""))
+    assert (plain.attn, plain.tp_overlap, plain.pp_overlap) == ("flash", 0.0, False)
