@@ -53,7 +53,7 @@ def llama3_405b(name, gpus, cp, seq, tflops):
     Its MFU is over H100 SXM's 989 TFLOP/s; the paper does not state its FLOP count (plan.py's
     counts the attention scores unmasked: at 131,072 tokens that is 1.4x what a causal count gives)."""
     dp = gpus // (8 * cp * 16)
-    shape = dict(MODELS["llama3-405b"], ends_as_layers=True)
+    shape = MODELS["llama3-405b"]         # its preset splits the pipeline as Sec. 3.3.2 does
     lay = Layout(dp=dp, tp=8, cp=cp, pp=16, sp=True, zero_stage=1, schedule="interleaved", v=8, micro_batch_size=1)
     return Setup(name, LLAMA3, shape, gpus, "h100", seq, 16 * 2 ** 20 // seq, lay, tflops * 1e12 / H100_SXM,
                  f"{tflops} TFLOP/s/GPU", "llama3", dict(SOFTWARE["llama3"]))

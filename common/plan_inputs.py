@@ -46,7 +46,8 @@ USABLE = 0.95           # allocator fragmentation margin
 FRAMEWORK_BYTES = GIB   # CUDA context, cuBLAS workspace, NCCL buffers
 # Presets. gpt2*: model.py's GPT (Radford et al. 2019). llama3-*: Llama 3 as published (Dubey et al. 2024, "The Llama 3
 # Herd of Models", arXiv 2407.21783, Table 3: layers, model dimension, FFN dimension, attention heads, 8 key/value
-# heads, vocabulary 128K = 128,256 tokens; SwiGLU, untied embeddings). gpt3-175b: Brown et al. 2020, Table 2.1
+# heads, vocabulary 128K = 128,256 tokens; SwiGLU, untied embeddings); 405B's pipeline split as Sec. 3.3.2 gives it
+# (the embedding and the loss each in a layer's place: plan_shape.even_split). gpt3-175b: Brown et al. 2020, Table 2.1
 # (GeLU MLP of 4h, full multi-head attention). A plain GPT of Llama's depth and width: --model llama3-8b-gpt.
 MODELS = {
     "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab=50257),
@@ -56,7 +57,7 @@ MODELS = {
     "llama3-70b": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256, n_kv_head=8, ffn_hidden=28672, gated=True,
                        tied=False),
     "llama3-405b": dict(n_layer=126, n_embd=16384, n_head=128, vocab=128256, n_kv_head=8, ffn_hidden=53248,
-                        gated=True, tied=False),
+                        gated=True, tied=False, ends_as_layers=True),
     "llama3-8b-gpt": dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256),
     "llama3-70b-gpt": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256),
     "gpt3-175b": dict(n_layer=96, n_embd=12288, n_head=96, vocab=51200),
@@ -205,8 +206,9 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("tied", bool, None, "input embedding tied to the LM head (default: the preset's, else tied)"),
          ("first_stage_layers", int, 0, "layers of the first pipeline stage (0: an even share)"),
          ("last_stage_layers", int, 0, "layers of the last pipeline stage (0: an even share)"),
-         ("ends_as_layers", bool, False, "the embedding and the loss each take a layer's place in the pipeline "
-          "split (Megatron-Core --account-for-embedding/loss-in-pipeline-split; Llama 3)"),
+         ("ends_as_layers", bool, None, "the embedding and the loss each take a layer's place in the pipeline "
+          "split (Megatron-Core --account-for-embedding/loss-in-pipeline-split; default: the preset's, llama3-405b's "
+          "as Llama 3 split it, else off)"),
          ("dropout", float, 0.0, "dropout probability (masks kept for backward when > 0)"),
          ("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", int, 2, "experts per token"),
          ("capacity_factor", float, 0.0, "MoE expert capacity factor (0: dropless, expert memory at the even share; "
@@ -312,7 +314,8 @@ def build_job(a):
     check(a.model is None or a.model in MODELS, f"unknown model {a.model!r}; known: {', '.join(MODELS)}")
     preset = dict(MODELS.get(a.model, {}))
     options = dict(n_kv_head=preset.pop("n_kv_head", 0), ffn_hidden=preset.pop("ffn_hidden", 0),
-                   gated=preset.pop("gated", False), tied=preset.pop("tied", True))
+                   gated=preset.pop("gated", False), tied=preset.pop("tied", True),
+                   ends_as_layers=preset.pop("ends_as_layers", False))
     options.update({k: getattr(a, k) for k in options if getattr(a, k) is not None})
     shape = {**preset, **{k: getattr(a, k) for k in SHAPE if getattr(a, k) is not None}}
     check(len(shape) == 4, "give --model or all of --n_layer --n_embd --n_head --vocab")
@@ -327,7 +330,7 @@ def build_job(a):
                     capacity_factor=a.capacity_factor)
     return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb,
                eff=a.eff or 0.0, dp_overlap=a.dp_overlap, pp_scatter_gather=a.pp_scatter_gather, **options, first_stage_layers=a.first_stage_layers,
-               last_stage_layers=a.last_stage_layers, ends_as_layers=a.ends_as_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,
+               last_stage_layers=a.last_stage_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,
                causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0)
 
 

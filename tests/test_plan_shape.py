@@ -67,7 +67,7 @@ def test_uneven_stages():
     the compute time."""
     job = preset("llama3-405b", first_stage_layers=7, last_stage_layers=7)
     assert plan_shape.stage_layer_counts(job, 16) == [7] + [8] * 14 + [7]
-    even = preset("llama3-405b")
+    even = build_job(parse_args(["--model", "llama3-405b", "--no-ends_as_layers"], ""))
     assert plan_shape.stage_layer_counts(even, 16) == [8] * 14 + [7] * 2
     assert plan_memory.layers_per_rank(even, Layout(dp=4, pp=16)) == [8] * 14 + [7] * 2
     lay = Layout(dp=4, pp=16, micro_batch_size=1)
@@ -195,7 +195,8 @@ def test_ends_as_layers_split_and_empty_chunks_hold_nothing():
     so 126 layers on 16 ranks x 8 chunks leave the first chunk of rank 0 and the last of rank 15 empty; with 2
     chunks per rank it is 3 + 30 x 4 + 3. Interleaved, m = 32: rank 0 holds Megatron's 2(p-1) + (v-1)p + 1 = 143
     micro-batch-chunks at its peak, 16 + 15 of them in its empty chunk 0: 112 layers."""
-    job = replace(preset("llama3-405b"), ends_as_layers=True)
+    job = preset("llama3-405b")                     # the preset splits as Llama 3 did
+    assert job.ends_as_layers and not preset("llama3-70b").ends_as_layers
     assert plan_shape.stage_layer_counts(job, 128) == [0] + [1] * 126 + [0]
     assert plan_shape.stage_layer_counts(job, 32) == [3] + [4] * 30 + [3]
     assert plan_memory.layers_per_rank(job, Layout(dp=1, pp=16, v=8, schedule="interleaved")) == [7] + [8] * 14 + [7]
