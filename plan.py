@@ -34,7 +34,8 @@ from common.config import ConfigError, check, fail
 from common.metrics import gpu_chip_and_board
 from model import GPTConfig
 from common.pipeline_schedules import theory_idle_fraction
-from common.plan_inputs import GIB, HARDWARE, RECOMPUTE, USABLE, Job, Layout, build_job, parse_args, parse_layout, validate
+from common.plan_inputs import (GIB, HARDWARE, RECOMPUTE, USABLE, Job, Layout, build_job, parse_args, parse_layout,
+                                validate)
 from common import plan_shape
 from common import plan_time as time_model
 from common.plan_comm import axis_group, comm_bytes, comm_latency, link_bandwidth  # noqa: F401 (plan.X in tests)
@@ -343,8 +344,8 @@ def main(argv=None):
             print(json.dumps(r))
         return rows
     if searched:
-        print(f"--layout {a.layout}: the keys it leaves out searched (the fastest layout that fits, else the smallest): "
-              + ", ".join(f"{k}={rows[0][k]}" for k in searched))
+        print(f"--layout {a.layout}: the keys it leaves out searched (the fastest layout that fits, else the "
+              "smallest): " + ", ".join(f"{k}={rows[0][k]}" for k in searched))
     print_table(job, rows, a.top)
     return rows
 

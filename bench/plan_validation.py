@@ -90,8 +90,8 @@ def table(results):
              "predicted memory | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s, row = r["setup"], r["row"]
-        lines.append(f"| {s.name} | {s.source} | {SOFTWARE_OF[s.system]} | {s.gpus} {s.gpu} | {s.seq} | {describe(row)} | {s.published_text} | "
-                     f"{100 * s.published_mfu:.1f}% | {100 * r['mfu']:.1f}% ({100 * r['error']:+.0f}%) | "
+        lines.append(f"| {s.name} | {s.source} | {SOFTWARE_OF[s.system]} | {s.gpus} {s.gpu} | {s.seq} | "
+                     f"{describe(row)} | {s.published_text} | {100 * s.published_mfu:.1f}% | {100 * r['mfu']:.1f}% ({100 * r['error']:+.0f}%) | "
                      f"{row['mem_bytes']['total'] / GIB:.1f} GiB | {'OOM (wrong)' if row['oom'] else 'fits'} |")
     return "\n".join(lines)
 

@@ -197,7 +197,8 @@ def in_flight(schedule, p, m, v, rank):
 
 def activation_bytes(job, lay, rank):
     """plan_shape.held_layers (in_flight(rank) x L/(p*v) blocks when the chunks are even) x layer_activation_bytes
-    + head_activation_bytes on the last stage's rank (x m for afab, else 1: every other schedule runs a micro-batch's last-stage backward right after its forward)."""
+    + head_activation_bytes on the last stage's rank (x m for afab, else 1: every other schedule runs a
+    micro-batch's last-stage backward right after its forward)."""
     blocks = stage_blocks(job, lay.pp, lay.v, rank, placement_of(lay.schedule))
     moe_share = sum(job.cfg.is_moe_block(i) for i in blocks) / max(1, len(blocks))
     layer = (1 - moe_share) * layer_activation_bytes(job, lay) + moe_share * layer_activation_bytes(job, lay, True)
