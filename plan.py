@@ -5,6 +5,7 @@ ranked for a cluster. Formulas only, nothing runs; each part is a function below
     python plan.py --model llama3-8b --gpus 64 --gpus_per_node 8 --gpu h100 --seq 8192 --global_batch_tokens 4M
     python plan.py --model gpt2-xl --gpus 8 --gpu a100 --seq 1024 --global_batch_tokens 512K \\
                    --layout pp=2,zero_stage=1,micro_batch_size=4,recompute=selective     # one layout in detail
+    python plan.py ... --layout tp=8,pp=16 --software megatron-core    # keys left out searched, a stack's defaults
     python plan.py ... --json      # one JSON object per layout considered, OOM ones included
     python plan.py --n_layer 24 --n_embd 2048 --n_head 16 --vocab 50257 ...     # any shape instead of --model
 
