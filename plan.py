@@ -156,8 +156,8 @@ def layout_keys(text):
 
 def consistent_layouts(job, fixed):
     """The search space (candidate_layouts) with the keys of `fixed` set as given: dp follows tp*cp*pp unless
-    given; without a pipeline the schedule is 1f1b; an interleaved schedule whose v is not given takes every v from
-    2 to (layers + 2) / pp (deep interleaving, one layer per chunk, as Llama 3 runs it)."""
+    given; without a pipeline the schedule is 1f1b; where pp or the schedule is given, an interleaved schedule whose v
+    is not takes every v from 2 to (layers + 2) / pp (deep interleaving, one layer per chunk, as Llama 3 runs it)."""
     seen = set()
     for lay in candidate_layouts(job):
         values = {**asdict(lay), **fixed}
@@ -166,7 +166,7 @@ def consistent_layouts(job, fixed):
         if values["pp"] == 1 and "schedule" not in fixed:
             values.update(schedule="1f1b", v=1)
         vs = [values["v"]]
-        if values["schedule"] == "interleaved" and "v" not in fixed:
+        if values["schedule"] == "interleaved" and "v" not in fixed and {"pp", "schedule"} & set(fixed):
             vs = range(2, (job.cfg.n_layer + 2) // values["pp"] + 1)
         for v in vs:
             layout = Layout(**{**values, "v": v})
