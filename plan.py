@@ -5,6 +5,7 @@ ranked for a cluster. Formulas only, nothing runs; each part is a function below
     python plan.py --model llama3-8b --gpus 64 --gpus_per_node 8 --gpu h100 --seq 8192 --global_batch_tokens 4M
     python plan.py --model gpt2-xl --gpus 8 --gpu a100 --seq 1024 --global_batch_tokens 512K \\
                    --layout pp=2,zero_stage=1,micro_batch_size=4,recompute=selective     # one layout in detail
+    python plan.py ... --layout tp=8,pp=16 --software megatron-core    # keys left out searched, a stack's defaults
     python plan.py ... --json      # one JSON object per layout considered, OOM ones included
     python plan.py --n_layer 24 --n_embd 2048 --n_head 16 --vocab 50257 ...     # any shape instead of --model
 
@@ -18,8 +19,9 @@ consecutive ranks of a dp x cp group (grid.expert_partition).
     step time      = compute / (peak * eff) + eager attention's score tensors through HBM (0 with flash attention)
                    + bubble + exposed comm of each axis + optimizer step
 What is planned (the GPU table with published efficiencies, model presets, Job, Layout, their checks and the
-command-line flags that build them) is plan_inputs.py; the memory formulas are plan_memory.py; this file is the
-time formulas, the search and the printed table.
+command-line flags that build them) is plan_inputs.py; the memory formulas are plan_memory.py; compute time and the
+published measurements under it plan_time.py; each axis's bytes, link and latency plan_comm.py; model shapes
+plan_shape.py. This file adds up the step time, searches the layouts and prints the table.
 """
 import copy
 import json
@@ -32,146 +34,18 @@ import torch
 from common.config import ConfigError, check, fail
 from common.metrics import gpu_chip_and_board
 from model import GPTConfig
-from common.pipeline_schedules import placement_of, theory_idle_fraction
-from common.plan_inputs import (GIB, HARDWARE, LINK_EFF, PRECISION, RECOMPUTE, USABLE, Job, Layout, build_job,
-                                model_state_bytes_per_param,
-                         parse_args, parse_layout, validate)
+from common.pipeline_schedules import theory_idle_fraction
+from common.plan_inputs import (GIB, HARDWARE, RECOMPUTE, USABLE, Job, Layout, build_job, parse_args, parse_layout,
+                                validate)
 from common import plan_shape
 from common import plan_time as time_model
-from common.plan_memory import MEM_PARTS, layers_per_rank, memory, stage_blocks
+from common.plan_comm import axis_group, comm_bytes, comm_latency, link_bandwidth  # noqa: F401 (plan.X in tests)
+from common.plan_memory import MEM_PARTS, layers_per_rank, memory
+from common.plan_time import eager_attention_time, hardware_flops_per_token  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------
 # time
-
-def link_bandwidth(job, lay, axis):
-    """Bytes/s of the link an axis crosses, times LINK_EFF: its group spans tp (tp), tp*cp (cp), tp*ep (ep: ep
-    consecutive members of a dp x cp group, tp apart), tp*cp*dp (dp) or all (pp) consecutive ranks; within a node
-    NVLink. Across nodes, point-to-point traffic (cp's ring hops, pp, ep's all-to-all) leaves through each GPU's own
-    NIC: the GPU's network share. A ring collective (tp's and dp's all-reduce, reduce-scatter, all-gather) enters and
-    exits each node once per NCCL channel, and NCCL runs a channel per NIC, so a group with g members on a node
-    (tp: all of the node's; dp x cp: one per tp group) moves its bytes through g NICs: min(NVLink, g * net). NCCL's
-    maintainer: "Ring Allreduce requires data to go through each GPU and enter/exit the node once" (NVIDIA/nccl
-    #687), "~12 GB/s with each NIC, then ~24 when using 2 NICs, etc" (#307); measured, 1/2/4 GPUs of a node in the
-    ring: 363/173/132 ms (#569), 4 vs 8: 45 vs 90 GB/s (#1168)."""
-    node = job.gpus_per_node
-    span = dict(tp=lay.tp, cp=lay.tp * lay.cp, ep=lay.tp * lay.ep, dp=lay.tp * lay.cp * lay.dp, pp=job.gpus)[axis]
-    if span <= node:
-        return job.hw["nvlink"] * LINK_EFF
-    nics = dict(tp=node, dp=max(1, node // lay.tp)).get(axis, 1)
-    return min(job.hw["nvlink"], nics * job.hw["net"]) * LINK_EFF
-
-
-def hardware_flops_per_token(job, recompute):
-    """plan_shape.flops_per_token (6N + 12*L*h*T) plus what recompute adds: full a second forward of every block
-    (2 N_blocks + 4*L*h*T), selective the attention scores' forward (4*L*h*T), op (torchtitan's policy) the
-    forward of the matmuls it does not keep (plan_shape.op_recompute_values). Returns (all, attention's part)."""
-    cfg = job.cfg
-    attn = plan_shape.attention_flops_per_token(job) * (1 + (recompute in ("selective", "full")) / 3)
-    extra = 2 * plan_shape.block_params(job) if recompute == "full" else 0
-    extra += cfg.n_layer * plan_shape.op_recompute_values(job)[2] if recompute == "op" else 0
-    return plan_shape.flops_per_token(job) + extra + attn - plan_shape.attention_flops_per_token(job), attn
-
-
-def comm_bytes(job, lay, padded):
-    """Bytes this rank sends per step on each axis (comm.py's ring convention, part = (n-1)/n), m micro-batches,
-    S = b*s*h*bpv of one micro-batch's activations (s = seq/cp), L_r blocks on the busiest pipeline rank:
-        tp  m*L_r * part_t * S * (8 TP: 2 all-reduces fwd + 2 bwd | 10 SP: 2 AG + 2 RS fwd, 4 AG + 2 RS bwd) + 4 more
-            per block under full recompute (test_tp.py counts these)
-        cp  m*L_r * ((cp-1)*2 KV + cp * dKV (fp32)), + (cp-1) KV with full recompute, KV = 2b*s*kv/t*bpv, kv the
-            key/value width (h without GQA; train_cp)
-        dp  over n = dp*cp, P' padded rank params, p/g bytes: stage 0 all-reduce 2 part P g; 1: RS part P' g + AG
-            part P' p; 2: RS per micro-batch m part P' g + AG part P' p; 3: 2m part P' p (AG fwd+bwd) + m part P' g
-        pp  2*m*v*S/(t if SP) (activations forward, gradients back); with job.pp_scatter_gather (Megatron) S/t
-            each, and tp all-gathers every arriving message: + 2*m*v*part_t*S on tp
-        ep  per MoE block and micro-batch 4 * part_ep * top_k * b*s*h*bpv (dispatch + combine, fwd + bwd)"""
-    cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
-    s, b, h, m, t = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd, lay.grad_acc(job), lay.tp
-    S, blocks = b * s * h * bpv, max(layers_per_rank(job, lay))
-    full = lay.recompute == "full"
-    out = dict(tp=0.0, cp=0.0, dp=0.0, dp_reduce=0.0, pp=0.0, ep=0.0)
-    if t > 1:
-        out["tp"] = m * blocks * (t - 1) / t * S * ((10 if lay.sp else 8) + 4 * full)
-    if lay.cp > 1:
-        kv = 2 * b * s * plan_shape.kv_dim(job) / t * bpv
-        out["cp"] = m * blocks * ((lay.cp - 1) * kv * (2 + full) + lay.cp * kv * 4 / bpv)
-    n = lay.dp * lay.cp
-    if n > 1:
-        part = (n - 1) / n * padded
-        sizes = model_state_bytes_per_param(recipe, job.moments)
-        reduce = {0: 2, 1: 1, 2: m, 3: m}[lay.zero_stage] * part * sizes["grads"]
-        gather = {0: 0, 1: 1, 2: 1, 3: 2 * m}[lay.zero_stage] * part * sizes["params"]
-        out["dp"] = reduce + gather
-        out["dp_reduce"] = reduce
-    if lay.pp > 1:
-        split = lay.sp or job.pp_scatter_gather
-        out["pp"] = 2 * m * lay.v * S / (t if split else 1)
-        out["tp"] += 2 * m * lay.v * (t - 1) / t * S if job.pp_scatter_gather and not lay.sp else 0
-    if lay.ep > 1:
-        moe = sum(cfg.is_moe_block(i) for i in stage_blocks(job, lay.pp, lay.v, 0, placement_of(lay.schedule)))
-        out["ep"] = m * moe * 4 * (lay.ep - 1) / lay.ep * cfg.top_k * b * s * h * bpv
-    return out
-
-
-def axis_group(job, lay, axis):
-    """(members, nodes they span, hop: 'nvlink' or 'net') of one group of `axis` (rank order tp, cp, dp, pp)."""
-    node = job.gpus_per_node
-    n = dict(tp=lay.tp, cp=lay.cp, dp=lay.dp * lay.cp, ep=lay.ep, pp=lay.pp)[axis]
-    span = dict(tp=lay.tp, cp=lay.tp * lay.cp, ep=lay.tp * lay.ep, dp=lay.tp * lay.cp * lay.dp, pp=job.gpus)[axis]
-    if span <= node:
-        return n, 1, "nvlink"
-    stride = dict(tp=1, pp=job.gpus // lay.pp).get(axis, lay.tp)     # ranks between two members of a group
-    per_node = max(1, node // stride)
-    return n, max(1, n // per_node), "net"
-
-
-def comm_latency(job, lay, groups):
-    """Seconds of NCCL latency (plan_time.latency) per step on each axis: the number of collectives each runs
-    times the fixed cost of one. Per block and micro-batch: tp 4 all-reduces (TP; 6 with full recompute) or 6
-    all-gathers + 4 reduce-scatters (SP; 14 with full recompute), as comm_bytes counts them, + the all-gather of
-    every pipeline message Megatron's scatter/gather splits; cp one send per KV hop
-    (2(cp-1) + cp, + cp-1 with full recompute); ep 4 all-to-alls per MoE block. dp: one collective per bucket
-    (ZeRO 0-2: all-reduce, or reduce-scatter + all-gather, stage 2's reduce-scatter every micro-batch) or per unit
-    (ZeRO-3: 2 all-gathers + 1 reduce-scatter per micro-batch). pp: 2 sends per micro-batch and chunk."""
-    m, blocks, full = lay.grad_acc(job), max(layers_per_rank(job, lay)), lay.recompute == "full"
-    out = {}
-    for axis in ("tp", "cp", "dp", "pp", "ep"):
-        n, nodes, _ = axis_group(job, lay, axis)
-        lat = {kind: time_model.latency(kind, n, nodes) for kind in time_model.COLLECTIVES}
-        if axis == "tp":
-            per = (10 + 4 * full) * lat["all_gather"] if lay.sp else (4 + 2 * full) * lat["all_reduce"]
-            gathers = 2 * m * lay.v if lay.pp > 1 and job.pp_scatter_gather and not lay.sp else 0
-            out[axis] = m * blocks * per + gathers * lat["all_gather"]
-        elif axis == "cp":
-            out[axis] = m * blocks * (3 * n - 2 + (n - 1) * full) * lat["send"]
-        elif axis == "dp":
-            per_step = {0: lat["all_reduce"], 1: lat["reduce_scatter"] + lat["all_gather"],
-                        2: m * lat["reduce_scatter"] + lat["all_gather"],
-                        3: m * (2 * lat["all_gather"] + lat["reduce_scatter"])}[lay.zero_stage]
-            out[axis] = groups * per_step
-        elif axis == "pp":
-            out[axis] = 2 * m * lay.v * lat["send"]
-        else:
-            moe = sum(job.cfg.is_moe_block(i) for i in stage_blocks(job, lay.pp, lay.v, 0, placement_of(lay.schedule)))
-            out[axis] = 4 * m * moe * lat["all_to_all"]
-    return out
-
-
-def eager_attention_time(job, lay):
-    """Seconds per step a rank's eager (unfused) attention spends streaming its a/t x s x s score tensors (b per
-    micro-batch, m micro-batches, L/pp blocks) through HBM in its non-matmul kernels; 0 with flash attention, which
-    never writes them (Dao et al. 2022, FlashAttention, Sec. 2-3: standard attention is bound by these accesses) and
-    which the measurement behind eff used. Bytes per score element, 16-bit values and 1-byte dropout masks, as
-    Megatron-LM's fused scale-mask-softmax and torch's dropout move them:
-        softmax 2 + 2 forward, 2 + 2 + 2 backward;  dropout (p > 0) 2 + 1 + 2 forward, 2 + 1 + 2 backward;
-        the forward ones again under selective or full recompute;  time = bytes / datasheet HBM bandwidth"""
-    if job.attn == "flash":
-        return 0.0
-    cfg, drop = job.cfg, job.cfg.dropout > 0
-    forward = (4 + 5 * drop) * (1 + (lay.recompute in ("selective", "full")))
-    elements = cfg.n_head // lay.tp * cfg.block_size ** 2 * job.global_seqs // lay.dp * cfg.n_layer // lay.pp
-    return elements * (forward + 6 + 5 * drop) / job.hw["hbm"]
-
 
 def step_time(job, lay, mem):
     """Seconds per optimizer step by part:
@@ -192,7 +66,7 @@ def step_time(job, lay, mem):
         optimizer  read + write of the rank's model states at HBM bandwidth"""
     cfg, hw = job.cfg, job.hw
     m = lay.grad_acc(job)
-    f_hw, f_attn = hardware_flops_per_token(job, lay.recompute)
+    f_hw, f_attn = time_model.hardware_flops_per_token(job, lay.recompute)
     imbalance = max(layers_per_rank(job, lay)) * lay.pp / cfg.n_layer
     compute = imbalance * job.global_seqs * cfg.block_size / job.gpus * time_model.compute_time(f_hw, f_attn, job)
     idle = theory_idle_fraction(lay.schedule, lay.pp, m, lay.v) if lay.pp > 1 else 0.0
@@ -213,7 +87,7 @@ def step_time(job, lay, mem):
     else:
         window = 2 / 3 * compute / (1 if lay.zero_stage == 2 else m) * job.dp_overlap
         t["dp"] = max(0.0, reduce - window) + gather
-    attn_hbm = eager_attention_time(job, lay)
+    attn_hbm = time_model.eager_attention_time(job, lay)
     parts = dict(compute=compute, attn_hbm=attn_hbm, bubble=(compute + attn_hbm) * idle / (1 - idle), **t,
                  optimizer=2 * (mem["params"] + mem["grads"] + mem["optimizer"]) / hw["hbm"])
     parts["total"] = sum(parts.values())
@@ -273,6 +147,58 @@ def rank_layouts(job):
         except ConfigError:
             continue
     return sorted(rows, key=ranking_key)
+
+
+def layout_keys(text):
+    """The Layout fields a --layout text gives (parse_layout has checked it)."""
+    return {item.strip().partition("=")[0] for item in text.split(",")}
+
+
+def consistent_layouts(job, fixed):
+    """The search space (candidate_layouts) with the keys of `fixed` set as given: dp follows tp*cp*pp unless
+    given; without a pipeline the schedule is 1f1b; where pp or the schedule is given, an interleaved schedule whose v
+    is not takes every v from 2 to (layers + 2) / pp (deep interleaving, one layer per chunk, as Llama 3 runs it)."""
+    seen = set()
+    for lay in candidate_layouts(job):
+        values = {**asdict(lay), **fixed}
+        rest = values["tp"] * values["cp"] * values["pp"]
+        values["dp"] = fixed.get("dp", job.gpus // rest)
+        if values["pp"] == 1 and "schedule" not in fixed:
+            values.update(schedule="1f1b", v=1)
+        vs = [values["v"]]
+        if values["schedule"] == "interleaved" and "v" not in fixed and {"pp", "schedule"} & set(fixed):
+            vs = range(2, (job.cfg.n_layer + 2) // values["pp"] + 1)
+        for v in vs:
+            layout = Layout(**{**values, "v": v})
+            if layout not in seen:
+                seen.add(layout)
+                yield layout
+
+
+def complete_layout(job, text):
+    """--layout's row: the layout as given when it names every key; else the best (ranking_key) of the layouts
+    consistent with the keys it gives, the others searched (the first ConfigError of the defaults' layout when none
+    is valid). Returns (row, the keys searched)."""
+    given = layout_keys(text)
+    default = parse_layout(text, job)
+    derived = {"dp"} if {"tp", "cp", "pp"} <= given else set()      # dp = gpus / (tp*cp*pp): not searched
+    searched = [k for k in Layout.__dataclass_fields__ if k not in given | derived]
+    try:
+        rows, error = [evaluate(job, default)], None
+    except ConfigError as e:
+        rows, error = [], e
+    if not searched:
+        if error:
+            raise error
+        return rows[0], []
+    for lay in consistent_layouts(job, {k: getattr(default, k) for k in given}):
+        try:
+            rows.append(evaluate(job, lay))
+        except ConfigError:
+            continue
+    if not rows:
+        raise error
+    return min(rows, key=ranking_key), searched
 
 
 def launch_command(job, row):
@@ -404,7 +330,12 @@ def main(argv=None):
     a = parse_args(argv, description=__doc__.split("\n\n")[0])
     try:
         job = build_job(a)
-        rows = [evaluate(job, parse_layout(a.layout, job))] if a.layout else rank_layouts(job)
+        searched = []
+        if a.layout:
+            row, searched = complete_layout(job, a.layout)
+            rows = [dict(row, searched=searched)]
+        else:
+            rows = rank_layouts(job)
     except ConfigError as e:
         fail(str(e))
     if not rows:
@@ -412,8 +343,11 @@ def main(argv=None):
     if a.json:
         for r in rows:
             print(json.dumps(r))
-    else:
-        print_table(job, rows, a.top)
+        return rows
+    if searched:
+        print(f"--layout {a.layout}: the keys it leaves out searched (the fastest layout that fits, else the "
+              "smallest): " + ", ".join(f"{k}={rows[0][k]}" for k in searched))
+    print_table(job, rows, a.top)
     return rows
 
 

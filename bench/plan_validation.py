@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from common import plan_shape  # noqa: E402
 from common.plan_inputs import GIB, MODELS, Layout  # noqa: E402
+from common.plan_time import SOFTWARE  # noqa: E402
 from plan import evaluate  # noqa: E402
 from plan_tables import A100, H100_SXM, SETUPS, Setup, describe, job_of, megatron, write_report  # noqa: E402
 
@@ -40,16 +41,22 @@ MEGATRON_MORE = [
 
 
 def llama3_405b(name, gpus, cp, seq, tflops):
-    """A row of Table 4: TP 8, PP 16, 16M tokens per step, 126 layers with one layer less on the first and last
-    stages (Sec. 3.3.2), the interleaved schedule (Fig. 6) with v = 2 (not stated: an assumption), micro-batch 1,
-    SP with TP, optimizer states sharded over dp (ZeRO-1 here; the paper's FSDP shards gradients too), no recompute
-    (not stated). Its MFU is over H100 SXM's 989 TFLOP/s; the paper does not state its FLOP count (plan.py's counts
-    the attention scores unmasked: at 131,072 tokens that is 1.4x what a causal count gives)."""
+    """A row of Table 4: TP 8, PP 16, 16M tokens per step, micro-batch 1, SP with TP, optimizer states sharded over
+    dp (ZeRO-1 here; the paper's FSDP shards gradients too), no recompute at 8K ("we could pre-train Llama 3 on
+    sequences of 8K tokens without activation checkpointing"; not stated at 128K: the same assumed). Stages
+    (Sec. 3.3.2): the interleaved schedule with the embedding and the loss each in a layer's place ("we reduce one
+    Transformer layer each from the first and the last stages ... the first model chunk on the first stage has only
+    the embedding, and the last model chunk on the last stage has only output projection and loss"): chunks of one
+    layer, so (126 + 2) / 16 = 8 chunks per rank. The paper's schedule groups N micro-batches per chunk, N between
+    PP (Megatron's depth-first order, what plan.py models) and M; the in-flight count is Megatron's at N = PP, the
+    fewest of that range. Software: plan_time.SOFTWARE["llama3"] (FSDP prefetching, asynchronous pipeline sends).
+    Its MFU is over H100 SXM's 989 TFLOP/s; the paper does not state its FLOP count (plan.py's
+    counts the attention scores unmasked: at 131,072 tokens that is 1.4x what a causal count gives)."""
     dp = gpus // (8 * cp * 16)
-    shape = dict(MODELS["llama3-405b"], first_stage_layers=3, last_stage_layers=3)
-    lay = Layout(dp=dp, tp=8, cp=cp, pp=16, sp=True, zero_stage=1, schedule="interleaved", v=2, micro_batch_size=1)
+    shape = MODELS["llama3-405b"]         # its preset splits the pipeline as Sec. 3.3.2 does
+    lay = Layout(dp=dp, tp=8, cp=cp, pp=16, sp=True, zero_stage=1, schedule="interleaved", v=8, micro_batch_size=1)
     return Setup(name, LLAMA3, shape, gpus, "h100", seq, 16 * 2 ** 20 // seq, lay, tflops * 1e12 / H100_SXM,
-                 f"{tflops} TFLOP/s/GPU", "llama3")
+                 f"{tflops} TFLOP/s/GPU", "llama3", dict(SOFTWARE["llama3"]))
 
 
 LLAMA3_405B = [llama3_405b("Llama 3 405B, 8K", 8192, 1, 8192, 430),
@@ -57,6 +64,12 @@ LLAMA3_405B = [llama3_405b("Llama 3 405B, 8K", 8192, 1, 8192, 430),
                llama3_405b("Llama 3 405B, 128K", 16384, 16, 131072, 380)]
 
 RUNS = sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + LLAMA3_405B
+
+
+# the --software entry (plan_time.SOFTWARE) each publication's stack is; its row's Job fields are that entry's, but
+# for Megatron's two smallest rows, which ran torch DDP (overlapped) instead of its local DDP (run_table_1.sh)
+SOFTWARE_OF = {"megatron-2021": "megatron-2021", "torchtitan-2024-04": "torchtitan", "torchtitan-2024-12": "torchtitan",
+               "llama3": "llama3"}
 
 
 def predict(setup):
@@ -73,12 +86,12 @@ def table(results):
     fits = sum(not r["row"]["oom"] for r in results)
     lines = [f"**Predicted MFU within 15% of the published: {within} of {len(results)}. OOM verdict right (the run "
              f"fits): {fits} of {len(results)}.**", "",
-             "| run | source | GPUs | seq | layout | published | published MFU | plan.py MFU (error) | predicted "
-             "memory | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | source | software | GPUs | seq | layout | published | published MFU | plan.py MFU (error) | "
+             "predicted memory | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s, row = r["setup"], r["row"]
-        lines.append(f"| {s.name} | {s.source} | {s.gpus} {s.gpu} | {s.seq} | {describe(row)} | {s.published_text} | "
-                     f"{100 * s.published_mfu:.1f}% | {100 * r['mfu']:.1f}% ({100 * r['error']:+.0f}%) | "
+        lines.append(f"| {s.name} | {s.source} | {SOFTWARE_OF[s.system]} | {s.gpus} {s.gpu} | {s.seq} | "
+                     f"{describe(row)} | {s.published_text} | {100 * s.published_mfu:.1f}% | {100 * r['mfu']:.1f}% ({100 * r['error']:+.0f}%) | "
                      f"{row['mem_bytes']['total'] / GIB:.1f} GiB | {'OOM (wrong)' if row['oom'] else 'fits'} |")
     return "\n".join(lines)
 

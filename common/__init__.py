@@ -24,4 +24,5 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     plan_inputs.py, plan_memory.py   plan.py's inputs (GPUs, presets, layouts) and memory formulas
     plan_shape.py, plan_time.py      plan.py's model shapes (GQA, SwiGLU, untied, uneven stages) and the published
                      measurements its time rests on (kernel ceilings, NCCL latency, overlap defaults)
+    plan_comm.py     plan.py's communication: each axis's link, bytes per step and NCCL latency
 """

@@ -24,6 +24,7 @@ from common.metrics import GPU_PEAK_TFLOPS
 from model import GPTConfig
 from common.pipeline_schedules import SCHEDULES, V_SHAPED
 from common.plan_shape import SHAPE_OPTIONS, stage_layer_counts
+from common.plan_time import SOFTWARE
 
 GIB = 2 ** 30
 # Per GPU. peak: metrics.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per
@@ -45,7 +46,8 @@ USABLE = 0.95           # allocator fragmentation margin
 FRAMEWORK_BYTES = GIB   # CUDA context, cuBLAS workspace, NCCL buffers
 # Presets. gpt2*: model.py's GPT (Radford et al. 2019). llama3-*: Llama 3 as published (Dubey et al. 2024, "The Llama 3
 # Herd of Models", arXiv 2407.21783, Table 3: layers, model dimension, FFN dimension, attention heads, 8 key/value
-# heads, vocabulary 128K = 128,256 tokens; SwiGLU, untied embeddings). gpt3-175b: Brown et al. 2020, Table 2.1
+# heads, vocabulary 128K = 128,256 tokens; SwiGLU, untied embeddings); 405B's pipeline split as Sec. 3.3.2 gives it
+# (the embedding and the loss each in a layer's place: plan_shape.even_split). gpt3-175b: Brown et al. 2020, Table 2.1
 # (GeLU MLP of 4h, full multi-head attention). A plain GPT of Llama's depth and width: --model llama3-8b-gpt.
 MODELS = {
     "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab=50257),
@@ -55,7 +57,7 @@ MODELS = {
     "llama3-70b": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256, n_kv_head=8, ffn_hidden=28672, gated=True,
                        tied=False),
     "llama3-405b": dict(n_layer=126, n_embd=16384, n_head=128, vocab=128256, n_kv_head=8, ffn_hidden=53248,
-                        gated=True, tied=False),
+                        gated=True, tied=False, ends_as_layers=True),
     "llama3-8b-gpt": dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256),
     "llama3-70b-gpt": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256),
     "gpt3-175b": dict(n_layer=96, n_embd=12288, n_head=96, vocab=51200),
@@ -111,6 +113,7 @@ class Job:
     tied: bool = True         # input embedding and LM head share one matrix
     first_stage_layers: int = 0   # layers of the first / last pipeline stage (0: an even share), as Megatron-LM's
     last_stage_layers: int = 0    # --decoder-first/last-pipeline-num-layers
+    ends_as_layers: bool = False  # embedding and loss each take a layer's place in the pipeline split (Llama 3)
     # software behaviour (plan_time.py)
     tp_overlap: float = 0.0   # share of tp's communication hidden under GEMMs (plan_time.TP_OVERLAP for published)
     pp_overlap: bool = False  # pipeline sends overlap the next micro-batch's compute (Megatron-Core
@@ -170,7 +173,7 @@ def validate(job, lay):
     check(lay.cp == 1 or job.attn == "flash", "eager attention is modelled without cp only")
     kv = job.n_kv_head or cfg.n_head
     check(kv % lay.tp == 0, f"n_kv_head={kv} is not divisible by tp={lay.tp} (each tp rank holds whole KV heads)")
-    uneven = job.first_stage_layers or job.last_stage_layers
+    uneven = job.first_stage_layers or job.last_stage_layers or job.ends_as_layers
     check(uneven or cfg.n_layer % (lay.pp * lay.v) == 0 or cfg.n_layer >= lay.pp * lay.v,
           f"n_layer={cfg.n_layer} not divisible by pp*v={lay.pp * lay.v}")
     stage_layer_counts(job, lay.pp * lay.v)
@@ -203,6 +206,9 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("tied", bool, None, "input embedding tied to the LM head (default: the preset's, else tied)"),
          ("first_stage_layers", int, 0, "layers of the first pipeline stage (0: an even share)"),
          ("last_stage_layers", int, 0, "layers of the last pipeline stage (0: an even share)"),
+         ("ends_as_layers", bool, None, "the embedding and the loss each take a layer's place in the pipeline "
+          "split (Megatron-Core --account-for-embedding/loss-in-pipeline-split; default: the preset's, llama3-405b's "
+          "as Llama 3 split it, else off)"),
          ("dropout", float, 0.0, "dropout probability (masks kept for backward when > 0)"),
          ("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", int, 2, "experts per token"),
          ("capacity_factor", float, 0.0, "MoE expert capacity factor (0: dropless, expert memory at the even share; "
@@ -224,6 +230,8 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
           "torchtitan: 0; NeMo/Transformer Engine --tp-comm-overlap: 1)"),
          ("pp_overlap", bool, False, "pipeline sends overlap compute (Megatron-Core --overlap-p2p-communication)"),
          ("pp_scatter_gather", bool, False, "pipeline messages as 1/tp per rank, all-gathered over tp (Megatron)"),
+         ("software", str, None, f"the attention and overlap defaults of one stack: {', '.join(SOFTWARE)} "
+          "(plan_time.SOFTWARE; a flag given beside it wins)"),
          ("layout", str, None, "evaluate one layout, e.g. tp=8,zero_stage=1,micro_batch_size=2"),
          ("top", int, 10, "rows printed")]
 
@@ -258,7 +266,7 @@ def parse_args(argv, description):
             ap.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=text)
             continue
         ap.add_argument(f"--{name}", type=finite(kind) if kind in (int, float) else kind, default=default, help=text,
-                        choices=dict(precision=list(PRECISION), attn=["flash", "eager"],
+                        choices=dict(precision=list(PRECISION), attn=["flash", "eager"], software=list(SOFTWARE),
                                      moments=["fp32", "bf16"]).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
     return ap.parse_args(argv)
@@ -295,13 +303,19 @@ def check_flags(a):
 
 
 def build_job(a):
-    """The Job of plan.py's parsed command line: a --model preset, any of whose shape flags override it."""
+    """The Job of plan.py's parsed command line: a --model preset, any of whose shape flags override it; --software's
+    fields where their flags keep the default."""
     check_flags(a)
+    defaults = {name: default for name, _, default, _ in FLAGS}
+    for key, value in SOFTWARE.get(a.software, {}).items():
+        if getattr(a, key) == defaults[key]:
+            setattr(a, key, value)
     check(a.gpu in HARDWARE, f"unknown GPU {a.gpu!r}; known: {', '.join(HARDWARE)}")
     check(a.model is None or a.model in MODELS, f"unknown model {a.model!r}; known: {', '.join(MODELS)}")
     preset = dict(MODELS.get(a.model, {}))
     options = dict(n_kv_head=preset.pop("n_kv_head", 0), ffn_hidden=preset.pop("ffn_hidden", 0),
-                   gated=preset.pop("gated", False), tied=preset.pop("tied", True))
+                   gated=preset.pop("gated", False), tied=preset.pop("tied", True),
+                   ends_as_layers=preset.pop("ends_as_layers", False))
     options.update({k: getattr(a, k) for k in options if getattr(a, k) is not None})
     shape = {**preset, **{k: getattr(a, k) for k in SHAPE if getattr(a, k) is not None}}
     check(len(shape) == 4, "give --model or all of --n_layer --n_embd --n_head --vocab")

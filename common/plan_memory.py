@@ -21,8 +21,8 @@ from functools import lru_cache
 from model import activation_bytes_per_layer
 from common.pipeline_schedules import placement_of, rank_of, stage_of
 from common.plan_inputs import FRAMEWORK_BYTES, PRECISION, model_state_bytes_per_param
-from common.plan_shape import (activation_delta_values, block_numels, embedding_numels, job_of_shape, kv_dim,
-                               op_recompute_values, stage_layer_counts)
+from common.plan_shape import (activation_delta_values, block_numels, embedding_numels, held_layers, job_of_shape,
+                               kv_dim, op_recompute_values, stage_layer_counts)
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total")
 
@@ -196,14 +196,13 @@ def in_flight(schedule, p, m, v, rank):
 
 
 def activation_bytes(job, lay, rank):
-    """in_flight(rank) x (L/(p*v) blocks of layer_activation_bytes) + head_activation_bytes on the last stage's rank
-    (x m for afab, else 1: every other schedule runs a micro-batch's last-stage backward right after its forward)."""
+    """plan_shape.held_layers (in_flight(rank) x L/(p*v) blocks when the chunks are even) x layer_activation_bytes
+    + head_activation_bytes on the last stage's rank (x m for afab, else 1: every other schedule runs a
+    micro-batch's last-stage backward right after its forward)."""
     blocks = stage_blocks(job, lay.pp, lay.v, rank, placement_of(lay.schedule))
-    counts = stage_layer_counts(job, lay.pp * lay.v)
-    per_chunk = max(counts[stage_of(rank, c, lay.pp, placement_of(lay.schedule))] for c in range(lay.v))
-    moe_share = sum(job.cfg.is_moe_block(i) for i in blocks) / len(blocks)
+    moe_share = sum(job.cfg.is_moe_block(i) for i in blocks) / max(1, len(blocks))
     layer = (1 - moe_share) * layer_activation_bytes(job, lay) + moe_share * layer_activation_bytes(job, lay, True)
-    total = in_flight(lay.schedule, lay.pp, lay.grad_acc(job), lay.v, rank) * per_chunk * layer
+    total = held_layers(job, lay, rank, lay.grad_acc(job)) * layer
     if rank == end_ranks(lay)[1]:
         total += head_activation_bytes(job, lay) * (lay.grad_acc(job) if lay.schedule == "afab" and lay.pp > 1 else 1)
     return total

@@ -13,12 +13,18 @@ shorter, or a layer count that pp x v does not divide). model.py stays the GPT i
     FLOPs/token    6 N_matmul + 12 L h s    (N_matmul: every weight a token multiplies; an untied input embedding
                                              is a lookup, not a matmul)
     stages         stage_layer_counts: first / last as given, the rest as even as they go (the earlier middle
-                   stages take one more layer when they do not divide)
+                   stages take one more layer when they do not divide); with ends_as_layers the embedding and the
+                   loss each take a layer's place (the first and last stage one layer fewer, possibly none)
+    held layers    held_layers: the most layer x micro-batch activations a pipeline rank holds, its schedule's
+                   action list replayed with each chunk weighted by its layers (uneven stages; an empty chunk
+                   holds nothing)
 """
 from functools import lru_cache
 from types import SimpleNamespace
 
 from common.errors import check
+from common.pipeline_schedules import (afab, dualpipe_v, interleaved, one_f_one_b, placement_of, stage_of, zb_h1,
+                                       zb_v)
 from model import GPTConfig
 
 
@@ -58,7 +64,8 @@ def embedding_numels(job, tp, first, last):
     return [one] * (int(first) + int(last))
 
 
-SHAPE_OPTIONS = ("n_kv_head", "ffn_hidden", "gated", "tied", "first_stage_layers", "last_stage_layers")
+SHAPE_OPTIONS = ("n_kv_head", "ffn_hidden", "gated", "tied", "first_stage_layers", "last_stage_layers",
+                 "ends_as_layers")
 
 
 def job_of_shape(shape):
@@ -133,13 +140,24 @@ def op_recompute_values(job):
 
 def stage_layer_counts(job, stages):
     """Layers of each of `stages` pipeline stages (even_split, cached: the search asks for it per layout)."""
-    return list(even_split(job.cfg.n_layer, job.first_stage_layers, job.last_stage_layers, stages))
+    return list(even_split(job.cfg.n_layer, job.first_stage_layers, job.last_stage_layers, stages,
+                           job.ends_as_layers))
 
 
 @lru_cache(maxsize=None)
-def even_split(L, first, last, stages):
+def even_split(L, first, last, stages, ends=False):
     """Layers of each of `stages` pipeline stages: first_stage_layers / last_stage_layers as given (0: an even
-    share), the others as even as they go, the earlier ones taking one more when they do not divide (each >= 1)."""
+    share), the others as even as they go, the earlier ones taking one more when they do not divide (each >= 1).
+    ends: the embedding and the loss each count as one layer of the split and the first and last stage hold one
+    transformer layer fewer (Megatron-Core's --account-for-embedding-in-pipeline-split and
+    --account-for-loss-in-pipeline-split; Llama 3, Dubey et al. 2024 Sec. 3.3.2: "we reduce one Transformer layer
+    each from the first and the last stages", so that with one layer per stage "the first model chunk on the first
+    stage has only the embedding, and the last model chunk on the last stage has only output projection and loss")."""
+    if ends and stages > 1:
+        counts = list(even_split(L + 2, first + (first > 0), last + (last > 0), stages))
+        counts[0], counts[-1] = counts[0] - 1, counts[-1] - 1
+        check(sum(counts[1:-1]) > 0 or L == counts[0] + counts[-1], f"n_layer={L} leaves middle stages empty")
+        return tuple(counts)
     if stages == 1:
         return (L,)
     shared = stages - (first > 0) - (last > 0)
@@ -149,3 +167,34 @@ def even_split(L, first, last, stages):
           f"last_stage_layers={last}")
     share = [rest // shared + (i < rest % shared) for i in range(shared)] if shared else []
     return tuple(([first] if first else []) + share + ([last] if last else []))
+
+
+GENERATORS = dict(afab=afab, zb1=zb_h1, zbv=zb_v, dualpipev=dualpipe_v)
+
+
+def held_layers(job, lay, rank, m):
+    """The most layers x micro-batches whose activations pipeline rank `rank` holds at once: its in-flight
+    micro-batch-chunks (plan_memory.in_flight), each weighted by its chunk's layers. Even chunks: in_flight x
+    layers per chunk; uneven ones (cut ends, an empty embedding or loss chunk): the rank's action list
+    (common/pipeline_schedules.py) replayed, a forward adding its chunk's layers, the backward (W when split)
+    releasing them."""
+    counts, place = stage_layer_counts(job, lay.pp * lay.v), placement_of(lay.schedule)
+    weights = tuple(counts[stage_of(rank, c, lay.pp, place)] for c in range(lay.v))
+    return replayed_peak(lay.schedule, lay.pp, m, lay.v, rank, weights)
+
+
+@lru_cache(maxsize=None)
+def replayed_peak(schedule, p, m, v, rank, weights):
+    """held_layers for chunk weights `weights` (layers of each of the rank's chunks)."""
+    if p == 1:
+        return weights[0]
+    if schedule == "interleaved":
+        actions = interleaved(p, m, rank, v)
+    else:
+        actions = GENERATORS.get(schedule, one_f_one_b)(p, m, rank)
+    release = "W" if schedule in ("zb1", "zbv", "dualpipev") else "B"
+    held = peak = 0
+    for a in actions:
+        held += weights[a.chunk] * ((a.kind == "F") - (a.kind == release))
+        peak = max(peak, held)
+    return peak

@@ -15,6 +15,8 @@ latency model + bandwidth). plan.py's step_time adds the parts up.
 """
 import math
 
+from common import plan_shape
+
 # Maximum achievable matmul FLOP/s (bf16, dense, best shape of a sweep) / datasheet peak, measured with
 # mamf-finder.py: S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable
 # Matmul FLOPS comparison table" (https://github.com/stas00/ml-engineering): A100 SXM 267.9 of 312 TFLOP/s (CUDA
@@ -116,3 +118,52 @@ def latency(kind, n, nodes):
 # Engine's userbuffers (--tp-comm-overlap, "TP communication overlap" in the NeMo performance guide) split each
 # SP all-gather / reduce-scatter into chunks that run beside the GEMM's (1: all of it, up to the GEMM time).
 TP_OVERLAP = {"megatron-2021": 0.0, "torchtitan": 0.0, "nemo-te": 1.0}
+
+
+def hardware_flops_per_token(job, recompute):
+    """plan_shape.flops_per_token (6N + 12*L*h*T) plus what recompute adds: full a second forward of every block
+    (2 N_blocks + 4*L*h*T), selective the attention scores' forward (4*L*h*T), op (torchtitan's policy) the
+    forward of the matmuls it does not keep (plan_shape.op_recompute_values). Returns (all, attention's part)."""
+    cfg = job.cfg
+    attn = plan_shape.attention_flops_per_token(job) * (1 + (recompute in ("selective", "full")) / 3)
+    extra = 2 * plan_shape.block_params(job) if recompute == "full" else 0
+    extra += cfg.n_layer * plan_shape.op_recompute_values(job)[2] if recompute == "op" else 0
+    return plan_shape.flops_per_token(job) + extra + attn - plan_shape.attention_flops_per_token(job), attn
+
+
+def eager_attention_time(job, lay):
+    """Seconds per step a rank's eager (unfused) attention spends streaming its a/t x s x s score tensors (b per
+    micro-batch, m micro-batches, L/pp blocks) through HBM in its non-matmul kernels; 0 with flash attention, which
+    never writes them (Dao et al. 2022, FlashAttention, Sec. 2-3: standard attention is bound by these accesses) and
+    which the measurement behind eff used. Bytes per score element, 16-bit values and 1-byte dropout masks, as
+    Megatron-LM's fused scale-mask-softmax and torch's dropout move them:
+        softmax 2 + 2 forward, 2 + 2 + 2 backward;  dropout (p > 0) 2 + 1 + 2 forward, 2 + 1 + 2 backward;
+        the forward ones again under selective or full recompute;  time = bytes / datasheet HBM bandwidth"""
+    if job.attn == "flash":
+        return 0.0
+    cfg, drop = job.cfg, job.cfg.dropout > 0
+    forward = (4 + 5 * drop) * (1 + (lay.recompute in ("selective", "full")))
+    elements = cfg.n_head // lay.tp * cfg.block_size ** 2 * job.global_seqs // lay.dp * cfg.n_layer // lay.pp
+    return elements * (forward + 6 + 5 * drop) / job.hw["hbm"]
+
+
+# --software: what the software a run used does by default, as Job fields (a flag given beside it, other than its
+# default, wins). Each entry names its source.
+SOFTWARE = {
+    # Megatron-LM as Narayanan et al. 2021 ran it (SC'21; NVIDIA/Megatron-LM examples/sc21/run_table_1.sh): the
+    # attention unfused through HBM (fused scale-mask-softmax, no flash kernel), gradients all-reduced after the
+    # backward (--DDP-impl local), pipeline messages scattered over tp and all-gathered on arrival (Sec. 4.1).
+    "megatron-2021": dict(attn="eager", dp_overlap=False, pp_scatter_gather=True, tp_overlap=0.0, pp_overlap=False),
+    # torchtitan (pytorch/torchtitan, 2024): flash attention through SDPA, FSDP2 prefetching its all-gathers and
+    # reducing under the backward, tensor-parallel collectives in the open (its async TP is an opt-in compile pass),
+    # pipeline sends blocking (torch.distributed.pipelining).
+    "torchtitan": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=False),
+    # Megatron-Core / NeMo with Transformer Engine as NeMo's performance recipes run it (NeMo Framework user guide,
+    # "Communication Overlap"): data-parallel reduce-scatters per layer chunk under the backward, TP all-gathers and
+    # reduce-scatters pipelined with their GEMMs (userbuffers; with SP), pipeline sends under the interleaved chunks.
+    "megatron-core": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=TP_OVERLAP["nemo-te"],
+                          pp_overlap=True),
+    # Llama 3's stack (Dubey et al. 2024, Sec. 3.3.2): FSDP "asynchronously prefetching sharded model weights and
+    # reducing gradients", "asynchronous point-to-point communication in PP"; TP overlap is not stated (none here).
+    "llama3": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=True),
+}

@@ -11,7 +11,7 @@ import torch
 import plan
 from common import plan_memory
 from common.config import ConfigError
-from common.plan_inputs import Job
+from common.plan_inputs import LINK_EFF, Job
 from distributed_helper import run_workers
 from model import GPT, GPTConfig, num_params
 from train_ddp import assign_buckets
@@ -281,13 +281,13 @@ def test_ring_collectives_across_nodes_use_every_members_nic():
     NIC, each entering and exiting a node once), capped by NVLink; point-to-point axes get one GPU's share."""
     cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=32, n_embd=64)
     job = job_for(cfg, gpus=64, gpu="a100", global_seqs=64)
-    nvlink, net = 300e9 * plan.LINK_EFF, 25e9 * plan.LINK_EFF
+    nvlink, net = 300e9 * LINK_EFF, 25e9 * LINK_EFF
     bw = plan.link_bandwidth
-    assert bw(job, plan.Layout(dp=32, pp=2), "dp") == 8 * 25e9 * plan.LINK_EFF        # 4 whole nodes: 8 NICs each
-    assert bw(job, plan.Layout(dp=32, tp=2), "dp") == 4 * 25e9 * plan.LINK_EFF        # 4 members per node
+    assert bw(job, plan.Layout(dp=32, pp=2), "dp") == 8 * 25e9 * LINK_EFF        # 4 whole nodes: 8 NICs each
+    assert bw(job, plan.Layout(dp=32, tp=2), "dp") == 4 * 25e9 * LINK_EFF        # 4 members per node
     assert bw(job, plan.Layout(dp=8, tp=8), "dp") == net                               # one member per node
     assert bw(job, plan.Layout(dp=8, tp=8), "tp") == nvlink                            # inside the node
-    assert bw(job, plan.Layout(dp=4, tp=16), "tp") == 8 * 25e9 * plan.LINK_EFF < nvlink
+    assert bw(job, plan.Layout(dp=4, tp=16), "tp") == 8 * 25e9 * LINK_EFF < nvlink
     assert bw(job, plan.Layout(dp=2, pp=32), "pp") == net and bw(job, plan.Layout(dp=4, cp=16), "cp") == net
     wide = job_for(cfg, gpus=64, gpus_per_node=16, gpu="a100", global_seqs=64)     # 16 NICs x 25 GB/s > NVLink
     assert bw(wide, plan.Layout(dp=64), "dp") == nvlink

@@ -48,6 +48,7 @@ BAD = [
     (BASE + ["--tp_overlap", "1.5"], "--tp_overlap is a share in [0, 1]"),
     (BASE + ["--dropout", "1"], "--dropout is a probability in [0, 1)"),
     (BASE + ["--moments", "fp8"], "invalid choice: 'fp8'"),
+    (BASE + ["--software", "deepspeed"], "invalid choice: 'deepspeed'"),
     (BASE + ["--gated", "yes"], "unrecognized arguments: yes"),
     (layout("dp=3"), "!= 8 GPUs"),
     # flags: ranges, NaN, unknown, unreadable
@@ -121,3 +122,48 @@ def test_good_layout_reads():
     assert parse_layout("pp=2,schedule=interleaved,v=3", job).v == 3
     assert build_job(parse_args(BASE + ["--gpus", "4"], "")).gpus == 4          # part of one node
     assert build_job(parse_args(BASE + ["--eff", "1"], "")).eff == 1.0
+
+
+def test_partial_layout_searches_the_keys_it_leaves_out(capsys):
+    """--layout pp=2,zero_stage=1 keeps those two and takes the fastest fitting layout among those the search finds
+    with them, printing the keys it chose; a layout naming every key is evaluated as given."""
+    job = build_job(parse_args(BASE, ""))
+    row = plan.main(layout("pp=2,zero_stage=1"))[0]
+    out = capsys.readouterr().out
+    assert (row["pp"], row["zero_stage"], row["oom"]) == (2, 1, False)
+    assert row["searched"] == ["dp", "tp", "cp", "ep", "sp", "schedule", "v", "micro_batch_size", "recompute"]
+    assert out.startswith("--layout pp=2,zero_stage=1: the keys it leaves out searched") and "schedule=" in out
+    same = [r for r in plan.rank_layouts(job) if r["pp"] == 2 and r["zero_stage"] == 1 and not r["oom"]]
+    assert row["tokens_per_s"] == max(r["tokens_per_s"] for r in same)
+    full = "dp=4,tp=1,cp=1,pp=2,ep=1,sp=false,zero_stage=1,schedule=1f1b,v=1,micro_batch_size=2,recompute=none"
+    given = plan.main(layout(full))[0]
+    assert given["searched"] == []
+    assert given["tokens_per_s"] == plan.evaluate(job, parse_layout(full, job))["tokens_per_s"]
+    assert not capsys.readouterr().out.startswith("--layout")
+
+
+def test_partial_interleaved_layout_searches_deep_interleaving():
+    """An interleaved layout without v tries every v up to one layer per chunk (the search's own stops at 4)."""
+    argv = ["--model", "llama3-405b", "--gpus", "16384", "--seq", "8192", "--global_batch_tokens", "16M",
+            "--ends_as_layers", "--layout", "tp=8,cp=1,pp=16,sp=true,zero_stage=1,schedule=interleaved,"
+            "micro_batch_size=1,recompute=none"]
+    row = plan.main(argv + ["--json"])[0]
+    assert row["searched"] == ["ep", "v"] and row["v"] == 8 and not row["oom"]
+    job = build_job(parse_args(argv, ""))
+    for v in (2, 4):
+        lay = plan.Layout(dp=128, tp=8, pp=16, sp=True, zero_stage=1, schedule="interleaved", v=v)
+        other = plan.evaluate(job, lay)
+        assert other["oom"] or other["tokens_per_s"] <= row["tokens_per_s"]
+
+
+def test_software_sets_its_stack_unless_a_flag_says_otherwise():
+    """--software fills the Job fields of plan_time.SOFTWARE's entry; a flag given beside it with another value wins."""
+    from dataclasses import fields
+    from common.plan_time import SOFTWARE
+    assert all(set(entry) <= {f.name for f in fields(plan.Job)} for entry in SOFTWARE.values())
+    job = build_job(parse_args(BASE + ["--software", "megatron-2021"], ""))
+    assert (job.attn, job.dp_overlap, job.pp_scatter_gather, job.tp_overlap) == ("eager", False, True, 0.0)
+    job = build_job(parse_args(BASE + ["--software", "megatron-core", "--tp_overlap", "0.5"], ""))
+    assert (job.tp_overlap, job.pp_overlap, job.dp_overlap) == (0.5, True, True)
+    plain = build_job(parse_args(BASE, ""))
+    assert (plain.attn, plain.tp_overlap, plain.pp_overlap) == ("flash", 0.0, False)

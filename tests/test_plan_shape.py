@@ -67,7 +67,7 @@ def test_uneven_stages():
     the compute time."""
     job = preset("llama3-405b", first_stage_layers=7, last_stage_layers=7)
     assert plan_shape.stage_layer_counts(job, 16) == [7] + [8] * 14 + [7]
-    even = preset("llama3-405b")
+    even = build_job(parse_args(["--model", "llama3-405b", "--no-ends_as_layers"], ""))
     assert plan_shape.stage_layer_counts(even, 16) == [8] * 14 + [7] * 2
     assert plan_memory.layers_per_rank(even, Layout(dp=4, pp=16)) == [8] * 14 + [7] * 2
     lay = Layout(dp=4, pp=16, micro_batch_size=1)
@@ -188,3 +188,33 @@ def test_plan_validation_script(tmp_path):
     within = sum(abs(e) <= 15 for e in errors)
     fits = sum(r.endswith("| fits |") for r in rows)
     assert f"within 15% of the published: {within} of 17" in text and f"(the run fits): {fits} of 17" in text
+
+
+def test_ends_as_layers_split_and_empty_chunks_hold_nothing():
+    """Llama 3 405B's split (Dubey et al. 2024, Sec. 3.3.2): the embedding and the loss each take a layer's place,
+    so 126 layers on 16 ranks x 8 chunks leave the first chunk of rank 0 and the last of rank 15 empty; with 2
+    chunks per rank it is 3 + 30 x 4 + 3. Interleaved, m = 32: rank 0 holds Megatron's 2(p-1) + (v-1)p + 1 = 143
+    micro-batch-chunks at its peak, 16 + 15 of them in its empty chunk 0: 112 layers."""
+    job = preset("llama3-405b")                     # the preset splits as Llama 3 did
+    assert job.ends_as_layers and not preset("llama3-70b").ends_as_layers
+    assert plan_shape.stage_layer_counts(job, 128) == [0] + [1] * 126 + [0]
+    assert plan_shape.stage_layer_counts(job, 32) == [3] + [4] * 30 + [3]
+    assert plan_memory.layers_per_rank(job, Layout(dp=1, pp=16, v=8, schedule="interleaved")) == [7] + [8] * 14 + [7]
+    lay = Layout(dp=1, pp=16, v=8, schedule="interleaved")
+    assert plan_shape.held_layers(job, lay, 0, 32) == 143 - 31
+    assert plan_memory.in_flight("interleaved", 16, 32, 8, 0) == 143
+
+
+@pytest.mark.parametrize("schedule,v", [("afab", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2), ("interleaved", 3),
+                                        ("zbv", 2), ("dualpipev", 2)])
+def test_held_layers_of_even_chunks_is_in_flight_times_chunk(schedule, v):
+    """With even chunks the replayed peak is plan_memory.in_flight x layers per chunk, on every rank."""
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=72, n_head=4, n_embd=64)
+    for p in (2, 3, 4):
+        for m in range(2 * p if schedule == "dualpipev" else p, 4 * p + 1):
+            if schedule == "interleaved" and m % p:
+                continue
+            job, lay = job_for(cfg, gpus=p, global_seqs=m), Layout(dp=1, pp=p, v=v, schedule=schedule)
+            per_chunk = 72 // (p * v)
+            assert [plan_shape.held_layers(job, lay, r, m) for r in range(p)] == [
+                plan_memory.in_flight(schedule, p, m, v, r) * per_chunk for r in range(p)], (p, m)

@@ -1,0 +1,115 @@
+"""
+plan_comm.py: the bytes and seconds of plan.py's communication, per axis of a layout: the link each axis crosses,
+the bytes each rank sends per step (comm.py's ring convention, exact against the rungs' counters) and NCCL's
+latency per collective (plan_time.latency). plan.py's step_time subtracts what overlaps.
+
+Rank order as train_5d.py builds its groups: tp innermost, then cp, dp, pp outermost; an axis whose group spans
+<= gpus_per_node consecutive ranks runs on NVLink, else on the network.
+"""
+from common import plan_shape
+from common import plan_time as time_model
+from common.pipeline_schedules import placement_of
+from common.plan_inputs import LINK_EFF, PRECISION, model_state_bytes_per_param
+from common.plan_memory import layers_per_rank, stage_blocks
+
+
+def link_bandwidth(job, lay, axis):
+    """Bytes/s of the link an axis crosses, times LINK_EFF: its group spans tp (tp), tp*cp (cp), tp*ep (ep: ep
+    consecutive members of a dp x cp group, tp apart), tp*cp*dp (dp) or all (pp) consecutive ranks; within a node
+    NVLink. Across nodes, point-to-point traffic (cp's ring hops, pp, ep's all-to-all) leaves through each GPU's own
+    NIC: the GPU's network share. A ring collective (tp's and dp's all-reduce, reduce-scatter, all-gather) enters and
+    exits each node once per NCCL channel, and NCCL runs a channel per NIC, so a group with g members on a node
+    (tp: all of the node's; dp x cp: one per tp group) moves its bytes through g NICs: min(NVLink, g * net). NCCL's
+    maintainer: "Ring Allreduce requires data to go through each GPU and enter/exit the node once" (NVIDIA/nccl
+    #687), "~12 GB/s with each NIC, then ~24 when using 2 NICs, etc" (#307); measured, 1/2/4 GPUs of a node in the
+    ring: 363/173/132 ms (#569), 4 vs 8: 45 vs 90 GB/s (#1168)."""
+    node = job.gpus_per_node
+    span = dict(tp=lay.tp, cp=lay.tp * lay.cp, ep=lay.tp * lay.ep, dp=lay.tp * lay.cp * lay.dp, pp=job.gpus)[axis]
+    if span <= node:
+        return job.hw["nvlink"] * LINK_EFF
+    nics = dict(tp=node, dp=max(1, node // lay.tp)).get(axis, 1)
+    return min(job.hw["nvlink"], nics * job.hw["net"]) * LINK_EFF
+
+
+def comm_bytes(job, lay, padded):
+    """Bytes this rank sends per step on each axis (comm.py's ring convention, part = (n-1)/n), m micro-batches,
+    S = b*s*h*bpv of one micro-batch's activations (s = seq/cp), L_r blocks on the busiest pipeline rank:
+        tp  m*L_r * part_t * S * (8 TP: 2 all-reduces fwd + 2 bwd | 10 SP: 2 AG + 2 RS fwd, 4 AG + 2 RS bwd) + 4 more
+            per block under full recompute (test_tp.py counts these)
+        cp  m*L_r * ((cp-1)*2 KV + cp * dKV (fp32)), + (cp-1) KV with full recompute, KV = 2b*s*kv/t*bpv, kv the
+            key/value width (h without GQA; train_cp)
+        dp  over n = dp*cp, P' padded rank params, p/g bytes: stage 0 all-reduce 2 part P g; 1: RS part P' g + AG
+            part P' p; 2: RS per micro-batch m part P' g + AG part P' p; 3: 2m part P' p (AG fwd+bwd) + m part P' g
+        pp  2*m*v*S/(t if SP) (activations forward, gradients back); with job.pp_scatter_gather (Megatron) S/t
+            each, and tp all-gathers every arriving message: + 2*m*v*part_t*S on tp
+        ep  per MoE block and micro-batch 4 * part_ep * top_k * b*s*h*bpv (dispatch + combine, fwd + bwd)"""
+    cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
+    s, b, h, m, t = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd, lay.grad_acc(job), lay.tp
+    S, blocks = b * s * h * bpv, max(layers_per_rank(job, lay))
+    full = lay.recompute == "full"
+    out = dict(tp=0.0, cp=0.0, dp=0.0, dp_reduce=0.0, pp=0.0, ep=0.0)
+    if t > 1:
+        out["tp"] = m * blocks * (t - 1) / t * S * ((10 if lay.sp else 8) + 4 * full)
+    if lay.cp > 1:
+        kv = 2 * b * s * plan_shape.kv_dim(job) / t * bpv
+        out["cp"] = m * blocks * ((lay.cp - 1) * kv * (2 + full) + lay.cp * kv * 4 / bpv)
+    n = lay.dp * lay.cp
+    if n > 1:
+        part = (n - 1) / n * padded
+        sizes = model_state_bytes_per_param(recipe, job.moments)
+        reduce = {0: 2, 1: 1, 2: m, 3: m}[lay.zero_stage] * part * sizes["grads"]
+        gather = {0: 0, 1: 1, 2: 1, 3: 2 * m}[lay.zero_stage] * part * sizes["params"]
+        out["dp"] = reduce + gather
+        out["dp_reduce"] = reduce
+    if lay.pp > 1:
+        split = lay.sp or job.pp_scatter_gather
+        out["pp"] = 2 * m * lay.v * S / (t if split else 1)
+        out["tp"] += 2 * m * lay.v * (t - 1) / t * S if job.pp_scatter_gather and not lay.sp else 0
+    if lay.ep > 1:
+        moe = sum(cfg.is_moe_block(i) for i in stage_blocks(job, lay.pp, lay.v, 0, placement_of(lay.schedule)))
+        out["ep"] = m * moe * 4 * (lay.ep - 1) / lay.ep * cfg.top_k * b * s * h * bpv
+    return out
+
+
+def axis_group(job, lay, axis):
+    """(members, nodes they span, hop: 'nvlink' or 'net') of one group of `axis` (rank order tp, cp, dp, pp)."""
+    node = job.gpus_per_node
+    n = dict(tp=lay.tp, cp=lay.cp, dp=lay.dp * lay.cp, ep=lay.ep, pp=lay.pp)[axis]
+    span = dict(tp=lay.tp, cp=lay.tp * lay.cp, ep=lay.tp * lay.ep, dp=lay.tp * lay.cp * lay.dp, pp=job.gpus)[axis]
+    if span <= node:
+        return n, 1, "nvlink"
+    stride = dict(tp=1, pp=job.gpus // lay.pp).get(axis, lay.tp)     # ranks between two members of a group
+    per_node = max(1, node // stride)
+    return n, max(1, n // per_node), "net"
+
+
+def comm_latency(job, lay, groups):
+    """Seconds of NCCL latency (plan_time.latency) per step on each axis: the number of collectives each runs
+    times the fixed cost of one. Per block and micro-batch: tp 4 all-reduces (TP; 6 with full recompute) or 6
+    all-gathers + 4 reduce-scatters (SP; 14 with full recompute), as comm_bytes counts them, + the all-gather of
+    every pipeline message Megatron's scatter/gather splits; cp one send per KV hop
+    (2(cp-1) + cp, + cp-1 with full recompute); ep 4 all-to-alls per MoE block. dp: one collective per bucket
+    (ZeRO 0-2: all-reduce, or reduce-scatter + all-gather, stage 2's reduce-scatter every micro-batch) or per unit
+    (ZeRO-3: 2 all-gathers + 1 reduce-scatter per micro-batch). pp: 2 sends per micro-batch and chunk."""
+    m, blocks, full = lay.grad_acc(job), max(layers_per_rank(job, lay)), lay.recompute == "full"
+    out = {}
+    for axis in ("tp", "cp", "dp", "pp", "ep"):
+        n, nodes, _ = axis_group(job, lay, axis)
+        lat = {kind: time_model.latency(kind, n, nodes) for kind in time_model.COLLECTIVES}
+        if axis == "tp":
+            per = (10 + 4 * full) * lat["all_gather"] if lay.sp else (4 + 2 * full) * lat["all_reduce"]
+            gathers = 2 * m * lay.v if lay.pp > 1 and job.pp_scatter_gather and not lay.sp else 0
+            out[axis] = m * blocks * per + gathers * lat["all_gather"]
+        elif axis == "cp":
+            out[axis] = m * blocks * (3 * n - 2 + (n - 1) * full) * lat["send"]
+        elif axis == "dp":
+            per_step = {0: lat["all_reduce"], 1: lat["reduce_scatter"] + lat["all_gather"],
+                        2: m * lat["reduce_scatter"] + lat["all_gather"],
+                        3: m * (2 * lat["all_gather"] + lat["reduce_scatter"])}[lay.zero_stage]
+            out[axis] = groups * per_step
+        elif axis == "pp":
+            out[axis] = 2 * m * lay.v * lat["send"]
+        else:
+            moe = sum(job.cfg.is_moe_block(i) for i in stage_blocks(job, lay.pp, lay.v, 0, placement_of(lay.schedule)))
+            out[axis] = 4 * m * moe * lat["all_to_all"]
+    return out
