@@ -68,7 +68,7 @@ from common.metrics import MetricsLogger
 from model import GPT, flops_per_token
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from common.pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
-from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_positions, swap_attention_cores
+from train_cp import ContextParallelAttentionCore, block_attention_kernel, local_positions, swap_attention_cores
 from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, stage_views
 from common.pipeline_tied import tied_grads_sync, tied_weight
@@ -95,7 +95,8 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
     if grid.sizes["tp"] > 1:
         apply_tp(gpt, grid.groups.tp, cfg.sp, device="meta")
     if grid.sizes["cp"] > 1:
-        kernel = SDPA_CPU if device.type == "cpu" else PLAIN_TORCH
+        # the compute dtype (bf16 under autocast, not the parameters' fp32) decides between the fused kernels
+        kernel = block_attention_kernel(cfg.kernels, device, resolve_dtype(cfg, device), cfg.n_embd // cfg.n_head)
         swap_attention_cores(gpt, lambda: ContextParallelAttentionCore(grid.groups.cp, cfg.cp_layout, kernel))
     mine = stage_views(gpt, grid.coords["pp"], grid.sizes["pp"], cfg.pp_virtual, placement_of(cfg.pp_schedule))
     chunks = materialize(mine, device, dtype)
