@@ -411,7 +411,7 @@ def main(argv=None):
     wide = param_dtype(dtype)                  # losses summed over ranks in fp32 (float64 in a float64 run)
 
     model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device, param_dtype(dtype))
-    apply_kernels_and_fp8(model, cfg, env.device)          # fused modules, FP8 GEMMs: same parameters
+    mode = apply_kernels_and_fp8(model, cfg, env.device)   # fused modules, FP8 GEMMs: same parameters
     kernel = block_attention_kernel(cfg.kernels, env.device, dtype, cfg.n_embd // cfg.n_head)
     local_cores = swap_attention_cores(model, lambda: ContextParallelAttentionCore(group, cfg.cp_layout, kernel))
     pos = local_positions(cfg.cp_layout, cfg.block_size, cp, dist.get_rank(group), env.device)  # for RoPE, too
