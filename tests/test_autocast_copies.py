@@ -7,7 +7,9 @@ one copy of the stage's weights per in-flight micro-batch (m of them under AFAB,
 
 LiveWeightCopies counts, for each weight shape (or its transpose), the distinct 16-bit tensors of that shape autograd
 holds at once; the check is that the peak never exceeds the number of weights of that shape the rank holds, whatever
-the number of micro-batches in flight.
+the number of micro-batches in flight. ZeRO-3 saves its casts through a saved-tensors hook of its own (autograd runs
+one pair at a time), so LiveCasts counts there instead: every 16-bit cast of a weight's shape still alive, however
+it is held; ZeRO-3 may hold the casts of two blocks (the one computing and the one prefetched), not of all.
 """
 import pytest
 import torch
