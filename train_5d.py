@@ -65,10 +65,10 @@ from common.grid import build_grid, bytes_by_axis, print_grid
 from plan import apply_auto_layout
 from common.plan_inputs import HARDWARE
 from common.metrics import MetricsLogger
-from model import GPT, flops_per_token
+from model import GPT, flops_per_token, num_params
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from common.pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
-from train_cp import SDPA_CPU, PLAIN_TORCH, ContextParallelAttentionCore, local_positions, swap_attention_cores
+from train_cp import ContextParallelAttentionCore, block_attention_kernel, local_positions, swap_attention_cores
 from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, stage_views
 from common.pipeline_tied import tied_grads_sync, tied_weight
@@ -76,8 +76,8 @@ from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
 from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
-                             gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
-                             should_save)
+                             fits_on_device, gpt_config, materialize, param_dtype, prepare_data, print_sample,
+                             resolve_dtype, should_save)
 from common.tp_shards import init_tp_weights
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, check_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, check_zero3, install_zero3_hooks, shard_model
@@ -95,7 +95,8 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
     if grid.sizes["tp"] > 1:
         apply_tp(gpt, grid.groups.tp, cfg.sp, device="meta")
     if grid.sizes["cp"] > 1:
-        kernel = SDPA_CPU if device.type == "cpu" else PLAIN_TORCH
+        # the compute dtype (bf16 under autocast, not the parameters' fp32) decides between the fused kernels
+        kernel = block_attention_kernel(cfg.kernels, device, resolve_dtype(cfg, device), cfg.n_embd // cfg.n_head)
         swap_attention_cores(gpt, lambda: ContextParallelAttentionCore(grid.groups.cp, cfg.cp_layout, kernel))
     mine = stage_views(gpt, grid.coords["pp"], grid.sizes["pp"], cfg.pp_virtual, placement_of(cfg.pp_schedule))
     chunks = materialize(mine, device, dtype)
@@ -352,7 +353,17 @@ def gather_whole(held, grid):
 
 
 def sample_on_rank0(cfg, held, grid, gcfg, loader, env):
-    """The whole trained model on global rank 0, for the eyeball test that training worked."""
+    """The whole trained model on global rank 0, for the eyeball test that training worked; skipped with one line
+    when it would not fit beside what rank 0 holds: twice the fp32 model's bytes, the gathered weights (which NCCL's
+    gather_object stages on the device, each stage's padded to the largest's) then the model built from them."""
+    need = 2 * num_params(gcfg) * 4
+    fits = torch.tensor(float(env.rank != 0 or fits_on_device(need, env.device)), device=env.device)
+    comm.broadcast(fits, src=0)                  # rank 0's answer: every rank skips the gather, or none
+    if not fits:
+        if env.is_main:
+            print(f"sample: skipped: the whole model needs {need / 2**30:.1f} GiB free on rank 0's {env.device} "
+                  f"(twice its fp32 weights), more than it has", flush=True)
+        return
     whole = gather_whole(held, grid)
     if whole is not None:
         model = GPT(gcfg).to(env.device)

@@ -361,6 +361,21 @@ def allreduce_grads(params, group):
 # ----------------------------------------------------------------------------------------------------------
 # the script
 
+def block_attention_kernel(kernels, device, dtype, head_dim):
+    """The (forward, backward) pair the block attention runs, for --kernels `kernels` (this script and
+    train_5d.py): triton, the Triton flash kernel; on CPU, torch's fused CPU kernel; on CUDA, aten's flash /
+    memory-efficient pair (kernels/attention_lse.py), which never holds a [Tq, Tk] score matrix, unless --kernels
+    torch asks for the plain-torch reference (or none applies: float64)."""
+    from kernels.attention_lse import fused_block_attention
+    from kernels.flash_attention import flash_attention_backward, flash_attention_forward
+    if kernels == "triton":
+        return flash_attention_forward, flash_attention_backward
+    if device.type == "cpu":
+        return SDPA_CPU
+    fused = None if kernels == "torch" else fused_block_attention(device, dtype, head_dim)
+    return fused or PLAIN_TORCH
+
+
 def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
@@ -384,8 +399,6 @@ def main(argv=None):
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
     from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
                                  prepare_data, param_dtype, print_sample, resolve_dtype, should_save)
-    from kernels.attention_lse import fused_block_attention
-    from kernels.flash_attention import flash_attention_backward, flash_attention_forward
     from model import GPT, flops_per_token
     cfg = parse_config(argv, techniques=("cp", "cp_layout", "fp8"), description=__doc__.split("\n\n")[0],
                        validate=validate)
@@ -399,13 +412,7 @@ def main(argv=None):
 
     model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device, param_dtype(dtype))
     mode = apply_kernels_and_fp8(model, cfg, env.device)   # fused modules, FP8 GEMMs: same parameters
-    kernel = PLAIN_TORCH                       # block attention: the reference, or a fused pair with the same math
-    if mode == "triton":
-        kernel = (flash_attention_forward, flash_attention_backward)
-    elif env.device.type == "cpu":
-        kernel = SDPA_CPU
-    elif mode != "torch":                      # CUDA: aten's flash / memory-efficient pair (kernels/attention_lse.py)
-        kernel = fused_block_attention(env.device, dtype, cfg.n_embd // cfg.n_head) or PLAIN_TORCH
+    kernel = block_attention_kernel(cfg.kernels, env.device, dtype, cfg.n_embd // cfg.n_head)
     local_cores = swap_attention_cores(model, lambda: ContextParallelAttentionCore(group, cfg.cp_layout, kernel))
     pos = local_positions(cfg.cp_layout, cfg.block_size, cp, dist.get_rank(group), env.device)  # for RoPE, too
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)

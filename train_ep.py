@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common.comm import COMM, all_gather, all_reduce, all_to_all, clip_grad_norm, new_group
+from common.comm import COMM, all_gather, all_reduce, all_to_all, clip_grad_norm, in_compute_dtype, new_group
 from train_ddp import DataParallelGrads, mean_over_group
 
 
@@ -90,6 +90,7 @@ class ExpertParallelExperts(nn.ModuleDict):
         mine = table[:, self.first:self.first + self.n_local]   # [ep, n_local]: rows each rank sends me
         send_splits = table[dist.get_rank(self.group)].view(self.ep, self.n_local).sum(1).tolist()
         recv_splits = mine.sum(1).tolist()
+        rows = in_compute_dtype(rows)       # autocast: dispatched (and its gradient returned) in 16 bits, not fp32
         arrived = AllToAll.apply(rows, recv_splits, send_splits, self.group)   # grouped by expert = by rank
         return AllToAll.apply(self.run_experts(arrived, mine), send_splits, recv_splits, self.group)
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.comm import COMM, all_gather, all_reduce, clip_grad_norm, reduce_scatter
+from common.comm import COMM, all_gather, all_reduce, clip_grad_norm, in_compute_dtype, reduce_scatter
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -167,9 +167,9 @@ class ColumnLinearFn(torch.autograd.Function):
 
 @torch.compiler.disable      # collectives (and comm.py's byte counters) run eagerly: a graph break under --compile
 def column_parallel(x, weight, bias, group, sp, overlap, store=None):
-    if sp or overlap or store is not None:
-        return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap, store)
-    return F.linear(CopyToTP.apply(x, group), weight, bias)      # the textbook form: f, then a local matmul
+    if sp or overlap or store is not None:      # autocast: f communicates x in 16 bits, as the matmul casts it
+        return ColumnLinearFn.apply(in_compute_dtype(x), weight, bias, group, sp, overlap, store)
+    return F.linear(CopyToTP.apply(in_compute_dtype(x), group), weight, bias)   # textbook: f, then a local matmul
 
 
 @torch.compiler.disable

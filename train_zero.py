@@ -34,7 +34,7 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
-from common.comm import COMM, all_gather, clip_grad_norm, reduce_scatter
+from common.comm import COMM, CastsFreedWithParams, all_gather, clip_grad_norm, reduce_scatter
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
 
 
@@ -320,6 +320,7 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
     for i, block in enumerate(blocks):
         block.register_forward_pre_hook(pre_forward(i))
         block.register_forward_hook(post_forward(i))
+        CastsFreedWithParams(units[i].params).register(block)     # autocast: 16-bit casts freed with the unit
     model.register_forward_pre_hook(root_pre_forward)
     model.register_forward_hook(root_post_forward)
 

@@ -1,7 +1,8 @@
 """
-comm.py: every collective nanoscale uses, each one counted, and the two things the rungs' building blocks need
-besides: the gradient norm over a group (one all-reduce) and profiler labels. Imports only torch and the stdlib,
-so a technique copied out of this project takes this file with it and nothing else (docs/copy_out.md;
+comm.py: every collective nanoscale uses, each one counted, and what the rungs' building blocks need besides: the
+gradient norm over a group (one all-reduce), profiler labels, and care for autocast's 16 bits (activations
+communicated in the compute dtype; ZeRO-3's casts of gathered weights freed with them). Imports only torch and the
+stdlib, so a technique copied out of this project takes this file with it and nothing else (docs/copy_out.md;
 common/distributed.py starts the process group).
 
     all_reduce(grad, group=dp_group) # the same call as torch.distributed, plus bytes accounting
@@ -9,6 +10,7 @@ common/distributed.py starts the process group).
     comm.LAUNCH_LOG = []             # record every launch in NCCL's groups, for nccl_check.py (default off)
     clip_grad_norm(grads, 1.0, group=tp_group)   # the global grad norm of gradients spread over a group
     with label("pp:F mb0 chunk0"): ...           # a named range in a --profile trace (nothing when off)
+    x = in_compute_dtype(x)                      # under autocast: fp32 -> bf16 before x travels to a matmul
 
 Under a torch profiler (--profile, profiling.py) each call is also a range "comm:<op> [group's global ranks]", and
 an async call's wait() a range "comm:wait <op> ...": traces show communication (bench/timeline.py colours it).
@@ -215,6 +217,74 @@ def new_group(ranks, timeout_s=None):
     timeout_s = GROUP_TIMEOUT["s"] if timeout_s is None else timeout_s
     kwargs = {} if timeout_s is None else dict(timeout=timedelta(seconds=timeout_s))
     return dist.new_group(ranks, **kwargs)
+
+
+def in_compute_dtype(x):
+    """x in autocast's 16-bit dtype when autocast is on for its device and x is fp32, else x itself: for an
+    activation about to be communicated on its way into a matmul, which would cast it anyway (a LayerNorm's output
+    is fp32 under autocast). The collective then moves 2 bytes per value instead of 4, and so does its backward twin
+    (the gradient takes the dtype of what was sent), as Megatron-LM's 16-bit activations do; the values the matmul
+    sees are the same. float64 runs and runs without autocast: unchanged."""
+    device = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
+class CastsFreedWithParams:
+    """Autocast's 16-bit casts of `params` (parameters gathered for a module's forward and freed after it, as ZeRO-3
+    does) live no longer than the parameters. A matmul saves its weight's cast for backward, and autocast caches it
+    until its outermost region exits: kept as they are, every block's cast would stay alive from its forward to its
+    backward, the whole model in 16 bits on every rank. register(module) makes the module's forward (1) cast
+    without autocast's cache and (2) save such a cast as (parameter, how it was cast), cast again when backward
+    unpacks it, by then from the parameters gathered again for backward (a saved-tensors hook). Without autocast
+    there is no cast: nothing changes. Under other saved-tensor hooks (a block recomputed in backward, whose saved
+    tensors are dropped anyway; offloading) only (1) applies: autograd runs one pair of hooks at a time."""
+
+    def __init__(self, params):
+        self.ids, self.device = {id(p) for p in params}, next(iter(params)).device.type
+        self.state = None
+
+    def register(self, module):
+        module.register_forward_pre_hook(lambda mod, args: self.enter())
+        module.register_forward_hook(lambda mod, args, out: self.exit())
+
+    def enter(self):
+        if not torch.is_autocast_enabled(self.device):
+            return
+        hooks = None
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:   # no other pair of hooks active
+            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            hooks.__enter__()
+        self.state = (torch.is_autocast_cache_enabled(), hooks)
+        torch.set_autocast_cache_enabled(False)
+
+    def exit(self):
+        if self.state is not None:
+            cache, hooks = self.state
+            torch.set_autocast_cache_enabled(cache)
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+            self.state = None
+
+    def pack(self, t):
+        """A saved view of a cast of one of the params (its grad_fn a copy of the parameter's leaf) -> how to
+        redo it; anything else is saved as it is."""
+        base = t if t._base is None else t._base
+        fn = base.grad_fn
+        if fn is not None and fn.name() == "ToCopyBackward0":
+            param = getattr(fn.next_functions[0][0], "variable", None)     # AccumulateGrad of a leaf
+            if id(param) in self.ids and param.device == base.device:
+                return param, base.dtype, t.size(), t.stride(), t.storage_offset()
+        return t
+
+    @staticmethod
+    def unpack(saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        param, dtype, size, stride, offset = saved
+        assert param.untyped_storage().nbytes() > 0, "a saved cast is needed while its parameter is not gathered"
+        return param.detach().to(dtype).as_strided(size, stride, offset)
 
 
 @torch.no_grad()

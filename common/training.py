@@ -172,5 +172,14 @@ def print_sample(model, loader, cfg, env, collective=False):
         print(f"---- sample ----\n{text}\n----------------", flush=True)
 
 
+def fits_on_device(n_bytes, device):
+    """Whether n_bytes more fit on `device` now: on CUDA, the driver's free memory plus what torch's allocator holds
+    unused (torch.cuda.mem_get_info; memory_reserved - memory_allocated). Host memory is not checked (True)."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return n_bytes <= free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def should_save(cfg, step, last_step):
     return step == last_step - 1 or (cfg.save_interval > 0 and (step + 1) % cfg.save_interval == 0)

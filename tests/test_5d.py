@@ -269,3 +269,40 @@ def test_sample_gathers_weights_not_adam_moments(tiny_data, tmp_path):
     argv = tiny_argv(tiny_data, str(tmp_path), dp=2, zero_stage=1, max_steps=1, sample_tokens=4)
     for gathered, n_params in run_workers(_sample_gathers, 2, args=(argv,)):
         assert n_params <= gathered < 1.5 * n_params, f"{gathered} elements gathered for {n_params} weights"
+
+
+def test_whole_model_fits_counts_free_and_cached_device_memory(monkeypatch):
+    """The sample's check (training.fits_on_device) on a GPU, faked: the driver's free bytes plus the allocator's
+    reserved-but-unused bytes; host memory is not checked."""
+    import torch
+    from common.training import fits_on_device
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100, 1000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 300)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 250)
+    cuda = torch.device("cuda")
+    assert fits_on_device(150, cuda) and not fits_on_device(151, cuda)
+    assert fits_on_device(10 ** 15, torch.device("cpu"))
+
+
+def _sample_when_too_large(rank, world, argv):
+    """train_5d.main with the sample on and a rank 0 device too small for it: (its stdout, gathers of the model)."""
+    import contextlib
+    import io
+    import train_5d
+    gathers, real_gather = [], train_5d.gather_whole
+    train_5d.fits_on_device = lambda n_bytes, device: False
+    train_5d.gather_whole = lambda held, grid: gathers.append(1) or real_gather(held, grid)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_5d.main(argv)
+    return out.getvalue(), len(gathers)
+
+
+def test_sample_is_skipped_with_one_line_when_the_model_does_not_fit(tiny_data, tmp_path):
+    """A model larger than rank 0's free device memory is not gathered there after training: every rank skips the
+    sample (rank 0's answer, broadcast), rank 0 says so in one line, nothing is gathered."""
+    argv = tiny_argv(tiny_data, str(tmp_path), dp=2, zero_stage=1, max_steps=1, sample_tokens=4)
+    for rank, (text, gathers) in enumerate(run_workers(_sample_when_too_large, 2, args=(argv,))):
+        skipped = [line for line in text.splitlines() if line.startswith("sample: skipped:")]
+        assert len(skipped) == (rank == 0) and "---- sample ----" not in text, text
+        assert gathers == 0

@@ -292,3 +292,44 @@ def test_cuda_block_attention_choice():
     assert fused_block_attention(cuda, torch.bfloat16, 12, h100) is None        # 24-byte rows
     assert fused_block_attention(cuda, torch.float64, 64, h100) is None
     assert fused_block_attention(torch.device("cpu"), torch.float32, 64) is None
+
+
+def test_block_attention_kernel_by_flag_device_and_dtype(monkeypatch):
+    """train_cp.block_attention_kernel, which train_cp and train_5d both call: on a GPU (its capability faked: none
+    here) the fused aten pair unless --kernels torch; float64 falls back to the reference; the CPU's fused pair on CPU."""
+    import train_cp
+    from kernels.attention_lse import EFFICIENT_CUDA, FLASH_CUDA
+    from kernels.flash_attention import flash_attention_forward
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert train_cp.block_attention_kernel("auto", cuda, torch.bfloat16, 64) is FLASH_CUDA
+    assert train_cp.block_attention_kernel("compile", cuda, torch.bfloat16, 64) is FLASH_CUDA
+    assert train_cp.block_attention_kernel("auto", cuda, torch.float32, 64) is EFFICIENT_CUDA
+    assert train_cp.block_attention_kernel("torch", cuda, torch.bfloat16, 64) is train_cp.PLAIN_TORCH
+    assert train_cp.block_attention_kernel("auto", cuda, torch.float64, 64) is train_cp.PLAIN_TORCH
+    assert train_cp.block_attention_kernel("triton", cuda, torch.bfloat16, 64)[0] is flash_attention_forward
+    assert train_cp.block_attention_kernel("auto", cpu, torch.float64, 64) is train_cp.SDPA_CPU
+
+
+def _5d_cp_kernel_choice(rank, world, argv):
+    """train_5d.main with cp = 2 and train_cp's choice recorded: (its arguments, whether every CP core runs it)."""
+    import train_5d
+    calls, choose = [], train_5d.block_attention_kernel
+
+    def recorded(*args):
+        calls.append(args)
+        return choose(*args)
+    train_5d.block_attention_kernel = recorded
+    result = train_5d.main(argv)
+    cores = [m for m in result["chunks"].modules() if isinstance(m, train_5d.ContextParallelAttentionCore)]
+    return calls, bool(cores) and all(core.kernel is choose(*calls[0]) for core in cores)
+
+
+def test_5d_cp_asks_train_cp_for_its_kernel_in_the_compute_dtype(tiny_data, tmp_path):
+    """train_5d's CP cores run what train_cp would pick, asked with the compute dtype (bf16: on a GPU that is the
+    flash pair, test above), not the parameters' fp32."""
+    argv = tiny_argv(tiny_data, str(tmp_path), cp=2, dtype="bfloat16", max_steps=1, block_size=16)
+    for calls, cores_run_it in run_workers(_5d_cp_kernel_choice, 2, args=(argv,)):
+        assert [(kernels, device.type, dtype) for kernels, device, dtype, _ in calls] == \
+            [("auto", "cpu", torch.bfloat16)], calls
+        assert cores_run_it
