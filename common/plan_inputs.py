@@ -187,7 +187,7 @@ def validate(job, lay):
     check(lay.schedule != "dualpipev" or m >= 2 * lay.pp,
           f"dualpipev needs micro-batches per step ({m}) >= 2 * pp = {2 * lay.pp}")
     check(lay.zero_stage in (0, 1, 2, 3), f"zero_stage {lay.zero_stage}: ZeRO has stages 0, 1, 2 and 3")
-    check(lay.zero_stage < 3 or lay.dp * lay.cp > 1, "zero_stage 3 shards over dp x cp: with dp*cp = 1 nothing to shard")
+    check(lay.zero_stage < 3 or lay.dp * lay.cp > 1, "zero_stage 3 shards over dp x cp: dp*cp = 1 has none")
     check(lay.zero_stage < 3 or lay.schedule != "interleaved" or lay.pp > 1,
           "zero_stage 3 with interleaved needs pp > 1 (train_5d: one rank's two chunks would share the tied weight)")
     check(lay.recompute in LAYOUT_RECOMPUTE, f"unknown recompute {lay.recompute!r}; known: {', '.join(LAYOUT_RECOMPUTE)}")
