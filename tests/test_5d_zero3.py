@@ -1,8 +1,9 @@
-"""train_5d.py --zero_stage 3: ZeRO-3 (FSDP) over dp x cp composed with tp (+SP), cp and pp reproduces train_single.py
-in float64 at 1e-9 per step (loss and grad norm) on real text across a gradient spike, clipping on, with and without
-resharding after forward; the dp axis sends exactly ZeRO-3's bytes with the composed sizes (each chunk's units
-all-gathered as often as the schedule needs them, reduce-scattered once per micro-batch); a ZeRO-3 run resumes as
-(tp 2, pp 2) and then as train_single."""
+"""train_5d.py --zero_stage 3: ZeRO-3 (FSDP) over dp x cp composed with tp (+SP), cp and pp under every schedule
+(zb1, zbv, dualpipev: gathered for B, reduce-scattered after W) reproduces train_single.py in float64 at 1e-9 per step
+(loss and grad norm) on real text across a gradient spike, clipping on, with and without resharding after forward;
+the dp axis sends exactly ZeRO-3's bytes with the composed sizes (each chunk's units all-gathered as often as the
+schedule needs them, reduce-scattered once per micro-batch), and the model states are plan.py's; a ZeRO-3 run
+resumes as (tp 2, pp 2) and then as train_single."""
 import pytest
 
 from distributed_helper import run_workers
@@ -65,7 +66,8 @@ CASES = {
         ("L2", dict(dp=2, pp=2, reshard_after_forward=False)),
         ("L4", dict(dp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, reshard_after_forward=False)),
         ("L4", dict(dp=2, pp=2, pp_schedule="zb1")), ("L4", dict(dp=2, pp=2, pp_schedule="zbv", pp_virtual=2)),
-        ("L4", dict(dp=2, pp=2, pp_schedule="zbv", pp_virtual=2, reshard_after_forward=False))],
+        ("L4", dict(dp=2, pp=2, pp_schedule="zbv", pp_virtual=2, reshard_after_forward=False)),
+        ("L4", dict(dp=2, pp=2, pp_schedule="dualpipev", pp_virtual=2, micro_batch_size=1))],
     8: [("L2", dict(tp=2, sp=True, cp=2, pp=2))],     # the dp x cp group is cp's 2 ranks: every axis at 8 ranks
 }
 
