@@ -125,3 +125,34 @@ def test_zero3_resharding_resume(text_reference, text_data, tmp_path):
     assert len(losses(out)) == 20
     run_single(text_argv(text_data, out, micro_batch_size=8, resume=True))
     assert_exact(text_reference[0], curves(out))
+
+
+def _peak_whole_units(rank, world, argv):
+    """train_5d.main with every unit's gather and free followed: (the most units whole at once, root units)."""
+    import train_5d
+    import train_zero
+    whole, peak, gather, free = set(), [0], train_zero.Shard.gather, train_zero.Shard.free
+
+    def followed_gather(shard):
+        gather(shard)
+        whole.add(shard)
+        peak[0] = max(peak[0], len(whole))
+
+    def followed_free(shard):
+        free(shard)
+        whole.discard(shard)
+    train_zero.Shard.gather, train_zero.Shard.free = followed_gather, followed_free
+    axis = train_5d.main(argv)["dp_axis"]
+    return peak[0], len(axis.shards) - sum(len(chunk.transformer["h"]) for chunk in axis.chunks)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1"])
+def test_zero3_holds_a_block_and_the_next(tiny_data, tmp_path, schedule):
+    """8 layers on 2 stages: a rank holds its roots whole from the start of a forward or backward to its end, and of
+    its 4 blocks the one computing and the one prefetched, in B too when the weight gradients wait for W (the
+    hooks free a block once the gradient reaches the block below)."""
+    from train_helpers import tiny_argv
+    argv = tiny_argv(tiny_data, str(tmp_path), n_layer=8, dp=2, pp=2, zero_stage=3, micro_batch_size=2,
+                     pp_schedule=schedule, max_steps=2)
+    for peak, roots in run_workers(_peak_whole_units, 4, args=(argv,)):
+        assert peak == roots + 2, (peak, roots)
