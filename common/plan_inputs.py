@@ -166,6 +166,8 @@ def validate(job, lay):
     check(cfg.n_head % lay.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={lay.tp}")
     check(cfg.padded_vocab_size % lay.tp == 0, f"padded vocab {cfg.padded_vocab_size} not divisible by tp={lay.tp}")
     check(not lay.sp or lay.tp > 1, "sp needs tp > 1")
+    check(not lay.sp or cfg.block_size // lay.cp % lay.tp == 0, f"sp: seq/cp = {cfg.block_size // lay.cp} tokens per "
+                                                                f"cp rank is not divisible by tp={lay.tp}")
     check(lay.cp == 1 or cfg.block_size % (2 * lay.cp) == 0, f"seq={cfg.block_size} not divisible by 2*cp (zigzag)")
     check(lay.cp == 1 or job.attn == "flash", "eager attention is modelled without cp only")
     kv = job.n_kv_head or cfg.n_head

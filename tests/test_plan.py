@@ -231,6 +231,28 @@ def test_plan_and_train_5d_accept_the_same_layouts(monkeypatch):
                and lay.schedule in ("zb1", "zbv", "dualpipev"))
 
 
+def test_plan_and_train_5d_accept_the_same_tp_layouts(monkeypatch):
+    """On 8 ranks, over tp with and without SP, cp, sequence lengths, heads, vocabularies and ZeRO-3: plan's validate
+    and train_5d's accept exactly the same layouts (heads by tp, the sequence by 2cp, under SP its cp chunk by tp)."""
+    import train_5d
+    from common.config import Config
+    from common.plan_inputs import Layout, validate
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    verdicts = []
+    for vocab, tp, sp, cp, seq, heads, zero in product([64, 65], [1, 2, 4, 8], [False, True], [1, 2, 4], [8, 12, 16],
+                                                       [4, 6, 8], [0, 3]):
+        if 8 % (tp * cp) == 0:
+            dp, model = 8 // (tp * cp), dict(n_layer=2, n_head=heads, n_embd=48, block_size=seq)
+            job = job_for(GPTConfig(vocab_size=vocab, **model), gpus=8, global_seqs=2 * dp)
+            lay = Layout(dp=dp, tp=tp, cp=cp, sp=sp, zero_stage=zero)
+            cfg = Config(**model, dp=dp, tp=tp, cp=cp, pp=1, sp=sp, global_batch_size=2 * dp, micro_batch_size=1,
+                         zero_stage=zero)
+            cfg.layout, cfg.plan_gpu, cfg.reshard_after_forward = "", "", True
+            verdicts.append((lay, seq, heads, accepts(validate, job, lay), accepts(train_5d.validate, cfg)))
+    assert [v[:3] for v in verdicts if v[3] != v[4]] == []
+    assert 0 < sum(v[3] for v in verdicts) < len(verdicts)
+
+
 def accepts(validate, *args):
     try:
         validate(*args)
