@@ -75,12 +75,12 @@ from common.pipeline_tied import tied_grads_sync, tied_weight
 from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
-from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
-                             gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
-                             should_save)
+from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, check_zero3, enable_tf32,
+                             evaluate, gpt_config, materialize, param_dtype, prepare_data, print_sample,
+                             resolve_dtype, should_save)
 from common.tp_shards import init_tp_weights
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, check_tp, tp_counts
-from train_zero import ShardedAdamW, ShardedGrads, check_zero3, install_zero3_hooks, shard_model
+from train_zero import ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's

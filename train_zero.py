@@ -345,19 +345,10 @@ def add_args(parser):
                         help="ZeRO-3: start the next block's all-gather while the current block computes")
 
 
-def check_zero3(cfg):
-    """What ZeRO-3's hooks on model.py's blocks are not checked with, in any layout (this script, train_5d.py)."""
-    from common.config import check
-    check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3")
-    check(cfg.zero_stage < 3 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
-          "--kernels triton|compile and --fp8 apply to ZeRO stages 0-2; ZeRO-3 gathers and frees each block's "
-          "parameters from hooks on model.py's blocks, which the fused or FP8 modules are not checked with: "
-          "use --kernels torch --fp8 none")
-
-
 def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
+    from common.training import check_zero3
     check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
     check(cfg.dtype in ("auto", "float32", "bfloat16", "float64"),
