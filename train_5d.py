@@ -43,7 +43,8 @@ Bytes per step (metrics.jsonl `comm_bytes_by_axis`, this rank, comm.py's ring co
 formula with the sizes of the composed step: tp its block all-reduces on [b, T/cp, h], cp its ring on this TP
 rank's heads, pp its p2p of [b, T/cp (/tp under SP), h], dp the all-reduce (ZeRO: reduce-scatters, one per
 micro-batch for ZeRO-2, + all-gather) of this rank's gradients, ep train_ep's all_to_all rows that leave this
-rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/N of each unit's padded bytes.
+rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/N of each unit's padded bytes
+(N: dp x cp, or edp for an experts unit; gathers: 2m when resharding after forward, none for a W action).
 Checkpoints are one file in train_single's layout: any layout, or train_single, resumes any other. With tp 1,
 --kernels and --fp8 apply inside the stages as in train_single. zb1, zbv and dualpipev defer the weight
 gradients of nn.Linear and of train_tp's parallel layers (their B keeps TP's communication).

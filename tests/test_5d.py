@@ -161,7 +161,7 @@ def test_default_layout_shows_more_than_one_axis(tiny_data, tmp_path):
     (2, dict(pp=2, pp_schedule="zbv"), "pass --pp_virtual 2"),
     (2, dict(pp=2, pp_schedule="dualpipev", pp_virtual=2, n_layer=4, micro_batch_size=4), "dualpipev needs"),
     (2, dict(tp=2, kernels="compile"), "with --tp > 1 the layers are tensor-parallel"),
-    (2, dict(dp=2, zero_stage=3, pp_schedule="interleaved", pp_virtual=2, n_layer=4), "with interleaved needs --pp > 1"),
+    (2, dict(dp=2, zero_stage=3, pp_schedule="interleaved", pp_virtual=2, n_layer=4), "interleaved needs --pp > 1"),
     (2, dict(tp=2, zero_stage=3), "with dp*cp = 1 there is nothing to shard"),
     (2, dict(dp=2, zero_stage=3, kernels="triton"), "--kernels triton|compile and --fp8 apply to ZeRO stages 0-2"),
     (2, dict(tp=2, sp=True, block_size=15, cp_layout="ring"), "block_size/cp=15 is not divisible by tp=2"),
