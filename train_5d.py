@@ -28,7 +28,7 @@ What each axis does in one optimizer step (each from its rung):
     dp  train_ddp: each (dp, cp) pair of coordinates holds its slice of the batch / sequence; gradients are
         averaged over the dp x cp group in flat buckets, or train_zero's ZeRO-1/2 shards over it, or ZeRO-3's
         units: each chunk's blocks gathered block by block in every F and B action, reduce-scattered as each
-        block's backward ends (experts, with ep > 1 and ZeRO-1/2, sharded over their edp group instead)
+        block's backward ends (experts, with ep > 1, sharded over their edp group instead; ZeRO-3: a unit per MoE block)
     ep  train_ep: with --n_experts, each MoE block's experts are shared out over ep consecutive ranks of the
         dp x cp group (ep | dp*cp); tokens go to their experts' ranks and back by all_to_all. Expert gradients
         are averaged over the ranks holding the same experts (edp), dense ones over dp x cp. Under --sp each TP
@@ -43,7 +43,8 @@ Bytes per step (metrics.jsonl `comm_bytes_by_axis`, this rank, comm.py's ring co
 formula with the sizes of the composed step: tp its block all-reduces on [b, T/cp, h], cp its ring on this TP
 rank's heads, pp its p2p of [b, T/cp (/tp under SP), h], dp the all-reduce (ZeRO: reduce-scatters, one per
 micro-batch for ZeRO-2, + all-gather) of this rank's gradients, ep train_ep's all_to_all rows that leave this
-rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/N of each unit's padded bytes.
+rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/N of each unit's padded bytes
+(N: dp x cp, or edp for an experts unit; gathers: 2m when resharding after forward, none for a W action).
 Checkpoints are one file in train_single's layout: any layout, or train_single, resumes any other. With tp 1,
 --kernels and --fp8 apply inside the stages as in train_single. zb1, zbv and dualpipev defer the weight
 gradients of nn.Linear and of train_tp's parallel layers (their B keeps TP's communication).
@@ -75,12 +76,12 @@ from common.pipeline_tied import tied_grads_sync, tied_weight
 from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
-from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
-                             fits_on_device, gpt_config, materialize, param_dtype, prepare_data, print_sample,
+from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, check_zero3, enable_tf32,
+                             evaluate, fits_on_device, gpt_config, materialize, param_dtype, prepare_data, print_sample,
                              resolve_dtype, should_save)
 from common.tp_shards import init_tp_weights
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, check_tp, tp_counts
-from train_zero import ShardedAdamW, ShardedGrads, check_zero3, install_zero3_hooks, shard_model
+from train_zero import ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
@@ -203,15 +204,16 @@ class ZeroShards(DataParallelAxis):
         super().__init__(chunks, grid)
         names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
         self.shards, self.grads_of, self.expert_shards = [], [], []
+        self.after_w = cfg.pp_schedule in SPLIT_BACKWARD     # ZeRO-2/3: reduce after W, when dW has come
+        grad_stage = min(cfg.zero_stage, 2) if self.after_w else cfg.zero_stage    # ZeRO-3 under W: ZeRO-2's grads
         for part in ([chunks] if cfg.zero_stage == 1 else chunks):   # ZeRO-1: one set over all chunks
             self.grads_of.append([])
             for group, shards in self.shard(part, cfg, grid, dtype, device, names):
-                self.grads_of[-1].append(ShardedGrads(shards, group, cfg.zero_stage))
+                self.grads_of[-1].append(ShardedGrads(shards, group, grad_stage))
                 self.shards += shards
                 self.expert_shards += shards if group is not grid.groups.dp_cp else []
         self.optimizer = ShardedAdamW(self.shards, cfg.weight_decay)
         self.reduce_per_backward, self.norm_group = cfg.zero_stage >= 2, dist.group.WORLD
-        self.after_w = cfg.pp_schedule in SPLIT_BACKWARD     # ZeRO-2: reduce after W, when dW has come
         self.held = ShardState(self.shards, self.optimizer, chunks, holder, grid.groups.tp)
 
     def shard(self, part, cfg, grid, dtype, device, names):
@@ -278,25 +280,49 @@ class ZeroShards(DataParallelAxis):
 
 class ZeroUnits(ZeroShards):
     """train_zero's ZeRO-3 over dp x cp: each chunk's blocks one unit each, its other parameters a root unit (the
-    tied weight alone where its copy is on another stage, so the two copies' shards line up). Each chunk has its
-    own hooks and reduction: a micro-batch's F or B action gathers (and prefetches) its chunk's units block by
-    block, and reduce-scatters their gradients as each block's backward ends; the sums are then taken on the
-    shards, as for ZeRO-2."""
+    tied weight alone where its copy is on another stage, so the two copies' shards line up; in a V one unit that
+    both chunks gather). With ep > 1 each MoE block's experts are a unit of their own over edp, gathered by hooks
+    on the experts module. Each chunk has its own hooks and reduction: a micro-batch's F or B action gathers (and
+    prefetches) its chunk's units block by block, and reduce-scatters their gradients as each block's backward
+    ends. Under zb1, zbv and dualpipev, B gathers a block for its input gradients and frees it when the gradient
+    reaches the block below (dW = gy^T x needs no weights); the gradients are ZeRO-2's, reduce-scattered after W.
+    The sums are then taken on the shards, as for ZeRO-2."""
 
     def shard(self, chunk, cfg, grid, dtype, device, names):
         tied = tied_weight([chunk]) if grid.groups.tied is not None else None
-        blocks = list(chunk.transformer["h"])
-        in_blocks = {id(p) for block in blocks for p in block.parameters()}
-        rest = [p for p in chunk.parameters() if id(p) not in in_blocks]
+        blocks, done = list(chunk.transformer["h"]), {id(q) for s in self.shards for q in s.params}
+
+        def expert(p):
+            return grid.ep > 1 and is_expert_param(names[p])
+        units = [[p for p in b.parameters() if not expert(p)] for b in reversed(blocks)]
+        experts = [u for u in ([p for p in b.parameters() if expert(p)] for b in reversed(blocks)) if u]
+        done |= {id(p) for block in blocks for p in block.parameters()}
+        rest = [p for p in chunk.parameters() if id(p) not in done]     # (a V's tied weight: in chunk 0's unit)
         roots = [g for g in ([p for p in rest if p is tied], [p for p in rest if p is not tied]) if g]
-        return [(grid.groups.dp_cp, shard_model(chunk, 3, grid.groups.dp_cp, dtype, device, blocks=blocks,
-                                                buckets=roots, names=names))]
+        out = [(grid.groups.dp_cp, units + roots)] + ([(grid.groups.edp, experts)] if experts else [])
+        return [(group, shard_model(self.chunks, 3, group, dtype, device, blocks=[], buckets=groups, names=names))
+                for group, groups in out]      # (every chunk's modules: a V's LM head holds the tied weight too)
 
     def __init__(self, chunks, cfg, grid, dtype, device, holder):
         super().__init__(chunks, cfg, grid, dtype, device, holder)
-        for chunk, (grads,) in zip(chunks, self.grads_of):     # gather, free and reduce-scatter unit by unit
-            install_zero3_hooks(chunk, list(chunk.transformer["h"]), [b.shard for b in grads.buckets], grads,
-                                reshard_after_forward=cfg.reshard_after_forward)
+        tied, self.units_of = tied_weight(chunks), []
+        for chunk, reductions in zip(chunks, self.grads_of):   # gather, free and reduce-scatter unit by unit
+            blocks = list(chunk.transformer["h"])
+            experts = [b.mlp.experts for b in blocks if hasattr(b.mlp, "experts")]
+            self.units_of.append([])
+            for grads, modules in zip(reductions, (blocks, experts)):
+                units = [b.shard for b in grads.buckets]
+                if modules is blocks and "wte" in chunk.transformer and all(s.params[0] is not tied for s in units):
+                    units.append(next(s for s in self.shards if s.params[0] is tied))   # a V: chunk 0's unit
+                install_zero3_hooks(chunk, modules, units, None if self.after_w else grads,
+                                    reshard_after_forward=cfg.reshard_after_forward)
+                self.units_of[-1] += units
+
+    def after_backward(self, action):
+        super().after_backward(action)
+        if self.after_w:                   # the lowest block's unit and the roots (the hooks freed the others)
+            for unit in self.units_of[action.chunk]:
+                unit.free()
 
 
 def moe_metrics(chunks, grid, cfg):
@@ -447,16 +473,14 @@ def validate(cfg):
     check_zero3(cfg)
     check(cfg.zero_stage < 3 or cfg.dp * cp > 1, "--zero_stage 3 shards over dp x cp: with dp*cp = 1 there is "
                                                  "nothing to shard")
-    check(cfg.zero_stage < 3 or cfg.pp_schedule not in SPLIT_BACKWARD, f"--zero_stage 3 reduce-scatters each "
-          f"block's gradients as its backward ends: not with {cfg.pp_schedule}, whose weight gradients come later")
+    check(cfg.zero_stage < 3 or cfg.pp_schedule != "interleaved" or pp > 1, "--zero_stage 3 with interleaved "
+          "needs --pp > 1 (with pp 1 two chunks of one rank would both write the tied weight's gradient unit)")
     check_moe(cfg)
     check(cfg.ep >= 1 and (cfg.dp * cp) % cfg.ep == 0, f"--ep {cfg.ep} must divide dp*cp = {cfg.dp * cp} (experts "
                                                         f"are shared out over ranks holding different tokens)")
     check(cfg.ep == 1 or (cfg.n_experts > 0 and cfg.n_experts % cfg.ep == 0),
           f"--ep {cfg.ep} needs --n_experts > 0 and divisible by it, got {cfg.n_experts}")
     check(cfg.n_experts == 0 or cfg.moe_every <= cfg.n_layer, f"--moe_every {cfg.moe_every} > --n_layer: no MoE block")
-    check(cfg.ep == 1 or cfg.zero_stage < 3, "--zero_stage 3 with --ep > 1: a MoE block's unit would hold dense "
-          "weights sharded over dp x cp and experts over edp (two gathers per block, not built): use --zero_stage 2")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -502,7 +526,7 @@ def main(argv=None):
     else:
         dp_axis = Replicas(chunks, cfg, grid, env.device, holder)
     runner.after_backward = dp_axis.after_backward
-    if store is not None and cfg.zero_stage == 2:
+    if store is not None and cfg.zero_stage >= 2:
         store.after_compute = dp_axis.after_weight_grads
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice

@@ -33,6 +33,7 @@ from itertools import accumulate
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from common.comm import COMM, CastsFreedWithParams, all_gather, clip_grad_norm, reduce_scatter
 from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
@@ -242,10 +243,7 @@ def shard_model(model, stage, group, dtype, device, blocks=None, buckets=None, b
 
 def output_tensors(out):
     """The tensors of a module's output: a tensor, or tensors inside tuples, lists and dicts (logits, loss)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else []
-    return [t for v in values for t in output_tensors(v)]
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
 def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=None, reshard_after_forward=True):
@@ -256,7 +254,9 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
     reshard_after_forward=False (FSDP2's name) keeps a unit gathered from its forward until its backward is
     over: one all-gather fewer per use, the whole unit held in between. Called per module (a pipeline chunk),
     each forward and backward of the module gathers its own units: a chunk's units per micro-batch action.
-    on_gather(): called after each all-gather is started (a memory probe: train_zero's peak gathered bytes)."""
+    on_gather(): called after each all-gather is started (a memory probe: train_zero's peak gathered bytes).
+    grads=None: the gradients are the caller's to reduce (a zero-bubble pipeline's W writes the weights' later);
+    a block's unit is then freed once the gradient reaches the block below, the lowest by the caller."""
     units, roots = list(reversed(shards[:len(blocks)])), shards[len(blocks):]    # blocks' units in forward order
 
     def fetch(unit):
@@ -273,12 +273,15 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
             mine = roots if i is None else [units[i]]
             if any(unit.in_backward for unit in mine):   # the roots hook every output: the first one acts
                 return
+            if grads is None and i is not None and i + 1 < len(units):
+                units[i + 1].free()                    # its backward is over: dW = gy^T x needs no weights
             for unit in mine:
                 unit.in_backward = True
                 fetch(unit)
             for unit in mine:
                 unit.wait()
-                grads.prepare(unit)
+                if grads is not None:
+                    grads.prepare(unit)
             nxt = len(units) - 1 if i is None else i - 1
             if prefetch and nxt >= 0:
                 fetch(units[nxt])
@@ -343,19 +346,10 @@ def add_args(parser):
                         help="ZeRO-3: start the next block's all-gather while the current block computes")
 
 
-def check_zero3(cfg):
-    """What ZeRO-3's hooks on model.py's blocks are not checked with, in any layout (this script, train_5d.py)."""
-    from common.config import check
-    check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3")
-    check(cfg.zero_stage < 3 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
-          "--kernels triton|compile and --fp8 apply to ZeRO stages 0-2; ZeRO-3 gathers and frees each block's "
-          "parameters from hooks on model.py's blocks, which the fused or FP8 modules are not checked with: "
-          "use --kernels torch --fp8 none")
-
-
 def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
+    from common.training import check_zero3
     check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
     check(cfg.dtype in ("auto", "float32", "bfloat16", "float64"),

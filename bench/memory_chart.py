@@ -12,8 +12,8 @@ size in one torchrun launch. Every rank counts, exactly:
                   shards as metrics.model_state_bytes counts them
     activations   the peak, over a step, of the bytes autograd holds for backward: metrics.LiveSavedActivationBytes
                   around the pipeline runner's step, so the micro-batches a schedule keeps in flight all count
-plan.py predicts the same parts for the same plan_inputs.Layout and pipeline rank: plan_memory.flat_groups and
-zero_state_bytes (states), plan_memory.activation_bytes (activations). Its other parts (logits, p2p buffers, the CUDA
+plan.py predicts the same parts for the same plan_inputs.Layout and pipeline rank: plan_memory.model_state
+(states), plan_memory.activation_bytes (activations). Its other parts (logits, p2p buffers, the CUDA
 context) have no exact count on CPU and are left out. Counted bytes do not depend on the machine's load.
 Split-backward schedules (zb1, zbv, dualpipev) are not among the layouts: their W passes keep inputs outside
 autograd, which the counter cannot see.
@@ -154,8 +154,7 @@ def predicted(label, vocab_size, pp_rank):
     job = Job(cfg, world, world, "h100", MODEL["global_batch_size"], precision="fp32", bucket_mb=MODEL["bucket_mb"])
     lay = plan_layout(flags)
     plan.validate(job, lay)
-    groups = plan_memory.flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, pp_rank, lay.zero_stage, job.bucket_mb)
-    st = plan_memory.zero_state_bytes(groups, lay.dp * lay.cp, lay.zero_stage, "fp32")
+    st = plan_memory.model_state(job, lay, pp_rank)[0]     # fp32 (the Job's precision)
     return dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
                 activations=plan_memory.activation_bytes(job, lay, pp_rank))
 

@@ -169,6 +169,8 @@ def validate(job, lay):
     check(cfg.n_head % lay.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={lay.tp}")
     check(cfg.padded_vocab_size % lay.tp == 0, f"padded vocab {cfg.padded_vocab_size} not divisible by tp={lay.tp}")
     check(not lay.sp or lay.tp > 1, "sp needs tp > 1")
+    check(not lay.sp or cfg.block_size // lay.cp % lay.tp == 0, f"sp: seq/cp = {cfg.block_size // lay.cp} tokens per "
+                                                                f"cp rank is not divisible by tp={lay.tp}")
     check(lay.cp == 1 or cfg.block_size % (2 * lay.cp) == 0, f"seq={cfg.block_size} not divisible by 2*cp (zigzag)")
     check(lay.cp == 1 or job.attn == "flash", "eager attention is modelled without cp only")
     kv = job.n_kv_head or cfg.n_head
@@ -189,7 +191,10 @@ def validate(job, lay):
     check(lay.schedule in ("afab", "zbv") or m >= lay.pp, f"{lay.schedule} needs micro-batches per step ({m}) >= pp={lay.pp}")
     check(lay.schedule != "dualpipev" or m >= 2 * lay.pp,
           f"dualpipev needs micro-batches per step ({m}) >= 2 * pp = {2 * lay.pp}")
-    check(lay.zero_stage in (0, 1, 2, 3) and (lay.zero_stage < 3 or lay.pp == 1), "zero_stage 3 only with pp=1")
+    check(lay.zero_stage in (0, 1, 2, 3), f"zero_stage {lay.zero_stage}: ZeRO has stages 0, 1, 2 and 3")
+    check(lay.zero_stage < 3 or lay.dp * lay.cp > 1, "zero_stage 3 shards over dp x cp: dp*cp = 1 has none")
+    check(lay.zero_stage < 3 or lay.schedule != "interleaved" or lay.pp > 1,
+          "zero_stage 3 with interleaved needs pp > 1 (train_5d: one rank's two chunks would share the tied weight)")
     check(lay.recompute in LAYOUT_RECOMPUTE, f"unknown recompute {lay.recompute!r}; known: {', '.join(LAYOUT_RECOMPUTE)}")
     check(lay.recompute != "op" or job.attn == "flash", "recompute=op (torchtitan's op policy) is modelled with flash "
                                                         "attention")

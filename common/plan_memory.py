@@ -49,24 +49,51 @@ def end_ranks(lay):
 # model states
 
 @lru_cache(maxsize=None)
-def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb, placement="loop"):
-    """Numels of train_zero.py's flat groups on this rank: stage 3 one unit per block (backward order) + the root
-    (embedding, final LayerNorm); stages 0-2 train_ddp.assign_buckets over the parameters in reverse order, sized in
-    fp32 bytes (train_zero builds the model in fp32 on the meta device). The vocab-parallel embedding (V/tp rows) is
-    on the rank of the first stage and, tied, on the rank of the last (once when one rank holds both, as in a V);
-    ln_f on the last. cfg: a Job.shape."""
+def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb, placement="loop", experts=None):
+    """Numels of train_zero.py's flat groups on this rank: stage 3 one unit per block (backward order) + the roots
+    (embedding, final LayerNorm: one unit where one stage holds both; with more stages, as train_5d shards them, the
+    embedding alone, so its two copies' shards line up, and ln_f (+ an untied head) another); stages 0-2
+    train_ddp.assign_buckets over the parameters in reverse order, sized in fp32 bytes (train_zero builds the model in
+    fp32 on the meta device). The vocab-parallel embedding (V/tp rows) is on the rank of the first stage and, tied, on
+    the rank of the last (once when one rank holds both, as in a V); ln_f on the last. experts: None, every
+    parameter; False, all but the MoE experts; True, the experts alone (train_5d shards them over edp with ep > 1: an
+    MoE block's experts one unit at stage 3). cfg: a Job.shape."""
     job = job_of_shape(cfg)
     cfg = job.cfg
-    blocks = [block_numels(job, tp, ep, cfg.is_moe_block(i)) for i in stage_blocks(job, pp, v, rank, placement)]
+    moe = [cfg.is_moe_block(i) for i in stage_blocks(job, pp, v, rank, placement)]
+    blocks = [block_numels(job, tp, ep, is_moe) for is_moe in moe]
+    if experts is not None:                   # block_numels lists an MoE block's experts after its 9 dense tensors
+        blocks = [(b[9:] if experts else b[:9]) if is_moe else ([] if experts else b) for b, is_moe in zip(blocks, moe)]
+    if experts:
+        if stage == 3:
+            return tuple(sum(b) for b in reversed(blocks) if b)
+        return bucket_numels([n for b in reversed(blocks) for n in reversed(b)], bucket_mb * 2 ** 20 / 4)
     first, last = rank == 0, rank == rank_of(pp * v - 1, pp, placement)
     embed = embedding_numels(job, tp, first, last)
     head = embed[-1:] if last and not job.tied else []          # untied: the LM head, after ln_f in backward
     embed = embed[:len(embed) - len(head)]
-    root = embed + head + ([cfg.n_embd, cfg.n_embd] if last else [])
+    tail = head + ([cfg.n_embd, cfg.n_embd] if last else [])
     if stage == 3:
-        return tuple([sum(b) for b in reversed(blocks)] + ([sum(root)] if root else []))
+        roots = [embed, tail] if pp * v > 1 else [embed + tail]
+        return tuple([sum(b) for b in reversed(blocks)] + [sum(r) for r in roots if r])
     ordered = embed + [n for b in blocks for n in b] + ([cfg.n_embd, cfg.n_embd] if last else []) + head
     return bucket_numels(list(reversed(ordered)), bucket_mb * 2 ** 20 / 4)
+
+
+def model_state(job, lay, rank):
+    """(zero_state_bytes' parts summed, every flat group) on pipeline rank `rank`: the groups sharded over dp x cp,
+    and with ep > 1 under ZeRO the experts' over their edp group (dp*cp/ep ranks), as train_5d shards them."""
+    n, placement = lay.dp * lay.cp, placement_of(lay.schedule)
+    split = lay.ep > 1 and lay.zero_stage > 0
+    parts = [(False, n), (True, n // lay.ep)] if split else [(None, n)]
+    total, groups = dict(params=0, grads=0, optimizer=0, padded=0), ()
+    for experts, ranks in parts:
+        these = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, job.bucket_mb, placement,
+                            experts)
+        st = zero_state_bytes(these, ranks, lay.zero_stage, PRECISION[job.precision][0], job.moments)
+        total = {k: total[k] + st[k] for k in total}
+        groups += these
+    return total, groups
 
 
 def bucket_numels(numels, bucket_numel):
@@ -239,9 +266,7 @@ def memory(job, lay):
     the most with few micro-batches)."""
     best = None
     for rank in sorted({0, lay.pp - 1}):
-        groups = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, job.bucket_mb,
-                             placement_of(lay.schedule))
-        st = zero_state_bytes(groups, lay.dp * lay.cp, lay.zero_stage, PRECISION[job.precision][0], job.moments)
+        st, groups = model_state(job, lay, rank)
         parts = dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
                      activations=activation_bytes(job, lay, rank), other=other_bytes(job, lay, rank, groups))
         parts["total"] = sum(parts.values())

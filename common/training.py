@@ -129,6 +129,15 @@ def check_moe(cfg):
           f"--top_k {cfg.top_k} must be between 1 and --n_experts {cfg.n_experts}")
 
 
+def check_zero3(cfg):
+    """What ZeRO-3's hooks on model.py's blocks are not checked with, in any layout (train_zero.py, train_5d.py)."""
+    check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3")
+    check(cfg.zero_stage < 3 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
+          "--kernels triton|compile and --fp8 apply to ZeRO stages 0-2; ZeRO-3 gathers and frees each block's "
+          "parameters from hooks on model.py's blocks, which the fused or FP8 modules are not checked with: "
+          "use --kernels torch --fp8 none")
+
+
 @torch.no_grad()
 def evaluate(loss_fn, loader, cfg):
     """Mean validation loss over eval_iters fixed micro-batches; loss_fn(x, y) -> scalar loss."""

@@ -204,8 +204,9 @@ def test_v_placement_states_match_the_stages(schedule):
 
 def test_plan_and_train_5d_accept_the_same_layouts(monkeypatch):
     """On 8 ranks, over every dp x cp x pp, ep (dividing dp*cp, not only dp; none for a dense model), schedule with v,
-    and micro-batches per step: plan's validate and train_5d's accept exactly the same layouts (V schedules need v = 2, dualpipev
-    m >= 2p, others but afab and zbv m >= p, interleaved m % p == 0)."""
+    micro-batches per step and ZeRO stage (ZeRO-3 with and without resharding after forward, which plan.py does not
+    tell apart): plan's validate and train_5d's accept exactly the same layouts (V schedules need v = 2, dualpipev
+    m >= 2p, others but afab and zbv m >= p, interleaved m % p == 0; ZeRO-3 dp*cp > 1 and, interleaved, p > 1)."""
     import train_5d
     from common.config import Config
     from common.plan_inputs import Layout, validate
@@ -214,15 +215,42 @@ def test_plan_and_train_5d_accept_the_same_layouts(monkeypatch):
     verdicts = []
     for cp, pp, experts in product([1, 2, 4], [1, 2, 4], [0, 8]):
         dp, model = 8 // (cp * pp), dict(n_layer=8, n_head=4, n_embd=32, block_size=16, n_experts=experts)
-        for ep, (schedule, v), seqs in product([1, 2, 4, 8], schedules, [dp, 2 * dp, 8 * dp]):
+        for ep, (schedule, v), seqs, zero, reshard in product([1, 2, 4, 8], schedules, [dp, 2 * dp, 8 * dp],
+                                                              [0, 1, 2, 3], [True, False]):
             job = job_for(GPTConfig(vocab_size=64, **model), gpus=8, global_seqs=seqs)
-            lay = Layout(dp=dp, cp=cp, pp=pp, ep=ep, schedule=schedule, v=v)
+            lay = Layout(dp=dp, cp=cp, pp=pp, ep=ep, schedule=schedule, v=v, zero_stage=zero)
             cfg = Config(**model, dp=dp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual=v,
-                         global_batch_size=seqs, micro_batch_size=1)
-            cfg.layout, cfg.plan_gpu = "", ""                 # train_5d's own flags (its parser adds them)
-            verdicts.append((accepts(validate, job, lay), accepts(train_5d.validate, cfg)))
-    assert all(ours == theirs for ours, theirs in verdicts)
-    assert 0 < sum(ours for ours, _ in verdicts) < len(verdicts)
+                         global_batch_size=seqs, micro_batch_size=1, zero_stage=zero)
+            cfg.layout, cfg.plan_gpu, cfg.reshard_after_forward = "", "", reshard   # train_5d's own flags
+            verdicts.append((lay, accepts(validate, job, lay), accepts(train_5d.validate, cfg)))
+    assert [lay for lay, ours, theirs in verdicts if ours != theirs] == []
+    for zero in range(4):     # each stage: some layouts accepted, some refused
+        mine = [ours for lay, ours, _ in verdicts if lay.zero_stage == zero]
+        assert 0 < sum(mine) < len(mine), zero
+    assert any(ours for lay, ours, _ in verdicts if lay.zero_stage == 3 and lay.pp > 1 and lay.ep > 1
+               and lay.schedule in ("zb1", "zbv", "dualpipev"))
+
+
+def test_plan_and_train_5d_accept_the_same_tp_layouts(monkeypatch):
+    """On 8 ranks, over tp with and without SP, cp, sequence lengths, heads, vocabularies and ZeRO-3: plan's validate
+    and train_5d's accept exactly the same layouts (heads by tp, the sequence by 2cp, under SP its cp chunk by tp)."""
+    import train_5d
+    from common.config import Config
+    from common.plan_inputs import Layout, validate
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    verdicts = []
+    for vocab, tp, sp, cp, seq, heads, zero in product([64, 65], [1, 2, 4, 8], [False, True], [1, 2, 4], [8, 12, 16],
+                                                       [4, 6, 8], [0, 3]):
+        if 8 % (tp * cp) == 0:
+            dp, model = 8 // (tp * cp), dict(n_layer=2, n_head=heads, n_embd=48, block_size=seq)
+            job = job_for(GPTConfig(vocab_size=vocab, **model), gpus=8, global_seqs=2 * dp)
+            lay = Layout(dp=dp, tp=tp, cp=cp, sp=sp, zero_stage=zero)
+            cfg = Config(**model, dp=dp, tp=tp, cp=cp, pp=1, sp=sp, global_batch_size=2 * dp, micro_batch_size=1,
+                         zero_stage=zero)
+            cfg.layout, cfg.plan_gpu, cfg.reshard_after_forward = "", "", True
+            verdicts.append((lay, seq, heads, accepts(validate, job, lay), accepts(train_5d.validate, cfg)))
+    assert [v[:3] for v in verdicts if v[3] != v[4]] == []
+    assert 0 < sum(v[3] for v in verdicts) < len(verdicts)
 
 
 def accepts(validate, *args):
