@@ -116,7 +116,7 @@ def divisors(n):
 
 def candidate_layouts(job):
     """The search space: tp within a node, cp <= 16 and micro-batch sizes <= 64 powers of two, every schedule (v = 2
-    or 4 interleaved, 2 in a V for zbv and dualpipev) when pp > 1, ZeRO 0-3 (0-1 with pp), ep dividing dp*cp and
+    or 4 interleaved, 2 in a V for zbv and dualpipev) when pp > 1, ZeRO 0-3, ep dividing dp*cp and
     the experts, the three recompute modes, SP on and off."""
     world, node = job.gpus, job.gpus_per_node
     grid = [(tp, cp, pp) for tp in divisors(world) if tp <= node for cp in divisors(world // tp) if cp & (cp - 1) == 0
@@ -127,7 +127,7 @@ def candidate_layouts(job):
                                                 ("interleaved", 4), ("zbv", 2), ("dualpipev", 2)]
         eps = [e for e in divisors(dp * cp) if job.cfg.n_experts % e == 0] if job.cfg.n_experts else [1]
         mbss = [2 ** i for i in range(7) if 2 ** i <= job.global_seqs // dp]
-        for ep, (schedule, v), zero, rc, sp, mbs in product(eps, scheds, range(4 if pp == 1 else 2), RECOMPUTE,
+        for ep, (schedule, v), zero, rc, sp, mbs in product(eps, scheds, range(4), RECOMPUTE,
                                                             (False, True) if tp > 1 else (False,), mbss):
             yield Layout(dp, tp, cp, pp, ep, sp, zero, schedule, v, mbs, rc)
 

@@ -239,8 +239,8 @@ def other_bytes(job, lay, rank, groups):
     """Working sets beside states and activations: the logits of one micro-batch in compute dtype plus their fp32
     copy (s*b*V/t*(bpv + 4), last stage); ZeRO-2's two gradient buffers in flight (2 * largest bucket * g);
     ZeRO-3's gathered current + prefetched unit and the unit's full gradient ((2p + g) * largest unit); amp's bf16
-    copies of the weights (2 bytes per rank parameter); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
-    (2 * 2b*s*h/t values); FRAMEWORK_BYTES."""
+    copies of the weights (2 bytes per rank parameter; under ZeRO-3 only those of the two gathered units); p2p
+    buffers (2 b*s*h values, /t under SP); CP's K/V in flight (2 * 2b*s*h/t values); FRAMEWORK_BYTES."""
     cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     sizes = model_state_bytes_per_param(recipe, job.moments)
@@ -251,8 +251,8 @@ def other_bytes(job, lay, rank, groups):
         out += 2 * max(groups) * sizes["grads"]
     if lay.zero_stage == 3:
         out += max(groups) * (2 * sizes["params"] + sizes["grads"])
-    if job.precision == "amp":
-        out += 2 * sum(groups)
+    if job.precision == "amp":      # ZeRO-3 frees a unit's casts with its gathered weights: current + prefetched
+        out += 2 * (2 * max(groups) if lay.zero_stage == 3 else sum(groups))
     if lay.pp > 1:
         out += 2 * s * b * h * bpv / (lay.tp if lay.sp else 1)
     if lay.cp > 1:
