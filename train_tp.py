@@ -129,25 +129,32 @@ class GatherFromSP(torch.autograd.Function):
 
 
 class ColumnLinearFn(torch.autograd.Function):
-    """f fused with the column-parallel matmul, for three things autograd's composition cannot do. SP: keep only
-    the input's sequence shard for backward and all-gather it again there, so every activation is 1/tp-sized.
+    """f fused with the column-parallel matmul, for what autograd's composition cannot do. SP: keep only the
+    input's sequence shard for backward and all-gather it again there, so every activation is 1/tp-sized.
     Overlap: launch the input-gradient all-reduce (or reduce-scatter) async, compute dW while it travels. A split
     backward (zero-bubble pipelines): with a `store` (pipeline_weight_grads.WeightGradStore), backward returns dx
-    with its communication and stashes (W, b, x, dy) for the pipeline's W action."""
+    with its communication and stashes (W, b, x, dy) for the pipeline's W action. Other GEMMs: with a `gemm`
+    (kernels/fp8_parallel.py's FP8 GEMMs) its forward / grad_input / grad_weight replace torch's three matmuls."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sp, overlap, store=None):
+    def forward(ctx, x, weight, bias, group, sp, overlap, store=None, gemm=None):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.sp, ctx.overlap, ctx.has_bias = group, sp, overlap, bias is not None
+        ctx.group, ctx.sp, ctx.overlap, ctx.has_bias, ctx.gemm = group, sp, overlap, bias is not None, gemm
         ctx.store, ctx.params = store, (weight, bias)          # the Parameters themselves, for W
         full = gather_seq(x, group)[0] if sp else x
-        return F.linear(full, weight, bias)
+        if gemm is None:
+            return F.linear(full, weight, bias)
+        y = gemm.forward(ctx, full, weight)
+        return y if bias is None else y + bias.to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         x = gather_seq(x, ctx.group)[0] if ctx.sp else x      # SP: the full sequence again
-        grad_in = grad_out @ weight.to(grad_out.dtype)          # my columns' share of dL/dx
+        if ctx.gemm is None:
+            grad_in = grad_out @ weight.to(grad_out.dtype)      # my columns' share of dL/dx
+        else:
+            grad_in = ctx.gemm.grad_input(ctx, grad_out, weight)
         if ctx.sp:
             grad_in, work = reduce_scatter_seq(grad_in, ctx.group, async_op=ctx.overlap)
         else:
@@ -156,19 +163,22 @@ class ColumnLinearFn(torch.autograd.Function):
             ctx.store.stash(*ctx.params, x, grad_out)
             if work is not None:
                 work.wait()
-            return grad_in, None, None, None, None, None, None
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])            # (overlap: this runs while the sum travels)
-        grad_w = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype)
+            return grad_in, None, None, None, None, None, None, None
+        g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])   # (overlap: runs while
+        if ctx.gemm is None:                                                            # the sum travels)
+            grad_w = (g2.t() @ x2.to(g2.dtype)).to(weight.dtype)
+        else:
+            grad_w = ctx.gemm.grad_weight(ctx, g2, x2, weight)
         grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
         if work is not None:
             work.wait()
-        return grad_in, grad_w, grad_b, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None, None
 
 
 @torch.compiler.disable      # collectives (and comm.py's byte counters) run eagerly: a graph break under --compile
-def column_parallel(x, weight, bias, group, sp, overlap, store=None):
-    if sp or overlap or store is not None:
-        return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap, store)
+def column_parallel(x, weight, bias, group, sp, overlap, store=None, gemm=None):
+    if sp or overlap or store is not None or gemm is not None:
+        return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap, store, gemm)
     return F.linear(CopyToTP.apply(x, group), weight, bias)      # the textbook form: f, then a local matmul
 
 
@@ -210,9 +220,14 @@ class ColumnParallelLinear(nn.Module):
         self.weight = shard_param((out_features, in_features), 0, parts, group, device, dtype)
         self.bias = shard_param((out_features,), 0, parts, group, device, dtype) if bias else None
         self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline_weight_grads.py)
+        self.gemm = None                         # torch's matmuls, or FP8's (kernels/fp8_parallel.py)
 
     def forward(self, x):
-        return column_parallel(x, self.weight, self.bias, self.group, self.sp, self.overlap, self.weight_grad_store)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x, bias=None):              # (without the bias: for a fused bias kernel, kernels/apply.py)
+        return column_parallel(x, self.weight, bias, self.group, self.sp, self.overlap, self.weight_grad_store,
+                               self.gemm)
 
 
 class RowParallelLinear(nn.Module):
@@ -227,12 +242,19 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
             self.bias.sequence_parallel = sp       # under SP each rank sees a sequence chunk: partial grad
         self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (dx needs no communication)
+        self.gemm = None                         # torch's matmuls, or FP8's (kernels/fp8_parallel.py)
 
     def forward(self, x):
-        store = self.weight_grad_store
-        partial = F.linear(x, self.weight) if store is None else store.linear(x, self.weight)
-        y = leave_tp_region(partial, self.group, self.sp)
+        y = self.matmul(x)
         return y if self.bias is None else y + self.bias      # the bias's gradient: autograd's, in B
+
+    def matmul(self, x):                         # the summed product, bias left out (for a fused bias kernel)
+        store, gemm = self.weight_grad_store, self.gemm
+        if gemm is not None:
+            partial = gemm.linear(x, self.weight)
+        else:
+            partial = F.linear(x, self.weight) if store is None else store.linear(x, self.weight)
+        return leave_tp_region(partial, self.group, self.sp)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -492,6 +514,8 @@ def check_tp(cfg, tp, positions, what="block_size"):
     check(cfg.n_head % tp == 0, f"n_head={cfg.n_head} is not divisible by tp={tp} (the heads, and so "
                                 f"the MLP width 4*n_embd, are split over the TP ranks)")
     check(not cfg.sp or positions % tp == 0, f"--sp: sequence length {what}={positions} is not divisible by tp={tp}")
+    check(tp == 1 or cfg.fp8 != "blockwise" or (cfg.n_embd // tp) % 128 == 0, f"--fp8 blockwise with tp={tp} needs "
+          f"n_embd/tp ({cfg.n_embd}/{tp}) a multiple of 128: its 128-wide scale blocks must not straddle TP shards")
 
 
 def validate(cfg):
@@ -503,9 +527,6 @@ def validate(cfg):
     check_tp(cfg, cfg.tp, cfg.block_size)
     check(cfg.dtype != "float16", "train_tp supports float32, bfloat16 and float64 (no fp16 loss scaling across TP "
                                   "ranks)")
-    check(cfg.kernels in ("auto", "torch") and cfg.fp8 == "none",
-          "--kernels triton|compile and --fp8 swap model.py's nn.Linear / LM head for fused or FP8 modules; here "
-          "those layers are tensor-parallel (their communication would be skipped): use --kernels torch --fp8 none")
     grad_accum_steps(cfg, 1)
 
 
@@ -515,8 +536,8 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import MetricsLogger, SavedActivationBytes
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
-    from common.training import autocast_context, enable_tf32, evaluate, param_dtype, prepare_data, print_sample, \
-        resolve_dtype, should_save
+    from common.training import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, param_dtype, \
+        prepare_data, print_sample, resolve_dtype, should_save
     from common import checkpoint
     from common.checkpoint import ModuleState, replicated
     from model import flops_per_token
@@ -529,6 +550,7 @@ def main(argv=None):
     enable_tf32(env.device)
     dtype = resolve_dtype(cfg, env.device)
     model = build_tp_model(cfg, loader.vocab_size, group, env.device, param_dtype(dtype))
+    apply_kernels_and_fp8(model, cfg, env.device)      # fused LayerNorm, bias-GeLU; FP8 GEMMs in the TP layers
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank
