@@ -80,7 +80,8 @@ from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context,
                              gpt_config, materialize, param_dtype, prepare_data, print_sample, resolve_dtype,
                              should_save)
 from common.tp_shards import init_tp_weights
-from train_tp import all_reduce_sequence_parallel_grads, apply_tp, check_tp, tp_counts
+from common.tp_setup import check_tp
+from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, check_zero3, install_zero3_hooks, shard_model
 
 # ----------------------------------------------------------------------------------------------------------

@@ -325,25 +325,6 @@ class VocabParallelLMHead(nn.Module):
         return logits, loss
 
 
-class RankRNG(nn.Module):
-    """Run a module (attention core, dropout) under this TP rank's own random stream, for data that differs per
-    rank (my heads, my sequence chunk): seeded from the shared stream (the same on all TP ranks, replayed by
-    recomputation) plus the rank. Dropout in replicated regions uses the shared stream: the same on every rank."""
-
-    def __init__(self, module, group):
-        super().__init__()
-        self.module, self.group = module, group
-
-    def forward(self, *args):
-        seed = int(torch.randint(0, 2 ** 62, (1,)))
-        # fork the stream of the device the data is on, not the one the model was built on: train_5d builds on
-        # "meta", for which fork_rng forks nothing, and the seed below would leak into the shared stream
-        device = args[0].device
-        with torch.random.fork_rng([device] if device.type == "cuda" else [], device_type=device.type):
-            torch.manual_seed(seed + dist.get_rank(self.group))
-            return self.module(*args)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # applying TP to any model, by module name (docs/copy_out.md). The model computes its heads from its projections'
 # width (a reshape to (-1, head_dim)), so a rank's column slice of q, k, v simply runs its share of the heads.
@@ -462,6 +443,7 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
     """Swap model.py's layers for tensor-parallel ones, in place (model.py is untouched). Build the model on the
     meta device: new parameters are allocated here, empty, on `device` (which may be "meta" too); fill them
     with init_tp_weights."""
+    from common.tp_setup import RankRNG
     from common.training import materialize
     from model import MoE
     rng = (lambda mod: RankRNG(mod, group)) if model.cfg.dropout > 0 else (lambda mod: mod)
@@ -507,20 +489,10 @@ def extra_args(parser):
                         help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
 
 
-def check_tp(cfg, tp, positions, what="block_size"):
-    """The shapes tensor parallelism of degree tp needs, in any layout (this script, train_5d.py): the heads split
-    over tp, and under --sp the positions of a sequence each rank holds (`what`: how they are named)."""
-    from common.config import check
-    check(cfg.n_head % tp == 0, f"n_head={cfg.n_head} is not divisible by tp={tp} (the heads, and so "
-                                f"the MLP width 4*n_embd, are split over the TP ranks)")
-    check(not cfg.sp or positions % tp == 0, f"--sp: sequence length {what}={positions} is not divisible by tp={tp}")
-    check(tp == 1 or cfg.fp8 != "blockwise" or (cfg.n_embd // tp) % 128 == 0, f"--fp8 blockwise with tp={tp} needs "
-          f"n_embd/tp ({cfg.n_embd}/{tp}) a multiple of 128: its 128-wide scale blocks must not straddle TP shards")
-
-
 def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
+    from common.tp_setup import check_tp
     world = world_size_from_env()
     check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
                            f"combine with data parallelism in train_5d.py")

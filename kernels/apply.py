@@ -134,8 +134,10 @@ def _has_matmul(linear):
 def _plain_mlp(mlp, mlp_class):
     """A dense MLP of plain, FP8 or tensor-parallel Linears and a plain dropout (MoE blocks, other Linear kinds,
     and SP's per-rank dropout streams keep their own forward)."""
+    if type(mlp) is not mlp_class:
+        return False
     fusable = [type(lin) is nn.Linear or _has_matmul(lin) for lin in (mlp.c_fc, mlp.c_proj)]
-    return type(mlp) is mlp_class and all(fusable) and type(mlp.dropout) is nn.Dropout
+    return all(fusable) and type(mlp.dropout) is nn.Dropout
 
 
 def apply_kernels(model, mode="auto"):
