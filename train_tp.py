@@ -4,6 +4,7 @@ train_tp.py: tensor parallelism (Megatron-LM) and sequence parallelism, over tra
     torchrun --nproc_per_node 2 train_tp.py --tp 2                  # heads and MLP columns split over 2 ranks
     torchrun --nproc_per_node 4 train_tp.py --tp 4 --sp             # + LayerNorm/dropout regions split by sequence
     torchrun --nproc_per_node 2 train_tp.py --tp 2 --tp_overlap     # grad all-reduce overlaps the grad-weight matmul
+    torchrun --nproc_per_node 2 train_tp.py --tp 2 --sp --fp8 rowwise --kernels triton   # FP8 GEMMs, fused kernels
 
 Every weight matrix is split over the tp ranks so that one block needs two all-reduces forward, two backward:
 
@@ -21,7 +22,8 @@ reduce-scatter then an all-gather, so the forward moves the same bytes. The colu
 shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
 Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the layers a plan names; apply_tp is
-that plan for model.py's GPT.
+that plan for model.py's GPT. --kernels and --fp8 run inside these layers, keeping their collectives (a layer's
+`gemm`, `matmul`: kernels/fp8_parallel.py, kernels/apply.py).
 """
 import argparse
 import math
