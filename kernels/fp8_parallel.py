@@ -57,8 +57,9 @@ class Float8ParallelGemms:
         self.amax_history = torch.zeros(3, history_len, device=device)    # x, W, dy (delayed)
 
     def whole_amax(self, t, split_here, slot):
-        """The amax of the whole tensor t is a slice of (tensorwise, delayed; None for the per-row / block recipes,
-        whose fp8_matmul computes them)."""
+        """Tensorwise: the amax of the whole tensor (t's, maxed over tp where t is this rank's slice: split_here).
+        Delayed: that amax pushed into the history, and the history's scale source returned. None for rowwise and
+        blockwise, whose amaxes fp8_matmul takes per row / tile."""
         if self.recipe not in ("tensorwise", "delayed"):
             return None
         a = t.detach().abs().amax().float()

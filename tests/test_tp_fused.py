@@ -51,7 +51,8 @@ def _layer_errors(rank, world, cases):
             mine_y = (lambda t: t.chunk(world, -1)[rank]) if kind == "column" else (lambda t: t)
             seq = (lambda t: t.chunk(world, 1)[rank]) if sp else (lambda t: t)
             for call in range(2):
-                x, dy = torch.randn(2, 8, K, dtype=torch.float64) * (1 + call), torch.randn(2, 8, N, dtype=torch.float64)
+                x = torch.randn(2, 8, K, dtype=torch.float64) * (1 + call)
+                dy = torch.randn(2, 8, N, dtype=torch.float64)
                 x_ref = x.clone().requires_grad_()
                 y_ref = ref(x_ref)
                 y_ref.backward(dy)
