@@ -45,8 +45,9 @@ rank's heads, pp its p2p of [b, T/cp (/tp under SP), h], dp the all-reduce (ZeRO
 micro-batch for ZeRO-2, + all-gather) of this rank's gradients, ep train_ep's all_to_all rows that leave this
 rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/N of each unit's padded bytes
 (N: dp x cp, or edp for an experts unit; gathers: 2m when resharding after forward, none for a W action).
-Checkpoints are one file in train_single's layout: any layout, or train_single, resumes any other. With tp 1,
---kernels and --fp8 apply inside the stages as in train_single. zb1, zbv and dualpipev defer the weight
+Checkpoints are one file in train_single's layout: any layout, or train_single, resumes any other. --kernels and
+--fp8 apply inside the stages as in train_single; with tp > 1 inside the parallel layers, keeping their
+communication (FP8 adds tp's amax all-reduces: kernels/fp8_parallel.py). zb1, zbv and dualpipev defer the weight
 gradients of nn.Linear and of train_tp's parallel layers (their B keeps TP's communication).
 """
 import argparse
@@ -80,7 +81,8 @@ from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context,
                              evaluate, fits_on_device, gpt_config, materialize, param_dtype, prepare_data, print_sample,
                              resolve_dtype, should_save)
 from common.tp_shards import init_tp_weights
-from train_tp import all_reduce_sequence_parallel_grads, apply_tp, check_tp, tp_counts
+from common.tp_setup import check_tp
+from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
 
 # ----------------------------------------------------------------------------------------------------------
@@ -466,9 +468,6 @@ def validate(cfg):
     check(cfg.pp_schedule not in SPLIT_BACKWARD or plain_linears, f"{cfg.pp_schedule} defers the weight gradients "
           "of nn.Linear and tensor-parallel layers: with fused kernels or --fp8 use afab, 1f1b or interleaved")
     check(cfg.dtype != "float16", "train_5d supports float32, bfloat16 and float64 (no fp16 loss scaling)")
-    check(tp == 1 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
-          "--kernels triton|compile and --fp8 fuse or swap nn.Linear layers; with --tp > 1 the layers are "
-          "tensor-parallel (their communication would be skipped): use --kernels torch --fp8 none")
     check(cfg.zero_stage in (0, 1, 2, 3), f"--zero_stage {cfg.zero_stage}: 0 (replicas), 1, 2 or 3")
     check_zero3(cfg)
     check(cfg.zero_stage < 3 or cfg.dp * cp > 1, "--zero_stage 3 shards over dp x cp: with dp*cp = 1 there is "
@@ -506,7 +505,7 @@ def main(argv=None):
 
     chunks, gcfg, pos = build_chunks(cfg, loader.vocab_size, grid, env.device, param_dtype(dtype))
     start_moe_training(chunks, cfg.global_batch_size * cfg.block_size // (dp * cfg.cp))   # my step's tokens
-    for chunk in chunks:                         # tp == 1 only (validate): model.py's layers, as in train_single
+    for chunk in chunks:              # fused modules, FP8 GEMMs; under TP inside the parallel layers (kernels/apply.py)
         apply_kernels_and_fp8(chunk, cfg, env.device)
     store = WeightGradStore() if cfg.pp_schedule in SPLIT_BACKWARD else None
     if store is not None:

@@ -4,6 +4,7 @@ train_tp.py: tensor parallelism (Megatron-LM) and sequence parallelism, over tra
     torchrun --nproc_per_node 2 train_tp.py --tp 2                  # heads and MLP columns split over 2 ranks
     torchrun --nproc_per_node 4 train_tp.py --tp 4 --sp             # + LayerNorm/dropout regions split by sequence
     torchrun --nproc_per_node 2 train_tp.py --tp 2 --tp_overlap     # grad all-reduce overlaps the grad-weight matmul
+    torchrun --nproc_per_node 2 train_tp.py --tp 2 --sp --fp8 rowwise --kernels triton   # FP8 GEMMs, fused kernels
 
 Every weight matrix is split over the tp ranks so that one block needs two all-reduces forward, two backward:
 
@@ -21,7 +22,8 @@ reduce-scatter then an all-gather, so the forward moves the same bytes. The colu
 shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
 Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the layers a plan names; apply_tp is
-that plan for model.py's GPT.
+that plan for model.py's GPT. --kernels and --fp8 run inside these layers, keeping their collectives (a layer's
+`gemm`, `matmul`: kernels/fp8_parallel.py, kernels/apply.py).
 """
 import argparse
 import math
@@ -129,25 +131,32 @@ class GatherFromSP(torch.autograd.Function):
 
 
 class ColumnLinearFn(torch.autograd.Function):
-    """f fused with the column-parallel matmul, for three things autograd's composition cannot do. SP: keep only
-    the input's sequence shard for backward and all-gather it again there, so every activation is 1/tp-sized.
+    """f fused with the column-parallel matmul, for what autograd's composition cannot do. SP: keep only the
+    input's sequence shard for backward and all-gather it again there, so every activation is 1/tp-sized.
     Overlap: launch the input-gradient all-reduce (or reduce-scatter) async, compute dW while it travels. A split
     backward (zero-bubble pipelines): with a `store` (pipeline_weight_grads.WeightGradStore), backward returns dx
-    with its communication and stashes (W, b, x, dy) for the pipeline's W action."""
+    with its communication and stashes (W, b, x, dy) for the pipeline's W action. Other GEMMs: with a `gemm`
+    (kernels/fp8_parallel.py's FP8 GEMMs) its forward / grad_input / grad_weight replace torch's three matmuls."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sp, overlap, store=None):
+    def forward(ctx, x, weight, bias, group, sp, overlap, store=None, gemm=None):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.sp, ctx.overlap, ctx.has_bias = group, sp, overlap, bias is not None
+        ctx.group, ctx.sp, ctx.overlap, ctx.has_bias, ctx.gemm = group, sp, overlap, bias is not None, gemm
         ctx.store, ctx.params = store, (weight, bias)          # the Parameters themselves, for W
         full = gather_seq(x, group)[0] if sp else x
-        return F.linear(full, weight, bias)
+        if gemm is None:
+            return F.linear(full, weight, bias)
+        y = gemm.forward(ctx, full, weight)
+        return y if bias is None else y + bias.to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         x = gather_seq(x, ctx.group)[0] if ctx.sp else x      # SP: the full sequence again
-        grad_in = grad_out @ weight.to(grad_out.dtype)          # my columns' share of dL/dx
+        if ctx.gemm is None:
+            grad_in = grad_out @ weight.to(grad_out.dtype)      # my columns' share of dL/dx
+        else:
+            grad_in = ctx.gemm.grad_input(ctx, grad_out, weight)
         if ctx.sp:
             grad_in, work = reduce_scatter_seq(grad_in, ctx.group, async_op=ctx.overlap)
         else:
@@ -156,20 +165,24 @@ class ColumnLinearFn(torch.autograd.Function):
             ctx.store.stash(*ctx.params, x, grad_out)
             if work is not None:
                 work.wait()
-            return grad_in, None, None, None, None, None, None
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])            # (overlap: this runs while the sum travels)
-        grad_w = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype)
+            return grad_in, None, None, None, None, None, None, None
+        g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])   # (overlap: runs while
+        if ctx.gemm is None:                                                            # the sum travels)
+            grad_w = (g2.t() @ x2.to(g2.dtype)).to(weight.dtype)
+        else:
+            grad_w = ctx.gemm.grad_weight(ctx, g2, x2, weight)
         grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
         if work is not None:
             work.wait()
-        return grad_in, grad_w, grad_b, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None, None
 
 
 @torch.compiler.disable      # collectives (and comm.py's byte counters) run eagerly: a graph break under --compile
-def column_parallel(x, weight, bias, group, sp, overlap, store=None):
-    if sp or overlap or store is not None:      # autocast: f communicates x in 16 bits, as the matmul casts it
-        return ColumnLinearFn.apply(in_compute_dtype(x), weight, bias, group, sp, overlap, store)
-    return F.linear(CopyToTP.apply(in_compute_dtype(x), group), weight, bias)   # textbook: f, then a local matmul
+def column_parallel(x, weight, bias, group, sp, overlap, store=None, gemm=None):
+    x = in_compute_dtype(x)      # under autocast f communicates x in 16 bits, as the matmul would cast it anyway
+    if sp or overlap or store is not None or gemm is not None:
+        return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap, store, gemm)
+    return F.linear(CopyToTP.apply(x, group), weight, bias)      # the textbook form: f, then a local matmul
 
 
 @torch.compiler.disable
@@ -210,9 +223,14 @@ class ColumnParallelLinear(nn.Module):
         self.weight = shard_param((out_features, in_features), 0, parts, group, device, dtype)
         self.bias = shard_param((out_features,), 0, parts, group, device, dtype) if bias else None
         self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline_weight_grads.py)
+        self.gemm = None                         # torch's matmuls, or FP8's (kernels/fp8_parallel.py)
 
     def forward(self, x):
-        return column_parallel(x, self.weight, self.bias, self.group, self.sp, self.overlap, self.weight_grad_store)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x, bias=None):              # (without the bias: for a fused bias kernel, kernels/apply.py)
+        return column_parallel(x, self.weight, bias, self.group, self.sp, self.overlap, self.weight_grad_store,
+                               self.gemm)
 
 
 class RowParallelLinear(nn.Module):
@@ -227,12 +245,19 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
             self.bias.sequence_parallel = sp       # under SP each rank sees a sequence chunk: partial grad
         self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (dx needs no communication)
+        self.gemm = None                         # torch's matmuls, or FP8's (kernels/fp8_parallel.py)
 
     def forward(self, x):
-        store = self.weight_grad_store
-        partial = F.linear(x, self.weight) if store is None else store.linear(x, self.weight)
-        y = leave_tp_region(partial, self.group, self.sp)
+        y = self.matmul(x)
         return y if self.bias is None else y + self.bias      # the bias's gradient: autograd's, in B
+
+    def matmul(self, x):                         # the summed product, bias left out (for a fused bias kernel)
+        store, gemm = self.weight_grad_store, self.gemm
+        if gemm is not None:
+            partial = gemm.linear(x, self.weight)
+        else:
+            partial = F.linear(x, self.weight) if store is None else store.linear(x, self.weight)
+        return leave_tp_region(partial, self.group, self.sp)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -301,25 +326,6 @@ class VocabParallelLMHead(nn.Module):
         loss = VocabParallelCrossEntropy.apply(wide.flatten(0, 1), targets.reshape(-1),
                                                self.vocab_start, self.group)
         return logits, loss
-
-
-class RankRNG(nn.Module):
-    """Run a module (attention core, dropout) under this TP rank's own random stream, for data that differs per
-    rank (my heads, my sequence chunk): seeded from the shared stream (the same on all TP ranks, replayed by
-    recomputation) plus the rank. Dropout in replicated regions uses the shared stream: the same on every rank."""
-
-    def __init__(self, module, group):
-        super().__init__()
-        self.module, self.group = module, group
-
-    def forward(self, *args):
-        seed = int(torch.randint(0, 2 ** 62, (1,)))
-        # fork the stream of the device the data is on, not the one the model was built on: train_5d builds on
-        # "meta", for which fork_rng forks nothing, and the seed below would leak into the shared stream
-        device = args[0].device
-        with torch.random.fork_rng([device] if device.type == "cuda" else [], device_type=device.type):
-            torch.manual_seed(seed + dist.get_rank(self.group))
-            return self.module(*args)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -440,6 +446,7 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
     """Swap model.py's layers for tensor-parallel ones, in place (model.py is untouched). Build the model on the
     meta device: new parameters are allocated here, empty, on `device` (which may be "meta" too); fill them
     with init_tp_weights."""
+    from common.tp_setup import RankRNG
     from common.training import materialize
     from model import MoE
     rng = (lambda mod: RankRNG(mod, group)) if model.cfg.dropout > 0 else (lambda mod: mod)
@@ -485,27 +492,16 @@ def extra_args(parser):
                         help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
 
 
-def check_tp(cfg, tp, positions, what="block_size"):
-    """The shapes tensor parallelism of degree tp needs, in any layout (this script, train_5d.py): the heads split
-    over tp, and under --sp the positions of a sequence each rank holds (`what`: how they are named)."""
-    from common.config import check
-    check(cfg.n_head % tp == 0, f"n_head={cfg.n_head} is not divisible by tp={tp} (the heads, and so "
-                                f"the MLP width 4*n_embd, are split over the TP ranks)")
-    check(not cfg.sp or positions % tp == 0, f"--sp: sequence length {what}={positions} is not divisible by tp={tp}")
-
-
 def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
+    from common.tp_setup import check_tp
     world = world_size_from_env()
     check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
                            f"combine with data parallelism in train_5d.py")
     check_tp(cfg, cfg.tp, cfg.block_size)
     check(cfg.dtype != "float16", "train_tp supports float32, bfloat16 and float64 (no fp16 loss scaling across TP "
                                   "ranks)")
-    check(cfg.kernels in ("auto", "torch") and cfg.fp8 == "none",
-          "--kernels triton|compile and --fp8 swap model.py's nn.Linear / LM head for fused or FP8 modules; here "
-          "those layers are tensor-parallel (their communication would be skipped): use --kernels torch --fp8 none")
     grad_accum_steps(cfg, 1)
 
 
@@ -515,8 +511,8 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import MetricsLogger, SavedActivationBytes
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
-    from common.training import autocast_context, enable_tf32, evaluate, param_dtype, prepare_data, print_sample, \
-        resolve_dtype, should_save
+    from common.training import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, param_dtype, \
+        prepare_data, print_sample, resolve_dtype, should_save
     from common import checkpoint
     from common.checkpoint import ModuleState, replicated
     from model import flops_per_token
@@ -529,6 +525,7 @@ def main(argv=None):
     enable_tf32(env.device)
     dtype = resolve_dtype(cfg, env.device)
     model = build_tp_model(cfg, loader.vocab_size, group, env.device, param_dtype(dtype))
+    apply_kernels_and_fp8(model, cfg, env.device)      # fused LayerNorm, bias-GeLU; FP8 GEMMs in the TP layers
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank

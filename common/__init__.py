@@ -18,6 +18,7 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     grid.py          train_5d's rank grid and its process groups
     routing.py       mixture-of-experts routing (model.MoE and train_ep's experts)
     tp_shards.py     how a tensor-parallel slice maps to the full parameter
+    tp_setup.py      what applying TP needs besides its layers: a degree's shape checks, per-rank random streams
     pipeline_schedules.py, pipeline_tied.py, pipeline_weight_grads.py   the pipeline's schedules as data,
                      the tied embedding across stages, the split backward of zero-bubble schedules
     nccl_check.py    replays each rank's p2p launches under NCCL's grouping rules (tests)

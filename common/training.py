@@ -15,6 +15,7 @@ from common.distributed import fail_together
 from common.data import GlobalBatchLoader, ensure_dataset
 from kernels import apply_kernels, convert_to_float8
 from kernels.fp8 import check_fp8_support
+from kernels.fp8_parallel import convert_parallel_to_float8
 from model import GPTConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -48,13 +49,15 @@ def enable_tf32(device):
 
 
 def apply_kernels_and_fp8(model, cfg, device):
-    """--kernels (fused modules) and --fp8 (Float8Linear GEMMs) swapped into a model or a pipeline stage in
-    place, parameters unchanged; one clear error line when the device cannot run them. Returns the kernel mode."""
+    """--kernels (fused modules) and --fp8 (Float8Linear GEMMs; FP8 GEMMs inside tensor-parallel layers) swapped
+    into a model or a pipeline stage in place, parameters unchanged; one clear error line when the device cannot
+    run them. Returns the kernel mode."""
     try:
         mode = apply_kernels(model, cfg.kernels)
         if getattr(cfg, "fp8", "none") != "none":
             check_fp8_support(device)
             convert_to_float8(model, recipe=cfg.fp8)
+            convert_parallel_to_float8(model, recipe=cfg.fp8)
     except (ValueError, RuntimeError) as e:
         fail(str(e))
     return mode

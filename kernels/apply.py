@@ -13,6 +13,14 @@ Modes (--kernels): triton (the Triton kernels), compile (the same fusions by tor
 compiled whole, ln_f and the LM head's row kernel from their compiled torch references: a fused path on CPU),
 torch (model.py untouched: the reference), auto (= torch, on every device).
 
+Under tensor parallelism (train_tp's layers swapped in first) the same swaps apply where they keep TP's
+communication: LayerNorm runs on whatever it is given (replicated, or SP's sequence chunk); FusedBlock takes the
+parallel layers' `matmul` (x W^T with their f / g collectives, bias left out), so bias+GeLU runs on the
+column-parallel output shard with its bias shard, and bias+dropout+residual after the row-parallel sum; the
+attention core runs on this rank's heads. The LM head stays train_tp's VocabParallelLMHead: its cross-entropy is
+already vocab-parallel (a number per token all-reduced three times, never [tokens, vocab] logits on one rank),
+and the fused head's chunked linear+CE assumes the whole vocabulary on one rank (docs/kernels.md).
+
 Why auto is torch, on GPUs too: auto must pick the path measured fastest, and no Triton kernel here has yet been
 timed against torch on a GPU, while torch's own path there is already fused where it matters (sdpa dispatches
 to FlashAttention / cuDNN / memory-efficient kernels; cuBLAS GEMMs; --compile fuses the elementwise ops). Once
@@ -28,7 +36,6 @@ import torch.nn.functional as F
 from kernels.backend import HAS_TRITON
 from kernels.bias_gelu import bias_dropout_add, bias_gelu
 from kernels.flash_attention import flash_attention
-from kernels.fp8 import Float8Linear
 from kernels.layer_norm import layer_norm
 from kernels.linear_cross_entropy import linear_cross_entropy
 
@@ -90,8 +97,9 @@ class FusedBlock(nn.Module):
 def matmul_without_bias(linear, x):
     """x W^T of one of the MLP's Linears, its bias left to the fused kernel after it. Through the module, so a
     later swap of the Linear is honoured: a Float8Linear (convert_to_float8, before or after apply_kernels)
-    runs its FP8 GEMMs; any other kind would be bypassed silently, so it is refused."""
-    if isinstance(linear, Float8Linear):
+    runs its FP8 GEMMs, a tensor-parallel layer its collectives (and its FP8 GEMMs); any other kind would be
+    bypassed silently, so it is refused."""
+    if _has_matmul(linear):
         return linear.matmul(x)
     if type(linear) is not nn.Linear:
         raise TypeError(f"FusedBlock fuses the bias of an nn.Linear or Float8Linear, not a {type(linear).__name__} "
@@ -118,16 +126,23 @@ class FusedLMHead(nn.Module):
             return None, linear_cross_entropy(h, w, targets, backend=self.backend)
 
 
+def _has_matmul(linear):
+    """A Linear kind that offers x W^T without its bias: Float8Linear, train_tp's column / row-parallel layers."""
+    return callable(getattr(linear, "matmul", None)) and hasattr(linear, "bias")
+
+
 def _plain_mlp(mlp, mlp_class):
-    """A dense MLP of plain or FP8 Linears (MoE blocks and other Linear kinds, e.g. tensor-parallel ones,
-    keep their own forward)."""
-    linears = (nn.Linear, Float8Linear)
-    return type(mlp) is mlp_class and type(mlp.c_fc) in linears and type(mlp.c_proj) in linears
+    """A dense MLP of plain, FP8 or tensor-parallel Linears and a plain dropout (MoE blocks, other Linear kinds,
+    and SP's per-rank dropout streams keep their own forward)."""
+    if type(mlp) is not mlp_class:
+        return False
+    fusable = [type(lin) is nn.Linear or _has_matmul(lin) for lin in (mlp.c_fc, mlp.c_proj)]
+    return all(fusable) and type(mlp.dropout) is nn.Dropout
 
 
 def apply_kernels(model, mode="auto"):
     """Swap the fused modules into a model.py GPT in place (see the table above); returns the mode used."""
-    from model import MLP, AttentionCore, Block
+    from model import MLP, AttentionCore, Block, LMHead
     device = next(model.parameters()).device
     mode = resolve_mode(mode, device)
     if mode == "torch":
@@ -153,6 +168,6 @@ def apply_kernels(model, mode="auto"):
                 # bias+GeLU, bias+residual); Module.compile() works in place, so no _orig_mod. in names
                 fused.compile()
             setattr(blocks, key, fused)
-    if hasattr(model, "lm_head"):                  # a pipeline stage before the last has none
+    if type(getattr(model, "lm_head", None)) is LMHead:   # a stage before the last has none; TP's is vocab-parallel
         model.lm_head = FusedLMHead(model.lm_head, mode)
     return mode

@@ -139,8 +139,10 @@ def _pad_rows(t, multiple, dim):
     return nn.functional.pad(t, (0, extra) if dim == 1 else (0, 0, 0, extra))
 
 
-def fp8_matmul(a, b, a_dtype, b_dtype, recipe, a_amax=None, b_amax=None, b_is_weight=True):
-    """a [M, K] @ b [N, K]^T in fp32 with both operands quantized to FP8 along K, the recipe's way."""
+def fp8_matmul(a, b, a_dtype, b_dtype, recipe, a_amax=None, b_amax=None, b_is_weight=True, k_reduce=None):
+    """a [M, K] @ b [N, K]^T in fp32 with both operands quantized to FP8 along K, the recipe's way. k_reduce: K is
+    split over ranks (tensor parallelism, kernels/fp8_parallel.py), a function maxing the rowwise amaxes of both
+    operands over them (tensorwise amaxes come whole as a_amax / b_amax; blockwise tiles lie in one rank)."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown FP8 recipe {recipe!r}; expected one of {RECIPES}")
     M, N, K = a.shape[0], b.shape[0], a.shape[1]
@@ -161,8 +163,11 @@ def fp8_matmul(a, b, a_dtype, b_dtype, recipe, a_amax=None, b_amax=None, b_is_we
         qb, sb = quantize(b, b_dtype, "tensor", b_amax)
         out = _tensorwise_mm(qa, qb, sa.reciprocal(), sb.reciprocal(), out_dtype, kind)
     elif recipe == "rowwise":
-        qa, sa = quantize(a, a_dtype, "row")
-        qb, sb = quantize(b, b_dtype, "row")
+        a_amax, b_amax = amax(a, "row"), amax(b, "row")
+        if k_reduce is not None:
+            a_amax, b_amax = k_reduce(a_amax, b_amax)
+        qa, sa = quantize(a, a_dtype, "row", a_amax)
+        qb, sb = quantize(b, b_dtype, "row", b_amax)
         out = _scaled_mm(qa, qb, sa.reciprocal(), sb.reciprocal().t().contiguous(), out_dtype)
     elif kind == "cuda_blocks":
         out = _blockwise_native(a, b, a_dtype, b_dtype, b_is_weight, out_dtype)
@@ -201,11 +206,13 @@ def _blockwise_by_slices(a, b, a_dtype, b_dtype, b_is_weight, out_dtype):
     return out
 
 
-def delayed_amax(history, t):
+def delayed_amax(history, t, current=None):
     """Scale source of delayed scaling: the history's max (the current amax at the very first step);
-    then push t's amax. No host synchronisation."""
+    then push t's amax (or `current`, when given: a tensor-parallel layer's amax of the whole tensor). No host
+    synchronisation."""
     # an empty tensor (an expert without tokens this step) has amax 0: it never raises the history's max
-    current = t.detach().abs().amax().float() if t.numel() else history.new_zeros(())
+    if current is None:
+        current = t.detach().abs().amax().float() if t.numel() else history.new_zeros(())
     past = history.max()
     history.copy_(torch.roll(history, 1))
     history[0] = current

@@ -162,27 +162,30 @@ def _run_main(script, argv):
 
 
 @pytest.mark.parametrize("script, flags", [("train_ddp", {}), ("train_zero", dict(zero_stage=2)),
-                                           ("train_pp", dict(pp=1)), ("train_cp", dict(cp=1)),
+                                           ("train_pp", dict(pp=1)), ("train_cp", dict(cp=1)), ("train_tp", dict(tp=1)),
                                            ("train_ep", dict(ep=1, n_experts=2, top_k=1, moe_every=2))])
 def test_kernels_and_fp8_applied_like_single(script, flags, tiny_data, tmp_path):
     """Fused Triton modules (interpreted on CPU) and FP8 GEMMs swapped into the rung's model as train_single does
-    (the modules are there), and the run equals train_single's with the same flags on the same micro-batches."""
+    (the modules are there; train_tp's FP8 GEMMs sit inside its parallel layers), and the run equals train_single's
+    with the same flags on the same micro-batches."""
     from kernels.apply import FusedLayerNorm
     from kernels.fp8 import Float8Linear
+    from kernels.fp8_parallel import Float8ParallelGemms
     moe = {k: v for k, v in flags.items() if k != "ep"} if script == "train_ep" else {}
     ref = run_single(tiny_argv(tiny_data, str(tmp_path / "single"), **FAST_PATHS, **moe))[0]
     result = _run_main(script, tiny_argv(tiny_data, str(tmp_path / script), **FAST_PATHS, **flags))
     model = result.get("model") or result.get("chunks")
     kinds = {type(m) for m in model.modules()}
-    assert FusedLayerNorm in kinds and Float8Linear in kinds, kinds
+    fp8 = [m for m in model.modules() if isinstance(m, Float8Linear) or isinstance(getattr(m, "gemm", None),
+                                                                                 Float8ParallelGemms)]
+    assert FusedLayerNorm in kinds and fp8, kinds
     assert_same_losses(ref, losses(str(tmp_path / script)), rtol=1e-5)
 
 
-@pytest.mark.parametrize("script, flags", [("train_tp", dict(tp=1, kernels="triton")), ("train_tp", dict(tp=1, fp8="rowwise")),
-                                           ("train_zero", dict(zero_stage=3, fp8="tensorwise")),
+@pytest.mark.parametrize("script, flags", [("train_zero", dict(zero_stage=3, fp8="tensorwise")),
                                            ("train_pp", dict(pp=1, pp_schedule="zb1", kernels="compile"))])
 def test_kernels_and_fp8_refused_where_they_cannot_apply(script, flags, tiny_data, tmp_path, capsys):
-    """Tensor-parallel layers, ZeRO-3's gather/free hooks and zb1's deferred weight gradients: one error line."""
+    """ZeRO-3's gather/free hooks and zb1's deferred weight gradients: one error line."""
     assert _run_main(script, tiny_argv(tiny_data, str(tmp_path / "bad"), **flags)) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and ("--kernels" in err or "zb1" in err), err

@@ -30,6 +30,7 @@ def _rel_err(a, b):
 def _layers_worker(rank, n, argv):
     import torch.distributed as dist
     import train_tp as tp
+    from common.tp_setup import RankRNG
     from common.comm import all_reduce
     dist.init_process_group("gloo")
     g, errs = dist.group.WORLD, {}
@@ -103,7 +104,7 @@ def _layers_worker(rank, n, argv):
         record(f"{dtype}/cross_entropy/grad", local.grad, shard_of(lr_.grad, 1, 1, rank, n))
     # the per-rank stream: different inside the context, the shared stream identical (and advanced) after it
     torch.manual_seed(5)
-    inside = tp.RankRNG(torch.nn.Dropout(0.5), g)(torch.ones(16)).tolist()
+    inside = RankRNG(torch.nn.Dropout(0.5), g)(torch.ones(16)).tolist()
     after = torch.rand(4).tolist()
     result = tp.main(argv)                           # tp=3: the vocabulary (64) is padded to 66 rows
     full = gather_full_weights(result["model"], result["group"])
