@@ -97,6 +97,9 @@ def runs(P, steps, out):
                 BF16_RTOL, cp=P, cp_layout=layout, **LONG)
     for mode in ("triton", "compile"):
         add(f"kernels-{mode}", f"1 GPU --kernels {mode}", "train_single.py", 1, "single", BF16_RTOL, kernels=mode)
+    if P > 1:     # the fused kernels inside tensor-parallel layers
+        add(f"tp-triton-{P}", f"tp={P} +sp --kernels triton", "train_tp.py", P, "kernels-triton", BF16_RTOL,
+            tp=P, sp=True, kernels="triton")
     if torch.cuda.get_device_capability() >= (8, 9):
         for recipe in ("tensorwise", "rowwise", "blockwise", "delayed"):
             add(f"fp8-{recipe}", f"1 GPU --fp8 {recipe}", "train_single.py", 1, "single", FP8_RTOL,
@@ -105,6 +108,9 @@ def runs(P, steps, out):
             BF16_RTOL, kernels="triton", fp8="tensorwise")
         add("fp8-moe", "1 GPU, 8 experts --fp8 rowwise", "train_single.py", 1, "single-moe", FP8_RTOL,
             kernels="torch", fp8="rowwise", **MOE)     # experts get token counts that are not multiples of 16
+        if P > 1:     # FP8 inside tensor-parallel layers: amaxes maxed over tp (kernels/fp8_parallel.py)
+            add(f"tp-fp8-{P}", f"tp={P} +sp --fp8 tensorwise", "train_tp.py", P, "fp8-tensorwise", FP8_RTOL,
+                tp=P, sp=True, kernels="torch", fp8="tensorwise")
     return rows
 
 
