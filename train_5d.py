@@ -70,9 +70,10 @@ from common.metrics import MetricsLogger
 from model import GPT, flops_per_token, num_params
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from common.pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
-from train_cp import ContextParallelAttentionCore, block_attention_kernel, local_positions, swap_attention_cores
+from train_cp import (ContextParallelAttentionCore, block_attention_kernel, check_cp, local_positions,
+                      swap_attention_cores)
 from train_ddp import DataParallelGrads, assign_buckets
-from train_pp import PipelineRunner, stage_views
+from train_pp import PipelineRunner, check_pp, stage_views
 from common.pipeline_tied import tied_grads_sync, tied_weight
 from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
@@ -443,30 +444,14 @@ def validate(cfg):
     cfg.dp = cfg.dp or world // (tp * cp * pp)
     check(cfg.dp * tp * cp * pp == world, f"dp*tp*cp*pp = {cfg.dp}*{tp}*{cp}*{pp} = {cfg.dp * tp * cp * pp} "
                                           f"!= world size {world}")
-    multiple = cp if cfg.cp_layout == "ring" else 2 * cp
-    check(cp == 1 or cfg.block_size % multiple == 0, f"--block_size {cfg.block_size} must be a multiple of "
-          f"{multiple} (--cp_layout {cfg.cp_layout} cuts every sequence into {multiple} equal chunks at cp={cp})")
+    check_cp(cfg, cp)
     check(not cfg.sp or tp > 1, "--sp needs --tp > 1")
     check_tp(cfg, tp, cfg.block_size // cp, what="block_size/cp")
-    check(cp == 1 or cfg.dropout == 0.0, "--dropout must be 0 with --cp > 1 (the ring attention has no dropout)")
-    stages = pp * cfg.pp_virtual
-    check(cfg.n_layer % stages == 0, f"n_layer={cfg.n_layer} does not split into pp*pp_virtual={stages} stages")
     check(cfg.global_batch_size % (cfg.micro_batch_size * cfg.dp) == 0,
           f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size * dp = "
           f"{cfg.micro_batch_size} * {cfg.dp}")
     m = cfg.global_batch_size // (cfg.micro_batch_size * cfg.dp)
-    check(cfg.pp_virtual == 1 or cfg.pp_schedule in ("interleaved",) + V_SHAPED,
-          "--pp_virtual > 1 needs --pp_schedule interleaved, zbv or dualpipev")
-    check(cfg.pp_schedule not in V_SHAPED or cfg.pp_virtual == 2, f"--pp_schedule {cfg.pp_schedule} places 2 chunks "
-          f"per rank in a V (rank r holds stages r and 2p-1-r): pass --pp_virtual 2")
-    check(cfg.pp_schedule != "dualpipev" or m >= 2 * pp, f"dualpipev needs micro-batches per step ({m}) >= 2 * pp")
-    check(cfg.pp_schedule != "interleaved" or (cfg.pp_virtual >= 2 and m % pp == 0),
-          f"interleaved needs --pp_virtual >= 2 and micro-batches per step ({m}) divisible by pp={pp}")
-    check(cfg.pp_schedule in ("afab", "zbv") or m >= pp, f"--pp_schedule {cfg.pp_schedule} needs at least pp={pp} "
-          f"micro-batches per step, got {m} (global / (micro * dp))")
-    plain_linears = cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"
-    check(cfg.pp_schedule not in SPLIT_BACKWARD or plain_linears, f"{cfg.pp_schedule} defers the weight gradients "
-          "of nn.Linear and tensor-parallel layers: with fused kernels or --fp8 use afab, 1f1b or interleaved")
+    check_pp(cfg, pp, m)
     check(cfg.dtype != "float16", "train_5d supports float32, bfloat16 and float64 (no fp16 loss scaling)")
     check(cfg.zero_stage in (0, 1, 2, 3), f"--zero_stage {cfg.zero_stage}: 0 (replicas), 1, 2 or 3")
     check_zero3(cfg)

@@ -382,11 +382,19 @@ def validate(cfg):
     world = world_size_from_env()
     check(cfg.cp == world, f"--cp {cfg.cp} must equal the number of processes ({world}): train_cp.py is "
           f"context parallel only (combine with data parallelism in train_5d.py)")
-    multiple = cfg.cp if cfg.cp_layout == "ring" else 2 * cfg.cp
-    check(cfg.block_size % multiple == 0, f"--block_size {cfg.block_size} must be a multiple of {multiple} "
-          f"(--cp_layout {cfg.cp_layout} cuts every sequence into {multiple} equal chunks at cp={cfg.cp})")
-    check(cfg.dropout == 0.0, "--dropout must be 0: the distributed attention has no attention dropout")
+    check_cp(cfg, cfg.cp)
     grad_accum_steps(cfg, 1)
+
+
+def check_cp(cfg, cp):
+    """What context parallelism asks of the run, for train_cp and train_5d alike: equal chunks of every sequence
+    (cp of them for ring, 2cp for zigzag and allgather) and no attention dropout."""
+    from common.config import check
+    multiple = cp if cfg.cp_layout == "ring" else 2 * cp
+    check(cp == 1 or cfg.block_size % multiple == 0, f"--block_size {cfg.block_size} must be a multiple of "
+          f"{multiple} (--cp_layout {cfg.cp_layout} cuts every sequence into {multiple} equal chunks at cp={cp})")
+    check(cp == 1 or cfg.dropout == 0.0, "--dropout must be 0 with --cp > 1: the distributed attention has no "
+                                         "attention dropout")
 
 
 def main(argv=None):

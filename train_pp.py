@@ -377,6 +377,21 @@ def validate(cfg):
     check(p >= 1 and world == p, f"train_pp.py is pipeline parallel only: --pp {p} must equal the world size "
                                  f"{world} (combine pp with dp/tp/cp in train_5d.py)")
     m, _ = n_microbatches(cfg)
+    check_pp(cfg, p, m)
+    check(cfg.dtype != "float16", "train_pp.py supports float32, bfloat16 and float64 (fp16 needs a pipeline "
+                                  "GradScaler)")
+
+
+def check_pp(cfg, p, m):
+    """What a pipeline of p ranks running m micro-batches per step asks of the run, for train_pp and train_5d alike:
+    the schedule's chunks per rank, enough micro-batches to fill it, the layers to cut, linears it can split."""
+    from common.config import check
+    v, name, stages = cfg.pp_virtual, cfg.pp_schedule, p * cfg.pp_virtual
+    check(cfg.n_layer >= stages, f"n_layer={cfg.n_layer} is fewer than pp*pp_virtual={stages} stages")
+    uneven = getattr(cfg, "pp_uneven", None)          # a flag of train_pp's only
+    check(uneven or cfg.n_layer % stages == 0, f"n_layer={cfg.n_layer} does not split evenly into pp*pp_virtual="
+          f"{stages} stages" + (" (pass --pp_uneven to give the first stages one block more)" if uneven is not None
+                                else ""))
     check(v == 1 or name == "interleaved" or name in V_SHAPED,
           f"--pp_virtual {v} applies only to --pp_schedule interleaved, zbv and dualpipev")
     check(name != "interleaved" or v >= 2, f"--pp_schedule interleaved needs --pp_virtual >= 2, got {v}")
@@ -386,16 +401,9 @@ def validate(cfg):
     check(name in ("afab", "zbv") or m >= p, f"--pp_schedule {name} needs at least as many micro-batches as "
                                              f"stages: n_microbatches={m} < --pp {p} (use more, or afab or zbv)")
     check(name != "dualpipev" or m >= 2 * p, f"dualpipev needs n_microbatches ({m}) >= 2 * --pp = {2 * p}")
-    check(cfg.n_layer >= p * v, f"n_layer={cfg.n_layer} is fewer than pp*pp_virtual={p * v} stages")
-    check(cfg.pp_uneven or cfg.n_layer % (p * v) == 0,
-          f"n_layer={cfg.n_layer} does not split evenly into pp*pp_virtual={p * v} stages (pass --pp_uneven "
-          f"to give the first stages one block more)")
-    check(cfg.dtype != "float16", "train_pp.py supports float32, bfloat16 and float64 (fp16 needs a pipeline "
-                                  "GradScaler)")
     check(name not in SPLIT_BACKWARD or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
-          f"{name} defers the weight gradients of plain nn.Linear layers; fused kernels or --fp8 replace them: "
-          "use afab, 1f1b or interleaved")
-
+          f"{name} defers the weight gradients of nn.Linear and tensor-parallel layers; fused kernels or --fp8 "
+          "replace them: use afab, 1f1b or interleaved")
 
 def extra_args(parser):
     parser.add_argument("--pp_uneven", action="store_true", help="allow n_layer not divisible by pp*pp_virtual")
