@@ -1,0 +1,56 @@
+# Sweep "5d_zero3": ZeRO-3 inside train_5d's grid, one table (bench/results/5d_zero3.md), each row compared with
+# the baseline above it in the same round (harness --baseline). The model and flags of the 5d sweep (L4 H4 h256
+# T128, global batch 16, grad clipping on), 1 thread per rank:
+#   - dp 2 x tp 2 with ZeRO-3 at 4 ranks vs PyTorch's 2-D composition, FSDP2 fully_shard over dp + DTensor TP
+#     over tp on one DeviceMesh (bench/peer_fsdp2_tp.py): the same algorithm (parameters, gradients and AdamW
+#     moments sharded over dp, each block gathered before its forward and its backward), target >= 1.0;
+#   - dp 2 with ZeRO-3 at 2 ranks vs train_zero --zero_stage 3 on the same ranks: what the grid costs, >= 0.95.
+# Model state per rank is counted under the table. About 3 minutes per round on the shared 2-core machine at
+# STEPS=12. Sourced by bench.sh (harness, STEPS, WARMUP, PYTHON are set there).
+Z3_RUN="OMP_NUM_THREADS=1 $PYTHON -m torch.distributed.run --standalone --nproc_per_node"
+Z3_ARGS="--n_layer 4 --n_head 4 --n_embd 256 --block_size 128 --global_batch_size 16 --micro_batch_size 8 --max_steps $STEPS --warmup_steps 2 --eval_interval 0 --sample_tokens 0 --log_interval 1000 --device cpu --dtype float32 --out_dir {out}"
+
+mkdir -p bench/runs/5d_zero3
+( while true; do cut -d' ' -f1 /proc/loadavg; sleep 10; done ) > bench/runs/5d_zero3/loadavg.txt &
+Z3_LOAD_PID=$!
+trap 'kill "$Z3_LOAD_PID" 2>/dev/null || true' EXIT      # a failed run must not leave the sampler behind
+
+harness --name 5d_zero3 --title "ZeRO-3 in train_5d's grid vs FSDP2 + DTensor TP and vs train_zero (L4 H4 h256 T128 B16, 1 thread per rank)" \
+  --note "Each row's ratios are to the baseline above it (the row showing 1.00), run in the same round. Targets are judged on the median paired ratio. Both dp2 x tp2 runs shard parameters, gradients and AdamW moments over dp and gather each block before its forward and before its backward (train_5d: --reshard_after_forward, its default; FSDP2: reshard_after_forward=True). Peak memory is rank 0's peak RSS (runtime included). The peer's comm bytes are its schedule's theory, ours are counted." \
+  --baseline "FSDP2+DTensor dp2 tp2" --target "5d dp2 tp2 ZeRO-3=1.0" \
+  --run "FSDP2+DTensor dp2 tp2=$Z3_RUN 4 bench/peer_fsdp2_tp.py --dp 2 --tp 2 $Z3_ARGS" \
+  --run "5d dp2 tp2 ZeRO-3=$Z3_RUN 4 train_5d.py --dp 2 --tp 2 --zero_stage 3 $Z3_ARGS" \
+  --baseline "train_zero dp2 ZeRO-3" --target "5d dp2 ZeRO-3=0.95" \
+  --run "train_zero dp2 ZeRO-3=$Z3_RUN 2 train_zero.py --zero_stage 3 $Z3_ARGS" \
+  --run "5d dp2 ZeRO-3=$Z3_RUN 2 train_5d.py --dp 2 --zero_stage 3 $Z3_ARGS"
+
+kill "$Z3_LOAD_PID"
+trap - EXIT
+# model state per rank at dp2 x tp2 under ZeRO-3, counted from the model's parameters (fp32: weight, gradient, 2 AdamW
+# moments, each sharded over dp; the padding of a unit to a multiple of dp, under dp values, left out)
+$PYTHON - <<'PY'
+import json, os, statistics
+import torch
+from common.data import DEFAULT_DATA_DIR
+from model import GPT, GPTConfig
+vocab = json.load(open(os.path.join(DEFAULT_DATA_DIR, "meta.json")))["vocab_size"]
+with torch.device("meta"):
+    gpt = GPT(GPTConfig(vocab_size=vocab, n_layer=4, n_head=4, n_embd=256, block_size=128))
+tp_split = (".c_attn.weight", ".c_attn.bias", ".c_fc.weight", ".c_fc.bias", ".c_proj.weight")   # both TP plans
+ours = sum(p.numel() // (2 if n.endswith(tp_split + ("wte.weight",)) else 1) for n, p in gpt.named_parameters())
+peer = sum(p.numel() // (2 if n.endswith(tp_split) else 1) for n, p in gpt.named_parameters())  # wte replicated
+mib = lambda values: f"{values * 4 / 2**20:.1f} MiB"
+rows = [("5d dp2 tp2 ZeRO-3 (vocab-parallel embedding, all sharded over dp)", ours, 4 * ours / 2),
+        ("FSDP2+DTensor dp2 tp2 (embedding replicated over tp, all sharded over dp)", peer, 4 * peer / 2)]
+lines = ["", "Model state per rank at dp2 x tp2, counted (fp32 weight + gradient + 2 AdamW moments, sharded over dp; "
+         "both also hold one or two gathered blocks at a time for compute, not counted):", "",
+         "| run | parameters of one tp rank (before dp sharding) | model state per rank |", "|---|---|---|"]
+lines += [f"| {label} | {n:,} | {mib(values)} |" for label, n, values in rows]
+load = [float(x) for x in open("bench/runs/5d_zero3/loadavg.txt").read().split()]
+lines += ["", f"1-minute load average on the 2 cores while the sweep ran (sampled every 10 s): median "
+          f"{statistics.median(load):.1f}, range {min(load):.1f}-{max(load):.1f}, the sweep's own 2 or 4 ranks "
+          f"included. Other work shared the machine, so these figures are indicative."]
+with open("bench/results/5d_zero3.md", "a") as f:
+    f.write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
