@@ -212,7 +212,9 @@ def launch_command(job, row):
         flags.update(n_experts=cfg.n_experts, top_k=cfg.top_k)
     if cfg.capacity_factor:
         flags.update(capacity_factor=cfg.capacity_factor)
-    args = " ".join(f"--{k} {v}" for k, v in flags.items()) + (" --sp" if row["sp"] else "")
+    uneven = cfg.n_layer % (row["pp"] * row["v"]) != 0       # train_5d's --pp_uneven: plan.py's even_split
+    args = " ".join(f"--{k} {v}" for k, v in flags.items()) + (" --sp" if row["sp"] else "") + \
+        (" --pp_uneven" if uneven else "")
     return (f"torchrun --nnodes {max(1, job.gpus // job.gpus_per_node)} --nproc_per_node "
             f"{min(job.gpus, job.gpus_per_node)} train_5d.py {args}")
 
@@ -245,11 +247,12 @@ def print_table(job, rows, top):
     print(HEADER)
     print("\n".join(format_row(i + 1, r) for i, r in enumerate(rows[:top])))
     gpt = (job.n_kv_head in (0, cfg.n_head) and plan_shape.ffn(job) == 4 * cfg.n_embd and not job.gated and job.tied
-           and not (job.first_stage_layers or job.last_stage_layers) and rows[0]["recompute"] != "op")
+           and not (job.first_stage_layers or job.last_stage_layers or job.ends_as_layers)
+           and rows[0]["recompute"] != "op")
     print(("OOM: no layout fits (the smallest is first). " if rows[0]["oom"] else "")
           + f"{sum(not r['oom'] for r in rows)} of {len(rows)} layouts fit. Launch"
-          + ("" if gpt else " (model.py's GPT of this depth and width: train_5d has no GQA, SwiGLU, untied or uneven "
-                            "stages, nor recompute op)") + f":\n{launch_command(job, rows[0])}")
+          + ("" if gpt else " (model.py's GPT of this depth and width: train_5d has no GQA, SwiGLU, untied embeddings, "
+                            "stage sizes of its own, nor recompute op)") + f":\n{launch_command(job, rows[0])}")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -410,6 +410,9 @@ def extra_args(parser):
                              "it replaces the degree, schedule, micro-batch, ZeRO and recompute flags")
     parser.add_argument("--plan_gpu", default="", help="with --layout auto: plan as if on this GPU (a100, h100, "
                                                        "h200, b200; default: the GPU found)")
+    parser.add_argument("--pp_uneven", action="store_true",
+                        help="allow n_layer not divisible by pp*pp_virtual: the first n_layer %% (pp*pp_virtual) "
+                             "stages take one block more (train_pp's split, plan.py's default)")
     parser.add_argument("--reshard_after_forward", action=argparse.BooleanOptionalAction, default=True,
                         help="ZeRO-3: free each block's gathered weights after its forward and gather them again for "
                              "its backward (--no-reshard_after_forward: keep them until its backward is over)")
