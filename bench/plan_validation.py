@@ -13,6 +13,7 @@ ceilings x one software share from MosaicML's MPT-7B A100 row (common/plan_time.
 Every run ran, so the right OOM verdict for each is "fits".
 """
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -63,18 +64,94 @@ LLAMA3_405B = [llama3_405b("Llama 3 405B, 8K", 8192, 1, 8192, 430),
                llama3_405b("Llama 3 405B, 8K", 16384, 1, 8192, 400),
                llama3_405b("Llama 3 405B, 128K", 16384, 16, 131072, 380)]
 
-RUNS = sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + LLAMA3_405B
+
+KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198) Tables 3, 5; Megatron-LM README"
+
+
+def korthikanti(name, L, h, a, gpus, pp, gbs, mfu):
+    """A row of Korthikanti et al. 2022's end-to-end runs (their Table 3 configurations: t = 8, p as given, no data
+    parallelism, seq 2048, V = 51200, micro-batch 1, global batch = the GPUs' count / 8 x 8 micro-batches per stage
+    ... as the table lists it) with sequence parallelism and selective recompute, MFU as published (Megatron-LM README:
+    "Model FLOPs Utilization", the paper's model FLOPs 72BslH^2(1 + s/6h + V/12lh) = plan.py's 6N + 12Lhs).
+    Software: Megatron-LM 2022 (fused softmax, no flash kernel; dropout 0.1). Assumed: the non-interleaved 1F1B
+    schedule (the paper does not say it interleaved these runs)."""
+    lay = Layout(dp=1, tp=8, pp=pp, sp=True, micro_batch_size=1, recompute="selective")
+    return Setup(name, KORTHIKANTI, dict(n_layer=L, n_embd=h, n_head=a, vocab=51200, dropout=0.1), gpus, "a100",
+                 2048, gbs, lay, mfu, f"{100 * mfu:.1f}% MFU", "megatron-2022",
+                 dict(attn="eager", dp_overlap=True, pp_scatter_gather=True))
+
+
+KORTHIKANTI_RUNS = [korthikanti("22B", 48, 6144, 64, 8, 1, 4, 0.415),
+                    korthikanti("175B", 96, 12288, 96, 64, 8, 64, 0.514),
+                    korthikanti("530B", 105, 20480, 128, 280, 35, 280, 0.560),
+                    korthikanti("1T", 128, 25600, 160, 512, 64, 512, 0.563)]
+
+MTNLG = "Smith et al. 2022 (arXiv 2201.11990) Sec. 2.4"
+
+
+def mt_nlg(nodes, seconds):
+    """MT-NLG 530B (105 layers, h 20480, 128 heads, seq 2048, GPT-2's vocabulary of 50,257) on `nodes` DGX A100 80GB
+    nodes, global batch 1920, 8-way tensor and 35-way pipeline parallelism, data parallel over the rest: "the
+    latency per iteration observed is 60.1, 50.2 and 44.4 seconds" at 280, 350 and 420 nodes ("126, 121 and 113
+    teraFLOP/s per GPU", which count the recompute forward). MFU = 1920 x 2048 x (6N + 12Lhs) / (time x GPUs x 312T),
+    from the iteration time. Software: Megatron-DeepSpeed (Megatron's TP with its fused softmax, DeepSpeed's
+    pipeline engine: 1F1B, gradients reduced after the last micro-batch; full activation checkpointing). Assumed:
+    micro-batch 1, ZeRO-1 over dp, fp16/bf16 mixed-precision states of 16 bytes per parameter."""
+    gpus = 8 * nodes
+    shape = dict(n_layer=105, n_embd=20480, n_head=128, vocab=50257)
+    lay = Layout(dp=gpus // 280, tp=8, pp=35, zero_stage=1, micro_batch_size=1, recompute="full")
+    flops = 6 * (105 * 12 * 20480 ** 2 + 50304 * 20480) + 12 * 105 * 20480 * 2048
+    mfu = 1920 * 2048 * flops / (seconds * gpus * A100)
+    return Setup(f"MT-NLG 530B", MTNLG, shape, gpus, "a100", 2048, 1920, lay, mfu, f"{seconds} s/iteration",
+                 "megatron-deepspeed", dict(attn="eager", dp_overlap=False, pp_scatter_gather=False))
+
+
+MTNLG_RUNS = [mt_nlg(280, 60.1), mt_nlg(350, 50.2), mt_nlg(420, 44.4)]
+
+FOUNDRY = "MosaicML llm-foundry scripts/train/benchmarking/README.md"
+
+
+def mpt(name, L, h, a, gpus, gpu, mbs, gbs, checkpointing, tps_per_gpu, mfu_text, precision):
+    """A row of llm-foundry's MPT benchmark tables with 64 GPUs (MPT: GeLU MLP of 4h, full multi-head attention,
+    tied embeddings, vocabulary 50,368; seq 2048): Composer's FSDP FULL_SHARD (ZeRO-3, prefetching), its flash
+    attention, activation checkpointing (full recompute) where the row says so, micro-batch and global batch as
+    listed. MFU from the row's tokens/s/GPU x 6N + 12Lhs (its own MFU counts the learned position embedding too:
+    within 0.1%) over 312 / 989.5 TFLOP/s. The A100 kernel share in plan_time comes from this table's 7B / 8-GPU
+    A100 row (not among these). Memory as MPT runs: learned positions, no rotary copies (rope=False: the rows'
+    parameter counts grow with seq by seq x d, the learned position table), and llm-foundry's default loss, flash-attn's
+    fused cross-entropy on the 16-bit logits (llmfoundry/models/mpt/modeling_mpt.py: loss_fn 'fused_crossentropy'
+    unless configured otherwise). Micro-batches are Composer's automatic choice (the largest that fit)."""
+    lay = Layout(dp=gpus, zero_stage=3, micro_batch_size=mbs, recompute="full" if checkpointing else "none")
+    shape = dict(n_layer=L, n_embd=h, n_head=a, vocab=50368)
+    peak = H100_SXM if gpu == "h100" else A100
+    flops = 6 * (12 * L * h * h + 50368 * h) + 12 * L * h * 2048
+    job = dict(SOFTWARE["torchtitan"], precision=precision, rope=False, fused_loss=True)
+    return Setup(name, FOUNDRY, shape, gpus, gpu, 2048, gbs, lay, tps_per_gpu * flops / peak,
+                 f"{tps_per_gpu} TPS/GPU, {mfu_text} MFU", "llm-foundry", job)
+
+
+FOUNDRY_RUNS = [mpt("MPT 70B", 80, 8192, 64, 64, "a100", 8, 2048, True, 410, "53.33%", "bf16"),
+                mpt("MPT 70B", 80, 8192, 64, 64, "h100", 8, 2048, True, 1039, "42.57%", "amp"),
+                mpt("MPT 13B", 40, 5120, 40, 64, "h100", 2, 128, False, 4800, "39.86%", "amp"),
+                mpt("MPT 3B", 32, 2560, 20, 64, "h100", 6, 1152, False, 22525, "40.8%", "amp"),
+                mpt("MPT 1B", 24, 2048, 16, 64, "h100", 20, 1280, False, 44402, "40.85%", "amp")]
+
+RUNS = (sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + KORTHIKANTI_RUNS + MTNLG_RUNS + FOUNDRY_RUNS
+        + LLAMA3_405B)
 
 
 # the --software entry (plan_time.SOFTWARE) each publication's stack is; its row's Job fields are that entry's, but
 # for Megatron's two smallest rows, which ran torch DDP (overlapped) instead of its local DDP (run_table_1.sh)
-SOFTWARE_OF = {"megatron-2021": "megatron-2021", "torchtitan-2024-04": "torchtitan", "torchtitan-2024-12": "torchtitan",
+SOFTWARE_OF = {"megatron-2021": "megatron-2021", "megatron-2022": "megatron-2021 + SP", "megatron-deepspeed": "megatron-2021",
+               "llm-foundry": "torchtitan", "torchtitan-2024-04": "torchtitan", "torchtitan-2024-12": "torchtitan",
                "llama3": "llama3"}
 
 
 def predict(setup):
     """plan.py's prediction for the published layout: MFU (model FLOPs over the publication's peak) and memory."""
-    job = job_of(setup)
+    options = dict(setup.job)
+    precision = options.pop("precision", "bf16")         # job_of's default: bf16 states (K = 12)
+    job = dataclasses.replace(job_of(dataclasses.replace(setup, job=options)), precision=precision)
     row = evaluate(job, setup.layout)
     peak = H100_SXM if setup.gpu.startswith("h100") else A100
     mfu = row["tokens_per_s"] * plan_shape.flops_per_token(job) / (job.gpus * peak)

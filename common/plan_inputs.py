@@ -121,6 +121,10 @@ class Job:
     attn_eff: float = 0.0     # flash attention's share of peak; 0: plan_time.ATTN_EFF (FlashAttention-2's)
     causal: bool = True       # flash attention skips the masked half of the scores (time only; MFU counts all)
     moments: str = "fp32"     # AdamW m and v precision (bf16: 2 + 2 bytes instead of 4 + 4)
+    rope: bool = True         # rotary positions: q and k kept again after the rotation (model.py, Llama); False:
+                              # learned or ALiBi positions (GPT-2, MPT, BLOOM), nothing rotated kept
+    fused_loss: bool = False  # the cross-entropy computed in one kernel from the 16-bit logits (flash-attn's
+                              # xentropy, llm-foundry's default): no fp32 copy or softmax of the logits kept
 
     @property
     def shape(self):
@@ -214,6 +218,10 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("ends_as_layers", bool, None, "the embedding and the loss each take a layer's place in the pipeline "
           "split (Megatron-Core --account-for-embedding/loss-in-pipeline-split; default: the preset's, llama3-405b's "
           "as Llama 3 split it, else off)"),
+         ("rope", bool, True, "rotary position embedding (q and k kept again after the rotation); --no-rope: "
+          "learned or ALiBi positions"),
+         ("fused_loss", bool, False, "cross-entropy fused in one kernel on the 16-bit logits (flash-attn's xentropy, "
+          "llm-foundry's default): the logits and their gradient only, no fp32 copies"),
          ("dropout", float, 0.0, "dropout probability (masks kept for backward when > 0)"),
          ("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", int, 2, "experts per token"),
          ("capacity_factor", float, 0.0, "MoE expert capacity factor (0: dropless, expert memory at the even share; "
@@ -336,7 +344,7 @@ def build_job(a):
     return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb,
                eff=a.eff or 0.0, dp_overlap=a.dp_overlap, pp_scatter_gather=a.pp_scatter_gather, **options, first_stage_layers=a.first_stage_layers,
                last_stage_layers=a.last_stage_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,
-               causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0)
+               causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0, rope=a.rope, fused_loss=a.fused_loss)
 
 
 BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused
