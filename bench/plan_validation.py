@@ -25,7 +25,7 @@ from common import plan_shape  # noqa: E402
 from common.plan_inputs import GIB, MODELS, Layout  # noqa: E402
 from common.plan_time import SOFTWARE  # noqa: E402
 from plan import evaluate  # noqa: E402
-from plan_tables import A100, H100_SXM, SETUPS, Setup, describe, job_of, megatron, write_report  # noqa: E402
+from plan_tables import A100, H100_SXM, SETUPS, Setup, describe, job_of, megatron, megatron_mfu, write_report  # noqa: E402
 
 LLAMA3 = "Dubey et al. 2024 (arXiv 2407.21783) Table 4"
 
@@ -108,6 +108,23 @@ def mt_nlg(nodes, seconds):
 
 MTNLG_RUNS = [mt_nlg(280, 60.1), mt_nlg(350, 50.2), mt_nlg(420, 44.4)]
 
+BLOOM = "BigScience 2022: BLOOM 176B model page (bigscience.notion.site); Le Scao et al. 2022 (arXiv 2211.05100)"
+
+
+def bloom():
+    """BLOOM 176B (70 layers, h 14336, 112 heads, seq 2048, vocabulary 250,880, ALiBi: no rotary copies) on 384
+    A100 80GB of Jean Zay (48 nodes of 8 GPUs, NVLink inside, 4 Omni-Path 100 Gb/s links per node: 50 Gb/s per GPU),
+    Megatron-DeepSpeed with TP 4, PP 12, DP 8 and ZeRO-1, global batch 2048 sequences; "training throughput: about
+    150 TFLOPs" per GPU (the model page), Megatron-DeepSpeed's count with the recompute forward: converted as
+    Narayanan's rows are. Software as MT-NLG's (Megatron's fused softmax, DeepSpeed's 1F1B pipeline, gradients reduced
+    after the last micro-batch, full activation checkpointing). Assumed: micro-batch 2 (the training script's value
+    as recalled, not in the paper), no dropout."""
+    lay = Layout(dp=8, tp=4, pp=12, zero_stage=1, micro_batch_size=2, recompute="full")
+    shape = dict(n_layer=70, n_embd=14336, n_head=112, vocab=250880)
+    return Setup("BLOOM 176B", BLOOM, shape, 384, "a100", 2048, 2048, lay, megatron_mfu(150, 70, 14336, 2048, 250880),
+                 "about 150 TFLOP/s/GPU (with recompute)", "megatron-deepspeed",
+                 dict(attn="eager", dp_overlap=False, pp_scatter_gather=False, rope=False, net_gbps=50.0))
+
 FOUNDRY = "MosaicML llm-foundry scripts/train/benchmarking/README.md"
 
 
@@ -136,7 +153,7 @@ FOUNDRY_RUNS = [mpt("MPT 70B", 80, 8192, 64, 64, "a100", 8, 2048, True, 410, "53
                 mpt("MPT 3B", 32, 2560, 20, 64, "h100", 6, 1152, False, 22525, "40.8%", "amp"),
                 mpt("MPT 1B", 24, 2048, 16, 64, "h100", 20, 1280, False, 44402, "40.85%", "amp")]
 
-RUNS = (sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + KORTHIKANTI_RUNS + MTNLG_RUNS + FOUNDRY_RUNS
+RUNS = (sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + KORTHIKANTI_RUNS + MTNLG_RUNS + [bloom()] + FOUNDRY_RUNS
         + LLAMA3_405B)
 
 

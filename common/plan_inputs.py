@@ -123,6 +123,7 @@ class Job:
     moments: str = "fp32"     # AdamW m and v precision (bf16: 2 + 2 bytes instead of 4 + 4)
     rope: bool = True         # rotary positions: q and k kept again after the rotation (model.py, Llama); False:
                               # learned or ALiBi positions (GPT-2, MPT, BLOOM), nothing rotated kept
+    net_gbps: float = 0.0     # the cluster's network per GPU, Gb/s per direction (0: the GPU row's, a DGX's NICs)
     fused_loss: bool = False  # the cross-entropy computed in one kernel from the 16-bit logits (flash-attn's
                               # xentropy, llm-foundry's default): no fp32 copy or softmax of the logits kept
 
@@ -135,8 +136,9 @@ class Job:
 
     @property
     def hw(self):
-        """The GPU's HARDWARE row."""
-        return HARDWARE[self.gpu]
+        """The GPU's HARDWARE row (its network per GPU replaced by net_gbps where given)."""
+        row = HARDWARE[self.gpu]
+        return {**row, "net": self.net_gbps * 1e9 / 8} if self.net_gbps else row
 
     @property
     def peak(self):
@@ -227,7 +229,9 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("capacity_factor", float, 0.0, "MoE expert capacity factor (0: dropless, expert memory at the even share; "
           "> 0: bounded by the capacity)"),
          ("gpus", int, 8, "GPUs in all"), ("gpus_per_node", int, 8, "GPUs sharing NVLink"),
-         ("gpu", str, "h100", f"one of {', '.join(HARDWARE)}"), ("seq", int, 4096, "sequence length"),
+         ("gpu", str, "h100", f"one of {', '.join(HARDWARE)}"),
+         ("net_gbps", float, None, "network per GPU, Gb/s per direction (default: the GPU row's DGX NICs: A100 200, "
+          "H100 400)"), ("seq", int, 4096, "sequence length"),
          ("global_batch_tokens", str, "4M", "tokens per optimizer step (K/M/G binary)"),
          ("precision", str, "bf16", "bf16 (train_zero) | amp (fp32 states, bf16 autocast) | fp32"),
          ("moments", str, "fp32", "AdamW m and v precision: fp32 | bf16"),
@@ -304,6 +308,7 @@ def check_flags(a):
     check(a.n_experts >= 0, f"--n_experts must be >= 0 (0: dense), got {a.n_experts}")
     check(a.n_experts == 0 or a.top_k <= a.n_experts, f"--top_k {a.top_k} exceeds --n_experts {a.n_experts}")
     check(a.capacity_factor >= 0, f"--capacity_factor must be >= 0 (0: dropless), got {a.capacity_factor}")
+    check(a.net_gbps is None or a.net_gbps > 0, f"--net_gbps must be positive, got {a.net_gbps}")
     check(a.bucket_mb > 0, f"--bucket_mb must be positive, got {a.bucket_mb}")
     check(a.eff is None or 0 < a.eff <= 1, f"--eff is a fraction of peak in (0, 1], got {a.eff}")
     check(a.attn_eff is None or 0 < a.attn_eff <= 1, f"--attn_eff is a fraction of peak in (0, 1], got {a.attn_eff}")
@@ -344,7 +349,8 @@ def build_job(a):
     return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb,
                eff=a.eff or 0.0, dp_overlap=a.dp_overlap, pp_scatter_gather=a.pp_scatter_gather, **options, first_stage_layers=a.first_stage_layers,
                last_stage_layers=a.last_stage_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,
-               causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0, rope=a.rope, fused_loss=a.fused_loss)
+               causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0, rope=a.rope, fused_loss=a.fused_loss,
+               net_gbps=a.net_gbps or 0.0)
 
 
 BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused
