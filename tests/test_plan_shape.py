@@ -242,3 +242,15 @@ def test_no_rope_and_fused_loss_change_exactly_their_terms():
     assert not preset("llama3-8b").fused_loss and preset("llama3-8b").rope
     job = build_job(parse_args(["--model", "gpt2", "--no-rope", "--fused_loss"], ""))
     assert not job.rope and job.fused_loss
+
+
+def test_net_gbps_replaces_the_network_per_gpu():
+    """--net_gbps 50 (BLOOM's Jean Zay: 4 x 100 Gb/s Omni-Path per 8 GPUs) is 6.25 GB/s per GPU: a dp ring across 2
+    nodes of 8 moves through its 8 members' NICs at 8 x 6.25 GB/s x LINK_EFF; NVLink and the rest of the row stay."""
+    cfg = GPTConfig(vocab_size=1000, block_size=256, n_layer=4, n_head=8, n_embd=256)
+    job = job_for(cfg, gpus=16, gpu="a100")
+    slow = replace(job, net_gbps=50.0)
+    assert slow.hw["net"] == 6.25e9 and slow.hw["nvlink"] == job.hw["nvlink"] and job.hw["net"] == 25e9
+    lay = Layout(dp=16)
+    assert plan.link_bandwidth(slow, lay, "dp") == pytest.approx(8 * 6.25e9 * 0.8)
+    assert plan.link_bandwidth(job, lay, "dp") == pytest.approx(min(300e9, 8 * 25e9) * 0.8)
