@@ -9,8 +9,8 @@ The runs: every row of Narayanan et al. 2021, Table 1 (A100, s = 2048, 32-3,072 
 bench/plan_tables.md, six are not), torchtitan's Llama 3 rows (A100 and H100, s = 8192) with Llama 3's published
 shapes, Korthikanti et al. 2022's four runs with sequence parallelism and selective recompute (A100, 8-512 GPUs),
 MT-NLG 530B at 2,240-3,360 A100 (Smith et al. 2022), BLOOM 176B (384 A100, Megatron-DeepSpeed), llm-foundry's
-MPT rows on 64 and 128 GPUs (A100 80GB and 40GB, H100; FSDP) and Llama 3 405B's pre-training stages (Dubey et al. 2024, Table 4: H100,
-s = 8,192 and 131,072, 8,192 and 16,384 GPUs). Nothing in plan.py was fitted to any of them: its compute efficiency
+MPT rows on 64 and 128 GPUs (A100 80GB and 40GB, H100; FSDP) and Llama 3 405B's pre-training stages (Dubey et
+al. 2024, Table 4: H100, s = 8,192 and 131,072, 8,192 and 16,384 GPUs). Nothing in plan.py was fitted to any of them: its compute efficiency
 is measured GEMM and attention ceilings x one software share from MosaicML's MPT-7B / 8-GPU A100 row
 (common/plan_time.py), its latencies NCCL's. Every run ran, so the right OOM verdict for each is "fits". Left out
 for want of a figure that can be checked: OPT-175B's 147 TFLOP/s (Zhang et al. 2022: its FLOP count, with or
@@ -30,7 +30,8 @@ from common import plan_shape  # noqa: E402
 from common.plan_inputs import GIB, MODELS, Layout  # noqa: E402
 from common.plan_time import SOFTWARE  # noqa: E402
 from plan import evaluate  # noqa: E402
-from plan_tables import A100, H100_SXM, SETUPS, Setup, describe, job_of, megatron, megatron_mfu, write_report  # noqa: E402
+from plan_tables import (A100, H100_SXM, SETUPS, Setup, describe, job_of, megatron, megatron_mfu,  # noqa: E402
+                         write_report)
 
 LLAMA3 = "Dubey et al. 2024 (arXiv 2407.21783) Table 4"
 
@@ -108,7 +109,7 @@ def mt_nlg(nodes, seconds):
     lay = Layout(dp=gpus // 280, tp=8, pp=35, zero_stage=1, micro_batch_size=1, recompute="full")
     flops = 6 * (105 * 12 * 20480 ** 2 + 50304 * 20480) + 12 * 105 * 20480 * 2048
     mfu = 1920 * 2048 * flops / (seconds * gpus * A100)
-    return Setup(f"MT-NLG 530B", MTNLG, shape, gpus, "a100", 2048, 1920, lay, mfu, f"{seconds} s/iteration",
+    return Setup("MT-NLG 530B", MTNLG, shape, gpus, "a100", 2048, 1920, lay, mfu, f"{seconds} s/iteration",
                  "megatron-deepspeed", dict(attn="eager", dp_overlap=False, pp_scatter_gather=False))
 
 
@@ -140,7 +141,8 @@ def mpt(name, L, h, a, gpus, gpu, mbs, gbs, checkpointing, tps_per_gpu, mfu_text
     tied embeddings, vocabulary 50,368; seq 2048): Composer's FSDP FULL_SHARD (ZeRO-3, prefetching), its flash
     attention, activation checkpointing (full recompute) where the row says so, micro-batch and global batch as
     listed; the table's mixed-precision mode (PURE: bf16 gathers and reductions, plan.py's bf16 recipe; DEFAULT:
-    fp32 reductions, its amp recipe; fp32 sharded states either way). MFU from the row's tokens/s/GPU x 6N + 12Lhs (its own MFU counts the learned position embedding too:
+    fp32 reductions, its amp recipe; fp32 sharded states either way). MFU from the row's tokens/s/GPU x 6N + 12Lhs
+    (its own MFU counts the learned position embedding too:
     within 0.1%) over 312 / 989.5 TFLOP/s. The A100 kernel share in plan_time comes from this table's 7B / 8-GPU
     A100 row (not among these). Memory as MPT runs: learned positions, no rotary copies (rope=False: the rows'
     parameter counts grow with seq by seq x d, the learned position table), and llm-foundry's default loss, flash-attn's
@@ -171,13 +173,14 @@ FOUNDRY_RUNS = [mpt("MPT 70B", *MPT["m70"], 64, "a100", 8, 2048, True, 410, "53.
                 mpt("MPT 3B", *MPT["m3"], 64, "h100", 6, 1152, False, 22525, "40.8%", "DEFAULT"),
                 mpt("MPT 1B", *MPT["m1"], 64, "h100", 20, 1280, False, 44402, "40.85%", "DEFAULT")]
 
-RUNS = (sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + KORTHIKANTI_RUNS + MTNLG_RUNS + [bloom()] + FOUNDRY_RUNS
-        + LLAMA3_405B)
+RUNS = (sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + KORTHIKANTI_RUNS + MTNLG_RUNS + [bloom()]
+        + FOUNDRY_RUNS + LLAMA3_405B)
 
 
 # the --software entry (plan_time.SOFTWARE) each publication's stack is; its row's Job fields are that entry's, but
 # for Megatron's two smallest rows, which ran torch DDP (overlapped) instead of its local DDP (run_table_1.sh)
-SOFTWARE_OF = {"megatron-2021": "megatron-2021", "megatron-2022": "megatron-2021 + SP", "megatron-deepspeed": "megatron-2021",
+SOFTWARE_OF = {"megatron-2021": "megatron-2021", "megatron-2022": "megatron-2021 + SP",
+               "megatron-deepspeed": "megatron-2021",
                "llm-foundry": "torchtitan", "torchtitan-2024-04": "torchtitan", "torchtitan-2024-12": "torchtitan",
                "llama3": "llama3"}
 

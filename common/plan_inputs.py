@@ -29,11 +29,12 @@ from common.plan_time import SOFTWARE
 GIB = 2 ** 30
 # Per GPU. peak: metrics.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per
 # direction): NVIDIA datasheets (A100 80GB SXM: NVLink3 600 GB/s, DGX A100 8x HDR 200 Gb/s; H100 SXM: NVLink4
-# 900 GB/s, DGX H100 8x NDR 400 Gb/s; A100 40GB SXM: HBM2 1,555 GB/s; H200 141 GB; HGX B200 180 GB, NVLink5 1.8 TB/s). The compute efficiency of
+# 900 GB/s, DGX H100 8x NDR 400 Gb/s; H200 141 GB; HGX B200 180 GB, NVLink5 1.8 TB/s). The compute efficiency of
 # each GPU is plan_time's: its measured GEMM and attention ceilings x a software share, each cited there.
 # h100-hbm2e: torchtitan's Grand Teton H100 (benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e at 2.4 TB/s,
 # 500 W, 400 Gb/s per GPU), whose dense peak that file puts "between SXM and NVL", exact value unknown: NVL's
 # 835.5 TFLOP/s is taken (the lower bound).
+# a100-40gb: A100 40GB SXM (HBM2 at 1,555 GB/s, NVIDIA A100 datasheet), the other numbers A100 80GB's.
 HARDWARE = {
     "a100": dict(peak="A100", mem=80 * GIB, hbm=2.039e12, nvlink=300e9, net=25e9),
     "a100-40gb": dict(peak="A100", mem=40 * GIB, hbm=1.555e12, nvlink=300e9, net=25e9),

@@ -242,7 +242,8 @@ def activation_bytes(job, lay, rank):
 
 def other_bytes(job, lay, rank, groups):
     """Working sets beside states and activations: the logits of one micro-batch in compute dtype plus their fp32
-    copy (s*b*V/t*(bpv + 4), last stage; with a fused loss their gradient alone, s*b*V/t*bpv); ZeRO-2's two gradient buffers in flight (2 * largest bucket * g);
+    copy (s*b*V/t*(bpv + 4), last stage; with a fused loss their gradient alone, s*b*V/t*bpv); ZeRO-2's two
+    gradient buffers in flight (2 * largest bucket * g);
     ZeRO-3's gathered current + prefetched unit and the unit's full gradient ((2p + g) * largest unit); amp's bf16
     copies of the weights (2 bytes per rank parameter; under ZeRO-3 only those of the two gathered units); p2p
     buffers (2 b*s*h values, /t under SP); CP's K/V in flight (2 * 2b*s*h/t values); FRAMEWORK_BYTES."""

@@ -22,8 +22,10 @@ from common import plan_shape
 # Matmul FLOPS comparison table" (https://github.com/stas00/ml-engineering): A100 SXM 267.9 of 312 TFLOP/s (CUDA
 # 12.1), H100 SXM 792.1 of 989 (CUDA 12.1). The benchmark follows Anthony et al. 2024, "The Case for Co-Designing
 # Model Architectures with Hardware" (arXiv 2401.14489). H200 is H100's chip and clocks with more HBM: H100's row
-# (an assumption); A100 40GB is A100's chip and clocks with less and slower HBM: A100's rows; h100-hbm2e (500 W) and B200 have no measured row: H100's fraction (an assumption, see docs).
-GEMM_EFF = {"a100": 267.9 / 312, "a100-40gb": 267.9 / 312, "h100": 792.1 / 989, "h100-hbm2e": 792.1 / 989, "h200": 792.1 / 989,
+# (an assumption); A100 40GB is A100's chip and clocks with less and slower HBM: A100's rows; h100-hbm2e (500 W)
+# and B200 have no measured row: H100's fraction (an assumption, see docs).
+GEMM_EFF = {"a100": 267.9 / 312, "a100-40gb": 267.9 / 312,
+            "h100": 792.1 / 989, "h100-hbm2e": 792.1 / 989, "h200": 792.1 / 989,
             "b200": 792.1 / 989}
 
 # Fraction of peak a flash-attention kernel reaches, forward + backward, on the executed FLOPs of plan's count (4 h s

@@ -231,7 +231,8 @@ def test_no_rope_and_fused_loss_change_exactly_their_terms():
         job = job_for(cfg, n_kv_head=kv)
         lay = Layout(dp=8 // tp, tp=tp, micro_batch_size=2)
         s, b, h, bpv = 256, 2, 256, 2
-        drop = plan_memory.layer_activation_bytes(job, lay) - plan_memory.layer_activation_bytes(replace(job, rope=False), lay)
+        rotary = plan_memory.layer_activation_bytes(job, lay)
+        drop = rotary - plan_memory.layer_activation_bytes(replace(job, rope=False), lay)
         assert drop == s * b * (h + plan_shape.kv_dim(job)) * bpv / tp
     job, lay = job_for(cfg), Layout(dp=8, micro_batch_size=2)
     V, fused = cfg.padded_vocab_size, replace(job_for(cfg), fused_loss=True)
