@@ -185,7 +185,7 @@ def test_plan_validation_script(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| run ")]
     n = len(validation.RUNS)
     assert len(rows) == n and n >= 29
-    errors = [int(re.search(r"\| [\d.]+% \(([+-]\d+)%\) \|", r).group(1)) for r in rows]
+    errors = [float(re.search(r"\| [\d.]+% \(([+-][\d.]+)%\) \|", r).group(1)) for r in rows]
     within = sum(abs(e) <= 15 for e in errors)
     fits = sum(r.endswith("| fits |") for r in rows)
     assert f"within 15% of the published: {within} of {n}" in text and f"(the run fits): {fits} of {n}" in text
