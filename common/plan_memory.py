@@ -179,8 +179,9 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
     flash attention the 5as/h scores term is not stored, as with selective recompute), plus what this model keeps
     beyond the paper's count: q and k before and after RoPE (+2sbh/t values; none without RoPE, job.rope False:
     learned or ALiBi positions), the fp32 log-sum-exp of the fused attention (a*s*b*4/t bytes, gone with selective
-    recompute), two LayerNorms' mean and rstd (16sb bytes, /t under SP), and an MoE block's moe_extra_bytes (extras=False: the paper's count alone). train_cp's attention
-    output is laid out as SDPA's, so c_proj's input is a view of the one saved copy under cp too."""
+    recompute), two LayerNorms' mean and rstd (16sb bytes, /t under SP), and an MoE block's moe_extra_bytes
+    (extras=False: the paper's count alone). train_cp's attention output is laid out as SDPA's, so c_proj's input is
+    a view of the one saved copy under cp too."""
     cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
     s, b, h = job.cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     if lay.recompute == "op":
@@ -242,9 +243,10 @@ def activation_bytes(job, lay, rank):
 def other_bytes(job, lay, rank, groups):
     """Working sets beside states and activations: the logits of one micro-batch in compute dtype plus their fp32
     copy (s*b*V/t*(bpv + 4), last stage; with a fused loss their gradient alone, s*b*V/t*bpv); ZeRO-2's two
-    gradient buffers in flight (2 * largest bucket * g); ZeRO-3's gathered current + prefetched unit and the unit's full gradient ((2p + g) * largest unit); amp's bf16
-    copies of the weights (2 bytes per rank parameter; under ZeRO-3 only those of the two gathered units); p2p
-    buffers (2 b*s*h values, /t under SP); CP's K/V in flight (2 * 2b*s*h/t values); FRAMEWORK_BYTES."""
+    gradient buffers in flight (2 * largest bucket * g); ZeRO-3's gathered current + prefetched unit and the unit's
+    full gradient ((2p + g) * largest unit); amp's bf16 copies of the weights (2 bytes per rank parameter; under
+    ZeRO-3 only those of the two gathered units); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
+    (2 * 2b*s*h/t values); FRAMEWORK_BYTES."""
     cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     sizes = model_state_bytes_per_param(recipe, job.moments)
