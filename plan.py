@@ -248,11 +248,12 @@ def print_table(job, rows, top):
     print("\n".join(format_row(i + 1, r) for i, r in enumerate(rows[:top])))
     gpt = (job.n_kv_head in (0, cfg.n_head) and plan_shape.ffn(job) == 4 * cfg.n_embd and not job.gated and job.tied
            and not (job.first_stage_layers or job.last_stage_layers or job.ends_as_layers)
-           and rows[0]["recompute"] != "op")
+           and rows[0]["recompute"] != "op" and job.rope and not job.fused_loss)
     print(("OOM: no layout fits (the smallest is first). " if rows[0]["oom"] else "")
           + f"{sum(not r['oom'] for r in rows)} of {len(rows)} layouts fit. Launch"
           + ("" if gpt else " (model.py's GPT of this depth and width: train_5d has no GQA, SwiGLU, untied embeddings, "
-                            "stage sizes of its own, nor recompute op)") + f":\n{launch_command(job, rows[0])}")
+                            "stage sizes of its own, learned positions, a fused loss, nor recompute op)")
+          + f":\n{launch_command(job, rows[0])}")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -34,8 +34,10 @@ GIB = 2 ** 30
 # h100-hbm2e: torchtitan's Grand Teton H100 (benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e at 2.4 TB/s,
 # 500 W, 400 Gb/s per GPU), whose dense peak that file puts "between SXM and NVL", exact value unknown: NVL's
 # 835.5 TFLOP/s is taken (the lower bound).
+# a100-40gb: A100 40GB SXM (HBM2 at 1,555 GB/s, NVIDIA A100 datasheet), the other numbers A100 80GB's.
 HARDWARE = {
     "a100": dict(peak="A100", mem=80 * GIB, hbm=2.039e12, nvlink=300e9, net=25e9),
+    "a100-40gb": dict(peak="A100", mem=40 * GIB, hbm=1.555e12, nvlink=300e9, net=25e9),
     "h100": dict(peak="H100", mem=80 * GIB, hbm=3.35e12, nvlink=450e9, net=50e9),
     "h100-hbm2e": dict(peak="H100", board="NVL", mem=96e9, hbm=2.4e12, nvlink=450e9, net=50e9),
     "h200": dict(peak="H200", mem=141e9, hbm=4.8e12, nvlink=450e9, net=50e9),
@@ -121,6 +123,11 @@ class Job:
     attn_eff: float = 0.0     # flash attention's share of peak; 0: plan_time.ATTN_EFF (FlashAttention-2's)
     causal: bool = True       # flash attention skips the masked half of the scores (time only; MFU counts all)
     moments: str = "fp32"     # AdamW m and v precision (bf16: 2 + 2 bytes instead of 4 + 4)
+    rope: bool = True         # rotary positions: q and k kept again after the rotation (model.py, Llama); False:
+                              # learned or ALiBi positions (GPT-2, MPT, BLOOM), nothing rotated kept
+    net_gbps: float = 0.0     # the cluster's network per GPU, Gb/s per direction (0: the GPU row's, a DGX's NICs)
+    fused_loss: bool = False  # the cross-entropy computed in one kernel from the 16-bit logits (flash-attn's
+                              # xentropy, llm-foundry's default): no fp32 copy or softmax of the logits kept
 
     @property
     def shape(self):
@@ -131,8 +138,9 @@ class Job:
 
     @property
     def hw(self):
-        """The GPU's HARDWARE row."""
-        return HARDWARE[self.gpu]
+        """The GPU's HARDWARE row (its network per GPU replaced by net_gbps where given)."""
+        row = HARDWARE[self.gpu]
+        return {**row, "net": self.net_gbps * 1e9 / 8} if self.net_gbps else row
 
     @property
     def peak(self):
@@ -214,12 +222,18 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("ends_as_layers", bool, None, "the embedding and the loss each take a layer's place in the pipeline "
           "split (Megatron-Core --account-for-embedding/loss-in-pipeline-split; default: the preset's, llama3-405b's "
           "as Llama 3 split it, else off)"),
+         ("rope", bool, True, "rotary position embedding (q and k kept again after the rotation); --no-rope: "
+          "learned or ALiBi positions"),
+         ("fused_loss", bool, False, "cross-entropy fused in one kernel on the 16-bit logits (flash-attn's xentropy, "
+          "llm-foundry's default): the logits and their gradient only, no fp32 copies"),
          ("dropout", float, 0.0, "dropout probability (masks kept for backward when > 0)"),
          ("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", int, 2, "experts per token"),
          ("capacity_factor", float, 0.0, "MoE expert capacity factor (0: dropless, expert memory at the even share; "
           "> 0: bounded by the capacity)"),
          ("gpus", int, 8, "GPUs in all"), ("gpus_per_node", int, 8, "GPUs sharing NVLink"),
-         ("gpu", str, "h100", f"one of {', '.join(HARDWARE)}"), ("seq", int, 4096, "sequence length"),
+         ("gpu", str, "h100", f"one of {', '.join(HARDWARE)}"),
+         ("net_gbps", float, None, "network per GPU, Gb/s per direction (default: the GPU row's DGX NICs: A100 200, "
+          "H100 400)"), ("seq", int, 4096, "sequence length"),
          ("global_batch_tokens", str, "4M", "tokens per optimizer step (K/M/G binary)"),
          ("precision", str, "bf16", "bf16 (train_zero) | amp (fp32 states, bf16 autocast) | fp32"),
          ("moments", str, "fp32", "AdamW m and v precision: fp32 | bf16"),
@@ -296,6 +310,7 @@ def check_flags(a):
     check(a.n_experts >= 0, f"--n_experts must be >= 0 (0: dense), got {a.n_experts}")
     check(a.n_experts == 0 or a.top_k <= a.n_experts, f"--top_k {a.top_k} exceeds --n_experts {a.n_experts}")
     check(a.capacity_factor >= 0, f"--capacity_factor must be >= 0 (0: dropless), got {a.capacity_factor}")
+    check(a.net_gbps is None or a.net_gbps > 0, f"--net_gbps must be positive, got {a.net_gbps}")
     check(a.bucket_mb > 0, f"--bucket_mb must be positive, got {a.bucket_mb}")
     check(a.eff is None or 0 < a.eff <= 1, f"--eff is a fraction of peak in (0, 1], got {a.eff}")
     check(a.attn_eff is None or 0 < a.attn_eff <= 1, f"--attn_eff is a fraction of peak in (0, 1], got {a.attn_eff}")
@@ -336,7 +351,8 @@ def build_job(a):
     return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb,
                eff=a.eff or 0.0, dp_overlap=a.dp_overlap, pp_scatter_gather=a.pp_scatter_gather, **options, first_stage_layers=a.first_stage_layers,
                last_stage_layers=a.last_stage_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,
-               causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0)
+               causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0, rope=a.rope, fused_loss=a.fused_loss,
+               net_gbps=a.net_gbps or 0.0)
 
 
 BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused

@@ -177,10 +177,11 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
     """Bytes one block keeps for backward for one micro-batch of b sequences of s = seq/cp tokens:
     tp_activation_bytes_per_layer (Korthikanti eq. 2 with TP: sbh(10 + 24/t + 5as/(ht)), TP+SP: /t; with
     flash attention the 5as/h scores term is not stored, as with selective recompute), plus what this model keeps
-    beyond the paper's count: q and k before and after RoPE (+2sbh/t values), the fp32 log-sum-exp of the fused
-    attention (a*s*b*4/t bytes, gone with selective recompute), two LayerNorms' mean and rstd (16sb bytes, /t
-    under SP), and an MoE block's moe_extra_bytes (extras=False: the paper's count alone). train_cp's attention
-    output is laid out as SDPA's, so c_proj's input is a view of the one saved copy under cp too."""
+    beyond the paper's count: q and k before and after RoPE (+2sbh/t values; none without RoPE, job.rope False:
+    learned or ALiBi positions), the fp32 log-sum-exp of the fused attention (a*s*b*4/t bytes, gone with selective
+    recompute), two LayerNorms' mean and rstd (16sb bytes, /t under SP), and an MoE block's moe_extra_bytes
+    (extras=False: the paper's count alone). train_cp's attention output is laid out as SDPA's, so c_proj's input is
+    a view of the one saved copy under cp too."""
     cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
     s, b, h = job.cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     if lay.recompute == "op":
@@ -195,6 +196,7 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
     lse = cfg.n_head * s * b * 4 / t if (lay.recompute == "none" and job.attn == "flash") else 0
     extra = 2 * s * b * h * bpv / t + lse + 16 * s * b / (t if lay.sp else 1)
     extra += s * b * activation_delta_values(job) * bpv / t
+    extra -= 0 if job.rope else s * b * (h + kv_dim(job)) * bpv / t    # no rotated q (h) and k (kv) copies
     if moe:
         extra += moe_extra_bytes(job, lay)
     return base + extra
@@ -202,11 +204,14 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
 
 def head_activation_bytes(job, lay):
     """Last stage, per micro-batch: ln_f input and LM-head input (2sbh values, /t under SP), their stats and the
-    targets (16sb bytes), the fp32 softmax of the (vocab-parallel) cross-entropy (4*s*b*V/t) and the RoPE table."""
+    targets (16sb bytes), the fp32 softmax of the (vocab-parallel) cross-entropy (4*s*b*V/t; a fused loss,
+    job.fused_loss, keeps the 16-bit logits and an fp32 log-sum-exp per token instead: flash-attn's
+    losses/cross_entropy.py saves logits, lse and labels for its backward) and the RoPE table."""
     cfg, bpv = job.cfg, PRECISION[job.precision][1]
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
-    return (2 * s * b * h * bpv / (lay.tp if lay.sp else 1) + 16 * s * b + 4 * s * b * cfg.padded_vocab_size / lay.tp
-            + s * (h // cfg.n_head) * 4)
+    loss = (bpv * s * b * cfg.padded_vocab_size / lay.tp + 4 * s * b if job.fused_loss
+            else 4 * s * b * cfg.padded_vocab_size / lay.tp)
+    return 2 * s * b * h * bpv / (lay.tp if lay.sp else 1) + 16 * s * b + loss + s * (h // cfg.n_head) * 4
 
 
 def in_flight(schedule, p, m, v, rank):
@@ -237,16 +242,17 @@ def activation_bytes(job, lay, rank):
 
 def other_bytes(job, lay, rank, groups):
     """Working sets beside states and activations: the logits of one micro-batch in compute dtype plus their fp32
-    copy (s*b*V/t*(bpv + 4), last stage); ZeRO-2's two gradient buffers in flight (2 * largest bucket * g);
-    ZeRO-3's gathered current + prefetched unit and the unit's full gradient ((2p + g) * largest unit); amp's bf16
-    copies of the weights (2 bytes per rank parameter; under ZeRO-3 only those of the two gathered units); p2p
-    buffers (2 b*s*h values, /t under SP); CP's K/V in flight (2 * 2b*s*h/t values); FRAMEWORK_BYTES."""
+    copy (s*b*V/t*(bpv + 4), last stage; with a fused loss their gradient alone, s*b*V/t*bpv); ZeRO-2's two
+    gradient buffers in flight (2 * largest bucket * g); ZeRO-3's gathered current + prefetched unit and the unit's
+    full gradient ((2p + g) * largest unit); amp's bf16 copies of the weights (2 bytes per rank parameter; under
+    ZeRO-3 only those of the two gathered units); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
+    (2 * 2b*s*h/t values); FRAMEWORK_BYTES."""
     cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     sizes = model_state_bytes_per_param(recipe, job.moments)
     out = FRAMEWORK_BYTES
-    if rank == end_ranks(lay)[1]:
-        out += s * b * cfg.padded_vocab_size / lay.tp * (bpv + (4 if bpv < 4 else 0))
+    if rank == end_ranks(lay)[1]:       # fused loss: the logits' gradient alone (the logits are its saved input)
+        out += s * b * cfg.padded_vocab_size / lay.tp * (bpv + (4 if bpv < 4 and not job.fused_loss else 0))
     if lay.zero_stage == 2:
         out += 2 * max(groups) * sizes["grads"]
     if lay.zero_stage == 3:

@@ -22,8 +22,10 @@ from common import plan_shape
 # Matmul FLOPS comparison table" (https://github.com/stas00/ml-engineering): A100 SXM 267.9 of 312 TFLOP/s (CUDA
 # 12.1), H100 SXM 792.1 of 989 (CUDA 12.1). The benchmark follows Anthony et al. 2024, "The Case for Co-Designing
 # Model Architectures with Hardware" (arXiv 2401.14489). H200 is H100's chip and clocks with more HBM: H100's row
-# (an assumption); h100-hbm2e (500 W) and B200 have no measured row: H100's fraction (an assumption, see docs).
-GEMM_EFF = {"a100": 267.9 / 312, "h100": 792.1 / 989, "h100-hbm2e": 792.1 / 989, "h200": 792.1 / 989,
+# (an assumption); A100 40GB is A100's chip and clocks with less and slower HBM: A100's rows; h100-hbm2e (500 W)
+# and B200 have no measured row: H100's fraction (an assumption, see docs).
+GEMM_EFF = {"a100": 267.9 / 312, "a100-40gb": 267.9 / 312,
+            "h100": 792.1 / 989, "h100-hbm2e": 792.1 / 989, "h200": 792.1 / 989,
             "b200": 792.1 / 989}
 
 # Fraction of peak a flash-attention kernel reaches, forward + backward, on the executed FLOPs of plan's count (4 h s
@@ -34,7 +36,7 @@ GEMM_EFF = {"a100": 267.9 / 312, "h100": 792.1 / 989, "h100-hbm2e": 792.1 / 989,
 # count the backward as 2.5x the forward (benchmark_flash_attention.py: fwd_bwd = 3.5 f), plan counts 2x: their
 # utilization x 3 / 3.5 on plan's count. H200 and B200: H100's (an assumption). --attn_eff overrides it (e.g. for
 # FlashAttention-3 or cuDNN's fused attention).
-FLASH_UTILIZATION = {"a100": 0.50, "h100": 0.35, "h100-hbm2e": 0.35, "h200": 0.35, "b200": 0.35}
+FLASH_UTILIZATION = {"a100": 0.50, "a100-40gb": 0.50, "h100": 0.35, "h100-hbm2e": 0.35, "h200": 0.35, "b200": 0.35}
 ATTN_EFF = {gpu: u * 3 / 3.5 for gpu, u in FLASH_UTILIZATION.items()}
 
 # What a training step spends beyond its GEMM and attention kernels: the memory-bound kernels (norms, activations,

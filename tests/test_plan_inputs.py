@@ -75,6 +75,8 @@ BAD = [
     (BASE + ["--capacity_factor", "inf"], "invalid float value: 'inf'"),
     (BASE + ["--bucket_mb", "0"], "--bucket_mb must be positive"),
     (BASE + ["--bucket_mb", "nan"], "invalid float value"),
+    (BASE + ["--net_gbps", "0"], "--net_gbps must be positive"),
+    (BASE + ["--net_gbps", "-50"], "--net_gbps must be positive"),
     (BASE + ["--gpus", "eight"], "invalid int value: 'eight'"),
     (BASE + ["--global_batch_tokens", "lots"], "cannot read"),
     (BASE + ["--global_batch_tokens=-4M"], "cannot read"),
