@@ -125,13 +125,13 @@ def _bitwise(rank, world, argv):
 
 
 def test_uneven_stages_are_train_single(text_reference_for, text_data, tmp_path):
-    """--pp_uneven: 3 layers on 2 stages (the first takes 2, train_pp's split and plan.py's), with dp 2 and ZeRO-1;
-    plan.py's launch line for a layout whose stages do not divide the layers carries the flag."""
+    """--pp_uneven: 4 layers on 3 stages (2, 1, 1: train_pp's split and plan.py's) under 1f1b; plan.py's launch
+    line for a layout whose stages do not divide the layers carries the flag."""
     import plan
     out = str(tmp_path / "run")
-    run_workers(_runs, 4, args=([text_argv(text_data, out, **MODELS["L3"], dp=2, pp=2, zero_stage=1,
-                                           micro_batch_size=2, pp_uneven=True)],), timeout=900)
-    assert_exact(text_reference_for("L3")[0], curves(out))
+    run_workers(_runs, 3, args=([text_argv(text_data, out, **MODELS["L4"], pp=3, micro_batch_size=2,
+                                           pp_uneven=True)],), timeout=900)
+    assert_exact(text_reference_for("L4")[0], curves(out))
     job = plan.build_job(plan.parse_args(["--n_layer", "3", "--n_embd", "64", "--n_head", "4", "--vocab", "64",
                                           "--gpus", "2", "--seq", "32", "--global_batch_tokens", "256"], ""))
     row = plan.evaluate(job, plan.Layout(dp=1, pp=2, micro_batch_size=1))

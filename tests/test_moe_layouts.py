@@ -87,7 +87,7 @@ def test_resume_across_layouts_keeps_the_router_load(text_data, tmp_path):
     (dict(dp=2, ep=4, n_experts=8), "--ep 4 must divide dp*cp = 2"),
     (dict(dp=2, ep=2, n_experts=3), "needs --n_experts > 0 and divisible by it"),
     (dict(dp=2, ep=2), "needs --n_experts > 0"),
-    (dict(dp=2, ep=2, n_experts=4, zero_stage=3), "use --zero_stage 2"),
+    (dict(dp=2, ep=2, n_experts=4, moe_every=5), "--moe_every 5 > --n_layer: no MoE block"),
 ])
 def test_bad_ep_layout_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys, overrides, message):
     import train_5d
