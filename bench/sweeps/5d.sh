@@ -47,31 +47,4 @@ harness --name 5d --title "train_5d vs the rungs it composes and vs PyTorch's 2-
 
 kill "$FIVED_LOAD_PID"
 trap - EXIT
-# model state per rank at dp2 x tp2, counted from the model's parameters (fp32: weight, gradient, 2 AdamW moments)
-$PYTHON - <<'PY'
-import json, os, statistics
-import torch
-from common.data import DEFAULT_DATA_DIR
-from model import GPT, GPTConfig
-vocab = json.load(open(os.path.join(DEFAULT_DATA_DIR, "meta.json")))["vocab_size"]
-with torch.device("meta"):
-    gpt = GPT(GPTConfig(vocab_size=vocab, n_layer=4, n_head=4, n_embd=256, block_size=128))
-tp_split = (".c_attn.weight", ".c_attn.bias", ".c_fc.weight", ".c_fc.bias", ".c_proj.weight")   # both TP plans
-ours = sum(p.numel() // (2 if n.endswith(tp_split + ("wte.weight",)) else 1) for n, p in gpt.named_parameters())
-peer = sum(p.numel() // (2 if n.endswith(tp_split) else 1) for n, p in gpt.named_parameters())  # wte replicated
-mib = lambda values: f"{values * 4 / 2**20:.1f} MiB"
-rows = [("5d dp2 tp2 (whole replica over dp)", ours, 4 * ours),
-        ("5d dp2 tp2 ZeRO-1 (moments sharded over dp)", ours, 2 * ours + 2 * ours / 2),
-        ("FSDP2+DTensor dp2 tp2 (all sharded over dp)", peer, 4 * peer / 2)]
-lines = ["", "Model state per rank at dp2 x tp2, counted (fp32 weight + gradient + 2 AdamW moments; FSDP2 also "
-         "gathers one block's weights at a time for compute, not counted):", "",
-         "| run | parameters of one tp rank (before any dp sharding) | model state per rank |", "|---|---|---|"]
-lines += [f"| {label} | {n:,} | {mib(values)} |" for label, n, values in rows]
-load = [float(x) for x in open("bench/runs/5d/loadavg.txt").read().split()]
-lines += ["", f"1-minute load average on the 2 cores while the sweep ran (sampled every 10 s): median "
-          f"{statistics.median(load):.1f}, range {min(load):.1f}-{max(load):.1f}, the sweep's own 1, 2 or 4 ranks "
-          f"included. Other work shared the machine, so these figures are indicative."]
-with open("bench/results/5d.md", "a") as f:
-    f.write("\n".join(lines) + "\n")
-print("\n".join(lines))
-PY
+$PYTHON bench/model_state_5d.py --results bench/results/5d.md --load bench/runs/5d/loadavg.txt

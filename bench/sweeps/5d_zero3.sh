@@ -26,31 +26,4 @@ harness --name 5d_zero3 --title "ZeRO-3 in train_5d's grid vs FSDP2 + DTensor TP
 
 kill "$Z3_LOAD_PID"
 trap - EXIT
-# model state per rank at dp2 x tp2 under ZeRO-3, counted from the model's parameters (fp32: weight, gradient, 2 AdamW
-# moments, each sharded over dp; the padding of a unit to a multiple of dp, under dp values, left out)
-$PYTHON - <<'PY'
-import json, os, statistics
-import torch
-from common.data import DEFAULT_DATA_DIR
-from model import GPT, GPTConfig
-vocab = json.load(open(os.path.join(DEFAULT_DATA_DIR, "meta.json")))["vocab_size"]
-with torch.device("meta"):
-    gpt = GPT(GPTConfig(vocab_size=vocab, n_layer=4, n_head=4, n_embd=256, block_size=128))
-tp_split = (".c_attn.weight", ".c_attn.bias", ".c_fc.weight", ".c_fc.bias", ".c_proj.weight")   # both TP plans
-ours = sum(p.numel() // (2 if n.endswith(tp_split + ("wte.weight",)) else 1) for n, p in gpt.named_parameters())
-peer = sum(p.numel() // (2 if n.endswith(tp_split) else 1) for n, p in gpt.named_parameters())  # wte replicated
-mib = lambda values: f"{values * 4 / 2**20:.1f} MiB"
-rows = [("5d dp2 tp2 ZeRO-3 (vocab-parallel embedding, all sharded over dp)", ours, 4 * ours / 2),
-        ("FSDP2+DTensor dp2 tp2 (embedding replicated over tp, all sharded over dp)", peer, 4 * peer / 2)]
-lines = ["", "Model state per rank at dp2 x tp2, counted (fp32 weight + gradient + 2 AdamW moments, sharded over dp; "
-         "both also hold one or two gathered blocks at a time for compute, not counted):", "",
-         "| run | parameters of one tp rank (before dp sharding) | model state per rank |", "|---|---|---|"]
-lines += [f"| {label} | {n:,} | {mib(values)} |" for label, n, values in rows]
-load = [float(x) for x in open("bench/runs/5d_zero3/loadavg.txt").read().split()]
-lines += ["", f"1-minute load average on the 2 cores while the sweep ran (sampled every 10 s): median "
-          f"{statistics.median(load):.1f}, range {min(load):.1f}-{max(load):.1f}, the sweep's own 2 or 4 ranks "
-          f"included. Other work shared the machine, so these figures are indicative."]
-with open("bench/results/5d_zero3.md", "a") as f:
-    f.write("\n".join(lines) + "\n")
-print("\n".join(lines))
-PY
+$PYTHON bench/model_state_5d.py --results bench/results/5d_zero3.md --load bench/runs/5d_zero3/loadavg.txt
