@@ -25,6 +25,7 @@ plan_shape.py. This file adds up the step time, searches the layouts and prints 
 """
 import copy
 import json
+import math
 import os
 from dataclasses import asdict
 from itertools import product
@@ -111,7 +112,9 @@ def evaluate(job, lay):
 # search
 
 def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending (pairs d, n/d up to sqrt(n): a million GPUs is a thousand steps)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def candidate_layouts(job):
@@ -343,7 +346,9 @@ def main(argv=None):
     except ConfigError as e:
         fail(str(e))
     if not rows:
-        fail("no layout divides this model, batch and cluster")
+        fail(f"no layout divides this model, batch and cluster: {job.gpus} GPUs as dp x tp x cp x pp, with dp "
+             f"dividing the {job.global_seqs} sequences of a step, tp the {job.cfg.n_head} heads, pp the "
+             f"{job.cfg.n_layer} layers (a larger --global_batch_tokens, or fewer --gpus)")
     if a.json:
         for r in rows:
             print(json.dumps(r))

@@ -88,6 +88,9 @@ BAD = [
     (["--model", "gpt5"], "unknown model 'gpt5'"),
     (["--n_layer", "2"], "give --model or all of"),
     (BASE + ["--tensor_parallel", "2"], "unrecognized arguments: --tensor_parallel 2"),
+    # a cluster no layout divides (a billion GPUs for 64 sequences): said at once, not after a search over every
+    # number up to the GPU count
+    (BASE + ["--gpus", "1000000000"], "no layout divides this model, batch and cluster: 1000000000 GPUs"),
 ]
 
 
