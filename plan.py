@@ -33,7 +33,7 @@ from itertools import product
 import torch
 
 from common.config import ConfigError, check, fail
-from common.metrics import gpu_chip_and_board
+from common.peaks import gpu_chip_and_board
 from model import GPTConfig
 from common.pipeline_schedules import theory_idle_fraction
 from common.plan_inputs import (GIB, HARDWARE, RECOMPUTE, USABLE, Job, Layout, build_job, parse_args, parse_layout,

@@ -22,7 +22,7 @@ evaluates at iteration N before training it (after N steps), train_single at ste
 Each "iter N: loss X, time Yms" line becomes one row: step N, loss X (nanoGPT prints the last micro-batch's loss
 times grad_acc, an approximation of the global mean), step_time_s = Y/1000, tokens_per_s = global_batch_size *
 block_size / step_time_s, mfu computed exactly as train_single does (nanoscale's flops_per_token of the same
-model shape / the machine's measured fp32 matmul peak at this thread count, metrics.machine_cpu_peak_flops),
+model shape / the machine's measured fp32 matmul peak at this thread count, peaks.machine_cpu_peak_flops),
 peak_mem_bytes the nanoGPT process's lifetime peak RSS (resource.getrusage(RUSAGE_CHILDREN); train_single's rows
 hold each step's peak, from after its set-up), comm_bytes 0. nanoGPT's dt is the period between
 consecutive iterations (it includes fetching the next batch and the previous iteration's logging), train_single's
@@ -146,7 +146,7 @@ def parse_log(stdout, a, flops_per_token_over_peak, peak_mem):
 def main(argv=None):
     a = parse_args(argv)
     import torch
-    from common.metrics import machine_cpu_peak_flops
+    from common.peaks import machine_cpu_peak_flops
     from model import GPTConfig, flops_per_token
 
     os.makedirs(a.out_dir, exist_ok=True)

@@ -27,7 +27,7 @@ from model import GPTConfig  # noqa: E402
 from plan import evaluate, rank_layouts  # noqa: E402
 from common.plan_inputs import GIB, Job, Layout  # noqa: E402
 
-A100, H100_SXM = 312e12, 989.5e12        # metrics.GPU_PEAK_TFLOPS: the peaks the publications' MFU used
+A100, H100_SXM = 312e12, 989.5e12        # peaks.GPU_PEAK_TFLOPS: the peaks the publications' MFU used
 MEGATRON = "Narayanan et al. 2021 (SC'21, arXiv 2104.04473) Table 1"
 TITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TITAN_A100 = "torchtitan docs/performance.md (2024-04)"

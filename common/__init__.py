@@ -14,6 +14,7 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     checkpoint_files.py   its files: paths, atomic writes, a full disk in one line, the out_dir lock
     checkpoint_compat.py  whether a checkpoint fits this run: model-defining fields, entries by name, inf/NaN
     metrics.py       MFU, peak memory, metrics.jsonl and the progress line
+    peaks.py         the peak FLOP/s MFU divides by: GPU datasheets, a CPU's measured matmul
     profiling.py     --profile: torch profiler traces and labels
     grid.py          train_5d's rank grid and its process groups
     routing.py       mixture-of-experts routing (model.MoE and train_ep's experts)

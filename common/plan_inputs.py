@@ -20,14 +20,14 @@ import math
 from dataclasses import dataclass, fields
 
 from common.errors import check, fail
-from common.metrics import GPU_PEAK_TFLOPS
+from common.peaks import GPU_PEAK_TFLOPS
 from model import GPTConfig
 from common.pipeline_schedules import SCHEDULES, V_SHAPED
 from common.plan_shape import SHAPE_OPTIONS, stage_layer_counts
 from common.plan_time import SOFTWARE
 
 GIB = 2 ** 30
-# Per GPU. peak: metrics.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per
+# Per GPU. peak: peaks.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per
 # direction): NVIDIA datasheets (A100 80GB SXM: NVLink3 600 GB/s, DGX A100 8x HDR 200 Gb/s; H100 SXM: NVLink4
 # 900 GB/s, DGX H100 8x NDR 400 Gb/s; H200 141 GB; HGX B200 180 GB, NVLink5 1.8 TB/s). The compute efficiency of
 # each GPU is plan_time's: its measured GEMM and attention ceilings x a software share, each cited there.
@@ -144,7 +144,7 @@ class Job:
 
     @property
     def peak(self):
-        """Dense bf16 FLOP/s of the GPU's board (SXM unless the row names one), from metrics.GPU_PEAK_TFLOPS (a
+        """Dense bf16 FLOP/s of the GPU's board (SXM unless the row names one), from peaks.GPU_PEAK_TFLOPS (a
         datasheet cited per row)."""
         return GPU_PEAK_TFLOPS[(self.hw["peak"], self.hw.get("board", ""))][0] * 1e12
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from common.metrics import GPU_PEAK_TFLOPS, gpu_chip_and_board, gpu_peak_flops
+from common.peaks import GPU_PEAK_TFLOPS, gpu_chip_and_board, gpu_peak_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

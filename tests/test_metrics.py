@@ -1,4 +1,4 @@
-"""metrics.py's two machine-dependent numbers: the peak memory of each step (reset after every logged row, not the
+"""metrics.py's and peaks.py's two machine-dependent numbers: the peak memory of each step (reset after every logged row, not the
 process's lifetime peak) and the CPU's peak FLOP/s for MFU (measured once per machine and thread count, then read
 back, so that every run on a machine divides by the same number)."""
 import json
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from common import metrics
+from common import metrics, peaks
 
 
 def logger_for(tmp_path):
@@ -33,14 +33,14 @@ def test_peak_memory_is_per_step(tmp_path, monkeypatch):
 def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
     path = str(tmp_path / "cache" / "cpu_peak_flops.json")
     calls = []
-    monkeypatch.setattr(metrics, "measure_cpu_matmul_flops", lambda repeats: calls.append(repeats) or 5e10)
-    assert metrics.machine_cpu_peak_flops(path) == 5e10 and len(calls) == 1
-    assert metrics.machine_cpu_peak_flops(path) == 5e10 and len(calls) == 1       # read back, not measured
+    monkeypatch.setattr(peaks, "measure_cpu_matmul_flops", lambda repeats: calls.append(repeats) or 5e10)
+    assert peaks.machine_cpu_peak_flops(path) == 5e10 and len(calls) == 1
+    assert peaks.machine_cpu_peak_flops(path) == 5e10 and len(calls) == 1       # read back, not measured
     with open(path) as f:
         (key, value), = json.load(f).items()
     assert platform.node() in key and f"{torch.get_num_threads()} threads" in key and value == 5e10
     monkeypatch.setattr(torch, "get_num_threads", lambda: 977)                       # other threads: measured
-    assert metrics.machine_cpu_peak_flops(path) == 5e10 and len(calls) == 2
+    assert peaks.machine_cpu_peak_flops(path) == 5e10 and len(calls) == 2
     with open(path) as f:
         assert len(json.load(f)) == 2
 
@@ -48,5 +48,20 @@ def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
 def test_cpu_peak_without_a_writable_cache_still_measures(tmp_path, monkeypatch):
     blocked = tmp_path / "file"
     blocked.write_text("")                       # a file where the cache's folder would be
-    monkeypatch.setattr(metrics, "measure_cpu_matmul_flops", lambda repeats: 7e9)
-    assert metrics.machine_cpu_peak_flops(str(blocked / "sub" / "peak.json")) == 7e9
+    monkeypatch.setattr(peaks, "measure_cpu_matmul_flops", lambda repeats: 7e9)
+    assert peaks.machine_cpu_peak_flops(str(blocked / "sub" / "peak.json")) == 7e9
+
+
+def test_cpu_peak_at_fewer_threads_is_bounded_by_more_threads(tmp_path, monkeypatch):
+    """A one-thread figure measured while four ranks shared two cores (a quarter of the truth) is raised to half
+    the two-thread peak: k threads never do more than k times one thread's work, so MFU cannot read 2-3x too high."""
+    path = str(tmp_path / "peak.json")
+    machine = f"{platform.node()} | {peaks.cpu_model()}"
+    with open(path, "w") as f:
+        json.dump({f"{machine} | 2 threads": 1.4e11, f"{machine} | 1 threads": 2.5e10,
+                   f"another host | {peaks.cpu_model()} | 8 threads": 9e12, "not a key": "x"}, f)
+    monkeypatch.setattr(peaks, "measure_cpu_matmul_flops", lambda repeats: pytest.fail("measured again"))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert peaks.machine_cpu_peak_flops(path) == 7e10                 # 1.4e11 / 2, not 2.5e10, not the other host's
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert peaks.machine_cpu_peak_flops(path) == 1.4e11               # a larger count is never lowered
