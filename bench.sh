@@ -27,6 +27,16 @@ $PYTHON -c "from common.data import ensure_dataset, DEFAULT_DATA_DIR; ensure_dat
 harness() { $PYTHON bench/harness.py --repeats "$REPEATS" --warmup "$WARMUP" "$@"; }
 export -f harness
 
+# the 1-minute load average sampled every 10 s into DIR/loadavg.txt while a sweep runs (its table reports it);
+# stopped by stop_load, or on exit, so that a failed run leaves no sampler behind
+sample_load() {
+  mkdir -p "$1"
+  ( while true; do cut -d' ' -f1 /proc/loadavg; sleep 10; done ) > "$1/loadavg.txt" &
+  LOAD_PID=$!
+  trap 'kill "$LOAD_PID" 2>/dev/null || true' EXIT
+}
+stop_load() { kill "$LOAD_PID" 2>/dev/null || true; trap - EXIT; }
+
 sweeps=("$@")
 if [ ${#sweeps[@]} -eq 0 ]; then
   echo "usage: ./bench.sh NAME... | all | list"; exit 2

@@ -15,10 +15,7 @@ FIVED_MODEL="--n_layer 4 --n_head 4 --n_embd 256 --block_size 128 --global_batch
 FIVED_ARGS="$FIVED_MODEL --micro_batch_size 8 $FIVED_COMMON"
 FIVED_PP_ARGS="$FIVED_MODEL --micro_batch_size 2 $FIVED_COMMON"     # 8 micro-batches: a pipeline to fill
 
-mkdir -p bench/runs/5d
-( while true; do cut -d' ' -f1 /proc/loadavg; sleep 10; done ) > bench/runs/5d/loadavg.txt &
-FIVED_LOAD_PID=$!
-trap 'kill "$FIVED_LOAD_PID" 2>/dev/null || true' EXIT      # a failed run must not leave the sampler behind
+sample_load bench/runs/5d
 
 harness --name 5d --title "train_5d vs the rungs it composes and vs PyTorch's 2-D composition (L4 H4 h256 T128 B16, 1 thread per rank)" \
   --note "Each row's ratios are to the baseline above it (the row showing 1.00), run in the same round. Targets are judged on the median paired ratio. dp2 x tp2: train_5d's dp axis keeps whole replicas and averages gradients once per step (DDP style); FSDP2 shards parameters, gradients and AdamW moments over dp and gathers each block twice per micro-batch; train_5d's ZeRO-1 shards only the AdamW moments. Peak memory is rank 0's peak RSS (metrics.py: ru_maxrss, runtime included); at dp2 x tp2 every rank holds the same shapes. The peer's comm bytes are its schedule's theory, ours are counted." \
@@ -45,6 +42,5 @@ harness --name 5d --title "train_5d vs the rungs it composes and vs PyTorch's 2-
   --run "5d dp2 tp2=$FIVED_RUN 4 train_5d.py --dp 2 --tp 2 $FIVED_ARGS" \
   --run "5d dp2 tp2 ZeRO-1=$FIVED_RUN 4 train_5d.py --dp 2 --tp 2 --zero_stage 1 $FIVED_ARGS"
 
-kill "$FIVED_LOAD_PID"
-trap - EXIT
+stop_load
 $PYTHON bench/model_state_5d.py --results bench/results/5d.md --load bench/runs/5d/loadavg.txt

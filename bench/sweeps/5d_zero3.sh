@@ -10,10 +10,7 @@
 Z3_RUN="OMP_NUM_THREADS=1 $PYTHON -m torch.distributed.run --standalone --nproc_per_node"
 Z3_ARGS="--n_layer 4 --n_head 4 --n_embd 256 --block_size 128 --global_batch_size 16 --micro_batch_size 8 --max_steps $STEPS --warmup_steps 2 --eval_interval 0 --sample_tokens 0 --log_interval 1000 --device cpu --dtype float32 --out_dir {out}"
 
-mkdir -p bench/runs/5d_zero3
-( while true; do cut -d' ' -f1 /proc/loadavg; sleep 10; done ) > bench/runs/5d_zero3/loadavg.txt &
-Z3_LOAD_PID=$!
-trap 'kill "$Z3_LOAD_PID" 2>/dev/null || true' EXIT      # a failed run must not leave the sampler behind
+sample_load bench/runs/5d_zero3
 
 harness --name 5d_zero3 --title "ZeRO-3 in train_5d's grid vs FSDP2 + DTensor TP and vs train_zero (L4 H4 h256 T128 B16, 1 thread per rank)" \
   --note "Each row's ratios are to the baseline above it (the row showing 1.00), run in the same round. Targets are judged on the median paired ratio. Both dp2 x tp2 runs shard parameters, gradients and AdamW moments over dp and gather each block before its forward and before its backward (train_5d: --reshard_after_forward, its default; FSDP2: reshard_after_forward=True). Peak memory is rank 0's peak RSS (runtime included). The peer's comm bytes are its schedule's theory, ours are counted." \
@@ -24,6 +21,5 @@ harness --name 5d_zero3 --title "ZeRO-3 in train_5d's grid vs FSDP2 + DTensor TP
   --run "train_zero dp2 ZeRO-3=$Z3_RUN 2 train_zero.py --zero_stage 3 $Z3_ARGS" \
   --run "5d dp2 ZeRO-3=$Z3_RUN 2 train_5d.py --dp 2 --zero_stage 3 $Z3_ARGS"
 
-kill "$Z3_LOAD_PID"
-trap - EXIT
+stop_load
 $PYTHON bench/model_state_5d.py --results bench/results/5d_zero3.md --load bench/runs/5d_zero3/loadavg.txt
