@@ -21,7 +21,9 @@ checked for the verdict OOM. Left out for want of a figure that can be checked: 
 2022: its FLOP count, with or without the recompute, is not stated), MegaScale's 175B rows (Jiang et al. 2024: a
 parallel block and sliding-window attention, and its per-scale configurations not checked here), NeMo's H100
 tables and torchtitan's 70B / 405B H100 rows (Float8; plan.py models 16-bit GEMMs), Nemotron-4 340B's 1,536- and
-3,072-GPU stages and Nemotron-4 15B (tables not readable here), GPT-NeoX-20B (its FLOP convention not checked).
+3,072-GPU stages (not readable here), Nemotron-4 15B (Table 2 checked: 768 / 1,536 / 2,304 H100, TP 8, DP 96 /
+192 / 288, 0.57 / 0.58 / 0.64 s, but its micro-batch and its distributed optimizer's bucket size are not stated,
+and they move the prediction from -55% to +22%: listed below the table), GPT-NeoX-20B (its FLOP convention not checked).
 """
 import argparse
 import dataclasses
@@ -55,7 +57,10 @@ MEGATRON_MORE = [
 
 
 def llama3_405b(name, gpus, cp, seq, tflops):
-    """A row of Table 4: TP 8, PP 16, 16M tokens per step, micro-batch 1, SP with TP, optimizer states sharded over
+    """A row of Table 4 (checked against the paper's text: GPUs, TP 8, CP, PP 16, DP, sequence, batch per DP replica,
+    16M tokens per batch, 430 / 400 / 380 TFLOP/s, 43 / 41 / 38% MFU). Its 128K row lists DP 4, which contradicts
+    that row's own 16,384 GPUs (8 x 16 x 16 x 4 = 8,192) and 16M tokens (16 x 4 x 131,072 = 8M); DP 8 agrees with
+    both and is taken. Micro-batch 1 (not in the table: assumed), SP with TP, optimizer states sharded over
     dp (ZeRO-1 here; the paper's FSDP shards gradients too), no recompute at 8K ("we could pre-train Llama 3 on
     sequences of 8K tokens without activation checkpointing"; not stated at 128K: the same assumed). Stages
     (Sec. 3.3.2): the interleaved schedule with the embedding and the loss each in a layer's place ("we reduce one
@@ -257,6 +262,33 @@ LLAMA2_RUNS = [titan_llama2("Llama 2 13B", LLAMA2_13B, 2, "none", 2162, "61.1%")
 # checkpointing is used" (the same page's footnote), the right verdict there being OOM
 PUBLISHED_OOM = [titan_llama2("Llama 2 70B, local batch 2, selective op", LLAMA2_70B, 2, "op", 0, "none (OOM)")]
 
+NEMOTRON_15B = "NVIDIA 2024, Nemotron-4 15B (arXiv 2402.16819) Sec. 2 / Tables 1-2"
+
+
+def nemotron_15b(dp, global_seqs, seconds, mbs, bucket_mb):
+    """Nemotron-4 15B's batch-ramp stages (Table 2, checked: dp 96 / 192 / 288 on 768 / 1,536 / 2,304 H100 80GB,
+    TP 8, batch 384 / 768 / 1,152 sequences of 4,096, 0.57 / 0.58 / 0.64 s per iteration, its own MFU 34.3 / 33.3 /
+    30.5%; 400 Gb/s per GPU; "a distributed optimizer to shard the optimizer state": ZeRO-1). Shape (Table 1 and
+    Sec. 2, checked): 32 layers, h 6,144, 48 heads, 8 KV heads, vocabulary 256,000, squared-ReLU MLP of 4h (12.5B
+    non-embedding parameters), untied, no dropout. Not stated, so the stages stay out of the table: the micro-batch
+    (1, 2 or 4 at 4 sequences per replica), SP and recompute (Megatron-Core's SP, none assumed) and the gradient
+    bucket of the distributed optimizer, which sets how many NCCL calls the dp reductions make (plan.py's 25 MiB, or
+    Megatron-Core's default of max(4e7, 1e6 x dp) parameters, DistributedDataParallelConfig.bucket_size)."""
+    shape = dict(n_layer=32, n_embd=6144, n_head=48, vocab=256000, n_kv_head=8, ffn_hidden=24576, tied=False)
+    lay = Layout(dp=dp, tp=8, sp=True, zero_stage=1, micro_batch_size=mbs)
+    setup = Setup("Nemotron-4 15B", NEMOTRON_15B, shape, 8 * dp, "h100", 4096, global_seqs, lay, 0.0,
+                  f"{seconds} s/iteration", "megatron-core", dict(SOFTWARE["megatron-core"], bucket_mb=bucket_mb))
+    flops = plan_shape.flops_per_token(job_of(setup))
+    return dataclasses.replace(setup, published_mfu=global_seqs * 4096 * flops / (seconds * 8 * dp * H100_SXM))
+
+
+def mcore_bucket_mb(dp):
+    """Megatron-Core's default gradient bucket, max(4e7, 1e6 x dp) parameters, in plan.py's fp32 MiB."""
+    return max(4e7, 1e6 * dp) * 4 / 2 ** 20
+
+
+NEMOTRON_15B_STAGES = [(96, 384, 0.57), (192, 768, 0.58), (288, 1152, 0.64)]
+
 RUNS = (sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + LLAMA2_RUNS + KORTHIKANTI_RUNS
         + MTNLG_RUNS + [bloom()] + FOUNDRY_RUNS + FOUNDRY_LONG + LLAMA3_405B + [nemotron_340b()])
 
@@ -292,12 +324,25 @@ def table(results):
         lines.append(f"| {s.name} | {s.source} | {SOFTWARE_OF[s.system]} | {s.gpus} {s.gpu} | {s.seq} | "
                      f"{describe(row)} | {s.published_text} | {100 * s.published_mfu:.1f}% | {100 * r['mfu']:.1f}% ({100 * r['error']:+.1f}%) | "
                      f"{row['mem_bytes']['total'] / GIB:.1f} GiB | {'OOM (wrong)' if row['oom'] else 'fits'} |")
-    oom = [predict(s) for s in PUBLISHED_OOM]
-    lines += ["", "Published not to fit (the right verdict: OOM):", ""]
-    lines += [f"- {r['setup'].name} ({r['setup'].source}, {describe(r['row'])}): predicted "
-              f"{r['row']['mem_bytes']['total'] / GIB:.1f} GiB of {HARDWARE[r['setup'].gpu]['mem'] / GIB:.0f}, "
-              f"{'OOM (right)' if r['row']['oom'] else 'fits (wrong)'}" for r in oom]
-    return "\n".join(lines)
+    return "\n".join(lines + beside_the_table())
+
+
+def beside_the_table():
+    """The published configuration that ran out of memory, and the runs left out for an input not stated, with what
+    plan.py predicts under each value that input may have had."""
+    lines = ["", "Published not to fit (the right verdict: OOM):", ""]
+    for r in map(predict, PUBLISHED_OOM):
+        gib, cap = r["row"]["mem_bytes"]["total"] / GIB, HARDWARE[r["setup"].gpu]["mem"] / GIB
+        lines.append(f"- {r['setup'].name} ({r['setup'].source}, {describe(r['row'])}): predicted {gib:.1f} GiB "
+                     f"of {cap:.0f}, {'OOM (right)' if r['row']['oom'] else 'fits (wrong)'}")
+    lines += ["", "Left out, inputs not stated: Nemotron-4 15B's stages (the script's nemotron_15b says which), "
+              "plan.py's MFU error by micro-batch and gradient bucket:", ""]
+    for dp, seqs, seconds in NEMOTRON_15B_STAGES:
+        errors = [f"mbs {mbs}, {name} bucket "
+                  f"{100 * predict(nemotron_15b(dp, seqs, seconds, mbs, bucket))['error']:+.0f}%"
+                  for name, bucket in (("25 MiB", 25.0), ("Megatron-Core's", mcore_bucket_mb(dp))) for mbs in (1, 4)]
+        lines.append(f"- {8 * dp} H100 (dp {dp}, {seconds} s/iteration): " + "; ".join(errors))
+    return lines
 
 
 HEAD = """# plan.py against published runs
