@@ -2,28 +2,29 @@
 bench/plan_validation.py: plan.py's predicted MFU and OOM verdict for published dense training runs, each run
 described as published; writes bench/results/plan_validation.md.
 
-    python bench/plan_validation.py            # prints the table and writes bench/results/plan_validation.md (~1 min)
+    python bench/plan_validation.py            # prints the table, writes bench/results/plan_validation.md (seconds)
     python bench/plan_validation.py --out -    # print only
 
 The runs: every row of Narayanan et al. 2021, Table 1 (A100, s = 2048, 32-3,072 GPUs; four of them are also in
 bench/plan_tables.md, six are not), torchtitan's Llama 3 rows (A100 and H100, s = 8192) with Llama 3's published
 shapes and its Llama 2 13B / 70B rows (64 A100, s = 4096), Korthikanti et al. 2022's four runs with sequence
-parallelism and selective recompute (A100, 8-512 GPUs), MT-NLG 530B at 2,240-3,360 A100 (Smith et al. 2022), BLOOM
-176B (384 A100, Megatron-DeepSpeed, as its training script ran it), llm-foundry's MPT rows on 64 and 128 GPUs (A100
-80GB and 40GB, H100; FSDP) and four of its long-context rows (7B at 64K, 13B at 32K, 8 A100 / H100), Llama 3 405B's
-pre-training stages (Dubey et al. 2024, Table 4: H100, s = 8,192 and 131,072, 8,192 and 16,384 GPUs) and
-Nemotron-4 340B at 6,144 H100 (NVIDIA 2024, Megatron-Core). Each row's docstring says where each input comes from
-and which were assumed. Nothing in plan.py was fitted to any of them: its compute efficiency is measured GEMM and
-attention ceilings x one software share from MosaicML's MPT-7B / 8-GPU A100 row (common/plan_time.py), its
-latencies NCCL's. Every run in the table ran, so the right OOM verdict for each is "fits"; one published
-configuration that did not fit (torchtitan's Llama 2 70B at local batch 2 with selective op checkpointing) is
-checked for the verdict OOM. Left out for want of a figure that can be checked: OPT-175B's 147 TFLOP/s (Zhang et al.
-2022: its FLOP count, with or without the recompute, is not stated), MegaScale's 175B rows (Jiang et al. 2024: a
-parallel block and sliding-window attention, and its per-scale configurations not checked here), NeMo's H100
-tables and torchtitan's 70B / 405B H100 rows (Float8; plan.py models 16-bit GEMMs), Nemotron-4 340B's 1,536- and
-3,072-GPU stages (not readable here), Nemotron-4 15B (Table 2 checked: 768 / 1,536 / 2,304 H100, TP 8, DP 96 /
-192 / 288, 0.57 / 0.58 / 0.64 s, but its micro-batch and its distributed optimizer's bucket size are not stated,
-and they move the prediction from -55% to +22%: listed below the table), GPT-NeoX-20B (its FLOP convention not checked).
+parallelism and selective recompute (A100, 8-512 GPUs) and its 530B at dp 8 (2,240 GPUs), MT-NLG 530B at 2,240-3,360
+A100 (Smith et al. 2022), BLOOM 176B (384 A100, Megatron-DeepSpeed, as its training script ran it), llm-foundry's
+MPT rows on 64 and 128 GPUs (A100 80GB and 40GB, H100; FSDP) and four of its long-context rows (7B at 64K, 13B at
+32K, 8 A100 / H100), Llama 3 405B's pre-training stages (Dubey et al. 2024, Table 4: H100, s = 8,192 and 131,072,
+8,192 and 16,384 GPUs) and Nemotron-4 340B at 6,144 H100 (NVIDIA 2024, Megatron-Core). Each row's docstring says
+where each input comes from and which were assumed. Nothing in plan.py was fitted to any of them: its compute
+efficiency is measured GEMM and attention ceilings x one software share from MosaicML's MPT-7B / 8-GPU A100 row
+(common/plan_time.py), its latencies NCCL's. Every run in the table ran, so the right OOM verdict for each is
+"fits"; one published configuration that did not fit (torchtitan's Llama 2 70B at local batch 2 with selective op
+checkpointing) is checked for the verdict OOM. Left out for want of a figure that can be checked: OPT-175B's 147
+TFLOP/s (Zhang et al. 2022: its FLOP count, with or without the recompute, is not stated), MegaScale's 175B rows
+(Jiang et al. 2024: a parallel block and sliding-window attention, and its per-scale configurations not checked
+here), NeMo's H100 tables and torchtitan's 70B / 405B H100 rows (Float8; plan.py models 16-bit GEMMs), Nemotron-4
+340B's 1,536- and 3,072-GPU stages (not readable here), Nemotron-4 15B (Table 2 checked: 768 / 1,536 / 2,304 H100,
+TP 8, DP 96 / 192 / 288, 0.57 / 0.58 / 0.64 s, but its micro-batch and its distributed optimizer's bucket size are
+not stated, and they move the prediction from -55% to +22%: listed below the table), GPT-NeoX-20B (its FLOP
+convention not checked).
 """
 import argparse
 import dataclasses
@@ -83,28 +84,32 @@ LLAMA3_405B = [llama3_405b("Llama 3 405B, 8K", 8192, 1, 8192, 430),
                llama3_405b("Llama 3 405B, 128K", 16384, 16, 131072, 380)]
 
 
-KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198) Table 3; Megatron-LM README"
+KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198) Tables 3 and 5, Sec. 6"
 
 
-def korthikanti(name, L, h, a, gpus, pp, gbs, mfu):
-    """A run of Korthikanti et al. 2022 with sequence parallelism and selective recompute, MFU as published:
-    NVIDIA/Megatron-LM README of 2022-2023 (the table "Model FLOPs Utilization" 41.5 / 51.4 / 56.0 / 56.3% for
-    22B / 175B / 530B / 1T on A100 80GB, "measured using a data parallel size of one"; checked in that README).
-    The paper's model FLOPs 72BslH^2(1 + s/6h + V/12lh) are plan.py's 6N + 12Lhs. From the paper's Table 3, not
-    readable here and so not checked: t = 8, p = 1 / 8 / 35 / 64 on 8 / 64 / 280 / 512 GPUs (dp = 1 follows from
-    the README's sentence), seq 2048, V = 51200, micro-batch 1, the global batches 4 / 64 / 280 / 512 (they set the
-    bubble only) and the non-interleaved 1F1B schedule. Software: Megatron-LM 2022 (fused softmax, no flash kernel;
-    dropout 0.1, Megatron's default)."""
-    lay = Layout(dp=1, tp=8, pp=pp, sp=True, micro_batch_size=1, recompute="selective")
+def korthikanti(name, L, h, a, dp, pp, gbs, mbs, v, seconds, mfu):
+    """A run of Korthikanti et al. 2022 with sequence parallelism and selective recompute (checked against the
+    paper's text). Table 3: t = 8, p = 1 / 8 / 35 / 64 on 8 / 64 / 280 / 512 A100 80GB, global batch 4 / 64 / 280 /
+    512, micro-batch 4 / 1 / 1 / 1, "no data parallelism"; Sec. 6: seq 2048, V = 51200, "the interleaving schedule
+    with three interleaving stages (m = 3) for the 175B and 530B models" (1F1B for 1T), Selene (8 x 200 Gb/s HDR per
+    node). Table 5: iteration time and MFU (41.5 / 51.4 / 56.0 / 56.3%, the Megatron-LM README's table too; model
+    FLOPs 72BLsh^2(1 + s/6h + V/12hL), Appendix A, plan.py's 6N + 12Lhs). Sec. 6.3 adds the 530B model at dp 8
+    (2,240 GPUs, the batch 8x): 39.15 s and 54.2% MFU, "we do not use any overlapping of gradient all-reduces with
+    back-propagation". Software: Megatron-LM 2022 (fused softmax, no flash kernel; dropout 0.1, Megatron's
+    default, not stated)."""
+    lay = Layout(dp=dp, tp=8, pp=pp, sp=True, micro_batch_size=mbs, recompute="selective",
+                 schedule="interleaved" if v > 1 else "1f1b", v=v)
+    gpus = 8 * pp * dp
     return Setup(name, KORTHIKANTI, dict(n_layer=L, n_embd=h, n_head=a, vocab=51200, dropout=0.1), gpus, "a100",
-                 2048, gbs, lay, mfu, f"{100 * mfu:.1f}% MFU", "megatron-2022",
-                 dict(attn="eager", dp_overlap=True, pp_scatter_gather=True))
+                 2048, gbs, lay, mfu, f"{seconds} s/iteration, {100 * mfu:.1f}% MFU", "megatron-2022",
+                 dict(attn="eager", dp_overlap=False, pp_scatter_gather=True))
 
 
-KORTHIKANTI_RUNS = [korthikanti("22B", 48, 6144, 64, 8, 1, 4, 0.415),
-                    korthikanti("175B", 96, 12288, 96, 64, 8, 64, 0.514),
-                    korthikanti("530B", 105, 20480, 128, 280, 35, 280, 0.560),
-                    korthikanti("1T", 128, 25600, 160, 512, 64, 512, 0.563)]
+KORTHIKANTI_RUNS = [korthikanti("22B", 48, 6144, 64, 1, 1, 4, 4, 1, 1.10, 0.415),
+                    korthikanti("175B", 96, 12288, 96, 1, 8, 64, 1, 3, 13.75, 0.514),
+                    korthikanti("530B", 105, 20480, 128, 1, 35, 280, 1, 3, 37.83, 0.560),
+                    korthikanti("530B, dp 8", 105, 20480, 128, 8, 35, 2240, 1, 3, 39.15, 0.542),
+                    korthikanti("1T", 128, 25600, 160, 1, 64, 512, 1, 1, 71.49, 0.563)]
 
 MTNLG = "Smith et al. 2022 (arXiv 2201.11990) Sec. 2.4"
 
@@ -382,7 +387,7 @@ NOTES = """
 By class: all ten misses are predictions too high. By software: Megatron-DeepSpeed (MT-NLG's three), FSDP in
 llm-foundry with small GEMMs or one micro-batch (five), Megatron-LM 2021 at small h (two); Megatron-LM 2022,
 Megatron-Core (Nemotron-4 340B, +10%), torchtitan and Llama 3's stack have none. By GPU: 4 of the 12 H100 rows,
-6 of the 34 A100 rows. By size: 1B-13B models with small GEMMs, MT-NLG 530B, and MPT 70B with one micro-batch.
+6 of the 35 A100 rows. By size: 1B-13B models with small GEMMs, MT-NLG 530B, and MPT 70B with one micro-batch.
 By context: one of the 5 rows beyond 8K (MPT 7B at 64K on H100).
 """
 
