@@ -119,11 +119,13 @@ def mt_nlg(nodes, seconds):
     nodes, global batch 1920, 8-way tensor and 35-way pipeline parallelism, data parallel over the rest: "the
     latency per iteration observed is 60.1, 50.2 and 44.4 seconds" at 280, 350 and 420 nodes ("126, 121 and 113
     teraFLOP/s per GPU", which count the recompute forward). MFU = 1920 x 2048 x (6N + 12Lhs) / (time x GPUs x 312T),
-    from the iteration time. The paper's text is not readable here: TP 8, PP 35, the global batch, the node counts,
-    the iteration times and TFLOP/s were checked against cli99/llm-analysis examples/megatron-turing-nlg (README and
-    run_train.sh quote Sec. 2.4). Software: Megatron-DeepSpeed (Megatron's TP with its fused softmax, DeepSpeed's
-    pipeline engine: 1F1B, gradients reduced after the last micro-batch; full activation checkpointing). Assumed:
-    micro-batch 1, ZeRO-1 over dp, fp16/bf16 mixed-precision states of 16 bytes per parameter."""
+    from the iteration time. The paper's text is not readable here; checked against quotations of it: the shape,
+    seq 2048, global batch 1920 and "8-way tensor and 35-way pipeline parallelism" (Sec. 3), "each ... replica spans
+    280 NVIDIA A100 GPUs" (Sec. 2.2), the node counts, iteration times and TFLOP/s (Sec. 2.4, as
+    cli99/llm-analysis examples/megatron-turing-nlg quotes them). Software: Megatron-DeepSpeed (Megatron's TP with
+    its fused softmax, DeepSpeed's pipeline engine: 1F1B, gradients reduced after the last micro-batch; full
+    activation checkpointing). Assumed: micro-batch 1, ZeRO-1 over dp (DeepSpeed's ZeRO tutorial names stage 1 for
+    MT-NLG), fp16/bf16 mixed-precision states of 16 bytes per parameter."""
     gpus = 8 * nodes
     shape = dict(n_layer=105, n_embd=20480, n_head=128, vocab=50257)
     lay = Layout(dp=gpus // 280, tp=8, pp=35, zero_stage=1, micro_batch_size=1, recompute="full")
