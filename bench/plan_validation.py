@@ -272,26 +272,22 @@ PUBLISHED_OOM = [titan_llama2("Llama 2 70B, local batch 2, selective op", LLAMA2
 NEMOTRON_15B = "NVIDIA 2024, Nemotron-4 15B (arXiv 2402.16819) Sec. 2 / Tables 1-2"
 
 
-def nemotron_15b(dp, global_seqs, seconds, mbs, bucket_mb):
+def nemotron_15b(dp, global_seqs, seconds, mbs, mcore_bucket):
     """Nemotron-4 15B's batch-ramp stages (Table 2, checked: dp 96 / 192 / 288 on 768 / 1,536 / 2,304 H100 80GB,
     TP 8, batch 384 / 768 / 1,152 sequences of 4,096, 0.57 / 0.58 / 0.64 s per iteration, its own MFU 34.3 / 33.3 /
     30.5%; 400 Gb/s per GPU; "a distributed optimizer to shard the optimizer state": ZeRO-1). Shape (Table 1 and
     Sec. 2, checked): 32 layers, h 6,144, 48 heads, 8 KV heads, vocabulary 256,000, squared-ReLU MLP of 4h (12.5B
     non-embedding parameters), untied, no dropout. Not stated, so the stages stay out of the table: the micro-batch
     (1, 2 or 4 at 4 sequences per replica), SP and recompute (Megatron-Core's SP, none assumed) and the gradient
-    bucket of the distributed optimizer, which sets how many NCCL calls the dp reductions make (plan.py's 25 MiB, or
-    Megatron-Core's default of max(4e7, 1e6 x dp) parameters, DistributedDataParallelConfig.bucket_size)."""
+    bucket of the distributed optimizer, which sets how many NCCL calls the dp reductions make (Megatron-Core's
+    default of max(4e7, 1e6 x dp) parameters, plan_time.MCORE_BUCKET, which --software megatron-core takes; or
+    PyTorch DDP's 25 MiB, plan.py's default without it)."""
     shape = dict(n_layer=32, n_embd=6144, n_head=48, vocab=256000, n_kv_head=8, ffn_hidden=24576, tied=False)
     lay = Layout(dp=dp, tp=8, sp=True, zero_stage=1, micro_batch_size=mbs)
     setup = Setup("Nemotron-4 15B", NEMOTRON_15B, shape, 8 * dp, "h100", 4096, global_seqs, lay, 0.0,
-                  f"{seconds} s/iteration", "megatron-core", dict(SOFTWARE["megatron-core"], bucket_mb=bucket_mb))
+                  f"{seconds} s/iteration", "megatron-core", dict(SOFTWARE["megatron-core"], **({} if mcore_bucket else dict(bucket_mb=25.0, bucket_mb_per_dp=0.0))))
     flops = plan_shape.flops_per_token(job_of(setup))
     return dataclasses.replace(setup, published_mfu=global_seqs * 4096 * flops / (seconds * 8 * dp * H100_SXM))
-
-
-def mcore_bucket_mb(dp):
-    """Megatron-Core's default gradient bucket, max(4e7, 1e6 x dp) parameters, in plan.py's fp32 MiB."""
-    return max(4e7, 1e6 * dp) * 4 / 2 ** 20
 
 
 NEMOTRON_15B_STAGES = [(96, 384, 0.57), (192, 768, 0.58), (288, 1152, 0.64)]
@@ -347,7 +343,7 @@ def beside_the_table():
     for dp, seqs, seconds in NEMOTRON_15B_STAGES:
         errors = [f"mbs {mbs}, {name} bucket "
                   f"{100 * predict(nemotron_15b(dp, seqs, seconds, mbs, bucket))['error']:+.0f}%"
-                  for name, bucket in (("25 MiB", 25.0), ("Megatron-Core's", mcore_bucket_mb(dp))) for mbs in (1, 4)]
+                  for name, bucket in (("25 MiB", False), ("Megatron-Core's", True)) for mbs in (1, 4)]
         lines.append(f"- {8 * dp} H100 (dp {dp}, {seconds} s/iteration): " + "; ".join(errors))
     return lines
 

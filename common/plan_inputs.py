@@ -103,6 +103,7 @@ class Job:
     precision: str = "bf16"  # a PRECISION key
     attn: str = "flash"       # flash: no s x s scores stored (torch's fused SDPA); eager: Korthikanti's 5as/h term
     bucket_mb: float = 25.0
+    bucket_mb_per_dp: float = 0.0   # a bucket of max(bucket_mb, this x dp x cp) MiB (Megatron-Core's rule, plan_time)
     eff: float = 0.0          # one efficiency for every executed FLOP; 0: plan_time's measured kernel ceilings
     dp_overlap: bool = True   # gradient reductions overlap the backward (DDP buckets); False: after it, as
                               # Megatron-LM's 2021 "local" DDP (megatron/training.py train_step)
@@ -239,7 +240,9 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("moments", str, "fp32", "AdamW m and v precision: fp32 | bf16"),
          ("attn", str, "flash", "flash (no s x s scores kept) | eager (Korthikanti's 5as/h term)"),
          ("causal", bool, True, "causal flash attention skips the masked half of the scores (time only)"),
-         ("bucket_mb", float, 25.0, "gradient bucket MiB (ZeRO padding)"),
+         ("bucket_mb", float, 25.0, "gradient bucket MiB (ZeRO padding; one collective each)"),
+         ("bucket_mb_per_dp", float, 0.0, "the bucket grows with the reduction group: max(bucket_mb, this x dp x cp) "
+          "MiB (Megatron-Core's default: --software megatron-core)"),
          ("eff", float, None, "one compute efficiency in (0, 1] for every FLOP (default: plan_time's measured GEMM "
           "and attention ceilings x the software share)"),
          ("attn_eff", float, None, "flash attention's fraction of peak, forward + backward (default: FlashAttention-2's "
@@ -312,6 +315,7 @@ def check_flags(a):
     check(a.capacity_factor >= 0, f"--capacity_factor must be >= 0 (0: dropless), got {a.capacity_factor}")
     check(a.net_gbps is None or a.net_gbps > 0, f"--net_gbps must be positive, got {a.net_gbps}")
     check(a.bucket_mb > 0, f"--bucket_mb must be positive, got {a.bucket_mb}")
+    check(a.bucket_mb_per_dp >= 0, f"--bucket_mb_per_dp must be 0 or more, got {a.bucket_mb_per_dp}")
     check(a.eff is None or 0 < a.eff <= 1, f"--eff is a fraction of peak in (0, 1], got {a.eff}")
     check(a.attn_eff is None or 0 < a.attn_eff <= 1, f"--attn_eff is a fraction of peak in (0, 1], got {a.attn_eff}")
     check(0 <= a.tp_overlap <= 1, f"--tp_overlap is a share in [0, 1], got {a.tp_overlap}")
@@ -352,7 +356,7 @@ def build_job(a):
                eff=a.eff or 0.0, dp_overlap=a.dp_overlap, pp_scatter_gather=a.pp_scatter_gather, **options, first_stage_layers=a.first_stage_layers,
                last_stage_layers=a.last_stage_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,
                causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0, rope=a.rope, fused_loss=a.fused_loss,
-               net_gbps=a.net_gbps or 0.0)
+               net_gbps=a.net_gbps or 0.0, bucket_mb_per_dp=a.bucket_mb_per_dp)
 
 
 BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused

@@ -88,7 +88,8 @@ def model_state(job, lay, rank):
     parts = [(False, n), (True, n // lay.ep)] if split else [(None, n)]
     total, groups = dict(params=0, grads=0, optimizer=0, padded=0), ()
     for experts, ranks in parts:
-        these = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, job.bucket_mb, placement,
+        bucket_mb = max(job.bucket_mb, job.bucket_mb_per_dp * n)      # Megatron-Core's grows with the group
+        these = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, bucket_mb, placement,
                             experts)
         st = zero_state_bytes(these, ranks, lay.zero_stage, PRECISION[job.precision][0], job.moments)
         total = {k: total[k] + st[k] for k in total}

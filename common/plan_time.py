@@ -149,6 +149,13 @@ def eager_attention_time(job, lay):
     return elements * (forward + 6 + 5 * drop) / job.hw["hbm"]
 
 
+# Megatron-Core's default gradient bucket, "max(40000000, 1000000 * dp_size) parameters (larger DP sizes need larger
+# buckets to ensure collectives do not become latency-bound)" (NVIDIA/Megatron-LM megatron/core/distributed/
+# distributed_data_parallel_config.py, bucket_size), in plan.py's fp32 MiB: one collective per bucket, so at dp 288 a
+# 25 MiB bucket makes ~45x the NCCL calls of Megatron-Core's.
+MCORE_BUCKET = dict(bucket_mb=4e7 * 4 / 2 ** 20, bucket_mb_per_dp=1e6 * 4 / 2 ** 20)
+
+
 # --software: what the software a run used does by default, as Job fields (a flag given beside it, other than its
 # default, wins). Each entry names its source.
 SOFTWARE = {
@@ -164,7 +171,7 @@ SOFTWARE = {
     # "Communication Overlap"): data-parallel reduce-scatters per layer chunk under the backward, TP all-gathers and
     # reduce-scatters pipelined with their GEMMs (userbuffers; with SP), pipeline sends under the interleaved chunks.
     "megatron-core": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=TP_OVERLAP["nemo-te"],
-                          pp_overlap=True),
+                          pp_overlap=True, **MCORE_BUCKET),
     # Llama 3's stack (Dubey et al. 2024, Sec. 3.3.2): FSDP "asynchronously prefetching sharded model weights and
     # reducing gradients", "asynchronous point-to-point communication in PP"; TP overlap is not stated (none here).
     "llama3": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=True),

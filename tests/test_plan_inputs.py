@@ -75,6 +75,7 @@ BAD = [
     (BASE + ["--capacity_factor", "inf"], "invalid float value: 'inf'"),
     (BASE + ["--bucket_mb", "0"], "--bucket_mb must be positive"),
     (BASE + ["--bucket_mb", "nan"], "invalid float value"),
+    (BASE + ["--bucket_mb_per_dp", "-1"], "--bucket_mb_per_dp must be 0 or more"),
     (BASE + ["--net_gbps", "0"], "--net_gbps must be positive"),
     (BASE + ["--net_gbps", "-50"], "--net_gbps must be positive"),
     (BASE + ["--gpus", "eight"], "invalid int value: 'eight'"),
@@ -172,3 +173,20 @@ def test_software_sets_its_stack_unless_a_flag_says_otherwise():
     assert (job.tp_overlap, job.pp_overlap, job.dp_overlap) == (0.5, True, True)
     plain = build_job(parse_args(BASE, ""))
     assert (plain.attn, plain.tp_overlap, plain.pp_overlap) == ("flash", 0.0, False)
+
+
+def test_megatron_core_bucket_grows_with_the_reduction_group():
+    """Megatron-Core's default bucket, max(4e7, 1e6 x dp) parameters: at dp 256 a bucket holds 256M parameters, so
+    llama3-8b's 8.03B make about 32 dp collectives (a parameter larger than a bucket is one of its own), where 25 MiB
+    buckets make one per weight matrix; their NCCL latency scales with the count. At dp 8 the 4e7 floor holds."""
+    argv = ["--model", "llama3-8b", "--seq", "4096", "--global_batch_tokens", "8M", "--gpu", "h100"]
+
+    def groups_and_dp_latency(gpus, *extra):
+        job = build_job(parse_args(argv + ["--gpus", str(gpus), *extra], ""))
+        lay = parse_layout(f"dp={gpus},zero_stage=1,micro_batch_size=1,recompute=full", job)
+        mem = plan.memory(job, lay)
+        return mem["groups"], plan.comm_latency(job, lay, mem["groups"])["dp"]
+    plain, mcore = groups_and_dp_latency(256), groups_and_dp_latency(256, "--software", "megatron-core")
+    assert 8.03e9 / 256e6 <= mcore[0] <= 8.03e9 / 256e6 + 3 and plain[0] > 7 * mcore[0]
+    assert plain[1] / mcore[1] == pytest.approx(plain[0] / mcore[0])
+    assert groups_and_dp_latency(8, "--software", "megatron-core")[0] > mcore[0] + 100     # 40M-parameter buckets
