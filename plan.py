@@ -32,7 +32,7 @@ from itertools import product
 
 import torch
 
-from common.config import ConfigError, check, fail
+from common.config import Config, ConfigError, check, fail
 from common.peaks import gpu_chip_and_board
 from model import GPTConfig
 from common.pipeline_schedules import theory_idle_fraction
@@ -41,7 +41,7 @@ from common.plan_inputs import (GIB, HARDWARE, RECOMPUTE, USABLE, Job, Layout, b
 from common import plan_shape
 from common import plan_time as time_model
 from common.plan_comm import axis_group, comm_bytes, comm_latency, link_bandwidth  # noqa: F401 (plan.X in tests)
-from common.plan_memory import MEM_PARTS, layers_per_rank, memory
+from common.plan_memory import MEM_PARTS, bucket_mb, layers_per_rank, memory
 from common.plan_time import eager_attention_time, hardware_flops_per_token  # noqa: F401
 
 
@@ -215,6 +215,9 @@ def launch_command(job, row):
         flags.update(n_experts=cfg.n_experts, top_k=cfg.top_k)
     if cfg.capacity_factor:
         flags.update(capacity_factor=cfg.capacity_factor)
+    bucket = bucket_mb(job, row["dp"] * row["cp"])
+    if bucket != Config.bucket_mb:                              # the bucket plan.py priced, where not the default
+        flags.update(bucket_mb=f"{bucket:g}")
     uneven = cfg.n_layer % (row["pp"] * row["v"]) != 0       # train_5d's --pp_uneven: plan.py's even_split
     args = " ".join(f"--{k} {v}" for k, v in flags.items()) + (" --sp" if row["sp"] else "") + \
         (" --pp_uneven" if uneven else "")

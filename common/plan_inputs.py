@@ -24,7 +24,7 @@ from common.peaks import GPU_PEAK_TFLOPS
 from model import GPTConfig
 from common.pipeline_schedules import SCHEDULES, V_SHAPED
 from common.plan_shape import SHAPE_OPTIONS, stage_layer_counts
-from common.plan_time import SOFTWARE
+from common.plan_time import MCORE_BUCKET, SOFTWARE
 
 GIB = 2 ** 30
 # Per GPU. peak: peaks.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per
@@ -103,7 +103,8 @@ class Job:
     precision: str = "bf16"  # a PRECISION key
     attn: str = "flash"       # flash: no s x s scores stored (torch's fused SDPA); eager: Korthikanti's 5as/h term
     bucket_mb: float = 25.0
-    bucket_mb_per_dp: float = 0.0   # a bucket of max(bucket_mb, this x dp x cp) MiB (Megatron-Core's rule, plan_time)
+    bucket_mb_per_dp: float = 0.0   # a bucket of max(bucket_mb, this x dp x cp) MiB; 0: the train scripts' fixed
+                                    # --bucket_mb (plan.py's command line grows it as Megatron-Core: plan_time)
     eff: float = 0.0          # one efficiency for every executed FLOP; 0: plan_time's measured kernel ceilings
     dp_overlap: bool = True   # gradient reductions overlap the backward (DDP buckets); False: after it, as
                               # Megatron-LM's 2021 "local" DDP (megatron/training.py train_step)
@@ -241,8 +242,9 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("attn", str, "flash", "flash (no s x s scores kept) | eager (Korthikanti's 5as/h term)"),
          ("causal", bool, True, "causal flash attention skips the masked half of the scores (time only)"),
          ("bucket_mb", float, 25.0, "gradient bucket MiB (ZeRO padding; one collective each)"),
-         ("bucket_mb_per_dp", float, 0.0, "the bucket grows with the reduction group: max(bucket_mb, this x dp x cp) "
-          "MiB (Megatron-Core's default: --software megatron-core)"),
+         ("bucket_mb_per_dp", float, MCORE_BUCKET["bucket_mb_per_dp"], "the bucket grows with the reduction group "
+          "to max(bucket_mb, this x dp x cp) MiB, as Megatron-Core's does (1e6 fp32 parameters per rank) against NCCL's "
+          "latency at large dp; 0: a fixed bucket. The launch line passes it to train_5d"),
          ("eff", float, None, "one compute efficiency in (0, 1] for every FLOP (default: plan_time's measured GEMM "
           "and attention ceilings x the software share)"),
          ("attn_eff", float, None, "flash attention's fraction of peak, forward + backward (default: FlashAttention-2's "

@@ -88,13 +88,18 @@ def model_state(job, lay, rank):
     parts = [(False, n), (True, n // lay.ep)] if split else [(None, n)]
     total, groups = dict(params=0, grads=0, optimizer=0, padded=0), ()
     for experts, ranks in parts:
-        bucket_mb = max(job.bucket_mb, job.bucket_mb_per_dp * n)      # Megatron-Core's grows with the group
-        these = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, bucket_mb, placement,
-                            experts)
+        these = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, bucket_mb(job, n),
+                            placement, experts)
         st = zero_state_bytes(these, ranks, lay.zero_stage, PRECISION[job.precision][0], job.moments)
         total = {k: total[k] + st[k] for k in total}
         groups += these
     return total, groups
+
+
+def bucket_mb(job, group):
+    """The gradient bucket (MiB of fp32) over a reduction group of `group` ranks (dp x cp): job.bucket_mb, grown to
+    job.bucket_mb_per_dp x group where that is larger (Megatron-Core's rule: plan_time.MCORE_BUCKET)."""
+    return max(job.bucket_mb, job.bucket_mb_per_dp * group)
 
 
 def bucket_numels(numels, bucket_numel):

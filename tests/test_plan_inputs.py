@@ -177,8 +177,9 @@ def test_software_sets_its_stack_unless_a_flag_says_otherwise():
 
 def test_megatron_core_bucket_grows_with_the_reduction_group():
     """Megatron-Core's default bucket, max(4e7, 1e6 x dp) parameters: at dp 256 a bucket holds 256M parameters, so
-    llama3-8b's 8.03B make about 32 dp collectives (a parameter larger than a bucket is one of its own), where 25 MiB
-    buckets make one per weight matrix; their NCCL latency scales with the count. At dp 8 the 4e7 floor holds."""
+    llama3-8b's 8.03B make about 32 dp collectives (a parameter larger than a bucket is one of its own), where fixed
+    25 MiB buckets make one per weight matrix; their NCCL latency scales with the count. At dp 8 the 4e7 floor holds.
+    plan.py's own default grows the same way above 25 MiB, and its launch line passes that bucket to train_5d."""
     argv = ["--model", "llama3-8b", "--seq", "4096", "--global_batch_tokens", "8M", "--gpu", "h100"]
 
     def groups_and_dp_latency(gpus, *extra):
@@ -186,7 +187,18 @@ def test_megatron_core_bucket_grows_with_the_reduction_group():
         lay = parse_layout(f"dp={gpus},zero_stage=1,micro_batch_size=1,recompute=full", job)
         mem = plan.memory(job, lay)
         return mem["groups"], plan.comm_latency(job, lay, mem["groups"])["dp"]
-    plain, mcore = groups_and_dp_latency(256), groups_and_dp_latency(256, "--software", "megatron-core")
+    plain = groups_and_dp_latency(256, "--bucket_mb_per_dp", "0")
+    mcore = groups_and_dp_latency(256, "--software", "megatron-core")
+    assert groups_and_dp_latency(256) == mcore                   # the default's growth: the same 256M at dp 256
     assert 8.03e9 / 256e6 <= mcore[0] <= 8.03e9 / 256e6 + 3 and plain[0] > 7 * mcore[0]
     assert plain[1] / mcore[1] == pytest.approx(plain[0] / mcore[0])
     assert groups_and_dp_latency(8, "--software", "megatron-core")[0] > mcore[0] + 100     # 40M-parameter buckets
+
+
+def test_launch_line_carries_the_bucket_it_priced(capsys):
+    """Where the bucket grew past train_5d's 25 MiB default, the launch line says so; at dp 4 it did not."""
+    argv = ["--model", "gpt2", "--seq", "1024", "--global_batch_tokens", "256K", "--gpus_per_node", "8"]
+    plan.main(argv + ["--gpus", "64", "--layout", "dp=64,zero_stage=1,micro_batch_size=1"])
+    assert "--bucket_mb 244.141" in capsys.readouterr().out               # 64 x 1e6 fp32 parameters in MiB
+    plan.main(argv + ["--gpus", "4", "--layout", "dp=4,zero_stage=1,micro_batch_size=1"])
+    assert "--bucket_mb" not in capsys.readouterr().out
