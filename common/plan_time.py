@@ -85,8 +85,10 @@ def compute_time(flops, attention_flops, job):
 
 # NCCL's latency model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel; ring algorithm, Simple protocol, the
 # protocol of large messages): baseLat 8.4 us per collective, hwLat 3.4 us per ring step over NVLink, 9.6 us per
-# step through the network; ring steps 2(n-1) for all-reduce (2(nodes-1) of them inter-node), n-1 for
-# reduce-scatter and all-gather; the tree all-reduce 2 ((n/nodes - 1) * 28 + log2(nodes) * 50) us without base.
+# step through the network (releases 2.6-2.17, 2020-23, those of most runs bench/plan_validation.py compares; 2.18
+# raised the network step to 14 us; the LL / LL128 protocols NCCL picks for small messages are not modelled); ring
+# steps 2(n-1) for all-reduce (2(nodes-1) of them inter-node), n-1 for reduce-scatter and all-gather; the tree
+# all-reduce 2 ((n/nodes - 1) * 28 + log2(nodes) * 50) us without base.
 # NCCL times a call as latency + bytes / bandwidth and picks the faster algorithm (ring or tree for all-reduce).
 NCCL_BASE_S = 8.4e-6
 NCCL_HOP_S = dict(nvlink=3.4e-6, net=9.6e-6)
