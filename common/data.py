@@ -273,8 +273,8 @@ class GlobalBatchLoader:
             if len(arr) < block_size + 2:            # a sequence of block_size + 1 tokens from one of >= 2 offsets
                 raise ValueError(f"{path} has {len(arr)} tokens; --block_size {block_size} needs at least "
                                  f"block_size + 2 = {block_size + 2}: a smaller --block_size, or more data")
-            check_token_count(path, arr, self.meta, split, meta_path)
             check_token_ids(path, arr, self.vocab_size, meta_path)
+            check_token_count(path, arr, self.meta, split, meta_path)
 
     @property
     def vocab_size(self):
