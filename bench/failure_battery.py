@@ -1,5 +1,5 @@
 """
-bench/failure_battery.py: the failure battery, kept so that it can be rerun. About 455 cases of bad input
+bench/failure_battery.py: the failure battery, kept so that it can be rerun. About 460 cases of bad input
 and bad luck over every script (train_single, ddp, zero stages 1-3, tp, cp, pp, ep, train_5d), each on a tiny
 model and tiny random-token data, CPU and gloo, each classified by what actually happened:
 
@@ -770,6 +770,19 @@ def odd_data(layout, what, box):
     return judge_error(box.run(layout, out, data=data), ["train.bin", "meta.json"], out_dir=out)
 
 
+def odd_out_dir(layout, what, box):
+    """OUT_DIR/metrics.jsonl a pipe (the run's first open waited for ever), OUT_DIR/ckpt a dangling link (the first
+    save failed, after the training)."""
+    out = box.path("run")
+    os.makedirs(out)
+    if what == "metrics.jsonl a pipe":
+        os.mkfifo(os.path.join(out, "metrics.jsonl"))
+    else:
+        os.symlink(box.path("nowhere"), os.path.join(out, "ckpt"))
+    run = box.run(layout, out)
+    return judge_error(run, ["--out_dir"])
+
+
 def bench_sh(argv, env, names, box):
     """bench.sh with a bad sweep name or knob: one line before it installs, prepares or runs anything."""
     run = Job([(["bash", "bench.sh", *argv], dict(os.environ, PYTHON=sys.executable, **env))], box.root,
@@ -805,6 +818,9 @@ def input_class_cases():
                   for what in ("a pipe", "a dangling link", "uint32 ids")]
     cases.append(("train_single: meta.json with vocab_size true", functools.partial(odd_data, BY_NAME["train_single"],
                                                                                    "vocab true")))
+    for name in ("train_single", "train_tp"):
+        cases += [(f"{name}: out_dir's {what}", functools.partial(odd_out_dir, BY_NAME[name], what))
+                  for what in ("metrics.jsonl a pipe", "ckpt a dangling link")]
     for what, cmd, names in (("collectives.py: --size 1_0", ["collectives.py", "--size", "1_0"], ["--size"]),
                              ("collectives.py: --num 4 (a prefix)", ["collectives.py", "--num", "4"], ["--num"]),
                              ("plan.py: --tp 4 (a prefix of --tp_overlap)", ["plan.py", "--model", "gpt2", "--tp", "4"],

@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from common.errors import ConfigError, check, fail  # noqa: F401 (the checks every script makes come from here)
-from common.checkpoint_files import CKPT_DIR, LATEST, resolve_resume
+from common.checkpoint_files import CKPT_DIR, LATEST, LOCK, resolve_resume
 
 
 @dataclass
@@ -308,6 +308,13 @@ def check_out_dir(out_dir):
     check(os.access(existing, os.W_OK | os.X_OK), f"{what} is not writable")
     file, ckpt = os.path.join(path, "metrics.jsonl"), os.path.join(path, CKPT_DIR)
     check(not os.path.isdir(file), f"--out_dir {out_dir}: {file} is a directory; the run writes a file there")
+    for name in (file, ckpt, os.path.join(path, LOCK)):
+        check(not os.path.islink(name) or os.path.exists(name), f"--out_dir {out_dir}: {name} is a symbolic link "
+                                                                  f"that does not resolve (missing, or a loop)")
+    for name in (file, os.path.join(path, LOCK)):     # a pipe there would block the run's first open for ever
+        check(not os.path.exists(name) or os.path.isdir(name) or os.path.isfile(name),
+              f"--out_dir {out_dir}: {name} is not a regular file (a pipe, a socket or a device); the run writes a "
+              f"file there")
     check(not os.path.exists(file) or os.access(file, os.W_OK), f"--out_dir {out_dir}: {file} is not writable")
     check(not os.path.exists(ckpt) or os.path.isdir(ckpt), f"--out_dir {out_dir}: {ckpt} is a file; the run "
                                                            f"writes its checkpoints into a directory there")

@@ -208,3 +208,21 @@ def test_bench_sh_checks_its_arguments_first(argv, env, message):
                           env=dict(os.environ, PYTHON="false", **env))    # any work would fail: none is done
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
+
+
+@pytest.mark.parametrize("what, message", [("metrics.jsonl", "metrics.jsonl is not a regular file"),
+                                           ("run.lock", "run.lock is not a regular file"),
+                                           ("ckpt", "ckpt is a symbolic link that does not resolve")])
+def test_out_dir_files_that_are_pipes_or_dangling_links(tmp_path, capsys, what, message):
+    """A pipe blocked the run's first open (metrics) for ever; a dangling ckpt link failed the first save, after
+    the training."""
+    out = tmp_path / "out"
+    os.makedirs(out)
+    if what == "ckpt":
+        os.symlink(str(tmp_path / "nowhere"), out / what)
+    else:
+        os.mkfifo(out / what)
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--out_dir", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: --out_dir") and message in err, err
