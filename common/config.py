@@ -286,6 +286,8 @@ def parse_collectives_args(argv, description):
     p.add_argument("--dist_timeout", type=strict(float), default=300.0, help=HELP["dist_timeout"])
     args = p.parse_args(argv)
     try:
+        from common.distributed import launch_env
+        launch_env()                            # RANK, WORLD_SIZE, LOCAL_RANK, OMP_NUM_THREADS as the train scripts
         check_system_flags(args.device, args.dist_timeout)
         check(0 <= args.numel <= MAX_SHOWN, f"--numel must be in 0..{MAX_SHOWN} (0: 2 per rank; the walk-through "
                                            f"prints every element), got {args.numel}")

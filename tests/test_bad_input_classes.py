@@ -128,6 +128,13 @@ def test_launcher_variables_no_launcher_sets(monkeypatch, env, message):
         launch_env()
 
 
+def test_collectives_checks_the_launcher_variables_too(monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")
+    with pytest.raises(SystemExit) as e:
+        parse_collectives_args([], "")
+    assert e.value.code == 2 and "OMP_NUM_THREADS='0'" in capsys.readouterr().err
+
+
 def test_launcher_variables_torchrun_sets(monkeypatch):
     for name, value in dict(RANK="1", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="4,2"
                             ).items():
