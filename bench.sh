@@ -18,6 +18,27 @@ cd "$(dirname "$0")"
 export REPEATS=${REPEATS:-3} STEPS=${STEPS:-20} WARMUP=${WARMUP:-5}
 export PYTHON=${PYTHON:-python}
 
+# every argument and knob is checked before any work (installing, preparing data, running): one error line, exit 2
+die() { echo "error: $*" >&2; exit 2; }
+for knob in REPEATS STEPS WARMUP; do
+  [[ "${!knob}" =~ ^[0-9]{1,6}$ ]] ||
+    die "$knob=${!knob} must be a whole number in 0..999999"
+done
+[ "$REPEATS" -ge 1 ] || die "REPEATS=$REPEATS: at least one round is needed"
+[ "$WARMUP" -lt "$STEPS" ] || die "STEPS=$STEPS must exceed WARMUP=$WARMUP (the first WARMUP steps are not measured)"
+sweeps=("$@")
+[ ${#sweeps[@]} -gt 0 ] || die "name a sweep: ./bench.sh NAME... | all | list"
+if [ "${sweeps[0]}" = "list" ] && [ ${#sweeps[@]} -eq 1 ]; then
+  ls bench/sweeps | sed 's/\.sh$//'; exit 0
+fi
+if [ "${sweeps[0]}" = "all" ] && [ ${#sweeps[@]} -eq 1 ]; then
+  sweeps=($(ls bench/sweeps | sed 's/\.sh$//'))
+fi
+for s in "${sweeps[@]}"; do
+  [[ "$s" =~ ^[A-Za-z0-9_]+$ && -f "bench/sweeps/$s.sh" ]] || die "no sweep named '$s' (./bench.sh list; all and list \
+stand alone)"
+done
+
 # the charts beside the tables (bench/charts.py) need matplotlib, which training does not: install it here
 $PYTHON -c "import matplotlib" 2>/dev/null || $PYTHON -m pip install -q matplotlib
 
@@ -37,18 +58,7 @@ sample_load() {
 }
 stop_load() { kill "$LOAD_PID" 2>/dev/null || true; trap - EXIT; }
 
-sweeps=("$@")
-if [ ${#sweeps[@]} -eq 0 ]; then
-  echo "usage: ./bench.sh NAME... | all | list"; exit 2
-fi
-if [ "${sweeps[0]}" = "list" ]; then
-  ls bench/sweeps | sed 's/\.sh$//'; exit 0
-fi
-if [ "${sweeps[0]}" = "all" ]; then
-  sweeps=($(ls bench/sweeps | sed 's/\.sh$//'))
-fi
 for s in "${sweeps[@]}"; do
-  [ -f "bench/sweeps/$s.sh" ] || { echo "bench.sh: no sweep named '$s' (./bench.sh list)"; exit 2; }
   echo "== sweep $s"
   source "bench/sweeps/$s.sh"
 done

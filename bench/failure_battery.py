@@ -1,5 +1,5 @@
 """
-bench/failure_battery.py: the failure battery, kept so that it can be rerun. About 430 cases of bad input
+bench/failure_battery.py: the failure battery, kept so that it can be rerun. About 460 cases of bad input
 and bad luck over every script (train_single, ddp, zero stages 1-3, tp, cp, pp, ep, train_5d), each on a tiny
 model and tiny random-token data, CPU and gloo, each classified by what actually happened:
 
@@ -735,6 +735,105 @@ def new_class_cases():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# cases: kinds of input the checks above never tried (odd spellings, prefixes, sizes past memory, launcher
+# variables, data files that are pipes, links or of another width, bench.sh's arguments)
+
+def env_case(layout, env, names, box):
+    """`layout` launched with `env` on top of torchrun's variables: one line naming the variable."""
+    out = box.path("run")
+    argv = argv_of({**TINY, **layout.flags, "data_dir": box.data, "out_dir": out})
+    port = free_port()
+    run = Job([([sys.executable, layout.script, *argv], {**rank_env(r, layout.world, port), **env})
+               for r in range(layout.world)], box.root, "env").wait(box.timeout)
+    return judge_error(run, names, out_dir=out)
+
+
+def odd_data(layout, what, box):
+    """A token file that is a pipe (opening it waits for a writer), a dangling link, or of uint32 ids (small ids
+    read as valid uint16 ones); meta.json saying vocab_size true."""
+    import numpy as np
+    data = box.path("data")
+    shutil.copytree(box.data, data)
+    train = os.path.join(data, "train.bin")
+    if what == "a pipe":
+        os.remove(train)
+        os.mkfifo(train)
+    elif what == "a dangling link":
+        os.remove(train)
+        os.symlink(box.path("nowhere"), train)
+    elif what == "uint32 ids":
+        np.fromfile(train, dtype=np.uint16).astype(np.uint32).tofile(train)
+    else:
+        with open(os.path.join(data, "meta.json"), "w") as f:
+            f.write('{"vocab_size": true}')
+    out = box.path("run")
+    return judge_error(box.run(layout, out, data=data), ["train.bin", "meta.json"], out_dir=out)
+
+
+def odd_out_dir(layout, what, box):
+    """OUT_DIR/metrics.jsonl a pipe (the run's first open waited for ever), OUT_DIR/ckpt a dangling link (the first
+    save failed, after the training)."""
+    out = box.path("run")
+    os.makedirs(out)
+    if what == "metrics.jsonl a pipe":
+        os.mkfifo(os.path.join(out, "metrics.jsonl"))
+    else:
+        os.symlink(box.path("nowhere"), os.path.join(out, "ckpt"))
+    run = box.run(layout, out)
+    return judge_error(run, ["--out_dir"])
+
+
+def bench_sh(argv, env, names, box):
+    """bench.sh with a bad sweep name or knob: one line before it installs, prepares or runs anything."""
+    run = Job([(["bash", "bench.sh", *argv], dict(os.environ, PYTHON=sys.executable, **env))], box.root,
+              "bench").wait(box.timeout)
+    return judge_error(run, names)
+
+
+def input_class_cases():
+    cases = [flag_case("train_single", "--n_layer 1_0 (Python reads 10)", ["--n_layer"], n_layer="1_0"),
+             flag_case("train_ddp", "--lr \u0661e-3 (an Arabic digit)", ["--lr"], lr="\u0661e-3"),
+             flag_case("train_single", "--n_l 2 (a prefix of --n_layer)", ["--n_l"], n_l=2),
+             flag_case("train_tp", "--max_steps 10**8 (past 8-digit step directories)", ["--max_steps"],
+                       max_steps=10 ** 8),
+             flag_case("train_zero1", "--global_batch_size 2**64", ["--global_batch_size"], global_batch_size=2 ** 64),
+             flag_case("train_single", "--sample_tokens 10**9", ["--sample_tokens"], sample_tokens=10 ** 9),
+             flag_case("train_single", "--n_embd 100000 --n_layer 100 (past memory)", ["GiB"], n_embd=100000,
+                       n_layer=100),
+             flag_case("train_ddp", "--micro_batch_size 10**7 (past memory)", ["GiB"], micro_batch_size=10 ** 7,
+                       global_batch_size=2 * 10 ** 7),
+             flag_case("train_5d", "--n_embd 16384 --n_layer 64 (past memory on 4 ranks)", ["GiB"], n_embd=16384,
+                       n_layer=64),
+             flag_case("train_single", "--n_experts 2 --moe_every 7 (no MoE block)", ["--moe_every"], n_experts=2,
+                       moe_every=7),
+             flag_case("train_single", "--device cuda:99999999999999999999", ["--device"],
+                       device="cuda:99999999999999999999")]
+    for name, env, names in (("train_single", dict(OMP_NUM_THREADS="0"), ["OMP_NUM_THREADS"]),
+                             ("train_ddp", dict(OMP_NUM_THREADS="four"), ["OMP_NUM_THREADS"]),
+                             ("train_ddp", dict(LOCAL_RANK="5"), ["LOCAL_RANK"])):
+        shown = " ".join(f"{k}={v}" for k, v in env.items())
+        cases.append((f"{name}: {shown}", functools.partial(env_case, BY_NAME[name], env, names)))
+    for name in ("train_single", "train_ddp"):
+        cases += [(f"{name}: train.bin {what}", functools.partial(odd_data, BY_NAME[name], what))
+                  for what in ("a pipe", "a dangling link", "uint32 ids")]
+    cases.append(("train_single: meta.json with vocab_size true", functools.partial(odd_data, BY_NAME["train_single"],
+                                                                                   "vocab true")))
+    for name in ("train_single", "train_tp"):
+        cases += [(f"{name}: out_dir's {what}", functools.partial(odd_out_dir, BY_NAME[name], what))
+                  for what in ("metrics.jsonl a pipe", "ckpt a dangling link")]
+    for what, cmd, names in (("collectives.py: --size 1_0", ["collectives.py", "--size", "1_0"], ["--size"]),
+                             ("collectives.py: --num 4 (a prefix)", ["collectives.py", "--num", "4"], ["--num"]),
+                             ("plan.py: --tp 4 (a prefix of --tp_overlap)", ["plan.py", "--model", "gpt2", "--tp", "4"],
+                              ["--tp"])):
+        cases.append((what, functools.partial(bad_tool_args, [sys.executable, *cmd], 1, names)))
+    for argv, env, names in ((["nosuch"], {}, ["nosuch"]), (["single"], dict(STEPS="1e3"), ["STEPS"]),
+                             (["single"], dict(STEPS="3", WARMUP="5"), ["WARMUP"]), ([], {}, ["sweep"])):
+        shown = " ".join([*(f"{k}={v}" for k, v in env.items()), "bench.sh", *argv])
+        cases.append((shown, functools.partial(bench_sh, argv, env, names)))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the case list
 
 def per_layout_cases(layout):
@@ -874,6 +973,7 @@ def selfcheck(kind, box):
 def all_cases(with_selfcheck=False):
     cases = [case for layout in LAYOUTS for case in per_layout_cases(layout)]
     cases += flag_cases() + layout_flag_cases() + data_cases() + crash_cases() + new_class_cases()
+    cases += input_class_cases()
     if with_selfcheck:
         cases += [(f"selfcheck: a script that {kind}", functools.partial(selfcheck, kind)) for kind in SELFCHECK]
     return cases

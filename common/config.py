@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from common.errors import ConfigError, check, fail  # noqa: F401 (the checks every script makes come from here)
-from common.checkpoint_files import CKPT_DIR, LATEST, resolve_resume
+from common.checkpoint_files import CKPT_DIR, LATEST, LOCK, resolve_resume
 
 
 @dataclass
@@ -133,8 +133,26 @@ TECHNIQUE_FLAGS = ("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp
                    "capacity_factor", "bucket_mb", "fp8")
 
 
+INT_TEXT = re.compile(r"\s*[+-]?[0-9]+\s*")
+FLOAT_TEXT = re.compile(r"\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*|\s*[+-]?(inf|infinity|nan)\s*", re.I)
+
+
+def strict(kind):
+    """int / float for argparse, reading plain ASCII decimals only: Python's own parsers also take "1_0" as 10 and
+    Arabic or full-width digits as numbers, guesses a flag should not make."""
+    pattern = INT_TEXT if kind is int else FLOAT_TEXT
+
+    def parse(text):
+        if pattern.fullmatch(text) is None:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r} (plain decimal digits"
+                                             f"{'' if kind is int else ', an optional exponent, inf or nan'})")
+        return kind(text)
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def build_parser(description, techniques):
-    p = argparse.ArgumentParser(description=description,
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False,   # --tp never means --tp_overlap
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in fields(Config):
         if f.name in TECHNIQUE_FLAGS and f.name not in techniques:
@@ -148,6 +166,7 @@ def build_parser(description, techniques):
                            help=HELP[f.name])
         else:
             kind = {"int": int, "float": float, "str": str}.get(f.type, f.type) if isinstance(f.type, str) else f.type
+            kind = strict(kind) if kind in (int, float) else kind
             p.add_argument(f"--{f.name}", type=kind, default=f.default, choices=CHOICES.get(f.name),
                            help=HELP[f.name])
     return p
@@ -217,6 +236,7 @@ def validate_common(cfg, zero_means_auto=()):
     for name in DEGREES:
         least = 0 if name in zero_means_auto else 1
         check(getattr(cfg, name) >= least, f"--{name} must be >= {least}, got {getattr(cfg, name)}")
+    check_int_sizes(cfg)
     world = world_size_from_env()               # each rank seeds its dropout with seed + rank: all within 63 bits
     check(cfg.seed <= 2 ** 63 - world, f"--seed must be at most 2**63 - {world} (the seed plus each rank's index "
                                        f"fits in 63 bits), got {cfg.seed}")
@@ -227,9 +247,27 @@ def validate_common(cfg, zero_means_auto=()):
     check_system_flags(cfg.device, cfg.dist_timeout)
 
 
+MAX_STEPS = 10 ** 8 - 1         # checkpoints are named step_NNNNNNNN: eight digits
+MAX_SAMPLE = 100_000            # the sample is an eyeball check, one forward per token
+STEP_COUNTS = ("max_steps", "stop_step", "warmup_steps", "eval_interval", "eval_iters", "log_interval",
+               "save_interval", "keep_checkpoints", "max_bad_steps", "profile")
+
+
+def check_int_sizes(cfg):
+    """Integers no run can use: beyond 64 bits (torch and numpy hold them so), step counts past the eight digits of
+    a step directory's name, a sample longer than an eyeball check. Found now, not after a hang or an overflow."""
+    for name, value in vars(cfg).items():
+        check(type(value) is not int or abs(value) < 2 ** 63, f"--{name} {value} does not fit in 64 bits")
+    for name in STEP_COUNTS:
+        check(getattr(cfg, name) <= MAX_STEPS, f"--{name} must be at most {MAX_STEPS:,} (checkpoint directories "
+                                               f"are numbered with 8 digits), got {getattr(cfg, name)}")
+    check(cfg.sample_tokens <= MAX_SAMPLE, f"--sample_tokens must be at most {MAX_SAMPLE:,} (one forward per token), "
+                                           f"got {cfg.sample_tokens}")
+
+
 def check_system_flags(device, dist_timeout):
     """--device and --dist_timeout, shared by the train scripts and collectives.py."""
-    check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", device) is not None,
+    check(re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,4})?", device) is not None,     # (torch refuses an index past int)
           f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
     check(math.isfinite(dist_timeout) and 1 <= dist_timeout <= MAX_DIST_TIMEOUT,
           f"--dist_timeout must be between 1 and {MAX_DIST_TIMEOUT:g} seconds, got {dist_timeout:g}")
@@ -240,13 +278,16 @@ MAX_SHOWN, MAX_MIB = 4096, 65536     # collectives.py: elements printed per rank
 
 def parse_collectives_args(argv, description):
     """collectives.py's command line: one `error:` line and exit code 2 for a value out of range."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--numel", type=int, default=0, help="elements of the shown tensors (default: 2 per rank)")
-    p.add_argument("--size", nargs="+", type=float, help="only the bandwidth sweep, over these sizes in MiB")
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--numel", type=strict(int), default=0, help="elements of the shown tensors (default: 2 per rank)")
+    p.add_argument("--size", nargs="+", type=strict(float), help="only the bandwidth sweep, over these sizes in MiB")
     p.add_argument("--device", default="auto", help="auto: cuda (NCCL) when a GPU is present, else cpu (gloo)")
-    p.add_argument("--dist_timeout", type=float, default=300.0, help=HELP["dist_timeout"])
+    p.add_argument("--dist_timeout", type=strict(float), default=300.0, help=HELP["dist_timeout"])
     args = p.parse_args(argv)
     try:
+        from common.distributed import launch_env
+        launch_env()                            # RANK, WORLD_SIZE, LOCAL_RANK, OMP_NUM_THREADS as the train scripts
         check_system_flags(args.device, args.dist_timeout)
         check(0 <= args.numel <= MAX_SHOWN, f"--numel must be in 0..{MAX_SHOWN} (0: 2 per rank; the walk-through "
                                            f"prints every element), got {args.numel}")
@@ -269,6 +310,13 @@ def check_out_dir(out_dir):
     check(os.access(existing, os.W_OK | os.X_OK), f"{what} is not writable")
     file, ckpt = os.path.join(path, "metrics.jsonl"), os.path.join(path, CKPT_DIR)
     check(not os.path.isdir(file), f"--out_dir {out_dir}: {file} is a directory; the run writes a file there")
+    for name in (file, ckpt, os.path.join(path, LOCK)):
+        check(not os.path.islink(name) or os.path.exists(name), f"--out_dir {out_dir}: {name} is a symbolic link "
+                                                                  f"that does not resolve (missing, or a loop)")
+    for name in (file, os.path.join(path, LOCK)):     # a pipe there would block the run's first open for ever
+        check(not os.path.exists(name) or os.path.isdir(name) or os.path.isfile(name),
+              f"--out_dir {out_dir}: {name} is not a regular file (a pipe, a socket or a device); the run writes a "
+              f"file there")
     check(not os.path.exists(file) or os.access(file, os.W_OK), f"--out_dir {out_dir}: {file} is not writable")
     check(not os.path.exists(ckpt) or os.path.isdir(ckpt), f"--out_dir {out_dir}: {ckpt} is a file; the run "
                                                            f"writes its checkpoints into a directory there")

@@ -123,13 +123,22 @@ def read_inputs(paths):
     chunks = []
     for path in paths:
         if not os.path.isfile(path):
-            raise ValueError(f"--input {path}: {'a directory, not a file' if os.path.isdir(path) else 'no such file'}")
+            raise ValueError(f"--input {path}: {not_a_file(path)}")
         try:
             with open(path, "rb") as f:
                 chunks.append(f.read())
         except OSError as e:
             raise ValueError(f"--input {path}: cannot read it ({e.strerror or e})") from None
     return b"\n".join(chunks)
+
+
+def not_a_file(path):
+    """Why `path` is not a regular file (a pipe or a device would block or never end)."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"a symbolic link to {os.readlink(path)}, which does not resolve (missing, or a loop)"
+    if not os.path.exists(path):
+        return "no such file"
+    return "a directory, not a file" if os.path.isdir(path) else "not a regular file (a pipe, a socket or a device)"
 
 
 def prepare_text_files(paths, out_dir, tokenizer):
@@ -184,26 +193,34 @@ def read_meta(data_dir):
         except Exception as e:          # truncated, not a pickle, or not a dict: several kinds
             raise ValueError(f"{pkl_path} is not a readable nanoGPT meta.pkl ({type(e).__name__}: {e})") from None
     if path == json_path:
+        if not os.path.isfile(json_path):
+            raise ValueError(f"{json_path}: {not_a_file(json_path)}")
         try:
             with open(json_path) as f:
                 loaded = json.load(f)
         except ValueError as e:         # not JSON, not UTF-8
             raise ValueError(f"{json_path} is not valid JSON ({e})") from None
+        except OSError as e:
+            raise ValueError(f"{json_path}: cannot read it ({e.strerror or e})") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{json_path} is not a JSON object")
         meta.update(loaded)
     vocab = meta.get("vocab_size")
-    if not isinstance(vocab, int) or not 0 < vocab <= 2 ** 16:
+    if type(vocab) is not int or not 0 < vocab <= 2 ** 16:          # (true is an int to Python)
         raise ValueError(f"{path} needs vocab_size, an integer in 1..65536 (token ids are uint16), got {vocab!r}")
     return meta, path
 
 
 def open_tokens(path):
     """A .bin file as a read-only uint16 memmap."""
+    if not os.path.isfile(path):        # (a pipe would block here for ever)
+        raise ValueError(f"{path}: {not_a_file(path)}")
     try:
         return np.memmap(path, dtype=np.uint16, mode="r")
     except ValueError as e:             # an empty file, or an odd number of bytes
         raise ValueError(f"{path}: {e} (a token file holds uint16 ids, 2 bytes each)") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
 
 
 def check_token_ids(path, tokens, vocab_size, meta_path, window=2 ** 20, windows=16):
@@ -218,6 +235,20 @@ def check_token_ids(path, tokens, vocab_size, meta_path, window=2 ** 20, windows
     if top >= vocab_size:
         raise ValueError(f"{path} holds token id {top}, but {meta_path} says vocab_size {vocab_size}: the data and "
                          f"its meta come from different preparations")
+
+
+def check_token_count(path, tokens, meta, split, meta_path):
+    """The file holds as many tokens as its meta says it wrote (where it says: ours does, nanoGPT's does not): ids
+    of another width (uint32 is twice the bytes, and its small ids read as valid uint16 ones) or a partial copy
+    are found here, not trained on."""
+    count = meta.get(f"{split}_tokens")
+    if count is None:
+        return
+    if type(count) is not int or count < 0:
+        raise ValueError(f"{meta_path}: {split}_tokens must be a count of tokens, got {count!r}")
+    if count != len(tokens):
+        raise ValueError(f"{path} holds {len(tokens):,} uint16 tokens, but {meta_path} says {split}_tokens "
+                         f"{count:,}: ids of another width (uint32: twice the bytes), or a partial copy")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -243,6 +274,7 @@ class GlobalBatchLoader:
                 raise ValueError(f"{path} has {len(arr)} tokens; --block_size {block_size} needs at least "
                                  f"block_size + 2 = {block_size + 2}: a smaller --block_size, or more data")
             check_token_ids(path, arr, self.vocab_size, meta_path)
+            check_token_count(path, arr, self.meta, split, meta_path)
 
     @property
     def vocab_size(self):
@@ -266,7 +298,8 @@ class GlobalBatchLoader:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Prepare a dataset as train.bin / val.bin / meta.json.")
+    p = argparse.ArgumentParser(description="Prepare a dataset as train.bin / val.bin / meta.json.",
+                                allow_abbrev=False)         # a prefix of a flag is not the flag
     p.add_argument("--out_dir", default=None, help="where to write (default data/stdlib, data/<name>)")
     p.add_argument("--input", nargs="+", default=None, help="text files to tokenize instead of the stdlib")
     p.add_argument("--shakespeare", action="store_true", help="download tiny-shakespeare (needs internet)")
@@ -299,6 +332,8 @@ def check_out_dir_arg(out_dir):
         raise ValueError("--out_dir must name a directory")
     existing = os.path.abspath(out_dir)
     while not os.path.exists(existing):
+        if os.path.islink(existing):
+            raise ValueError(f"--out_dir {out_dir}: {not_a_file(existing)}")
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ValueError(f"--out_dir {out_dir}: {existing} is a file, not a directory")

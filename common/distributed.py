@@ -51,6 +51,13 @@ def launch_env():
         values.append(int(text))
     rank, world, local = values
     check(world >= 1 and rank < world, f"RANK={rank} is not below WORLD_SIZE={world} (torchrun sets both)")
+    local_world = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    check("LOCAL_RANK" not in os.environ or not local_world.isdigit() or local < int(local_world) <= world,
+          f"LOCAL_RANK={local} with LOCAL_WORLD_SIZE={local_world} and WORLD_SIZE={world}: a node's ranks are "
+          f"0..LOCAL_WORLD_SIZE-1, at most WORLD_SIZE of them (torchrun sets all three)")
+    threads = os.environ.get("OMP_NUM_THREADS")      # libgomp warns about a bad one and guesses a thread count
+    check(not (threads or "").strip() or re.fullmatch(r"\s*[1-9][0-9]*(,[1-9][0-9]*)*\s*", threads) is not None,
+          f"environment variable OMP_NUM_THREADS={threads!r} is not a positive integer (threads per process)")
     return rank, world, local
 
 

@@ -262,7 +262,11 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors (unknown flag, unreadable number, bad choice) are one `error:` line and exit 2, as
-    every other bad input of plan.py (argparse's own prints the usage first)."""
+    every other bad input of plan.py (argparse's own prints the usage first). A prefix is not a flag: --tp would
+    otherwise be read as --tp_overlap."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         fail(message)

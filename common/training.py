@@ -5,6 +5,7 @@ end-of-run sample, and when to save.
 train_single.py's loop uses each of these; every other rung's loop is the same loop with its technique added.
 """
 import contextlib
+import os
 
 import torch
 import torch.nn as nn
@@ -91,6 +92,7 @@ def prepare_data(cfg, env):
     try:
         ensure_dataset(cfg.data_dir)
         loader = GlobalBatchLoader(cfg.data_dir, cfg.block_size, cfg.global_batch_size, cfg.seed, env.device)
+        error = memory_problem(cfg, env, loader.vocab_size)
     except (OSError, ValueError) as e:
         error = str(e)
     fail_together(error, env)
@@ -130,6 +132,11 @@ def check_moe(cfg):
           "need --capacity_factor >= 0 and --aux_loss_coef >= 0")
     check(cfg.n_experts == 0 or 1 <= cfg.top_k <= cfg.n_experts,
           f"--top_k {cfg.top_k} must be between 1 and --n_experts {cfg.n_experts}")
+    check(cfg.n_experts == 0 or cfg.moe_every <= cfg.n_layer,     # else a dense model, silently
+          f"--moe_every {cfg.moe_every} > --n_layer: no MoE block among the {cfg.n_layer}")
+    check(cfg.n_experts == 0 or cfg.capacity_factor <= cfg.n_experts,   # (an overflow to inf above that)
+          f"--capacity_factor {cfg.capacity_factor:g} is above --n_experts {cfg.n_experts}: from n_experts / top_k "
+          f"on, an expert has room for every routed token (use 0 for dropless)")
 
 
 def check_zero3(cfg):
@@ -182,6 +189,55 @@ def print_sample(model, loader, cfg, env, collective=False):
         text = f"<cannot decode: {e}>"
     if env.rank == 0:
         print(f"---- sample ----\n{text}\n----------------", flush=True)
+
+
+GiB = 2 ** 30
+
+
+def least_memory(cfg, vocab_size, dtype):
+    """(bytes, what): a lower bound of one run's memory, whatever its layout: weights, gradients and AdamW's two
+    moments of every matrix (norms and biases left out), the offsets of a global batch, and of one micro-batch the
+    logits and the activations a block keeps for its backward (at least 14 h per token without recomputation: the
+    inputs of both norms, q k v, the attention output, the MLP's 4h input and 4h GeLU output; h with it)."""
+    h, layers, size = cfg.n_embd, cfg.n_layer, param_dtype(dtype).itemsize
+    moe = layers // cfg.moe_every if cfg.n_experts > 0 else 0      # blocks moe_every-1, 2*moe_every-1, ...
+    params = vocab_size * h + layers * 4 * h * h + (layers - moe + moe * cfg.n_experts) * 8 * h * h
+    tokens = cfg.micro_batch_size * cfg.block_size
+    kept = h * (layers if cfg.recompute != "none" else 14 * layers)
+    act = tokens * (kept + 2 * vocab_size) * min(size, dtype.itemsize)
+    total = 4 * params * size + act + 8 * cfg.global_batch_size
+    return total, (f"{params:,} parameters: {4 * params * size / GiB:,.1f} GiB of weights, gradients and AdamW's "
+                   f"moments in {size}-byte floats; activations of --micro_batch_size {cfg.micro_batch_size} x "
+                   f"--block_size {cfg.block_size}: {act / GiB:,.1f} GiB")
+
+
+def memory_problem(cfg, env, vocab_size):
+    """A run that cannot fit, said before the model is built (not an allocator's crash, an OOM kill or swapping):
+    its least memory, split over every rank (the most any layout shares it), against this rank's device (free
+    memory) or this host (MemAvailable, shared by its ranks). None if it may fit."""
+    need, what = least_memory(cfg, vocab_size, resolve_dtype(cfg, env.device))
+    per_rank = need // env.world_size
+    if env.device.type == "cuda":
+        have, where = torch.cuda.mem_get_info(env.device)[0], f"{env.device} has"
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.world_size > 1 else 1
+        have, where = host_available(), f"this host has available (MemAvailable, for {local} rank(s))"
+        per_rank *= local
+    if have is None or per_rank <= have:
+        return None
+    return (f"the model and one micro-batch need at least {need / GiB:,.1f} GiB ({what}); split over "
+            f"{env.world_size} rank(s), {per_rank / GiB:,.1f} GiB here, but {where} {have / GiB:,.1f} GiB: use a "
+            f"smaller --n_layer / --n_embd / --micro_batch_size / --block_size, or more devices")
+
+
+def host_available():
+    """MemAvailable of /proc/meminfo in bytes (Linux), else None (not checked)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def fits_on_device(n_bytes, device):

@@ -1,0 +1,235 @@
+"""Kinds of bad input refused in one `error:` line before any work, checked where every entry point shares the
+check: numbers in odd spellings and flag prefixes (every parser), integers no run can use, a run that cannot fit
+memory, launcher variables no launcher sets, data files that are pipes, devices, dangling links or of another
+width, and bench.sh's arguments. In-process where the check is a function; a subprocess where the hang or the
+work it prevents would happen."""
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import plan
+from common import data, training
+from common.config import ConfigError, parse_collectives_args, parse_config
+from common.distributed import DistEnv, launch_env
+from test_failures import one_error_line
+from train_helpers import make_tiny_dataset, tiny_argv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# spellings and prefixes
+
+@pytest.mark.parametrize("flag, text", [("n_layer", "1_0"), ("n_layer", "\u0663"), ("n_layer", "\uff12"),
+                                        ("n_layer", "0x10"), ("n_layer", "2.0"), ("lr", "1_0.5"), ("lr", "\u0661e-3")])
+def test_numbers_are_plain_ascii_decimals(tmp_path, capsys, flag, text):
+    with pytest.raises(SystemExit) as e:
+        parse_config([f"--{flag}", text, "--out_dir", str(tmp_path)])
+    assert e.value.code == 2 and f"argument --{flag}: invalid" in capsys.readouterr().err
+
+
+def test_plain_spellings_still_read(tmp_path):
+    cfg = parse_config(["--n_layer", " 4 ", "--lr", "2E-3", "--min_lr=.0001", "--seed", "+7",
+                        "--out_dir", str(tmp_path)])
+    assert (cfg.n_layer, cfg.lr, cfg.min_lr, cfg.seed) == (4, 2e-3, 1e-4, 7)
+
+
+@pytest.mark.parametrize("argv, parse", [(["--n_l", "2"], parse_config), (["--tp", "2"], parse_config),
+                                         (["--num", "4"], lambda a: parse_collectives_args(a, ""))])
+def test_a_prefix_or_another_scripts_flag_is_not_a_flag(tmp_path, capsys, argv, parse):
+    with pytest.raises(SystemExit) as e:
+        parse(argv + ["--out_dir", str(tmp_path)] if parse is parse_config else argv)
+    assert e.value.code == 2 and f"unrecognized arguments: {argv[0]}" in capsys.readouterr().err
+
+
+def test_plan_reads_no_prefix(capsys):
+    with pytest.raises(SystemExit) as e:          # --tp was read as --tp_overlap 4, refused as a share
+        plan.main(["--model", "gpt2", "--tp", "4"])
+    assert e.value.code == 2 and "unrecognized arguments: --tp 4" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# integers no run can use; MoE flags that would silently mean a dense model or overflow
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(n_layer=10 ** 30), "--n_layer 1000000000000000000000000000000 does not fit in 64 bits"),
+    (dict(global_batch_size=2 ** 63), "--global_batch_size 9223372036854775808 does not fit in 64 bits"),
+    (dict(max_steps=10 ** 8), "--max_steps must be at most 99,999,999"),
+    (dict(eval_iters=10 ** 9), "--eval_iters must be at most 99,999,999"),
+    (dict(sample_tokens=10 ** 6), "--sample_tokens must be at most 100,000"),
+    (dict(device="cuda:99999999999999999999"), "--device must be auto, cpu, cuda or cuda:N"),
+    (dict(n_experts=2, moe_every=7), "--moe_every 7 > --n_layer: no MoE block among the 2"),
+    (dict(n_experts=2, capacity_factor=1e308), "--capacity_factor 1e+308 is above --n_experts 2"),
+])
+def test_integers_no_run_can_use(tiny_data, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as e:       # parsing only: were it accepted, no model of 10**30 layers is built
+        parse_config(tiny_argv(tiny_data, str(tmp_path / "out"), **flags), training.MOE_FLAGS,
+                     validate=training.check_moe)
+    line = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and line.startswith("error: ") and message in line, line
+
+
+# ----------------------------------------------------------------------------------------------------------
+# memory known before work
+
+def test_least_memory_counts_the_model_and_a_micro_batch(tiny_data, tmp_path):
+    cfg = parse_config(tiny_argv(tiny_data, str(tmp_path)))
+    need, what = training.least_memory(cfg, 64, torch.float32)
+    h, layers = cfg.n_embd, cfg.n_layer
+    params = 64 * h + 12 * layers * h * h
+    tokens = cfg.micro_batch_size * cfg.block_size
+    assert need == 16 * params + tokens * (14 * layers * h + 128) * 4 + 8 * cfg.global_batch_size
+    assert f"{params:,} parameters" in what
+    moe = parse_config(tiny_argv(tiny_data, str(tmp_path), n_experts=4, moe_every=2), training.MOE_FLAGS)  # 1 of 2
+    assert training.least_memory(moe, 64, torch.float32)[0] - need == 16 * 3 * 8 * h * h
+
+
+def test_a_run_past_this_hosts_memory_is_refused_naming_its_sizes(tiny_data, tmp_path, monkeypatch):
+    cfg = parse_config(tiny_argv(tiny_data, str(tmp_path), n_embd=16384, n_layer=64))
+    env = DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
+    monkeypatch.setattr(training, "host_available", lambda: 64 * 2 ** 30)
+    message = training.memory_problem(cfg, env, 64)
+    assert "need at least 3,0" in message and "206,159,478,784 parameters" in message and "64.0 GiB" in message
+    small = parse_config(tiny_argv(tiny_data, str(tmp_path)))
+    assert training.memory_problem(small, env, 64) is None
+    two = DistEnv(0, 2, 0, torch.device("cpu"), "gloo")            # two ranks of one host share its memory
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    need = training.least_memory(cfg, 64, torch.float32)[0]
+    monkeypatch.setattr(training, "host_available", lambda: need - 1)
+    assert training.memory_problem(cfg, two, 64) is not None
+
+
+def test_a_model_past_memory_stops_before_it_is_built(tiny_data, tmp_path):
+    """Subprocess: before, the allocator's RuntimeError was a traceback (or, a little smaller, minutes of swap)."""
+    proc = subprocess.run([sys.executable, "train_single.py", *tiny_argv(tiny_data, str(tmp_path), n_embd=100000,
+                                                                         n_layer=100)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: the model and one micro-batch need at least"), proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the launcher's environment
+
+@pytest.mark.parametrize("env, message", [(dict(OMP_NUM_THREADS="0"), "OMP_NUM_THREADS='0' is not a positive"),
+                                          (dict(OMP_NUM_THREADS="four"), "OMP_NUM_THREADS='four'"),
+                                          (dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="7", LOCAL_WORLD_SIZE="2"),
+                                           "LOCAL_RANK=7 with LOCAL_WORLD_SIZE=2")])
+def test_launcher_variables_no_launcher_sets(monkeypatch, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=message):
+        launch_env()
+
+
+def test_collectives_checks_the_launcher_variables_too(monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")
+    with pytest.raises(SystemExit) as e:
+        parse_collectives_args([], "")
+    assert e.value.code == 2 and "OMP_NUM_THREADS='0'" in capsys.readouterr().err
+
+
+def test_launcher_variables_torchrun_sets(monkeypatch):
+    for name, value in dict(RANK="1", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="4,2"
+                            ).items():
+        monkeypatch.setenv(name, value)
+    assert launch_env() == (1, 4, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data files
+
+def dataset(path):
+    return make_tiny_dataset(str(path))
+
+
+def test_a_token_file_that_is_a_pipe_is_refused_not_waited_on(tmp_path):
+    data_dir = dataset(tmp_path / "data")
+    os.remove(os.path.join(data_dir, "train.bin"))
+    fifo = os.path.join(data_dir, "train.bin")
+    os.mkfifo(fifo)                                     # opening it blocks until a writer comes:
+    writer = threading.Timer(10, lambda: open(fifo, "wb").close())     # one comes, should the test fail
+    writer.daemon = True
+    writer.start()
+    try:
+        with pytest.raises(ValueError, match="train.bin: not a regular file"):
+            data.GlobalBatchLoader(data_dir, 16, 8, 0)
+    finally:
+        writer.cancel()
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("uint32", "train.bin holds 40,000 uint16 tokens, but"),
+    ("dangling", "train.bin: a symbolic link to"),
+    ("meta dir", "meta.json: a directory, not a file"),
+    ("vocab true", "needs vocab_size, an integer in 1..65536 (token ids are uint16), got True"),
+    ("count string", "train_tokens must be a count of tokens, got '20000'"),
+])
+def test_a_damaged_data_directory_is_one_line_naming_the_file(tmp_path, capsys, damage, message):
+    data_dir = dataset(tmp_path / "data")
+    train, meta_path = os.path.join(data_dir, "train.bin"), os.path.join(data_dir, "meta.json")
+    meta = json.load(open(meta_path))
+    if damage == "uint32":          # small ids of another width read as valid uint16 ids: only the count tells
+        np.fromfile(train, dtype=np.uint16).astype(np.uint32).tofile(train)
+    elif damage == "dangling":
+        os.remove(train)
+        os.symlink(str(tmp_path / "nowhere"), train)
+    elif damage == "meta dir":
+        os.remove(meta_path)
+        os.makedirs(meta_path)
+    else:
+        meta.update({"vocab true": dict(vocab_size=True), "count string": dict(train_tokens="20000")}[damage])
+        json.dump(meta, open(meta_path, "w"))
+    line = one_error_line(capsys, tiny_argv(data_dir, str(tmp_path / "out")))
+    assert message in line, line
+
+
+def test_prepare_refuses_a_pipe_and_dangling_links(tmp_path, capsys):
+    os.mkfifo(tmp_path / "pipe")
+    os.symlink(str(tmp_path / "nowhere"), tmp_path / "link")
+    for argv, message in ((["--input", str(tmp_path / "pipe")], "not a regular file"),
+                          (["--input", str(tmp_path / "link")], "a symbolic link to"),
+                          (["--input", "README.md", "--out_dir", str(tmp_path / "link")], "--out_dir")):
+        with pytest.raises(SystemExit) as e:
+            data.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and message in err, err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bench.sh: its arguments and knobs before it installs, prepares or runs anything
+
+@pytest.mark.parametrize("argv, env, message", [
+    ([], {}, "name a sweep"), (["nosuch"], {}, "no sweep named 'nosuch'"), (["../README"], {}, "no sweep named"),
+    (["list", "single"], {}, "no sweep named 'list'"), (["single"], dict(STEPS="1e3"), "STEPS=1e3 must be a whole"),
+    (["single"], dict(REPEATS="0"), "at least one round"), (["single"], dict(STEPS="4", WARMUP="5"), "must exceed"),
+])
+def test_bench_sh_checks_its_arguments_first(argv, env, message):
+    proc = subprocess.run(["bash", "bench.sh", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHON="false", **env))    # any work would fail: none is done
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
+
+
+@pytest.mark.parametrize("what, message", [("metrics.jsonl", "metrics.jsonl is not a regular file"),
+                                           ("run.lock", "run.lock is not a regular file"),
+                                           ("ckpt", "ckpt is a symbolic link that does not resolve")])
+def test_out_dir_files_that_are_pipes_or_dangling_links(tmp_path, capsys, what, message):
+    """A pipe blocked the run's first open (metrics) for ever; a dangling ckpt link failed the first save, after
+    the training."""
+    out = tmp_path / "out"
+    os.makedirs(out)
+    if what == "ckpt":
+        os.symlink(str(tmp_path / "nowhere"), out / what)
+    else:
+        os.mkfifo(out / what)
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--out_dir", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: --out_dir") and message in err, err
