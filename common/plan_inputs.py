@@ -242,9 +242,8 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("attn", str, "flash", "flash (no s x s scores kept) | eager (Korthikanti's 5as/h term)"),
          ("causal", bool, True, "causal flash attention skips the masked half of the scores (time only)"),
          ("bucket_mb", float, 25.0, "gradient bucket MiB (ZeRO padding; one collective each)"),
-         ("bucket_mb_per_dp", float, MCORE_BUCKET["bucket_mb_per_dp"], "the bucket grows with the reduction group "
-          "to max(bucket_mb, this x dp x cp) MiB, as Megatron-Core's does (1e6 fp32 parameters per rank) against NCCL's "
-          "latency at large dp; 0: a fixed bucket. The launch line passes it to train_5d"),
+         ("bucket_mb_per_dp", float, MCORE_BUCKET["bucket_mb_per_dp"], "bucket grown to max(bucket_mb, this x dp x cp) "
+          "MiB against NCCL's latency at large dp, as Megatron-Core's (1e6 fp32 params per rank); 0: fixed"),
          ("eff", float, None, "one compute efficiency in (0, 1] for every FLOP (default: plan_time's measured GEMM "
           "and attention ceilings x the software share)"),
          ("attn_eff", float, None, "flash attention's fraction of peak, forward + backward (default: FlashAttention-2's "
@@ -263,10 +262,7 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors (unknown flag, unreadable number, bad choice) are one `error:` line and exit 2, as
     every other bad input of plan.py (argparse's own prints the usage first). A prefix is not a flag: --tp would
-    otherwise be read as --tp_overlap."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
+    otherwise be read as --tp_overlap (allow_abbrev=False where it is made)."""
 
     def error(self, message):
         fail(message)
@@ -285,7 +281,7 @@ def finite(kind):
 
 def parse_args(argv, description):
     """plan.py's flags: a --model preset or the SHAPE flags, then FLAGS, then --json."""
-    ap = OneLineParser(description=description)
+    ap = OneLineParser(description=description, allow_abbrev=False)
     ap.add_argument("--model", default=None, help=f"preset: {', '.join(MODELS)}")
     for k in SHAPE:
         ap.add_argument(f"--{k}", type=int, default=None, help="model shape (overrides the preset)")
