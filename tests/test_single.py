@@ -161,10 +161,25 @@ def _run_main(script, argv):
             dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def fast_single(tiny_data, tmp_path_factory):
+    """fast_single(**moe) -> train_single's losses with FAST_PATHS (and an MoE's flags), run once per module: the
+    reference every rung below is compared with."""
+    cache = {}
+
+    def reference(**moe):
+        key = tuple(sorted(moe.items()))
+        if key not in cache:
+            out = str(tmp_path_factory.mktemp("fast_single"))
+            cache[key] = run_single(tiny_argv(tiny_data, out, **FAST_PATHS, **moe))[0]
+        return cache[key]
+    return reference
+
+
 @pytest.mark.parametrize("script, flags", [("train_ddp", {}), ("train_zero", dict(zero_stage=2)),
                                            ("train_pp", dict(pp=1)), ("train_cp", dict(cp=1)), ("train_tp", dict(tp=1)),
                                            ("train_ep", dict(ep=1, n_experts=2, top_k=1, moe_every=2))])
-def test_kernels_and_fp8_applied_like_single(script, flags, tiny_data, tmp_path):
+def test_kernels_and_fp8_applied_like_single(script, flags, tiny_data, tmp_path, fast_single):
     """Fused Triton modules (interpreted on CPU) and FP8 GEMMs swapped into the rung's model as train_single does
     (the modules are there; train_tp's FP8 GEMMs sit inside its parallel layers), and the run equals train_single's
     with the same flags on the same micro-batches."""
@@ -172,7 +187,7 @@ def test_kernels_and_fp8_applied_like_single(script, flags, tiny_data, tmp_path)
     from kernels.fp8 import Float8Linear
     from kernels.fp8_parallel import Float8ParallelGemms
     moe = {k: v for k, v in flags.items() if k != "ep"} if script == "train_ep" else {}
-    ref = run_single(tiny_argv(tiny_data, str(tmp_path / "single"), **FAST_PATHS, **moe))[0]
+    ref = fast_single(**moe)
     result = _run_main(script, tiny_argv(tiny_data, str(tmp_path / script), **FAST_PATHS, **flags))
     model = result.get("model") or result.get("chunks")
     kinds = {type(m) for m in model.modules()}
