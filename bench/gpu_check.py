@@ -1,30 +1,38 @@
 """
 bench/gpu_check.py: the one-command GPU check, run as `bash bench/gpu_check.sh` (which skips, exit 0, with one
 line, only on a machine without a GPU, and fails with an error line when a GPU exists but python, a CUDA build of
-torch or the driver is missing). On N >= 1 CUDA GPUs it runs, each for a few steps on the default corpus in
-bf16 (autocast), with P = the largest power of two <= min(N, 8) so that every degree divides the test model:
+torch, a C compiler or Python.h is missing). Rows run in order of value, each timed; with --budget_s S a row whose
+estimate does not fit what is left is listed as "not run (budget)", never started and cut off halfway.
 
-  1. every train script (single, ddp, zero 1/2/3, tp (+sp), cp, pp, ep, and 5d when train_5d.py exists) under
-     torchrun with NCCL at 1 GPU and at P GPUs, its loss at every step against train_single's within BF16_RTOL;
-  2. train_single with --kernels triton / compile, and --fp8 with the fused kernels, against --kernels torch;
-  3. train_single with each FP8 recipe against bf16 within FP8_RTOL (GPUs of compute capability >= 8.9), and
-     FP8 with MoE experts;
-  and on P > 1 GPUs: train_cp's three layouts at a long sequence (T = 8192) against train_single there, and
-  train_pp's end-of-run sample run through the stages (no rank gathers the model);
-  4. the kernel and FP8 tests (tests/test_kernels.py, tests/test_fp8.py), whose tensors live on the GPU;
-then prints one markdown table (script, layout, ok, loss vs reference, tokens/s, MFU, peak memory, from each
-run's metrics.jsonl via metrics.read_metrics) and writes it to OUT/table.md. Exit code 1 if any row failed.
+On 1 GPU (every row a line of the table: ok, loss vs reference or error vs bound, speed, MFU, peak memory):
+  1. the GPU's own bf16 matmul rate (8192^3): the measured ceiling every MFU is also shown against;
+  2. train_single in bf16 at GPT-2-small's shape (12 x 768, 12 heads, T 1024, vocab 50257 padded to 50304; the
+     default corpus's tokens), eager and --compile: tokens/s, MFU of the datasheet peak / of row 1;
+  3. --kernels triton and --kernels compile against --kernels torch, and each Triton kernel forward+backward
+     against its torch peer on GPU tensors at those shapes (error, and time against the peer's);
+  4. each FP8 recipe through the real torch._scaled_mm, at a GEMM-bound shape (n_embd 4096) and at GPT-2-small,
+     against bf16: loss within FP8_RTOL, tokens/s against bf16's;
+  5. CP's block attention (aten's flash kernel returning the log-sum-exp) at T = 8192: ring, zigzag and allgather
+     at 2 and 4 ranks emulated in one process, against whole-sequence attention;
+  6. host syncs in a train_single step, dense and MoE, as torch.cuda.set_sync_debug_mode reports them;
+  7. peak memory of train_single at three shapes (rows 2 and 4's runs and one with --recompute full) against
+     plan.py's prediction for the same run;
+  8. tests/test_kernels.py and tests/test_fp8.py with their tensors on the GPU.
+On N > 1 GPUs the multi-rank rows follow (every train script under torchrun with NCCL at P = the largest power of
+two <= min(N, 8) against train_single, CP at T = 8192, the fused kernels and FP8 inside TP), within the budget.
 
-    bash bench/gpu_check.sh                      # everything, 10 steps a run
-    bash bench/gpu_check.sh --steps 30 --only tp,cp
-    bash bench/gpu_check.sh --plan_sweep         # instead: plan.py's peak memory vs measured (bench/plan_sweep.py)
-    python bench/gpu_check.py --plan_sweep --dry # the same sweep's layouts and predictions, without a GPU
+    bash bench/gpu_check.sh --budget_s 480 --out /tmp/gpu_check    # the check a lent GPU machine runs
+    python3 bench/gpu_check.py --dry --budget_s 300                 # anywhere: the rows the budget admits
+    bash bench/gpu_check.sh --plan_sweep                            # instead: bench/plan_sweep.py on N GPUs
 
-Tolerances: bf16 keeps 8 significant bits, so two layouts that round and reduce in different orders drift
-apart by ~1e-3 of the loss over a few steps; a lost micro-batch, a wrong gradient scale or a missed
-all-reduce moves it by far more than BF16_RTOL. FP8 GEMMs add quantization noise on top (FP8_RTOL).
+--out gets table.md, gpu_check.log (the progress lines), and per row its log and run directory (metrics.jsonl).
+Tolerances: bf16 keeps 8 significant bits, so two runs that round and reduce in different orders drift apart by
+~1e-3 of the loss over a few steps; a lost micro-batch or a wrong gradient scale moves it by far more than
+BF16_RTOL. FP8 GEMMs add quantization noise on top (FP8_RTOL). A NaN or inf loss fails its row.
 """
 import argparse
+import json
+import math
 import os
 import signal
 import subprocess
@@ -33,186 +41,252 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import torch  # noqa: E402
 
 from common.metrics import read_metrics  # noqa: E402
-
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+from gpu_check_rows import GPT2_VOCAB, multi_gpu_rows, one_gpu_rows, predicted_single_gpu_peak  # noqa: E402
 
 BF16_RTOL = 2e-2     # max over steps of |loss - reference| / reference, bf16 runs
 FP8_RTOL = 5e-2      # the same for FP8 runs against bf16
-MODEL = dict(n_layer=8, n_head=8, n_embd=512, block_size=256, global_batch_size=16, micro_batch_size=2)
-MOE = dict(n_experts=8, top_k=2)
-LONG = dict(block_size=8192, global_batch_size=4, micro_batch_size=1)   # CP's case: [T, T] scores would be 256 MiB
-                                                                         # per head in fp32
+TIMED_FROM = 3       # steps before this one build caches and compile: not timed
+GIB = 2 ** 30
 
 
-def train_argv(steps, out_dir, **flags):
-    args = dict(MODEL, max_steps=steps, warmup_steps=2, lr=1e-3, min_lr=1e-4, dtype="bfloat16", seed=1234,
-                eval_interval=0, sample_tokens=0, log_interval=max(1, steps // 2), dist_timeout=180, out_dir=out_dir)
-    args.update(flags)
-    argv = []
-    for key, value in args.items():
-        argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
-    return argv
+class Clock:
+    """Seconds spent and left of the budget; dry, it advances by each row's estimate instead of running."""
 
+    def __init__(self, budget_s, dry):
+        self.budget_s, self.dry, self.start, self.spent_dry = budget_s, dry, time.time(), 0.0
+        self.est_done = self.actual_done = 0.0
 
-def launch(script, n_gpus):
-    """train_single runs as a plain process; every other script under torchrun (NCCL even at 1 GPU)."""
-    if script == "train_single.py":
-        return [sys.executable, script]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n_gpus}", script]
+    def elapsed(self):
+        return self.spent_dry if self.dry else time.time() - self.start
 
+    def left(self):
+        return self.budget_s - self.elapsed()
 
-def runs(P, steps, out):
-    """(name, layout, command, reference name, tolerance) for every row, references first."""
-    rows = []
+    def estimate(self, row):
+        """The row's estimate scaled by how the rows so far compared with theirs (this GPU's speed, a cold disk)."""
+        scale = self.actual_done / self.est_done if self.est_done > 0 else 1.0
+        return row.est_s * min(max(scale, 0.5), 3.0)
 
-    def add(name, layout, script, n_gpus, ref, rtol, **flags):
-        rows.append((name, layout, launch(script, n_gpus) + train_argv(steps, os.path.join(out, name), **flags),
-                     ref, rtol))
-
-    add("single", "1 GPU", "train_single.py", 1, None, None, kernels="torch")
-    add("single-moe", "1 GPU, 8 experts", "train_single.py", 1, None, None, kernels="torch", **MOE)
-    for n in sorted({1, P}):
-        add(f"ddp-{n}", f"dp={n}", "train_ddp.py", n, "single", BF16_RTOL)
-        for stage in (1, 2, 3):
-            add(f"zero{stage}-{n}", f"dp={n} zero-{stage}", "train_zero.py", n, "single", BF16_RTOL, zero_stage=stage)
-        add(f"tp-{n}", f"tp={n}", "train_tp.py", n, "single", BF16_RTOL, tp=n)
-        add(f"tp-sp-{n}", f"tp={n} +sp", "train_tp.py", n, "single", BF16_RTOL, tp=n, sp=True)
-        add(f"cp-{n}", f"cp={n} zigzag", "train_cp.py", n, "single", BF16_RTOL, cp=n, cp_layout="zigzag")
-        add(f"pp-{n}", f"pp={n} 1f1b", "train_pp.py", n, "single", BF16_RTOL, pp=n, pp_schedule="1f1b")
-        add(f"ep-{n}", f"ep={n}, 8 experts", "train_ep.py", n, "single-moe", BF16_RTOL, ep=n, **MOE)
-        add(f"pp-sample-{n}", f"pp={n} 1f1b, sample through the stages", "train_pp.py", n, "single", BF16_RTOL,
-            pp=n, pp_schedule="1f1b", sample_tokens=64)
-        if os.path.exists(os.path.join(ROOT, "train_5d.py")):
-            degrees = grid_5d(n)
-            layout = " ".join(f"{k}={v}" for k, v in degrees.items())
-            add(f"5d-{n}", layout, "train_5d.py", n, "single", BF16_RTOL, **degrees)
-    if P > 1:     # CP where it matters: a long sequence, fused block attention (kernels/attention_lse.py)
-        add("single-long", f"1 GPU, T={LONG['block_size']}", "train_single.py", 1, None, None, kernels="torch", **LONG)
-        for layout in ("ring", "zigzag", "allgather"):
-            add(f"cp-long-{layout}", f"cp={P} {layout}, T={LONG['block_size']}", "train_cp.py", P, "single-long",
-                BF16_RTOL, cp=P, cp_layout=layout, **LONG)
-    for mode in ("triton", "compile"):
-        add(f"kernels-{mode}", f"1 GPU --kernels {mode}", "train_single.py", 1, "single", BF16_RTOL, kernels=mode)
-    if P > 1:     # the fused kernels inside tensor-parallel layers
-        add(f"tp-triton-{P}", f"tp={P} +sp --kernels triton", "train_tp.py", P, "kernels-triton", BF16_RTOL,
-            tp=P, sp=True, kernels="triton")
-    if torch.cuda.get_device_capability() >= (8, 9):
-        for recipe in ("tensorwise", "rowwise", "blockwise", "delayed"):
-            add(f"fp8-{recipe}", f"1 GPU --fp8 {recipe}", "train_single.py", 1, "single", FP8_RTOL,
-                kernels="torch", fp8=recipe)
-        add("fp8-triton", "1 GPU --fp8 tensorwise --kernels triton", "train_single.py", 1, "fp8-tensorwise",
-            BF16_RTOL, kernels="triton", fp8="tensorwise")
-        add("fp8-moe", "1 GPU, 8 experts --fp8 rowwise", "train_single.py", 1, "single-moe", FP8_RTOL,
-            kernels="torch", fp8="rowwise", **MOE)     # experts get token counts that are not multiples of 16
-        if P > 1:     # FP8 inside tensor-parallel layers: amaxes maxed over tp (kernels/fp8_parallel.py)
-            add(f"tp-fp8-{P}", f"tp={P} +sp --fp8 tensorwise", "train_tp.py", P, "fp8-tensorwise", FP8_RTOL,
-                tp=P, sp=True, kernels="torch", fp8="tensorwise")
-    return rows
-
-
-def grid_5d(n):
-    """The largest layout n GPUs allow: factors of 2 dealt to tp, pp, dp, cp in turn (8 -> tp2 pp2 dp2)."""
-    degrees = dict(tp=1, pp=1, dp=1, cp=1)
-    axes = list(degrees)
-    i = 0
-    while n > 1:
-        degrees[axes[i % 4]] *= 2
-        n //= 2
-        i += 1
-    return degrees
+    def done(self, row, seconds):
+        self.est_done += row.est_s
+        self.actual_done += seconds
+        if self.dry:
+            self.spent_dry += seconds
 
 
 def run(command, log_path, timeout_s):
-    """Run one command in its own process group (so a hung rank can be killed with its siblings); rc."""
+    """Run one command in its own process group (a hung rank is killed with its siblings); exit code or 'timeout'."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            return proc.wait(timeout=timeout_s)
+            return proc.wait(timeout=max(1.0, timeout_s))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return "timeout"
 
 
-def summary(out_dir, skip):
-    """(losses, median tokens/s, median MFU, peak memory bytes) of a finished run, steps < skip not timed."""
-    rows = read_metrics(out_dir)
-    timed = rows[skip:] or rows
-
-    def median(key):
-        values = sorted(r[key] for r in timed if r.get(key) is not None)
-        return values[len(values) // 2] if values else None
-
-    return [r["loss"] for r in rows], median("tokens_per_s"), median("mfu"), max(r["peak_mem_bytes"] for r in rows)
+def median(values):
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
 
 
-def loss_gap(losses, reference):
-    if reference is None or len(losses) != len(reference):
-        return None
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+def train_result(row, out, results):
+    """Cells of a finished train row from its metrics.jsonl: ok, loss vs reference, tokens/s, MFU, peak memory."""
+    metrics = read_metrics(os.path.join(out, row.name))
+    losses = [m["loss"] for m in metrics]
+    timed = metrics[TIMED_FROM:] or metrics
+    tok_s, mfu = median(m["tokens_per_s"] for m in timed), median(m["mfu"] for m in timed)
+    results[row.name] = dict(losses=losses, tok_s=tok_s, mfu=mfu, peak=max(m["peak_mem_bytes"] for m in metrics),
+                             reserved=max(m.get("peak_reserved_bytes") or 0 for m in metrics))
+    if not losses or any(v is None or not math.isfinite(v) for v in losses):
+        return "FAIL (loss not finite)", "NaN/inf (logged as null)"
+    ref = results.get(row.ref, {}).get("losses")
+    if row.ref is None:
+        return "ok", "reference"
+    if ref is None or len(ref) != len(losses) or any(v is None for v in ref):
+        return "FAIL (no reference)", f"{row.ref} did not finish"
+    gap = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+    return ("ok" if gap <= row.rtol else "FAIL (loss)"), f"{gap:.1e} vs {row.ref} (<= {row.rtol:g})"
+
+
+def speed_cells(row, results, ceiling, peak):
+    """tokens/s (and its ratio to the row's speed peer), MFU of the datasheet peak / of the measured matmul."""
+    r = results.get(row.name)
+    if not r or r["tok_s"] is None:
+        return "-", "-", "-"
+    speed = f"{r['tok_s']:,.0f}"
+    peer = results.get(row.speed_peer or "", {}).get("tok_s")
+    if peer:
+        speed += f" ({r['tok_s'] / peer:.2f}x {row.speed_peer})"
+    mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    if r["mfu"] is not None and ceiling and peak:
+        mfu += f" / {100 * r['mfu'] * peak / ceiling:.1f}%"
+    return speed, mfu, f"{r['peak'] / GIB:.2f} GiB"
+
+
+def probe_cells(row, out):
+    """Table rows of a probe (bench/gpu_rows.py) from its JSON: [(name, verdict, check, speed)]."""
+    try:
+        with open(os.path.join(out, f"{row.name}.json")) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as e:
+        return {}, [(row.what, "FAIL (no result)", f"{type(e).__name__}: {e}", "-")]
+    return result, [(r["name"], "ok" if r["ok"] else "FAIL", r["check"], r["speed"]) for r in result["rows"]]
+
+
+def plan_memory_cells(results, gpu_name, memory_bytes):
+    """Row 7: plan.py's predicted peak for each run it was asked about against the run's measured peak."""
+    from plan import gpu_kind
+    gpu = gpu_kind(gpu_name) or "h100"
+    cells = []
+    for name, flags in results.get("_plan", []):
+        r = results.get(name)
+        if not r:
+            continue
+        try:
+            predicted = predicted_single_gpu_peak(flags, GPT2_VOCAB, gpu, memory_bytes)
+        except Exception as e:         # plan.py could not answer: its own row fails, the table still comes
+            cells.append((f"plan.py peak memory, {name}", "FAIL", f"{type(e).__name__}: {e}", "-"))
+            continue
+        ratio = predicted / r["peak"]
+        cells.append((f"plan.py peak memory, {name}", "ok" if abs(ratio - 1) <= 0.10 else "off (> 10%)",
+                      f"predicted {predicted / GIB:.2f} GiB / measured {r['peak'] / GIB:.2f} GiB = {ratio:.2f} "
+                      f"(reserved {r['reserved'] / GIB:.2f} GiB)", "-"))
+    return cells
+
+
+def format_table(machine, args, table):
+    lines = [f"GPU check on {machine}: budget {args.budget_s:.0f} s; train rows {args.steps} steps in bf16 autocast, "
+             f"tokens/s and MFU the medians from step {TIMED_FROM}; MFU of the datasheet peak / of the measured "
+             f"bf16 matmul (row 1)", "",
+             "| row | what | ok | loss vs reference, or error | speed | MFU | peak memory | time |",
+             "|---|---|---|---|---|---|---|---|"]
+    return lines + ["| " + " | ".join(str(c) for c in cells) + " |" for cells in table]
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
-    p.add_argument("--out", default=os.path.join("out", "gpu_check"), help="run directories and table.md")
-    p.add_argument("--timeout", type=int, default=900, help="seconds before a run counts as hung")
-    p.add_argument("--only", default="", help="comma-separated name prefixes to run (references always run)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--budget_s", type=float, default=480.0, help="seconds for all rows; rows that would not fit "
+                   "are listed as 'not run (budget)' (default 480: a 15-minute GPU lease with start-up and rerun)")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per training run")
+    p.add_argument("--out", default=os.path.join("out", "gpu_check"), help="table.md, gpu_check.log, each row's "
+                   "log and run directory")
+    p.add_argument("--timeout", type=int, default=900, help="seconds before one row counts as hung")
+    p.add_argument("--only", default="", help="comma-separated row-name prefixes to run (their references too)")
+    p.add_argument("--dry", action="store_true", help="run nothing: list the rows and which the budget admits, "
+                   "each at its estimate (works without a GPU)")
     p.add_argument("--plan_sweep", action="store_true", help="instead of the checks: plan.py's predicted peak "
                    "memory and OOM vs torch.cuda.max_memory_allocated over train_5d layouts (bench/plan_sweep.py)")
-    p.add_argument("--dry", action="store_true", help="with --plan_sweep: the layouts and predictions only")
-    p.add_argument("--plan_gpus", type=int, default=8, help="with --dry and no GPU: GPUs to plan for")
-    p.add_argument("--plan_gpu", default="h100", help="with --dry and no GPU: plan_inputs.HARDWARE's GPU")
+    p.add_argument("--plan_gpus", type=int, default=8, help="with --plan_sweep --dry and no GPU: GPUs to plan for")
+    p.add_argument("--plan_gpu", default="h100", help="with --plan_sweep --dry and no GPU: plan_inputs.HARDWARE's GPU")
     args = p.parse_args(argv)
+    if args.budget_s <= 0 or args.steps <= TIMED_FROM or args.timeout <= 0:
+        p.error(f"--budget_s and --timeout must be positive and --steps > {TIMED_FROM} (the untimed steps)")
     if args.plan_sweep:
         return plan_sweep_main(args)
-    if not torch.cuda.is_available():       # run directly on a machine without a usable GPU: fail, never pass
+    if not args.dry and not torch.cuda.is_available():   # run directly where torch sees no GPU: fail, never pass
         print("gpu_check: error: torch.cuda.is_available() is False (bash bench/gpu_check.sh says why)")
         return 1
-    N = torch.cuda.device_count()
-    P = 1 << (min(N, 8).bit_length() - 1)
+    n_gpus = torch.cuda.device_count() if not args.dry else 1
+    gpu_name = torch.cuda.get_device_name(0) if not args.dry else "(dry run)"
+    capability = torch.cuda.get_device_capability(0) if not args.dry else (9, 0)
     out = os.path.join(ROOT, args.out)
     os.makedirs(out, exist_ok=True)
-    subprocess.run([sys.executable, "-c", "from common.data import ensure_dataset, DEFAULT_DATA_DIR; "
-                    "ensure_dataset(DEFAULT_DATA_DIR)"], cwd=ROOT, check=True)
-    machine = f"{N} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    print(f"gpu_check: {machine}; multi-GPU layouts on {P} GPUs; {args.steps} steps a run", flush=True)
-    only = [s for s in args.only.split(",") if s]
-    table, results, failed = [], {}, False
-    for name, layout, command, ref, rtol in runs(P, args.steps, out):
-        if only and ref is not None and not any(name.startswith(s) for s in only):
+    log = open(os.path.join(out, "gpu_check.log"), "a")
+
+    def say(text):
+        print(text, flush=True)
+        log.write(text + "\n")
+        log.flush()
+
+    clock = Clock(args.budget_s, args.dry)
+    P = 1 << (min(n_gpus, 8).bit_length() - 1)
+    rows = one_gpu_rows(out, args.steps, capability, BF16_RTOL, FP8_RTOL)
+    if P > 1:
+        rows += multi_gpu_rows(P, out, args.steps, capability, BF16_RTOL, FP8_RTOL)
+    rows = selected(rows, args.only)
+    machine = f"{n_gpus} x {gpu_name}, torch {torch.__version__}"
+    say(f"gpu_check: {machine}; {len(rows)} rows, budget {args.budget_s:.0f} s" + (" (dry: nothing runs)" if args.dry
+                                                                                   else ""))
+    if not args.dry:
+        data = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check_rows.py"), "data", out],
+                              cwd=ROOT, capture_output=True, text=True)
+        if data.returncode != 0:
+            say(f"gpu_check: error: could not prepare the data: {(data.stderr or data.stdout).strip()[-300:]}")
+            return 1
+    table, results, failed, ceiling = [], {"_plan": []}, False, None
+    from common.peaks import gpu_peak_flops
+    peak = None if args.dry else gpu_peak_flops(gpu_name)
+    memory = None if args.dry else torch.cuda.get_device_properties(0).total_memory
+    not_run = set()
+    for row in rows:
+        est = clock.estimate(row)
+        missing = [dep for dep in (row.ref, row.speed_peer) if dep in not_run]
+        if missing:
+            not_run.add(row.name)
+            table.append([row.name, row.what, "not run (reference)", f"{missing[0]} did not run", "-", "-", "-", "-"])
+            say(f"  {row.name:<22} not run ({missing[0]}, its reference, did not run)")
+            continue
+        if est > clock.left():
+            not_run.add(row.name)
+            table.append([row.name, row.what, "not run (budget)", f"needs ~{est:.0f} s, {max(0, clock.left()):.0f} "
+                          "s left", "-", "-", "-", "-"])
+            say(f"  {row.name:<22} not run (budget: ~{est:.0f} s needed, {max(0, clock.left()):.0f} s left)")
+            continue
+        if args.dry:
+            clock.done(row, row.est_s)
+            table.append([row.name, row.what, "dry", "-", "-", "-", "-", f"~{row.est_s:.0f} s"])
+            say(f"  {row.name:<22} would run (~{row.est_s:.0f} s)")
             continue
         t0 = time.time()
-        rc = run(command, os.path.join(out, f"{name}.log"), args.timeout)
-        gap, cells = None, ["-", "-", "-"]
-        if rc == 0:
-            losses, tok_s, mfu, mem = summary(os.path.join(out, name), skip=2)
-            results[name] = losses
-            gap = loss_gap(losses, results.get(ref)) if ref else None
-            cells = [f"{tok_s:,.0f}", "n/a" if mfu is None else f"{100 * mfu:.1f}%", f"{mem / 2 ** 30:.2f} GiB"]
-        verdict = verdict_of(rc, ref, gap, rtol)
-        gap_text = "reference" if ref is None else ("-" if gap is None else f"{gap:.1e} (<= {rtol:g})")
-        table.append([script_of(command), layout, verdict, gap_text, *cells])
-        print(f"  {name:<16} {verdict:<12} {time.time() - t0:6.0f} s  (log: {os.path.join(args.out, name)}.log)",
-              flush=True)
-        failed |= verdict != "ok"
-    rc = run([sys.executable, "-m", "pytest", "-q", "tests/test_kernels.py", "tests/test_fp8.py"],
-             os.path.join(out, "kernel_tests.log"), args.timeout)
-    table.append(["tests/test_kernels.py + test_fp8.py", "CUDA tensors", "ok" if rc == 0 else f"FAIL (rc {rc})",
-                  "-", "-", "-", "-"])
-    failed |= rc != 0
-    lines = [f"GPU check on {machine} ({args.steps} steps a run, bf16; loss vs reference: max relative gap over "
-             f"the steps)", "",
-             "| script | layout | ok | loss vs reference | tokens/s | MFU | peak memory |",
-             "|---|---|---|---|---|---|---|"] + ["| " + " | ".join(row) + " |" for row in table]
+        rc = run(row.command, os.path.join(out, f"{row.name}.log"), min(args.timeout, clock.left() + 0.1 * args.budget_s))
+        seconds = time.time() - t0
+        clock.done(row, seconds)
+        timing = f"{seconds:.0f} s"
+        if rc != 0:
+            table.append([row.name, row.what, f"FAIL (exit {rc})", f"log: {row.name}.log", "-", "-", "-", timing])
+        elif row.kind == "train":
+            verdict, check = train_result(row, out, results)
+            if row.plan_flags is not None:
+                results["_plan"].append((row.name, row.plan_flags))
+            table.append([row.name, row.what, verdict, check, *speed_cells(row, results, ceiling, peak), timing])
+        elif row.kind == "tests":
+            table.append([row.name, row.what, "ok", "passed", "-", "-", "-", timing])
+        else:
+            result, sub = probe_cells(row, out) if row.kind == "probe" else ({}, plan_memory_cells(results, gpu_name,
+                                                                                                  memory))
+            if "tflops" in result:
+                ceiling = result["tflops"] * 1e12
+            table += [[row.name, name, verdict, check, speed, "-", "-", timing] for name, verdict, check, speed in sub]
+        verdicts = [cells[2] for cells in table if cells[0] == row.name]
+        failed |= any(v != "ok" for v in verdicts) or not verdicts
+        say(f"  {row.name:<22} {', '.join(verdicts) or 'FAIL (no result)':<24} {seconds:6.0f} s  (log: "
+            f"{os.path.join(args.out, row.name)}.log)")
+    lines = format_table(machine, args, table)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    say("\n".join(lines))
+    log.close()
     return 1 if failed else 0
+
+
+def selected(rows, only):
+    """Rows whose names start with one of `only`'s prefixes, and the rows they are compared with (all if empty)."""
+    prefixes = [s for s in only.split(",") if s]
+    if not prefixes:
+        return rows
+    wanted = {r.name for r in rows if any(r.name.startswith(s) for s in prefixes)}
+    while True:
+        needed = {dep for r in rows if r.name in wanted for dep in (r.ref, r.speed_peer) if dep} - wanted
+        if not needed:
+            return [r for r in rows if r.name in wanted]
+        wanted |= needed
 
 
 def plan_sweep_main(args):
@@ -234,20 +308,6 @@ def plan_sweep_main(args):
     lines = plan_sweep(world, gpu, memory, 256, os.path.join(ROOT, args.out), args.dry or not N)
     print("\n".join(lines))
     return 0
-
-
-def verdict_of(rc, ref, gap, rtol):
-    if rc != 0:
-        return f"FAIL (exit {rc})"
-    if ref is None:
-        return "ok"
-    if gap is None:
-        return "FAIL (no reference)"
-    return "ok" if gap <= rtol else "FAIL (loss)"
-
-
-def script_of(command):
-    return next(part for part in command if part.endswith(".py"))
 
 
 if __name__ == "__main__":

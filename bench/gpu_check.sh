@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
 # bench/gpu_check.sh: the one-command GPU check (bench/gpu_check.py says what it runs and how it judges).
 #
-#   bash bench/gpu_check.sh                  # every train script at 1 and at min(N, 8) GPUs, kernels, FP8
-#   bash bench/gpu_check.sh --steps 30       # longer runs; --only tp,cp for a subset; --help for the rest
-#   bash bench/gpu_check.sh --plan_sweep     # plan.py's predicted peak memory / OOM vs measured (bench/plan_sweep.py)
-#   PYTHON=.venv/bin/python bash bench/gpu_check.sh      # the interpreter to check with (default: python)
+#   bash bench/gpu_check.sh --budget_s 480 --out /tmp/gpu_check   # a lent GPU machine: rows in order of value
+#   bash bench/gpu_check.sh --only cp,syncs                        # a subset; --help for the rest
+#   bash bench/gpu_check.sh --plan_sweep                           # plan.py's peak memory / OOM vs measured
+#   PYTHON=.venv/bin/python bash bench/gpu_check.sh                # the interpreter (default: python or python3,
+#                                                                  # the first that imports torch)
 #
 # It cannot pass by accident. It skips (one line, exit 0, so CI can call it anywhere) only where no GPU exists:
 # no nvidia-smi, or an nvidia-smi that lists no GPU. The driver's tool is asked, not torch, because a broken
 # torch must not look like a machine without a GPU. Where a GPU exists, each missing piece is one "error:" line
-# and exit 1: no python at $PYTHON, no torch, a CPU-only torch build, a torch that cannot use the GPU (a driver
-# older than its CUDA needs), or the test requirements failing to install. It installs those (pytest and the
-# other pins) but never torch or triton: requirements.txt pins torch's CPU wheel, and a CUDA build of torch
-# brings the triton it was built with.
+# and exit 1: no python, no torch, a CPU-only torch build, a torch that cannot use the GPU (a driver older than
+# its CUDA needs), no C compiler or no Python.h (Triton compiles a launcher with both), or a package the checks
+# import that is neither importable nor installable. It installs nothing that is importable already (a GPU
+# machine may have no network), and never torch or triton: a CUDA build of torch brings the triton it was built
+# with, and requirements.txt's pins would replace them.
 set -uo pipefail
 here=${BASH_SOURCE[0]%/*}
 [ "$here" = "${BASH_SOURCE[0]}" ] && here=.
 cd "$here/.." || exit 1
-PYTHON=${PYTHON:-python}
+if [ -z "${PYTHON:-}" ]; then       # the first of python, python3 that has torch (a GPU image's may be python3 alone)
+  PYTHON=python3
+  for candidate in python python3; do
+    if command -v "$candidate" >/dev/null && "$candidate" -c "import torch" 2>/dev/null; then
+      PYTHON=$candidate
+      break
+    fi
+  done
+fi
 
 fail() {
   echo "gpu_check: error: $*"
@@ -65,17 +75,41 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device
 PROBE
 ) || fail "${probe##*$'\n'}"
 
-# 3. What the checks need besides torch: every pin of requirements*.txt except torch and triton
-pins=()
-for file in requirements.txt requirements-test.txt; do
-  while IFS= read -r line || [ -n "$line" ]; do
-    case $line in
-      "" | "#"* | torch* | triton*) ;;
-      *) pins+=("$line") ;;
-    esac
-  done < "$file"
+# 3. What Triton needs to compile its launchers: a C compiler and Python's headers
+errors=0
+if ! command -v "${CC:-cc}" >/dev/null && ! command -v gcc >/dev/null && ! command -v clang >/dev/null; then
+  echo "gpu_check: error: no C compiler (cc, gcc or clang; or \$CC): Triton compiles a small launcher per kernel"
+  errors=1
+fi
+headers=$("$PYTHON" -c 'import os, sysconfig; h = os.path.join(sysconfig.get_paths()["include"], "Python.h"); print(h if os.path.exists(h) else "missing " + h)' 2>&1)
+if [[ $headers == "missing "* ]]; then
+  echo "gpu_check: error: no ${headers#missing } (install this Python's development headers): Triton compiles its launchers against it"
+  errors=1
+fi
+[ "$errors" -eq 0 ] || exit 1
+
+# 4. The other packages the checks import (numpy, pytest): installed only where not importable, pinned as
+#    requirements*.txt pin them; with no network that is one error line naming them
+missing=()
+for module in numpy pytest; do
+  "$PYTHON" -c "import $module" 2>/dev/null || missing+=("$module")
 done
-"$PYTHON" -m pip install --quiet "${pins[@]}" || fail "could not install ${pins[*]} into $PYTHON"
+if [ "${#missing[@]}" -gt 0 ]; then
+  pins=()
+  for file in requirements.txt requirements-test.txt; do
+    while IFS= read -r line || [ -n "$line" ]; do
+      for module in "${missing[@]}"; do
+        [[ $line == "$module=="* || $line == "$module>"* || $line == "$module<"* ]] && pins+=("$line")
+      done
+    done < "$file"
+  done
+  echo "gpu_check: installing ${pins[*]} (not importable in $PYTHON)"
+  "$PYTHON" -m pip install --quiet "${pins[@]}" >/dev/null 2>&1
+  for module in "${missing[@]}"; do
+    "$PYTHON" -c "import $module" 2>/dev/null ||
+      fail "$module is not importable in $PYTHON, and installing ${pins[*]} did not help (no network?): install it"
+  done
+fi
 
 echo "gpu_check: $probe"
 exec "$PYTHON" bench/gpu_check.py "$@"

@@ -38,6 +38,14 @@ def peak_memory_bytes(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB (macOS: bytes)
 
 
+def peak_reserved_bytes(device):
+    """What the caching allocator held at its peak since the last reset (torch.cuda.max_memory_reserved: what
+    nvidia-smi shows, less the CUDA context); on CPU, with no caching allocator, the same as peak_memory_bytes."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device)
+    return peak_memory_bytes(device)
+
+
 def reset_peak_memory(device):
     """Start a new peak at the current use: so that each step's row reports that step's peak."""
     if device.type == "cuda":
@@ -204,7 +212,8 @@ class MetricsLogger:
         mfu = None if self.peak_total is None else tokens_per_s * self.flops_per_token / self.peak_total
         row = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=(step + 1) * self.tokens_per_step,
                    step_time_s=step_time_s, tokens_per_s=tokens_per_s, mfu=mfu,
-                   peak_mem_bytes=peak_memory_bytes(self.env.device), comm_bytes=comm_bytes, **extra)
+                   peak_mem_bytes=peak_memory_bytes(self.env.device),
+                   peak_reserved_bytes=peak_reserved_bytes(self.env.device), comm_bytes=comm_bytes, **extra)
         reset_peak_memory(self.env.device)
         self.write(row)
         self.step_times.append(step_time_s)

@@ -106,7 +106,7 @@ def test_metrics_contract(tiny_data, tmp_path):
     rows = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == [0, 1, 2]
     keys = {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mfu",
-            "peak_mem_bytes", "comm_bytes"}
+            "peak_mem_bytes", "peak_reserved_bytes", "comm_bytes"}
     assert keys <= set(rows[0])
     assert rows[2]["tokens"] == 3 * 8 * 16 and rows[0]["comm_bytes"] == 0
     assert 0 < rows[0]["mfu"] < 1

@@ -1,0 +1,283 @@
+"""
+bench/gpu_rows.py: the rows of bench/gpu_check.py that measure inside one process on one GPU, each a subcommand
+that writes its sub-rows as JSON (gpu_check turns them into table rows):
+
+    python3 bench/gpu_rows.py matmul  OUT.json   # the GPU's own bf16 8192^3 matmul rate: the measured ceiling
+    python3 bench/gpu_rows.py kernels OUT.json   # each Triton kernel forward+backward against its torch peer
+    python3 bench/gpu_rows.py cp      OUT.json   # CP's block attention: ring / zigzag / allgather in one process
+    python3 bench/gpu_rows.py syncs   OUT.json   # host syncs in a train_single step (torch.cuda.set_sync_debug_mode)
+
+A sub-row is {"name", "ok", "check", "speed"}: ok a bool, check what was compared (an error against its bound),
+speed a time ratio against the peer (> 1: ours is faster). Errors are relative: max |got - want| / max |want|,
+against a float32 reference, and a bf16 result is judged against the bf16 peer's own error (bf16 keeps 8 bits, so
+two correct bf16 computations differ by ~1e-2 of the largest value): ok when ours <= 2 x the peer's + 1e-3.
+"""
+import json
+import os
+import statistics
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+BF16 = torch.bfloat16
+GPT2_SMALL = dict(B=16, T=1024, C=768, H=12, V=50304)     # the shapes train_single runs at in gpu_check
+
+
+def time_ms(fn, reps=20, warmup=3):
+    """Median milliseconds of fn() over reps runs, timed with CUDA events after warmup runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel_err(got, want):
+    want = want.float()
+    return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. the matmul ceiling
+
+def matmul(n=8192, reps=10):
+    from common.peaks import gpu_peak_flops
+    a, b = (torch.randn(n, n, device="cuda", dtype=BF16) for _ in range(2))
+    ms = time_ms(lambda: a @ b, reps=reps)
+    tflops = 2 * n ** 3 / (ms / 1e3) / 1e12
+    peak = gpu_peak_flops(torch.cuda.get_device_name(0))
+    share = "" if peak is None else f", {100 * tflops * 1e12 / peak:.0f}% of the datasheet's {peak / 1e12:.0f}"
+    return dict(tflops=tflops, rows=[dict(name=f"bf16 matmul {n}^3", ok=True, check="-",
+                                          speed=f"{tflops:.0f} TFLOP/s{share}")])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. the Triton kernels against their torch peers, forward + backward, at train_single's GPT-2-small shapes
+
+def prepared(fn, inputs, grad=None):
+    """A closure running fn on fresh leaf copies of inputs, then backward with `grad` (a fixed random output
+    gradient when None): each call returns [output, *input grads]. The copies are made once, outside the timing."""
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    if grad is None:
+        with torch.no_grad():
+            shape = fn(*leaves).shape
+        grad = torch.randn(shape, generator=torch.Generator("cuda").manual_seed(1), device="cuda") if shape else None
+
+    def run():
+        for t in leaves:
+            t.grad = None
+        out = fn(*leaves)
+        out.backward(None if grad is None else grad.to(out.dtype))
+        return [out.detach()] + [t.grad for t in leaves if t.requires_grad]
+    return run
+
+
+def kernel_cases():
+    """(name, inputs, ours, peer): ours the Triton path, peer what model.py runs without --kernels triton."""
+    from kernels import bias_dropout_add, bias_gelu, flash_attention, layer_norm, linear_cross_entropy
+    s = GPT2_SMALL
+    B, T, C, H, V = s["B"], s["T"], s["C"], s["H"], s["V"]
+    g = torch.Generator("cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device="cuda") * scale
+
+    rows = B * T
+    return [
+        ("layer_norm", [rand(rows, C), 1 + rand(C, scale=0.1), rand(C, scale=0.1)],
+         lambda x, w, b: layer_norm(x, w, b, backend="triton"), lambda x, w, b: F.layer_norm(x, (C,), w, b)),
+        ("bias_gelu", [rand(rows, 4 * C), rand(4 * C, scale=0.1)],
+         lambda x, b: bias_gelu(x, b, backend="triton"), lambda x, b: F.gelu(x + b)),
+        ("bias_dropout_add", [rand(rows, C), rand(C, scale=0.1), rand(rows, C)],
+         lambda x, b, r: bias_dropout_add(x, b, r, 0.0, True, backend="triton"), lambda x, b, r: r + (x + b)),
+        ("flash_attention (peer: SDPA)", [rand(B, H, T, C // H) for _ in range(3)],
+         lambda q, k, v: flash_attention(q, k, v, True, backend="triton")[0],
+         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        ("linear_cross_entropy", [rand(rows, C), rand(V, C, scale=0.02), torch.randint(0, V, (rows,), device="cuda")],
+         lambda h, w, t: linear_cross_entropy(h, w, t, backend="triton"),
+         lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t)),
+    ]
+
+
+def kernels():
+    out = []
+    for name, inputs, ours, peer in kernel_cases():
+        bf = [t.to(BF16) if t.is_floating_point() else t for t in inputs]
+        want = prepared(peer, inputs)()                          # float32 reference
+        run_ours, run_peer = prepared(ours, bf), prepared(peer, bf)
+        err_ours = max(rel_err(a, b) for a, b in zip(run_ours(), want))
+        err_peer = max(rel_err(a, b) for a, b in zip(run_peer(), want))
+        ms_ours, ms_peer = time_ms(run_ours), time_ms(run_peer)
+        bound = 2 * err_peer + 1e-3
+        out.append(dict(name=f"{name}, bf16 fwd+bwd", ok=err_ours <= bound,
+                        check=f"err {err_ours:.1e} (torch {err_peer:.1e}, bound {bound:.1e})",
+                        speed=f"{ms_peer / ms_ours:.2f}x torch ({ms_ours:.2f} vs {ms_peer:.2f} ms)"))
+    return dict(rows=out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. context parallelism's block attention: every rank's blocks of a layout, run one rank after another
+
+def emulated_cp(layout, cp, q, k, v, dout, kernel):
+    """(out, dq, dk, dv) of causal attention over q, k, v [B, H, T, D] computed as train_cp's `cp` ranks would
+    under `layout`: each rank's queries against the K/V blocks it receives, merged by log-sum-exp, and the
+    backward from the merged out and lse. No process group: the ranks run in turn on this GPU."""
+    from train_cp import allgather_blocks, attend, attend_backward, local_positions, new_accumulators, \
+        ring_step_blocks
+    T = q.shape[-2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out_full, grads = torch.empty_like(q), [torch.zeros(q.shape, dtype=acc, device=q.device) for _ in range(3)]
+    every = torch.arange(T, device=q.device)
+    for r in range(cp):
+        pos = local_positions(layout, T, cp, r, q.device)
+        q_r = q[..., pos, :]
+        if layout == "allgather":             # the whole K/V in global order: the blocks' columns are positions
+            held = [(every, allgather_blocks(layout, T, cp, r))]
+        else:                                 # ring step s: the K/V of rank r - s
+            held = [(local_positions(layout, T, cp, (r - s) % cp, q.device),
+                     ring_step_blocks(layout, r, (r - s) % cp, len(pos))) for s in range(cp)]
+        out, lse = new_accumulators(q_r)
+        for kv_pos, blocks in held:
+            attend(q_r, k[..., kv_pos, :], v[..., kv_pos, :], blocks, out, lse, kernel)
+        out = out.to(q.dtype)
+        dq = new_accumulators(q_r)[0]
+        for kv_pos, blocks in held:
+            for cols, dk, dv in attend_backward(dout[..., pos, :], q_r, k[..., kv_pos, :], v[..., kv_pos, :], out,
+                                                lse, blocks, kernel, dq):
+                grads[1][..., kv_pos[cols], :] += dk
+                grads[2][..., kv_pos[cols], :] += dv
+        out_full[..., pos, :] = out
+        grads[0][..., pos, :] = dq
+    return [out_full] + grads
+
+
+def cp(T=8192, B=1, H=16, D=64):
+    from kernels.attention_lse import fused_block_attention
+    kernel = fused_block_attention(torch.device("cuda"), BF16, D)
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=g, device="cuda") for _ in range(4))
+
+    def whole(*qkv):
+        return F.scaled_dot_product_attention(*qkv, is_causal=True)
+
+    want = prepared(whole, [q, k, v], dout)()                   # float32, whole sequence
+    bf = [t.to(BF16) for t in (q, k, v, dout)]
+    run_sdpa = prepared(whole, bf[:3], bf[3])
+    err_sdpa = max(rel_err(a, b) for a, b in zip(run_sdpa(), want))
+    ms_sdpa = time_ms(run_sdpa, reps=10)
+    rows = []
+    for layout in ("ring", "zigzag", "allgather"):
+        for n in (2, 4):
+            got = emulated_cp(layout, n, *bf, kernel)
+            err = max(rel_err(a, b) for a, b in zip(got, want))
+            ms = time_ms(lambda: emulated_cp(layout, n, *bf, kernel), reps=5, warmup=1)
+            bound = 2 * err_sdpa + 1e-3
+            rows.append(dict(name=f"cp={n} {layout}, T={T}, {kernel[0].__name__}", ok=err <= bound,
+                             check=f"err {err:.1e} (SDPA {err_sdpa:.1e}, bound {bound:.1e})",
+                             speed=f"{ms_sdpa / ms:.2f}x whole-sequence SDPA (all {n} ranks on one GPU)"))
+    return dict(rows=rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. host syncs inside a training step, as CUDA itself reports them
+
+LOGGED = ("float(loss_sum)", "float(grad_norm)", "step_ok", "router_metrics", "mean_over_group")   # once a step,
+# the logged scalars and the non-finite guard (tests/test_step_syncs.py allows the same places on CPU)
+SYNC_ARGV = ["--n_layer", "4", "--n_head", "12", "--n_embd", "768", "--block_size", "1024", "--global_batch_size",
+             "16", "--micro_batch_size", "8", "--max_steps", "4", "--warmup_steps", "1", "--eval_interval", "0",
+             "--sample_tokens", "0", "--log_interval", "1", "--dtype", "bfloat16", "--kernels", "torch"]
+
+
+def repo_line():
+    """The innermost line of the repository (bench/ excluded) on the Python stack: where a sync was asked for."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith(ROOT + os.sep) and not path.startswith(os.path.join(ROOT, "bench")):
+            import linecache
+            return f"{os.path.relpath(path, ROOT)}:{frame.f_code.co_name}: {linecache.getline(path, frame.f_lineno).strip()}"
+        frame = frame.f_back
+    return "<outside the repository>"
+
+
+def count_syncs(main, argv):
+    """main(argv) with CUDA's sync debug mode on from the MetricsLogger's creation to its close: [(step, place)]."""
+    from common import metrics
+    cls, events, step = metrics.MetricsLogger, [], [0]
+    init, log_step, close = cls.__init__, cls.log_step, cls.close
+
+    def init_then_watch(self, *a, **kw):
+        init(self, *a, **kw)
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def log_and_count(self, *a, **kw):
+        step[0] += 1
+        return log_step(self, *a, **kw)
+
+    def stop_then_close(self):
+        torch.cuda.set_sync_debug_mode("default")
+        close(self)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            events.append((step[0], repo_line()))
+
+    cls.__init__, cls.log_step, cls.close = init_then_watch, log_and_count, stop_then_close
+    shown = warnings.showwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            main(argv)
+    finally:
+        cls.__init__, cls.log_step, cls.close = init, log_step, close
+        warnings.showwarning = shown
+        torch.cuda.set_sync_debug_mode("default")
+    return events
+
+
+def syncs(out_dir):
+    import train_single
+    rows = []
+    for name, extra in (("dense", []), ("MoE, 8 experts top-2", ["--n_experts", "8", "--top_k", "2"])):
+        run_dir = os.path.join(out_dir, "syncs-moe" if extra else "syncs-dense")
+        events = count_syncs(train_single.main, SYNC_ARGV + extra + ["--out_dir", run_dir])
+        steady = [place for s, place in events if s == 2]          # step 2: caches built, nothing first-time
+        stray = [p for p in steady if not any(a in p for a in LOGGED)]
+        places = sorted({p: stray.count(p) for p in stray}.items(), key=lambda kv: -kv[1])
+        detail = "; ".join(f"{n}x {p}" for p, n in places[:4])
+        rows.append(dict(name=f"train_single step, {name}", ok=not stray,
+                         check=f"{len(stray)} syncs outside the logged scalars ({len(steady) - len(stray)} there)"
+                               + (f": {detail}" if detail else ""), speed="-"))
+    return dict(rows=rows)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    rows = dict(matmul=matmul, kernels=kernels, cp=cp, syncs=syncs)
+    if len(argv) != 2 or argv[0] not in rows:
+        sys.exit(f"usage: python3 bench/gpu_rows.py {{{'|'.join(rows)}}} OUT.json")
+    if not torch.cuda.is_available():
+        sys.exit("gpu_rows: error: no CUDA GPU visible to torch")
+    fn = rows[argv[0]]
+    result = fn(os.path.dirname(os.path.abspath(argv[1]))) if argv[0] == "syncs" else fn()
+    with open(argv[1], "w") as f:
+        json.dump(result, f, indent=1)
+    for row in result["rows"]:
+        print(f"{row['name']}: {'ok' if row['ok'] else 'FAIL'} | {row['check']} | {row['speed']}")
+
+
+if __name__ == "__main__":
+    main()
