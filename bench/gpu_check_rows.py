@@ -1,7 +1,7 @@
 """
 bench/gpu_check_rows.py: the rows bench/gpu_check.py runs, in order of value, each with its command and an estimate
-of its seconds on one H100-class GPU (process start, data, model set-up and the steps included; gpu_check scales
-the estimates by how the rows so far compared with theirs). Also the data the train rows read:
+of its seconds on one H100-class GPU (process start, data, model set-up and the steps included; measured on an
+H200, bench/results/gpu_check_h200.md; gpu_check scales them by how the rows so far compared with theirs). Also the data the train rows read:
 
     python3 bench/gpu_check_rows.py data OUT     # OUT/data_gpt2vocab: the default corpus declared as vocab 50257
 
@@ -84,14 +84,14 @@ def one_gpu_rows(out, steps, capability, bf16_rtol, fp8_rtol):
         rows.append(Row(name, what, est_s, train_command("train_single.py", out, name, steps, **flags), "train", ref,
                         rtol, speed_peer, dict(flags) if plan else None))
 
-    rows.append(Row("matmul", "bf16 8192^3 matmul (the measured ceiling)", 15, probe_command("matmul", out), "probe"))
-    train("single", "train_single GPT-2-small, eager", 30, kernels="torch", plan=True, **GPT2_SMALL)
-    train("single-compile", "the same, --compile", 100, "single", bf16_rtol, "single", kernels="torch", compile=True,
+    rows.append(Row("matmul", "bf16 8192^3 matmul (the measured ceiling)", 10, probe_command("matmul", out), "probe"))
+    train("single", "train_single GPT-2-small, eager", 20, kernels="torch", plan=True, **GPT2_SMALL)
+    train("single-compile", "the same, --compile", 60, "single", bf16_rtol, "single", kernels="torch", compile=True,
           **GPT2_SMALL)
-    rows.append(Row("kernels", "Triton kernels vs torch, GPT-2-small shapes", 60, probe_command("kernels", out),
+    rows.append(Row("kernels", "Triton kernels vs torch, GPT-2-small shapes", 30, probe_command("kernels", out),
                     "probe"))
     for mode in ("triton", "compile"):
-        train(f"kernels-{mode}", f"train_single --kernels {mode}", 60 if mode == "triton" else 100, "single",
+        train(f"kernels-{mode}", f"train_single --kernels {mode}", 25 if mode == "triton" else 35, "single",
               bf16_rtol, "single", kernels=mode, **GPT2_SMALL)
     if capability >= (8, 9):                  # FP8 tensor cores: Ada and Hopper on
         train("gemm-bf16", "n_embd 4096 (GEMM-bound), bf16", 40, kernels="torch", plan=True, **GEMM_BOUND)
@@ -99,14 +99,14 @@ def one_gpu_rows(out, steps, capability, bf16_rtol, fp8_rtol):
             train(f"gemm-fp8-{recipe}", f"n_embd 4096 --fp8 {recipe}", 40, "gemm-bf16", fp8_rtol, "gemm-bf16",
                   kernels="torch", fp8=recipe, **GEMM_BOUND)
         for recipe in RECIPES:
-            train(f"fp8-{recipe}", f"GPT-2-small --fp8 {recipe}", 35, "single", fp8_rtol, "single", kernels="torch",
+            train(f"fp8-{recipe}", f"GPT-2-small --fp8 {recipe}", 15, "single", fp8_rtol, "single", kernels="torch",
                   fp8=recipe, **GPT2_SMALL)
-    rows.append(Row("cp", "CP block attention, T 8192, emulated ranks", 30, probe_command("cp", out), "probe"))
-    rows.append(Row("syncs", "host syncs in a step (set_sync_debug_mode)", 50, probe_command("syncs", out), "probe"))
-    train("single-recompute", "train_single GPT-2-small --recompute full", 30, "single", bf16_rtol, "single",
+    rows.append(Row("cp", "CP block attention, T 8192, emulated ranks", 10, probe_command("cp", out), "probe"))
+    rows.append(Row("syncs", "host syncs in a step (set_sync_debug_mode)", 20, probe_command("syncs", out), "probe"))
+    train("single-recompute", "train_single GPT-2-small --recompute full", 15, "single", bf16_rtol, "single",
           plan=True, kernels="torch", recompute="full", **GPT2_SMALL)
-    rows.append(Row("plan-memory", "plan.py peak memory vs measured", 10, [sys.executable, "-c", "pass"], "plan"))
-    rows.append(Row("kernel-tests", "tests/test_kernels.py + test_fp8.py on the GPU", 120,
+    rows.append(Row("plan-memory", "plan.py peak memory vs measured", 2, [sys.executable, "-c", "pass"], "plan"))
+    rows.append(Row("kernel-tests", "tests/test_kernels.py + test_fp8.py on the GPU", 600,
                     [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_kernels.py", "tests/test_fp8.py"],
                     "tests"))
     return rows

@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 BF16 = torch.bfloat16
+DEVICE = "cuda"         # every row runs on the GPU (a test runs the logic on CPU with this changed)
 GPT2_SMALL = dict(B=16, T=1024, C=768, H=12, V=50304)     # the shapes train_single runs at in gpu_check
 
 
@@ -54,7 +55,7 @@ def rel_err(got, want):
 
 def matmul(n=8192, reps=10):
     from common.peaks import gpu_peak_flops
-    a, b = (torch.randn(n, n, device="cuda", dtype=BF16) for _ in range(2))
+    a, b = (torch.randn(n, n, device=DEVICE, dtype=BF16) for _ in range(2))
     ms = time_ms(lambda: a @ b, reps=reps)
     tflops = 2 * n ** 3 / (ms / 1e3) / 1e12
     peak = gpu_peak_flops(torch.cuda.get_device_name(0))
@@ -73,7 +74,7 @@ def prepared(fn, inputs, grad=None):
     if grad is None:
         with torch.no_grad():
             shape = fn(*leaves).shape
-        grad = torch.randn(shape, generator=torch.Generator("cuda").manual_seed(1), device="cuda") if shape else None
+        grad = torch.randn(shape, generator=torch.Generator(DEVICE).manual_seed(1), device=DEVICE) if shape else None
 
     def run():
         for t in leaves:
@@ -89,10 +90,10 @@ def kernel_cases():
     from kernels import bias_dropout_add, bias_gelu, flash_attention, layer_norm, linear_cross_entropy
     s = GPT2_SMALL
     B, T, C, H, V = s["B"], s["T"], s["C"], s["H"], s["V"]
-    g = torch.Generator("cuda").manual_seed(0)
+    g = torch.Generator(DEVICE).manual_seed(0)
 
     def rand(*shape, scale=1.0):
-        return torch.randn(*shape, generator=g, device="cuda") * scale
+        return torch.randn(*shape, generator=g, device=DEVICE) * scale
 
     rows = B * T
     return [
@@ -105,7 +106,7 @@ def kernel_cases():
         ("flash_attention (peer: SDPA)", [rand(B, H, T, C // H) for _ in range(3)],
          lambda q, k, v: flash_attention(q, k, v, True, backend="triton")[0],
          lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
-        ("linear_cross_entropy", [rand(rows, C), rand(V, C, scale=0.02), torch.randint(0, V, (rows,), device="cuda")],
+        ("linear_cross_entropy", [rand(rows, C), rand(V, C, scale=0.02), torch.randint(0, V, (rows,), device=DEVICE)],
          lambda h, w, t: linear_cross_entropy(h, w, t, backend="triton"),
          lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t)),
     ]
@@ -165,9 +166,9 @@ def emulated_cp(layout, cp, q, k, v, dout, kernel):
 
 def cp(T=8192, B=1, H=16, D=64):
     from kernels.attention_lse import fused_block_attention
-    kernel = fused_block_attention(torch.device("cuda"), BF16, D)
-    g = torch.Generator("cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(B, H, T, D, generator=g, device="cuda") for _ in range(4))
+    kernel = fused_block_attention(torch.device(DEVICE), BF16, D)
+    g = torch.Generator(DEVICE).manual_seed(0)
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=g, device=DEVICE) for _ in range(4))
 
     def whole(*qkv):
         return F.scaled_dot_product_attention(*qkv, is_causal=True)

@@ -19,7 +19,7 @@ identity train_cp.attention_backward writes out). No [Tq, Tk] score matrix is ev
 Causal masks only ever apply to diagonal blocks (Tq == Tk, the same positions), where top-left and bottom-right
 alignment agree. Checked here without a GPU: the CUDA ops' schemas and output shapes on the meta device in the
 installed torch, and these wrappers (argument order, lse padding) against an emulation of the ops on CPU
-(tests/test_cp.py); not yet run on a GPU. `--kernels torch` keeps train_cp on the plain-torch reference there.
+(tests/test_cp.py); run on an H200 by bench/gpu_check.sh's CP row. `--kernels torch` keeps train_cp on the plain-torch reference there.
 """
 import torch
 import torch.nn.functional as F
