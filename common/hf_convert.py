@@ -111,18 +111,23 @@ def neox_config(model_config, dtype, tokenizer_vocab, special=None):
 
 
 def rotary(hf):
-    """(partial rotary factor, theta, rope type) of a config.json, in transformers 5's form or 4's."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    fraction = rope.get("partial_rotary_factor", hf.get("rotary_pct", NEOX_DEFAULTS["rotary_pct"]))
-    theta = rope.get("rope_theta", hf.get("rotary_emb_base", NEOX_DEFAULTS["rotary_emb_base"]))
-    return fraction, theta, rope.get("rope_type", rope.get("type", "default"))
+    """(fraction, theta, type) of a config.json's rotary settings, each as (the field that holds it, its value):
+    transformers 5 writes rope_parameters, 4 rotary_pct / rotary_emb_base / rope_scaling; defaults if absent."""
+    where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(where) or {}
+
+    def field(key, old_name, default):
+        return (f"{where}.{key}", rope[key]) if key in rope else (old_name, hf.get(old_name, default))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return (field("partial_rotary_factor", "rotary_pct", NEOX_DEFAULTS["rotary_pct"]),
+            field("rope_theta", "rotary_emb_base", NEOX_DEFAULTS["rotary_emb_base"]), (f"{where}.rope_type", kind))
 
 
 def architecture_problem(hf, rope_base):
     """(field, value, why model.py cannot represent it) of the first field of config.json `hf` that model.py's
     GPT cannot express, or None. Missing fields take GPTNeoXConfig's defaults."""
     full = {**NEOX_DEFAULTS, **hf}
-    fraction, theta, rope_type = rotary(hf)
+    (fraction_field, fraction), (theta_field, theta), (type_field, rope_type) = rotary(hf)
     experts = next((k for k in ("num_experts", "num_local_experts", "moe_num_experts") if hf.get(k)), None)
     checks = [
         ("model_type", hf.get("model_type"), hf.get("model_type") == "gpt_neox",
@@ -130,9 +135,9 @@ def architecture_problem(hf, rope_base):
         ("use_parallel_residual", full["use_parallel_residual"], full["use_parallel_residual"] is False,
          "model.py adds attention, then the MLP of the result (sequential); Pythia and GPT-NeoX-20B run them in "
          "parallel"),
-        ("rotary_pct", fraction, fraction == 1.0, "model.py rotates every dimension of a head (full rotary)"),
-        ("rope_type", rope_type, rope_type == "default", "model.py has no rotary scaling"),
-        ("rope_theta", theta, theta == rope_base, f"model.py's rotary base is {rope_base:g}"),
+        (fraction_field, fraction, fraction == 1.0, "model.py rotates every dimension of a head (full rotary)"),
+        (type_field, rope_type, rope_type == "default", "model.py has no rotary scaling"),
+        (theta_field, theta, theta == rope_base, f"model.py's rotary base is {rope_base:g}"),
         ("tie_word_embeddings", full["tie_word_embeddings"], full["tie_word_embeddings"] is True,
          "model.py's LM head is its embedding"),
         ("num_key_value_heads", hf.get("num_key_value_heads"),
