@@ -3,8 +3,9 @@ checkpoint.py: the one checkpoint of every script and layout, in train_single.py
 its single-device names, AdamW's state in a single-device optimizer's order, next step, RNG states, config), so any
 layout or world size resumes any other. Two calls, whatever a rank holds (the API is at the bottom):
 
-    checkpoint.save(cfg, model_cfg, next_step, held)       every rank, after a step
-    start = checkpoint.load(cfg, env, model_cfg, held)     every rank, on --resume
+    checkpoint.save(cfg, model_cfg, next_step, held)             every rank, after a step
+    start = checkpoint.start_from(cfg, env, model_cfg, held)     every rank: on --resume, load's step; else 0
+                                                                  (with --init_from's weights: hf.py)
 
 A save is a step directory whose completeness is committed last:
 

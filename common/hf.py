@@ -161,8 +161,12 @@ def weight_files(hf_dir):
     """{NeoX name: safetensors file} of HF_DIR: model.safetensors, or the files its index names."""
     single, index = os.path.join(hf_dir, WEIGHTS), os.path.join(hf_dir, INDEX)
     if os.path.isfile(single):
-        with require("safetensors", "--init_from", "safetensors==0.8.0").safe_open(single, "pt") as f:
-            return {name: single for name in f.keys()}
+        safetensors = require("safetensors", "--init_from", "safetensors==0.8.0")
+        try:
+            with safetensors.safe_open(single, "pt") as f:
+                return {name: single for name in f.keys()}
+        except Exception as e:      # safetensors' own error for a damaged file, or an OSError
+            raise ConfigError(f"--init_from {single}: not a readable safetensors file ({e})") from None
     check(os.path.isfile(index), f"--init_from {hf_dir}: no {WEIGHTS} or {INDEX} (only safetensors weights are "
                                  f"read: pickled .bin files can run code)")
     try:

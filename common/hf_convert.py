@@ -114,7 +114,7 @@ def rotary(hf):
     """(fraction, theta, type) of a config.json's rotary settings, each as (the field that holds it, its value):
     transformers 5 writes rope_parameters, 4 rotary_pct / rotary_emb_base / rope_scaling; defaults if absent."""
     where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    rope = hf.get(where) or {}
+    rope = hf.get(where) if isinstance(hf.get(where), dict) else {}
 
     def field(key, old_name, default):
         return (f"{where}.{key}", rope[key]) if key in rope else (old_name, hf.get(old_name, default))
@@ -129,6 +129,7 @@ def architecture_problem(hf, rope_base):
     full = {**NEOX_DEFAULTS, **hf}
     (fraction_field, fraction), (theta_field, theta), (type_field, rope_type) = rotary(hf)
     experts = next((k for k in ("num_experts", "num_local_experts", "moe_num_experts") if hf.get(k)), None)
+    width = 4 * hf["hidden_size"] if type(hf.get("hidden_size")) is int else None
     checks = [
         ("model_type", hf.get("model_type"), hf.get("model_type") == "gpt_neox",
          "model.py's GPT is a GPT-NeoX model; other families differ in norm, activation or attention"),
@@ -147,8 +148,8 @@ def architecture_problem(hf, rope_base):
         ("layer_norm_eps", full["layer_norm_eps"], full["layer_norm_eps"] == LAYER_NORM_EPS,
          f"model.py's LayerNorms use eps {LAYER_NORM_EPS:g}"),
         ("attention_bias", full["attention_bias"], full["attention_bias"] is True, "model.py's linears have biases"),
-        ("intermediate_size", hf.get("intermediate_size"), hf.get("intermediate_size") == 4 * hf.get("hidden_size", 0),
-         f"model.py's MLP is 4 x hidden_size = {4 * hf.get('hidden_size', 0)} wide"),
+        ("intermediate_size", hf.get("intermediate_size"), width is not None and hf.get("intermediate_size") == width,
+         f"model.py's MLP is 4 x hidden_size = {width} wide"),
         (experts, hf.get(experts), experts is None, "model.py's experts are its own MoE blocks, not this MoE"),
     ]
     return next(((field, value, why) for field, value, ok, why in checks if not ok), None)
