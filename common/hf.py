@@ -32,7 +32,7 @@ from common.distributed import fail_together
 from common.errors import ConfigError, check, fail, require
 from common.hf_convert import (HF_WTE, WTE, architecture_problem, from_hf, hf_name, neox_config, shape_problem,
                                to_hf)
-from common.hf_tokenizer import export_tokenizer, tokenizers_module
+from common.hf_tokenizer import KINDS, export_tokenizer, tokenizers_module
 from model import GPT, GPTConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,6 +107,8 @@ def export_checks(args):
         raise ConfigError(str(e)) from None
     check(meta["vocab_size"] == mc["vocab_size"], f"{meta_path} says vocab_size {meta['vocab_size']} but the "
                                                   f"checkpoint's model has {mc['vocab_size']}: another corpus")
+    check(meta.get("tokenizer") in KINDS, f"{meta_path}: tokenizer {meta.get('tokenizer')!r} has no Hugging Face "
+                                          f"form here ({', '.join(KINDS)} do): pass --no_tokenizer")
     if meta.get("tokenizer") in ("byte", "gpt2"):
         tokenizers_module(f"exporting a {meta['tokenizer']} corpus's tokenizer (or pass --no_tokenizer)")
     return state, mc, meta, data_dir

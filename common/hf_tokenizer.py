@@ -24,6 +24,7 @@ from common.errors import require
 
 RANKS_FILE = "gpt2.tiktoken"         # a gpt2 corpus's BPE ranks, in tiktoken's format: "base64(token) rank" lines
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+KINDS = ("byte", "gpt2", "hf")       # the corpora (meta.json's tokenizer) whose tokenizer an export writes
 END_OF_TEXT = "<|endoftext|>"        # GPT-2's one special token, the id after its ranks
 
 
@@ -143,8 +144,7 @@ def export_tokenizer(meta, data_dir, hf_dir, block_size):
         write_json(os.path.join(hf_dir, "tokenizer_config.json"), config)
         return "bytes (ids 0..255)", {}
     if kind != "gpt2":
-        raise ValueError(f"the corpus's tokenizer {kind!r} has no Hugging Face form here (byte, gpt2 and hf do); "
-                         f"pass --no_tokenizer to export the weights alone")
+        raise ValueError(f"the corpus's tokenizer {kind!r} is none of {', '.join(KINDS)}")
     ranks = gpt2_ranks(data_dir)
     if vocab_size not in (len(ranks), len(ranks) + 1):
         raise ValueError(f"the corpus's vocab_size {vocab_size} is not its {len(ranks)} BPE ranks (+ {END_OF_TEXT})")

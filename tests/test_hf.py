@@ -27,7 +27,7 @@ from common.optim import configure_optimizer
 from distributed_helper import run_workers
 from model import GPT, GPTConfig
 from test_failures import one_error_line
-from train_helpers import EXACT, assert_exact, curves, run_single, text_argv, tiny_argv
+from train_helpers import EXACT, assert_exact, curves, make_tiny_dataset, run_single, text_argv, tiny_argv
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -196,7 +196,9 @@ def test_imported_step_0_loss_is_transformers_loss(neox, single_from_neox, text_
 
 
 @pytest.mark.parametrize("script, world, flags", [("train_5d", 4, dict(dp=2, tp=2)),
-                                                  ("train_zero", 2, dict(zero_stage=3))], ids=["dp2-tp2", "zero3"])
+                                                  ("train_zero", 2, dict(zero_stage=3)),
+                                                  ("train_pp", 2, dict(pp=2, micro_batch_size=2))],
+                         ids=["dp2-tp2", "zero3", "pp2"])
 def test_imported_weights_train_in_any_layout_as_in_train_single(neox, single_from_neox, text_data, tmp_path, script,
                                                                  world, flags):
     out = str(tmp_path / "run")
@@ -410,6 +412,9 @@ def test_an_export_that_cannot_be_made_is_one_line(trained, text_data, tmp_path,
     assert "no checkpoint there" in one_error_line(capsys, ["export", str(tmp_path), str(tmp_path / "hf")], hf)
     assert "is not here" in one_error_line(capsys, ["export", out, str(tmp_path / "hf"), "--data_dir",
                                                     str(tmp_path / "gone")], hf)
+    synthetic = make_tiny_dataset(str(tmp_path / "synthetic"), vocab_size=256)
+    assert "tokenizer 'synthetic' has no Hugging Face form here" in \
+        one_error_line(capsys, ["export", out, str(tmp_path / "hf"), "--data_dir", synthetic], hf)
     moe = str(tmp_path / "moe")
     run_single(tiny_argv(text_data, moe, max_steps=1, n_experts=2, top_k=1))
     assert "n_experts 2: GPTNeoXForCausalLM has no mixture of experts" in \
