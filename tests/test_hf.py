@@ -15,21 +15,19 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import transformers
 
-import train_single
 from common import hf
 from common.checkpoint import ModuleState, replicated, save, start_from
 from common.checkpoint_files import load_latest
 from common.config import parse_config
-from common.data import write_dataset
-from common.hf_tokenizer import RANKS_FILE, write_ranks
+from common.hf_tokenizer import RANKS_FILE, read_ranks
 from common.optim import configure_optimizer
 from distributed_helper import run_workers
 from model import GPT, GPTConfig
 from test_failures import one_error_line
 from train_helpers import EXACT, assert_exact, curves, make_tiny_dataset, run_single, text_argv, tiny_argv
 
-transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -294,19 +292,21 @@ def stdlib_text(name, size):
     return open(os.path.join(sysconfig.get_paths()["stdlib"], name), encoding="utf-8").read()[:size]
 
 
-def test_a_gpt2_bpe_corpus_exports_gpt2_tokenizer_files(tmp_path):
-    """A GPT-2-style BPE (tiktoken's Encoding of a small merge table trained here) exported with a run trained on
-    it: AutoTokenizer gives tiktoken's ids and decodes them back."""
+def test_a_gpt2_bpe_corpus_exports_gpt2_tokenizer_files(tmp_path, monkeypatch):
+    """A GPT-2-style BPE (tiktoken's Encoding of a small merge table trained here, standing in for GPT-2's, which
+    tiktoken downloads) prepared by python -m common.data --tokenizer gpt2, which keeps its ranks with the corpus,
+    and exported with a run trained on it: AutoTokenizer gives tiktoken's ids and decodes them back."""
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
+    from common import data as prepare
     ranks = train_bpe(stdlib_text("argparse.py", 20_000), 100, r50k_pat_str)
     enc = tiktoken.Encoding("small", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                             special_tokens={"<|endoftext|>": len(ranks)})
-    data = str(tmp_path / "data")
-    tokens = np.array(enc.encode_ordinary(stdlib_text("inspect.py", 200_000)), dtype=np.uint16)
-    os.makedirs(data)
-    write_ranks(os.path.join(data, RANKS_FILE), ranks)             # the corpus's own BPE data
-    write_dataset(data, tokens, enc.n_vocab, "gpt2", "tests")
+    monkeypatch.setattr(prepare, "gpt2_encoding", lambda: enc)
+    text, data = tmp_path / "text.txt", str(tmp_path / "data")
+    text.write_text(stdlib_text("inspect.py", 200_000))
+    prepare.main(["--input", str(text), "--tokenizer", "gpt2", "--out_dir", data])
+    assert read_ranks(os.path.join(data, RANKS_FILE)) == ranks      # the corpus's own BPE data
     out, hf_dir = str(tmp_path / "run"), str(tmp_path / "hf")
     run_single(tiny_argv(data, out, max_steps=1))
     hf.main(["export", out, hf_dir])
