@@ -5,11 +5,12 @@ Preparation (run once; train scripts do it automatically for the default corpus)
 
     python -m common.data                                   # default: this Python's standard library, bytes
     python -m common.data --input my.txt --tokenizer gpt2   # any text files, GPT-2 BPE (tiktoken: internet once)
+    python -m common.data --input my.txt --tokenizer HF_DIR # a Hugging Face tokenizer.json (offline)
     python -m common.data --shakespeare                     # tiny-shakespeare download, byte tokens
 
 Output in --out_dir (default data/stdlib): train.bin and val.bin (uint16 memmaps: every token id < 2^16,
 so nanoGPT-prepared directories work unchanged via --data_dir) and meta.json (vocab_size, tokenizer,
-source, token counts).
+source, token counts), with the tokenizer's files for gpt2 and HF_DIR (docs/huggingface.md).
 
 The default corpus needs no download and exists wherever Python does: the source code of the running
 interpreter's standard library (~15-20 MB of text), tokenised as raw bytes (vocab 256).
@@ -74,7 +75,7 @@ def write_tokenizer_files(out_dir, tokenizer):
     gpt2 corpus keeps GPT-2's BPE ranks (gpt2.tiktoken), a Hugging Face one its tokenizer files."""
     from common.hf_tokenizer import RANKS_FILE, copy_tokenizer, write_ranks
     if tokenizer == "gpt2":
-        write_ranks(os.path.join(out_dir, RANKS_FILE), gpt2_encoding()._mergeable_ranks)
+        write_ranks(os.path.join(out_dir, RANKS_FILE), gpt2_encoding()._mergeable_ranks)   # token bytes -> id
     elif tokenizer != "byte":
         copy_tokenizer(tokenizer, out_dir)
 

@@ -60,12 +60,16 @@ def write_safetensors(path, entries, dtype, tensors):
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for (name, shape), (written, tensor) in zip(entries, tensors, strict=True):
-            assert written == name and tuple(tensor.shape) == shape, (written, name)
-            f.write(tensor.to(dtype).contiguous().view(torch.uint8).numpy())
-    os.replace(tmp, path)                            # a reader sees the whole file or none
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for (name, shape), (written, tensor) in zip(entries, tensors, strict=True):
+                assert written == name and tuple(tensor.shape) == shape, (written, name)
+                f.write(tensor.to(dtype).contiguous().view(torch.uint8).numpy())
+        os.replace(tmp, path)                        # a reader sees the whole file or none
+    finally:
+        if os.path.exists(tmp):                      # (a full disk: no half-written file left behind)
+            os.remove(tmp)
 
 
 def export_args(argv):
@@ -94,6 +98,8 @@ def export_checks(args):
     mc = saved_model_config(state)
     check(mc.get("n_experts", 0) == 0, f"{path}: n_experts {mc.get('n_experts')}: GPTNeoXForCausalLM has no "
                                        f"mixture of experts; only dense models export")
+    missing = [name for name, _ in parameter_names(GPTConfig(**mc)) if name not in state["model"]]
+    check(not missing, f"{path} lacks {missing[0] if missing else ''} (a damaged checkpoint)")
     check(not os.path.isfile(args.hf_dir), f"HF_DIR {args.hf_dir} is a file, not a directory")
     if args.no_tokenizer:
         return state, mc, None, None
@@ -126,10 +132,11 @@ def main(argv=None):
         fail(str(e))
     weights = state["model"]
     dtype = DTYPES[args.dtype] if args.dtype else weights[WTE].dtype
+    dtype_name = str(dtype).removeprefix("torch.")
     names = parameter_names(GPTConfig(**mc))
     entries = [(hf_name(name), shape) for name, shape in names]
     converted = (to_hf(name, weights[name], mc["n_head"]) for name, _ in names)
-    config = neox_config(mc, str(dtype).removeprefix("torch."), mc["vocab_size"], special)
+    config = neox_config(mc, dtype_name, mc["vocab_size"], special)
     try:
         write_safetensors(os.path.join(args.hf_dir, WEIGHTS), entries, dtype, converted)
         with open(os.path.join(args.hf_dir, "config.json"), "w") as f:
@@ -138,8 +145,8 @@ def main(argv=None):
         fail(f"cannot write to {args.hf_dir} ({e.strerror or e})")
     padding = f", padded to {config['vocab_size']} rows" if config["vocab_size"] != mc["vocab_size"] else ""
     print(f"exported step {state['step']} of {args.out_dir} to {args.hf_dir}: GPTNeoXForCausalLM, "
-          f"{sum(math.prod(s) for _, s in names):,} parameters in {dtype}, vocabulary {mc['vocab_size']}{padding}; "
-          f"tokenizer: {tokenizer}", flush=True)
+          f"{sum(math.prod(s) for _, s in names):,} parameters in {dtype_name}, vocabulary {mc['vocab_size']}"
+          f"{padding}; tokenizer: {tokenizer}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -245,6 +252,8 @@ def init_from(cfg, env, gcfg, held):
         error = weights.problem(held.shapes())
     except (ValueError, OSError) as e:
         error = str(e)
+    except Exception as e:                          # a damaged shard: safetensors raises its own error type
+        error = f"--init_from {cfg.init_from}: cannot read its weights ({type(e).__name__}: {e})"
     fail_together(error, env)
     held.restore(weights)
     if env.rank == 0:

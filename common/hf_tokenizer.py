@@ -190,6 +190,8 @@ def encode_with(directory, text_bytes):
 
 def copy_tokenizer(directory, out_dir):
     """The tokenizer files go with the corpus: samples decode with them and an export carries them."""
+    if os.path.realpath(directory) == os.path.realpath(out_dir):
+        return
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(directory, name)):
             shutil.copyfile(os.path.join(directory, name), os.path.join(out_dir, name))
