@@ -72,6 +72,14 @@ def write_safetensors(path, entries, dtype, tensors):
             os.remove(tmp)
 
 
+def generation_config(config):
+    """generation_config.json: the padded ids are never generated (model.py's sampling leaves them out too), while
+    their logits stay in the softmax, which model.py's loss and an evaluation's log-likelihoods include."""
+    padded = list(range(config["tokenizer_vocab_size"], config["vocab_size"]))
+    return dict(bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"],
+                **({"suppress_tokens": padded} if padded else {}))
+
+
 def export_args(argv):
     p = argparse.ArgumentParser(prog="python -m common.hf", allow_abbrev=False,
                                 description="Export a run's latest checkpoint as a Hugging Face GPTNeoXForCausalLM.")
@@ -141,6 +149,8 @@ def main(argv=None):
         write_safetensors(os.path.join(args.hf_dir, WEIGHTS), entries, dtype, converted)
         with open(os.path.join(args.hf_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=1)
+        with open(os.path.join(args.hf_dir, "generation_config.json"), "w") as f:
+            json.dump(generation_config(config), f, indent=1)
     except OSError as e:
         fail(f"cannot write to {args.hf_dir} ({e.strerror or e})")
     padding = f", padded to {config['vocab_size']} rows" if config["vocab_size"] != mc["vocab_size"] else ""

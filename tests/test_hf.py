@@ -308,7 +308,7 @@ def test_a_gpt2_bpe_corpus_exports_gpt2_tokenizer_files(tmp_path, monkeypatch):
     prepare.main(["--input", str(text), "--tokenizer", "gpt2", "--out_dir", data])
     assert read_ranks(os.path.join(data, RANKS_FILE)) == ranks      # the corpus's own BPE data
     out, hf_dir = str(tmp_path / "run"), str(tmp_path / "hf")
-    run_single(tiny_argv(data, out, max_steps=1))
+    run_single(tiny_argv(data, out, max_steps=1, block_size=BLOCK))
     hf.main(["export", out, hf_dir])
     assert {"vocab.json", "merges.txt", "tokenizer.json"} <= set(os.listdir(hf_dir))
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
@@ -318,7 +318,11 @@ def test_a_gpt2_bpe_corpus_exports_gpt2_tokenizer_files(tmp_path, monkeypatch):
         assert ids == enc.encode_ordinary(text), text[:40]
         assert tokenizer.decode(ids) == text == enc.decode(ids)
     assert tokenizer.convert_tokens_to_ids("<|endoftext|>") == len(ranks) == tokenizer.eos_token_id
-    assert json.load(open(os.path.join(hf_dir, "config.json")))["eos_token_id"] == len(ranks)
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    assert config["eos_token_id"] == len(ranks) and (config["vocab_size"], config["tokenizer_vocab_size"]) == (384, 357)
+    # the padded head: the same logits (all 384 columns, float64 from the run's float32 weights), and generation
+    # never picks a padded id (generation_config.json suppresses them, as model.py's sampling leaves them out)
+    assert_same_predictions(checkpoint_model(out), transformers_model(hf_dir), 357)
 
 
 def test_data_with_a_hugging_face_tokenizer_trains_and_exports_it(trained, tmp_path, capsys):
