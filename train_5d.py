@@ -517,7 +517,7 @@ def main(argv=None):
         store.after_compute = dp_axis.after_weight_grads
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
-    start = checkpoint.load(cfg, env, gcfg, dp_axis.held) if cfg.resume else 0
+    start = checkpoint.start_from(cfg, env, gcfg, dp_axis.held)
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=env.world_size,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)

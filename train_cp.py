@@ -428,7 +428,7 @@ def main(argv=None):
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed)                # same stream as train_single (no dropout here, though)
     held = ModuleState([model], optimizer, replicated)   # what this rank holds, for checkpoints
-    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0
+    start = checkpoint.start_from(cfg, env, model.cfg, held)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps

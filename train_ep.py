@@ -247,7 +247,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
     held = ModuleState([model], optimizer,                 # experts: written by one of their replicas
                        functools.partial(checkpoint_holder, rank=env.rank, world=world, ep=cfg.ep))
-    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0   # my experts
+    start = checkpoint.start_from(cfg, env, model.cfg, held)   # my experts
     grads = ExpertDataParallelGrads(named, dist.group.WORLD, replica_group, cfg.ep, cfg.bucket_mb, is_expert_param)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)

@@ -454,7 +454,7 @@ def main(argv=None):
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + rank)           # this rank's dropout stream
     held = ModuleState(chunks, optimizer, only_mine)     # my stages: every rank writes its own
-    start = checkpoint.load(cfg, env, gcfg, held) if cfg.resume else 0   # my stages' parts
+    start = checkpoint.start_from(cfg, env, gcfg, held)   # my stages' parts
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=p,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)

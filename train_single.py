@@ -53,7 +53,7 @@ def main(argv=None):
     guard = NonFiniteGuard(cfg, scaler=scaler)
     torch.manual_seed(cfg.seed)                      # dropout stream, identical in every run with this seed
     held = ModuleState([model], optimizer, replicated)   # what this rank holds, for checkpoints
-    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0
+    start = checkpoint.start_from(cfg, env, model.cfg, held)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps

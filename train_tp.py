@@ -530,7 +530,7 @@ def main(argv=None):
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank
     held = ModuleState([model], optimizer, replicated, group)   # TP slices, made whole over tp to save
-    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0   # my slices
+    start = checkpoint.start_from(cfg, env, model.cfg, held)   # my slices
     train_model = torch.compile(model) if cfg.compile else model
     amp, activations = autocast_context(dtype, env.device), SavedActivationBytes(model)
     last_step = cfg.stop_step or cfg.max_steps

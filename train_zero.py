@@ -392,7 +392,7 @@ def main(argv=None):
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + env.rank)              # dropout: each rank masks its own sequences
     held = ShardState(shards, optimizer, [model], replicated)   # what this rank holds, for checkpoints
-    start = checkpoint.load(cfg, env, model.cfg, held) if cfg.resume else 0   # each rank its own RNG
+    start = checkpoint.start_from(cfg, env, model.cfg, held)   # each rank its own RNG
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps

@@ -3,8 +3,9 @@ checkpoint.py: the one checkpoint of every script and layout, in train_single.py
 its single-device names, AdamW's state in a single-device optimizer's order, next step, RNG states, config), so any
 layout or world size resumes any other. Two calls, whatever a rank holds (the API is at the bottom):
 
-    checkpoint.save(cfg, model_cfg, next_step, held)       every rank, after a step
-    start = checkpoint.load(cfg, env, model_cfg, held)     every rank, on --resume
+    checkpoint.save(cfg, model_cfg, next_step, held)             every rank, after a step
+    start = checkpoint.start_from(cfg, env, model_cfg, held)     every rank: on --resume, load's step; else 0
+                                                                  (with --init_from's weights: hf.py)
 
 A save is a step directory whose completeness is committed last:
 
@@ -35,6 +36,7 @@ from common.checkpoint_compat import compatibility_problem, model_config, rank_p
 from common.comm import all_gather
 from common.distributed import agree, fail_together
 from common.errors import fail
+from common.hf import init_from
 from common.optim import configure_optimizer
 from common.tp_shards import full_shape, tp_gather, tp_slice
 from model import GPT
@@ -240,6 +242,17 @@ def read_matching(out_dir, gcfg, cfg, shapes):
     return (None, None, problem) if problem else (state, moments, None)
 
 
+def start_from(cfg, env, gcfg, held):
+    """The step a run starts at: its checkpoint's on --resume (load), else 0: with --init_from, every rank first
+    keeps its part of a Hugging Face model's weights as a resume would (hf.init_from), AdamW fresh."""
+    if cfg.resume:
+        return load(cfg, env, gcfg, held)
+    if cfg.init_from:
+        with torch.no_grad():
+            init_from(cfg, env, gcfg, held)
+    return 0
+
+
 @torch.no_grad()
 def load(cfg, env, gcfg, held):
     """Every rank reads the one checkpoint and keeps its part of what it holds; returns the step to continue
@@ -377,15 +390,19 @@ class ShardState(ModuleState):
                 yield name, [b], self.holder(name)
 
     def restore(self, saved):
+        """Without AdamW moments (--init_from's weights), the moments and the step stay as they are: fresh."""
         for s in self.shards:
-            parts = [{n: local_part(p, saved[n][0] if i == 0 else saved[n][1][key], self.tp_group)
-                      for n, p in zip(s.names, s.params)} for i, key in enumerate(("weight", "exp_avg", "exp_avg_sq"))]
-            weights, m, v = (s.flatten(part) for part in parts)
+            values = [saved[n] for n in s.names]     # (whole weight, its moments or None) of the bucket's parameters
+            parts = [{n: local_part(p, weight, self.tp_group) for n, p, (weight, _) in zip(s.names, s.params, values)}]
+            if values[0][1] is not None:
+                parts += [{n: local_part(p, moments[key], self.tp_group) for n, p, (_, moments) in
+                           zip(s.names, s.params, values)} for key in ("exp_avg", "exp_avg_sq")]
+                self.optimizer.steps = int(values[0][1]["step"])
+            flats = [s.flatten(part) for part in parts]
             if s.stage < 3:
-                s.full.copy_(weights)                # the parameters are views of it
-            for t, full in ((s.master, weights), (s.exp_avg, m), (s.exp_avg_sq, v)):
+                s.full.copy_(flats[0])               # the parameters are views of it
+            for t, full in zip((s.master, s.exp_avg, s.exp_avg_sq), flats):
                 t.copy_(full[s.lo: s.hi])
-        self.optimizer.steps = int(next(moments for _, moments in saved.values() if moments is not None)["step"])
         for m in self.modules:
             for name, b in m.named_buffers():
                 b.copy_(saved[name][0])

@@ -176,11 +176,12 @@ def read_file(path, device, mmap=False):
         raise ValueError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
 
 
-def load_checkpoint(path, device="cpu"):
-    """The checkpoint in train_single's one-file form; a sharded save's parts are merged in (memory-mapped)."""
+def load_checkpoint(path, device="cpu", mmap=False):
+    """The checkpoint in train_single's one-file form; a sharded save's parts are merged in (memory-mapped).
+    mmap: ckpt.pt memory-mapped too (a one-process save holds every tensor there: an export reads one at a time)."""
     if path is None or not os.path.exists(path):
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
-    state = read_file(path, device)
+    state = read_file(path, device, mmap=mmap)
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise ValueError(f"--resume: {path} is not a nanoscale checkpoint (no model state in it)")
     for name in state.pop("parts", []):

@@ -53,6 +53,7 @@ class Config:
     save_interval: int = 0
     keep_checkpoints: int = 2
     resume: bool = False          # --resume [yes|auto|no], resolved to a bool by parse_config
+    init_from: str = ""
     stop_step: int = 0
     sample_tokens: int = 200
     profile: int = 0
@@ -105,6 +106,8 @@ HELP = dict(
     keep_checkpoints="step directories kept in OUT_DIR/ckpt (the newest; older ones are removed after each save)",
     resume="continue from the latest checkpoint in OUT_DIR/ckpt, appending to metrics.jsonl; `--resume auto`: "
            "resume if a complete checkpoint exists, else start fresh (for restarts under torchrun --max-restarts)",
+    init_from="start from the weights of a Hugging Face GPTNeoXForCausalLM directory (config.json + safetensors; "
+              "python -m common.hf export writes one), AdamW fresh; ignored when resuming (docs/huggingface.md)",
     stop_step="stop before this step, keeping the --max_steps schedule (0: run to max_steps); for time-limited jobs",
     sample_tokens="tokens to generate as a sample at the end (0 disables)",
     profile="trace N optimizer steps with torch.profiler after 2 warm-up steps: out_dir/trace_rank{r}.json per "
@@ -200,6 +203,9 @@ def parse_config(argv=None, techniques=(), description=None, extra_args=None, va
         if validate is not None:
             validate(cfg)
         cfg.resume = resolve_resume(cfg.resume, cfg.out_dir)
+        if cfg.init_from and not cfg.resume:     # (a resume continues from its checkpoint, not from these weights)
+            from common.hf import check_init_from
+            check_init_from(cfg)
     except ValueError as e:                     # a ConfigError, or resolve_resume's
         fail(str(e))
     return cfg

@@ -5,11 +5,12 @@ Preparation (run once; train scripts do it automatically for the default corpus)
 
     python -m common.data                                   # default: this Python's standard library, bytes
     python -m common.data --input my.txt --tokenizer gpt2   # any text files, GPT-2 BPE (tiktoken: internet once)
+    python -m common.data --input my.txt --tokenizer HF_DIR # a Hugging Face tokenizer.json (offline)
     python -m common.data --shakespeare                     # tiny-shakespeare download, byte tokens
 
 Output in --out_dir (default data/stdlib): train.bin and val.bin (uint16 memmaps: every token id < 2^16,
 so nanoGPT-prepared directories work unchanged via --data_dir) and meta.json (vocab_size, tokenizer,
-source, token counts).
+source, token counts), with the tokenizer's files for gpt2 and HF_DIR (docs/huggingface.md).
 
 The default corpus needs no download and exists wherever Python does: the source code of the running
 interpreter's standard library (~15-20 MB of text), tokenised as raw bytes (vocab 256).
@@ -52,24 +53,41 @@ def encode(text_bytes, tokenizer):
     if tokenizer == "byte":
         return np.frombuffer(text_bytes, dtype=np.uint8).astype(np.uint16), 256
     if tokenizer == "gpt2":
-        import tiktoken
-        try:
-            enc = tiktoken.get_encoding("gpt2")
-        except Exception as e:  # no network: tiktoken downloads its BPE file on first use
-            raise ValueError(f"tiktoken could not load the GPT-2 BPE file ({type(e).__name__}: {e}); it is "
-                             f"downloaded on first use: without internet use --tokenizer byte") from None
+        enc = gpt2_encoding()
         ids = enc.encode_ordinary(text_bytes.decode("utf-8", errors="replace"))
         return np.array(ids, dtype=np.uint16), enc.n_vocab          # 50257 < 2^16
-    raise ValueError(f"unknown tokenizer {tokenizer!r}; expected byte or gpt2")
+    from common.hf_tokenizer import encode_with                     # a Hugging Face tokenizer.json
+    ids, vocab = encode_with(tokenizer, text_bytes)
+    return np.array(ids, dtype=np.uint16), vocab
+
+
+def gpt2_encoding():
+    import tiktoken
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # no network: tiktoken downloads its BPE file on first use
+        raise ValueError(f"tiktoken could not load the GPT-2 BPE file ({type(e).__name__}: {e}); it is "
+                         f"downloaded on first use: without internet use --tokenizer byte") from None
+
+
+def write_tokenizer_files(out_dir, tokenizer):
+    """The tokenizer goes with the corpus (its samples decode with it, python -m common.hf export carries it): a
+    gpt2 corpus keeps GPT-2's BPE ranks (gpt2.tiktoken), a Hugging Face one its tokenizer files."""
+    from common.hf_tokenizer import RANKS_FILE, copy_tokenizer, write_ranks
+    if tokenizer == "gpt2":
+        write_ranks(os.path.join(out_dir, RANKS_FILE), gpt2_encoding()._mergeable_ranks)   # token bytes -> id
+    elif tokenizer != "byte":
+        copy_tokenizer(tokenizer, out_dir)
 
 
 MIN_SPLIT_TOKENS = 3        # block_size 1 needs block_size + 2 tokens in a split (GlobalBatchLoader)
 
 
-def write_dataset(out_dir, tokens, vocab_size, tokenizer, source, val_fraction=0.1):
+def write_dataset(out_dir, tokens, vocab_size, tokenizer, source, val_fraction=0.1, tokenizer_from=None):
     """Split tokens (last val_fraction for validation) and write train.bin / val.bin / meta.json. Too few tokens
     for a usable dataset is a ValueError before anything is written (a good dataset there stays as it was); a
-    failed write removes its temporary files and raises OSError naming the directory."""
+    failed write removes its temporary files and raises OSError naming the directory. tokenizer_from: byte, gpt2
+    or a Hugging Face tokenizer's directory, whose files are written next to meta.json (write_tokenizer_files)."""
     n_val = max(int(len(tokens) * val_fraction), 1)
     if len(tokens) - n_val < MIN_SPLIT_TOKENS or n_val < MIN_SPLIT_TOKENS:
         raise ValueError(f"{source}: {len(tokens)} token(s), too few for a dataset (train and val need at least "
@@ -79,10 +97,14 @@ def write_dataset(out_dir, tokens, vocab_size, tokenizer, source, val_fraction=0
     splits = {"train": tokens[:-n_val], "val": tokens[-n_val:]}
     meta = dict(vocab_size=vocab_size, tokenizer=tokenizer, source=source,
                 train_tokens=int(len(splits["train"])), val_tokens=int(len(splits["val"])))
+    if tokenizer == "hf":
+        meta["tokenizer_from"] = os.path.abspath(tokenizer_from)
     temps = [temporary_name(out_dir, name) for name in ("train.bin", "val.bin", "meta.json")]
     try:
         for split, tmp in zip(splits, temps):
             splits[split].astype(np.uint16).tofile(tmp)
+        if tokenizer_from is not None:
+            write_tokenizer_files(out_dir, tokenizer_from)
         with open(temps[2], "w") as f:
             json.dump(meta, f, indent=1)
     except OSError as e:                             # a full disk: the dataset there (if any) stays as it was
@@ -143,7 +165,8 @@ def not_a_file(path):
 
 def prepare_text_files(paths, out_dir, tokenizer):
     tokens, vocab = encode(read_inputs(paths), tokenizer)
-    return write_dataset(out_dir, tokens, vocab, tokenizer, ", ".join(paths))
+    name = tokenizer if tokenizer in ("byte", "gpt2") else "hf"     # meta.json's name for a tokenizer.json
+    return write_dataset(out_dir, tokens, vocab, name, ", ".join(paths), tokenizer_from=tokenizer)
 
 
 def prepare_shakespeare(out_dir, tokenizer):
@@ -265,6 +288,7 @@ class GlobalBatchLoader:
 
     def __init__(self, data_dir, block_size, global_batch_size, seed, device="cpu"):
         self.block_size, self.global_batch_size, self.seed = block_size, global_batch_size, seed
+        self.data_dir = data_dir
         self.device = torch.device(device)
         self.meta, meta_path = read_meta(data_dir)
         self.data = {split: open_tokens(os.path.join(data_dir, f"{split}.bin")) for split in ("train", "val")}
@@ -303,12 +327,16 @@ def main(argv=None):
     p.add_argument("--out_dir", default=None, help="where to write (default data/stdlib, data/<name>)")
     p.add_argument("--input", nargs="+", default=None, help="text files to tokenize instead of the stdlib")
     p.add_argument("--shakespeare", action="store_true", help="download tiny-shakespeare (needs internet)")
-    p.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2"],
-                   help="byte: raw bytes, vocab 256 (offline); gpt2: tiktoken BPE (downloads its file once)")
+    p.add_argument("--tokenizer", default="byte",
+                   help="byte: raw bytes, vocab 256 (offline); gpt2: tiktoken BPE (downloads its file once); or a "
+                        "directory holding a Hugging Face tokenizer.json (the tokenizers library, offline)")
     a = p.parse_args(argv)
     from common.errors import fail
     try:
         check_out_dir_arg(a.out_dir)
+        if a.tokenizer not in ("byte", "gpt2"):
+            from common.hf_tokenizer import hf_tokenizer
+            hf_tokenizer(a.tokenizer)               # a readable tokenizer.json there, before any work
         if a.shakespeare and a.input:
             raise ValueError("--shakespeare and --input both name the text: pick one")
         if a.shakespeare:
@@ -317,7 +345,7 @@ def main(argv=None):
             meta = prepare_text_files(a.input, a.out_dir or os.path.join("data", "custom"), a.tokenizer)
         else:
             if a.tokenizer != "byte":
-                raise ValueError("the default stdlib corpus is byte-level; use --input FILES with --tokenizer gpt2")
+                raise ValueError("the default stdlib corpus is byte-level; use --input FILES with another --tokenizer")
             meta = prepare_stdlib(a.out_dir or DEFAULT_DATA_DIR)
     except (ValueError, OSError) as e:
         fail(str(e))

@@ -33,3 +33,14 @@ def fail(message, rank_local=False):
         print(f"error: {message}", file=sys.stderr, flush=True)
     FAILED["code"] = 2
     sys.exit(2)
+
+
+def require(package, purpose, pin=None):
+    """The module `package`, or a ConfigError naming what needs it and how to install it (an optional dependency
+    reported in one line before any work, not as an ImportError's traceback in the middle of it)."""
+    import importlib
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ConfigError(f"{purpose} needs the {package} package, which is not installed here: "
+                          f"pip install {pin or package}") from None

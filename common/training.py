@@ -156,9 +156,13 @@ def evaluate(loss_fn, loader, cfg):
     return sum(losses) / len(losses)
 
 
-def decode(tokens, meta):
-    """Token ids -> text: GPT-2 BPE, raw bytes, or a character table `itos` (nanoGPT's character-level meta.pkl,
-    or a list in meta.json). Any other tokenizer has no decoder here: ValueError, and the sample says so."""
+def decode(tokens, meta, data_dir=None):
+    """Token ids -> text: GPT-2 BPE, raw bytes, a character table `itos` (nanoGPT's character-level meta.pkl, or
+    a list in meta.json), or the corpus's Hugging Face tokenizer.json. Any other tokenizer has no decoder here:
+    ValueError, and the sample says so."""
+    if meta.get("tokenizer") == "hf":
+        from common.hf_tokenizer import decode_with
+        return decode_with(data_dir, tokens)
     if meta.get("tokenizer") == "gpt2":
         import tiktoken
         return tiktoken.get_encoding("gpt2").decode(tokens)
@@ -169,7 +173,7 @@ def decode(tokens, meta):
     if meta.get("tokenizer") == "byte":
         return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
     raise ValueError(f"the dataset's tokenizer {meta.get('tokenizer')!r} is unknown here; meta.json needs "
-                     f"tokenizer byte or gpt2, or an itos list (the text of each token id)")
+                     f"tokenizer byte, gpt2 or hf, or an itos list (the text of each token id)")
 
 
 def print_sample(model, loader, cfg, env, collective=False):
@@ -184,7 +188,7 @@ def print_sample(model, loader, cfg, env, collective=False):
     torch.manual_seed(cfg.seed)
     out = model.generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50)
     try:
-        text = decode(out[0].tolist(), loader.meta)
+        text = decode(out[0].tolist(), loader.meta, loader.data_dir)
     except Exception as e:  # e.g. tiktoken cannot fetch its vocabulary offline
         text = f"<cannot decode: {e}>"
     if env.rank == 0:

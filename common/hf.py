@@ -1,0 +1,274 @@
+"""
+hf.py: a run's model out to a Hugging Face checkpoint, and a Hugging Face checkpoint in as a run's first weights
+(docs/huggingface.md). Names, permutations and the config are hf_convert.py's; tokenizer files hf_tokenizer.py's.
+transformers is never imported: files are read with safetensors (and written by hand, below).
+
+    python -m common.hf export OUT_DIR HF_DIR [--dtype float32] [--data_dir DIR] [--no_tokenizer]
+    python train_X.py ... --init_from HF_DIR                       (every train script, any layout)
+
+Export: OUT_DIR's latest checkpoint (any layout saves train_single's form) is memory-mapped and written to
+HF_DIR/config.json + model.safetensors (+ the corpus's tokenizer), in the checkpoint's dtype or --dtype.
+safetensors' format is a JSON header of every tensor's dtype, shape and byte range, then the bytes: the header
+needs only shapes, so the file is written one converted tensor at a time, never the whole model in memory.
+
+Import: --init_from is checked against the run's flags when the command line is parsed (one line naming the
+field and its value for a model model.py cannot represent, hf_convert.architecture_problem); then each rank reads
+exactly the tensors it holds, as a --resume does (checkpoint.start_from -> held.restore: TP slices, pipeline
+stages, ZeRO shards), memory-mapped, converted one at a time. AdamW starts fresh, the step at 0.
+"""
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+
+import torch
+
+from common.checkpoint_compat import saved_model_config
+from common.checkpoint_files import latest_checkpoint, load_checkpoint
+from common.data import read_meta
+from common.distributed import fail_together
+from common.errors import ConfigError, check, fail, require
+from common.hf_convert import (HF_WTE, WTE, architecture_problem, from_hf, hf_name, neox_config, shape_problem,
+                               to_hf)
+from common.hf_tokenizer import KINDS, export_tokenizer, tokenizers_module
+from model import GPT, GPTConfig
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def parameter_names(gcfg):
+    """model.py's parameters in their order, each once (the tied lm_head is the embedding)."""
+    with torch.device("meta"):
+        return [(name, tuple(p.shape)) for name, p in GPT(gcfg).named_parameters()]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# export
+
+def write_safetensors(path, entries, dtype, tensors):
+    """Write `tensors` (an iterator of (name, tensor) in the order of `entries`: (name, shape)) to path in
+    safetensors' format: 8 bytes of header length (little-endian), the JSON header padded to 8 bytes, the data."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = dict(dtype=SAFETENSORS_DTYPES[dtype], shape=list(shape), data_offsets=[offset, offset + size])
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for (name, shape), (written, tensor) in zip(entries, tensors, strict=True):
+                assert written == name and tuple(tensor.shape) == shape, (written, name)
+                f.write(tensor.to(dtype).contiguous().view(torch.uint8).numpy())
+        os.replace(tmp, path)                        # a reader sees the whole file or none
+    finally:
+        if os.path.exists(tmp):                      # (a full disk: no half-written file left behind)
+            os.remove(tmp)
+
+
+def generation_config(config):
+    """generation_config.json: the padded ids are never generated (model.py's sampling leaves them out too), while
+    their logits stay in the softmax, which model.py's loss and an evaluation's log-likelihoods include."""
+    padded = list(range(config["tokenizer_vocab_size"], config["vocab_size"]))
+    return dict(bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"],
+                **({"suppress_tokens": padded} if padded else {}))
+
+
+def export_args(argv):
+    p = argparse.ArgumentParser(prog="python -m common.hf", allow_abbrev=False,
+                                description="Export a run's latest checkpoint as a Hugging Face GPTNeoXForCausalLM.")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", allow_abbrev=False, help="OUT_DIR's latest checkpoint -> HF_DIR")
+    e.add_argument("out_dir", metavar="OUT_DIR", help="the run's --out_dir (its ckpt/ holds the checkpoints)")
+    e.add_argument("hf_dir", metavar="HF_DIR", help="where config.json, model.safetensors and the tokenizer go")
+    e.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="the weights' dtype (default: the checkpoint's, float32 or float64)")
+    e.add_argument("--data_dir", default=None, help="the corpus whose tokenizer goes along (default: the run's)")
+    e.add_argument("--no_tokenizer", action="store_true", help="export the weights and config.json only")
+    return p.parse_args(argv)
+
+
+def export_checks(args):
+    """(checkpoint state, its model config, the corpus's meta and directory or None): every check of an export,
+    before anything is written."""
+    path = latest_checkpoint(args.out_dir)
+    check(path is not None, f"{args.out_dir}: no checkpoint there (no complete step directory in its ckpt/)")
+    try:
+        state = load_checkpoint(path, mmap=True)     # every tensor stays on disk until it is written
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e).removeprefix("--resume: ")) from None
+    mc = saved_model_config(state)
+    check(mc.get("n_experts", 0) == 0, f"{path}: n_experts {mc.get('n_experts')}: GPTNeoXForCausalLM has no "
+                                       f"mixture of experts; only dense models export")
+    missing = [name for name, _ in parameter_names(GPTConfig(**mc)) if name not in state["model"]]
+    check(not missing, f"{path} lacks {missing[0] if missing else ''} (a damaged checkpoint)")
+    check(not os.path.isfile(args.hf_dir), f"HF_DIR {args.hf_dir} is a file, not a directory")
+    if args.no_tokenizer:
+        return state, mc, None, None
+    data_dir = args.data_dir or (state.get("config") or {}).get("data_dir")
+    check(data_dir is not None and os.path.isdir(data_dir),
+          f"the run's corpus {data_dir} is not here (its tokenizer goes with the model): pass --data_dir DIR where "
+          f"its meta.json is, or --no_tokenizer")
+    try:
+        meta, meta_path = read_meta(data_dir)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check(meta["vocab_size"] == mc["vocab_size"], f"{meta_path} says vocab_size {meta['vocab_size']} but the "
+                                                  f"checkpoint's model has {mc['vocab_size']}: another corpus")
+    check(meta.get("tokenizer") in KINDS, f"{meta_path}: tokenizer {meta.get('tokenizer')!r} has no Hugging Face "
+                                          f"form here ({', '.join(KINDS)} do): pass --no_tokenizer")
+    if meta.get("tokenizer") in ("byte", "gpt2"):
+        tokenizers_module(f"exporting a {meta['tokenizer']} corpus's tokenizer (or pass --no_tokenizer)")
+    return state, mc, meta, data_dir
+
+
+def main(argv=None):
+    args = export_args(argv)
+    try:
+        state, mc, meta, data_dir = export_checks(args)
+        os.makedirs(args.hf_dir, exist_ok=True)
+        special, tokenizer = {}, "none (--no_tokenizer)"
+        if meta is not None:
+            tokenizer, special = export_tokenizer(meta, data_dir, args.hf_dir, mc["block_size"])
+    except (ValueError, OSError) as e:              # ConfigError is a ValueError
+        fail(str(e))
+    weights = state["model"]
+    dtype = DTYPES[args.dtype] if args.dtype else weights[WTE].dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    names = parameter_names(GPTConfig(**mc))
+    entries = [(hf_name(name), shape) for name, shape in names]
+    converted = (to_hf(name, weights[name], mc["n_head"]) for name, _ in names)
+    config = neox_config(mc, dtype_name, mc["vocab_size"], special)
+    try:
+        write_safetensors(os.path.join(args.hf_dir, WEIGHTS), entries, dtype, converted)
+        with open(os.path.join(args.hf_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        with open(os.path.join(args.hf_dir, "generation_config.json"), "w") as f:
+            json.dump(generation_config(config), f, indent=1)
+    except OSError as e:
+        fail(f"cannot write to {args.hf_dir} ({e.strerror or e})")
+    padding = f", padded to {config['vocab_size']} rows" if config["vocab_size"] != mc["vocab_size"] else ""
+    print(f"exported step {state['step']} of {args.out_dir} to {args.hf_dir}: GPTNeoXForCausalLM, "
+          f"{sum(math.prod(s) for _, s in names):,} parameters in {dtype_name}, vocabulary {mc['vocab_size']}"
+          f"{padding}; tokenizer: {tokenizer}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# import (--init_from)
+
+def read_config(hf_dir):
+    """HF_DIR/config.json as a dict; ConfigError naming what is wrong."""
+    path = os.path.join(hf_dir, "config.json")
+    check(os.path.isdir(hf_dir), f"--init_from {hf_dir}: not a directory")
+    check(os.path.isfile(path), f"--init_from {hf_dir}: no config.json there (a Hugging Face model directory has one)")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--init_from {path}: not a readable JSON file ({e})") from None
+    check(isinstance(hf, dict), f"--init_from {path}: not a JSON object")
+    return hf
+
+
+def weight_files(hf_dir):
+    """{NeoX name: safetensors file} of HF_DIR: model.safetensors, or the files its index names."""
+    single, index = os.path.join(hf_dir, WEIGHTS), os.path.join(hf_dir, INDEX)
+    if os.path.isfile(single):
+        safetensors = require("safetensors", "--init_from", "safetensors==0.8.0")
+        try:
+            with safetensors.safe_open(single, "pt") as f:
+                return {name: single for name in f.keys()}
+        except Exception as e:      # safetensors' own error for a damaged file, or an OSError
+            raise ConfigError(f"--init_from {single}: not a readable safetensors file ({e})") from None
+    check(os.path.isfile(index), f"--init_from {hf_dir}: no {WEIGHTS} or {INDEX} (only safetensors weights are "
+                                 f"read: pickled .bin files can run code)")
+    try:
+        with open(index) as f:
+            return {name: os.path.join(hf_dir, file) for name, file in json.load(f)["weight_map"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"--init_from {index}: not a safetensors index ({type(e).__name__}: {e})") from None
+
+
+def check_init_from(cfg):
+    """What config.json and the flags decide, when the command line is parsed: ConfigError naming the first field
+    model.py cannot represent, or a model shape that differs from the run's flags."""
+    require("safetensors", "--init_from", "safetensors==0.8.0")
+    hf = read_config(cfg.init_from)
+    problem = architecture_problem(hf, GPTConfig.rope_base)
+    if problem is not None:
+        field, value, why = problem
+        raise ConfigError(f"--init_from {cfg.init_from}: {field} {json.dumps(value)} in its config.json cannot be "
+                          f"represented by model.py ({why})")
+    check(cfg.n_experts == 0, f"--n_experts {cfg.n_experts}: --init_from {cfg.init_from} is a dense GPT-NeoX model "
+                              f"(no experts to start them from)")
+    shape = shape_problem(hf, cfg)
+    if shape is not None:
+        field, value, flag, mine = shape
+        raise ConfigError(f"--init_from {cfg.init_from}: {field} {json.dumps(value)} in its config.json vs --{flag} "
+                          f"{mine} in this run (the model's shape comes from the flags and must match)")
+    weight_files(cfg.init_from)
+
+
+class HFWeights:
+    """The weights of HF_DIR as checkpoint.py's `saved` mapping: saved[name] -> (model.py's whole value, no AdamW
+    moments), read from the memory-mapped file and converted when a rank asks for it. Buffers keep their values."""
+
+    def __init__(self, hf_dir, gcfg, held):
+        self.files, self.n_head, self.gcfg = weight_files(hf_dir), gcfg.n_head, gcfg
+        self.hf_dir, self.open = hf_dir, {}
+        self.buffers = {name: b for m in held.modules for name, b in m.named_buffers()}
+
+    def handle(self, name):
+        path = self.files[name]
+        if path not in self.open:
+            self.open[path] = require("safetensors", "--init_from").safe_open(path, "pt")
+        return self.open[path]
+
+    def __getitem__(self, name):
+        if name in self.buffers:
+            return self.buffers[name], None
+        return from_hf(name, self.handle(hf_name(name)).get_tensor(hf_name(name)), self.n_head), None
+
+    def problem(self, shapes):
+        """Why this rank cannot take its part (None if it can): a tensor it holds missing or shaped otherwise."""
+        for name, shape in shapes:
+            if name in self.buffers:
+                continue
+            twin = hf_name(name)
+            if twin not in self.files:
+                return f"--init_from {self.hf_dir}: its weights lack {twin} (model.py's {name})"
+            found = tuple(self.handle(twin).get_slice(twin).get_shape())
+            if twin == HF_WTE and found != shape:
+                return (f"--init_from {self.hf_dir}: vocab_size {found[0]} in its weights, but this run's embedding "
+                        f"has {shape[0]} rows (the corpus's vocab_size {self.gcfg.vocab_size}, which model.py pads to "
+                        f"a multiple of 64): prepare the corpus with its tokenizer (python -m common.data --input "
+                        f"FILES --tokenizer {self.hf_dir})")
+            if found != shape:
+                return f"--init_from {self.hf_dir}: {twin} has shape {found}, model.py's {name} {shape}"
+        return None
+
+
+def init_from(cfg, env, gcfg, held):
+    """Every rank keeps its part of HF_DIR's weights (what a resume would give it), or all stop with one line."""
+    error, weights = None, None
+    try:
+        weights = HFWeights(cfg.init_from, gcfg, held)
+        error = weights.problem(held.shapes())
+    except (ValueError, OSError) as e:
+        error = str(e)
+    except Exception as e:                          # a damaged shard: safetensors raises its own error type
+        error = f"--init_from {cfg.init_from}: cannot read its weights ({type(e).__name__}: {e})"
+    fail_together(error, env)
+    held.restore(weights)
+    if env.rank == 0:
+        print(f"init_from: weights of {cfg.init_from} (GPTNeoXForCausalLM), AdamW fresh, step 0", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
