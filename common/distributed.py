@@ -61,20 +61,32 @@ def launch_env():
     return rank, world, local
 
 
-def pick_device(requested, local_rank):
+def pick_device(requested, local_rank, world_size=1):
+    """The torch.device of this rank: --device auto | cpu | cuda (this rank's GPU) | cuda:N (that one). A rank's
+    GPU is cuda:LOCAL_RANK of the GPUs it sees; a launcher that gives each rank its own CUDA_VISIBLE_DEVICES
+    (SLURM's --gpus-per-task) shows it one GPU, which is then its cuda:0. ValueError, with what to do, for a GPU
+    the rank cannot see, and for cuda:N pinning several ranks that see the same GPUs to one of them (NCCL
+    refuses two ranks on one GPU, at init, with an error that reads like a wrong MASTER_ADDR)."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda":
-        requested = f"cuda:{local_rank}"
     device = torch.device(requested)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {requested} requested but CUDA is not available")
-        count = torch.cuda.device_count()
-        if device.index >= count:
-            raise ValueError(f"--device {requested} (local rank {local_rank}): this node has {count} GPU(s), "
-                             f"cuda:0..cuda:{count - 1}; launch at most {count} ranks per node")
-        torch.cuda.set_device(device)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {requested} requested but CUDA is not available")
+    count, visible = torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device.index is None:      # one GPU seen, by a rank that torchrun (which shares a node's GPUs) did not start
+        own_gpu = count == 1 and visible is not None and "TORCHELASTIC_RUN_ID" not in os.environ
+        device = torch.device("cuda", 0 if own_gpu else local_rank)
+        requested = str(device)
+    elif world_size > 1 and count > 1 and int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) > 1:
+        raise ValueError(f"--device {requested} puts every rank of this node on GPU {device.index}, but NCCL needs "
+                         f"one GPU per rank: use --device cuda (each rank takes cuda:LOCAL_RANK) or auto")
+    if device.index >= count:
+        seen = f"CUDA_VISIBLE_DEVICES={visible} shows this rank" if visible is not None else "this node has"
+        raise ValueError(f"--device {requested} (local rank {local_rank}): {seen} {count} GPU(s), cuda:0..cuda:"
+                         f"{count - 1}; launch at most {count} ranks per node, or give each rank its own GPU")
+    torch.cuda.set_device(device)
     return device
 
 
@@ -109,7 +121,7 @@ def init_distributed(cfg, need_group=True):
               f"{os.path.basename(sys.argv[0]) or 'this script'} trains on one device, but it was launched as "
               f"{world_size} ranks (WORLD_SIZE={world_size}); run it with plain python, or use a parallel script "
               f"(train_ddp.py, ...) under torchrun")
-        device = pick_device(cfg.device, local_rank)
+        device = pick_device(cfg.device, local_rank, world_size)
     except ValueError as e:                      # --device cuda on a machine without one: one line, not a trace
         fail(str(e))
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -447,3 +447,33 @@ def test_a_gpu_index_the_node_lacks_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"--device cuda:3 \(local rank 3\): this node has 2 GPU\(s\), cuda:0..cuda:1"):
         pick_device("cuda", 3)
+
+
+
+def test_each_rank_on_its_own_gpu_and_never_two_on_one(monkeypatch):
+    """SLURM-style launches give each rank its own CUDA_VISIBLE_DEVICES: local rank 3 sees one GPU, its cuda:0
+    (it was refused with the advice to launch fewer ranks). torchrun shares a node's GPUs: there local rank 3 of
+    a node showing one GPU is still refused. --device cuda:1 on several ranks of a node that shows them 2 GPUs
+    would put all on GPU 1, which NCCL refuses at init with an error that blamed MASTER_ADDR: refused first."""
+    from common.distributed import pick_device
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert pick_device("cuda", 3, world_size=8) == torch.device("cuda", 0)
+    assert pick_device("cuda:0", 3, world_size=8) == torch.device("cuda", 0)      # each rank's cuda:0 differs
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    with pytest.raises(ValueError, match=r"CUDA_VISIBLE_DEVICES=3 shows this rank 1 GPU\(s\), cuda:0..cuda:0; launch "
+                                         r"at most 1 ranks per node"):
+        pick_device("cuda", 3, world_size=8)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"--device cuda:1 puts every rank of this node on GPU 1, but NCCL needs one "
+                                         r"GPU per rank: use --device cuda"):
+        pick_device("cuda:1", 0, world_size=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")                  # one rank per node: its pinned GPU is fine
+    assert pick_device("cuda:1", 0, world_size=2) == torch.device("cuda", 1)
+    assert chosen == [torch.device("cuda", 0)] * 2 + [torch.device("cuda", 1)]
