@@ -11,8 +11,8 @@
 # torch must not look like a machine without a GPU. Where a GPU exists, each missing piece is one "error:" line
 # and exit 1: no python at $PYTHON, no torch, a CPU-only torch build, a torch that cannot use the GPU (a driver
 # older than its CUDA needs), or the test requirements failing to install. It installs those (pytest and the
-# other pins) but never torch or triton: requirements.txt pins torch's CPU wheel, and a CUDA build of torch
-# brings the triton it was built with.
+# other pins) but never torch or triton: pip could replace the machine's CUDA build of torch with another
+# build, and a CUDA build of torch brings the triton it was built with.
 set -uo pipefail
 here=${BASH_SOURCE[0]%/*}
 [ "$here" = "${BASH_SOURCE[0]}" ] && here=.

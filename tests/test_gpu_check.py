@@ -128,8 +128,8 @@ def test_gpu_check_fails_where_a_gpu_exists_but_the_check_cannot_run(tmp_path, c
 
 
 def test_gpu_check_never_installs_torch_or_triton():
-    """requirements.txt pins the CPU wheel of torch: installing it on a GPU machine would replace the CUDA build
-    (and its matching triton). The script installs every other pin."""
+    """Installing requirements.txt's torch on a GPU machine could replace its CUDA build (and its matching triton)
+    with another build. The script installs every other pin."""
     script = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
     assert '"" | "#"* | torch* | triton*) ;;' in script and "pip install" in script
     assert "-r requirements" not in script
