@@ -161,3 +161,12 @@ def test_gpu_check_runs_every_train_script_after_its_reference(monkeypatch):
         assert reference is None or reference in seen, name
         seen.add(name)
     assert gpu_check.grid_5d(8) == dict(tp=2, pp=2, dp=2, cp=1)
+
+
+def test_gpu_syncs_skips_in_one_line_without_a_gpu():
+    """bench/gpu_syncs.py (CUDA's own count of a micro-batch's syncs) on a machine without a GPU: one line, exit 0."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run bench/gpu_syncs.py itself")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_syncs.py")], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("gpu_syncs: skipped:") and not run.stderr, run
