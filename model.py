@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from common.routing import combine, route
+from common.routing import combine, count_per_expert, route
 
 
 @dataclass
@@ -150,9 +150,12 @@ class Experts(nn.ModuleList):
     (train_ep.ExpertParallelExperts runs the same rows on the ranks that own their experts)."""
 
     def forward(self, rows, expert):
-        """rows [A, h] grouped by expert (expert 0's, then 1's, ...), expert [A] their experts -> [A, h]."""
-        chunks = rows.split(torch.bincount(expert, minlength=len(self)).tolist())
-        return torch.cat([mlp(chunk) for mlp, chunk in zip(self, chunks)])
+        """rows [A, h] grouped by expert (expert 0's, then 1's, ..., then E's: dropped by capacity), expert [A]
+        their experts -> [A, h], zeros for the dropped. The rows per expert are read to the host once per block
+        (an expert's GEMM needs its row count), counted by a scatter-add (bincount would read twice more)."""
+        sizes = count_per_expert(expert, len(self) + 1).tolist()
+        out = torch.cat([mlp(chunk) for mlp, chunk in zip(self, rows.split(sizes))])
+        return torch.cat([out, out.new_zeros(sizes[-1], out.shape[1])]) if sizes[-1] else out
 
 
 class MoE(nn.Module):
@@ -185,7 +188,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         r = self.routing = self.route(x)
-        order = torch.argsort(r.expert, stable=True)                 # rows of expert 0, then 1, ...
+        order = torch.argsort(r.expert, stable=True)                 # rows of expert 0, then 1, ..., dropped
         out = self.experts(x[r.token[order]], r.expert[order])
         return combine(x.shape[0], r.token[order], r.gate[order], out).view(shape)
 

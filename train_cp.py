@@ -460,7 +460,7 @@ def main(argv=None):
         loss_sum = torch.zeros((), device=env.device, dtype=wide)
         for micro in range(grad_acc):
             x, y = loader.micro_batch(step, micro, cfg.micro_batch_size)
-            with amp, activations:
+            with amp, activations.during(micro == 0):
                 loss = local_loss(x, y)        # mean over local tokens; every rank holds B*T/cp of them
             if micro == 0:
                 act_bytes = activations.bytes        # saved for backward by one micro-batch (all are alike)

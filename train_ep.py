@@ -86,20 +86,31 @@ class ExpertParallelExperts(nn.ModuleDict):
         self.group, self.n_experts, self.n_local, self.first = group, n_experts, n_local, first
 
     def forward(self, rows, expert):
-        table = gather_counts(torch.bincount(expert, minlength=self.n_experts), self.group)
-        mine = table[:, self.first:self.first + self.n_local]   # [ep, n_local]: rows each rank sends me
-        send_splits = table[dist.get_rank(self.group)].view(self.ep, self.n_local).sum(1).tolist()
-        recv_splits = mine.sum(1).tolist()
-        rows = in_compute_dtype(rows)       # autocast: dispatched (and its gradient returned) in 16 bits, not fp32
-        arrived = AllToAll.apply(rows, recv_splits, send_splits, self.group)   # grouped by expert = by rank
-        return AllToAll.apply(self.run_experts(arrived, mine), send_splits, recv_splits, self.group)
+        """The rows per (rank, expert) are read to the host once per block: the all_to_all's split sizes and each
+        expert's GEMM need them there. Rows with expert == n_experts (dropped by capacity) stay here: zeros."""
+        counts = torch.zeros(self.n_experts + 1, dtype=torch.long, device=expert.device)
+        counts.scatter_add_(0, expert, torch.ones_like(expert))      # (bincount would read expert's max back)
+        table = gather_counts(counts[:self.n_experts], self.group)
+        sizes = table.tolist()                                  # [ep][E], the one read
+        n, me = self.n_local, dist.get_rank(self.group)
+        send_splits = [sum(sizes[me][r * n:(r + 1) * n]) for r in range(self.ep)]
+        recv_splits = [sum(row[self.first:self.first + n]) for row in sizes]
+        per_expert = [sum(row[self.first + e] for row in sizes) for e in range(n)]
+        kept = in_compute_dtype(rows[:sum(send_splits)])   # autocast: dispatched (and returned) in 16 bits
+        arrived = AllToAll.apply(kept, recv_splits, send_splits, self.group)   # grouped by expert = by rank
+        mine = table[:, self.first:self.first + n]              # [ep, n_local]: rows each rank sends me
+        out = AllToAll.apply(self.run_experts(arrived, mine, per_expert), send_splits, recv_splits, self.group)
+        dropped = len(rows) - sum(send_splits)
+        return torch.cat([out, out.new_zeros(dropped, out.shape[1])]) if dropped else out
 
-    def run_experts(self, rows, mine):
-        """rows arrive grouped by source rank, then by my local expert; regroup them by expert, run each
-        expert once on all its rows, and return the outputs in arrival order."""
-        local = torch.arange(self.n_local, device=rows.device).repeat(self.ep)
-        perm = torch.argsort(local.repeat_interleave(mine.reshape(-1)), stable=True)
-        chunks = rows[perm].split(mine.sum(0).tolist())
+    def run_experts(self, rows, mine, per_expert):
+        """rows arrive grouped by source rank, then by my local expert (mine [ep, n_local] counts them on the
+        device, per_expert on the host); regroup them by expert, run each expert once on all its rows, and return
+        the outputs in arrival order."""
+        ends = mine.reshape(-1).cumsum(0)                       # where each (rank, expert) run of rows ends
+        run = torch.searchsorted(ends, torch.arange(len(rows), device=rows.device), right=True)
+        perm = torch.argsort(run % self.n_local, stable=True)   # by local expert, arrival order within one
+        chunks = rows[perm].split(per_expert)
         out = torch.cat([expert(c) for expert, c in zip(self.values(), chunks)])
         return out[torch.argsort(perm)]
 

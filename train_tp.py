@@ -549,7 +549,7 @@ def main(argv=None):
         loss_sum = 0.0
         for micro in range(grad_acc):
             x, y = loader.micro_batch(step, micro, cfg.micro_batch_size)
-            with amp, activations:                   # counts what the forward keeps for backward
+            with amp, activations.during(micro == 0):   # what the first forward keeps for backward
                 _, loss = train_model(x, y)          # the same full loss on every TP rank
             if micro == 0:
                 act_bytes = activations.bytes        # saved for backward by one micro-batch (all are alike)

@@ -14,7 +14,8 @@ On 1 GPU (every row a line of the table: ok, loss vs reference or error vs bound
      against bf16: loss within FP8_RTOL, tokens/s against bf16's;
   5. CP's block attention (aten's flash kernel returning the log-sum-exp) at T = 8192: ring, zigzag and allgather
      at 2 and 4 ranks emulated in one process, against whole-sequence attention;
-  6. host syncs in a train_single step, dense and MoE, as torch.cuda.set_sync_debug_mode reports them;
+  6. host syncs in a train_single step, dense and MoE, as torch.cuda.set_sync_debug_mode reports them (0 outside
+     the logged scalars dense; one read of the rows per expert per MoE block and forward);
   7. peak memory of train_single at three shapes (rows 2 and 4's runs and one with --recompute full) against
      plan.py's prediction for the same run;
   8. tests/test_kernels.py and tests/test_fp8.py with their tensors on the GPU.

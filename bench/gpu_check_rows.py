@@ -102,7 +102,7 @@ def one_gpu_rows(out, steps, capability, bf16_rtol, fp8_rtol):
             train(f"fp8-{recipe}", f"GPT-2-small --fp8 {recipe}", 15, "single", fp8_rtol, "single", kernels="torch",
                   fp8=recipe, **GPT2_SMALL)
     rows.append(Row("cp", "CP block attention, T 8192, emulated ranks", 10, probe_command("cp", out), "probe"))
-    rows.append(Row("syncs", "host syncs in a step (set_sync_debug_mode)", 20, probe_command("syncs", out), "probe"))
+    rows.append(Row("syncs", "host syncs in a step (set_sync_debug_mode)", 30, probe_command("syncs", out), "probe"))
     train("single-recompute", "train_single GPT-2-small --recompute full", 15, "single", bf16_rtol, "single",
           plan=True, kernels="torch", recompute="full", **GPT2_SMALL)
     rows.append(Row("plan-memory", "plan.py peak memory vs measured", 2, [sys.executable, "-c", "pass"], "plan"))

@@ -51,14 +51,14 @@ def apply_dtensor_tp(model, mesh, sp):
                 "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(output_layouts=out_layout)}
         if sp:   # the residual stream holds this rank's sequence chunk; attention / MLP inputs are gathered
             plan.update({"ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
-                         "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                    desired_input_layouts=(Replicate(), None, None)),
+                         "attn": PrepareModuleInput(input_layouts=(Shard(1), None),        # (x, rope)
+                                                    desired_input_layouts=(Replicate(), None)),
                          "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
         parallelize_module(block, mesh, plan)
     if sp:       # replicated embedding output -> my chunk; ln_f on my chunk -> gathered for the replicated head
         parallelize_module(model, mesh, {
-            "transformer.h.0": PrepareModuleInput(input_layouts=(Replicate(), None, None),
-                                                  desired_input_layouts=(Shard(1), None, None), use_local_output=True),
+            "transformer.h.0": PrepareModuleInput(input_layouts=(Replicate(), None),   # (x, rope): rope stays whole
+                                                  desired_input_layouts=(Shard(1), None), use_local_output=True),
             "transformer.ln_f": SequenceParallel(),
             "lm_head": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
                                           use_local_output=True)})

@@ -114,9 +114,11 @@ def commit_or_fail(cfg, next_step, error, what):
 
 
 def rng_state():
-    """The CPU generator's state, and the current GPU's (not every GPU's: a node with fewer GPUs resumes too)."""
+    """The CPU generator's state, and the current GPU's (not every GPU's: a node with fewer GPUs resumes too) where
+    this rank computes on a GPU. CUDA is initialised exactly then: a --device cpu rank on a GPU machine never
+    touched it, and asking for a GPU's state would open a context on GPU 0 (memory, and a process on that GPU)."""
     state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -145,7 +147,7 @@ def set_rng_state(state):
     saving node (earlier versions: this device's, or the first if the node had fewer)."""
     torch.set_rng_state(state["cpu"])
     cuda = state.get("cuda")
-    if cuda is None or not torch.cuda.is_available():
+    if cuda is None or not torch.cuda.is_initialized():         # a CPU rank (see rng_state), or no GPU here
         return
     if isinstance(cuda, (list, tuple)):
         if not cuda:

@@ -61,20 +61,32 @@ def launch_env():
     return rank, world, local
 
 
-def pick_device(requested, local_rank):
+def pick_device(requested, local_rank, world_size=1):
+    """The torch.device of this rank: --device auto | cpu | cuda (this rank's GPU) | cuda:N (that one). A rank's
+    GPU is cuda:LOCAL_RANK of the GPUs it sees; a launcher that gives each rank its own CUDA_VISIBLE_DEVICES
+    (SLURM's --gpus-per-task) shows it one GPU, which is then its cuda:0. ValueError, with what to do, for a GPU
+    the rank cannot see, and for cuda:N pinning several ranks that see the same GPUs to one of them (NCCL
+    refuses two ranks on one GPU, at init, with an error that reads like a wrong MASTER_ADDR)."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda":
-        requested = f"cuda:{local_rank}"
     device = torch.device(requested)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {requested} requested but CUDA is not available")
-        count = torch.cuda.device_count()
-        if device.index >= count:
-            raise ValueError(f"--device {requested} (local rank {local_rank}): this node has {count} GPU(s), "
-                             f"cuda:0..cuda:{count - 1}; launch at most {count} ranks per node")
-        torch.cuda.set_device(device)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {requested} requested but CUDA is not available")
+    count, visible = torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device.index is None:      # one GPU seen, by a rank that torchrun (which shares a node's GPUs) did not start
+        own_gpu = count == 1 and visible is not None and "TORCHELASTIC_RUN_ID" not in os.environ
+        device = torch.device("cuda", 0 if own_gpu else local_rank)
+        requested = str(device)
+    elif world_size > 1 and count > 1 and int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) > 1:
+        raise ValueError(f"--device {requested} puts every rank of this node on GPU {device.index}, but NCCL needs "
+                         f"one GPU per rank: use --device cuda (each rank takes cuda:LOCAL_RANK) or auto")
+    if device.index >= count:
+        seen = f"CUDA_VISIBLE_DEVICES={visible} shows this rank" if visible is not None else "this node has"
+        raise ValueError(f"--device {requested} (local rank {local_rank}): {seen} {count} GPU(s), cuda:0..cuda:"
+                         f"{count - 1}; launch at most {count} ranks per node, or give each rank its own GPU")
+    torch.cuda.set_device(device)
     return device
 
 
@@ -109,7 +121,7 @@ def init_distributed(cfg, need_group=True):
               f"{os.path.basename(sys.argv[0]) or 'this script'} trains on one device, but it was launched as "
               f"{world_size} ranks (WORLD_SIZE={world_size}); run it with plain python, or use a parallel script "
               f"(train_ddp.py, ...) under torchrun")
-        device = pick_device(cfg.device, local_rank)
+        device = pick_device(cfg.device, local_rank, world_size)
     except ValueError as e:                      # --device cuda on a machine without one: one line, not a trace
         fail(str(e))
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -137,21 +149,33 @@ def init_distributed(cfg, need_group=True):
 
 
 def nccl_error_defaults():
-    """NCCL reports a dead or stuck peer from its watchdog thread, and by default (TORCH_NCCL_ASYNC_ERROR_HANDLING
-    3) tears the process down from there: a C++ log and SIGABRT, no line of ours. With blocking wait, which torch
-    gives precedence over async error handling, the failed collective raises in the training thread instead, where
-    report_collective_failures turns it into one error line. Set before init (ProcessGroupNCCL reads it when it is
-    built); a value the user set is kept (docs/failures.md: what it costs, and what happens otherwise)."""
-    if "TORCH_NCCL_BLOCKING_WAIT" not in os.environ and "NCCL_BLOCKING_WAIT" not in os.environ:
-        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+    """How an NCCL rank learns of a dead or stuck peer without blocking the host on every collective.
+
+    Collectives stay asynchronous (no TORCH_NCCL_BLOCKING_WAIT: with it, every wait() polls until the collective is
+    done, so the host can never queue work ahead of the GPU). torch's watchdog thread watches each collective
+    against the group's timeout (--dist_timeout) and NCCL's own errors (a peer's closed connection is
+    ncclRemoteError). With TORCH_NCCL_ASYNC_ERROR_HANDLING=2 it then aborts the communicators and leaves the
+    process alive: the aborted kernels return, and the training thread's next collective raises
+    "NCCL communicator was aborted ... Original reason for failure was: <the watchdog's reason>", which
+    report_collective_failures turns into one error line (failure_kind reads the original reason: a timeout or a
+    gone peer). torch's default, 3, tears the process down from the watchdog instead (a C++ log and SIGABRT).
+    torchrun passes 1 (tear down) to every worker when its own environment has none, so 1 under torchrun counts
+    as unset; any other value the user set is kept (docs/failures.md: what each does). Set before init:
+    ProcessGroupNCCL reads it when it is built."""
+    chosen = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    torchrun_default = chosen == "1" and "TORCHELASTIC_RUN_ID" in os.environ
+    if chosen is None or torchrun_default:
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
 
 
 # what a failed collective says, by cause. gloo: its RuntimeErrors mostly name their source file, third_party/gloo/...,
 # but "Application timeout caused pair closure", on a pair an earlier timeout closed, does not. NCCL and the store
-# raise DistError. A peer that is gone shows as a closed or reset connection; a stuck one as a timeout.
+# raise DistError. A peer that is gone shows as a closed or reset connection; a stuck one as a timeout. An NCCL
+# communicator that torch's watchdog aborted says so, then why (ABORTED_BECAUSE): the kind is read from the why.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Socket closed", "Broken pipe", "Read error",
              "Write error", "remote process exited", "communicator was aborted", "ncclRemoteError")
 TIMED_OUT = ("Timed out waiting", "Application timeout caused pair closure", "timed out", "timeout", "Timeout")
+ABORTED_BECAUSE = "Original reason for failure was:"
 GLOO_FAILURES = ("/gloo/", "Application timeout caused pair closure", "Connection closed by peer",
                  "Connection reset by peer", "Socket closed", "Read error", "Timed out waiting")
 
@@ -175,6 +199,7 @@ def collective_failure(exc):
 def failure_kind(reason):
     """"peer gone" (its connection closed or reset: it exited or was killed), "timed out" (no answer within
     --dist_timeout: stuck or slow), or "failed" (anything else the backend said)."""
+    reason = reason.split(ABORTED_BECAUSE)[-1]     # the watchdog's reason for an abort, where it gives one
     if any(sign in reason for sign in PEER_GONE):
         return "peer gone"
     if any(sign in reason for sign in TIMED_OUT):

@@ -80,6 +80,11 @@ class SavedActivationBytes:
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
 
+    def during(self, counting):
+        """This tracker while `counting` (a step's first micro-batch: all are alike), else nothing: its hook runs
+        on every tensor autograd saves, a host cost the other micro-batches need not pay."""
+        return self if counting else contextlib.nullcontext()
+
 
 class ActionTimer:
     """The share of a pipeline step a rank spends idle (waiting for messages): installed as PipelineRunner's

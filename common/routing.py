@@ -39,16 +39,16 @@ import torch.nn.functional as F
 
 
 class Routing(NamedTuple):
-    token: torch.Tensor      # [A] token index of each kept assignment (token-major: token t's slots together)
-    expert: torch.Tensor     # [A] its expert
-    gate: torch.Tensor       # [A] its router probability (fp32, or fp64 for an fp64 model)
+    token: torch.Tensor      # [N*k] token index of each assignment (token-major: token t's slots together)
+    expert: torch.Tensor     # [N*k] its expert, or E where the expert's capacity dropped it
+    gate: torch.Tensor       # [N*k] its router probability (fp32, or fp64 for an fp64 model)
     counts: torch.Tensor     # [E] assignments routed to each expert, before any dropping
     prob_sum: torch.Tensor   # [E] router probabilities summed over the tokens (no gradient)
     n_tokens: int            # tokens routed
 
     def stats(self):
         """[assignments per expert (E), probability sums (E), dropped, tokens]: summed over a step's forwards."""
-        dropped = self.counts.sum() - len(self.token)
+        dropped = (self.expert == len(self.counts)).sum()
         extra = torch.stack([dropped, torch.full_like(dropped, self.n_tokens)])
         return torch.cat([self.counts.double(), self.prob_sum.double(), extra.double()])
 
@@ -68,17 +68,27 @@ class BalanceGradient(torch.autograd.Function):
         return grad + per_token.to(grad.dtype), None
 
 
+def count_per_expert(expert, n_bins):
+    """[n_bins] how many entries of `expert` name each bin: a scatter-add into zeros. (torch.bincount would size
+    its output from expert's max, which CUDA reads back to the host: a sync in every MoE block.)"""
+    return torch.zeros(n_bins, dtype=torch.long, device=expert.device).scatter_add_(0, expert, torch.ones_like(expert))
+
+
 def route(logits, top_k, capacity_factor=0.0, balance=None):
     """Top-k softmax routing of N tokens ([N, E] router logits) and which assignments an expert keeps.
-    balance(counts) -> [E]: the load-balancing gradient per token (see BalanceGradient), or None."""
+    balance(counts) -> [E]: the load-balancing gradient per token (see BalanceGradient), or None.
+
+    Every shape here is known before the GPU runs (N*k assignments, dropped or not): nothing is read back to the
+    host. An assignment over its expert's capacity keeps its place with expert E, a bin past the last expert
+    that sorts after every expert's rows and whose rows no expert runs (model.Experts: zeros)."""
     N, E = logits.shape
     probs = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     expert = probs.topk(top_k, dim=-1).indices                    # [N, k], best first
-    counts = torch.bincount(expert.reshape(-1), minlength=E)
+    counts = count_per_expert(expert.reshape(-1), E)
     if balance is not None and probs.requires_grad:
         probs = BalanceGradient.apply(probs, balance(counts))
     gate = probs.gather(1, expert)
-    token = torch.arange(N, device=logits.device).repeat_interleave(top_k)
+    token = torch.arange(N, device=logits.device)[:, None].expand(N, top_k).reshape(-1)
     expert, gate = expert.reshape(-1), gate.reshape(-1)
     if capacity_factor > 0:
         capacity = math.ceil(capacity_factor * N * top_k / E)
@@ -86,12 +96,12 @@ def route(logits, top_k, capacity_factor=0.0, balance=None):
         slot_major = F.one_hot(expert.view(N, top_k).t().reshape(-1), E)
         position = ((slot_major.cumsum(0) - 1) * slot_major).sum(-1)
         keep = (position < capacity).view(top_k, N).t().reshape(-1)
-        token, expert, gate = token[keep], expert[keep], gate[keep]
+        expert = torch.where(keep, expert, E)
     return Routing(token, expert, gate, counts, probs.detach().sum(0), N)
 
 
 def combine(n_tokens, token, gate, expert_out):
-    """y[t] = sum of gate * expert output over token t's kept assignments (none kept: y[t] = 0)."""
+    """y[t] = sum of gate * expert output over token t's assignments (a dropped one's output is 0)."""
     y = expert_out.new_zeros(n_tokens, expert_out.shape[-1])
     return y.index_add_(0, token, expert_out * gate[:, None].to(expert_out.dtype))
 

@@ -13,7 +13,11 @@ device already filled in), tags host tensors and records:
     copy   a host tensor moved to a device (.to(device), .to(tensor), .cuda(), device.copy_(host))
     mixed  a host tensor of one or more dimensions in an op with a device tensor (an implicit copy, or on CUDA
            a device-mismatch error; a 0-dim host tensor is a scalar argument and fine)
-    sync   .item() / float() / int() / bool() / .tolist() of a device tensor
+    sync   .item() / float() / int() / bool() / .tolist() of a device tensor; and an op whose output's size
+           depends on a device tensor's values, which CUDA must read back to the host to allocate that output:
+           bincount (its min and max), nonzero / argwhere / one-argument where, indexing or assigning with a
+           boolean mask (a nonzero inside), repeat_interleave with tensor repeats and no output_size (their
+           sum), unique / unique_consecutive, masked_select
 
 Each event names the innermost line of the repository (outside tests/) that led to it. The recorder runs from
 the MetricsLogger's creation (after the model, optimizer and checkpoint are set up) to its close, and numbers
@@ -36,6 +40,11 @@ FACTORIES = {torch.arange, torch.tensor, torch.zeros, torch.ones, torch.full, to
              torch.as_tensor}
 SYNCS = {torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__,
          torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy}
+SIZED_BY_VALUES = {torch.bincount, torch.Tensor.bincount, torch.nonzero, torch.Tensor.nonzero, torch.argwhere,
+                   torch.Tensor.argwhere, torch.unique, torch.Tensor.unique, torch.unique_consecutive,
+                   torch.Tensor.unique_consecutive, torch.masked_select, torch.Tensor.masked_select}
+REPEATS = {torch.repeat_interleave, torch.Tensor.repeat_interleave}
+INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.index_put}
 MOVES = {torch.Tensor.to, torch.Tensor.cuda}
 HOST = "_made_on_host"
 
@@ -63,6 +72,21 @@ def is_host(t):
     return isinstance(t, torch.Tensor) and getattr(t, HOST, False)
 
 
+def sized_by_values(func, args, kwargs):
+    """An op whose output size CUDA can only know by reading a device tensor's values (see the docstring)."""
+    if func in SIZED_BY_VALUES:
+        return True
+    if func is torch.where:
+        return len(args) + len(kwargs) == 1
+    if func in REPEATS:
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    if func in INDEXING:
+        index = tree_flatten(args[1] if len(args) > 1 else kwargs.get("indices"))[0]
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.dim() > 0 for i in index)
+    return False
+
+
 def names_a_device(args, kwargs):
     """Tensor.to's arguments move it to a device (not only cast it): a device, a device string, a tensor."""
     if kwargs.get("device") is not None:
@@ -86,6 +110,9 @@ class StepRecorder(TorchFunctionMode):
         if func in SYNCS:
             if tensors and not host:
                 self.record("sync", func)
+            return out
+        if tensors and not host and sized_by_values(func, args, kwargs):
+            self.record("sync", func)
             return out
         if func in MOVES and host and args[0] is host[0] and (func is torch.Tensor.cuda or names_a_device(args, kwargs)):
             self.record("copy", func)

@@ -186,10 +186,18 @@ def test_a_non_finite_value_is_found_on_load_in_a_sharded_layout(tiny_data, tiny
 
 def test_only_the_current_gpus_rng_state_is_saved_and_restored(monkeypatch):
     """A checkpoint of a node with 8 GPUs (an earlier version saved every device's state) resumes on a node with
-    one: the current device's state is set, never an index the node lacks; this version saves one state."""
+    one: the current device's state is set, never an index the node lacks; this version saves one state. A rank
+    that computes on the CPU of a GPU machine (CUDA never initialised) neither saves nor sets a GPU's state: that
+    would open a context on GPU 0."""
     from common import checkpoint
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)      # --device cpu on a GPU machine
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: pytest.fail("a CPU rank asked for a GPU's state"))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: pytest.fail("a CPU rank set a GPU's state"))
+    assert set(checkpoint.rng_state()) == {"cpu"}
+    checkpoint.set_rng_state(dict(cpu=torch.get_rng_state(), cuda=torch.tensor([5], dtype=torch.uint8)))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)       # a rank on a GPU
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([7], dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state saved"))

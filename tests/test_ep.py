@@ -56,7 +56,7 @@ def _dispatch_worker(rank, world, n_experts, top_k, dtype_name, idle, capacity_f
     counted = dict(COMM.by_op)
 
     # expected all_to_all bytes from the *reference* routing: rows to other ranks' experts, rows from others
-    kept = torch.bincount(ref.routing.expert, minlength=n_experts)
+    kept = torch.bincount(ref.routing.expert, minlength=n_experts + 1)[:n_experts]   # bin n_experts: dropped
     table = [torch.zeros_like(kept) for _ in range(world)]
     dist.all_gather(table, kept)                   # raw call: not part of what is being counted
     owner = torch.arange(n_experts) // (n_experts // world)

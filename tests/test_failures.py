@@ -203,6 +203,12 @@ def test_a_collective_failure_is_named_in_one_line():
     ("NCCL communicator was aborted on rank 1.", "peer gone"),
     ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 30000 "
      "milliseconds before timing out.", "timed out"),
+    # without blocking wait, torch's watchdog aborts the communicator and the next collective says why
+    ("NCCL communicator was aborted on rank 0.  Original reason for failure was: [Rank 0] Watchdog caught collective "
+     "operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 30012 milliseconds before timing out.",
+     "timed out"),
+    ("NCCL communicator was aborted on rank 0.  Original reason for failure was: NCCL error: remote process exited or "
+     "there was a network error, NCCL version 2.27.5", "peer gone"),
 ])
 def test_a_failed_collective_says_whether_a_peer_is_gone_or_timed_out(message, kind):
     """The one classifier of every barrier and collective: a dead peer is never reported as a timeout (nor the
@@ -413,17 +419,25 @@ def test_character_level_samples_are_decoded(tmp_path, capsys):
         training.decode([1, 2], {"vocab_size": 64, "tokenizer": "synthetic"})
 
 
-def test_nccl_failures_raise_in_the_training_thread_unless_the_user_chose(monkeypatch):
-    """Before an NCCL group is built: blocking wait, so a dead or stuck peer raises where the one-line handler sees
-    it (not the watchdog's abort); a value the user set is kept."""
+def test_nccl_collectives_stay_asynchronous_and_the_watchdog_aborts_without_killing(monkeypatch):
+    """Before an NCCL group is built: no blocking wait (every wait() would stall the host until its collective is
+    done), and the watchdog's error handling set to 2 (abort the communicators, keep the process), so a dead or
+    stuck peer raises in the training thread's next collective, where the one-line handler sees it. torchrun's own
+    1 counts as unset; a value the user chose is kept."""
     from common.distributed import nccl_error_defaults
-    for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                 "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     nccl_error_defaults()
-    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
-    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ and "NCCL_BLOCKING_WAIT" not in os.environ
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")       # torchrun gives every worker 1 unless told otherwise
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     nccl_error_defaults()
-    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    nccl_error_defaults()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
 
 
 def test_a_gpu_index_the_node_lacks_is_one_line(monkeypatch):
@@ -433,3 +447,33 @@ def test_a_gpu_index_the_node_lacks_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"--device cuda:3 \(local rank 3\): this node has 2 GPU\(s\), cuda:0..cuda:1"):
         pick_device("cuda", 3)
+
+
+
+def test_each_rank_on_its_own_gpu_and_never_two_on_one(monkeypatch):
+    """SLURM-style launches give each rank its own CUDA_VISIBLE_DEVICES: local rank 3 sees one GPU, its cuda:0
+    (it was refused with the advice to launch fewer ranks). torchrun shares a node's GPUs: there local rank 3 of
+    a node showing one GPU is still refused. --device cuda:1 on several ranks of a node that shows them 2 GPUs
+    would put all on GPU 1, which NCCL refuses at init with an error that blamed MASTER_ADDR: refused first."""
+    from common.distributed import pick_device
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert pick_device("cuda", 3, world_size=8) == torch.device("cuda", 0)
+    assert pick_device("cuda:0", 3, world_size=8) == torch.device("cuda", 0)      # each rank's cuda:0 differs
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    with pytest.raises(ValueError, match=r"CUDA_VISIBLE_DEVICES=3 shows this rank 1 GPU\(s\), cuda:0..cuda:0; launch "
+                                         r"at most 1 ranks per node"):
+        pick_device("cuda", 3, world_size=8)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"--device cuda:1 puts every rank of this node on GPU 1, but NCCL needs one "
+                                         r"GPU per rank: use --device cuda"):
+        pick_device("cuda:1", 0, world_size=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")                  # one rank per node: its pinned GPU is fine
+    assert pick_device("cuda:1", 0, world_size=2) == torch.device("cuda", 1)
+    assert chosen == [torch.device("cuda", 0)] * 2 + [torch.device("cuda", 1)]

@@ -65,3 +65,17 @@ def test_cpu_peak_at_fewer_threads_is_bounded_by_more_threads(tmp_path, monkeypa
     assert peaks.machine_cpu_peak_flops(path) == 7e10                 # 1.4e11 / 2, not 2.5e10, not the other host's
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert peaks.machine_cpu_peak_flops(path) == 1.4e11               # a larger count is never lowered
+
+
+@pytest.mark.parametrize("script, flags", [("train_tp", dict(tp=1)), ("train_cp", dict(cp=1))])
+def test_saved_activations_are_counted_in_the_first_micro_batch_only(tiny_data, tmp_path, monkeypatch, script, flags):
+    """The act_bytes of a step are one micro-batch's (all are alike): the saved-tensor hook, which runs on every
+    tensor autograd keeps, is installed for the first micro-batch of each step and no other (4 of them here)."""
+    import importlib
+    from train_helpers import tiny_argv
+    entered, enter = [], metrics.SavedActivationBytes.__enter__
+    monkeypatch.setattr(metrics.SavedActivationBytes, "__enter__", lambda self: entered.append(1) or enter(self))
+    argv = tiny_argv(tiny_data, str(tmp_path), max_steps=2, global_batch_size=8, micro_batch_size=2, **flags)
+    importlib.import_module(script).main(argv)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert len(entered) == 2 and all(r["act_bytes"] > 0 for r in rows if "loss" in r), (entered, rows)

@@ -80,7 +80,7 @@ def test_capacity_drops_overflow_first_choices_first():
     logits = torch.randn(N, E) + torch.tensor([2.0, 1.0, 0, 0])   # experts 0 and 1 overloaded
     full, capped = route(logits, k), route(logits, k, capacity_factor=cf)
     capacity = -(-cf * N * k // E)
-    kept = torch.bincount(capped.expert, minlength=E)
+    kept = torch.bincount(capped.expert, minlength=E + 1)[:E]        # bin E: dropped (their place is kept)
     assert torch.equal(kept, torch.clamp(full.counts, max=int(capacity)))
     assert torch.equal(capped.counts, full.counts) and len(full.token) == N * k
     # every expert that dropped something kept only first choices if it had more first choices than room

@@ -6,7 +6,9 @@ would run on a GPU, on train_single in this process and on the distributed rungs
 
 The places that must read a device value, once per optimizer step: the logged loss and gradient norm, the
 non-finite guard (a skipped step must be decided on the host), the MoE routing statistics of the metrics row. And
-one that must per layer: expert parallelism's all_to_all split sizes (the host launches the exchange with them).
+one that must per MoE block and forward: the rows per expert, where rows are split per expert (each expert's GEMM,
+and expert parallelism's all_to_all split sizes, are launched by the host with them). Routing itself reads nothing
+(no bincount, boolean mask or nonzero: each would size its output from device values).
 """
 import collections
 
@@ -19,7 +21,7 @@ from train_helpers import tiny_argv
 
 ONCE_PER_STEP = ("float(loss_sum)", "float(grad_norm)", "optim.py:step_ok:", "train_ddp.py:mean_over_group:",
                  "routing.py:router_metrics:")
-EP_SPLITS = ("train_ep.py:forward:", "train_ep.py:run_experts:")     # .tolist() of the all_to_all split sizes
+MOE_READS = ("model.py:forward: sizes = ", "train_ep.py:forward: sizes = ")   # the rows per expert, once per block
 
 
 def unexpected(events, allowed=ONCE_PER_STEP, step=1):
@@ -44,6 +46,42 @@ def test_recorder_sees_what_a_gpu_would_wait_for():
     assert all("test_step_syncs" not in e.where for e in rec.events)   # places are repository lines, never tests
 
 
+def test_recorder_sees_ops_whose_output_size_a_gpu_reads_back():
+    """On CUDA these read device values back to size their output: a sync each. Their sync-free forms are not."""
+    x = torch.randn(6)
+    mask = x > 0
+    with StepRecorder() as rec:
+        ids = torch.tensor([0, 2, 2, 1, 0, 2]).to(x.device)   # (a copy: the device ids of the checks below)
+        for op in (lambda: torch.bincount(ids, minlength=3), lambda: ids.nonzero(), lambda: x[mask],
+                   lambda: x.masked_select(mask), lambda: torch.unique(ids), lambda: torch.where(mask),
+                   lambda: torch.arange(3, device=x.device).repeat_interleave(ids[:3]),
+                   lambda: x.__setitem__(mask, 0.0)):
+            op()
+        torch.zeros(3, device=x.device).scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float))  # counts
+        torch.arange(3, device=x.device).repeat_interleave(2)                   # an int: its size is known
+        torch.arange(3, device=x.device).repeat_interleave(ids[:3], output_size=4)  # the caller knows its size
+        torch.where(mask, x, 0.0)                                                # three arguments: elementwise
+        torch.bincount(torch.tensor([0, 1]))                                     # a host tensor: no GPU involved
+    assert [e.kind for e in rec.events] == ["copy"] + ["sync"] * 8, rec.events
+
+
+def moe_reads(events, step=1):
+    return sum(1 for e in events if e.step == step and e.kind == "sync" and any(a in e.where for a in MOE_READS))
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
+def test_a_moe_step_reads_the_rows_per_expert_once_per_block(tiny_data, tmp_path, capacity_factor):
+    """2 MoE blocks x 4 micro-batches: 8 reads in a step, one per block and forward, and nothing else (before:
+    24 dropless, 48 with a capacity: bincount in routing and in the experts, boolean masks of the kept rows)."""
+    import train_single
+    torch.set_num_threads(1)
+    argv = tiny_argv(tiny_data, str(tmp_path), max_steps=3, global_batch_size=8, micro_batch_size=2, n_experts=4,
+                     top_k=2, capacity_factor=capacity_factor)
+    _, events = record_steps(lambda: train_single.main(argv))
+    assert not unexpected(events, ONCE_PER_STEP + MOE_READS), unexpected(events, ONCE_PER_STEP + MOE_READS)
+    assert moe_reads(events) == 2 * 4
+
+
 def test_single_step_has_no_host_copies_or_syncs(tiny_data, tmp_path):
     import train_single
     torch.set_num_threads(1)
@@ -60,6 +98,7 @@ RUNGS = {
     "cp_zigzag": ("train_cp", dict(cp=2, cp_layout="zigzag")),
     "pp_1f1b": ("train_pp", dict(pp=2, pp_schedule="1f1b", n_microbatches=4, n_layer=4)),
     "ep": ("train_ep", dict(ep=2, n_experts=2, top_k=1)),
+    "ep_capacity": ("train_ep", dict(ep=2, n_experts=4, top_k=2, capacity_factor=1.0)),
     "tp_sp": ("train_tp", dict(tp=2, sp=True)),
     "zero3": ("train_zero", dict(zero_stage=3)),
     "5d_cp_allgather": ("train_5d", dict(dp=1, tp=1, pp=1, cp=2, cp_layout="allgather")),
@@ -70,6 +109,7 @@ RUNGS = {
 def test_distributed_step_has_no_host_copies_or_syncs(rung, tiny_data, tmp_path):
     script, flags = RUNGS[rung]
     argv = tiny_argv(tiny_data, str(tmp_path), max_steps=3, global_batch_size=8, micro_batch_size=2, **flags)
-    allowed = ONCE_PER_STEP + (EP_SPLITS if script == "train_ep" else ())
+    allowed = ONCE_PER_STEP + MOE_READS
     for rank, events in enumerate(run_workers(recorded_step_events, 2, args=(script, argv))):
         assert not unexpected(events, allowed), f"rank {rank}: {unexpected(events, allowed)}"
+        assert moe_reads(events) == (2 * 2 if script == "train_ep" else 0)     # 2 blocks x 2 micro-batches
