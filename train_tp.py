@@ -488,6 +488,8 @@ def build_tp_model(cfg, vocab_size, group, device, dtype=torch.float32):
 
 
 def extra_args(parser):
+    from common.partition_activations import add_partition_args
+    add_partition_args(parser)
     parser.add_argument("--tp_overlap", action=argparse.BooleanOptionalAction, default=False,
                         help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
 
@@ -496,10 +498,12 @@ def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
     from common.tp_setup import check_tp
+    from common.partition_activations import check_partition_args
     world = world_size_from_env()
     check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
                            f"combine with data parallelism in train_5d.py")
     check_tp(cfg, cfg.tp, cfg.block_size)
+    check_partition_args(cfg, cfg.tp)
     check(cfg.dtype != "float16", "train_tp supports float32, bfloat16 and float64 (no fp16 loss scaling across TP "
                                   "ranks)")
     grad_accum_steps(cfg, 1)
@@ -511,6 +515,7 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import MetricsLogger, SavedActivationBytes
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
+    from common.partition_activations import partition_activations
     from common.training import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, param_dtype, \
         prepare_data, print_sample, resolve_dtype, should_save
     from common import checkpoint
@@ -526,6 +531,9 @@ def main(argv=None):
     dtype = resolve_dtype(cfg, env.device)
     model = build_tp_model(cfg, loader.vocab_size, group, env.device, param_dtype(dtype))
     apply_kernels_and_fp8(model, cfg, env.device)      # fused LayerNorm, bias-GeLU; FP8 GEMMs in the TP layers
+    if cfg.partition_activations:                # ZeRO-R's Pa does the recompute instead of model.py (docstring)
+        model.cfg.recompute = "none"
+        partition_activations(model.transformer.h, group, cfg.offload_activations)
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank
