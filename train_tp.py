@@ -21,6 +21,14 @@ T/tp of the sequence. f becomes an all-gather along the sequence and g a reduce-
 reduce-scatter then an all-gather, so the forward moves the same bytes. The column layers keep only their input
 shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
+--partition_activations (ZeRO-R's Pa, common/partition_activations.py), with --recompute full and without SP: a
+block then keeps only its input for backward, and TP leaves that input replicated. Pa keeps 1/tp of it per rank:
+    forward  block i    rank r: x (all of it) -> block -> keeps x_r (1/tp of x, flattened)
+    backward block i    all-gather x_0 .. x_tp-1 -> x -> recompute block i -> its backward -> free x
+One all-gather of the input per block and micro-batch, 1/12 of TP's own 6 all-reduces there (2 forward, 2
+recomputed, 2 backward). --offload_activations parks x_r in host memory, copied back during block i+1's recompute.
+SP makes Pa unnecessary: between blocks the activations are already cut by sequence (T/tp each), so the block input
+is kept split at no cost, and its all-gather is the one SP's f does anyway.
 Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the layers a plan names; apply_tp is
 that plan for model.py's GPT. --kernels and --fp8 run inside these layers, keeping their collectives (a layer's
 `gemm`, `matmul`: kernels/fp8_parallel.py, kernels/apply.py).

@@ -14,7 +14,10 @@ equal parts) and all-gathers the t parts just before the block is recomputed in 
 
 Saved bytes per block and micro-batch: b*s*h*bytes/t instead of b*s*h*bytes. Traffic: one all-gather of the block
 input, (t-1)/t * b*s*h*bytes, against TP's own six all-reduces per block with recompute (2 forward, 2 recomputed,
-2 backward) of 2(t-1)/t each: 1/12 of it, the paper's "under 10%". --offload_activations moves the part to host
+2 backward) of 2(t-1)/t each: 1/12 of it, the paper's "under 10%". (Measured against this project's plain
+--recompute full, Pa also adds one all-reduce: its recompute runs the whole block, as Megatron's checkpoint that the
+analysis assumes does, while torch's non-reentrant checkpoint stops before the block's last all-reduce, whose output
+backward does not need; tests/test_partition_activations.py counts both.) --offload_activations moves the part to host
 memory as it is made and copies it back asynchronously: the backward of block i starts the copy of the block
 before it (block i-1's part), so it travels while block i recomputes.
 
