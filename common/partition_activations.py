@@ -14,49 +14,67 @@ equal parts) and all-gathers the t parts just before the block is recomputed in 
 
 Saved bytes per block and micro-batch: b*s*h*bytes/t instead of b*s*h*bytes. Traffic: one all-gather of the block
 input, (t-1)/t * b*s*h*bytes, against TP's own six all-reduces per block with recompute (2 forward, 2 recomputed,
-2 backward) of 2(t-1)/t each: 1/12 of it, the paper's "under 10%". (Measured against this project's plain
---recompute full, Pa also adds one all-reduce: its recompute runs the whole block, as Megatron's checkpoint that the
-analysis assumes does, while torch's non-reentrant checkpoint stops before the block's last all-reduce, whose output
-backward does not need; tests/test_partition_activations.py counts both.) --offload_activations moves the part to host
-memory as it is made and copies it back asynchronously: the backward of block i starts the copy of the block
-before it (block i-1's part), so it travels while block i recomputes.
+2 backward) of 2(t-1)/t each: 1/12 of it, the paper's "under 10%" (torch's checkpoint, used here, even stops its
+recompute before the block's last all-reduce, whose output backward does not need). --offload_activations moves
+the part to host memory as it is made and copies it back asynchronously: the recompute of block i starts the copy
+of the block before it (block i-1's part), so it travels while block i recomputes and runs its backward.
 
-The block runs as a reentrant checkpoint (an autograd Function that keeps the part as its saved tensor, counted by
-metrics.SavedActivationBytes), so the model's own recompute must be off where this is on: the rung sets the model
-config's recompute to "none" and wraps the blocks here. The random state (dropout) and autocast of the forward are
-restored for the recompute, as torch.utils.checkpoint does. Imports only torch and comm.py.
+Each block runs under torch.utils.checkpoint (non-reentrant: it restores the random state and autocast for the
+recompute), which reaches the input only through a HeldInput, so it keeps nothing of it; the part is kept for
+backward by an identity autograd Function (metrics.SavedActivationBytes counts it). The model's own recompute must
+be off where this is on: the rung sets the model config's recompute to "none" and wraps the blocks here. Imports
+only torch and comm.py.
 """
-import contextlib
-
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from common.comm import all_gather
 
 
-class HeldPart:
-    """This rank's 1/t of a block input, kept for backward: on the device (saved by autograd), or offloaded to host
-    memory (pinned where there is a GPU) and fetched back before use. `before`: the block forwarded just before this
-    one, whose part the backward prefetches (offload only)."""
+class HeldInput:
+    """A block's input as its checkpoint sees it: the input itself during the forward, afterwards only this rank's
+    1/t part, on the device or offloaded to host memory (pinned where there is a GPU). `before`: the block forwarded
+    just before this one, whose part this one's recompute starts copying back (offload only)."""
 
-    def __init__(self, part, offload, before):
-        self.device, self.offload, self.before, self.fetched, self.host = part.device, offload, before, None, None
+    def __init__(self, x, group, offload, before):
+        self.x, self.group, self.shape, self.offload, self.before = x, group, x.shape, offload, before
+        self.part, self.host, self.device = my_part(x, group), None, x.device
         if offload:
-            self.host = torch.empty(part.shape, dtype=part.dtype, pin_memory=part.is_cuda)
-            self.host.copy_(part, non_blocking=part.is_cuda)
+            self.host = torch.empty(self.part.shape, dtype=self.part.dtype, pin_memory=self.part.is_cuda)
+            self.host.copy_(self.part, non_blocking=self.part.is_cuda)
+            self.part = None
 
     def prefetch(self):
         """Start the copy back (once; a part already used, by an earlier micro-batch, has nothing to copy)."""
-        if self.offload and self.fetched is None and self.host is not None:
-            self.fetched = self.host.to(self.device, non_blocking=True)
+        if self.part is None and self.host is not None:
+            self.part, self.host = self.host.to(self.device, non_blocking=True), None
 
-    def take(self, saved):
-        """The part on the device: autograd's saved tensor, or the host copy brought back."""
-        if not self.offload:
-            return saved
+    def whole(self):
+        """The forward's input; in the recompute, the t parts all-gathered (requiring grad, as the input did, so
+        autograd saves the same tensors as the first time)."""
+        if self.x is not None:
+            return self.x
         self.prefetch()
-        part, self.fetched, self.host = self.fetched, None, None
-        return part
+        if self.before is not None:                    # the block before: its part travels during this recompute
+            self.before.prefetch()
+            self.before = None                         # (no chain of old parts kept alive)
+        part, self.part = self.part, None              # (autograd still holds it until this block's backward)
+        return gather_whole(part, self.group, self.shape).requires_grad_(True)
+
+
+class KeepForBackward(torch.autograd.Function):
+    """Identity on x that saves `part`: autograd owns the part until this block's backward (and
+    metrics.SavedActivationBytes counts it, as any tensor kept for backward)."""
+
+    @staticmethod
+    def forward(ctx, x, part):
+        ctx.save_for_backward(part)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def my_part(x, group):
@@ -75,83 +93,28 @@ def gather_whole(part, group, shape):
     return whole[:shape.numel()].view(shape)
 
 
-def random_state(device):
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-@contextlib.contextmanager
-def replayed(state, device, autocast):
-    """The forward's random state and autocast again, the caller's random stream untouched afterwards."""
-    cpu, gpu = state
-    with torch.random.fork_rng([device] if device.type == "cuda" else [], device_type=device.type):
-        torch.set_rng_state(cpu)
-        if gpu is not None:
-            torch.cuda.set_rng_state(gpu, device)
-        with torch.autocast(device.type, dtype=autocast[1], enabled=autocast[0]):
-            yield
-
-
-class PartitionedRecompute(torch.autograd.Function):
-    """A block run without keeping its activations; backward gathers its input from the t parts and recomputes."""
-
-    @staticmethod
-    def forward(ctx, x, rope, block, group, chain):
-        ctx.block, ctx.group, ctx.chain, ctx.rope, ctx.shape = block, group, chain, rope, x.shape
-        ctx.random = random_state(x.device)
-        ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
-        out = block(x, rope)                           # (grad is off inside a Function's forward: nothing kept)
-        part = my_part(x, group)
-        ctx.held = chain.hold(part)
-        ctx.save_for_backward(None if chain.offload else part)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        held = ctx.held
-        part = held.take(ctx.saved_tensors[0])
-        if held.before is not None:                    # the block before: its part travels during this recompute
-            held.before.prefetch()
-            held.before = None                         # (no chain of old parts kept alive)
-        x = gather_whole(part, ctx.group, ctx.shape).detach().requires_grad_()
-        with torch.enable_grad(), replayed(ctx.random, x.device, ctx.autocast), ctx.chain.recomputing():
-            out = ctx.block(x, ctx.rope)
-        torch.autograd.backward(out, grad)             # parameter grads accumulate as in any backward
-        return x.grad, None, None, None, None
-
-
-class PartitionChain:
-    """What the wrapped blocks of one model share: the group, offload, the last part held (the prefetch order) and
-    whether a recompute is running (then a block runs plainly)."""
-
-    def __init__(self, group, offload):
-        self.group, self.offload, self.last, self.in_recompute = group, offload, None, False
-
-    def hold(self, part):
-        self.last = HeldPart(part, self.offload, self.last if self.offload else None)
-        return self.last
-
-    @contextlib.contextmanager
-    def recomputing(self):
-        self.in_recompute = True
-        try:
-            yield
-        finally:
-            self.in_recompute = False
-
-
 def partition_activations(blocks, group, offload=False):
     """Make each block (called as block(x, rope)) keep 1/t of its input over `group` while training, in place: its
     forward is wrapped, its parameters and their names stay. The model's own recompute must be off."""
-    chain = PartitionChain(group, offload)
-    for block in blocks:
-        plain = block.forward
+    last = [None]                                      # the HeldInput of the block forwarded last
 
-        def forward(x, rope, block=block, plain=plain):
-            if not (block.training and torch.is_grad_enabled()) or chain.in_recompute:
+    def wrap(block, plain):
+        def forward(x, rope):
+            if not (block.training and torch.is_grad_enabled()):       # eval, sampling: nothing to keep
                 return plain(x, rope)
-            return PartitionedRecompute.apply(x, rope, block, group, chain)
-        block.forward = forward
-    return chain
+            held = HeldInput(x, group, offload, last[0] if offload else None)
+            if held.part is not None:
+                x = KeepForBackward.apply(x, held.part)
+            held.x = x
+            # torch's non-reentrant checkpoint: keeps no tensor of the block, replays its random state and autocast,
+            # and reaches the input only through `held` (an argument it would keep whole)
+            out = checkpoint(lambda h, r: plain(h.whole(), r), held, rope, use_reentrant=False)
+            held.x, last[0] = None, held
+            return out
+        return forward
+
+    for block in blocks:
+        block.forward = wrap(block, block.forward)
 
 
 # ----------------------------------------------------------------------------------------------------------
