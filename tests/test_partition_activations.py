@@ -13,7 +13,9 @@ from train_helpers import EXACT, assert_exact, assert_same_weights, curves, text
 RUNS = dict(pa=("train_tp", dict(partition_activations=True)),
             pa_offload=("train_tp", dict(partition_activations=True, offload_activations=True)),
             plain=("train_tp", dict()),
-            pa_5d=("train_5d", dict(partition_activations=True)))
+            pa_5d=("train_5d", dict(partition_activations=True)),
+            plain_dropout=("train_tp", dict(dropout=0.1, max_steps=4)),
+            pa_dropout=("train_tp", dict(dropout=0.1, max_steps=4, partition_activations=True)))
 
 
 def _block_report(t):
@@ -82,6 +84,13 @@ def test_float64_parity_with_single(runs, text_reference, name):
     if name in results:
         assert_same_weights(text_reference[1], {k: torch.from_numpy(a) for k, a in results[name].items()},
                             rtol=EXACT)
+
+
+def test_dropout_masks_replayed_in_the_recompute(runs):
+    """The recompute draws the forward's dropout masks again (shared and per-TP-rank streams): Pa's run is the plain
+    recompute's, bit for bit."""
+    dirs, _ = runs
+    assert curves(dirs["pa_dropout"]) == curves(dirs["plain_dropout"])
 
 
 def test_one_block_keeps_one_tp_th_and_gathers_once(runs):
