@@ -9,11 +9,13 @@ A stack of model.py's blocks, on one rank, run three ways on the same input: tor
 --recompute full), Pa, and Pa with offload. Asserted: the input gradient and every weight gradient of the three
 agree (relative error <= 1e-5); on a GPU, the device memory allocated after the forward is lower with offload by
 at least 90% of the kept parts (n_layer block inputs), which Pa without offload keeps (a group of 1 keeps the whole
-input). Prints one line per check and exits 1 if any fails.
+input), and offload adds no host sync (torch.cuda.set_sync_debug_mode). Prints one line per check and exits 1 if any
+fails.
 """
 import argparse
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,7 @@ from common.partition_activations import partition_activations  # noqa: E402
 
 
 def run(mode, device, n_layer, h, b, s):
-    """(input grad, weight grads, bytes allocated after the forward) of one forward and backward."""
+    """(input grad, weight grads, bytes allocated after the forward, host syncs) of one forward and backward."""
     torch.manual_seed(0)
     cfg = M.GPTConfig(vocab_size=64, block_size=s, n_layer=n_layer, n_head=8, n_embd=h)
     blocks = torch.nn.ModuleList([M.Block(cfg) for _ in range(n_layer)]).to(device)
@@ -36,11 +38,17 @@ def run(mode, device, n_layer, h, b, s):
     rope = M.rope_cache(h // 8, torch.arange(s, device=device))
     x = torch.randn(b, s, h, device=device, generator=torch.Generator(device).manual_seed(1)).requires_grad_()
     y = x
-    for block in blocks:
-        y = checkpoint(block, y, rope, use_reentrant=False) if mode == "checkpoint" else block(y, rope)
-    held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    y.square().mean().backward()
-    return x.grad, [p.grad for p in blocks.parameters()], held
+    with warnings.catch_warnings(record=True) as syncs:     # host syncs, on a GPU (set_sync_debug_mode)
+        warnings.simplefilter("always")
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        for block in blocks:
+            y = checkpoint(block, y, rope, use_reentrant=False) if mode == "checkpoint" else block(y, rope)
+        held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        y.square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    return x.grad, [p.grad for p in blocks.parameters()], held, len(syncs)
 
 
 def main(argv=None):
@@ -70,6 +78,10 @@ def main(argv=None):
         print(f"offload: {saved / 2 ** 20:,.1f} MiB less on the device after the forward (parts: "
               f"{parts / 2 ** 20:,.1f} MiB) {'ok' if fine else 'TOO LITTLE'}")
         ok &= fine
+        quiet = results["pa offload"][3] <= results["pa"][3]
+        print(f"offload: {results['pa offload'][3]} host syncs in forward + backward, Pa without it "
+              f"{results['pa'][3]} {'ok' if quiet else 'MORE'}")
+        ok &= quiet
     dist.destroy_process_group()
     sys.exit(0 if ok else 1)
 

@@ -2,8 +2,8 @@
 partition_activations.py: ZeRO-R's partitioned activation checkpointing, Pa (Rajbhandari et al. 2020, section 6.1;
 DeepSpeed's activation checkpointing with partition_activations), for tensor parallelism without SP.
 
-    python -m torch.distributed.run --nproc_per_node 2 train_tp.py --tp 2 --recompute full --partition_activations
-        ... --offload_activations        # Pa+cpu: the kept slice waits in (pinned) host memory
+    torchrun --nproc_per_node 2 train_tp.py --tp 2 --recompute full --partition_activations
+    torchrun --nproc_per_node 2 train_tp.py --tp 2 --recompute full --partition_activations --offload_activations
 
 With --recompute full a block keeps only its input x [b, s, h] for backward. Under TP without SP that input is
 replicated: every TP rank keeps the same b*s*h values. Pa keeps this rank's 1/t of them (x flattened, cut in t
@@ -16,8 +16,8 @@ Saved bytes per block and micro-batch: b*s*h*bytes/t instead of b*s*h*bytes. Tra
 input, (t-1)/t * b*s*h*bytes, against TP's own six all-reduces per block with recompute (2 forward, 2 recomputed,
 2 backward) of 2(t-1)/t each: 1/12 of it, the paper's "under 10%" (torch's checkpoint, used here, even stops its
 recompute before the block's last all-reduce, whose output backward does not need). --offload_activations moves
-the part to host memory as it is made and copies it back asynchronously: the recompute of block i starts the copy
-of the block before it (block i-1's part), so it travels while block i recomputes and runs its backward.
+the part to host memory as it is made (Pa+cpu) and copies it back on a side stream: the recompute of block i starts
+the copy of the block before it (block i-1's part), so it travels while block i recomputes and runs its backward.
 
 Each block runs under torch.utils.checkpoint (non-reentrant: it restores the random state and autocast for the
 recompute), which reaches the input only through a HeldInput, so it keeps nothing of it; the part is kept for
@@ -39,15 +39,23 @@ class HeldInput:
 
     def __init__(self, x, group, offload, before):
         self.x, self.group, self.shape, self.offload, self.before = x, group, x.shape, offload, before
-        self.part, self.host, self.device = my_part(x, group), None, x.device
+        self.part, self.host, self.device, self.copied = my_part(x, group), None, x.device, None
         if offload:
             self.host = torch.empty(self.part.shape, dtype=self.part.dtype, pin_memory=self.part.is_cuda)
             self.host.copy_(self.part, non_blocking=self.part.is_cuda)
             self.part = None
 
     def prefetch(self):
-        """Start the copy back (once; a part already used, by an earlier micro-batch, has nothing to copy)."""
-        if self.part is None and self.host is not None:
+        """Start the copy back (once; a part already used, by an earlier micro-batch, has nothing to copy). On a GPU
+        it runs on a side stream, so it overlaps the compute queued meanwhile; `copied` marks it for whole()."""
+        if self.part is not None or self.host is None:
+            return
+        if self.device.type != "cuda":
+            self.part, self.host = self.host.to(self.device), None
+            return
+        self.copied = copy_stream(self.device)
+        self.copied.wait_stream(torch.cuda.current_stream(self.device))     # after the copy out, long done
+        with torch.cuda.stream(self.copied):
             self.part, self.host = self.host.to(self.device, non_blocking=True), None
 
     def whole(self):
@@ -59,8 +67,21 @@ class HeldInput:
         if self.before is not None:                    # the block before: its part travels during this recompute
             self.before.prefetch()
             self.before = None                         # (no chain of old parts kept alive)
+        if self.copied is not None:                    # the compute stream waits for the copy, and owns its result
+            torch.cuda.current_stream(self.device).wait_stream(self.copied)
+            self.part.record_stream(torch.cuda.current_stream(self.device))
         part, self.part = self.part, None              # (autograd still holds it until this block's backward)
         return gather_whole(part, self.group, self.shape).requires_grad_(True)
+
+
+COPY_STREAMS = {}
+
+
+def copy_stream(device):
+    """One side stream per GPU for the copies back (created on first use)."""
+    if device not in COPY_STREAMS:
+        COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return COPY_STREAMS[device]
 
 
 class KeepForBackward(torch.autograd.Function):
@@ -141,8 +162,8 @@ def check_partition_args(cfg, tp):
     check(tp > 1, "--partition_activations splits each block input over the TP ranks: it needs --tp > 1")
     check(not cfg.sp, "--partition_activations is for TP without --sp: with SP every activation, the block input "
                       "too, is already split over the TP ranks")
-    check(not cfg.compile, "--partition_activations wraps each block's forward in a Python autograd Function: "
-                           "leave out --compile")
+    check(not cfg.compile, "--partition_activations wraps each block's forward in Python state (its part, the "
+                           "gather) the compiler is not checked with: leave out --compile")
     check(getattr(cfg, "zero_stage", 0) < 3 and getattr(cfg, "n_experts", 0) == 0
           and getattr(cfg, "pp_schedule", "1f1b") not in SPLIT_BACKWARD,
           "--partition_activations is checked without ZeRO-3, MoE blocks and the split-backward schedules "
