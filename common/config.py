@@ -248,13 +248,14 @@ def validate_common(cfg, zero_means_auto=()):
     check(cfg.out_dir.strip() != "", "--out_dir must name a directory")
     check_out_dir(cfg.out_dir)
     check_system_flags(cfg.device, cfg.dist_timeout)
-    check_data_mix(cfg.data_mix)
+    check_data_mix(cfg.data_mix, cfg.data_dir)
 
 
-def check_data_mix(data_mix):
+def check_data_mix(data_mix, data_dir):
     """--data_mix's entries and weights (data_mix.parse_data_mix), refused here before any work."""
     if data_mix:
         from common.data_mix import parse_data_mix
+        check(data_dir == Config.data_dir, f"--data_mix replaces --data_dir ({data_dir}): give one of them")
         parse_data_mix(data_mix)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from distributed_helper import run_workers
+from common.data import DEFAULT_DATA_DIR as DEFAULT       # (--data_mix replaces --data_dir: left at its default)
 from train_helpers import EXACT, assert_exact, assert_same_weights, curves, run_single, text_argv, tiny_argv
 
 
@@ -77,10 +78,9 @@ def _ddp_worker(rank, n, argv):
 
 def test_two_source_mixture_dp2_matches_single_float64(text_data, second_text, tmp_path):
     mix = f"{text_data}:0.7,{second_text}:0.3"
-    ref = run_single(text_argv(text_data, str(tmp_path / "single"), micro_batch_size=8, data_mix=mix),
-                     both_curves=True)
+    ref = run_single(text_argv(DEFAULT, str(tmp_path / "single"), micro_batch_size=8, data_mix=mix), both_curves=True)
     out = str(tmp_path / "ddp")
-    weights = run_workers(_ddp_worker, 2, args=(text_argv(text_data, out, micro_batch_size=2, data_mix=mix),),
+    weights = run_workers(_ddp_worker, 2, args=(text_argv(DEFAULT, out, micro_batch_size=2, data_mix=mix),),
                           timeout=600)[0]
     assert_exact(ref[0], curves(out))
     assert_same_weights(ref[1], {k: torch.from_numpy(a) for k, a in weights.items()}, rtol=EXACT)
@@ -103,9 +103,9 @@ def test_resumed_mixture_equals_unbroken_run_bitwise(banded, tmp_path):
     mix = f"{banded[0]}:2,{banded[1]}:1,{banded[2]}:1"
     flags = dict(data_mix=mix, max_steps=8, eval_interval=3, eval_iters=2)
     unbroken, broken = str(tmp_path / "unbroken"), str(tmp_path / "broken")
-    run_single(tiny_argv(banded[0], unbroken, **flags))
-    run_single(tiny_argv(banded[0], broken, stop_step=4, **flags))
-    run_single(tiny_argv(banded[0], broken, resume=True, **flags))
+    run_single(tiny_argv(DEFAULT, unbroken, **flags))
+    run_single(tiny_argv(DEFAULT, broken, stop_step=4, **flags))
+    run_single(tiny_argv(DEFAULT, broken, resume=True, **flags))
     a, b = _rows(unbroken), _rows(broken)
     assert a.keys() == b.keys()
     for key in a:
@@ -122,11 +122,13 @@ def test_resumed_mixture_equals_unbroken_run_bitwise(banded, tmp_path):
     ("{a}:1,{b}", "expected DIR:WEIGHT"),
     ("{a}:1,{a}:2", "names"),
     ("{a}:1,{c}:1", "disagree on tokenizer"),
+    ("{a}:1 --data_dir {b}", "replaces --data_dir"),
 ])
 def test_refusals_are_one_line(banded, tmp_path, capsys, mix, message):
     import train_single
     other = _corpus(str(tmp_path / "other"), np.arange(12_000) % 256, tokenizer="gpt2")
-    argv = tiny_argv(banded[0], str(tmp_path / "out"), data_mix=mix.format(a=banded[0], b=banded[1], c=other))
+    mix, _, data_dir = mix.format(a=banded[0], b=banded[1], c=other).partition(" --data_dir ")
+    argv = tiny_argv(data_dir or DEFAULT, str(tmp_path / "out"), data_mix=mix)
     with pytest.raises(SystemExit) as exc:
         train_single.main(argv)
     err = capsys.readouterr().err.strip()
