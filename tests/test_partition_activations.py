@@ -136,3 +136,16 @@ def test_bad_combinations_fail_early(tiny_data, tmp_path, monkeypatch, capsys, s
         importlib.import_module(script).main(tiny_argv(tiny_data, str(tmp_path), **flags))
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and err.startswith("error:") and message in err and "\n" not in err, err
+
+
+def _5d_worker(rank, n, argv):
+    import train_5d
+    train_5d.main(argv)
+
+
+def test_5d_pipeline_with_pa_matches_single_float64(text_data, text_reference, tmp_path):
+    """tp 2 x pp 2 (1f1b): the pipeline's backward actions recompute each stage's blocks from gathered parts."""
+    out = str(tmp_path / "tp2pp2")
+    run_workers(_5d_worker, 4, args=(text_argv(text_data, out, tp=2, pp=2, micro_batch_size=2, recompute="full",
+                                               partition_activations=True),), timeout=900)
+    assert_exact(text_reference[0], curves(out))
