@@ -20,6 +20,7 @@ import argparse
 import ast
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -28,6 +29,7 @@ from common.errors import check
 from common.data import (DEFAULT_DATA_DIR, GlobalBatchLoader, encode, inputs_and_targets, rank_slice,
                          stdlib_text_files, write_dataset)
 
+WEIGHT_TEXT = re.compile(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*")   # no sign, nan, inf, "1_0"
 MIX_STREAM = 2          # a third generator key beside train (0) and val (1): mixture draws never reuse one-corpus ones
 
 
@@ -41,12 +43,10 @@ def parse_data_mix(text):
     for entry in text.split(","):
         directory, sep, weight = entry.strip().rpartition(":")
         check(sep and directory, f"--data_mix entry {entry.strip()!r}: expected DIR:WEIGHT")
-        try:
-            value = float(weight)
-        except ValueError:
-            value = None
-        check(value is not None and math.isfinite(value) and value >= 0,
-              f"--data_mix {directory}: the weight must be a finite number >= 0, got {weight!r}")
+        plain = WEIGHT_TEXT.fullmatch(weight) is not None
+        check(plain and math.isfinite(float(weight)),
+              f"--data_mix {directory}: the weight must be a finite number >= 0 in plain decimal digits, got {weight!r}")
+        value = float(weight)
         check(directory not in [d for d, _ in sources], f"--data_mix names {directory} twice")
         check(os.path.isdir(directory) or os.path.normpath(directory) == os.path.normpath(DEFAULT_DATA_DIR),
               f"--data_mix {directory}: no such directory (prepare it with `python -m common.data_mix` or "

@@ -117,6 +117,7 @@ def test_resumed_mixture_equals_unbroken_run_bitwise(banded, tmp_path):
 @pytest.mark.parametrize("mix,message", [
     ("{a}:-1,{b}:1", "the weight must be a finite number >= 0"),
     ("{a}:nan,{b}:1", "the weight must be a finite number >= 0"),
+    ("{a}:1_0,{b}:1", "plain decimal digits"),
     ("{a}:0,{b}:0", "the weights sum to zero"),
     ("{a}:1,{a}/missing:1", "no such directory"),
     ("{a}:1,{b}", "expected DIR:WEIGHT"),
