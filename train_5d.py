@@ -68,7 +68,7 @@ from plan import apply_auto_layout
 from common.plan_inputs import HARDWARE
 from common.metrics import MetricsLogger
 from model import GPT, flops_per_token, num_params
-from common.partition_activations import add_partition_args, check_partition_args, partition_activations
+from common.partition_activations import add_partition_args, apply_partition_flags, check_partition_args
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from common.pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
 from train_cp import (ContextParallelAttentionCore, block_attention_kernel, check_cp, local_positions,
@@ -495,9 +495,7 @@ def main(argv=None):
     enable_tf32(env.device)
 
     chunks, gcfg, pos = build_chunks(cfg, loader.vocab_size, grid, env.device, param_dtype(dtype))
-    if cfg.partition_activations:              # Pa recomputes each block from 1/tp of its input, not the stages
-        gcfg.recompute = "none"
-        partition_activations([b for c in chunks for b in c.transformer["h"]], grid.groups.tp, cfg.offload_activations)
+    apply_partition_flags(cfg, gcfg, [b for c in chunks for b in c.transformer["h"]], grid.groups.tp)   # ZeRO-R's Pa
     start_moe_training(chunks, cfg.global_batch_size * cfg.block_size // (dp * cfg.cp))   # my step's tokens
     for chunk in chunks:              # fused modules, FP8 GEMMs; under TP inside the parallel layers (kernels/apply.py)
         apply_kernels_and_fp8(chunk, cfg, env.device)

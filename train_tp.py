@@ -523,7 +523,7 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import MetricsLogger, SavedActivationBytes
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
-    from common.partition_activations import partition_activations
+    from common.partition_activations import apply_partition_flags
     from common.training import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, param_dtype, \
         prepare_data, print_sample, resolve_dtype, should_save
     from common import checkpoint
@@ -539,9 +539,7 @@ def main(argv=None):
     dtype = resolve_dtype(cfg, env.device)
     model = build_tp_model(cfg, loader.vocab_size, group, env.device, param_dtype(dtype))
     apply_kernels_and_fp8(model, cfg, env.device)      # fused LayerNorm, bias-GeLU; FP8 GEMMs in the TP layers
-    if cfg.partition_activations:                # ZeRO-R's Pa does the recompute instead of model.py (docstring)
-        model.cfg.recompute = "none"
-        partition_activations(model.transformer.h, group, cfg.offload_activations)
+    apply_partition_flags(cfg, model.cfg, model.transformer.h, group)   # ZeRO-R's Pa recomputes (docstring)
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank

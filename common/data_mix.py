@@ -45,7 +45,8 @@ def parse_data_mix(text):
         check(sep and directory, f"--data_mix entry {entry.strip()!r}: expected DIR:WEIGHT")
         plain = WEIGHT_TEXT.fullmatch(weight) is not None
         check(plain and math.isfinite(float(weight)),
-              f"--data_mix {directory}: the weight must be a finite number >= 0 in plain decimal digits, got {weight!r}")
+              f"--data_mix {directory}: the weight must be a finite number >= 0 in plain decimal digits, got "
+              f"{weight!r}")
         value = float(weight)
         check(directory not in [d for d, _ in sources], f"--data_mix names {directory} twice")
         check(os.path.isdir(directory) or os.path.normpath(directory) == os.path.normpath(DEFAULT_DATA_DIR),

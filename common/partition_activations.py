@@ -141,6 +141,13 @@ def partition_activations(blocks, group, offload=False):
 # ----------------------------------------------------------------------------------------------------------
 # the flags, for train_tp.py and train_5d.py
 
+def apply_partition_flags(cfg, model_cfg, blocks, group):
+    """--partition_activations on model.py's blocks: Pa then recomputes them, in place of model_cfg's recompute."""
+    if cfg.partition_activations:
+        model_cfg.recompute = "none"
+        partition_activations(blocks, group, cfg.offload_activations)
+
+
 def add_partition_args(parser):
     parser.add_argument("--partition_activations", action="store_true",
                         help="ZeRO-R's Pa with --recompute full under TP without SP: keep 1/tp of each block's input, "
