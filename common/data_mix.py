@@ -195,7 +195,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Prepare the offline corpora of a mixture: the standard library's "
                                             "source, its docstrings and its plain-text files (byte tokens).",
                                 allow_abbrev=False)
-    p.add_argument("--root", default="data", help="the corpora go to ROOT/stdlib, ROOT/docstrings, ROOT/stdlib_text")
+    p.add_argument("--root", default="data", help="the corpora go to ROOT/stdlib, ROOT/docstrings, ROOT/stdlib_text "
+                                                  "(one prepared before is kept)")
     a = p.parse_args(argv)
     from common.data import ensure_dataset, prepare_stdlib
     from common.errors import fail
@@ -205,8 +206,11 @@ def main(argv=None):
             ensure_dataset(stdlib)
         else:
             prepare_stdlib(stdlib)
-        for name, text in (("docstrings", stdlib_docstrings()), ("stdlib_text", stdlib_plain_text())):
-            tokens, vocab = encode(text, "byte")
+        for name, text_of in (("docstrings", stdlib_docstrings), ("stdlib_text", stdlib_plain_text)):
+            if os.path.exists(os.path.join(a.root, name, "meta.json")):       # prepared before (meta.json: last)
+                print(f"data_mix: {os.path.join(a.root, name)} is prepared", flush=True)
+                continue
+            tokens, vocab = encode(text_of(), "byte")
             meta = write_dataset(os.path.join(a.root, name), tokens, vocab, "byte", f"python {sys.version.split()[0]} "
                                  f"stdlib {name}")
             print(f"data_mix: wrote {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens to "
