@@ -26,8 +26,8 @@ import sys
 import numpy as np
 
 from common.errors import check
-from common.data import (DEFAULT_DATA_DIR, GlobalBatchLoader, encode, inputs_and_targets, rank_slice,
-                         stdlib_text_files, write_dataset)
+from common.data import (DEFAULT_DATA_DIR, GlobalBatchLoader, check_out_dir_arg, encode, inputs_and_targets,
+                         rank_slice, stdlib_text_files, write_dataset)
 
 WEIGHT_TEXT = re.compile(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*")   # no sign, nan, inf, "1_0"
 MIX_STREAM = 2          # a third generator key beside train (0) and val (1): mixture draws never reuse one-corpus ones
@@ -191,30 +191,40 @@ def stdlib_plain_text():
     return b"\n".join(chunks)
 
 
+def prepare_docstrings(out_dir):
+    return write_corpus(out_dir, stdlib_docstrings(), "docstrings")
+
+
+def prepare_plain_text(out_dir):
+    return write_corpus(out_dir, stdlib_plain_text(), "plain-text files")
+
+
+def write_corpus(out_dir, text, what):
+    tokens, vocab = encode(text, "byte")
+    meta = write_dataset(out_dir, tokens, vocab, "byte", f"python {sys.version.split()[0]} stdlib {what}")
+    print(f"data_mix: wrote {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens to {out_dir}",
+          flush=True)
+    return meta
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Prepare the offline corpora of a mixture: the standard library's "
                                             "source, its docstrings and its plain-text files (byte tokens).",
                                 allow_abbrev=False)
-    p.add_argument("--root", default="data", help="the corpora go to ROOT/stdlib, ROOT/docstrings, ROOT/stdlib_text "
-                                                  "(one prepared before is kept)")
+    p.add_argument("--out_dir", default="data", help="the corpora go to OUT_DIR/stdlib, OUT_DIR/docstrings and "
+                                                     "OUT_DIR/stdlib_text (one prepared before is kept)")
     a = p.parse_args(argv)
-    from common.data import ensure_dataset, prepare_stdlib
+    from common.data import prepare_stdlib
     from common.errors import fail
     try:
-        stdlib = os.path.join(a.root, "stdlib")
-        if os.path.normpath(stdlib) == os.path.normpath(DEFAULT_DATA_DIR):
-            ensure_dataset(stdlib)
-        else:
-            prepare_stdlib(stdlib)
-        for name, text_of in (("docstrings", stdlib_docstrings), ("stdlib_text", stdlib_plain_text)):
-            if os.path.exists(os.path.join(a.root, name, "meta.json")):       # prepared before (meta.json: last)
-                print(f"data_mix: {os.path.join(a.root, name)} is prepared", flush=True)
-                continue
-            tokens, vocab = encode(text_of(), "byte")
-            meta = write_dataset(os.path.join(a.root, name), tokens, vocab, "byte", f"python {sys.version.split()[0]} "
-                                 f"stdlib {name}")
-            print(f"data_mix: wrote {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens to "
-                  f"{os.path.join(a.root, name)}", flush=True)
+        check_out_dir_arg(a.out_dir)
+        for name, prepare in (("stdlib", prepare_stdlib), ("docstrings", prepare_docstrings),
+                              ("stdlib_text", prepare_plain_text)):
+            out_dir = os.path.join(a.out_dir, name)
+            if os.path.exists(os.path.join(out_dir, "meta.json")):          # prepared before (meta.json is last)
+                print(f"data_mix: {out_dir} is prepared", flush=True)
+            else:
+                prepare(out_dir)
     except (ValueError, OSError) as e:
         fail(str(e))
 
