@@ -71,7 +71,7 @@ def write_outputs(names, weights, counts, out, title):
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     os.makedirs(out, exist_ok=True)
-    fig.savefig(os.path.join(out, "mixture_share.png"), dpi=120)
+    fig.savefig(os.path.join(out, "mixture_share.png"), dpi=90)
     n = counts.sum()
     lines = [f"# Sampled share vs weight ({title})", "", f"{int(n):,} sequences over {len(counts)} steps.", "",
              "| source | weight | sampled share | 3 standard errors | within |", "|---|---|---|---|---|"]
