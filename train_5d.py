@@ -20,7 +20,8 @@ The grid (grid.py; Megatron's rank order: tp innermost so a TP group shares a no
                                                                                dp0   dp1             dp0   dp1
 What each axis does in one optimizer step (each from its rung):
     tp  train_tp: heads / MLP columns / vocabulary rows split; 2 all-reduces per block forward and backward
-        (--sp: reduce-scatter + all-gather, activations sequence-split outside the TP regions)
+        (--sp: reduce-scatter + all-gather, activations sequence-split outside the TP regions; without SP,
+        --partition_activations: train_tp's ZeRO-R Pa, each recomputed block's input kept as 1/tp and gathered back)
     cp  train_cp: the sequence cut into cp chunks (zigzag by default); attention's K/V travel around a ring
     pp  train_pp: blocks cut into pp*pp_virtual stages; micro-batches flow through a schedule (afab, 1f1b,
         interleaved, zb1, and zbv / dualpipev with their stages in a V), activations and their gradients sent
