@@ -20,7 +20,8 @@ The grid (grid.py; Megatron's rank order: tp innermost so a TP group shares a no
                                                                                dp0   dp1             dp0   dp1
 What each axis does in one optimizer step (each from its rung):
     tp  train_tp: heads / MLP columns / vocabulary rows split; 2 all-reduces per block forward and backward
-        (--sp: reduce-scatter + all-gather, activations sequence-split outside the TP regions)
+        (--sp: reduce-scatter + all-gather, activations sequence-split outside the TP regions; without SP,
+        --partition_activations: train_tp's ZeRO-R Pa, each recomputed block's input kept as 1/tp and gathered back)
     cp  train_cp: the sequence cut into cp chunks (zigzag by default); attention's K/V travel around a ring
     pp  train_pp: blocks cut into pp*pp_virtual stages; micro-batches flow through a schedule (afab, 1f1b,
         interleaved, zb1, and zbv / dualpipev with their stages in a V), activations and their gradients sent
@@ -68,6 +69,7 @@ from plan import apply_auto_layout
 from common.plan_inputs import HARDWARE
 from common.metrics import MetricsLogger
 from model import GPT, flops_per_token, num_params
+from common.partition_activations import add_partition_args, apply_partition_flags, check_partition_args
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from common.pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
 from train_cp import (ContextParallelAttentionCore, block_attention_kernel, check_cp, local_positions,
@@ -405,6 +407,7 @@ def sample_on_rank0(cfg, held, grid, gcfg, loader, env):
 
 def extra_args(parser):
     parser.set_defaults(tp=0, cp=0, pp=0)      # 0: chosen by default_layout when no degree is given
+    add_partition_args(parser)                 # ZeRO-R's Pa on the tp axis (common/partition_activations.py)
     parser.add_argument("--layout", default="", choices=["", "auto"],
                         help="auto: the layout plan.py ranks best for this model, world and GPU (plan.py); "
                              "it replaces the degree, schedule, micro-batch, ZeRO and recompute flags")
@@ -450,6 +453,7 @@ def validate(cfg):
     check_cp(cfg, cp)
     check(not cfg.sp or tp > 1, "--sp needs --tp > 1")
     check_tp(cfg, tp, cfg.block_size // cp, what="block_size/cp")
+    check_partition_args(cfg, tp)
     check(cfg.global_batch_size % (cfg.micro_batch_size * cfg.dp) == 0,
           f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size * dp = "
           f"{cfg.micro_batch_size} * {cfg.dp}")
@@ -492,6 +496,7 @@ def main(argv=None):
     enable_tf32(env.device)
 
     chunks, gcfg, pos = build_chunks(cfg, loader.vocab_size, grid, env.device, param_dtype(dtype))
+    apply_partition_flags(cfg, gcfg, [b for c in chunks for b in c.transformer["h"]], grid.groups.tp)   # ZeRO-R's Pa
     start_moe_training(chunks, cfg.global_batch_size * cfg.block_size // (dp * cfg.cp))   # my step's tokens
     for chunk in chunks:              # fused modules, FP8 GEMMs; under TP inside the parallel layers (kernels/apply.py)
         apply_kernels_and_fp8(chunk, cfg, env.device)

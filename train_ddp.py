@@ -18,6 +18,13 @@ the decision is made *before* that micro-step's forward, so hooks know whether t
 
 Communication per optimizer step (docs/observability.md's convention), P parameters of b bytes, n ranks:
     comm_bytes = 2 (n-1)/n * P * b              in every mode, independent of grad_acc
+
+Two of ZeRO-R's memory lessons (Rajbhandari et al. 2020, section 6) are already here, in bucket mode:
+    CB, constant-size buffers: a collective runs on a --bucket_mb buffer, not on one fused copy of all P gradients,
+       so its temporary memory stays fixed as the model grows while each message stays large enough to be fast.
+    MD, memory defragmentation: the buckets are allocated once, before the first step, and every param.grad is a
+       view of one; backward writes gradients into them instead of allocating a tensor each between its short-lived
+       temporaries, the holes that fragment a caching allocator (bench/fragmentation.py measures both).
 """
 import sys
 import time

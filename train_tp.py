@@ -21,6 +21,14 @@ T/tp of the sequence. f becomes an all-gather along the sequence and g a reduce-
 reduce-scatter then an all-gather, so the forward moves the same bytes. The column layers keep only their input
 shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
+--partition_activations (ZeRO-R's Pa, common/partition_activations.py), with --recompute full and without SP: a
+block then keeps only its input for backward, and TP leaves that input replicated. Pa keeps 1/tp of it per rank:
+    forward  block i    rank r: x (all of it) -> block -> keeps x_r (1/tp of x, flattened)
+    backward block i    all-gather x_0 .. x_tp-1 -> x -> recompute block i -> its backward -> free x
+One all-gather of the input per block and micro-batch, 1/12 of TP's own 6 all-reduces there (2 forward, 2
+recomputed, 2 backward). --offload_activations parks x_r in host memory, copied back during block i+1's recompute.
+SP makes Pa unnecessary: between blocks the activations are already cut by sequence (T/tp each), so the block input
+is kept split at no cost, and its all-gather is the one SP's f does anyway.
 Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the layers a plan names; apply_tp is
 that plan for model.py's GPT. --kernels and --fp8 run inside these layers, keeping their collectives (a layer's
 `gemm`, `matmul`: kernels/fp8_parallel.py, kernels/apply.py).
@@ -488,6 +496,8 @@ def build_tp_model(cfg, vocab_size, group, device, dtype=torch.float32):
 
 
 def extra_args(parser):
+    from common.partition_activations import add_partition_args
+    add_partition_args(parser)
     parser.add_argument("--tp_overlap", action=argparse.BooleanOptionalAction, default=False,
                         help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
 
@@ -496,10 +506,12 @@ def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
     from common.tp_setup import check_tp
+    from common.partition_activations import check_partition_args
     world = world_size_from_env()
     check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
                            f"combine with data parallelism in train_5d.py")
     check_tp(cfg, cfg.tp, cfg.block_size)
+    check_partition_args(cfg, cfg.tp)
     check(cfg.dtype != "float16", "train_tp supports float32, bfloat16 and float64 (no fp16 loss scaling across TP "
                                   "ranks)")
     grad_accum_steps(cfg, 1)
@@ -511,6 +523,7 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import MetricsLogger, SavedActivationBytes
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
+    from common.partition_activations import apply_partition_flags
     from common.training import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, param_dtype, \
         prepare_data, print_sample, resolve_dtype, should_save
     from common import checkpoint
@@ -526,6 +539,7 @@ def main(argv=None):
     dtype = resolve_dtype(cfg, env.device)
     model = build_tp_model(cfg, loader.vocab_size, group, env.device, param_dtype(dtype))
     apply_kernels_and_fp8(model, cfg, env.device)      # fused LayerNorm, bias-GeLU; FP8 GEMMs in the TP layers
+    apply_partition_flags(cfg, model.cfg, model.transformer.h, group)   # ZeRO-R's Pa recomputes (docstring)
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank

@@ -23,6 +23,8 @@ Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (docs
     stages 1-3 also all-reduce one fp32 scalar (the squared gradient norm): + 2 (N-1)/N * 4 bytes.
 ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre-backward: gather (prefetch
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
+ZeRO-R's CB and MD are train_ddp's (its docstring): fixed --bucket_mb buffers, and flat buffers made once whose
+views are the parameters and gradients; a ZeRO-3 unit is gathered as one contiguous allocation, not one per tensor.
 Any model (docs/copy_out.md): shard_model(model, stage, group, ..., blocks=) and install_zero3_hooks take the
 blocks as an argument; shard_gpt is model.py's GPT.
 """

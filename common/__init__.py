@@ -8,6 +8,7 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     distributed.py   the process group of a run (torchrun's environment, gloo / NCCL, timeouts, failing together)
     errors.py        the one `error:` line and exit code 2 of every entry point
     data.py          corpus preparation (python -m common.data) and deterministic global batches
+    data_mix.py      --data_mix: weighted corpora in one deterministic batch, per-source metrics, offline corpora
     optim.py         AdamW groups, warmup + cosine, the non-finite guard
     training.py      what every training loop shares: dtype, autocast, kernels / FP8, data setup, eval, sample
     checkpoint.py    the one save and load of every layout: train_single's format, written in parallel parts
@@ -22,6 +23,7 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     routing.py       mixture-of-experts routing (model.MoE and train_ep's experts)
     tp_shards.py     how a tensor-parallel slice maps to the full parameter
     tp_setup.py      what applying TP needs besides its layers: a degree's shape checks, per-rank random streams
+    partition_activations.py   ZeRO-R's Pa under TP: 1/tp of each recomputed block's input kept, gathered back
     pipeline_schedules.py, pipeline_tied.py, pipeline_weight_grads.py   the pipeline's schedules as data,
                      the tied embedding across stages, the split backward of zero-bubble schedules
     nccl_check.py    replays each rank's p2p launches under NCCL's grouping rules (tests)

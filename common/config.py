@@ -46,6 +46,7 @@ class Config:
     dist_timeout: float = 300.0
     # io and logging
     data_dir: str = os.path.join("data", "stdlib")
+    data_mix: str = ""
     out_dir: str = "out"
     eval_interval: int = 250
     eval_iters: int = 20
@@ -100,6 +101,8 @@ HELP = dict(
         "delayed; embedding, LM head, norms, softmax and router stay in high precision",
     dist_timeout="seconds before a stuck collective raises instead of hanging",
     data_dir="directory with train.bin, val.bin, meta.json (the default corpus is prepared on first use)",
+    data_mix="DIR:WEIGHT,DIR:WEIGHT,...: train on a weighted mixture of prepared corpora instead of --data_dir "
+             "(common/data_mix.py; their tokenizers must agree)",
     out_dir="metrics.jsonl and checkpoints go here",
     eval_interval="evaluate on val every N steps (0 disables)", eval_iters="micro-batches per evaluation",
     log_interval="print a progress line every N steps", save_interval="checkpoint every N steps (0: only at the end)",
@@ -251,6 +254,15 @@ def validate_common(cfg, zero_means_auto=()):
     check(cfg.out_dir.strip() != "", "--out_dir must name a directory")
     check_out_dir(cfg.out_dir)
     check_system_flags(cfg.device, cfg.dist_timeout)
+    check_data_mix(cfg.data_mix, cfg.data_dir)
+
+
+def check_data_mix(data_mix, data_dir):
+    """--data_mix's entries and weights (data_mix.parse_data_mix), refused here before any work."""
+    if data_mix:
+        from common.data_mix import parse_data_mix
+        check(data_dir == Config.data_dir, f"--data_mix replaces --data_dir ({data_dir}): give one of them")
+        parse_data_mix(data_mix)
 
 
 MAX_STEPS = 10 ** 8 - 1         # checkpoints are named step_NNNNNNNN: eight digits

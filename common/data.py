@@ -310,15 +310,24 @@ class GlobalBatchLoader:
 
     def micro_batch(self, step, micro_step, micro_batch_size, dp_rank=0, dp_size=1, split="train"):
         """(x, y) int64 [micro_batch_size, block_size]: this rank's micro-step slice of step's global batch."""
-        per_rank = self.global_batch_size // dp_size
-        start = dp_rank * per_rank + micro_step * micro_batch_size
-        offsets = self.global_batch_offsets(step, split)[start:start + micro_batch_size]
-        arr = self.data[split]
-        seqs = np.stack([arr[o:o + self.block_size + 1].astype(np.int64) for o in offsets])
-        seqs = torch.from_numpy(seqs)
-        if self.device.type == "cuda":
-            seqs = seqs.pin_memory().to(self.device, non_blocking=True)
-        return seqs[:, :-1], seqs[:, 1:]
+        mine = rank_slice(self.global_batch_size, micro_step, micro_batch_size, dp_rank, dp_size)
+        offsets = self.global_batch_offsets(step, split)[mine]
+        return inputs_and_targets([self.data[split]] * len(offsets), offsets, self.block_size, self.device)
+
+
+def rank_slice(global_batch_size, micro_step, micro_batch_size, dp_rank, dp_size):
+    """Which sequences of the global batch are this DP rank's micro-step (the layout rule of GlobalBatchLoader)."""
+    start = dp_rank * (global_batch_size // dp_size) + micro_step * micro_batch_size
+    return slice(start, start + micro_batch_size)
+
+
+def inputs_and_targets(arrays, offsets, block_size, device):
+    """(x, y) int64 [len(offsets), block_size] from sequence i = arrays[i][offsets[i]:][:block_size + 1]."""
+    seqs = np.stack([arr[o:o + block_size + 1].astype(np.int64) for arr, o in zip(arrays, offsets)])
+    seqs = torch.from_numpy(seqs)
+    if device.type == "cuda":
+        seqs = seqs.pin_memory().to(device, non_blocking=True)
+    return seqs[:, :-1], seqs[:, 1:]
 
 
 def main(argv=None):

@@ -205,6 +205,7 @@ class MetricsLogger:
             os.makedirs(cfg.out_dir, exist_ok=True)
             self.file = open(self.path, "a" if resume else "w")
         self.step_times = []
+        self.mixture = mixture_counts(cfg) if self.active else None
         self.profiler = make_profiler(cfg, env.rank, env.device)
         reset_peak_memory(env.device)                # step 0's peak: from here, not the setup's temporaries
 
@@ -219,6 +220,8 @@ class MetricsLogger:
                    step_time_s=step_time_s, tokens_per_s=tokens_per_s, mfu=mfu,
                    peak_mem_bytes=peak_memory_bytes(self.env.device),
                    peak_reserved_bytes=peak_reserved_bytes(self.env.device), comm_bytes=comm_bytes, **extra)
+        if self.mixture is not None:                 # --data_mix: tokens and epochs per source
+            row.update(self.mixture.metrics(step))
         reset_peak_memory(self.env.device)
         self.write(row)
         self.step_times.append(step_time_s)
@@ -234,8 +237,10 @@ class MetricsLogger:
 
     def log_eval(self, step, val_loss):
         if self.active:
-            print(f"step {step:5d} | val loss {val_loss:.4f}", flush=True)
-            self.write(dict(step=step, val_loss=val_loss))
+            by_source = getattr(val_loss, "by_source", {})
+            parts = ", ".join(f"{os.path.basename(os.path.normpath(n))} {v:.4f}" for n, v in by_source.items())
+            print(f"step {step:5d} | val loss {val_loss:.4f}{f' ({parts})' if parts else ''}", flush=True)
+            self.write(dict(step=step, val_loss=val_loss, **({"val_loss_by_source": by_source} if by_source else {})))
 
     def write(self, row):
         """One JSON line; inf / NaN (a skipped step's loss, optim.NonFiniteGuard) as null, which JSON has."""
@@ -249,6 +254,14 @@ class MetricsLogger:
             self.profiler = None
         if self.file is not None:
             self.file.close()
+
+
+def mixture_counts(cfg):
+    """Per-source accounting of a --data_mix run (data_mix.MixtureCounts), None for one corpus."""
+    if not getattr(cfg, "data_mix", ""):
+        return None
+    from common.data_mix import MixtureCounts, parse_data_mix
+    return MixtureCounts(parse_data_mix(cfg.data_mix), cfg.seed, cfg.global_batch_size, cfg.block_size)
 
 
 def read_metrics(out_dir):

@@ -14,6 +14,7 @@ from common.checkpoint_files import lock_out_dir, remove_stale_temp_files
 from common.errors import check, fail
 from common.distributed import fail_together
 from common.data import GlobalBatchLoader, ensure_dataset
+from common.data_mix import MixtureLoader, parse_data_mix, source_val_losses
 from kernels import apply_kernels, convert_to_float8
 from kernels.fp8 import check_fp8_support
 from kernels.fp8_parallel import convert_parallel_to_float8
@@ -82,7 +83,8 @@ def prepare_data(cfg, env):
             error = f"--out_dir {cfg.out_dir}: cannot create its lock file ({e})"
     if prepares_data(env) and error is None:
         try:
-            ensure_dataset(cfg.data_dir)
+            for data_dir in data_dirs(cfg):
+                ensure_dataset(data_dir)
         except (OSError, ValueError) as e:          # FileNotFoundError is an OSError
             error = str(e)
     fail_together(error, env)                       # also the barrier: the node's corpus is ready
@@ -90,13 +92,26 @@ def prepare_data(cfg, env):
         remove_stale_temp_files(cfg.out_dir)
     loader = None
     try:
-        ensure_dataset(cfg.data_dir)
-        loader = GlobalBatchLoader(cfg.data_dir, cfg.block_size, cfg.global_batch_size, cfg.seed, env.device)
+        loader = open_loader(cfg, env.device)
         error = memory_problem(cfg, env, loader.vocab_size)
     except (OSError, ValueError) as e:
         error = str(e)
     fail_together(error, env)
     return loader
+
+
+def data_dirs(cfg):
+    """The prepared corpora a run reads: --data_dir, or each source of --data_mix."""
+    return [d for d, _ in parse_data_mix(cfg.data_mix)] if cfg.data_mix else [cfg.data_dir]
+
+
+def open_loader(cfg, device):
+    """The deterministic loader of one corpus, or of a weighted mixture of several (data_mix.py)."""
+    for data_dir in data_dirs(cfg):
+        ensure_dataset(data_dir)
+    if cfg.data_mix:
+        return MixtureLoader(parse_data_mix(cfg.data_mix), cfg.block_size, cfg.global_batch_size, cfg.seed, device)
+    return GlobalBatchLoader(cfg.data_dir, cfg.block_size, cfg.global_batch_size, cfg.seed, device)
 
 
 def materialize(module, device, dtype=torch.float32):
@@ -148,12 +163,21 @@ def check_zero3(cfg):
           "use --kernels torch --fp8 none")
 
 
+class ValLoss(float):
+    """A validation loss; by_source: under --data_mix, each source's own ({} otherwise), for metrics.jsonl."""
+    by_source = {}
+
+
 @torch.no_grad()
 def evaluate(loss_fn, loader, cfg):
-    """Mean validation loss over eval_iters fixed micro-batches; loss_fn(x, y) -> scalar loss."""
+    """Mean validation loss over eval_iters fixed micro-batches; loss_fn(x, y) -> scalar loss. With a mixture, also
+    each source's (its val split alone), so that every rank runs the same forwards (a collective loss_fn)."""
     losses = [float(loss_fn(*loader.micro_batch(i, 0, cfg.micro_batch_size, split="val")))
               for i in range(cfg.eval_iters)]
-    return sum(losses) / len(losses)
+    val = ValLoss(sum(losses) / len(losses))
+    if isinstance(loader, MixtureLoader):
+        val.by_source = source_val_losses(loss_fn, loader, cfg)
+    return val
 
 
 def decode(tokens, meta, data_dir=None):

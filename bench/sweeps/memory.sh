@@ -3,3 +3,6 @@
 # (bench/memory_chart.py -> bench/results/memory.md and memory.png). Counts, not timings: any machine load will do.
 # Sourced by bench.sh (PYTHON is set there).
 $PYTHON bench/memory_chart.py
+# ZeRO-R's CB and MD: the allocator's peaks with and without them (bench/fragmentation.py ->
+# bench/results/fragmentation_cpu.md; on a GPU `python bench/fragmentation.py --device cuda`, torch.cuda.memory_stats)
+$PYTHON bench/fragmentation.py
