@@ -13,11 +13,12 @@ A layout is valid when
     dp * tp * cp * pp = gpus,   global_seqs = dp * micro_batch_size * grad_acc,   ep | dp*cp and ep | n_experts,
     tp | n_head and padded vocab,   2*cp | seq (zigzag),   pp * v | n_layer,
     v = 2 for zbv and dualpipev (a V), v > 1 for interleaved (and grad_acc % pp = 0), else 1,
-    grad_acc >= pp except for afab and zbv, grad_acc >= 2*pp for dualpipev (as train_5d.py and train_pp.py).
+    grad_acc >= pp except for afab, zbv and 1f1b, grad_acc >= 2*pp for dualpipev (as train_5d.py and train_pp.py);
+    1f1b with fewer micro-batches than stages is all forwards then all backwards: as_run evaluates it as afab.
 """
 import argparse
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from common.errors import check, fail
 from common.peaks import GPU_PEAK_TFLOPS
@@ -44,8 +45,28 @@ HARDWARE = {
     "b200": dict(peak="B200", mem=180e9, hbm=8.0e12, nvlink=900e9, net=50e9),
 }
 LINK_EFF = 0.8          # NCCL bus bandwidth / link rate (nccl-tests all_reduce on DGX A100/H100: about 75-85%)
-USABLE = 0.95           # allocator fragmentation margin
-FRAMEWORK_BYTES = GIB   # CUDA context, cuBLAS workspace, NCCL buffers
+
+# What a GPU's memory holds besides the tensors (plan_memory.reserved_bytes and usable_bytes; docs/plan.md):
+# DEVICE_SHARE: the share of the HBM the driver hands to a process, torch's "total capacity" in every CUDA OOM message
+# ("79.15 GiB total capacity" on an A100 80GB, "31.74 GiB" on a V100 32GB: NVIDIA/Megatron-LM #525).
+# CUDA_CONTEXT: the context and the loaded kernels, outside the caching allocator: "GPU memory occupied: 1343 MB" after
+# the first tensor (Hugging Face transformers docs, "Model training anatomy": "the kernels alone take up 1.3GB").
+# NCCL_COMM_BYTES: one communicator's buffers, outside the allocator: per channel a 10 MiB and a 2 MiB buffer, 32
+# channels on 8 x H100 (NVIDIA/nccl #1685, NCCL_DEBUG_SUBSYS=ALLOC); "a Ring ... only has 2 connections regardless of the
+# scale" and "memory usage is linearly tied to the number of channels" (#986): 32 x 12 MiB per communicator.
+# CUBLAS_WORKSPACE: torch's cuBLAS and cuBLASLt workspaces, through the caching allocator (counted as allocated): 32
+# MiB each on Hopper (torch's default CUBLAS_WORKSPACE_CONFIG ":4096:8", 8 x 4 MiB).
+# ALLOCATOR_RESERVE: what the caching allocator reserves beyond the peak of live tensors, as a share of the tensors
+# that come and go each step (activations, logits, buffers; model states are allocated once and do not fragment):
+# 16 GiB stranded over 77 GiB of stashed activations at their peak (93 GiB reserved), meta-pytorch/torchrec #4584's
+# study of HBM fragmentation, a measurement of the allocator, not of a run plan.py is compared with. The reserve is
+# soft: where a cudaMalloc fails the allocator frees its cached blocks and retries (torch.cuda.memory_stats'
+# num_alloc_retries), so reserved memory stops at what is usable and only the live tensors can run a GPU out.
+DEVICE_SHARE = 79.15 / 80
+CUDA_CONTEXT = 1343e6
+NCCL_COMM_BYTES = 32 * 12 * 2 ** 20
+CUBLAS_WORKSPACE = 2 * 32 * 2 ** 20
+ALLOCATOR_RESERVE = 16 / 77
 # Presets. gpt2*: model.py's GPT (Radford et al. 2019). llama3-*: Llama 3 as published (Dubey et al. 2024, "The Llama 3
 # Herd of Models", arXiv 2407.21783, Table 3: layers, model dimension, FFN dimension, attention heads, 8 key/value
 # heads, vocabulary 128K = 128,256 tokens; SwiGLU, untied embeddings); 405B's pipeline split as Sec. 3.3.2 gives it
@@ -66,19 +87,33 @@ MODELS = {
 }
 
 
-def model_state_bytes_per_param(recipe="fp32", moments="fp32"):
+GRAD_DTYPES = ("param", "fp32", "both")    # model_state_bytes_per_param's gradient buffers
+
+
+def model_state_bytes_per_param(recipe="fp32", moments="fp32", grad_dtype="param"):
     """Bytes per parameter of params + grads + optimizer state for AdamW (ZeRO paper's accounting).
 
     fp32: 4 (param) + 4 (grad) + 8 (Adam m, v)                          = 16
     bf16: 2 (param) + 2 (grad) + 12 (fp32 master copy + Adam m, v), K=12 = 16
     moments="bf16" keeps Adam's m and v in 2 bytes each (as recipes that store them in bf16 do): optimizer 4 less
-    (fp32) or K = 8 (bf16)."""
+    (fp32) or K = 8 (bf16). Gradients of 16-bit parameters, grad_dtype:
+        param   as the parameters (2 bytes)
+        fp32    accumulated straight into a 4-byte buffer (Megatron's main_grad: 2 + 4 + 12 = 18, Megatron-LM's README:
+                "bf16 param, fp32 grads: 18 bytes per parameter, 6 + 12/d with the distributed optimizer")
+        both    16-bit gradients from the backward and a 4-byte buffer they are added into (2 + 2 + 4 + 12 = 20, "20
+                bytes / parameter with mixed precision", the seeds' lecture; nanotron's accumulate_grad_in_fp32,
+                DeepSpeed's BF16_Optimizer: "4 bytes * params" of fp32 gradients, bigscience tr11-176B-ml README)"""
     table = {"fp32": dict(params=4, grads=4, optim=8), "bf16": dict(params=2, grads=2, optim=12)}
     if recipe not in table or moments not in ("fp32", "bf16"):
         raise ValueError(f"unknown precision recipe {recipe!r} / moments {moments!r}; expected one of {sorted(table)}")
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"unknown gradient dtype {grad_dtype!r}; expected one of {', '.join(GRAD_DTYPES)}")
     out = dict(table[recipe])
     out["optim"] -= 4 if moments == "bf16" else 0
+    if out["grads"] < 4:
+        out["grads"] = dict(param=out["grads"], fp32=4, both=out["grads"] + 4)[grad_dtype]
     return out
+
 
 
 PRECISION = {   # model-state recipe of model_state_bytes_per_param, bytes per activation value
@@ -108,6 +143,11 @@ class Job:
     eff: float = 0.0          # one efficiency for every executed FLOP; 0: plan_time's measured kernel ceilings
     dp_overlap: bool = True   # gradient reductions overlap the backward (DDP buckets); False: after it, as
                               # Megatron-LM's 2021 "local" DDP (megatron/training.py train_step)
+    dp_overlap_style: str = "ddp"   # how (plan_comm.exposed_dp_time): ddp, the last micro-batch's backward hides the
+                                    # reductions, ZeRO-1/2's gather after the step; mcore, Megatron-Core's
+                                    # --overlap-grad-reduce --overlap-param-gather
+    grad_dtype: str = "param"       # a GRAD_DTYPES entry: fp32, a 4-byte gradient buffer instead of 16-bit gradients;
+                                    # both, beside them (model_state_bytes_per_param)
     pp_scatter_gather: bool = False   # a pipeline message leaves as 1/t per tp rank and is all-gathered over tp
                                       # on arrival (Megatron-LM, Narayanan et al. 2021 Sec. 4.1); SP does so anyway
     # model shapes beyond model.py's GPT (plan_shape.py): 0 / the defaults are model.py's own
@@ -198,7 +238,8 @@ def validate(job, lay):
     check(lay.schedule in V_SHAPED or (lay.v > 1) == (lay.schedule == "interleaved"),
           "v > 1 exactly when the schedule is interleaved, zbv or dualpipev")
     check(lay.schedule != "interleaved" or m % lay.pp == 0, "interleaved needs micro-batches % pp == 0")
-    check(lay.schedule in ("afab", "zbv") or m >= lay.pp, f"{lay.schedule} needs micro-batches per step ({m}) >= pp={lay.pp}")
+    check(lay.schedule in ("afab", "zbv", "1f1b") or m >= lay.pp,
+          f"{lay.schedule} needs micro-batches per step ({m}) >= pp={lay.pp}")
     check(lay.schedule != "dualpipev" or m >= 2 * lay.pp,
           f"dualpipev needs micro-batches per step ({m}) >= 2 * pp = {2 * lay.pp}")
     check(lay.zero_stage in (0, 1, 2, 3), f"zero_stage {lay.zero_stage}: ZeRO has stages 0, 1, 2 and 3")
@@ -210,6 +251,14 @@ def validate(job, lay):
                                                         "attention")
     check(lay.ep == 1 or (cfg.n_experts > 0 and cfg.n_experts % lay.ep == 0 and (lay.dp * lay.cp) % lay.ep == 0),
           f"ep={lay.ep} needs experts, and must divide n_experts={cfg.n_experts} and dp*cp={lay.dp * lay.cp}")
+
+
+def as_run(job, lay):
+    """The layout as it runs: 1f1b with fewer micro-batches than stages warms up with every micro-batch before its
+    first backward, which is afab (the same bubble, (p-1)/(m+p-1), and m in flight); train_5d runs it so."""
+    if lay.pp > 1 and lay.schedule == "1f1b" and lay.grad_acc(job) < lay.pp:
+        return replace(lay, schedule="afab")
+    return lay
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -249,6 +298,10 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("attn_eff", float, None, "flash attention's fraction of peak, forward + backward (default: FlashAttention-2's "
           "published, plan_time.ATTN_EFF)"),
          ("dp_overlap", bool, True, "gradient reductions overlap the backward (--no-dp_overlap: after it)"),
+         ("dp_overlap_style", str, "ddp", "ddp (the last micro-batch's backward hides the reductions; ZeRO-1/2's gather "
+          "exposed) | mcore (Megatron-Core's --overlap-grad-reduce --overlap-param-gather)"),
+         ("grad_dtype", str, "param", "gradients of 16-bit parameters: param (16-bit) | fp32 (a 4-byte buffer, "
+          "Megatron's main_grad) | both (16-bit ones added into a 4-byte buffer: nanotron, DeepSpeed's BF16_Optimizer)"),
          ("tp_overlap", float, 0.0, "share of tp communication hidden under its GEMMs, 0-1 (Megatron-LM 2021, "
           "torchtitan: 0; NeMo/Transformer Engine --tp-comm-overlap: 1)"),
          ("pp_overlap", bool, False, "pipeline sends overlap compute (Megatron-Core --overlap-p2p-communication)"),
@@ -291,7 +344,8 @@ def parse_args(argv, description):
             continue
         ap.add_argument(f"--{name}", type=finite(kind) if kind in (int, float) else kind, default=default, help=text,
                         choices=dict(precision=list(PRECISION), attn=["flash", "eager"], software=list(SOFTWARE),
-                                     moments=["fp32", "bf16"]).get(name))
+                                     moments=["fp32", "bf16"], dp_overlap_style=["ddp", "mcore"],
+                                     grad_dtype=list(GRAD_DTYPES)).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
     return ap.parse_args(argv)
 
@@ -358,7 +412,8 @@ def build_job(a):
                eff=a.eff or 0.0, dp_overlap=a.dp_overlap, pp_scatter_gather=a.pp_scatter_gather, **options, first_stage_layers=a.first_stage_layers,
                last_stage_layers=a.last_stage_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,
                causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0, rope=a.rope, fused_loss=a.fused_loss,
-               net_gbps=a.net_gbps or 0.0, bucket_mb_per_dp=a.bucket_mb_per_dp)
+               net_gbps=a.net_gbps or 0.0, bucket_mb_per_dp=a.bucket_mb_per_dp, dp_overlap_style=a.dp_overlap_style,
+               grad_dtype=a.grad_dtype)
 
 
 BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused
