@@ -149,6 +149,8 @@ def rank_layouts(job):
     """Every valid layout evaluated, best first (ranking_key)."""
     rows = []
     for lay in candidate_layouts(job):
+        if as_run(job, lay) != lay:          # 1f1b with m < p is afab, which the search has already
+            continue
         try:
             rows.append(evaluate(job, lay))
         except ConfigError:

@@ -219,7 +219,7 @@ def plan_sweep_main(args):
     """--plan_sweep: on min(N, 8) CUDA GPUs (a power of two), or with --dry as if on --plan_gpus x --plan_gpu.
     Writes OUT/plan_sweep.md; the default corpus is byte-level, so the vocabulary is 256 without reading it."""
     from plan import gpu_kind
-    from common.plan_inputs import HARDWARE
+    from common.plan_inputs import DEVICE_SHARE, HARDWARE
     from plan_sweep import plan_sweep
     N = torch.cuda.device_count()
     if N == 0 and not args.dry:
@@ -230,7 +230,7 @@ def plan_sweep_main(args):
     if gpu is None:
         print(f"gpu_check --plan_sweep: plan.py knows no GPU named {torch.cuda.get_device_name(0)!r}")
         return 1
-    memory = torch.cuda.get_device_properties(0).total_memory if N else HARDWARE[gpu]["mem"]
+    memory = torch.cuda.get_device_properties(0).total_memory if N else HARDWARE[gpu]["mem"] * DEVICE_SHARE
     lines = plan_sweep(world, gpu, memory, 256, os.path.join(ROOT, args.out), args.dry or not N)
     print("\n".join(lines))
     return 0

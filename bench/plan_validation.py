@@ -39,6 +39,7 @@ from common import plan_shape  # noqa: E402
 from common.plan_inputs import GIB, HARDWARE, MODELS, Layout  # noqa: E402
 from common.plan_time import SOFTWARE  # noqa: E402
 from plan import evaluate  # noqa: E402
+from plan_memory_runs import MEASURED, PUBLISHED_OOM  # noqa: E402
 from plan_tables import (A100, H100_SXM, SETUPS, TITAN_A100, Setup, describe, job_of, megatron,  # noqa: E402
                          titan_mfu, write_report)
 
@@ -265,9 +266,6 @@ LLAMA2_RUNS = [titan_llama2("Llama 2 13B", LLAMA2_13B, 2, "none", 2162, "61.1%")
                titan_llama2("Llama 2 13B", LLAMA2_13B, 2, "op", 1904, "53.8%"),
                titan_llama2("Llama 2 70B", LLAMA2_70B, 1, "op", 355, "50.8%"),
                titan_llama2("Llama 2 70B", LLAMA2_70B, 2, "full", 353, "50.5%")]
-# published not to fit: "the 70B training with local batch size 2 will cause an OOM error when selective activation
-# checkpointing is used" (the same page's footnote), the right verdict there being OOM
-PUBLISHED_OOM = [titan_llama2("Llama 2 70B, local batch 2, selective op", LLAMA2_70B, 2, "op", 0, "none (OOM)")]
 
 NEMOTRON_15B = "NVIDIA 2024, Nemotron-4 15B (arXiv 2402.16819) Sec. 2 / Tables 1-2"
 
@@ -331,21 +329,51 @@ def table(results):
 
 
 def beside_the_table():
-    """The published configuration that ran out of memory, and the runs left out for an input not stated, with what
-    plan.py predicts under each value that input may have had."""
-    lines = ["", "Published not to fit (the right verdict: OOM):", ""]
-    for r in map(predict, PUBLISHED_OOM):
-        gib, cap = r["row"]["mem_bytes"]["total"] / GIB, HARDWARE[r["setup"].gpu]["mem"] / GIB
-        lines.append(f"- {r['setup'].name} ({r['setup'].source}, {describe(r['row'])}): predicted {gib:.1f} GiB "
-                     f"of {cap:.0f}, {'OOM (right)' if r['row']['oom'] else 'fits (wrong)'}")
-    lines += ["", "Left out, inputs not stated: Nemotron-4 15B's stages (the script's nemotron_15b says which), "
-              "plan.py's MFU error by micro-batch and gradient bucket:", ""]
+    """The runs left out for an input not stated, with what plan.py predicts under each value that input may have
+    had."""
+    lines = ["", "Left out, inputs not stated: Nemotron-4 15B's stages (the script's nemotron_15b says which), "
+             "plan.py's MFU error by micro-batch and gradient bucket:", ""]
     for dp, seqs, seconds in NEMOTRON_15B_STAGES:
         errors = [f"mbs {mbs}, {name} bucket "
                   f"{100 * predict(nemotron_15b(dp, seqs, seconds, mbs, bucket))['error']:+.0f}%"
                   for name, bucket in (("25 MiB", False), ("Megatron-Core's", True)) for mbs in (1, 4)]
         lines.append(f"- {8 * dp} H100 (dp {dp}, {seconds} s/iteration): " + "; ".join(errors))
     return lines
+
+
+def median(values):
+    """The median of a non-empty list."""
+    values, mid = sorted(values), len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def memory_table(results):
+    """The memory section: each run with a measured peak (plan.py's prediction of the same quantity / the measured),
+    each run published to run out of memory, and the OOM verdicts over every run with a known outcome (the MFU table's
+    runs all ran)."""
+    lines = ["| run | source | GPUs | seq | layout | measured | predicted | ratio | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    ratios, modelled = [], []
+    for run in MEASURED:
+        r = predict(run.setup)
+        predicted = r["row"]["mem_bytes"][run.metric] / GIB
+        ratios.append(predicted / run.measured_gib)
+        if run.modelled:
+            modelled.append(ratios[-1])
+        s = run.setup
+        lines.append(f"| {s.name} | {s.source} | {s.gpus} {s.gpu} | {s.seq} | {describe(r['row'])} | "
+                     f"{run.measured_gib} GiB {run.metric}{'' if run.modelled else ' (compile, Float8)'} | "
+                     f"{predicted:.1f} GiB | {ratios[-1]:.2f} | {'OOM (wrong)' if r['row']['oom'] else 'fits'} |")
+    for setup in PUBLISHED_OOM:
+        r = predict(setup)
+        lines.append(f"| {setup.name} | {setup.source} | {setup.gpus} {setup.gpu} | {setup.seq} | {describe(r['row'])} "
+                     f"| out of memory | {r['row']['mem_bytes']['total'] / GIB:.1f} GiB allocated | - | "
+                     f"{'OOM' if r['row']['oom'] else 'fits (wrong)'} |")
+    verdicts = ([not r["row"]["oom"] for r in results] + [not predict(m.setup)["row"]["oom"] for m in MEASURED]
+                + [predict(s)["row"]["oom"] for s in PUBLISHED_OOM])
+    head = (f"**Predicted / measured memory, median: {median(ratios):.2f} over {len(ratios)} runs "
+            f"({median(modelled):.2f} over the {len(modelled)} without torch.compile or Float8). OOM verdict right: "
+            f"{sum(verdicts)} of {len(verdicts)} configurations with a known outcome.**")
+    return [head, ""] + lines
 
 
 HEAD = """# plan.py against published runs
@@ -356,8 +384,17 @@ Produced by `python bench/plan_validation.py` (plan.py's defaults; nothing fitte
 MT-NLG's, BLOOM's and Nemotron-4's from their iteration times, Korthikanti et al.'s MFU as published (their model
 FLOPs are plan.py's count), llm-foundry's and torchtitan's from their tokens/s/GPU. Each run is described as
 published; the row's docstring in the script names the source of each input and says what was assumed where a
-publication leaves one out. Every run in the table ran, so "fits" is the right verdict for each; the list below it
-holds a published configuration that ran out of memory.
+publication leaves one out. Every run in the table ran, so "fits" is the right verdict for each; the memory section
+below adds runs that publish a measured peak and configurations published to run out of memory.
+"""
+
+MEMORY_HEAD = """Runs that state a measured memory peak (bench/plan_memory_runs.py: each run's docstring names its sources and
+what was assumed), against plan.py's prediction of what was measured: "reserved" is
+torch.cuda.max_memory_reserved (plan_memory: the tensors' peak, cuBLAS's workspaces and the caching allocator's
+reserve, at most the GPU's usable memory), "device" nvidia-smi's figure (reserved + the CUDA context + NCCL's
+buffers). The verdict is OOM where the reserved memory is above the usable (the GPU's capacity less the CUDA context
+and NCCL's buffers); every run in the MFU table and every measured run ran, the configurations listed as "out of
+memory" did not. Nothing in plan.py was fitted to these runs.
 """
 
 NOTES = """
@@ -394,7 +431,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "plan_validation.md"), help="file, or -")
     args = p.parse_args(argv)
-    text = HEAD + "\n" + table([predict(s) for s in RUNS]) + "\n" + NOTES
+    results = [predict(s) for s in RUNS]
+    text = (HEAD + "\n" + table(results) + "\n\n## Memory\n\n" + MEMORY_HEAD + "\n" + "\n".join(memory_table(results))
+            + "\n" + NOTES)
     return write_report(text, args.out)
 
 

@@ -23,6 +23,7 @@ embedding once); stage k holds plan_shape.stage_layer_counts' k-th share of the 
 cut or p*v does not divide L). The model's shape (GQA, MLP width, gated, untied) comes from plan_shape.
 """
 import math
+from dataclasses import replace
 from functools import lru_cache
 
 
@@ -261,7 +262,8 @@ def other_bytes(job, lay, rank, groups):
     gradient buffers in flight (2 * largest bucket * g); ZeRO-3's gathered current + prefetched unit and the unit's
     full gradient ((2p + g) * largest unit); amp's bf16 copies of the weights (2 bytes per rank parameter; under
     ZeRO-3 only those of the two gathered units); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
-    (2 * 2b*s*h/t values); torch's cuBLAS and cuBLASLt workspaces (CUBLAS_WORKSPACE)."""
+    (2 * 2b*s*h/t values); torch's cuBLAS and cuBLASLt workspaces (CUBLAS_WORKSPACE); under full recompute the
+    block being recomputed: what it keeps without recompute, less its stored input, live until its backward ends."""
     cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     sizes = model_state_bytes_per_param(recipe, job.moments, job.grad_dtype)
@@ -278,6 +280,8 @@ def other_bytes(job, lay, rank, groups):
         out += 2 * s * b * h * bpv / (lay.tp if lay.sp else 1)
     if lay.cp > 1:
         out += 4 * s * b * kv_dim(job) / lay.tp * bpv
+    if lay.recompute == "full":
+        out += layer_activation_bytes(job, replace(lay, recompute="none")) - layer_activation_bytes(job, lay)
     return out
 
 

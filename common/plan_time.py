@@ -4,9 +4,10 @@ time from FLOPs at an efficiency made of hardware measurements, and the alpha-be
 latency model + bandwidth). plan.py's step_time adds the parts up.
 
     compute   = (matmul FLOPs / GEMM_EFF + attention FLOPs executed / ATTN_EFF) / peak      the kernels
-                + (1/KERNEL_SHARE - 1) x (the same on A100) x A100's HBM bandwidth / this GPU's   the memory-bound rest
+                + MEMORY_BOUND x (the same on A100) x A100's HBM bandwidth / this GPU's   the memory-bound rest
                 GEMM_EFF: measured maximum achievable matmul FLOP/s / peak, per GPU; ATTN_EFF: the flash kernel's
-                published utilization; KERNEL_SHARE: the kernels' share of one measured A100 training step
+                published utilization; MEMORY_BOUND: the rest of one measured A100 training step per second of its
+                kernels at the ceilings (1/KERNEL_SHARE - 1, x its GEMMs' shape factor)
                 attention executed: half of 12 L h s with a causal flash kernel (it skips the masked blocks), all of
                 it eager (scores computed, then masked); the MFU convention keeps counting 12 L h s either way
     collective = latency + bytes / bandwidth, latency = NCCL's ring model: base + (steps - inter-node steps) *
@@ -91,17 +92,19 @@ def kernel_time(matmul_flops, attention_flops, gpu, peak, attn_eff=0.0):
 
 def mpt7b_kernel_share():
     """(kernel time at the A100 ceilings) / (measured time) for the MPT-7B row, N = 12 L h^2 + V h, causal flash, its
-    GEMMs at their shapes (micro-batch 6 of 2,048 tokens: gemm_shape_factor)."""
+    GEMMs at their shapes (micro-batch 6 of 2,048 tokens: linear_factor); and the GEMM shape factor used."""
     L, h, s, V = MPT7B["n_layer"], MPT7B["n_embd"], MPT7B["seq"], MPT7B["vocab"]
     matmul, attention = 6 * (12 * L * h * h + V * h), 12 * L * h * s
     rows = MPT7B["micro_batch"] * s
-    shapes = [(h, 3 * h, 4 * L * h * h), (h, h, L * h * h), (h, 4 * h, 4 * L * h * h), (4 * h, h, 4 * L * h * h),
+    shapes = [(h, 3 * h, 3 * L * h * h), (h, h, L * h * h), (h, 4 * h, 4 * L * h * h), (4 * h, h, 4 * L * h * h),
               (h, V, V * h)]
     factor = sum(w * linear_factor(rows, n_in, n_out) for n_in, n_out, w in shapes) / sum(w for *_, w in shapes)
-    return kernel_time(matmul * factor, attention / 2, "a100", 1.0) / ((matmul + attention) / MPT7B["mfu"])
+    return kernel_time(matmul * factor, attention / 2, "a100", 1.0) / ((matmul + attention) / MPT7B["mfu"]), factor
 
 
-KERNEL_SHARE = mpt7b_kernel_share()
+KERNEL_SHARE, MPT7B_GEMM_FACTOR = mpt7b_kernel_share()
+# the memory-bound rest of a step per second of kernel time at the ceilings (shape factor 1), as MPT-7B measured it
+MEMORY_BOUND = (1 / KERNEL_SHARE - 1) * MPT7B_GEMM_FACTOR
 A100_PEAK = 312e12
 
 
@@ -110,7 +113,7 @@ def compute_time(flops, attention_flops, job, gemm_factor=1.0):
     matmuls at peak * GEMM_EFF, slower by gemm_factor (gemm_rows_factor of the GEMMs' shapes), a flash kernel's attention at
     peak * ATTN_EFF, half of it when causal (Dao 2023, FlashAttention-2 Sec. 3.1.1: blocks above the diagonal are
     skipped), eager attention as batched matmuls, all of it (the scores are computed, then masked); plus the
-    memory-bound rest: (1/KERNEL_SHARE - 1) x the same kernels' time on A100 at the ceiling, x A100's HBM bandwidth /
+    memory-bound rest: MEMORY_BOUND x the same kernels' time on A100 at the ceiling, x A100's HBM bandwidth /
     this GPU's. job.eff (--eff): one efficiency for every executed FLOP."""
     flash = job.attn == "flash"
     attention = attention_flops / (2 if flash and job.causal else 1)
@@ -120,7 +123,7 @@ def compute_time(flops, attention_flops, job, gemm_factor=1.0):
         return (matmul + attention) / (job.peak * job.eff)
     kernels = kernel_time(matmul * gemm_factor, attention, job.gpu, job.peak, job.attn_eff)
     on_a100 = kernel_time(matmul, attention, "a100", A100_PEAK)
-    return kernels + (1 / KERNEL_SHARE - 1) * on_a100 * A100_HBM / job.hw["hbm"]
+    return kernels + MEMORY_BOUND * on_a100 * A100_HBM / job.hw["hbm"]
 
 
 # NCCL's latency model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel; ring algorithm, Simple protocol, the
