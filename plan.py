@@ -166,10 +166,17 @@ def layout_keys(text):
 def consistent_layouts(job, fixed):
     """The search space (candidate_layouts) with the keys of `fixed` set as given: dp follows tp*cp*pp unless
     given; without a pipeline the schedule is 1f1b; where pp or the schedule is given, an interleaved schedule whose v
-    is not takes every v from 2 to (layers + 2) / pp (deep interleaving, one layer per chunk, as Llama 3 runs it)."""
-    seen = set()
+    is not takes every v from 2 to (layers + 2) / pp (deep interleaving, one layer per chunk, as Llama 3 runs it).
+    Each candidate counts once by the keys it does not fix (many differ only in those), so the v sweep costs one
+    evaluation per v and distinct layout, not per candidate."""
+    free = [k for k in Layout.__dataclass_fields__ if k not in fixed]
+    seen, projected = set(), set()
     for lay in candidate_layouts(job):
-        values = {**asdict(lay), **fixed}
+        key = tuple(getattr(lay, k) for k in free)
+        if key in projected:
+            continue
+        projected.add(key)
+        values = {**{k: getattr(lay, k) for k in free}, **fixed}
         rest = values["tp"] * values["cp"] * values["pp"]
         values["dp"] = fixed.get("dp", job.gpus // rest)
         if values["pp"] == 1 and "schedule" not in fixed:

@@ -256,7 +256,7 @@ def validate(job, lay):
 def as_run(job, lay):
     """The layout as it runs: 1f1b with fewer micro-batches than stages warms up with every micro-batch before its
     first backward, which is afab (the same bubble, (p-1)/(m+p-1), and m in flight); train_5d runs it so."""
-    if lay.pp > 1 and lay.schedule == "1f1b" and lay.grad_acc(job) < lay.pp:
+    if lay.pp > 1 and lay.schedule == "1f1b" and lay.dp * lay.micro_batch_size and lay.grad_acc(job) < lay.pp:
         return replace(lay, schedule="afab")
     return lay
 
