@@ -290,11 +290,12 @@ def test_eager_attention_hbm_time(dropout, recompute, per_element):
 
 def test_published_software_options():
     """Megatron-LM 2021's behaviour as Job fields: gradients reduced after the backward (no overlap: the whole
-    reduction is exposed), pipeline messages as 1/t per tp rank plus a tp all-gather on arrival."""
+    reduction is exposed), pipeline messages as 1/t per tp rank plus a tp all-gather on arrival. (Buckets of 4 KiB:
+    overlap hides all but a round's last bucket, so with one bucket it would hide nothing.)"""
     cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=64)
     lay = plan.Layout(dp=2, tp=2, pp=2, micro_batch_size=1)
-    plain, megatron = (job_for(cfg, gpus=8, gpus_per_node=2, global_seqs=8, dp_overlap=o, pp_scatter_gather=not o)
-                       for o in (True, False))
+    plain, megatron = (job_for(cfg, gpus=8, gpus_per_node=2, global_seqs=8, dp_overlap=o, pp_scatter_gather=not o,
+                               bucket_mb=2 ** -8, bucket_mb_per_dp=0.0) for o in (True, False))
     a, b = (plan.comm_bytes(j, lay, 1000) for j in (plain, megatron))
     S, m = 64 * 64 * 2, 4
     assert (a["pp"], b["pp"]) == (2 * m * S, 2 * m * S / 2) and b["tp"] - a["tp"] == 2 * m * S / 2

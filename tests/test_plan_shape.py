@@ -179,19 +179,28 @@ def test_op_recompute_policy():
 
 def test_plan_validation_script(tmp_path):
     """bench/plan_validation.py (bench/results/plan_validation.md): every published run is evaluated as published,
-    with its MFU error and OOM verdict; its headline counts are the table's."""
+    with its MFU error and OOM verdict; its headline counts are the table's. The memory section: each measured peak's
+    ratio, their median and the verdicts over every configuration with a known outcome as printed."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("plan_validation", "bench/plan_validation.py")
     validation = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(validation)
     text = validation.main(["--out", str(tmp_path / "v.md")])
-    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| run ")]
+    mfu_part, memory_part = text.split("## Memory")
+    rows = [line for line in mfu_part.splitlines() if line.startswith("| ") and not line.startswith("| run ")]
     n = len(validation.RUNS)
     assert len(rows) == n and n >= 29
     errors = [float(re.search(r"\| [\d.]+% \(([+-][\d.]+)%\) \|", r).group(1)) for r in rows]
     within = sum(abs(e) <= 15 for e in errors)
     fits = sum(r.endswith("| fits |") for r in rows)
     assert f"within 15% of the published: {within} of {n}" in text and f"(the run fits): {fits} of {n}" in text
+    memory_rows = [line for line in memory_part.splitlines() if line.startswith("| ") and not line.startswith("| run ")]
+    ratios = sorted(float(r.split(" | ")[-2]) for r in memory_rows if r.split(" | ")[-2] != "-")
+    assert len(ratios) == len(validation.MEASURED) >= 10
+    assert f"median: {validation.median(ratios):.2f} over {len(ratios)} runs" in memory_part
+    right = fits + sum(r.endswith("| fits |") for r in memory_rows[:len(ratios)])
+    right += sum(r.endswith("| OOM |") for r in memory_rows[len(ratios):])
+    assert f"OOM verdict right: {right} of {n + len(memory_rows)} configurations" in memory_part
 
 
 def test_ends_as_layers_split_and_empty_chunks_hold_nothing():
