@@ -15,7 +15,9 @@ its members on a node: link_bandwidth). Gradients are reduced, and ZeRO shards, 
 consecutive ranks of a dp x cp group (grid.expert_partition).
     memory per GPU = params + grads + optimizer  (model_state_bytes_per_param; ZeRO padding as train_zero.py's)
                    + activations (Korthikanti et al. 2022 with TP/SP at s/cp tokens, x the schedule's in-flight
-                                  micro-batches) + other (logits, buffers, 1 GiB CUDA context); OOM above 95%
+                                  micro-batches) + other (logits, buffers, cuBLAS workspaces)   = allocated
+                   reserved: + the caching allocator's reserve; OOM where it exceeds the usable memory (the GPU's
+                   capacity less the CUDA context and NCCL's buffers; plan_memory.py)
     step time      = compute / (peak * eff) + eager attention's score tensors through HBM (0 with flash attention)
                    + bubble + exposed comm of each axis + optimizer step
 What is planned (the GPU table with published efficiencies, model presets, Job, Layout, their checks and the
