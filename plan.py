@@ -20,9 +20,9 @@ consecutive ranks of a dp x cp group (grid.expert_partition).
                    capacity less the CUDA context and NCCL's buffers; plan_memory.py)
     step time      = compute / (peak * eff) + eager attention's score tensors through HBM (0 with flash attention)
                    + bubble + exposed comm of each axis + optimizer step
-What is planned (the GPU table with published efficiencies, model presets, Job, Layout, their checks and the
-command-line flags that build them) is plan_inputs.py; the memory formulas are plan_memory.py; compute time and the
-published measurements under it plan_time.py; each axis's bytes, link and latency plan_comm.py; model shapes
+What is planned (the GPU table, model presets, Job, Layout and their checks) is plan_inputs.py, the command-line
+flags that build them plan_cli.py; the memory formulas are plan_memory.py; compute time and the published
+measurements under it plan_time.py; each axis's bytes, link, latency and overlap plan_comm.py; model shapes
 plan_shape.py. This file adds up the step time, searches the layouts and prints the table.
 """
 import copy
@@ -38,13 +38,13 @@ from common.config import Config, ConfigError, check, fail
 from common.peaks import gpu_chip_and_board
 from model import GPTConfig
 from common.pipeline_schedules import theory_idle_fraction
-from common.plan_inputs import (DEVICE_SHARE, GIB, HARDWARE, RECOMPUTE, Job, Layout, as_run, build_job, parse_args,
-                                parse_layout, validate)
+from common.plan_cli import build_job, parse_args, parse_layout
+from common.plan_inputs import GIB, HARDWARE, RECOMPUTE, Job, Layout, as_run, validate
 from common import plan_shape
 from common import plan_time as time_model
 from common.plan_comm import (axis_group, comm_bytes, comm_latency, exposed_dp_time, exposed_tp_time,  # noqa: F401
                               link_bandwidth)
-from common.plan_memory import MEM_PARTS, bucket_mb, communicators, layers_per_rank, memory, usable_bytes
+from common.plan_memory import DEVICE_SHARE, MEM_PARTS, bucket_mb, communicators, layers_per_rank, memory, usable_bytes
 from common.plan_time import eager_attention_time, hardware_flops_per_token  # noqa: F401
 
 
@@ -241,9 +241,10 @@ def launch_command(job, row):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# printed table and main (the flags are plan_inputs.parse_args)
+# printed table and main (the flags are plan_cli.parse_args)
 
-HEADER = ("  #   dp tp cp  pp ep sp zero    schedule v mbs recompute | params  grads  optim   acts other  alloc  resvd GiB | "
+HEADER = ("  #   dp tp cp  pp ep sp zero    schedule v mbs recompute | "
+          "params  grads  optim   acts other  alloc  resvd GiB | "
           "compute attnHBM  bubble      tp      cp      dp      pp      ep (ms) |   tokens/s   MFU")
 
 

@@ -56,9 +56,9 @@ def table5(schedule, v, gib):
     the gradients of every micro-batch before reducing them ("we need to accumulate gradients on previous steps and
     reduce them on the last step", torch.distributed.pipelining's backward_maybe_with_nosync): parameters gathered
     and gradients whole through the step, optimizer states sharded, plan.py's ZeRO-1, the gradients in FSDP's fp32
-    reduce dtype (torchtitan's mixed_precision_reduce default: grad_dtype fp32, assumed). Assumed: micro-batches of 1 sequence
-    (torchtitan's pipeline_parallel_microbatch_size default), 2 stages per rank for the interleaved schedule, the 126
-    layers split as evenly as they go (not Llama 3's embedding-and-loss-as-layers split)."""
+    reduce dtype (torchtitan's mixed_precision_reduce default: grad_dtype fp32, assumed). Assumed: micro-batches of 1
+    sequence (torchtitan's pipeline_parallel_microbatch_size default), 2 stages per rank for the interleaved
+    schedule, the 126 layers split as evenly as they go (not Llama 3's embedding-and-loss-as-layers split)."""
     return titan_h100(f"Llama 3.1 405B, {schedule}", LLAMA3_405B, 512, 8192, 256,
                       Layout(dp=8, tp=8, pp=8, sp=True, zero_stage=1, schedule=schedule, v=v, micro_batch_size=1,
                              recompute="full"), gib, job=dict(grad_dtype="fp32"))
@@ -95,8 +95,8 @@ def llama31_405b_fsdp_oom():
     batch 2, full activation checkpointing, seq 8192: "We do see OOM for 1D parallelism (FSDP2), so we only tested 2D
     parallelism (FSDP2 + Tensor Parallel)"."""
     layout = Layout(dp=128, zero_stage=3, micro_batch_size=2, recompute="full")
-    return Setup("Llama 3.1 405B, FSDP 128", TITAN_DOCS, MODELS["llama3-405b"], 128, "h100-hbm2e", 8192, 256, layout, 0.0,
-                 "OOM", "torchtitan-2024-12")
+    return Setup("Llama 3.1 405B, FSDP 128", TITAN_DOCS, MODELS["llama3-405b"], 128, "h100-hbm2e", 8192, 256, layout,
+                 0.0, "OOM", "torchtitan-2024-12")
 
 
 PUBLISHED_OOM = [llama2_70b_oom(), llama31_405b_fsdp_oom()]

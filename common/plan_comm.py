@@ -154,8 +154,8 @@ def exposed_tp_time(job, lay, comm, gemm_time, rows):
     """Seconds of tp communication (`comm`) left exposed when a share job.tp_overlap of it is pipelined with the GEMMs
     beside it (Transformer Engine's userbuffers: each all-gather / reduce-scatter in tp chunks, chunk k's transfer
     under chunk k-1's GEMM). Derived from the times that overlap, not a constant: each of the four GEMM groups of a
-    block (plan_shape.block_linears; `gemm_time` the rank's block GEMM seconds, split by their FLOPs) has a quarter of the bytes
-    beside it; the first of its tp chunks cannot hide, the rest hide up to the GEMM's time:
+    block (plan_shape.block_linears; `gemm_time` the rank's block GEMM seconds, split by their FLOPs) has a quarter
+    of the bytes beside it; the first of its tp chunks cannot hide, the rest hide up to the GEMM's time:
         exposed_i = c_i / t + max(0, c_i (t-1)/t - g_i)
     and the GEMMs run as t chunks of rows/t rows each, slower by plan_time.gemm_rows_factor at rows/t over rows.
     The share not pipelined stays exposed."""

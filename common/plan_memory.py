@@ -15,7 +15,7 @@ formula in the docstring, and the tests hold each against what the rungs count (
     on the device  = reserved + CUDA_CONTEXT + NCCL_COMM_BYTES per communicator   (what nvidia-smi shows)
     OOM            reserved > usable_bytes = the GPU's total capacity - CUDA_CONTEXT - NCCL_COMM_BYTES per communicator
                    (with the cap: the live tensors alone do not fit)
-    of the fuller of pipeline ranks 0 and p-1. Each constant and its source: plan_inputs.py.
+    of the fuller of pipeline ranks 0 and p-1. Each constant and its source: below.
 
 Stages are placed as pipeline_schedules.stage_of places them: round-robin (stage c*p + rank is chunk c of rank),
 or in a V for zbv and dualpipev (rank r holds stages r and 2p-1-r, so rank 0 holds both ends and the tied
@@ -29,12 +29,34 @@ from functools import lru_cache
 
 from model import activation_bytes_per_layer
 from common.pipeline_schedules import placement_of, rank_of, stage_of
-from common.plan_inputs import (ALLOCATOR_RESERVE, CUBLAS_WORKSPACE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES,
-                                PRECISION, model_state_bytes_per_param)
+from common.plan_inputs import PRECISION, model_state_bytes_per_param
 from common.plan_shape import (activation_delta_values, block_numels, embedding_numels, held_layers, job_of_shape,
                                kv_dim, op_recompute_values, stage_layer_counts)
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "reserved")
+
+# What a GPU's memory holds besides the tensors (memory and usable_bytes below; docs/plan.md):
+# DEVICE_SHARE: the share of the HBM the driver hands to a process, torch's "total capacity" in every CUDA OOM message
+# ("79.15 GiB total capacity" on an A100 80GB, "31.74 GiB" on a V100 32GB: NVIDIA/Megatron-LM #525).
+# CUDA_CONTEXT: the context and the loaded kernels, outside the caching allocator: "GPU memory occupied: 1343 MB" after
+# the first tensor (Hugging Face transformers docs, "Model training anatomy": "the kernels alone take up 1.3GB").
+# NCCL_COMM_BYTES: one communicator's buffers, outside the allocator: per channel a 10 MiB and a 2 MiB buffer, 32
+# channels on 8 x H100 (NVIDIA/nccl #1685, NCCL_DEBUG_SUBSYS=ALLOC); "a Ring ... only has 2 connections regardless of
+# the scale" and "memory usage is linearly tied to the number of channels" (#986): 32 x 12 MiB per communicator.
+# CUBLAS_WORKSPACE: torch's cuBLAS and cuBLASLt workspaces, through the caching allocator (counted as allocated): 32
+# MiB each on Hopper (torch's default CUBLAS_WORKSPACE_CONFIG ":4096:8", 8 x 4 MiB).
+# ALLOCATOR_RESERVE: what the caching allocator reserves beyond the peak of live tensors, as a share of the tensors
+# that come and go each step (activations, logits, buffers; model states are allocated once and do not fragment):
+# 16 GiB stranded over 77 GiB of stashed activations at their peak (93 GiB reserved), meta-pytorch/torchrec #4584's
+# study of HBM fragmentation, a measurement of the allocator, not of a run plan.py is compared with. The reserve is
+# soft: where a cudaMalloc fails the allocator frees its cached blocks and retries (torch.cuda.memory_stats'
+# num_alloc_retries), so reserved memory stops at what is usable and only the live tensors can run a GPU out.
+DEVICE_SHARE = 79.15 / 80
+CUDA_CONTEXT = 1343e6
+NCCL_COMM_BYTES = 32 * 12 * 2 ** 20
+CUBLAS_WORKSPACE = 2 * 32 * 2 ** 20
+ALLOCATOR_RESERVE = 16 / 77
+
 
 
 # ----------------------------------------------------------------------------------------------------------

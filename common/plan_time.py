@@ -110,10 +110,10 @@ A100_PEAK = 312e12
 
 def compute_time(flops, attention_flops, job, gemm_factor=1.0):
     """Seconds of the FLOPs of one token (model count + recompute, `attention_flops` of them QK^T / AV) on job's GPU:
-    matmuls at peak * GEMM_EFF, slower by gemm_factor (gemm_rows_factor of the GEMMs' shapes), a flash kernel's attention at
-    peak * ATTN_EFF, half of it when causal (Dao 2023, FlashAttention-2 Sec. 3.1.1: blocks above the diagonal are
-    skipped), eager attention as batched matmuls, all of it (the scores are computed, then masked); plus the
-    memory-bound rest: MEMORY_BOUND x the same kernels' time on A100 at the ceiling, x A100's HBM bandwidth /
+    matmuls at peak * GEMM_EFF, slower by gemm_factor (gemm_rows_factor of the GEMMs' shapes), a flash kernel's
+    attention at peak * ATTN_EFF, half of it when causal (Dao 2023, FlashAttention-2 Sec. 3.1.1: blocks above the
+    diagonal are skipped), eager attention as batched matmuls, all of it (the scores are computed, then masked); plus
+    the memory-bound rest: MEMORY_BOUND x the same kernels' time on A100 at the ceiling, x A100's HBM bandwidth /
     this GPU's. job.eff (--eff): one efficiency for every executed FLOP."""
     flash = job.attn == "flash"
     attention = attention_flops / (2 if flash and job.causal else 1)

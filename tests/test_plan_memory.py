@@ -6,8 +6,9 @@ import pytest
 
 import plan
 from common import plan_memory
-from common.plan_inputs import (ALLOCATOR_RESERVE, CUBLAS_WORKSPACE, CUDA_CONTEXT, DEVICE_SHARE, GIB, NCCL_COMM_BYTES,
-                                Job, Layout, build_job, model_state_bytes_per_param, parse_args)
+from common.plan_cli import build_job, parse_args
+from common.plan_inputs import GIB, Job, Layout, model_state_bytes_per_param
+from common.plan_memory import ALLOCATOR_RESERVE, CUBLAS_WORKSPACE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES
 from model import GPTConfig
 
 CFG = GPTConfig(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048)
@@ -54,7 +55,8 @@ def test_reserved_device_and_usable():
                                                                                                 + mem["other"])))
         assert mem["device"] == pytest.approx(mem["reserved"] + CUDA_CONTEXT + comms * NCCL_COMM_BYTES)
         assert mem["other"] >= CUBLAS_WORKSPACE
-    rows = [plan.evaluate(job, Layout(dp=8, micro_batch_size=b, recompute=rc)) for b in (1, 8) for rc in ("none", "full")]
+    rows = [plan.evaluate(job, Layout(dp=8, micro_batch_size=b, recompute=rc))
+            for b in (1, 8) for rc in ("none", "full")]
     rows.append(plan.evaluate(job, Layout(dp=1, tp=8, micro_batch_size=64)))
     assert any(r["oom"] for r in rows) and any(not r["oom"] for r in rows)
     for r in rows:
@@ -75,8 +77,8 @@ def test_full_recompute_keeps_the_block_it_recomputes():
 
 
 def test_plan_sweep_reports_reserved(tmp_path):
-    """bench/plan_sweep.py's worker measures max_memory_reserved beside max_memory_allocated, and its verdict is plan.py's:
-    reserved against the usable memory of the GPU's total_memory."""
+    """bench/plan_sweep.py's worker measures max_memory_reserved beside max_memory_allocated, and its verdict is
+    plan.py's: reserved against the usable memory of the GPU's total_memory."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("plan_sweep", "bench/plan_sweep.py")
     sweep = importlib.util.module_from_spec(spec)

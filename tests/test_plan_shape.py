@@ -8,7 +8,8 @@ import pytest
 
 import plan
 from common import plan_memory, plan_shape, plan_time
-from common.plan_inputs import MODELS, Job, Layout, build_job, parse_args
+from common.plan_cli import build_job, parse_args
+from common.plan_inputs import MODELS, Job, Layout
 from model import GPT, GPTConfig, flops_per_token, num_params
 
 
