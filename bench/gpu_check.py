@@ -163,7 +163,8 @@ def main(argv=None):
     p.add_argument("--timeout", type=int, default=900, help="seconds before a run counts as hung")
     p.add_argument("--only", default="", help="comma-separated name prefixes to run (references always run)")
     p.add_argument("--plan_sweep", action="store_true", help="instead of the checks: plan.py's predicted peak "
-                   "memory and OOM vs torch.cuda.max_memory_allocated over train_5d layouts (bench/plan_sweep.py)")
+                   "memory and OOM vs torch.cuda.max_memory_allocated and max_memory_reserved over train_5d layouts "
+                   "(bench/plan_sweep.py)")
     p.add_argument("--dry", action="store_true", help="with --plan_sweep: the layouts and predictions only")
     p.add_argument("--plan_gpus", type=int, default=8, help="with --dry and no GPU: GPUs to plan for")
     p.add_argument("--plan_gpu", default="h100", help="with --dry and no GPU: plan_inputs.HARDWARE's GPU")

@@ -318,12 +318,13 @@ def table(results):
     lines = [f"**Predicted MFU within 15% of the published: {within} of {len(results)}. OOM verdict right (the run "
              f"fits): {fits} of {len(results)}.**", "",
              "| run | source | software | GPUs | seq | layout | published | published MFU | plan.py MFU (error) | "
-             "predicted memory | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "predicted memory (allocated / reserved) | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s, row = r["setup"], r["row"]
         lines.append(f"| {s.name} | {s.source} | {SOFTWARE_OF[s.system]} | {s.gpus} {s.gpu} | {s.seq} | "
                      f"{describe(row)} | {s.published_text} | {100 * s.published_mfu:.1f}% | {100 * r['mfu']:.1f}% ({100 * r['error']:+.1f}%) | "
-                     f"{row['mem_bytes']['total'] / GIB:.1f} GiB | {'OOM (wrong)' if row['oom'] else 'fits'} |")
+                     f"{row['mem_bytes']['total'] / GIB:.1f} / {row['mem_bytes']['reserved'] / GIB:.1f} GiB | "
+                     f"{'OOM (wrong)' if row['oom'] else 'fits'} |")
     return "\n".join(lines + beside_the_table())
 
 
