@@ -353,5 +353,11 @@ def memory(job, lay):
 
 def layers_per_rank(job, lay):
     """Blocks on each pipeline rank (its v chunks' stages), uneven stages included."""
-    counts, placement = stage_layer_counts(job, lay.pp * lay.v), placement_of(lay.schedule)
-    return [sum(counts[stage_of(r, c, lay.pp, placement)] for c in range(lay.v)) for r in range(lay.pp)]
+    return list(rank_layers(job.shape, lay.pp, lay.v, placement_of(lay.schedule)))
+
+
+@lru_cache(maxsize=None)
+def rank_layers(shape, pp, v, placement):
+    """layers_per_rank of a Job.shape (cached: the search asks for it several times per layout)."""
+    counts = stage_layer_counts(job_of_shape(shape), pp * v)
+    return tuple(sum(counts[stage_of(r, c, pp, placement)] for c in range(v)) for r in range(pp))

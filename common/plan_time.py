@@ -15,6 +15,7 @@ latency model + bandwidth). plan.py's step_time adds the parts up.
                  all-gather / all-to-all, 1 send
 """
 import math
+from functools import lru_cache
 
 from common import plan_shape
 
@@ -56,6 +57,13 @@ def gemm_rows_factor(job, tp, rows):
     how much longer its matmuls take than at the ceiling. 1 with job.eff (one efficiency for everything)."""
     if job.eff:
         return 1.0
+    return shape_factor(job.shape, tp, rows)
+
+
+@lru_cache(maxsize=None)
+def shape_factor(shape, tp, rows):
+    """gemm_rows_factor of a Job.shape (cached: the search asks for it per layout)."""
+    job = plan_shape.job_of_shape(shape)
     cfg = job.cfg
     shapes = [(n_in, n_out, cfg.n_layer) for n_in, n_out in plan_shape.block_linears(job, tp)]
     shapes.append((cfg.n_embd, cfg.padded_vocab_size // tp, 1))
@@ -146,6 +154,7 @@ def ring_steps(kind, n):
     return 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
+@lru_cache(maxsize=None)
 def latency(kind, n, nodes):
     """Seconds of fixed cost of one collective `kind` over n ranks spread over `nodes` nodes (NCCL's model)."""
     if n <= 1:
