@@ -15,12 +15,14 @@ its members on a node: link_bandwidth). Gradients are reduced, and ZeRO shards, 
 consecutive ranks of a dp x cp group (grid.expert_partition).
     memory per GPU = params + grads + optimizer  (model_state_bytes_per_param; ZeRO padding as train_zero.py's)
                    + activations (Korthikanti et al. 2022 with TP/SP at s/cp tokens, x the schedule's in-flight
-                                  micro-batches) + other (logits, buffers, 1 GiB CUDA context); OOM above 95%
+                                  micro-batches) + other (logits, buffers, cuBLAS workspaces)   = allocated
+                   reserved: + the caching allocator's reserve; OOM where it exceeds the usable memory (the GPU's
+                   capacity less the CUDA context and NCCL's buffers; plan_memory.py)
     step time      = compute / (peak * eff) + eager attention's score tensors through HBM (0 with flash attention)
                    + bubble + exposed comm of each axis + optimizer step
-What is planned (the GPU table with published efficiencies, model presets, Job, Layout, their checks and the
-command-line flags that build them) is plan_inputs.py; the memory formulas are plan_memory.py; compute time and the
-published measurements under it plan_time.py; each axis's bytes, link and latency plan_comm.py; model shapes
+What is planned (the GPU table, model presets, Job, Layout and their checks) is plan_inputs.py, the command-line
+flags that build them plan_cli.py; the memory formulas are plan_memory.py; compute time and the published
+measurements under it plan_time.py; each axis's bytes, link, latency and overlap plan_comm.py; model shapes
 plan_shape.py. This file adds up the step time, searches the layouts and prints the table.
 """
 import copy
@@ -36,12 +38,13 @@ from common.config import Config, ConfigError, check, fail
 from common.peaks import gpu_chip_and_board
 from model import GPTConfig
 from common.pipeline_schedules import theory_idle_fraction
-from common.plan_inputs import (GIB, HARDWARE, RECOMPUTE, USABLE, Job, Layout, build_job, parse_args, parse_layout,
-                                validate)
+from common.plan_cli import build_job, parse_args, parse_layout
+from common.plan_inputs import GIB, HARDWARE, RECOMPUTE, Job, Layout, as_run, validate
 from common import plan_shape
 from common import plan_time as time_model
-from common.plan_comm import axis_group, comm_bytes, comm_latency, link_bandwidth  # noqa: F401 (plan.X in tests)
-from common.plan_memory import MEM_PARTS, bucket_mb, layers_per_rank, memory
+from common.plan_comm import (axis_group, comm_bytes, comm_latency, exposed_dp_time, exposed_tp_time,  # noqa: F401
+                              link_bandwidth)
+from common.plan_memory import DEVICE_SHARE, MEM_PARTS, bucket_mb, communicators, layers_per_rank, memory, usable_bytes
 from common.plan_time import eager_attention_time, hardware_flops_per_token  # noqa: F401
 
 
@@ -51,61 +54,64 @@ from common.plan_time import eager_attention_time, hardware_flops_per_token  # n
 def step_time(job, lay, mem):
     """Seconds per optimizer step by part:
         compute    tokens / world x plan_time.compute_time(hardware_flops_per_token): matmuls at the GPU's measured
-                   GEMM ceiling, the attention scores at the flash kernel's (half of them causal), both x the software
-                   share; x the busiest pipeline rank's share of the blocks (uneven stages)
+                   GEMM ceiling, slower for GEMMs of few rows (plan_time.gemm_rows_factor, rows = b x s / cp: fitted to
+                   matmul measurements), the
+                   attention scores at the flash kernel's (half of them causal), both x the software share; x the
+                   busiest pipeline rank's share of the blocks (uneven stages)
         attn_hbm   eager_attention_time (0 with flash attention)
         bubble     (compute + attn_hbm) * f/(1-f), f = pipeline_schedules.theory_idle_fraction ((p-1)/(m+p-1), /v interleaved,
                    zb1 (p-1)/(3m+p-1), zbv and dualpipev (p-1)/(6m+p-1) in chunk units, zbv with m < 2p-1
                    2(2p-1-m)/(6m+2(2p-1-m)); equal to pipeline_schedules.simulate's idle share, F = B = W)
         each axis  comm bytes / link bandwidth + comm_latency (NCCL's alpha per collective), then what overlaps:
-        tp         exposed, less job.tp_overlap x the compute it runs beside (plan_time.TP_OVERLAP)
+        tp         plan_comm.exposed_tp_time: all of it, or with job.tp_overlap what the GEMMs beside it cannot hide
         pp         exposed; with job.pp_overlap only the 2(p-1) transfers of the fill and drain stay on the path
         cp         exposed beyond the attention compute it overlaps (ring hops run under the block attention)
-        dp         reductions exposed beyond the backward they overlap (stage 0-1: the last micro-batch's, 2/3 of
-                   compute/m; stage 2: every backward, 2/3 of compute; stage 3 also the gathers, all compute);
-                   stage 1-2's all-gather after the step is exposed; all exposed without job.dp_overlap
+        dp         plan_comm.exposed_dp_time, as the stack overlaps it (job.dp_overlap, job.dp_overlap_style)
         optimizer  read + write of the rank's model states at HBM bandwidth"""
     cfg, hw = job.cfg, job.hw
     m = lay.grad_acc(job)
+    rows = lay.micro_batch_size * cfg.block_size // lay.cp
     f_hw, f_attn = time_model.hardware_flops_per_token(job, lay.recompute)
     imbalance = max(layers_per_rank(job, lay)) * lay.pp / cfg.n_layer
-    compute = imbalance * job.global_seqs * cfg.block_size / job.gpus * time_model.compute_time(f_hw, f_attn, job)
+    tokens = imbalance * job.global_seqs * cfg.block_size / job.gpus
+    compute = tokens * time_model.compute_time(f_hw, f_attn, job, time_model.gemm_rows_factor(job, lay.tp, rows))
     idle = theory_idle_fraction(lay.schedule, lay.pp, m, lay.v) if lay.pp > 1 else 0.0
-    attn_share = f_attn / f_hw
+    attn_hbm = time_model.eager_attention_time(job, lay)
+    bubble = (compute + attn_hbm) * idle / (1 - idle)
     nbytes = comm_bytes(job, lay, mem["padded_params"])
     alpha = comm_latency(job, lay, mem["groups"])
     t = {axis: nbytes[axis] / link_bandwidth(job, lay, axis) + alpha[axis] for axis in ("tp", "cp", "pp", "ep")}
-    t["tp"] = max(0.0, t["tp"] - job.tp_overlap * compute)
+    block_flops = 6 * cfg.n_layer * sum(n_in * n_out for n_in, n_out in plan_shape.block_linears(job, 1))
+    gemms = block_flops / f_hw * compute                            # the rank's block GEMMs, forward + backward
+    t["tp"] = exposed_tp_time(job, lay, t["tp"], gemms, rows)
     if job.pp_overlap and lay.pp > 1:
         t["pp"] = t["pp"] * 2 * (lay.pp - 1) / (2 * m * lay.v)
-    t["cp"] = max(0.0, t["cp"] - attn_share * compute)
+    t["cp"] = max(0.0, t["cp"] - f_attn / f_hw * compute)
     bw = link_bandwidth(job, lay, "dp")
-    reduce, gather = nbytes["dp_reduce"] / bw, (nbytes["dp"] - nbytes["dp_reduce"]) / bw
-    reduce += alpha["dp"] * nbytes["dp_reduce"] / max(nbytes["dp"], 1)
-    gather += alpha["dp"] * (1 - nbytes["dp_reduce"] / max(nbytes["dp"], 1))
-    if lay.zero_stage == 3:
-        t["dp"] = max(0.0, reduce + gather - compute * job.dp_overlap)
-    else:
-        window = 2 / 3 * compute / (1 if lay.zero_stage == 2 else m) * job.dp_overlap
-        t["dp"] = max(0.0, reduce - window) + gather
-    attn_hbm = time_model.eager_attention_time(job, lay)
-    parts = dict(compute=compute, attn_hbm=attn_hbm, bubble=(compute + attn_hbm) * idle / (1 - idle), **t,
+    share = nbytes["dp_reduce"] / max(nbytes["dp"], 1)
+    reduce = nbytes["dp_reduce"] / bw + alpha["dp"] * share
+    gather = (nbytes["dp"] - nbytes["dp_reduce"]) / bw + alpha["dp"] * (1 - share)
+    t["dp"] = exposed_dp_time(job, lay, reduce, gather, mem["groups"], compute, bubble)
+    parts = dict(compute=compute, attn_hbm=attn_hbm, bubble=bubble, **t,
                  optimizer=2 * (mem["params"] + mem["grads"] + mem["optimizer"]) / hw["hbm"])
     parts["total"] = sum(parts.values())
     return parts
 
 
 def evaluate(job, lay):
-    """The full prediction for one layout, as --json prints it."""
+    """The full prediction for one layout, as --json prints it: the layout as it runs (as_run: 1f1b with fewer
+    micro-batches than stages is afab), memory by part (allocated "total", "reserved", "device" as nvidia-smi shows
+    it, "usable" for the allocator), time by part, tokens/s, MFU, and OOM: reserved above usable."""
     validate(job, lay)
+    lay = as_run(job, lay)
     mem = memory(job, lay)
     time = step_time(job, lay, mem)
     tokens = job.global_seqs * job.cfg.block_size
     tps = tokens / time["total"]
-    return dict(asdict(lay), mem_bytes={k: mem[k] for k in MEM_PARTS},
+    return dict(asdict(lay), mem_bytes={k: mem[k] for k in MEM_PARTS + ("device", "usable")},
                 time_s=time, step_time_s=time["total"], tokens_per_s=tps,
                 mfu=tps * plan_shape.flops_per_token(job) / (job.gpus * job.peak),
-                oom=mem["total"] > USABLE * job.hw["mem"])
+                oom=mem["reserved"] > mem["usable"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -138,13 +144,15 @@ def candidate_layouts(job):
 def ranking_key(row):
     """Layouts that fit first, fastest first (ties: less memory); then OOM ones, smallest first."""
     speed = 0 if row["oom"] else -row["tokens_per_s"]
-    return row["oom"], speed, row["mem_bytes"]["total"]
+    return row["oom"], speed, row["mem_bytes"]["reserved"]
 
 
 def rank_layouts(job):
     """Every valid layout evaluated, best first (ranking_key)."""
     rows = []
     for lay in candidate_layouts(job):
+        if as_run(job, lay) != lay:          # 1f1b with m < p is afab, which the search has already
+            continue
         try:
             rows.append(evaluate(job, lay))
         except ConfigError:
@@ -160,10 +168,17 @@ def layout_keys(text):
 def consistent_layouts(job, fixed):
     """The search space (candidate_layouts) with the keys of `fixed` set as given: dp follows tp*cp*pp unless
     given; without a pipeline the schedule is 1f1b; where pp or the schedule is given, an interleaved schedule whose v
-    is not takes every v from 2 to (layers + 2) / pp (deep interleaving, one layer per chunk, as Llama 3 runs it)."""
-    seen = set()
+    is not takes every v from 2 to (layers + 2) / pp (deep interleaving, one layer per chunk, as Llama 3 runs it).
+    Each candidate counts once by the keys it does not fix (many differ only in those), so the v sweep costs one
+    evaluation per v and distinct layout, not per candidate."""
+    free = [k for k in Layout.__dataclass_fields__ if k not in fixed]
+    seen, projected = set(), set()
     for lay in candidate_layouts(job):
-        values = {**asdict(lay), **fixed}
+        key = tuple(getattr(lay, k) for k in free)
+        if key in projected:
+            continue
+        projected.add(key)
+        values = {**{k: getattr(lay, k) for k in free}, **fixed}
         rest = values["tp"] * values["cp"] * values["pp"]
         values["dp"] = fixed.get("dp", job.gpus // rest)
         if values["pp"] == 1 and "schedule" not in fixed:
@@ -226,9 +241,10 @@ def launch_command(job, row):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# printed table and main (the flags are plan_inputs.parse_args)
+# printed table and main (the flags are plan_cli.parse_args)
 
-HEADER = ("  #   dp tp cp  pp ep sp zero    schedule v mbs recompute | params  grads  optim   acts other  total GiB | "
+HEADER = ("  #   dp tp cp  pp ep sp zero    schedule v mbs recompute | "
+          "params  grads  optim   acts other  alloc  resvd GiB | "
           "compute attnHBM  bubble      tp      cp      dp      pp      ep (ms) |   tokens/s   MFU")
 
 
@@ -306,10 +322,18 @@ def plan_job(cfg, vocab_size, world, gpus_per_node, gpu, precision):
     return Job(model, world, gpus_per_node, gpu, cfg.global_batch_size, precision, "flash", cfg.bucket_mb)
 
 
+def fits_in(row, capacity):
+    """Whether a row's reserved memory fits a GPU of `capacity` bytes (torch's total_memory) less the CUDA context and
+    NCCL's buffers (plan_memory.usable_bytes)."""
+    n = communicators(row["dp"], row["tp"], row["cp"], row["pp"], row["ep"])
+    return row["mem_bytes"]["reserved"] <= usable_bytes(capacity, n)
+
+
 def choose_layout(job, memory_bytes, accepts):
-    """(best row that `accepts` takes and that fits memory_bytes, the ranked rows it was chosen from)."""
+    """(best row that `accepts` takes and that fits memory_bytes (torch's total capacity), the ranked rows it was
+    chosen from)."""
     rows = [r for r in rank_layouts(job) if accepts(r)]
-    fits = [r for r in rows if not r["oom"] and r["mem_bytes"]["total"] <= USABLE * memory_bytes]
+    fits = [r for r in rows if not r["oom"] and fits_in(r, memory_bytes)]
     check(fits, f"--layout auto: no layout train_5d.py runs fits {memory_bytes / GIB:.1f} GiB per GPU for this "
                 f"model and batch (plan.py ranks {len(rows)}); try a smaller --micro_batch_size or model")
     return fits[0], fits
@@ -321,7 +345,7 @@ def apply_auto_layout(cfg, vocab_size, device, world, is_main, validate):
     gpu = name if name in HARDWARE else gpu_kind(name)
     check(gpu is not None, f"--layout auto plans for a GPU plan.py knows ({', '.join(HARDWARE)}), found "
                            f"{name or device.type!r}: give the degrees (--dp --tp --cp --pp --ep), or --plan_gpu")
-    memory = HARDWARE[gpu]["mem"]
+    memory = HARDWARE[gpu]["mem"] * DEVICE_SHARE
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
     precision = "fp32" if cfg.dtype in ("float32", "float64") or device.type == "cpu" else "amp"

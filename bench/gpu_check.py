@@ -141,8 +141,8 @@ def probe_cells(row, out):
     return result, [(r["name"], "ok" if r["ok"] else "FAIL", r["check"], r["speed"]) for r in result["rows"]]
 
 
-def plan_memory_cells(results, gpu_name, memory_bytes):
-    """Row 7: plan.py's predicted peak for each run it was asked about against the run's measured peak."""
+def plan_memory_cells(results, gpu_name):
+    """Row 7: plan.py's predicted peaks for each run it was asked about against the run's measured ones."""
     from plan import gpu_kind
     gpu = gpu_kind(gpu_name) or "h100"
     cells = []
@@ -151,14 +151,15 @@ def plan_memory_cells(results, gpu_name, memory_bytes):
         if not r:
             continue
         try:
-            predicted = predicted_single_gpu_peak(flags, GPT2_VOCAB, gpu, memory_bytes)
+            allocated, reserved = predicted_single_gpu_peak(flags, GPT2_VOCAB, gpu)
         except Exception as e:         # plan.py could not answer: its own row fails, the table still comes
             cells.append((f"plan.py peak memory, {name}", "FAIL", f"{type(e).__name__}: {e}", "-"))
             continue
-        ratio = predicted / r["peak"]
+        ratio = allocated / r["peak"]
         cells.append((f"plan.py peak memory, {name}", "ok" if abs(ratio - 1) <= 0.10 else "off (> 10%)",
-                      f"predicted {predicted / GIB:.2f} GiB / measured {r['peak'] / GIB:.2f} GiB = {ratio:.2f} "
-                      f"(reserved {r['reserved'] / GIB:.2f} GiB)", "-"))
+                      f"allocated {allocated / GIB:.2f} / {r['peak'] / GIB:.2f} GiB = {ratio:.2f}; reserved "
+                      f"{reserved / GIB:.2f} / {r['reserved'] / GIB:.2f} GiB = {reserved / max(r['reserved'], 1):.2f}",
+                      "-"))
     return cells
 
 
@@ -183,7 +184,8 @@ def main(argv=None):
     p.add_argument("--dry", action="store_true", help="run nothing: list the rows and which the budget admits, "
                    "each at its estimate (works without a GPU)")
     p.add_argument("--plan_sweep", action="store_true", help="instead of the checks: plan.py's predicted peak "
-                   "memory and OOM vs torch.cuda.max_memory_allocated over train_5d layouts (bench/plan_sweep.py)")
+                   "memory and OOM vs torch.cuda.max_memory_allocated and max_memory_reserved over train_5d layouts "
+                   "(bench/plan_sweep.py)")
     p.add_argument("--plan_gpus", type=int, default=8, help="with --plan_sweep --dry and no GPU: GPUs to plan for")
     p.add_argument("--plan_gpu", default="h100", help="with --plan_sweep --dry and no GPU: plan_inputs.HARDWARE's GPU")
     args = p.parse_args(argv)
@@ -224,7 +226,6 @@ def main(argv=None):
     table, results, failed, ceiling = [], {"_plan": []}, False, None
     from common.peaks import gpu_peak_flops
     peak = None if args.dry else gpu_peak_flops(gpu_name)
-    memory = None if args.dry else torch.cuda.get_device_properties(0).total_memory
     not_run = set()
     for row in rows:
         est = clock.estimate(row)
@@ -260,8 +261,7 @@ def main(argv=None):
         elif row.kind == "tests":
             table.append([row.name, row.what, "ok", "passed", "-", "-", "-", timing])
         else:
-            result, sub = probe_cells(row, out) if row.kind == "probe" else ({}, plan_memory_cells(results, gpu_name,
-                                                                                                  memory))
+            result, sub = probe_cells(row, out) if row.kind == "probe" else ({}, plan_memory_cells(results, gpu_name))
             if "tflops" in result:
                 ceiling = result["tflops"] * 1e12
             table += [[row.name, name, verdict, check, speed, "-", "-", timing] for name, verdict, check, speed in sub]
@@ -295,6 +295,7 @@ def plan_sweep_main(args):
     Writes OUT/plan_sweep.md; the default corpus is byte-level, so the vocabulary is 256 without reading it."""
     from plan import gpu_kind
     from common.plan_inputs import HARDWARE
+    from common.plan_memory import DEVICE_SHARE
     from plan_sweep import plan_sweep
     N = torch.cuda.device_count()
     if N == 0 and not args.dry:
@@ -305,7 +306,7 @@ def plan_sweep_main(args):
     if gpu is None:
         print(f"gpu_check --plan_sweep: plan.py knows no GPU named {torch.cuda.get_device_name(0)!r}")
         return 1
-    memory = torch.cuda.get_device_properties(0).total_memory if N else HARDWARE[gpu]["mem"]
+    memory = torch.cuda.get_device_properties(0).total_memory if N else HARDWARE[gpu]["mem"] * DEVICE_SHARE
     lines = plan_sweep(world, gpu, memory, 256, os.path.join(ROOT, args.out), args.dry or not N)
     print("\n".join(lines))
     return 0

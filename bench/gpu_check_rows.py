@@ -165,16 +165,16 @@ def grid_5d(n):
     return degrees
 
 
-def predicted_single_gpu_peak(flags, vocab_size, gpu, memory_bytes):
-    """plan.py's predicted peak allocated bytes for train_single with these flags on one GPU (bf16 autocast):
-    its total for the matching 1-GPU layout, less the CUDA context and NCCL buffers the allocator does not count."""
+def predicted_single_gpu_peak(flags, vocab_size, gpu):
+    """plan.py's predicted peaks for train_single with these flags on one GPU (bf16 autocast), for the matching
+    1-GPU layout: (allocated: the tensors and cuBLAS's workspaces, reserved: with the allocator's cache), both
+    without the CUDA context, as torch.cuda.max_memory_allocated / max_memory_reserved count them."""
     from common.config import Config
-    from common.plan_inputs import FRAMEWORK_BYTES
     from plan import plan_job, rank_layouts
     cfg = Config(**{k: v for k, v in flags.items() if k not in ("kernels", "compile", "fp8")}, dtype="bfloat16")
     rows = [r for r in rank_layouts(plan_job(cfg, vocab_size, 1, 1, gpu, "amp"))
             if r["micro_batch_size"] == cfg.micro_batch_size and r["recompute"] == cfg.recompute]
-    return rows[0]["mem_bytes"]["total"] - FRAMEWORK_BYTES
+    return rows[0]["mem_bytes"]["total"], rows[0]["mem_bytes"]["reserved"]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """
-bench/plan_sweep.py: plan.py's predicted peak memory against torch.cuda.max_memory_allocated for a sweep of
-train_5d.py layouts, and whether plan.py calls OOM right. One command on a machine with GPUs:
+bench/plan_sweep.py: plan.py's predicted peak memory against torch.cuda.max_memory_allocated and
+torch.cuda.max_memory_reserved for a sweep of train_5d.py layouts, and whether plan.py calls OOM right. One command on
+a machine with GPUs:
 
     bash bench/gpu_check.sh --plan_sweep                          # runs each layout a few steps, writes the table
     python bench/gpu_check.py --plan_sweep --dry                  # anywhere, CPU too: the sweep's layouts and
@@ -8,12 +9,13 @@ train_5d.py layouts, and whether plan.py calls OOM right. One command on a machi
 
 The sweep: the layouts of sweep_model(P) that train_5d.py's validate accepts on the P GPUs gpu_check uses, as plan.py
 ranks them (train_5d --layout auto's job: bf16 autocast over fp32 states), RUNS of them spread evenly by predicted memory from
-the smallest to 1.5x the GPU's memory, so that some are predicted to fit and some not. Each runs STEPS steps under
-torchrun; every rank writes its torch.cuda.max_memory_allocated (this file's --worker mode), and a run that dies of
-CUDA OOM counts as OOM. Compared: plan.py's total less FRAMEWORK_BYTES (the CUDA context and NCCL buffers, which
-the caching allocator does not count) against the largest rank's max_memory_allocated, and plan.py's OOM verdict
-(total > USABLE x the GPU's memory) against the run's. Goals: OOM right for >= 95% of the layouts, peak
-within 10%.
+the smallest reserved memory to 1.5x the GPU's memory, so that some are predicted to fit and some not. Each runs
+STEPS steps under torchrun; every rank writes its torch.cuda.max_memory_allocated and max_memory_reserved (this file's
+--worker mode), and a run that dies of CUDA OOM counts as OOM. Compared: plan.py's allocated ("total": the tensors
+and cuBLAS's workspaces) against the largest rank's max_memory_allocated, its reserved against the largest
+max_memory_reserved (neither holds the CUDA context or NCCL's buffers), and plan.py's OOM verdict (reserved above
+plan_memory.usable_bytes of the GPU's total_memory) against the run's. Goals: OOM right for >= 95% of the layouts,
+the reserved ratio's median within 0.9-1.1.
 """
 import json
 import os
@@ -23,7 +25,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.plan_inputs import FRAMEWORK_BYTES, GIB, USABLE  # noqa: E402
+from common.plan_inputs import GIB  # noqa: E402
+from common.plan_memory import communicators, usable_bytes  # noqa: E402
 
 RUNS, STEPS = 12, 3
 KEYS = ("dp", "tp", "cp", "pp", "ep", "sp", "zero_stage", "schedule", "v", "micro_batch_size", "recompute")
@@ -56,13 +59,13 @@ def sweep_layouts(world, gpu, memory_bytes, vocab_size, runs=RUNS):
         os.environ.clear()
         os.environ.update(before)
     left = list({tuple(r[k] for k in KEYS): r for r in rows}.values())
-    low = min(r["mem_bytes"]["total"] for r in left)
+    low = min(r["mem_bytes"]["reserved"] for r in left)
     chosen = []
     for i in range(min(runs, len(left))):
         target = low + i * (1.5 * memory_bytes - low) / max(1, runs - 1)
-        chosen.append(min(left, key=lambda r: abs(r["mem_bytes"]["total"] - target)))
+        chosen.append(min(left, key=lambda r: abs(r["mem_bytes"]["reserved"] - target)))
         left.remove(chosen[-1])
-    return sorted(chosen, key=lambda r: r["mem_bytes"]["total"])
+    return sorted(chosen, key=lambda r: r["mem_bytes"]["reserved"])
 
 
 def train_argv(row, world, steps, out_dir):
@@ -76,8 +79,8 @@ def train_argv(row, world, steps, out_dir):
 
 
 def run_layout(row, world, steps, out_dir, timeout_s):
-    """Run one layout under torchrun: (its largest rank's max_memory_allocated or None, 'fits' | 'OOM' (died of
-    CUDA OOM) | 'failed (exit code)')."""
+    """Run one layout under torchrun: (the largest of its ranks' dict(allocated=max_memory_allocated,
+    reserved=max_memory_reserved), or None; 'fits' | 'OOM' (died of CUDA OOM) | 'failed (exit code)')."""
     os.makedirs(out_dir, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                os.path.abspath(__file__), "--worker", out_dir, "--"] + train_argv(row, world, steps, out_dir)
@@ -90,33 +93,58 @@ def run_layout(row, world, steps, out_dir, timeout_s):
         oom = any(m in log.read() for m in ("CUDA out of memory", "OutOfMemoryError"))
     peaks = [json.load(open(os.path.join(out_dir, f))) for f in os.listdir(out_dir) if f.startswith("peak_rank")]
     if rc == 0 and peaks:
-        return max(peaks), "fits"
+        return {k: max(p[k] for p in peaks) for k in ("allocated", "reserved")}, "fits"
     return None, "OOM" if oom else f"failed (exit {rc})"
 
 
+def verdict(row, memory_bytes):
+    """plan.py's verdict for a row on a GPU of memory_bytes (torch's total_memory): OOM when its reserved memory is
+    above what the allocator can have (plan_memory.usable_bytes)."""
+    n = communicators(row["dp"], row["tp"], row["cp"], row["pp"], row["ep"])
+    return "OOM" if row["mem_bytes"]["reserved"] > usable_bytes(memory_bytes, n) else "fits"
+
+
+def ratio(predicted, measured):
+    """'predicted / measured' as text, '-' without a measurement."""
+    return "-" if not measured else f"{predicted / measured:.2f}"
+
+
 def summary(results, memory_bytes):
-    """Markdown lines: one per layout (predicted, measured, error, verdicts) and the two goal figures, over the
-    runs that fit or died of OOM. results: [(row, measured peak bytes or None, 'fits' | 'OOM' | other)]."""
-    lines = ["| layout | predicted (GiB, less context) | measured max_memory_allocated (GiB) | error | predicted "
-             "| measured |", "|---|---|---|---|---|---|"]
-    right = judged = within = finished = 0
+    """Markdown lines: one per layout (predicted and measured allocated and reserved, their ratios, the verdicts) and
+    the goal figures, over the runs that fit or died of OOM. results: [(row, dict(allocated=, reserved=) or None,
+    'fits' | 'OOM' | other)]."""
+    lines = ["| layout | allocated: predicted / measured (GiB) | ratio | reserved: predicted / measured (GiB) | ratio "
+             "| predicted | measured |", "|---|---|---|---|---|---|---|"]
+    right = judged = 0
+    ratios = {"allocated": [], "reserved": []}
     for row, peak, outcome in results:
-        predicted = row["mem_bytes"]["total"] - FRAMEWORK_BYTES
-        verdict = "OOM" if row["mem_bytes"]["total"] > USABLE * memory_bytes else "fits"
+        mem, said = row["mem_bytes"], verdict(row, memory_bytes)
         if outcome in ("fits", "OOM"):
             judged += 1
-            right += verdict == outcome
-        error = "-"
-        if peak is not None:
-            finished += 1
-            within += abs(predicted / peak - 1) <= 0.10
-            error = f"{100 * (predicted / peak - 1):+.1f}%"
+            right += said == outcome
+        cells = []
+        for key in ("allocated", "reserved"):
+            predicted = mem["total" if key == "allocated" else key]
+            measured = peak[key] if peak else None
+            if measured:
+                ratios[key].append(predicted / measured)
+            cells.append(f"{predicted / GIB:.2f} / {'-' if not measured else f'{measured / GIB:.2f}'} | "
+                         f"{ratio(predicted, measured)}")
         layout = " ".join(f"{k}={row[k]}" for k in KEYS)
-        measured = "-" if peak is None else f"{peak / GIB:.2f}"
-        lines.append(f"| {layout} | {predicted / GIB:.2f} | {measured} | {error} | {verdict} | {outcome} |")
-    lines.append(f"\nOOM predicted right: {right} of {judged} runs that fit or died of OOM (goal >= 95%); peak "
-                 f"within 10%: {within} of {finished} runs that finished (goal: all).")
+        lines.append(f"| {layout} | {cells[0]} | {cells[1]} | {said} | {outcome} |")
+    lines.append(f"\nOOM predicted right: {right} of {judged} runs that fit or died of OOM (goal >= 95%); predicted / "
+                 f"measured over {len(ratios['reserved'])} runs that finished, median: allocated "
+                 f"{median(ratios['allocated'])}, reserved {median(ratios['reserved'])} (goal 0.9-1.1).")
     return lines
+
+
+def median(values):
+    """The median of a list as text ('-' when empty)."""
+    values = sorted(values)
+    if not values:
+        return "-"
+    mid = len(values) // 2
+    return f"{(values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2):.2f}"
 
 
 def plan_sweep(world, gpu, memory_bytes, vocab_size, out, dry, steps=STEPS, timeout_s=900):
@@ -130,7 +158,8 @@ def plan_sweep(world, gpu, memory_bytes, vocab_size, out, dry, steps=STEPS, time
         peak, outcome = run_layout(row, world, steps, os.path.join(out, f"plan_sweep_{i}"), timeout_s)
         print(f"  plan sweep {i + 1}/{len(rows)}: {outcome}, peak {peak}", flush=True)
         results.append((row, peak, outcome))
-    head = (f"plan.py vs torch.cuda.max_memory_allocated: {len(rows)} train_5d.py layouts of {sweep_model(world)} on "
+    head = (f"plan.py vs torch.cuda.max_memory_allocated / max_memory_reserved: {len(rows)} train_5d.py layouts of "
+            f"{sweep_model(world)} on "
             f"{world} x {gpu} ({memory_bytes / GIB:.1f} GiB), {steps} steps each" + (" (dry: nothing run)" if dry else ""))
     lines = [head, ""] + summary(results, memory_bytes)
     os.makedirs(out, exist_ok=True)
@@ -140,13 +169,16 @@ def plan_sweep(world, gpu, memory_bytes, vocab_size, out, dry, steps=STEPS, time
 
 
 def worker(out_dir, argv):
-    """Under torchrun: train_5d.main(argv), then this rank's torch.cuda.max_memory_allocated to out_dir."""
+    """Under torchrun: train_5d.main(argv), then this rank's torch.cuda.max_memory_allocated and max_memory_reserved
+    to out_dir."""
     import torch
     import train_5d
     train_5d.main(argv)
     rank, device = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
     with open(os.path.join(out_dir, f"peak_rank{rank}.json"), "w") as f:
-        json.dump(torch.cuda.max_memory_allocated(device) if torch.cuda.is_available() else 0, f)
+        json.dump(dict(allocated=torch.cuda.max_memory_allocated(device) if cuda else 0,
+                       reserved=torch.cuda.max_memory_reserved(device) if cuda else 0), f)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

@@ -260,9 +260,10 @@ published software lacked (ZeRO with Megatron's pipelines, SP, CP, zb1 / zbv) an
 model says the activations fit, while Table 1 of Narayanan et al. is a weak-scaling study that uses full recompute
 at every size (the paper's recompute experiment, Fig. 17, finds it a throughput cost at equal batch size, worth
 it for the larger batch it allows) and torchtitan's tables fix FSDP, the local batch and the recompute mode. Restricted to what the
-software offered, 1 of 8 is in the top 3 (1008B, #3); with the published recompute mode too, 6 of 8 (1.7B #1 in a
-tie over micro-batch sizes, 1008B #3, torchtitan A100 8B and 70B #1, torchtitan H100 #1 twice: its op policy against
-plan.py's selective, the nearest mode the search has, which recomputes more slowly). The others (145.6B, 18.4B) lose to layouts
+software offered, none is in the top 3 (1008B is #4); with the published recompute mode too, 5 of 8 (1.7B #1 in a
+tie over micro-batch sizes, torchtitan A100 8B #2 and 70B #1, torchtitan H100 #1 twice: its op policy against
+plan.py's selective, the nearest mode the search has, which recomputes more slowly). The others (145.6B, 18.4B, and
+1008B at #4) lose to layouts
 with less tensor-parallel traffic (smaller t, more pipeline stages or micro-batch 1), against Narayanan et al.'s
 first takeaway (tensor parallelism up to the GPUs of a node before pipelining); torchtitan H100: its layouts with CP
 (which its 2024-12 release offered) are predicted faster. The fair test of the ranking, published sweeps over layouts of one model on one cluster

@@ -28,7 +28,8 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
                      the tied embedding across stages, the split backward of zero-bubble schedules
     nccl_check.py    replays each rank's p2p launches under NCCL's grouping rules (tests)
     plan_inputs.py, plan_memory.py   plan.py's inputs (GPUs, presets, layouts) and memory formulas
+    plan_cli.py      plan.py's command line: flags, range checks, the Job and Layout they build
     plan_shape.py, plan_time.py      plan.py's model shapes (GQA, SwiGLU, untied, uneven stages) and the published
                      measurements its time rests on (kernel ceilings, NCCL latency, overlap defaults)
-    plan_comm.py     plan.py's communication: each axis's link, bytes per step and NCCL latency
+    plan_comm.py     plan.py's communication: each axis's link, bytes per step, NCCL latency and what overlaps
 """

@@ -56,8 +56,9 @@ def comm_bytes(job, lay, padded):
     n = lay.dp * lay.cp
     if n > 1:
         part = (n - 1) / n * padded
-        sizes = model_state_bytes_per_param(recipe, job.moments)
-        reduce = {0: 2, 1: 1, 2: m, 3: m}[lay.zero_stage] * part * sizes["grads"]
+        sizes = model_state_bytes_per_param(recipe, job.moments, job.grad_dtype)
+        reduced = min(sizes["grads"], 4)         # grad_dtype both: the fp32 buffer is what is reduced
+        reduce = {0: 2, 1: 1, 2: m, 3: m}[lay.zero_stage] * part * reduced
         gather = {0: 0, 1: 1, 2: 1, 3: 2 * m}[lay.zero_stage] * part * sizes["params"]
         out["dp"] = reduce + gather
         out["dp_reduce"] = reduce
@@ -113,3 +114,55 @@ def comm_latency(job, lay, groups):
             moe = sum(job.cfg.is_moe_block(i) for i in stage_blocks(job, lay.pp, lay.v, 0, placement_of(lay.schedule)))
             out[axis] = 4 * m * moe * lat["all_to_all"]
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# what overlaps, as each stack runs it
+
+def exposed_dp_time(job, lay, reduce, gather, calls, compute, bubble):
+    """Seconds of the data-parallel reductions (`reduce`) and parameter gathers (`gather`) left on the step's path
+    (`calls`: buckets, or ZeRO-3 units, each one collective per round), by how the stack overlaps them
+    (job.dp_overlap, job.dp_overlap_style). A round's last bucket is ready only when the backward that fills it ends,
+    so it is exposed whatever overlaps; `one_reduce` and `one_gather` are one bucket's share (its bytes and NCCL
+    latency), m micro-batches per step:
+        no overlap     reduce + gather
+        ZeRO-3         prefetched gathers and reduce-scatters under the compute; each micro-batch's first gather and
+                       last reduce-scatter exposed: max(reduce + gather - compute, m (one_gather + one_reduce))
+        ddp            torch DDP / FSDP's no_sync, DeepSpeed: the last micro-batch's backward (2/3 compute / m; every
+                       backward at ZeRO-2, which reduce-scatters each micro-batch) hides the reductions, less each
+                       round's last bucket; ZeRO-1/2's gather after the optimizer step exposed
+        mcore          Megatron-Core --overlap-grad-reduce: the last micro-batch's backward and the pipeline drain
+                       (half the bubble) hide the reduce-scatters; --overlap-param-gather: the next step's first
+                       forward (1/3 compute / m) and the fill (the other half) hide the gathers; one bucket of each
+                       exposed"""
+    m = lay.grad_acc(job)
+    if not job.dp_overlap:
+        return reduce + gather
+    reduce_rounds = {0: 1, 1: 1, 2: m, 3: m}[lay.zero_stage]
+    gather_rounds = {0: 1, 1: 1, 2: 1, 3: 2 * m}[lay.zero_stage]
+    one_reduce, one_gather = reduce / (reduce_rounds * calls), gather / (gather_rounds * calls)
+    if lay.zero_stage == 3:
+        return max(reduce + gather - compute, m * (one_gather + one_reduce))
+    backward = 2 / 3 * compute / (1 if lay.zero_stage == 2 else m)
+    if job.dp_overlap_style == "mcore":
+        hidden_reduce = max(reduce - backward - bubble / 2, one_reduce)
+        return hidden_reduce + (max(gather - compute / 3 / m - bubble / 2, one_gather) if gather else 0.0)
+    return max(reduce - backward, reduce_rounds * one_reduce) + gather
+
+
+def exposed_tp_time(job, lay, comm, gemm_time, rows):
+    """Seconds of tp communication (`comm`) left exposed when a share job.tp_overlap of it is pipelined with the GEMMs
+    beside it (Transformer Engine's userbuffers: each all-gather / reduce-scatter in tp chunks, chunk k's transfer
+    under chunk k-1's GEMM). Derived from the times that overlap, not a constant: each of the four GEMM groups of a
+    block (plan_shape.block_linears; `gemm_time` the rank's block GEMM seconds, split by their FLOPs) has a quarter
+    of the bytes beside it; the first of its tp chunks cannot hide, the rest hide up to the GEMM's time:
+        exposed_i = c_i / t + max(0, c_i (t-1)/t - g_i)
+    and the GEMMs run as t chunks of rows/t rows each, slower by plan_time.gemm_rows_factor at rows/t over rows.
+    The share not pipelined stays exposed."""
+    x, t = job.tp_overlap, lay.tp
+    if not x or t == 1 or not comm:
+        return comm
+    flops = [n_in * n_out for n_in, n_out in plan_shape.block_linears(job, t)]
+    pipelined = sum(comm / 4 / t + max(0.0, comm / 4 * (t - 1) / t - gemm_time * f / sum(flops)) for f in flops)
+    slower = time_model.gemm_rows_factor(job, t, rows / t) / time_model.gemm_rows_factor(job, t, rows) - 1
+    return x * (pipelined + gemm_time * slower) + (1 - x) * comm

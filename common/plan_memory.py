@@ -6,8 +6,16 @@ formula in the docstring, and the tests hold each against what the rungs count (
                    + activations                  in_flight micro-batch-chunks x blocks per chunk x
                                                   layer_activation_bytes (Korthikanti et al. 2022 with TP/SP at
                                                   s/cp tokens) + head_activation_bytes on the last stage
-                   + other                        logits, ZeRO buffers, p2p and CP buffers, FRAMEWORK_BYTES
-    of the fuller of pipeline ranks 0 and p-1.
+                   + other                        logits, ZeRO buffers, p2p and CP buffers, cuBLAS workspaces
+                   = allocated (torch.cuda.max_memory_allocated)
+    reserved       = allocated + ALLOCATOR_RESERVE x (activations + other), at most usable_bytes where the allocated fit
+                                                 (torch.cuda.max_memory_reserved: the caching allocator's blocks; states
+                                                  are allocated once, the rest churns; under pressure the allocator
+                                                  frees its cache and retries instead of failing)
+    on the device  = reserved + CUDA_CONTEXT + NCCL_COMM_BYTES per communicator   (what nvidia-smi shows)
+    OOM            reserved > usable_bytes = the GPU's total capacity - CUDA_CONTEXT - NCCL_COMM_BYTES per communicator
+                   (with the cap: the live tensors alone do not fit)
+    of the fuller of pipeline ranks 0 and p-1. Each constant and its source: below.
 
 Stages are placed as pipeline_schedules.stage_of places them: round-robin (stage c*p + rank is chunk c of rank),
 or in a V for zbv and dualpipev (rank r holds stages r and 2p-1-r, so rank 0 holds both ends and the tied
@@ -15,16 +23,40 @@ embedding once); stage k holds plan_shape.stage_layer_counts' k-th share of the 
 cut or p*v does not divide L). The model's shape (GQA, MLP width, gated, untied) comes from plan_shape.
 """
 import math
+from dataclasses import replace
 from functools import lru_cache
 
 
 from model import activation_bytes_per_layer
 from common.pipeline_schedules import placement_of, rank_of, stage_of
-from common.plan_inputs import FRAMEWORK_BYTES, PRECISION, model_state_bytes_per_param
+from common.plan_inputs import PRECISION, model_state_bytes_per_param
 from common.plan_shape import (activation_delta_values, block_numels, embedding_numels, held_layers, job_of_shape,
                                kv_dim, op_recompute_values, stage_layer_counts)
 
-MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total")
+MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "reserved")
+
+# What a GPU's memory holds besides the tensors (memory and usable_bytes below; docs/plan.md):
+# DEVICE_SHARE: the share of the HBM the driver hands to a process, torch's "total capacity" in every CUDA OOM message
+# ("79.15 GiB total capacity" on an A100 80GB, "31.74 GiB" on a V100 32GB: NVIDIA/Megatron-LM #525).
+# CUDA_CONTEXT: the context and the loaded kernels, outside the caching allocator: "GPU memory occupied: 1343 MB" after
+# the first tensor (Hugging Face transformers docs, "Model training anatomy": "the kernels alone take up 1.3GB").
+# NCCL_COMM_BYTES: one communicator's buffers, outside the allocator: per channel a 10 MiB and a 2 MiB buffer, 32
+# channels on 8 x H100 (NVIDIA/nccl #1685, NCCL_DEBUG_SUBSYS=ALLOC); "a Ring ... only has 2 connections regardless of
+# the scale" and "memory usage is linearly tied to the number of channels" (#986): 32 x 12 MiB per communicator.
+# CUBLAS_WORKSPACE: torch's cuBLAS and cuBLASLt workspaces, through the caching allocator (counted as allocated): 32
+# MiB each on Hopper (torch's default CUBLAS_WORKSPACE_CONFIG ":4096:8", 8 x 4 MiB).
+# ALLOCATOR_RESERVE: what the caching allocator reserves beyond the peak of live tensors, as a share of the tensors
+# that come and go each step (activations, logits, buffers; model states are allocated once and do not fragment):
+# 16 GiB stranded over 77 GiB of stashed activations at their peak (93 GiB reserved), meta-pytorch/torchrec #4584's
+# study of HBM fragmentation, a measurement of the allocator, not of a run plan.py is compared with. The reserve is
+# soft: where a cudaMalloc fails the allocator frees its cached blocks and retries (torch.cuda.memory_stats'
+# num_alloc_retries), so reserved memory stops at what is usable and only the live tensors can run a GPU out.
+DEVICE_SHARE = 79.15 / 80
+CUDA_CONTEXT = 1343e6
+NCCL_COMM_BYTES = 32 * 12 * 2 ** 20
+CUBLAS_WORKSPACE = 2 * 32 * 2 ** 20
+ALLOCATOR_RESERVE = 16 / 77
+
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -90,7 +122,7 @@ def model_state(job, lay, rank):
     for experts, ranks in parts:
         these = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, bucket_mb(job, n),
                             placement, experts)
-        st = zero_state_bytes(these, ranks, lay.zero_stage, PRECISION[job.precision][0], job.moments)
+        st = zero_state_bytes(these, ranks, lay.zero_stage, PRECISION[job.precision][0], job.moments, job.grad_dtype)
         total = {k: total[k] + st[k] for k in total}
         groups += these
     return total, groups
@@ -126,13 +158,13 @@ def tp_activation_bytes_per_layer(seq_len, batch, cfg, tp, sp=False, **kw):
     return whole + (full - whole) / tp
 
 
-def zero_state_bytes(groups, n, stage, recipe, moments="fp32"):
+def zero_state_bytes(groups, n, stage, recipe, moments="fp32", grad_dtype="param"):
     """Model-state bytes per rank, groups padded to a multiple of n ranks (P' = sum ceil(g/n)*n; P' = P at stage 0),
     bytes per parameter (p, g, o) from plan_inputs.model_state_bytes_per_param (bf16: 2, 2, 12; fp32: 4, 4, 8):
         stage 0: (p + g + o) P      stage 1: (p + g) P' + o P'/n      stage 2: p P' + (g + o) P'/n
         stage 3: (p + g + o) P'/n   (ZeRO paper, 7.5B on 64 GPUs, bf16: 120 / 31.4 / 16.6 / 1.9 GB)"""
     padded = sum(groups) if stage == 0 else sum(-(-g // n) * n for g in groups)
-    b = model_state_bytes_per_param(recipe, moments)
+    b = model_state_bytes_per_param(recipe, moments, grad_dtype)
     return dict(params=b["params"] * padded / (n if stage >= 3 else 1),
                 grads=b["grads"] * padded / (n if stage >= 2 else 1),
                 optimizer=b["optim"] * padded / (n if stage >= 1 else 1), padded=padded)
@@ -252,11 +284,12 @@ def other_bytes(job, lay, rank, groups):
     gradient buffers in flight (2 * largest bucket * g); ZeRO-3's gathered current + prefetched unit and the unit's
     full gradient ((2p + g) * largest unit); amp's bf16 copies of the weights (2 bytes per rank parameter; under
     ZeRO-3 only those of the two gathered units); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
-    (2 * 2b*s*h/t values); FRAMEWORK_BYTES."""
+    (2 * 2b*s*h/t values); torch's cuBLAS and cuBLASLt workspaces (CUBLAS_WORKSPACE); under full recompute the
+    block being recomputed: what it keeps without recompute, less its stored input, live until its backward ends."""
     cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
-    sizes = model_state_bytes_per_param(recipe, job.moments)
-    out = FRAMEWORK_BYTES
+    sizes = model_state_bytes_per_param(recipe, job.moments, job.grad_dtype)
+    out = CUBLAS_WORKSPACE
     if rank == end_ranks(lay)[1]:       # fused loss: the logits' gradient alone (the logits are its saved input)
         out += s * b * cfg.padded_vocab_size / lay.tp * (bpv + (4 if bpv < 4 and not job.fused_loss else 0))
     if lay.zero_stage == 2:
@@ -269,28 +302,62 @@ def other_bytes(job, lay, rank, groups):
         out += 2 * s * b * h * bpv / (lay.tp if lay.sp else 1)
     if lay.cp > 1:
         out += 4 * s * b * kv_dim(job) / lay.tp * bpv
+    if lay.recompute == "full":
+        out += layer_activation_bytes(job, replace(lay, recompute="none")) - layer_activation_bytes(job, lay)
     return out
+
+
+def communicators(dp, tp, cp, pp, ep):
+    """NCCL communicators a rank holds buffers for: one per group of more than one rank (tp, cp, dp x cp, pp, ep)."""
+    return (tp > 1) + (cp > 1) + (dp * cp > 1) + (pp > 1) + (ep > 1)
+
+
+def usable_bytes(capacity, n_communicators):
+    """What the caching allocator can reserve: the GPU's total capacity as torch reports it (HARDWARE's HBM x
+    DEVICE_SHARE; torch.cuda.get_device_properties().total_memory on a GPU) less the CUDA context and NCCL's
+    buffers, which live outside it."""
+    return capacity - CUDA_CONTEXT - NCCL_COMM_BYTES * n_communicators
+
+
+def capacity_of(job):
+    """The GPU's total capacity as torch reports it: its HBM x DEVICE_SHARE."""
+    return job.hw["mem"] * DEVICE_SHARE
 
 
 def memory(job, lay):
     """Memory parts of the fuller of pipeline ranks 0 and p-1 (bytes): the two ends (most in flight under afab,
     1f1b and interleaved on rank 0; the last stage's logits on p-1), in a V both ends and the turn (where zbv holds
-    the most with few micro-batches)."""
+    the most with few micro-batches). total: what the tensors take at their peak (allocated); reserved: with the
+    caching allocator's blocks beyond them (ALLOCATOR_RESERVE of the tensors that come and go); device: reserved +
+    the CUDA context and NCCL's buffers (nvidia-smi's figure)."""
     best = None
+    n = communicators(lay.dp, lay.tp, lay.cp, lay.pp, lay.ep)
+    usable = usable_bytes(capacity_of(job), n)
     for rank in sorted({0, lay.pp - 1}):
         st, groups = model_state(job, lay, rank)
         parts = dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
                      activations=activation_bytes(job, lay, rank), other=other_bytes(job, lay, rank, groups))
         parts["total"] = sum(parts.values())
+        parts["reserved"] = parts["total"] + ALLOCATOR_RESERVE * (parts["activations"] + parts["other"])
+        if parts["total"] <= usable:                  # the cache yields to live tensors before a cudaMalloc fails
+            parts["reserved"] = min(parts["reserved"], usable)
         parts["padded_params"] = st["padded"]
         parts["groups"] = len(groups)        # buckets (ZeRO 0-2) or units (ZeRO-3): one collective each
-        if best is None or parts["total"] > best["total"]:
+        if best is None or parts["reserved"] > best["reserved"]:
             best = parts
+    best["device"] = best["reserved"] + CUDA_CONTEXT + NCCL_COMM_BYTES * n
+    best["usable"] = usable
     return best
 
 
 
 def layers_per_rank(job, lay):
     """Blocks on each pipeline rank (its v chunks' stages), uneven stages included."""
-    counts, placement = stage_layer_counts(job, lay.pp * lay.v), placement_of(lay.schedule)
-    return [sum(counts[stage_of(r, c, lay.pp, placement)] for c in range(lay.v)) for r in range(lay.pp)]
+    return list(rank_layers(job.shape, lay.pp, lay.v, placement_of(lay.schedule)))
+
+
+@lru_cache(maxsize=None)
+def rank_layers(shape, pp, v, placement):
+    """layers_per_rank of a Job.shape (cached: the search asks for it several times per layout)."""
+    counts = stage_layer_counts(job_of_shape(shape), pp * v)
+    return tuple(sum(counts[stage_of(r, c, pp, placement)] for c in range(v)) for r in range(pp))

@@ -55,6 +55,13 @@ def block_numels(job, tp, ep, moe):
     return attn + [up * f * h // tp, up * f // tp, f * h // tp, h]
 
 
+def block_linears(job, tp):
+    """(in, out) features of a block's four GEMMs on a tp rank, in the order a tensor-parallel collective meets them:
+    QKV (column-parallel), attention out (row-parallel), MLP up (+ gate, fused), MLP down (row-parallel)."""
+    h, kv, f, up = job.cfg.n_embd, kv_dim(job), ffn(job), mlp_matrices(job) - 1
+    return [(h, (h + 2 * kv) // tp), (h // tp, h), (h, up * f // tp), (f // tp, h)]
+
+
 def embedding_numels(job, tp, first, last):
     """Vocab-parallel embedding rows (V/tp x h) on the ranks of the first and last stage: tied, one matrix on
     each end (once where one rank holds both); untied, the input embedding on the first, the LM head on the last."""

@@ -4,9 +4,10 @@ time from FLOPs at an efficiency made of hardware measurements, and the alpha-be
 latency model + bandwidth). plan.py's step_time adds the parts up.
 
     compute   = (matmul FLOPs / GEMM_EFF + attention FLOPs executed / ATTN_EFF) / peak      the kernels
-                + (1/KERNEL_SHARE - 1) x (the same on A100) x A100's HBM bandwidth / this GPU's   the memory-bound rest
+                + MEMORY_BOUND x (the same on A100) x A100's HBM bandwidth / this GPU's   the memory-bound rest
                 GEMM_EFF: measured maximum achievable matmul FLOP/s / peak, per GPU; ATTN_EFF: the flash kernel's
-                published utilization; KERNEL_SHARE: the kernels' share of one measured A100 training step
+                published utilization; MEMORY_BOUND: the rest of one measured A100 training step per second of its
+                kernels at the ceilings (1/KERNEL_SHARE - 1, x its GEMMs' shape factor)
                 attention executed: half of 12 L h s with a causal flash kernel (it skips the masked blocks), all of
                 it eager (scores computed, then masked); the MFU convention keeps counting 12 L h s either way
     collective = latency + bytes / bandwidth, latency = NCCL's ring model: base + (steps - inter-node steps) *
@@ -14,6 +15,7 @@ latency model + bandwidth). plan.py's step_time adds the parts up.
                  all-gather / all-to-all, 1 send
 """
 import math
+from functools import lru_cache
 
 from common import plan_shape
 
@@ -27,6 +29,47 @@ from common import plan_shape
 GEMM_EFF = {"a100": 267.9 / 312, "a100-40gb": 267.9 / 312,
             "h100": 792.1 / 989, "h100-hbm2e": 792.1 / 989, "h200": 792.1 / 989,
             "b200": 792.1 / 989}
+
+# GEMM efficiency by shape, fitted to matmul measurements only (bench/gemm_rows.py reproduces the fit): OpenXLA's
+# default matmul performance table for H100 (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/
+# matmul_interpolator_data.h, bf16 FLOP/s of m x k x n GEMMs, m, n, k 256-4096) against the measured ceiling:
+#     FLOP/s = ceiling / ((1 + (E0 / (m n))^a) (1 + (K0 / k)^b))
+# the output's m x n elements (too few tiles to fill the SMs: 412 of 783 TFLOP/s at 1M, rms error 4.7% over 15
+# shapes) and the reduction's depth k (392 TFLOP/s at k = 256, rms 1.4% over 5). Other GPUs: H100's (an assumption).
+GEMM_SHAPE = dict(e0=9.55e5, a=1.9, k0=263, b=1.3)
+
+
+def gemm_shape_factor(m, n, k):
+    """How much longer an m x k x n GEMM takes per FLOP than at the measured ceiling (GEMM_SHAPE)."""
+    return (1 + (GEMM_SHAPE["e0"] / (m * n)) ** GEMM_SHAPE["a"]) * (1 + (GEMM_SHAPE["k0"] / k) ** GEMM_SHAPE["b"])
+
+
+def linear_factor(rows, n_in, n_out):
+    """gemm_shape_factor of one linear layer over a step's three GEMMs of equal FLOPs: forward (rows x n_in x n_out),
+    input gradient (rows x n_out x n_in) and weight gradient (n_in x rows x n_out: the rows are its depth)."""
+    return (gemm_shape_factor(rows, n_out, n_in) + gemm_shape_factor(rows, n_in, n_out)
+            + gemm_shape_factor(n_in, n_out, rows)) / 3
+
+
+def gemm_rows_factor(job, tp, rows):
+    """The FLOP-weighted linear_factor of a tp rank's GEMMs (a block's four, plan_shape.block_linears, and the LM
+    head's h x V/tp) at `rows` rows (micro-batch x seq / cp; / tp per chunk where a collective is pipelined with it):
+    how much longer its matmuls take than at the ceiling. 1 with job.eff (one efficiency for everything)."""
+    if job.eff:
+        return 1.0
+    return shape_factor(job.shape, tp, rows)
+
+
+@lru_cache(maxsize=None)
+def shape_factor(shape, tp, rows):
+    """gemm_rows_factor of a Job.shape (cached: the search asks for it per layout)."""
+    job = plan_shape.job_of_shape(shape)
+    cfg = job.cfg
+    shapes = [(n_in, n_out, cfg.n_layer) for n_in, n_out in plan_shape.block_linears(job, tp)]
+    shapes.append((cfg.n_embd, cfg.padded_vocab_size // tp, 1))
+    flops = [n_in * n_out * count for n_in, n_out, count in shapes]
+    return sum(f * linear_factor(max(rows, 1), n_in, n_out) for f, (n_in, n_out, _) in zip(flops, shapes)) / sum(flops)
+
 
 # Fraction of peak a flash-attention kernel reaches, forward + backward, on the executed FLOPs of plan's count (4 h s
 # per layer forward, 8 backward; halved for causal). FlashAttention-2 (Dao 2023, arXiv 2307.08691, abstract):
@@ -46,7 +89,7 @@ ATTN_EFF = {gpu: u * 3 / 3.5 for gpu, u in FLASH_UTILIZATION.items()}
 # the time it took. The rest is priced as memory-bound work: the same bytes per FLOP of the model, moved at each
 # GPU's own HBM bandwidth (a roofline split: on H100 the GEMMs run 2.96x faster than on A100, HBM 1.64x). No run
 # plan.py is compared with went into it (llm-foundry's H100 row of the same model is one of the comparisons).
-MPT7B = dict(n_layer=32, n_embd=4096, vocab=50432, seq=2048, mfu=0.6423)
+MPT7B = dict(n_layer=32, n_embd=4096, vocab=50432, seq=2048, micro_batch=6, mfu=0.6423)
 A100_HBM = 2.039e12          # plan_inputs.HARDWARE["a100"]["hbm"], the bandwidth of that measurement
 
 
@@ -56,31 +99,39 @@ def kernel_time(matmul_flops, attention_flops, gpu, peak, attn_eff=0.0):
 
 
 def mpt7b_kernel_share():
-    """(kernel time at the A100 ceilings) / (measured time) for the MPT-7B row, N = 12 L h^2 + V h, causal flash."""
-    L, h, s = MPT7B["n_layer"], MPT7B["n_embd"], MPT7B["seq"]
-    matmul, attention = 6 * (12 * L * h * h + MPT7B["vocab"] * h), 12 * L * h * s
-    return kernel_time(matmul, attention / 2, "a100", 1.0) / ((matmul + attention) / MPT7B["mfu"])
+    """(kernel time at the A100 ceilings) / (measured time) for the MPT-7B row, N = 12 L h^2 + V h, causal flash, its
+    GEMMs at their shapes (micro-batch 6 of 2,048 tokens: linear_factor); and the GEMM shape factor used."""
+    L, h, s, V = MPT7B["n_layer"], MPT7B["n_embd"], MPT7B["seq"], MPT7B["vocab"]
+    matmul, attention = 6 * (12 * L * h * h + V * h), 12 * L * h * s
+    rows = MPT7B["micro_batch"] * s
+    shapes = [(h, 3 * h, 3 * L * h * h), (h, h, L * h * h), (h, 4 * h, 4 * L * h * h), (4 * h, h, 4 * L * h * h),
+              (h, V, V * h)]
+    factor = sum(w * linear_factor(rows, n_in, n_out) for n_in, n_out, w in shapes) / sum(w for *_, w in shapes)
+    return kernel_time(matmul * factor, attention / 2, "a100", 1.0) / ((matmul + attention) / MPT7B["mfu"]), factor
 
 
-KERNEL_SHARE = mpt7b_kernel_share()
+KERNEL_SHARE, MPT7B_GEMM_FACTOR = mpt7b_kernel_share()
+# the memory-bound rest of a step per second of kernel time at the ceilings (shape factor 1), as MPT-7B measured it
+MEMORY_BOUND = (1 / KERNEL_SHARE - 1) * MPT7B_GEMM_FACTOR
 A100_PEAK = 312e12
 
 
-def compute_time(flops, attention_flops, job):
+def compute_time(flops, attention_flops, job, gemm_factor=1.0):
     """Seconds of the FLOPs of one token (model count + recompute, `attention_flops` of them QK^T / AV) on job's GPU:
-    matmuls at peak * GEMM_EFF, a flash kernel's attention at peak * ATTN_EFF, half of it when causal (Dao 2023,
-    FlashAttention-2 Sec. 3.1.1: blocks above the diagonal are skipped), eager attention as batched matmuls, all of
-    it (the scores are computed, then masked); plus the memory-bound rest: (1/KERNEL_SHARE - 1) x the same kernels'
-    time on A100, x A100's HBM bandwidth / this GPU's. job.eff (--eff): one efficiency for every executed FLOP."""
+    matmuls at peak * GEMM_EFF, slower by gemm_factor (gemm_rows_factor of the GEMMs' shapes), a flash kernel's
+    attention at peak * ATTN_EFF, half of it when causal (Dao 2023, FlashAttention-2 Sec. 3.1.1: blocks above the
+    diagonal are skipped), eager attention as batched matmuls, all of it (the scores are computed, then masked); plus
+    the memory-bound rest: MEMORY_BOUND x the same kernels' time on A100 at the ceiling, x A100's HBM bandwidth /
+    this GPU's. job.eff (--eff): one efficiency for every executed FLOP."""
     flash = job.attn == "flash"
     attention = attention_flops / (2 if flash and job.causal else 1)
     matmul = flops - attention_flops + (0 if flash else attention)
     attention = attention if flash else 0.0
     if job.eff:
         return (matmul + attention) / (job.peak * job.eff)
-    kernels = kernel_time(matmul, attention, job.gpu, job.peak, job.attn_eff)
+    kernels = kernel_time(matmul * gemm_factor, attention, job.gpu, job.peak, job.attn_eff)
     on_a100 = kernel_time(matmul, attention, "a100", A100_PEAK)
-    return kernels + (1 / KERNEL_SHARE - 1) * on_a100 * A100_HBM / job.hw["hbm"]
+    return kernels + MEMORY_BOUND * on_a100 * A100_HBM / job.hw["hbm"]
 
 
 # NCCL's latency model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel; ring algorithm, Simple protocol, the
@@ -103,6 +154,7 @@ def ring_steps(kind, n):
     return 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
+@lru_cache(maxsize=None)
 def latency(kind, n, nodes):
     """Seconds of fixed cost of one collective `kind` over n ranks spread over `nodes` nodes (NCCL's model)."""
     if n <= 1:
@@ -117,10 +169,11 @@ def latency(kind, n, nodes):
     return min(ring, tree) if nodes > 1 else ring
 
 
-# Tensor-parallel communication hidden under the GEMMs it feeds, as the software modelled does it by default:
+# Tensor-parallel communication pipelined with the GEMMs it feeds, as the software modelled does it by default:
 # Megatron-LM 2021 and torchtitan's TP (DTensor) run it in the open (0); NeMo / Megatron-Core with Transformer
 # Engine's userbuffers (--tp-comm-overlap, "TP communication overlap" in the NeMo performance guide) split each
-# SP all-gather / reduce-scatter into chunks that run beside the GEMM's (1: all of it, up to the GEMM time).
+# SP all-gather / reduce-scatter into tp chunks that run beside the GEMM's chunks (1: every collective so). What that
+# hides is derived, not a constant: plan_comm.exposed_tp_time.
 TP_OVERLAP = {"megatron-2021": 0.0, "torchtitan": 0.0, "nemo-te": 1.0}
 
 
@@ -164,16 +217,25 @@ SOFTWARE = {
     # Megatron-LM as Narayanan et al. 2021 ran it (SC'21; NVIDIA/Megatron-LM examples/sc21/run_table_1.sh): the
     # attention unfused through HBM (fused scale-mask-softmax, no flash kernel), gradients all-reduced after the
     # backward (--DDP-impl local), pipeline messages scattered over tp and all-gathered on arrival (Sec. 4.1).
-    "megatron-2021": dict(attn="eager", dp_overlap=False, pp_scatter_gather=True, tp_overlap=0.0, pp_overlap=False),
+    # Its optimizer keeps fp32 main gradients beside the fp16 parameters (Float16OptimizerWithFloat16Params).
+    "megatron-2021": dict(attn="eager", dp_overlap=False, pp_scatter_gather=True, tp_overlap=0.0, pp_overlap=False,
+                          grad_dtype="fp32"),
     # torchtitan (pytorch/torchtitan, 2024): flash attention through SDPA, FSDP2 prefetching its all-gathers and
     # reducing under the backward, tensor-parallel collectives in the open (its async TP is an opt-in compile pass),
     # pipeline sends blocking (torch.distributed.pipelining).
     "torchtitan": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=False),
     # Megatron-Core / NeMo with Transformer Engine as NeMo's performance recipes run it (NeMo Framework user guide,
-    # "Communication Overlap"): data-parallel reduce-scatters per layer chunk under the backward, TP all-gathers and
-    # reduce-scatters pipelined with their GEMMs (userbuffers; with SP), pipeline sends under the interleaved chunks.
+    # "Communication Overlap"): data-parallel reduce-scatters per bucket under the backward and the parameter
+    # all-gathers under the next forward (--overlap-grad-reduce --overlap-param-gather), TP all-gathers and
+    # reduce-scatters pipelined with their GEMMs (userbuffers; with SP), pipeline sends under the interleaved chunks;
+    # fp32 main gradients beside bf16 parameters (Megatron-LM README: "bf16 param, fp32 grads: 18 bytes").
     "megatron-core": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=TP_OVERLAP["nemo-te"],
-                          pp_overlap=True, **MCORE_BUCKET),
+                          pp_overlap=True, dp_overlap_style="mcore", grad_dtype="fp32", **MCORE_BUCKET),
+    # Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused softmax, DeepSpeed's pipeline engine reducing the gradients
+    # after the last micro-batch, its BF16_Optimizer's fp32 gradient buffer beside the bf16 gradients ("4 bytes *
+    # params", bigscience tr11-176B-ml README).
+    "megatron-deepspeed": dict(attn="eager", dp_overlap=False, pp_scatter_gather=False, tp_overlap=0.0,
+                               pp_overlap=False, grad_dtype="both"),
     # Llama 3's stack (Dubey et al. 2024, Sec. 3.3.2): FSDP "asynchronously prefetching sharded model weights and
     # reducing gradients", "asynchronous point-to-point communication in PP"; TP overlap is not stated (none here).
     "llama3": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=True),

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import plan
-from common.plan_inputs import build_job, parse_args, parse_layout
+from common.plan_cli import build_job, parse_args, parse_layout
 
 BASE = ["--model", "gpt2", "--gpus", "8", "--seq", "1024", "--global_batch_tokens", "64K"]
 

@@ -1,0 +1,102 @@
+"""
+bench/plan_memory_runs.py: published runs that state a measured memory peak or an out-of-memory, for
+bench/plan_validation.py's memory section (predicted / measured memory and the OOM verdicts, apart from MFU).
+
+Each run is described as published; the docstring of the function that builds it says where each input comes from
+and what was assumed. What was measured is named per run: torch.cuda.max_memory_reserved ("reserved": torchtitan
+logs it as "memory: ... GiB", torchtitan/components/metrics.py, max_reserved_gib) or nvidia-smi ("device"). plan.py's
+prediction of the same quantity is compared (plan_memory.memory: "reserved", "device").
+"""
+import dataclasses
+
+from common.plan_inputs import MODELS, Layout
+from plan_tables import SETUPS, TITAN_A100, TITAN_H100, Setup
+
+LLAMA3_8B, LLAMA3_70B = MODELS["llama3-8b"], MODELS["llama3-70b"]
+LLAMA3_405B = dict(MODELS["llama3-405b"], ends_as_layers=False)     # torchtitan splits the layers alone
+TITAN_DOCS = "torchtitan docs/performance.md (Llama 3.1 405B section)"
+
+
+@dataclasses.dataclass
+class MemoryRun:
+    setup: Setup
+    measured_gib: float       # as published; 0 for a run published to run out of memory
+    metric: str               # "reserved" (torch.cuda.max_memory_reserved) or "device" (nvidia-smi)
+    modelled: bool = True     # False: the run used something plan.py does not model (torch.compile, Float8)
+
+
+def titan_h100(name, shape, gpus, seq, global_seqs, layout, gib, modelled=False, job=None):
+    """A row of torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100, 96 GB HBM2e: plan.py's
+    h100-hbm2e; "Memory(GiB)" is the logged max_reserved_gib, the maximum over all GPUs, footnote 1). Tables 2, 4, 5
+    and 6 ran torch.compile and Float8 (plan.py models neither: modelled False); Tables 1 and 3's first rows ran
+    neither."""
+    setup = Setup(name, TITAN_H100, shape, gpus, "h100-hbm2e", seq, global_seqs, layout, 0.0, f"{gib} GiB",
+                  "torchtitan-2024-12", job or {})
+    return MemoryRun(setup, gib, "reserved", modelled)
+
+
+def table2(fsdp, cp, seq, gib):
+    """Table 2: Llama 3.1 8B, 8 GPUs, FSDP x CP, local batch 1, full activation checkpointing, torch.compile +
+    Float8; the global batch is the FSDP degree (one sequence per data-parallel rank)."""
+    return titan_h100(f"Llama 3.1 8B, CP {cp}, {seq // 1024}K", LLAMA3_8B, 8, seq, fsdp,
+                      Layout(dp=fsdp, cp=cp, zero_stage=3, micro_batch_size=1, recompute="full"), gib)
+
+
+def table4(gib, name):
+    """Table 4: Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8 (torchtitan's TP is sequence-parallel), local batch 16,
+    global 512, full activation checkpointing, torch.compile + Float8 (and AsyncTP in its second row)."""
+    return titan_h100(name, LLAMA3_70B, 256, 8192, 512,
+                      Layout(dp=32, tp=8, sp=True, zero_stage=3, micro_batch_size=16, recompute="full"), gib)
+
+
+def table5(schedule, v, gib):
+    """Table 5: Llama 3.1 405B, 512 GPUs, FSDP 8 x TP 8 x PP 8, local batch 32 (global 256), full activation
+    checkpointing. With pipeline stages torchtitan does not reshard after the forward ("For PP, do not reshard after
+    forward to avoid per-microbatch all-gathers", torchtitan's parallelize), and the pipeline schedule accumulates
+    the gradients of every micro-batch before reducing them ("we need to accumulate gradients on previous steps and
+    reduce them on the last step", torch.distributed.pipelining's backward_maybe_with_nosync): parameters gathered
+    and gradients whole through the step, optimizer states sharded, plan.py's ZeRO-1, the gradients in FSDP's fp32
+    reduce dtype (torchtitan's mixed_precision_reduce default: grad_dtype fp32, assumed). Assumed: micro-batches of 1
+    sequence (torchtitan's pipeline_parallel_microbatch_size default), 2 stages per rank for the interleaved
+    schedule, the 126 layers split as evenly as they go (not Llama 3's embedding-and-loss-as-layers split)."""
+    return titan_h100(f"Llama 3.1 405B, {schedule}", LLAMA3_405B, 512, 8192, 256,
+                      Layout(dp=8, tp=8, pp=8, sp=True, zero_stage=1, schedule=schedule, v=v, micro_batch_size=1,
+                             recompute="full"), gib, job=dict(grad_dtype="fp32"))
+
+
+def table6(fsdp, cp, seq, gib):
+    """Table 6: Llama 3.1 405B, 512 GPUs, FSDP x CP x TP 8 x PP 8, 1F1B, local batch 8 (global 8 x FSDP), full
+    activation checkpointing, torch.compile + Float8 + AsyncTP; ZeRO-1 with fp32 gradients as in table5 (PP keeps
+    parameters gathered and gradients whole), micro-batches of 1 sequence (assumed)."""
+    return titan_h100(f"Llama 3.1 405B, CP {cp}, {seq // 1024}K", LLAMA3_405B, 512, seq, 8 * fsdp,
+                      Layout(dp=fsdp, cp=cp, tp=8, pp=8, sp=True, zero_stage=1, micro_batch_size=1,
+                             recompute="full"), gib, job=dict(grad_dtype="fp32"))
+
+
+MEASURED = ([MemoryRun(SETUPS[4], 82.4, "reserved"), MemoryRun(SETUPS[5], 67.0, "reserved")]   # Tables 1 and 3: FSDP
+            + [table2(8 // cp, cp, 32768 * cp, gib) for cp, gib in ((1, 83.9), (2, 84.2), (4, 84.0), (8, 84.5))]
+            + [table4(71.9, "Llama 3.1 70B, 2D"), table4(67.6, "Llama 3.1 70B, 2D + AsyncTP")]
+            + [table5("1f1b", 1, 82.5), table5("interleaved", 2, 72.7)]
+            + [table6(8 // cp, cp, 32768 * cp, gib) for cp, gib in ((1, 75.3), (2, 75.9), (4, 77.1), (8, 84.9))])
+
+
+def llama2_70b_oom():
+    """torchtitan docs/performance.md (2024-04), Llama 2 70B on 64 A100 80GB, FSDP, seq 4096: "the 70B training with
+    local batch size 2 will cause an OOM error when selective activation checkpointing is used" (selective op)."""
+    shape = dict(n_layer=80, n_embd=8192, n_head=64, vocab=32000, n_kv_head=8, ffn_hidden=28672, gated=True,
+                 tied=False)
+    layout = Layout(dp=64, zero_stage=3, micro_batch_size=2, recompute="op")
+    return Setup("Llama 2 70B, local batch 2, selective op", TITAN_A100, shape, 64, "a100", 4096, 128, layout, 0.0,
+                 "OOM", "torchtitan-2024-04")
+
+
+def llama31_405b_fsdp_oom():
+    """torchtitan docs/performance.md, Llama 3.1 405B on 128 H100 ("94GB memory": plan.py's h100-hbm2e row), local
+    batch 2, full activation checkpointing, seq 8192: "We do see OOM for 1D parallelism (FSDP2), so we only tested 2D
+    parallelism (FSDP2 + Tensor Parallel)"."""
+    layout = Layout(dp=128, zero_stage=3, micro_batch_size=2, recompute="full")
+    return Setup("Llama 3.1 405B, FSDP 128", TITAN_DOCS, MODELS["llama3-405b"], 128, "h100-hbm2e", 8192, 256, layout,
+                 0.0, "OOM", "torchtitan-2024-12")
+
+
+PUBLISHED_OOM = [llama2_70b_oom(), llama31_405b_fsdp_oom()]

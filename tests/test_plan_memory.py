@@ -1,0 +1,92 @@
+"""plan.py's memory as a GPU reports it: gradient buffers per --grad_dtype, allocated / reserved / device / usable, the
+OOM verdict on reserved memory, and the block recomputed under full recompute (common/plan_memory.py)."""
+from dataclasses import replace
+
+import pytest
+
+import plan
+from common import plan_memory
+from common.plan_cli import build_job, parse_args
+from common.plan_inputs import GIB, Job, Layout, model_state_bytes_per_param
+from common.plan_memory import ALLOCATOR_RESERVE, CUBLAS_WORKSPACE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES
+from model import GPTConfig
+
+CFG = GPTConfig(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048)
+
+
+def job_for(cfg=CFG, **kw):
+    return Job(cfg, kw.pop("gpus", 8), kw.pop("gpus_per_node", 8), kw.pop("gpu", "h100"), kw.pop("global_seqs", 64),
+               **kw)
+
+
+def test_gradient_buffers_per_grad_dtype():
+    """16-bit parameters: 16 bytes per parameter with 16-bit gradients, 18 with Megatron's fp32 main_grad (6 + 12/d
+    under ZeRO-1, its README's figure), 20 with both (nanotron, DeepSpeed's BF16_Optimizer); fp32 states stay 16.
+    The reduction moves the fp32 buffer: 4 bytes per parameter either way."""
+    assert [sum(model_state_bytes_per_param("bf16", "fp32", g).values()) for g in ("param", "fp32", "both")] == [16, 18,
+                                                                                                                 20]
+    assert model_state_bytes_per_param("fp32", grad_dtype="both") == model_state_bytes_per_param("fp32")
+    with pytest.raises(ValueError):
+        model_state_bytes_per_param("bf16", grad_dtype="fp16")
+    lay = Layout(dp=8, zero_stage=1)
+    base, megatron = (plan_memory.memory(job_for(grad_dtype=g), lay) for g in ("param", "fp32"))
+    P = base["padded_params"]
+    assert megatron["grads"] - base["grads"] == pytest.approx(2 * P)
+    assert megatron["params"] + megatron["grads"] + megatron["optimizer"] == pytest.approx(6 * P + 12 * P / 8)
+    a, b, c = (plan.comm_bytes(job_for(grad_dtype=g), lay, P)["dp_reduce"] for g in ("param", "fp32", "both"))
+    assert b == c == 2 * a
+    assert build_job(parse_args(["--model", "gpt2", "--software", "megatron-core"], "")).grad_dtype == "fp32"
+    assert build_job(parse_args(["--model", "gpt2", "--software", "megatron-deepspeed"], "")).grad_dtype == "both"
+    assert build_job(parse_args(["--model", "gpt2", "--software", "megatron-core", "--grad_dtype", "both"],
+                                "")).grad_dtype == "both"        # a flag given beside it (not its default) wins
+
+
+def test_reserved_device_and_usable():
+    """allocated = the parts; reserved = allocated + ALLOCATOR_RESERVE x (activations + other), capped at usable
+    where the allocated fit (the allocator frees its cache before failing); device = reserved + the CUDA context and
+    a NCCL buffer set per communicator; usable = HBM x DEVICE_SHARE less those; OOM exactly when reserved > usable."""
+    job = job_for()
+    for lay, comms in ((Layout(dp=8), 1), (Layout(dp=2, tp=2, pp=2, sp=True), 3), (Layout(dp=1, cp=2, tp=4), 3)):
+        mem = plan_memory.memory(job, lay)
+        assert plan_memory.communicators(lay.dp, lay.tp, lay.cp, lay.pp, lay.ep) == comms
+        usable = 80 * GIB * DEVICE_SHARE - CUDA_CONTEXT - comms * NCCL_COMM_BYTES
+        assert mem["usable"] == pytest.approx(usable)
+        assert mem["reserved"] == pytest.approx(min(usable, mem["total"] + ALLOCATOR_RESERVE * (mem["activations"]
+                                                                                                + mem["other"])))
+        assert mem["device"] == pytest.approx(mem["reserved"] + CUDA_CONTEXT + comms * NCCL_COMM_BYTES)
+        assert mem["other"] >= CUBLAS_WORKSPACE
+    rows = [plan.evaluate(job, Layout(dp=8, micro_batch_size=b, recompute=rc))
+            for b in (1, 8) for rc in ("none", "full")]
+    rows.append(plan.evaluate(job, Layout(dp=1, tp=8, micro_batch_size=64)))
+    assert any(r["oom"] for r in rows) and any(not r["oom"] for r in rows)
+    for r in rows:
+        m = r["mem_bytes"]
+        assert r["oom"] == (m["reserved"] > m["usable"]) == (m["total"] > m["usable"])
+        assert m["total"] <= m["reserved"] and (r["oom"] or m["reserved"] <= m["usable"])
+
+
+def test_full_recompute_keeps_the_block_it_recomputes():
+    """Under full recompute the block being recomputed holds what it keeps without recompute until its backward
+    ends: 'other' grows by that block's activations less its stored input, once per rank (not per layer)."""
+    job = job_for()
+    full, none = Layout(dp=8, recompute="full"), Layout(dp=8, recompute="none")
+    extra = plan_memory.layer_activation_bytes(job, none) - plan_memory.layer_activation_bytes(job, full)
+    base = plan_memory.other_bytes(job, replace(full, recompute="selective"), 0, [1])
+    assert plan_memory.other_bytes(job, full, 0, [1]) - base == pytest.approx(extra)
+    assert extra > 0
+
+
+def test_plan_sweep_reports_reserved(tmp_path):
+    """bench/plan_sweep.py's worker measures max_memory_reserved beside max_memory_allocated, and its verdict is
+    plan.py's: reserved against the usable memory of the GPU's total_memory."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plan_sweep", "bench/plan_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    row = plan.evaluate(job_for(), Layout(dp=8))
+    capacity = 80 * GIB * DEVICE_SHARE
+    assert sweep.verdict(row, capacity) == ("OOM" if row["oom"] else "fits")
+    assert sweep.verdict(row, row["mem_bytes"]["reserved"]) == "OOM"            # less than the context and NCCL
+    text = "\n".join(sweep.summary([(row, dict(allocated=row["mem_bytes"]["total"],
+                                                reserved=row["mem_bytes"]["reserved"] * 1.25), "fits")], capacity))
+    assert "median: allocated 1.00, reserved 0.80" in text

@@ -1,0 +1,128 @@
+"""plan.py's step time as the stacks run it: data-parallel overlap per --dp_overlap_style, tensor-parallel overlap
+derived from the GEMM and collective times, GEMM efficiency by shape fitted to matmul measurements, 1f1b with fewer
+micro-batches than stages as afab, and the interleaved search without v."""
+import importlib.util
+from dataclasses import replace
+
+import pytest
+
+import plan
+from common import plan_comm, plan_memory, plan_time
+from common.plan_cli import build_job, parse_args, parse_layout
+from common.plan_inputs import Job, Layout, validate
+from model import GPTConfig
+
+CFG = GPTConfig(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048)
+
+
+def job_for(cfg=CFG, **kw):
+    return Job(cfg, kw.pop("gpus", 8), kw.pop("gpus_per_node", 8), kw.pop("gpu", "h100"), kw.pop("global_seqs", 64),
+               **kw)
+
+
+def preset(name, gpus, *flags):
+    return build_job(parse_args(["--model", name, "--gpus", str(gpus), "--seq", "8192", "--global_batch_tokens", "2M",
+                                 *flags], ""))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_dp_exposed_time_per_style(zero):
+    """No overlap: all of it. ddp: what the last micro-batch's backward (every backward at ZeRO-2) cannot hide, never
+    less than each round's last bucket, and ZeRO-1/2's gather in full; mcore hides the gather behind the next forward
+    and the reductions under the drain too, so it is never slower. ZeRO-3: never less than each micro-batch's first
+    gather and last reduce-scatter."""
+    lay = Layout(dp=8, zero_stage=zero, micro_batch_size=2)         # m = 4
+    reduce, gather, calls, m = 0.4, 0.2 if zero else 0.0, 10, 4
+    jobs = {s: job_for(dp_overlap_style=s) for s in ("ddp", "mcore")}
+    off = plan_comm.exposed_dp_time(job_for(dp_overlap=False), lay, reduce, gather, calls, 1.0, 0.0)
+    assert off == reduce + gather
+    rounds = {0: 1, 1: 1, 2: m, 3: m}[zero]
+    for compute in (0.0, 0.3, 100.0):
+        ddp = plan_comm.exposed_dp_time(jobs["ddp"], lay, reduce, gather, calls, compute, 0.0)
+        mcore = plan_comm.exposed_dp_time(jobs["mcore"], lay, reduce, gather, calls, compute, 0.0)
+        assert mcore <= ddp <= off
+        if zero == 3:
+            floor = m * (gather / (2 * m * calls) + reduce / (m * calls))
+            assert ddp == pytest.approx(max(reduce + gather - compute, floor))
+            continue
+        window = 2 / 3 * compute / (1 if zero == 2 else m)
+        assert ddp == pytest.approx(max(reduce - window, reduce / calls) + gather)
+        if compute == 100.0:             # all hidden but the last bucket of each round (mcore: of the last round)
+            assert ddp == pytest.approx(reduce / calls + gather)
+            assert mcore == pytest.approx(reduce / (rounds * calls) + (gather / calls if gather else 0.0))
+
+
+def test_software_sets_the_dp_style():
+    assert preset("llama3-8b", 64, "--software", "megatron-core").dp_overlap_style == "mcore"
+    assert preset("llama3-8b", 64, "--software", "torchtitan").dp_overlap_style == "ddp"
+    job = preset("llama3-8b", 64, "--software", "megatron-core")
+    lay = parse_layout("tp=8,zero_stage=1,sp=true,micro_batch_size=1", job)
+    fast = plan.evaluate(job, lay)["time_s"]["dp"]
+    slow = plan.evaluate(replace(job, dp_overlap_style="ddp"), lay)["time_s"]["dp"]
+    assert fast < slow                                # the gather no longer exposed in full
+
+
+def test_tp_overlap_is_derived_not_a_constant():
+    """With --tp_overlap the exposed tp time is each GEMM group's first chunk plus what its GEMM cannot hide, plus the
+    GEMMs' slowdown at rows/t; without it, all of it. Against plain TP it predicts about 1.1x on Llama 3 layouts
+    (published async-TP gains are about 1.1x; hiding all of it gave 1.2-1.3x)."""
+    job = preset("llama3-70b", 64)
+    lay = parse_layout("tp=8,sp=true,zero_stage=1,micro_batch_size=1,recompute=full", job)
+    overlapped = replace(job, tp_overlap=1.0)
+    assert plan_comm.exposed_tp_time(job, lay, 1.0, 5.0, 8192) == 1.0
+    slow = plan_time.gemm_rows_factor(overlapped, 8, 1024) / plan_time.gemm_rows_factor(overlapped, 8, 8192) - 1
+    assert plan_comm.exposed_tp_time(overlapped, lay, 1.0, 1e6, 8192) == pytest.approx(1 / 8 + 1e6 * slow)
+    flops = [i * o for i, o in plan.plan_shape.block_linears(overlapped, 8)]
+    expect = sum(0.25 / 8 + max(0.0, 0.25 * 7 / 8 - 0.5 * f / sum(flops)) for f in flops) + 0.5 * slow
+    assert plan_comm.exposed_tp_time(overlapped, lay, 1.0, 0.5, 8192) == pytest.approx(expect)
+    for model, gpus, layout in (("llama3-70b", 64, "tp=8,sp=true,zero_stage=1,micro_batch_size=1,recompute=full"),
+                                ("llama3-8b", 8, "tp=8,sp=true,zero_stage=1,micro_batch_size=1")):
+        job = preset(model, gpus)
+        lay = parse_layout(layout, job)
+        plain = plan.evaluate(job, lay)["tokens_per_s"]
+        gain = plan.evaluate(replace(job, tp_overlap=1.0), lay)["tokens_per_s"] / plain
+        assert 1.03 < gain < 1.2, (model, gain)
+
+
+def test_gemm_efficiency_by_shape_is_the_matmul_fit():
+    """plan_time.GEMM_SHAPE is bench/gemm_rows.py's fit of OpenXLA's H100 matmul table (no training run); the factor
+    falls with the rows, so a larger micro-batch runs its GEMMs faster (without a pipeline whose bubble would say
+    the opposite)."""
+    spec = importlib.util.spec_from_file_location("gemm_rows", "bench/gemm_rows.py")
+    gemm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gemm)
+    (e0, a, _), (k0, b, _) = gemm.fitted()
+    shape = plan_time.GEMM_SHAPE
+    assert (e0, a, k0, b) == pytest.approx((shape["e0"], shape["a"], shape["k0"], shape["b"]), rel=0.01)
+    job = job_for()
+    factors = [plan_time.gemm_rows_factor(job, 1, rows) for rows in (512, 1024, 2048, 8192, 32768)]
+    assert factors == sorted(factors, reverse=True) and factors[-1] < 1.05 < 1.1 < factors[0]
+    small, large = (plan.evaluate(job, Layout(dp=8, micro_batch_size=b))["time_s"]["compute"] for b in (1, 8))
+    assert small > large
+    assert plan_time.gemm_rows_factor(replace(job, eff=0.4), 1, 512) == 1.0
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages_runs_as_afab():
+    """1f1b with m < p is accepted and evaluated, printed and launched as afab (the same bubble and m in flight)."""
+    job = job_for(global_seqs=2)
+    lay = Layout(dp=1, pp=8, micro_batch_size=1)                    # m = 2 < p = 8
+    validate(job, lay)
+    row = plan.evaluate(job, lay)
+    afab = plan.evaluate(job, replace(lay, schedule="afab"))
+    assert row["schedule"] == "afab" and row["step_time_s"] == afab["step_time_s"]
+    assert row["mem_bytes"] == afab["mem_bytes"]
+    assert "--pp_schedule afab" in plan.launch_command(job, row)
+    ranked = plan.rank_layouts(job)
+    assert len({tuple(sorted((k, str(v)) for k, v in r.items() if k in Layout.__dataclass_fields__))
+                for r in ranked}) == len(ranked)                 # searched once, as afab
+
+
+def test_interleaved_search_without_v_is_each_v_once():
+    """An interleaved --layout without v yields each v's layouts once: the union of the searches with v given, no
+    more (the search used to visit every candidate of the whole space once per v)."""
+    job = preset("llama3-8b", 64)
+    fixed = {"pp": 4, "schedule": "interleaved"}
+    every = list(plan.consistent_layouts(job, fixed))
+    per_v = [set(plan.consistent_layouts(job, {**fixed, "v": v})) for v in range(2, 34 // 4 + 1)]
+    assert set(every) == set().union(*per_v) and len(every) == len(set(every)) == sum(map(len, per_v))
+    assert plan_memory.memory(job, every[0])                          # each is a layout plan.py evaluates
