@@ -86,13 +86,7 @@ class ExpertParallelExperts(nn.ModuleDict):
         self.group, self.n_experts, self.n_local, self.first = group, n_experts, n_local, first
 
     def forward(self, rows, expert):
-        table = gather_counts(torch.bincount(expert, minlength=self.n_experts), self.group)
-        mine = table[:, self.first:self.first + self.n_local]   # [ep, n_local]: rows each rank sends me
-        send_splits = table[dist.get_rank(self.group)].view(self.ep, self.n_local).sum(1).tolist()
-        recv_splits = mine.sum(1).tolist()
-        rows = in_compute_dtype(rows)       # autocast: dispatched (and its gradient returned) in 16 bits, not fp32
-        arrived = AllToAll.apply(rows, recv_splits, send_splits, self.group)   # grouped by expert = by rank
-        return AllToAll.apply(self.run_experts(arrived, mine), send_splits, recv_splits, self.group)
+        return dispatch(rows, expert, self.n_experts, self.first, self.n_local, self.group, self.run_experts)
 
     def run_experts(self, rows, mine):
         """rows arrive grouped by source rank, then by my local expert; regroup them by expert, run each
@@ -102,6 +96,61 @@ class ExpertParallelExperts(nn.ModuleDict):
         chunks = rows[perm].split(mine.sum(0).tolist())
         out = torch.cat([expert(c) for expert, c in zip(self.values(), chunks)])
         return out[torch.argsort(perm)]
+
+
+def dispatch(rows, expert, n_experts, first, n_local, group, run):
+    """rows [A, h] grouped by expert, `expert` [A] each one's: to the ranks owning their experts (rank r owns
+    [r*n_local, (r+1)*n_local)), run(arrived rows, [ep, n_local] table of rows per source and local expert) on
+    them there, and the outputs back, in the order of `rows`."""
+    ep = dist.get_world_size(group)
+    table = gather_counts(torch.bincount(expert, minlength=n_experts), group)
+    mine = table[:, first:first + n_local]                  # [ep, n_local]: rows each rank sends me
+    send_splits = table[dist.get_rank(group)].view(ep, n_local).sum(1).tolist()
+    recv_splits = mine.sum(1).tolist()
+    rows = in_compute_dtype(rows)           # autocast: dispatched (and its gradient returned) in 16 bits, not fp32
+    arrived = AllToAll.apply(rows, recv_splits, send_splits, group)   # grouped by expert = by rank
+    return AllToAll.apply(run(arrived, mine), send_splits, recv_splits, group)
+
+
+class ExpertParallelStackedExperts(nn.Module):
+    """Drop-in for an MoE's experts stored as one 3-D tensor per weight, [E, ...] (Hugging Face's MoE models,
+    grouped GEMMs), called as experts(hidden [N, h], top_k_index [N, k], top_k_weights [N, k]) -> [N, h], each
+    token's weighted sum over its k experts. This rank keeps experts [r*E/ep, (r+1)*E/ep): the slice of each
+    stacked weight, under that weight's own name (experts.gate_up_proj), so a checkpoint's tensor loads by its
+    rows. The rows travel to the rank owning their expert, where `experts` itself (now holding the slice) runs
+    them, each with its local expert id and weight 1, and back; the weighting and the sum happen at home."""
+
+    def __init__(self, experts, n_experts, group):
+        super().__init__()
+        self.ep, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.n_experts, self.n_local, self.group = n_experts, n_experts // self.ep, group
+        self.first = rank * self.n_local
+        for name, p in list(experts.named_parameters(recurse=False)):
+            if p.dim() < 2 or p.shape[0] != n_experts:
+                raise ValueError(f"expert parallelism over stacked experts: {name} {tuple(p.shape)} is not one "
+                                 f"tensor of the {n_experts} experts stacked along dim 0")
+            local = nn.Parameter(p.detach()[self.first: self.first + self.n_local].clone(), p.requires_grad)
+            setattr(experts, name, local)
+            self.register_parameter(name, local)
+        if hasattr(experts, "num_experts"):         # Hugging Face's experts count theirs (grouped_mm's bins)
+            experts.num_experts = self.n_local
+        self.__dict__["experts"] = experts          # not a submodule: the parameters are named here, once
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        k = top_k_index.shape[1]
+        expert = top_k_index.reshape(-1)
+        order = torch.argsort(expert, stable=True)
+        token = torch.arange(len(hidden), device=hidden.device).repeat_interleave(k)[order]
+        out = dispatch(hidden[token], expert[order], self.n_experts, self.first, self.n_local, self.group,
+                       self.run_experts)
+        out = out * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden).index_add_(0, token, out.to(hidden.dtype))
+
+    def run_experts(self, rows, mine):
+        """The arrived rows, each with its local expert (rows come grouped by source rank, then local expert)."""
+        local = torch.arange(self.n_local, device=rows.device).repeat(self.ep).repeat_interleave(mine.reshape(-1))
+        params = {name: p for name, p in self.named_parameters(recurse=False)}
+        return torch.func.functional_call(self.experts, params, (rows, local[:, None], rows.new_ones(len(rows), 1)))
 
 
 class GroupGradScaler(torch.amp.GradScaler):

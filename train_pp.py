@@ -64,23 +64,44 @@ def stages_of_rank(n_layer, rank, p, v=1, placement="loop"):
 
 class SequentialStage(nn.Module):
     """A pipeline stage of a model whose forward is a chain of modules (embedding, blocks, final norm, head):
-    `layers` applied in order; the last stage returns loss_fn(output, targets), the mean over the micro-batch."""
+    `layers` applied in order; the last stage returns loss_fn(output, targets), the mean over the micro-batch.
+    block_kwargs(x): the keyword inputs each of the `n_blocks` blocks after the `n_before` first layers takes
+    beside x (a Hugging Face decoder layer's position_embeddings and attention_mask), computed once a stage; a
+    block returning a tuple passes on its first item. `tied`: the parameters it shares with another stage."""
 
-    def __init__(self, layers, first, last, loss_fn=None):
+    def __init__(self, layers, first, last, loss_fn=None, block_kwargs=None, n_before=0, n_blocks=0, tied=()):
         super().__init__()
         self.layers, self.first, self.last, self.loss_fn = nn.ModuleList(layers), first, last, loss_fn
+        self.block_kwargs, self.blocks = block_kwargs, range(n_before, n_before + n_blocks)
+        self.tied_at = [(m, key) for m in self.layers.modules() for key, p in m._parameters.items()
+                        if any(p is q for q in tied)]
+
+    @property
+    def tied(self):
+        """The shared parameters this stage holds, looked up now (a swap since, ZeRO's or TP's, is seen)."""
+        return list({id(m._parameters[key]): m._parameters[key] for m, key in self.tied_at}.values())
 
     def forward(self, x, targets=None):
-        for layer in self.layers:
-            x = layer(x)
+        kwargs = None
+        for i, layer in enumerate(self.layers):
+            if i in self.blocks and kwargs is None:
+                kwargs = {} if self.block_kwargs is None else self.block_kwargs(x)
+            out = layer(x, **kwargs) if i in self.blocks else layer(x)
+            x = out if isinstance(out, torch.Tensor) else out[0]
         return self.loss_fn(x, targets) if self.last else x
 
 
-def pipeline_stages(before, blocks, after, rank, p, v=1, placement="loop", loss_fn=None):
+def pipeline_stages(before, blocks, after, rank, p, v=1, placement="loop", loss_fn=None, block_kwargs=None):
     """This rank's stages of any model as SequentialStages (its own modules, not copies): the blocks cut by
-    layer_split, `before` (embedding) on the first stage, `after` (final norm, LM head) and loss_fn on the last."""
+    layer_split, `before` (embedding) on the first stage, `after` (final norm, LM head) and loss_fn on the last;
+    block_kwargs: see SequentialStage. Parameters that `before` and `after` share (a tied embedding and head,
+    found by identity) are each stage's `tied`: on two ranks, pipeline_tied.tied_grads_sync keeps them equal."""
+    def params(modules):
+        return [q for m in modules for q in m.parameters()]
+    tied = [q for q in params(before) if any(q is r for r in params(after))]
     return nn.ModuleList([SequentialStage((list(before) if first else []) + [blocks[i] for i in layers]
-                                          + (list(after) if last else []), first, last, loss_fn)
+                                          + (list(after) if last else []), first, last, loss_fn, block_kwargs,
+                                          len(before) if first else 0, len(layers), tied)
                           for _, layers, first, last in stages_of_rank(len(blocks), rank, p, v, placement)])
 
 
@@ -102,18 +123,19 @@ class PipelineRunner:
     The stages (`chunks`: this rank's v stage modules, in chunk order) are called stage(input, targets):
     input is get_batch(mb)'s x on the first stage and the previous stage's output elsewhere; targets is
     get_batch(mb)'s y on the last stage, else None. A stage returns its output activations, one tensor of
-    act_shape (sent as act_dtype), or on the last stage the mean loss over the micro-batch (a scalar). A stage
+    act_shape (sent as act_dtype: default the stages' parameter dtype), or on the last stage the mean loss over the micro-batch (a scalar). A stage
     has attributes `first` and `last`. `store`: a WeightGradStore, for the schedules with W actions (zb1, zbv,
     dualpipev); `amp`: a context for each stage call (autocast; default none); `action_hook(action)`, when set,
     a context manager around each action's compute (metrics.ActionTimer times the pipeline's idle share)."""
 
     def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None,
-                 act_dtype=torch.float32):
+                 act_dtype=None):
         self.chunks, self.group, self.schedules, self.n_micro = chunks, group, schedules, n_micro
         self.rank, self.p, self.v = dist.get_rank(group), dist.get_world_size(group), len(chunks)
         self.act_shape, self.device, self.store = act_shape, device, store
         self.amp = contextlib.nullcontext() if amp is None else amp
-        self.act_dtype = act_dtype               # what crosses stages: fp32 even under autocast (or float64)
+        # what crosses stages: the parameters' dtype (fp32 even under autocast; float64 in a float64 run)
+        self.act_dtype = act_dtype or next(p.dtype for c in chunks for p in c.parameters() if p.is_floating_point())
         self.peer = [dist.get_global_rank(group, r) for r in range(self.p)]
         self.plan = comm_plan(schedules, self.p, self.v)[self.rank]   # actions and batches, in launch order
         self.placement = schedule_placement(schedules)                  # stage -> rank: round-robin or a V
@@ -290,6 +312,11 @@ class PipelineStage(nn.Module):
         if last:
             self.transformer["ln_f"] = gpt.transformer.ln_f
             self.lm_head = gpt.lm_head
+
+    @property
+    def tied(self):
+        """The tied embedding / LM-head weight where this stage holds it (pipeline_tied.py)."""
+        return [self.transformer["wte"].weight] if "wte" in self.transformer else []
 
     def body(self, x):
         """Token ids [b, T] (first stage) or the previous stage's activations [b, T, h] -> [b, T, h]."""
