@@ -109,7 +109,10 @@ def dispatch(rows, expert, n_experts, first, n_local, group, run):
     recv_splits = mine.sum(1).tolist()
     rows = in_compute_dtype(rows)           # autocast: dispatched (and its gradient returned) in 16 bits, not fp32
     arrived = AllToAll.apply(rows, recv_splits, send_splits, group)   # grouped by expert = by rank
-    return AllToAll.apply(run(arrived, mine), send_splits, recv_splits, group)
+    out = run(arrived, mine)
+    if arrived.requires_grad and not out.requires_grad:   # no row came (experts that loop over the ids they see
+        out = out + arrived                               # skip them all): the exchange back still runs backward
+    return AllToAll.apply(out, send_splits, recv_splits, group)
 
 
 class ExpertParallelStackedExperts(nn.Module):
