@@ -323,8 +323,7 @@ class ContextParallelAttentionCore(nn.Module):
     """Drop-in for a model's causal attention core (model.AttentionCore, F.scaled_dot_product_attention(q, k, v,
     is_causal=True) in a module of its own): forward(q, k, v) on the local chunk -> local attention output. It
     takes SDPA's keywords: scale (default 1/sqrt(D)); what it cannot apply is a ValueError, never ignored: a mask
-    (attn_mask), dropout, is_causal=False. attention_function(core) is the same core as a function of Hugging
-    Face's attention registry."""
+    (attn_mask), dropout, is_causal=False. common/hf_attention.py puts it in transformers' attention registry."""
 
     def __init__(self, group, layout, kernel=PLAIN_TORCH):
         super().__init__()
@@ -339,30 +338,10 @@ class ContextParallelAttentionCore(nn.Module):
             q = q * (scale * q.shape[-1] ** 0.5)                  # into q (autograd takes it back to q's grad)
         return context_parallel_attention(q, k, v, self.group, self.layout, self.kernel)[0]
 
-
-def attention_function(core):
-    """`core` (a ContextParallelAttentionCore) as an attention function of Hugging Face transformers' registry:
-        AttentionInterface.register("context_parallel", attention_function(core))
-        model.set_attn_implementation("context_parallel")      # every layer's attention now runs on the ring
-    Called as fn(module, query, key, value, attention_mask, scaling=, dropout=, position_ids=, ...) with q/k/v
-    [B, H, T_local, D], it returns (output [B, T_local, H, D], None). The model builds no mask for a name its mask
-    registry lacks (None reaches here: the core is causal); a mask, dropout or non-causal module is a ValueError,
-    and so is the first call's position_ids when they are not this rank's global positions (local_positions)."""
-    checked = []
-
-    def attend(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-        pos = kwargs.get("position_ids")
-        if not checked and pos is not None:                       # once: a host sync, but only on the first call
-            cp, rank = dist.get_world_size(core.group), dist.get_rank(core.group)
-            mine = local_positions(core.layout, query.shape[-2] * cp, cp, rank, pos.device)
-            if not torch.equal(pos.reshape(-1, pos.shape[-1])[0], mine):
-                raise ValueError(f"context parallelism: position_ids must be this rank's global positions "
-                                 f"local_positions(...) = {mine.tolist()}, got {pos.reshape(-1).tolist()[:16]}")
-            checked.append(True)
-        out = core(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                   is_causal=getattr(module, "is_causal", True), scale=scaling)
-        return out.transpose(1, 2), None
-    return attend
+    def positions(self, local_len, device="cpu"):
+        """The global positions of this rank's local_len tokens (what RoPE must be given)."""
+        cp = dist.get_world_size(self.group)
+        return local_positions(self.layout, local_len * cp, cp, dist.get_rank(self.group), device)
 
 
 def swap_modules(model, names, make):

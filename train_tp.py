@@ -490,6 +490,7 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
         if sp:
             mlp.dropout = rng(mlp.dropout)
     norms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]   # under SP: my chunk
+    model.lm_head = None                         # holds wte's weight (tied): rebuilt on wte's shard just below
     tensor_parallel(model, plan, group, sp, overlap, sequence_parallel=partial + norms, device=device)
     model.lm_head = VocabParallelLMHead(model.transformer.wte, group, sp, overlap)
     if sp:

@@ -47,9 +47,10 @@ COPY_TABLE = {
                 "heads and KV heads divisible by tp; a tied head planned as its embedding is (`column`, logits split "
                 "by vocabulary) or a ValueError; under SP a sequence divisible by tp, every norm named, an attention "
                 "that reads T off its input planned `sp_gather`, whole-sequence positions (and mask, if any)"),
-    "CP": (["train_cp.py", "common/comm.py"],
+    "CP": (["train_cp.py", "common/comm.py", "common/hf_attention.py"],
            "`swap_modules(model, names, lambda: ContextParallelAttentionCore(group, layout))` or transformers' "
-           "`AttentionInterface.register(name, attention_function(core))`; `local_positions`, `allreduce_grads`",
+           "`AttentionInterface.register(name, hf_attention.attention_function(core))`; `local_positions`, "
+           "`allreduce_grads`",
            "causal attention without a mask or dropout (else a ValueError), in a module called on q, k, v [B, H, T, "
            "D] (K/V may have fewer heads; `scale=`) or chosen by name; the forward takes the chunk's global "
            "positions (RoPE); a per-token loss"),
@@ -643,7 +644,8 @@ def tp_sp(tied, attn):
 def cp(layout, tied, attn):
     from transformers import AttentionInterface
     from common.comm import all_reduce, clip_grad_norm
-    from train_cp import (ContextParallelAttentionCore, allreduce_grads, attention_function, local_positions)
+    from common.hf_attention import attention_function
+    from train_cp import ContextParallelAttentionCore, allreduce_grads, local_positions
     core = ContextParallelAttentionCore(WORLD, layout)
     pos = local_positions(layout, T, world, rank)
     torch.manual_seed(1)                           # scale= and a refused mask, against torch's own attention
@@ -815,7 +817,7 @@ def test_copied_blocks_train_a_foreign_model_like_one_process(tmp_path, name):
         for step, (a, b) in enumerate(zip(ref, got)):
             assert abs(a - b) <= EXACT * abs(a), f"{name}, step {step}: {what} {b!r} vs one process {a!r}"
     copied = {f[:-3].replace("/", ".") for f in files} | {"common"}
-    assert set(result["modules"]) == copied | {"model", "data"}, result["modules"]
+    assert set(result["modules"]) <= copied | {"model", "data"}, result["modules"]   # nothing that was not copied
 
 
 @pytest.mark.parametrize("name", list(HF_RUNS))
@@ -833,4 +835,4 @@ def test_copied_blocks_train_transformers_models_like_one_process(tmp_path, name
             for step, (a, b) in enumerate(zip(ref, got)):
                 assert abs(a - b) <= EXACT * abs(a), f"{name} #{variant}, step {step}: {what} {b!r} vs {a!r}"
     copied = {f[:-3].replace("/", ".") for f in files} | {"common"}
-    assert set(result["modules"]) == copied | {"data"}, result["modules"]
+    assert set(result["modules"]) == copied | {"data"}, result["modules"]   # the row's files, all of them used
