@@ -123,8 +123,8 @@ class PipelineRunner:
     The stages (`chunks`: this rank's v stage modules, in chunk order) are called stage(input, targets):
     input is get_batch(mb)'s x on the first stage and the previous stage's output elsewhere; targets is
     get_batch(mb)'s y on the last stage, else None. A stage returns its output activations, one tensor of
-    act_shape (sent as act_dtype: default the stages' parameter dtype), or on the last stage the mean loss over the micro-batch (a scalar). A stage
-    has attributes `first` and `last`. `store`: a WeightGradStore, for the schedules with W actions (zb1, zbv,
+    act_shape (sent as act_dtype, by default the stages' parameter dtype), or on the last stage the mean loss over
+    the micro-batch (a scalar). A stage has attributes `first` and `last`. `store`: a WeightGradStore, for the schedules with W actions (zb1, zbv,
     dualpipev); `amp`: a context for each stage call (autocast; default none); `action_hook(action)`, when set,
     a context manager around each action's compute (metrics.ActionTimer times the pipeline's idle share)."""
 

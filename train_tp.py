@@ -314,7 +314,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_loss(logits, targets, group):
     """Mean cross-entropy from a vocabulary-parallel head's logits [..., V/tp] (a "column" head tied to an
-    "embedding" in tensor_parallel's plan): rank r holds vocabulary rows [r*V/tp, (r+1)*V/tp)."""
+    "embedding" in tensor_parallel's plan, or VocabParallelLMHead): rank r holds rows [r*V/tp, (r+1)*V/tp)."""
     wide = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, float64 stays
     return VocabParallelCrossEntropy.apply(wide.flatten(0, -2), targets.reshape(-1),
                                            dist.get_rank(group) * logits.shape[-1], group)
@@ -337,10 +337,7 @@ class VocabParallelLMHead(nn.Module):
             logits = logits.masked_fill(torch.arange(logits.shape[-1], device=x.device) >= self.n_valid, -math.inf)
         if targets is None:          # generation: gather the vocabulary (the only place full logits exist)
             return gather_seq(logits, self.group, dim=2)[0], None
-        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, float64 stays
-        loss = VocabParallelCrossEntropy.apply(wide.flatten(0, 1), targets.reshape(-1),
-                                               self.vocab_start, self.group)
-        return logits, loss
+        return logits, vocab_parallel_loss(logits, targets, self.group)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -41,9 +41,9 @@ def swap_keeping_ties(model, new):
         first = getattr(new[swapped[0][0]], swapped[0][1], None)
         others = [getattr(new[name], key, None) for name, key in swapped[1:]]
         if kept or first is None or any(not same_layout(first, q) for q in others):
-            raise ValueError(f"{' and '.join(names)} are one tied parameter, but the swap would untie them ("
-                             f"{'not swapped: ' + ', '.join(kept) if kept else 'their new layers split them differently'}"
-                             f"): swap every holder alike, or untie them on purpose first")
+            why = f"not swapped: {', '.join(kept)}" if kept else "their new layers split them differently"
+            raise ValueError(f"{' and '.join(names)} are one tied parameter, but the swap would untie them ({why}): "
+                             f"swap every holder alike, or untie them on purpose first")
         ties.append((first, swapped[1:]))
     for name, module in new.items():
         parent, _, child = name.rpartition(".")

@@ -70,7 +70,8 @@ COPY_TABLE = {
 }
 
 # the runs of this test: (row of COPY_TABLE, argument of TRAIN)
-RUNS = {"DDP": ("DDP", "ddp"), "ZeRO-1": ("ZeRO-1/2", "zero1"), "ZeRO-2": ("ZeRO-1/2", "zero2"), "ZeRO-3": ("ZeRO-3", "zero3"),
+RUNS = {"DDP": ("DDP", "ddp"), "ZeRO-1": ("ZeRO-1/2", "zero1"), "ZeRO-2": ("ZeRO-1/2", "zero2"),
+        "ZeRO-3": ("ZeRO-3", "zero3"),
         "TP + SP": ("TP + SP", "tp_sp"), "CP ring": ("CP", "cp_ring"), "CP zigzag": ("CP", "cp_zigzag"),
         "PP 1F1B": ("PP", "pp_1f1b"), "EP": ("EP", "ep")}
 
@@ -219,39 +220,18 @@ def batch(step, size, seq_len):
     return rows[:, :-1], rows[:, 1:]
 '''
 
-CONFIG = r'''
-raise ImportError("config.py is this project's own: nanoscale's copied building blocks must not import it")
-'''
-
-TRAIN = r'''
-"""The user's training script: model.py and data.py of their own, one nanoscale technique copied in.
-python train.py RUN RANK WORLD PORT OUT_JSON"""
+RECIPE = r'''
+"""The user's own recipe, shared by their training scripts: AdamW's groups, the loss, a rank's rows of a batch, and
+one script's work run on a gloo process, its result written beside the one-process run's."""
 import json
 import os
 import sys
-import warnings
 
-sys.modules["numpy"] = None                        # this project has no numpy: nothing copied may need it
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-for entry in sys.path:                             # nor is nanoscale on the path: only what was copied here
-    assert not os.path.exists(os.path.join(entry or ".", "train_5d.py")), f"nanoscale on sys.path: {entry}"
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import torch                                       # noqa: E402
-import torch.distributed as dist                   # noqa: E402
-import torch.nn.functional as F                    # noqa: E402
-
-from data import batch                             # noqa: E402
-from model import Llama                            # noqa: E402
-
-run, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-STEPS, GLOBAL, T, LR, CLIP, WORLD = 5, 8, 16, 1e-2, 1.0, None
-SHAPE = dict(vocab=256, dim=32, n_layers=4 if run.startswith("pp") else 2, n_heads=4, n_kv_heads=2, hidden=64,
-             n_experts=4 if run == "ep" else 0)
-
-
-def build():
-    torch.manual_seed(0)                           # every rank builds the same initial weights
-    return Llama(**SHAPE).double()
+LR = 1e-2
 
 
 def adamw(named):
@@ -265,9 +245,66 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def my_rows(x, y):
-    n = GLOBAL // world
+def rows_of(x, y, rank, world):
+    n = len(x) // world
     return x[rank * n: (rank + 1) * n], y[rank * n: (rank + 1) * n]
+
+
+def run_on_gloo(rank, world, port, out, work, one_process):
+    """work() on this rank of a gloo group; rank 0 then writes its result, one_process()'s and the modules of this
+    project the work imported (nanoscale's copied files among them) to `out`."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    got = work()
+    dist.barrier()                                 # both ranks done before either leaves the group
+    dist.destroy_process_group()
+    copied = sorted(m for m in sys.modules if m.split(".")[0] in ("common", "model", "config", "data")
+                    or m.startswith("train_"))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(dict(got=got, one_process=one_process(), modules=copied), f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)     # gloo's threads can abort the interpreter's teardown now and then ("terminate called without
+                    # an active exception"), as common/distributed.destroy_at_exit says: the work is done and written
+'''
+
+CONFIG = r'''
+raise ImportError("config.py is this project's own: nanoscale's copied building blocks must not import it")
+'''
+
+TRAIN = r'''
+"""The user's training script: model.py and data.py of their own, one nanoscale technique copied in.
+python train.py RUN RANK WORLD PORT OUT_JSON"""
+import os
+import sys
+import warnings
+
+sys.modules["numpy"] = None                        # this project has no numpy: nothing copied may need it
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+for entry in sys.path:                             # nor is nanoscale on the path: only what was copied here
+    assert not os.path.exists(os.path.join(entry or ".", "train_5d.py")), f"nanoscale on sys.path: {entry}"
+
+import torch                                       # noqa: E402
+import torch.distributed as dist                   # noqa: E402
+
+from data import batch                             # noqa: E402
+from model import Llama                            # noqa: E402
+from recipe import adamw, loss_fn, rows_of, run_on_gloo   # noqa: E402
+
+run, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+STEPS, GLOBAL, T, CLIP, WORLD = 5, 8, 16, 1.0, None
+SHAPE = dict(vocab=256, dim=32, n_layers=4 if run.startswith("pp") else 2, n_heads=4, n_kv_heads=2, hidden=64,
+             n_experts=4 if run == "ep" else 0)
+
+
+def build():
+    torch.manual_seed(0)                           # every rank builds the same initial weights
+    return Llama(**SHAPE).double()
+
+
+def my_rows(x, y):
+    return rows_of(x, y, rank, world)
 
 
 def one_process():
@@ -442,25 +479,17 @@ def ep():
     return losses, norms
 
 
-RUNS = dict(ddp=ddp, zero1=lambda: zero(1), zero2=lambda: zero(2), zero3=lambda: zero(3), tp_sp=tp_sp, cp_ring=lambda: cp("ring"),
-            cp_zigzag=lambda: cp("zigzag"), pp_1f1b=pp_1f1b, ep=ep)
+RUNS = dict(ddp=ddp, zero1=lambda: zero(1), zero2=lambda: zero(2), zero3=lambda: zero(3), tp_sp=tp_sp,
+            cp_ring=lambda: cp("ring"), cp_zigzag=lambda: cp("zigzag"), pp_1f1b=pp_1f1b, ep=ep)
+
+def work():
+    global WORLD
+    WORLD = dist.group.WORLD
+    return RUNS[run]()
+
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    WORLD = dist.group.WORLD
-    got = RUNS[run]()
-    dist.barrier()                               # both ranks done before either leaves the group
-    dist.destroy_process_group()
-    copied = sorted(m for m in sys.modules if m.split(".")[0] in ("common", "model", "config", "data")
-                    or m.startswith("train_"))
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(dict(got=got, one_process=one_process(), modules=copied), f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)     # gloo's threads can abort the interpreter's teardown now and then ("terminate called without
-                    # an active exception"), as common/distributed.destroy_at_exit says: the work is done and written
+    run_on_gloo(rank, world, port, out, work, one_process)
 '''
 
 # transformers' own models: a row's runs (each over VARIANTS: tied and untied, eager and sdpa) in one launch
@@ -470,7 +499,6 @@ HF_RUNS = {"DDP": ("DDP", "ddp"), "ZeRO-1/2/3": ("ZeRO-1/2", "zero"), "TP + SP":
 TRAIN_HF = r'''
 """The user's training script on Hugging Face transformers' own Llama (and Mixtral for EP), one nanoscale technique
 copied in. python train_hf.py RUN RANK WORLD PORT OUT_JSON"""
-import json
 import os
 import sys
 
@@ -483,9 +511,10 @@ import torch.nn.functional as F                    # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from data import batch                             # noqa: E402
+from recipe import adamw, loss_fn, rows_of, run_on_gloo   # noqa: E402
 
 run, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-STEPS, GLOBAL, T, LR, CLIP, WORLD = 4, 8, 16, 1e-2, 0.5, None
+STEPS, GLOBAL, T, CLIP, WORLD = 4, 8, 16, 0.5, None
 VARIANTS = [(True, "eager"), (False, "sdpa")]      # (tie_word_embeddings, attn_implementation)
 # CP swaps the attention for its own: tied and untied, each against sdpa in one process (eager's softmax runs in
 # float32 even in a float64 model, so it is no float64 reference for an attention computed in float64)
@@ -504,20 +533,8 @@ def build(tied, attn, moe=False):
     return LlamaForCausalLM(LlamaConfig(**shape)).double()
 
 
-def adamw(named):
-    named = [p for _, p in named]
-    return torch.optim.AdamW([dict(params=[p for p in named if p.dim() >= 2], weight_decay=0.1),
-                              dict(params=[p for p in named if p.dim() < 2], weight_decay=0.0)],
-                             lr=LR, betas=(0.9, 0.95), eps=1e-8)
-
-
-def loss_fn(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def my_rows(x, y):
-    n = GLOBAL // world
-    return x[rank * n: (rank + 1) * n], y[rank * n: (rank + 1) * n]
+    return rows_of(x, y, rank, world)
 
 
 def micro(x, y, i):                                # gradient accumulation: two micro-batches
@@ -753,30 +770,27 @@ def ep(tied, attn):
 RUNS = dict(ddp=[ddp], zero=[lambda *v: zero(1, *v), lambda *v: zero(2, *v), lambda *v: zero(3, *v)],
             tp_sp=[tp_sp], cp=[lambda *v: cp("ring", *v), lambda *v: cp("zigzag", *v)], pp_1f1b=[pp_1f1b], ep=[ep])
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def work():
+    global WORLD
     WORLD = dist.group.WORLD
+    return [fn(*variant) for fn in RUNS[run] for variant in variants]
+
+
+def one_process_runs():                            # the reference of each run of `work`
+    return [one_process(*variant, moe=run == "ep") for variant in variants] * len(RUNS[run])
+
+
+if __name__ == "__main__":
     variants = CP_VARIANTS if run == "cp" else VARIANTS
-    got = [fn(*variant) for fn in RUNS[run] for variant in variants]
-    dist.barrier()                                 # both ranks done before either leaves the group
-    dist.destroy_process_group()
-    copied = sorted(m for m in sys.modules if m.split(".")[0] in ("common", "data") or m.startswith("train_"))
-    if rank == 0:
-        ref = [one_process(*variant, moe=run == "ep") for variant in variants]
-        with open(out, "w") as f:
-            json.dump(dict(got=got, one_process=ref * len(RUNS[run]), modules=copied), f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)     # gloo's threads can abort the interpreter's teardown now and then: the work is done and written
+    run_on_gloo(rank, world, port, out, work, one_process_runs)
 '''
 
 
 def user_project(path, files):
     """A directory with the user's own files and exactly `files` copied from nanoscale (folders kept)."""
     os.makedirs(path)
-    for name, text in (("model.py", MODEL), ("data.py", DATA), ("config.py", CONFIG), ("train.py", TRAIN),
-                       ("train_hf.py", TRAIN_HF)):
+    for name, text in (("model.py", MODEL), ("data.py", DATA), ("recipe.py", RECIPE), ("config.py", CONFIG),
+                       ("train.py", TRAIN), ("train_hf.py", TRAIN_HF)):
         with open(os.path.join(path, name), "w") as f:
             f.write(text)
     for name in files:
