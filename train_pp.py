@@ -28,7 +28,7 @@ Loss scaling: the last stage backpropagates loss / m, so gradients equal train_s
 batch. Tokens are read by the first and last stage from the deterministic loader, never sent.
 Dropout draws from each rank's own RNG stream, so runs with --dropout > 0 do not match train_single bit for bit.
 Any model (docs/copy_out.md): PipelineRunner runs any stage modules (its docstring: what a stage receives and
-returns); pipeline_stages cuts a model that is a chain of modules; stage_views cuts model.py's GPT.
+returns); common/pipeline_stages.py cuts a model that is a chain of modules; stage_views cuts model.py's GPT.
 """
 import contextlib
 import time
@@ -41,68 +41,8 @@ from torch.utils.checkpoint import checkpoint as recompute
 from common import comm
 from common.comm import COMM, label
 from common.pipeline_schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, make_schedule, placement_of,
-                                       rank_of, recvs_of, render, schedule_placement, sends_of, simulate, stage_of)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# stages: contiguous runs of a model's blocks (docs/copy_out.md); a stage module is what PipelineRunner runs
-
-def layer_split(n_layer, n_stages):
-    """Blocks of each stage; with an uneven split (--pp_uneven) the first n_layer % S stages get one more."""
-    sizes = [n_layer // n_stages + (s < n_layer % n_stages) for s in range(n_stages)]
-    starts = [sum(sizes[:s]) for s in range(n_stages)]
-    return [range(a, a + n) for a, n in zip(starts, sizes)]
-
-
-def stages_of_rank(n_layer, rank, p, v=1, placement="loop"):
-    """[(stage, its blocks, first?, last?)] of this rank's v chunks (stages rank, rank+p, ...; in a V rank and
-    2p-1-rank), in chunk order."""
-    S = p * v
-    ranges = layer_split(n_layer, S)
-    return [(s, ranges[s], s == 0, s == S - 1) for s in (stage_of(rank, c, p, placement) for c in range(v))]
-
-
-class SequentialStage(nn.Module):
-    """A pipeline stage of a model whose forward is a chain of modules (embedding, blocks, final norm, head):
-    `layers` applied in order; the last stage returns loss_fn(output, targets), the mean over the micro-batch.
-    block_kwargs(x): the keyword inputs each of the `n_blocks` blocks after the `n_before` first layers takes
-    beside x (a Hugging Face decoder layer's position_embeddings and attention_mask), computed once a stage; a
-    block returning a tuple passes on its first item. `tied`: the parameters it shares with another stage."""
-
-    def __init__(self, layers, first, last, loss_fn=None, block_kwargs=None, n_before=0, n_blocks=0, tied=()):
-        super().__init__()
-        self.layers, self.first, self.last, self.loss_fn = nn.ModuleList(layers), first, last, loss_fn
-        self.block_kwargs, self.blocks = block_kwargs, range(n_before, n_before + n_blocks)
-        self.tied_at = [(m, key) for m in self.layers.modules() for key, p in m._parameters.items()
-                        if any(p is q for q in tied)]
-
-    @property
-    def tied(self):
-        """The shared parameters this stage holds, looked up now (a swap since, ZeRO's or TP's, is seen)."""
-        return list({id(m._parameters[key]): m._parameters[key] for m, key in self.tied_at}.values())
-
-    def forward(self, x, targets=None):
-        kwargs = None
-        for i, layer in enumerate(self.layers):
-            if i in self.blocks and kwargs is None:
-                kwargs = {} if self.block_kwargs is None else self.block_kwargs(x)
-            out = layer(x, **kwargs) if i in self.blocks else layer(x)
-            x = out if isinstance(out, torch.Tensor) else out[0]
-        return self.loss_fn(x, targets) if self.last else x
-
-
-def pipeline_stages(before, blocks, after, rank, p, v=1, placement="loop", loss_fn=None, block_kwargs=None):
-    """This rank's stages of any model as SequentialStages (its own modules, not copies): the blocks cut by
-    layer_split, `before` (embedding) on the first stage, `after` (final norm, LM head) and loss_fn on the last;
-    block_kwargs: see SequentialStage. Parameters that `before` and `after` share (a tied embedding and head,
-    found by identity) are each stage's `tied`: on two ranks, pipeline_tied.tied_grads_sync keeps them equal."""
-    def params(modules):
-        return [q for m in modules for q in m.parameters()]
-    tied = [q for q in params(before) if any(q is r for r in params(after))]
-    return nn.ModuleList([SequentialStage((list(before) if first else []) + [blocks[i] for i in layers]
-                                          + (list(after) if last else []), first, last, loss_fn, block_kwargs,
-                                          len(before) if first else 0, len(layers), tied)
-                          for _, layers, first, last in stages_of_rank(len(blocks), rank, p, v, placement)])
+                                       rank_of, recvs_of, render, schedule_placement, sends_of, simulate)
+from common.pipeline_stages import SequentialStage, layer_split, pipeline_stages, stages_of_rank   # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -124,9 +64,10 @@ class PipelineRunner:
     input is get_batch(mb)'s x on the first stage and the previous stage's output elsewhere; targets is
     get_batch(mb)'s y on the last stage, else None. A stage returns its output activations, one tensor of
     act_shape (sent as act_dtype, by default the stages' parameter dtype), or on the last stage the mean loss over
-    the micro-batch (a scalar). A stage has attributes `first` and `last`. `store`: a WeightGradStore, for the schedules with W actions (zb1, zbv,
-    dualpipev); `amp`: a context for each stage call (autocast; default none); `action_hook(action)`, when set,
-    a context manager around each action's compute (metrics.ActionTimer times the pipeline's idle share)."""
+    the micro-batch (a scalar). A stage has attributes `first` and `last`. `store`: a WeightGradStore, for the
+    schedules with W actions (zb1, zbv, dualpipev); `amp`: a context for each stage call (autocast; default none);
+    `action_hook(action)`, when set, a context manager around each action's compute (metrics.ActionTimer times
+    the pipeline's idle share)."""
 
     def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None,
                  act_dtype=None):

@@ -20,8 +20,9 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     routing.py       mixture-of-experts routing (model.MoE and train_ep's experts)
     tp_shards.py     how a tensor-parallel slice maps to the full parameter
     tp_setup.py      what applying TP needs besides its layers: a degree's shape checks, per-rank random streams
-    pipeline_schedules.py, pipeline_tied.py, pipeline_weight_grads.py   the pipeline's schedules as data,
-                     the tied embedding across stages, the split backward of zero-bubble schedules
+    pipeline_schedules.py, pipeline_stages.py, pipeline_tied.py, pipeline_weight_grads.py   the pipeline's
+                     schedules as data, any model cut into stages, the tied weight across stages, the split
+                     backward of zero-bubble schedules
     module_io.py     what a technique needs of a foreign model: tied parameters by identity, a module's input by
                      keyword and output in a tuple (train_tp's swaps and hooks)
     hf_attention.py  an attention core as a function of transformers' attention registry (train_cp's, copied out)

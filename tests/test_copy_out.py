@@ -8,9 +8,13 @@ own module names, forward returning logits only; with --experts an MoE of SwiGLU
 small text) and config.py (a module that raises if imported: the copied files must not import a config.py), and
 runs the user's training script (TRAIN below) in two fresh processes on gloo, with numpy unimportable and
 nanoscale's root nowhere on sys.path. In float64, with clipping, every step's loss and gradient norm equal the same
-model's single-process run within 1e-9 relative. The two silent mistakes are loud there too: the optimizer's own
-zero_grad() under DataParallelGrads raises GradNotInBucket, and a norm left out of sequence_parallel is a
-ValueError.
+model's single-process run within 1e-9 relative. The silent mistakes are loud there too: the optimizer's own
+zero_grad() under DataParallelGrads raises GradNotInBucket, a norm left out of sequence_parallel is a ValueError,
+ZeRO-1 asked to reduce twice in a step raises ReducedTwice. A second user's project (TRAIN_HF) does the same on
+transformers' LlamaForCausalLM (tied and untied, eager and sdpa) and MixtralForCausalLM for EP, with two
+micro-batches a step. Each former trap is refused there (a tie a TP plan would cut, a CP forward without its
+positions, a mask the CP core cannot apply, ZeRO-1 reducing twice) or would break parity (the pipeline's
+activations sent in float32 by default, a tied weight left unsynced across stages, stacked experts).
 """
 import json
 import os
@@ -54,7 +58,8 @@ COPY_TABLE = {
            "causal attention without a mask or dropout (else a ValueError), in a module called on q, k, v [B, H, T, "
            "D] (K/V may have fewer heads; `scale=`) or chosen by name; the forward takes the chunk's global "
            "positions (RoPE); a per-token loss"),
-    "PP": (["train_pp.py", "common/comm.py", "common/pipeline_schedules.py", "common/pipeline_tied.py"],
+    "PP": (["train_pp.py", "common/comm.py", "common/pipeline_schedules.py", "common/pipeline_stages.py",
+            "common/pipeline_tied.py"],
            "`pipeline_stages(before, blocks, after, rank, p, loss_fn=, block_kwargs=)`, `make_schedule`, "
            "`PipelineRunner`; `tied_pair_group`, `tied_grads_sync`, `clip_stage_grads`; zb1, zbv, dualpipev also "
            "`common/pipeline_weight_grads.py`",
@@ -352,7 +357,7 @@ def ddp():
 def zero(stage):
     from common.comm import clip_grad_norm
     from train_ddp import mean_over_group
-    from train_zero import ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
+    from train_zero import ReducedTwice, ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
     model, losses, norms = build(), [], []
     blocks = list(model.layers)
     shards = shard_model(model, stage, WORLD, torch.float64, "cpu", blocks=blocks, bucket_mb=0.02)
@@ -376,6 +381,15 @@ def zero(stage):
             s.publish()
         grads.zero_grad()
         losses.append(mean_over_group(total, WORLD))
+    if stage == 1:                                 # the mistake: ZeRO-1 asked to reduce every micro-batch
+        try:
+            for micro in range(2):
+                grads.require_sync(True)
+                loss_fn(model(x.chunk(2)[micro]), y.chunk(2)[micro]).backward()
+                grads.finish()
+            raise AssertionError("a second ZeRO-1 reduction in one step went unnoticed")
+        except ReducedTwice:
+            pass
     return losses, norms
 
 
@@ -436,8 +450,7 @@ def pp_1f1b():
     stages = pipeline_stages([model.tok_embeddings], list(model.layers), [model.norm, model.output], rank, world,
                              loss_fn=loss_fn)
     schedules = make_schedule("1f1b", world, m)
-    runner = PipelineRunner(stages, WORLD, schedules, m, (micro, T, SHAPE["dim"]), torch.device("cpu"),
-                            act_dtype=torch.float64)
+    runner = PipelineRunner(stages, WORLD, schedules, m, (micro, T, SHAPE["dim"]), torch.device("cpu"))   # float64
     opt = adamw(stages.named_parameters())
     for step in range(STEPS):
         x, y = batch(step, GLOBAL, T)
