@@ -20,6 +20,7 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     routing.py       mixture-of-experts routing (model.MoE and train_ep's experts)
     tp_shards.py     how a tensor-parallel slice maps to the full parameter
     tp_setup.py      what applying TP needs besides its layers: a degree's shape checks, per-rank random streams
+    tp_grads.py      a tensor-parallel model's gradients: SP's partial sums, each value counted once in the norm
     pipeline_schedules.py, pipeline_stages.py, pipeline_tied.py, pipeline_weight_grads.py   the pipeline's
                      schedules as data, any model cut into stages, the tied weight across stages, the split
                      backward of zero-bubble schedules

@@ -44,7 +44,7 @@ COPY_TABLE = {
                "as ZeRO-1/2, `shard_model(..., blocks=)` and `install_zero3_hooks(model, blocks, shards, grads)`",
                "the blocks: modules whose parameters are gathered together, each called once per forward; the "
                "forward may return anything (logits, a loss, a tuple, a transformers output)"),
-    "TP + SP": (["train_tp.py", "common/comm.py", "common/module_io.py"],
+    "TP + SP": (["train_tp.py", "common/comm.py", "common/module_io.py", "common/tp_grads.py"],
                 "`tensor_parallel(model, plan, group, sp, sequence_parallel=)` (column, row, embedding, sp_begin, "
                 "sp_end, sp_gather), `vocab_parallel_loss`, `all_reduce_sequence_parallel_grads`, `clip_tp_grads`",
                 "projections as `nn.Linear`; heads read off the projection's width (a reshape to (-1, head_dim)); "
