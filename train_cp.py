@@ -338,11 +338,6 @@ class ContextParallelAttentionCore(nn.Module):
             q = q * (scale * q.shape[-1] ** 0.5)                  # into q (autograd takes it back to q's grad)
         return context_parallel_attention(q, k, v, self.group, self.layout, self.kernel)[0]
 
-    def positions(self, local_len, device="cpu"):
-        """The global positions of this rank's local_len tokens (what RoPE must be given)."""
-        cp = dist.get_world_size(self.group)
-        return local_positions(self.layout, local_len * cp, cp, dist.get_rank(self.group), device)
-
 
 def swap_modules(model, names, make):
     """Replace each named module of `model` by make(); returns the old ones, in order (to swap back)."""

@@ -5,7 +5,7 @@ Hugging Face transformers' attention registry, where a model's attention is a fu
 module to swap (docs/copy_out.md). Torch only: transformers is the caller's.
 
     from transformers import AttentionInterface
-    AttentionInterface.register("context_parallel", attention_function(core))
+    AttentionInterface.register("context_parallel", attention_function(core, positions=pos))   # pos: my tokens
     model.set_attn_implementation("context_parallel")     # every layer's attention now calls the core
 
 transformers builds no mask for an implementation its mask registry lacks, so None reaches the core, which is causal
@@ -14,20 +14,19 @@ by itself; a mask, dropout or a non-causal module reaches it too and is refused 
 import torch
 
 
-def attention_function(core):
+def attention_function(core, positions=None):
     """fn(module, query, key, value, attention_mask, scaling=, dropout=, position_ids=, ...) with q/k/v
-    [B, H, T, D] -> (core's output as [B, T, H, D], None), transformers' registry signature. A core with
-    `positions(T, device)` (context parallelism: this rank's global positions) has the first call's position_ids
-    checked against them: left to the model, they would be 0..T-1 of the chunk, silently wrong for RoPE."""
+    [B, H, T, D] -> (core's output as [B, T, H, D], None), transformers' registry signature. positions: this
+    rank's global positions (context parallelism: train_cp.local_positions), against which the first call's
+    position_ids are checked: left to the model they would be 0..T-1 of the chunk, silently wrong for RoPE."""
     checked = []
 
     def attend(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
         pos = kwargs.get("position_ids")
-        if not checked and pos is not None and hasattr(core, "positions"):   # once: a host sync, not per step
-            mine = core.positions(query.shape[-2], pos.device)
-            if not torch.equal(pos.reshape(-1, pos.shape[-1])[0], mine):
+        if not checked and positions is not None:          # once: a host sync, not one per layer and step
+            if pos is None or not torch.equal(pos.reshape(-1, pos.shape[-1])[0].cpu(), positions.cpu()):
                 raise ValueError(f"context parallelism: position_ids must be this rank's global positions "
-                                 f"{mine.tolist()} (local_positions), got {pos.reshape(-1).tolist()[:16]}")
+                                 f"{positions.tolist()}, got {None if pos is None else pos.reshape(-1).tolist()}")
             checked.append(True)
         out = core(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                    is_causal=getattr(module, "is_causal", True), scale=scaling)

@@ -53,7 +53,7 @@ COPY_TABLE = {
                 "that reads T off its input planned `sp_gather`, whole-sequence positions (and mask, if any)"),
     "CP": (["train_cp.py", "common/comm.py", "common/hf_attention.py"],
            "`swap_modules(model, names, lambda: ContextParallelAttentionCore(group, layout))` or transformers' "
-           "`AttentionInterface.register(name, hf_attention.attention_function(core))`; `local_positions`, "
+           "`AttentionInterface.register(name, hf_attention.attention_function(core, pos))`; `local_positions`, "
            "`allreduce_grads`",
            "causal attention without a mask or dropout (else a ValueError), in a module called on q, k, v [B, H, T, "
            "D] (K/V may have fewer heads; `scale=`) or chosen by name; the forward takes the chunk's global "
@@ -688,7 +688,7 @@ def cp(layout, tied, attn):
         raise AssertionError("a mask the core cannot apply went unnoticed")
     except ValueError:
         pass
-    AttentionInterface.register(f"cp_{layout}", attention_function(core))
+    AttentionInterface.register(f"cp_{layout}", attention_function(core, positions=pos))
     model = build(tied, attn)
     model.set_attn_implementation(f"cp_{layout}")  # every layer's attention: the core on this rank's chunk
     if layout == "zigzag":                         # the mistake: positions left to HF (0..T/cp-1)
@@ -697,7 +697,7 @@ def cp(layout, tied, attn):
             raise AssertionError("a forward without position_ids went unnoticed")
         except ValueError as e:
             assert "position_ids" in str(e), e
-        AttentionInterface.register(f"cp_{layout}", attention_function(core))
+        AttentionInterface.register(f"cp_{layout}", attention_function(core, positions=pos))
         model.set_attn_implementation(f"cp_{layout}")
     losses, norms, opt = [], [], adamw(model.named_parameters())
     for step in range(STEPS):
