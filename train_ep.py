@@ -207,6 +207,14 @@ class ExpertDataParallelGrads:
         self.dense.zero_grad()
         self.experts.zero_grad()
 
+    def clip(self, max_norm, ep_group):
+        """The global grad norm (each expert's gradient counted by its rank, the dense ones, equal on every rank
+        after finish(), by the EP group's first rank) and every gradient scaled to at most max_norm."""
+        dense, first = self.dense.grads(), dist.get_rank(ep_group) == 0
+        owned = self.experts.grads() + (dense if first else [])
+        return clip_grad_norm(owned, max_norm, group=ep_group, dtype=(owned or dense)[0].dtype,
+                              replicas=[] if first else dense)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # expert parallelism in model.py's GPT (this script and train_5d.py)

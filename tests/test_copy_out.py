@@ -68,7 +68,8 @@ COPY_TABLE = {
            "a tuple; a tied weight is one Parameter in before and after; a loss_fn(output, targets) -> mean loss"),
     "EP": (["train_ep.py", "train_ddp.py", "common/comm.py"],
            "`ExpertParallelExperts(make_expert, n_experts, group)` or `ExpertParallelStackedExperts(experts, "
-           "n_experts, group)`, `expert_groups`, `ExpertDataParallelGrads(named, ..., is_expert)`",
+           "n_experts, group)`, `expert_groups`, `ExpertDataParallelGrads(named, ..., is_expert)` and its "
+           "`clip(max_norm, ep_group)`",
            "an MoE whose experts are one module, called as experts(rows grouped by expert, expert of each row) -> "
            "rows, or stacked [E, ...] per weight and called as transformers' experts(hidden, top_k_index, "
            "top_k_weights); experts divisible by ep"),
@@ -255,6 +256,75 @@ def rows_of(x, y, rank, world):
     return x[rank * n: (rank + 1) * n], y[rank * n: (rank + 1) * n]
 
 
+def train_ddp(model, logits_of, batches, clip):
+    """DataParallelGrads on `model` over the default group, two micro-batches a step (the first without
+    communication): per step of `batches` the mean loss and the grad norm; then the optimizer's own zero_grad(),
+    which would detach the gradients from their buckets, must be refused at the next backward."""
+    from common.comm import clip_grad_norm
+    from train_ddp import DataParallelGrads, GradNotInBucket, check_replicas_agree, mean_over_group
+    group, losses, norms = dist.group.WORLD, [], []
+    check_replicas_agree(list(model.parameters()), group)
+    grads, opt = DataParallelGrads(model.parameters(), group, bucket_mb=0.02), adamw(model.named_parameters())
+    for x, y in batches:
+        total = 0.0
+        for micro in range(2):
+            grads.require_sync(micro == 1)
+            loss = loss_fn(logits_of(model, x.chunk(2)[micro]), y.chunk(2)[micro])
+            (loss / 2).backward()
+            total += loss.detach() / 2
+        grads.finish()
+        norms.append(float(clip_grad_norm(grads.grads(), clip)))
+        opt.step()
+        grads.zero_grad()
+        losses.append(mean_over_group(total, group))
+    opt.zero_grad()                                # the mistake: the optimizer's own, grads set to None
+    try:
+        loss_fn(logits_of(model, x), y).backward()
+        raise AssertionError("the optimizer's zero_grad() went unnoticed")
+    except GradNotInBucket:
+        pass
+    return losses, norms
+
+
+def train_zero(stage, model, blocks, logits_of, batches, clip):
+    """ZeRO-`stage` on `model` over the default group: per step of `batches` (this rank's rows, two micro-batches)
+    the mean loss and the grad norm; then ZeRO-1's mistake, a reduction each micro-batch, must be refused."""
+    from common.comm import clip_grad_norm
+    from train_ddp import mean_over_group
+    from train_zero import ReducedTwice, ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
+    group, losses, norms = dist.group.WORLD, [], []
+    shards = shard_model(model, stage, group, torch.float64, "cpu", blocks=blocks, bucket_mb=0.02)
+    grads = ShardedGrads(shards, group, stage)
+    if stage == 3:
+        install_zero3_hooks(model, blocks, shards, grads)
+    opt = ShardedAdamW(shards, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    for x, y in batches:
+        total = 0.0
+        for micro in range(2):
+            grads.require_sync(stage >= 2 or micro == 1)   # ZeRO-2/3 reduce-scatter every micro-batch, ZeRO-1 once
+            loss = loss_fn(logits_of(model, x.chunk(2)[micro]), y.chunk(2)[micro])
+            (loss / 2).backward()
+            grads.finish()
+            total += loss.detach() / 2
+        g = grads.grads()
+        norms.append(float(clip_grad_norm(g, clip, group=group, dtype=torch.float64)))
+        opt.step(LR, g)
+        for s in shards:
+            s.publish()
+        grads.zero_grad()
+        losses.append(mean_over_group(total, group))
+    if stage == 1:                                 # the mistake: ZeRO-1 asked to reduce every micro-batch
+        try:
+            for micro in range(2):
+                grads.require_sync(True)
+                loss_fn(logits_of(model, x.chunk(2)[micro]), y.chunk(2)[micro]).backward()
+                grads.finish()
+            raise AssertionError("a second ZeRO-1 reduction in one step went unnoticed")
+        except ReducedTwice:
+            pass
+    return losses, norms
+
+
 def run_on_gloo(rank, world, port, out, work, one_process):
     """work() on this rank of a gloo group; rank 0 then writes its result, one_process()'s and the modules of this
     project the work imported (nanoscale's copied files among them) to `out`."""
@@ -295,7 +365,7 @@ import torch.distributed as dist                   # noqa: E402
 
 from data import batch                             # noqa: E402
 from model import Llama                            # noqa: E402
-from recipe import adamw, loss_fn, rows_of, run_on_gloo   # noqa: E402
+from recipe import adamw, loss_fn, rows_of, run_on_gloo, train_ddp, train_zero   # noqa: E402
 
 run, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 STEPS, GLOBAL, T, CLIP, WORLD = 5, 8, 16, 1.0, None
@@ -327,70 +397,14 @@ def one_process():
 
 
 def ddp():
-    from common.comm import clip_grad_norm
-    from train_ddp import DataParallelGrads, GradNotInBucket, check_replicas_agree, mean_over_group
-    model, losses, norms = build(), [], []
-    check_replicas_agree(list(model.parameters()), WORLD)
-    grads, opt = DataParallelGrads(model.parameters(), WORLD, bucket_mb=0.02), adamw(model.named_parameters())
-    for step in range(STEPS):
-        x, y = my_rows(*batch(step, GLOBAL, T))
-        total = 0.0
-        for micro in range(2):                     # two micro-batches: the first one without communication
-            grads.require_sync(micro == 1)
-            loss = loss_fn(model(x.chunk(2)[micro]), y.chunk(2)[micro])
-            (loss / 2).backward()
-            total += loss.detach() / 2
-        grads.finish()
-        norms.append(float(clip_grad_norm(grads.grads(), CLIP)))
-        opt.step()
-        grads.zero_grad()
-        losses.append(mean_over_group(total, WORLD))
-    opt.zero_grad()                                # the mistake: the optimizer's own, grads set to None
-    try:
-        loss_fn(model(x), y).backward()
-        raise AssertionError("the optimizer's zero_grad() went unnoticed")
-    except GradNotInBucket:
-        pass
-    return losses, norms
+    batches = [my_rows(*batch(step, GLOBAL, T)) for step in range(STEPS)]
+    return train_ddp(build(), lambda m, x: m(x), batches, CLIP)
 
 
 def zero(stage):
-    from common.comm import clip_grad_norm
-    from train_ddp import mean_over_group
-    from train_zero import ReducedTwice, ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
-    model, losses, norms = build(), [], []
-    blocks = list(model.layers)
-    shards = shard_model(model, stage, WORLD, torch.float64, "cpu", blocks=blocks, bucket_mb=0.02)
-    grads = ShardedGrads(shards, WORLD, stage)
-    if stage == 3:
-        install_zero3_hooks(model, blocks, shards, grads)
-    opt = ShardedAdamW(shards, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-    for step in range(STEPS):
-        x, y = my_rows(*batch(step, GLOBAL, T))
-        total = 0.0
-        for micro in range(2):
-            grads.require_sync(stage >= 2 or micro == 1)   # ZeRO-2/3 reduce-scatter every micro-batch, ZeRO-1 once
-            loss = loss_fn(model(x.chunk(2)[micro]), y.chunk(2)[micro])
-            (loss / 2).backward()
-            grads.finish()
-            total += loss.detach() / 2
-        g = grads.grads()
-        norms.append(float(clip_grad_norm(g, CLIP, group=WORLD, dtype=torch.float64)))
-        opt.step(LR, g)
-        for s in shards:
-            s.publish()
-        grads.zero_grad()
-        losses.append(mean_over_group(total, WORLD))
-    if stage == 1:                                 # the mistake: ZeRO-1 asked to reduce every micro-batch
-        try:
-            for micro in range(2):
-                grads.require_sync(True)
-                loss_fn(model(x.chunk(2)[micro]), y.chunk(2)[micro]).backward()
-                grads.finish()
-            raise AssertionError("a second ZeRO-1 reduction in one step went unnoticed")
-        except ReducedTwice:
-            pass
-    return losses, norms
+    model = build()
+    batches = [my_rows(*batch(step, GLOBAL, T)) for step in range(STEPS)]
+    return train_zero(stage, model, list(model.layers), lambda m, x: m(x), batches, CLIP)
 
 
 def tp_sp():
@@ -466,7 +480,6 @@ def pp_1f1b():
 
 
 def ep():
-    from common.comm import clip_grad_norm
     from train_ddp import mean_over_group
     from train_ep import ExpertDataParallelGrads, ExpertParallelExperts, expert_groups
     ep_group, replicas = expert_groups(world, world)
@@ -476,16 +489,14 @@ def ep():
         layer.feed_forward.experts = ExpertParallelExperts(lambda e: experts[e], SHAPE["n_experts"], ep_group)
     named = list(model.named_parameters())
     grads = ExpertDataParallelGrads(named, WORLD, replicas, world, 0.02, is_expert=lambda name: ".experts." in name)
-    opt, first = adamw(named), dist.get_rank(ep_group) == 0
+    opt = adamw(named)
     for step in range(STEPS):
         x, y = my_rows(*batch(step, GLOBAL, T))
         grads.require_sync(True)
         loss = loss_fn(model(x), y)
         loss.backward()
         grads.finish()
-        dense = grads.dense.grads()                # identical on every rank: counted once, by the first
-        norms.append(float(clip_grad_norm(grads.experts.grads() + (dense if first else []), CLIP, group=ep_group,
-                                          dtype=torch.float64, replicas=[] if first else dense)))
+        norms.append(float(grads.clip(CLIP, ep_group)))   # experts by their rank, the dense replicas once
         opt.step()
         grads.zero_grad()
         losses.append(mean_over_group(loss, WORLD))
@@ -524,7 +535,7 @@ import torch.nn.functional as F                    # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from data import batch                             # noqa: E402
-from recipe import adamw, loss_fn, rows_of, run_on_gloo   # noqa: E402
+from recipe import adamw, loss_fn, rows_of, run_on_gloo, train_ddp, train_zero   # noqa: E402
 
 run, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 STEPS, GLOBAL, T, CLIP, WORLD = 4, 8, 16, 0.5, None
@@ -569,66 +580,14 @@ def one_process(tied, attn, moe=False):
 
 
 def ddp(tied, attn):
-    from common.comm import clip_grad_norm
-    from train_ddp import DataParallelGrads, check_replicas_agree, mean_over_group
-    model, losses, norms = build(tied, attn), [], []
-    check_replicas_agree(list(model.parameters()), WORLD)
-    grads, opt = DataParallelGrads(model.parameters(), WORLD, bucket_mb=0.02), adamw(model.named_parameters())
-    for step in range(STEPS):
-        x, y = my_rows(*batch(step, GLOBAL, T))
-        total = 0.0
-        for i in range(2):
-            grads.require_sync(i == 1)             # the last micro-batch's backward communicates
-            xm, ym = micro(x, y, i)
-            loss = loss_fn(model(input_ids=xm).logits, ym)
-            (loss / 2).backward()
-            total += loss.detach() / 2
-        grads.finish()
-        norms.append(float(clip_grad_norm(grads.grads(), CLIP)))
-        opt.step()
-        grads.zero_grad()
-        losses.append(mean_over_group(total, WORLD))
-    return losses, norms
+    batches = [my_rows(*batch(step, GLOBAL, T)) for step in range(STEPS)]
+    return train_ddp(build(tied, attn), lambda m, x: m(input_ids=x).logits, batches, CLIP)
 
 
 def zero(stage, tied, attn):
-    from common.comm import clip_grad_norm
-    from train_ddp import mean_over_group
-    from train_zero import ReducedTwice, ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
-    model, losses, norms = build(tied, attn), [], []
-    blocks = list(model.model.layers)
-    shards = shard_model(model, stage, WORLD, torch.float64, "cpu", blocks=blocks, bucket_mb=0.02)
-    grads = ShardedGrads(shards, WORLD, stage)
-    if stage == 3:
-        install_zero3_hooks(model, blocks, shards, grads)
-    opt = ShardedAdamW(shards, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-    for step in range(STEPS):
-        x, y = my_rows(*batch(step, GLOBAL, T))
-        total = 0.0
-        for i in range(2):
-            grads.require_sync(stage >= 2 or i == 1)   # stage 1 reduces once, after the last micro-batch
-            xm, ym = micro(x, y, i)
-            loss = loss_fn(model(input_ids=xm).logits, ym)
-            (loss / 2).backward()
-            grads.finish()
-            total += loss.detach() / 2
-        g = grads.grads()
-        norms.append(float(clip_grad_norm(g, CLIP, group=WORLD, dtype=torch.float64)))
-        opt.step(LR, g)
-        for s in shards:
-            s.publish()
-        grads.zero_grad()
-        losses.append(mean_over_group(total, WORLD))
-    if stage == 1:                                 # the mistake: stage 1 asked to reduce every micro-batch
-        try:
-            for i in range(2):
-                grads.require_sync(True)
-                loss_fn(model(input_ids=x).logits, y).backward()
-                grads.finish()
-            raise AssertionError("a second ZeRO-1 reduction in one step went unnoticed")
-        except ReducedTwice:
-            pass
-    return losses, norms
+    model = build(tied, attn)
+    batches = [my_rows(*batch(step, GLOBAL, T)) for step in range(STEPS)]
+    return train_zero(stage, model, list(model.model.layers), lambda m, x: m(input_ids=x).logits, batches, CLIP)
 
 
 def tp_sp(tied, attn):
@@ -750,7 +709,6 @@ def pp_1f1b(tied, attn):
 
 
 def ep(tied, attn):
-    from common.comm import clip_grad_norm
     from train_ddp import mean_over_group
     from train_ep import ExpertDataParallelGrads, ExpertParallelStackedExperts, expert_groups
     ep_group, replicas = expert_groups(world, world)
@@ -760,7 +718,7 @@ def ep(tied, attn):
     named = list(model.named_parameters())
     assert "model.layers.0.mlp.experts.gate_up_proj" in dict(named)   # the checkpoint's names
     grads = ExpertDataParallelGrads(named, WORLD, replicas, world, 0.02, is_expert=lambda name: ".experts." in name)
-    opt, first = adamw(named), dist.get_rank(ep_group) == 0
+    opt = adamw(named)
     for step in range(STEPS):
         x, y = my_rows(*batch(step, GLOBAL, T))
         total = 0.0
@@ -771,9 +729,7 @@ def ep(tied, attn):
             (loss / 2).backward()
             total += loss.detach() / 2
         grads.finish()
-        dense = grads.dense.grads()                # identical on every rank: counted once, by the first
-        norms.append(float(clip_grad_norm(grads.experts.grads() + (dense if first else []), CLIP, group=ep_group,
-                                          dtype=torch.float64, replicas=[] if first else dense)))
+        norms.append(float(grads.clip(CLIP, ep_group)))   # experts by their rank, the dense replicas once
         opt.step()
         grads.zero_grad()
         losses.append(mean_over_group(total, WORLD))
