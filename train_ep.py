@@ -25,7 +25,8 @@ Bytes this rank sends per MoE block per micro-batch (docs/observability.md: only
 (dispatch S + combine R forward, and the same amounts backward), plus the all_gather of the counts.
 Parameters per rank: P_dense + n_moe_blocks * (E/ep) * (8h^2 + 5h): the expert weights shrink by ep.
 Any MoE whose experts are one module called on all routed rows (model.Experts; docs/copy_out.md) takes
-ExpertParallelExperts in their place.
+ExpertParallelExperts in their place; experts stored as one [E, ...] tensor per weight and called on each token's
+top-k (Hugging Face's MoE models) take ExpertParallelStackedExperts.
 """
 import functools
 import time
@@ -126,6 +127,8 @@ class ExpertParallelStackedExperts(nn.Module):
     def __init__(self, experts, n_experts, group):
         super().__init__()
         self.ep, rank = dist.get_world_size(group), dist.get_rank(group)
+        if n_experts % self.ep:
+            raise ValueError(f"expert parallelism: {n_experts} experts do not split evenly over {self.ep} ranks")
         self.n_experts, self.n_local, self.group = n_experts, n_experts // self.ep, group
         self.first = rank * self.n_local
         for name, p in list(experts.named_parameters(recurse=False)):
