@@ -321,13 +321,20 @@ def context_parallel_attention(q, k, v, group, layout, kernel=PLAIN_TORCH):
 
 class ContextParallelAttentionCore(nn.Module):
     """Drop-in for a model's causal attention core (model.AttentionCore, F.scaled_dot_product_attention(q, k, v,
-    is_causal=True) in a module of its own): forward(q, k, v) on the local chunk -> local attention output."""
+    is_causal=True) in a module of its own): forward(q, k, v) on the local chunk -> local attention output; SDPA's
+    scale= too, and a ValueError for what it cannot apply (attn_mask, dropout_p, is_causal=False), never ignored."""
 
     def __init__(self, group, layout, kernel=PLAIN_TORCH):
         super().__init__()
         self.group, self.layout, self.kernel = group, layout, kernel
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True, scale=None):
+        if attn_mask is not None or dropout_p or not is_causal:
+            mask = None if attn_mask is None else tuple(attn_mask.shape)
+            raise ValueError(f"context-parallel attention is causal, without a mask or dropout: got attn_mask={mask}, "
+                             f"dropout_p={dropout_p}, is_causal={is_causal}")
+        if scale is not None and scale != q.shape[-1] ** -0.5:    # the kernels scale by 1/sqrt(D): fold the rest
+            q = q * (scale * q.shape[-1] ** 0.5)                  # into q (autograd takes it back to q's grad)
         return context_parallel_attention(q, k, v, self.group, self.layout, self.kernel)[0]
 
 

@@ -93,6 +93,11 @@ class GradNotInBucket(RuntimeError):
     """A parameter's .grad is no longer the view of its bucket that DataParallelGrads attached."""
 
 
+class ReducedTwice(RuntimeError):
+    """A bucket reduced in place (ZeRO-1's reduce-scatter) asked to reduce again before zero_grad(): its other
+    slices still hold this rank's earlier micro-batches, which would be counted twice."""
+
+
 class DataParallelGrads:
     """Averages the gradients of `params` over `group` (the building block; not a module wrapper).
 

@@ -25,7 +25,8 @@ Bytes this rank sends per MoE block per micro-batch (docs/observability.md: only
 (dispatch S + combine R forward, and the same amounts backward), plus the all_gather of the counts.
 Parameters per rank: P_dense + n_moe_blocks * (E/ep) * (8h^2 + 5h): the expert weights shrink by ep.
 Any MoE whose experts are one module called on all routed rows (model.Experts; docs/copy_out.md) takes
-ExpertParallelExperts in their place.
+ExpertParallelExperts in their place; experts stored as one [E, ...] tensor per weight and called on each token's
+top-k (Hugging Face's MoE models) take ExpertParallelStackedExperts.
 """
 import functools
 import time
@@ -86,33 +87,91 @@ class ExpertParallelExperts(nn.ModuleDict):
         self.group, self.n_experts, self.n_local, self.first = group, n_experts, n_local, first
 
     def forward(self, rows, expert):
-        """The rows per (rank, expert) are read to the host once per block: the all_to_all's split sizes and each
-        expert's GEMM need them there. Rows with expert == n_experts (dropped by capacity) stay here: zeros."""
-        counts = torch.zeros(self.n_experts + 1, dtype=torch.long, device=expert.device)
-        counts.scatter_add_(0, expert, torch.ones_like(expert))      # (bincount would read expert's max back)
-        table = gather_counts(counts[:self.n_experts], self.group)
-        sizes = table.tolist()                                  # [ep][E], the one read
-        n, me = self.n_local, dist.get_rank(self.group)
-        send_splits = [sum(sizes[me][r * n:(r + 1) * n]) for r in range(self.ep)]
-        recv_splits = [sum(row[self.first:self.first + n]) for row in sizes]
-        per_expert = [sum(row[self.first + e] for row in sizes) for e in range(n)]
-        kept = in_compute_dtype(rows[:sum(send_splits)])   # autocast: dispatched (and returned) in 16 bits
-        arrived = AllToAll.apply(kept, recv_splits, send_splits, self.group)   # grouped by expert = by rank
-        mine = table[:, self.first:self.first + n]              # [ep, n_local]: rows each rank sends me
-        out = AllToAll.apply(self.run_experts(arrived, mine, per_expert), send_splits, recv_splits, self.group)
-        dropped = len(rows) - sum(send_splits)
-        return torch.cat([out, out.new_zeros(dropped, out.shape[1])]) if dropped else out
+        return dispatch(rows, expert, self.n_experts, self.first, self.n_local, self.group, self.run_experts)
 
     def run_experts(self, rows, mine, per_expert):
         """rows arrive grouped by source rank, then by my local expert (mine [ep, n_local] counts them on the
         device, per_expert on the host); regroup them by expert, run each expert once on all its rows, and return
         the outputs in arrival order."""
-        ends = mine.reshape(-1).cumsum(0)                       # where each (rank, expert) run of rows ends
-        run = torch.searchsorted(ends, torch.arange(len(rows), device=rows.device), right=True)
-        perm = torch.argsort(run % self.n_local, stable=True)   # by local expert, arrival order within one
+        perm = torch.argsort(local_expert_of_arrived(mine, len(rows), self.n_local), stable=True)   # arrival order
         chunks = rows[perm].split(per_expert)
         out = torch.cat([expert(c) for expert, c in zip(self.values(), chunks)])
         return out[torch.argsort(perm)]
+
+
+def dispatch(rows, expert, n_experts, first, n_local, group, run):
+    """rows [A, h] grouped by expert, `expert` [A] each one's: to the ranks owning their experts (rank r owns
+    [r*n_local, (r+1)*n_local)), run(arrived rows, [ep, n_local] table of rows per source and local expert on the
+    device, rows per local expert on the host) on them there, and the outputs back, in the order of `rows`. Rows
+    with expert == n_experts (dropped by capacity, grouped last) stay here and come back as zeros. The table of
+    rows per (rank, expert) is read to the host once: the all_to_all's split sizes and each expert's GEMM need it."""
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=expert.device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))      # (bincount would read expert's max back)
+    table = gather_counts(counts[:n_experts], group)
+    sizes = table.tolist()                                  # [ep][E], the one read
+    send_splits = [sum(sizes[me][r * n_local:(r + 1) * n_local]) for r in range(ep)]
+    recv_splits = [sum(row[first:first + n_local]) for row in sizes]
+    per_expert = [sum(row[first + e] for row in sizes) for e in range(n_local)]
+    kept = in_compute_dtype(rows[:sum(send_splits)])   # autocast: dispatched (and returned) in 16 bits, not fp32
+    arrived = AllToAll.apply(kept, recv_splits, send_splits, group)   # grouped by expert = by rank
+    out = run(arrived, table[:, first:first + n_local], per_expert)
+    if arrived.requires_grad and not out.requires_grad:   # no row came (experts that loop over the ids they see
+        out = out + arrived                               # skip them all): the exchange back still runs backward
+    out = AllToAll.apply(out, send_splits, recv_splits, group)
+    dropped = len(rows) - len(kept)
+    return torch.cat([out, out.new_zeros(dropped, out.shape[1])]) if dropped else out
+
+
+def local_expert_of_arrived(mine, n_rows, n_local):
+    """The local expert of each arrived row (rows come grouped by source rank, then by local expert; mine
+    [ep, n_local] counts them), from the device counts alone (repeat_interleave by them would read them back)."""
+    ends = mine.reshape(-1).cumsum(0)                       # where each (rank, expert) run of rows ends
+    run = torch.searchsorted(ends, torch.arange(n_rows, device=mine.device), right=True)
+    return run % n_local
+
+
+class ExpertParallelStackedExperts(nn.Module):
+    """Drop-in for an MoE's experts stored as one 3-D tensor per weight, [E, ...] (Hugging Face's MoE models,
+    grouped GEMMs), called as experts(hidden [N, h], top_k_index [N, k], top_k_weights [N, k]) -> [N, h], each
+    token's weighted sum over its k experts. This rank keeps experts [r*E/ep, (r+1)*E/ep): the slice of each
+    stacked weight, under that weight's own name (experts.gate_up_proj), so a checkpoint's tensor loads by its
+    rows. The rows travel to the rank owning their expert, where `experts` itself (now holding the slice) runs
+    them, each with its local expert id and weight 1, and back; the weighting and the sum happen at home."""
+
+    def __init__(self, experts, n_experts, group):
+        super().__init__()
+        self.ep, rank = dist.get_world_size(group), dist.get_rank(group)
+        if n_experts % self.ep:
+            raise ValueError(f"expert parallelism: {n_experts} experts do not split evenly over {self.ep} ranks")
+        self.n_experts, self.n_local, self.group = n_experts, n_experts // self.ep, group
+        self.first = rank * self.n_local
+        for name, p in list(experts.named_parameters(recurse=False)):
+            if p.dim() < 2 or p.shape[0] != n_experts:
+                raise ValueError(f"expert parallelism over stacked experts: {name} {tuple(p.shape)} is not one "
+                                 f"tensor of the {n_experts} experts stacked along dim 0")
+            local = nn.Parameter(p.detach()[self.first: self.first + self.n_local].clone(), p.requires_grad)
+            setattr(experts, name, local)
+            self.register_parameter(name, local)
+        if hasattr(experts, "num_experts"):         # Hugging Face's experts count theirs (grouped_mm's bins)
+            experts.num_experts = self.n_local
+        self.__dict__["experts"] = experts          # not a submodule: the parameters are named here, once
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        k = top_k_index.shape[1]
+        expert = top_k_index.reshape(-1)
+        order = torch.argsort(expert, stable=True)
+        token = torch.arange(len(hidden), device=hidden.device).repeat_interleave(k)[order]
+        out = dispatch(hidden[token], expert[order], self.n_experts, self.first, self.n_local, self.group,
+                       self.run_experts)
+        out = out * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden).index_add_(0, token, out.to(hidden.dtype))
+
+    def run_experts(self, rows, mine, per_expert):
+        """The arrived rows, each with its local expert (rows come grouped by source rank, then local expert)."""
+        local = local_expert_of_arrived(mine, len(rows), self.n_local)
+        params = {name: p for name, p in self.named_parameters(recurse=False)}
+        return torch.func.functional_call(self.experts, params, (rows, local[:, None], rows.new_ones(len(rows), 1)))
 
 
 class GroupGradScaler(torch.amp.GradScaler):
@@ -165,6 +224,14 @@ class ExpertDataParallelGrads:
     def zero_grad(self):
         self.dense.zero_grad()
         self.experts.zero_grad()
+
+    def clip(self, max_norm, ep_group):
+        """The global grad norm (each expert's gradient counted by its rank, the dense ones, equal on every rank
+        after finish(), by the EP group's first rank) and every gradient scaled to at most max_norm."""
+        dense, first = self.dense.grads(), dist.get_rank(ep_group) == 0
+        owned = self.experts.grads() + (dense if first else [])
+        return clip_grad_norm(owned, max_norm, group=ep_group, dtype=(owned or dense)[0].dtype,
+                              replicas=[] if first else dense)
 
 
 # ----------------------------------------------------------------------------------------------------------

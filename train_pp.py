@@ -28,7 +28,7 @@ Loss scaling: the last stage backpropagates loss / m, so gradients equal train_s
 batch. Tokens are read by the first and last stage from the deterministic loader, never sent.
 Dropout draws from each rank's own RNG stream, so runs with --dropout > 0 do not match train_single bit for bit.
 Any model (docs/copy_out.md): PipelineRunner runs any stage modules (its docstring: what a stage receives and
-returns); pipeline_stages cuts a model that is a chain of modules; stage_views cuts model.py's GPT.
+returns); common/pipeline_stages.py cuts a model that is a chain of modules; stage_views cuts model.py's GPT.
 """
 import contextlib
 import time
@@ -41,47 +41,8 @@ from torch.utils.checkpoint import checkpoint as recompute
 from common import comm
 from common.comm import COMM, label
 from common.pipeline_schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, make_schedule, placement_of,
-                                       rank_of, recvs_of, render, schedule_placement, sends_of, simulate, stage_of)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# stages: contiguous runs of a model's blocks (docs/copy_out.md); a stage module is what PipelineRunner runs
-
-def layer_split(n_layer, n_stages):
-    """Blocks of each stage; with an uneven split (--pp_uneven) the first n_layer % S stages get one more."""
-    sizes = [n_layer // n_stages + (s < n_layer % n_stages) for s in range(n_stages)]
-    starts = [sum(sizes[:s]) for s in range(n_stages)]
-    return [range(a, a + n) for a, n in zip(starts, sizes)]
-
-
-def stages_of_rank(n_layer, rank, p, v=1, placement="loop"):
-    """[(stage, its blocks, first?, last?)] of this rank's v chunks (stages rank, rank+p, ...; in a V rank and
-    2p-1-rank), in chunk order."""
-    S = p * v
-    ranges = layer_split(n_layer, S)
-    return [(s, ranges[s], s == 0, s == S - 1) for s in (stage_of(rank, c, p, placement) for c in range(v))]
-
-
-class SequentialStage(nn.Module):
-    """A pipeline stage of a model whose forward is a chain of modules (embedding, blocks, final norm, head):
-    `layers` applied in order; the last stage returns loss_fn(output, targets), the mean over the micro-batch."""
-
-    def __init__(self, layers, first, last, loss_fn=None):
-        super().__init__()
-        self.layers, self.first, self.last, self.loss_fn = nn.ModuleList(layers), first, last, loss_fn
-
-    def forward(self, x, targets=None):
-        for layer in self.layers:
-            x = layer(x)
-        return self.loss_fn(x, targets) if self.last else x
-
-
-def pipeline_stages(before, blocks, after, rank, p, v=1, placement="loop", loss_fn=None):
-    """This rank's stages of any model as SequentialStages (its own modules, not copies): the blocks cut by
-    layer_split, `before` (embedding) on the first stage, `after` (final norm, LM head) and loss_fn on the last."""
-    return nn.ModuleList([SequentialStage((list(before) if first else []) + [blocks[i] for i in layers]
-                                          + (list(after) if last else []), first, last, loss_fn)
-                          for _, layers, first, last in stages_of_rank(len(blocks), rank, p, v, placement)])
+                                       rank_of, recvs_of, render, schedule_placement, sends_of, simulate)
+from common.pipeline_stages import SequentialStage, layer_split, pipeline_stages, stages_of_rank   # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -102,18 +63,20 @@ class PipelineRunner:
     The stages (`chunks`: this rank's v stage modules, in chunk order) are called stage(input, targets):
     input is get_batch(mb)'s x on the first stage and the previous stage's output elsewhere; targets is
     get_batch(mb)'s y on the last stage, else None. A stage returns its output activations, one tensor of
-    act_shape (sent as act_dtype), or on the last stage the mean loss over the micro-batch (a scalar). A stage
-    has attributes `first` and `last`. `store`: a WeightGradStore, for the schedules with W actions (zb1, zbv,
-    dualpipev); `amp`: a context for each stage call (autocast; default none); `action_hook(action)`, when set,
-    a context manager around each action's compute (metrics.ActionTimer times the pipeline's idle share)."""
+    act_shape (sent as act_dtype, by default the stages' parameter dtype), or on the last stage the mean loss over
+    the micro-batch (a scalar). A stage has attributes `first` and `last`. `store`: a WeightGradStore, for the
+    schedules with W actions (zb1, zbv, dualpipev); `amp`: a context for each stage call (autocast; default none);
+    `action_hook(action)`, when set, a context manager around each action's compute (metrics.ActionTimer times
+    the pipeline's idle share)."""
 
     def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None,
-                 act_dtype=torch.float32):
+                 act_dtype=None):
         self.chunks, self.group, self.schedules, self.n_micro = chunks, group, schedules, n_micro
         self.rank, self.p, self.v = dist.get_rank(group), dist.get_world_size(group), len(chunks)
         self.act_shape, self.device, self.store = act_shape, device, store
         self.amp = contextlib.nullcontext() if amp is None else amp
-        self.act_dtype = act_dtype               # what crosses stages: fp32 even under autocast (or float64)
+        # what crosses stages: the parameters' dtype (fp32 even under autocast; float64 in a float64 run)
+        self.act_dtype = act_dtype or next(p.dtype for c in chunks for p in c.parameters() if p.is_floating_point())
         self.peer = [dist.get_global_rank(group, r) for r in range(self.p)]
         self.plan = comm_plan(schedules, self.p, self.v)[self.rank]   # actions and batches, in launch order
         self.placement = schedule_placement(schedules)                  # stage -> rank: round-robin or a V
@@ -290,6 +253,11 @@ class PipelineStage(nn.Module):
         if last:
             self.transformer["ln_f"] = gpt.transformer.ln_f
             self.lm_head = gpt.lm_head
+
+    @property
+    def tied(self):
+        """The tied embedding / LM-head weight where this stage holds it (pipeline_tied.py)."""
+        return [self.transformer["wte"].weight] if "wte" in self.transformer else []
 
     def body(self, x):
         """Token ids [b, T] (first stage) or the previous stage's activations [b, T, h] -> [b, T, h]."""

@@ -42,7 +42,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.comm import COMM, all_gather, all_reduce, clip_grad_norm, in_compute_dtype, reduce_scatter
+from common.comm import COMM, all_gather, all_reduce, in_compute_dtype, reduce_scatter
+from common.module_io import on_first_input, on_first_output, swap_keeping_ties
+from common.tp_grads import (all_reduce_sequence_parallel_grads, clip_tp_grads, mark_sequence_parallel,  # noqa: F401
+                             tp_counts)   # (tp_counts: train_5d's, through this rung)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -125,17 +128,20 @@ class ScatterToSP(torch.autograd.Function):
 
 
 class GatherFromSP(torch.autograd.Function):
-    """Leave SP into a replicated region (a replicated final layer or head): all-gather the sequence. Backward:
-    every rank computed the same replicated gradient, so my chunk of it is mine (no sum)."""
+    """Leave SP for the whole sequence: all-gather it. Backward: into a replicated region (a replicated final
+    layer or head) every rank computed the same gradient, so my chunk of it is mine (no sum); summed=True, as TP's
+    f (sp_gather), each rank's covers only its own columns: the chunks are reduce-scattered."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, summed=False):
+        ctx.group, ctx.summed = group, summed
         return gather_seq(x, group)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(dist.get_world_size(ctx.group), dim=1)[dist.get_rank(ctx.group)], None
+        if ctx.summed:
+            return reduce_scatter_seq(grad, ctx.group)[0], None, None
+        return grad.chunk(dist.get_world_size(ctx.group), dim=1)[dist.get_rank(ctx.group)], None, None
 
 
 class ColumnLinearFn(torch.autograd.Function):
@@ -232,11 +238,14 @@ class ColumnParallelLinear(nn.Module):
         self.bias = shard_param((out_features,), 0, parts, group, device, dtype) if bias else None
         self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline_weight_grads.py)
         self.gemm = None                         # torch's matmuls, or FP8's (kernels/fp8_parallel.py)
+        self.gathered = False                    # inside an sp_gather module: its input is whole, f is done
 
     def forward(self, x):
         return self.matmul(x, self.bias)
 
     def matmul(self, x, bias=None):              # (without the bias: for a fused bias kernel, kernels/apply.py)
+        if self.gathered:                        # an sp_gather module took f at its input: a local matmul
+            return F.linear(in_compute_dtype(x), self.weight, bias)
         return column_parallel(x, self.weight, bias, self.group, self.sp, self.overlap, self.weight_grad_store,
                                self.gemm)
 
@@ -313,6 +322,14 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_z * (grad / softmax.shape[0]), None, None, None
 
 
+def vocab_parallel_loss(logits, targets, group):
+    """Mean cross-entropy from a vocabulary-parallel head's logits [..., V/tp] (a "column" head tied to an
+    "embedding" in tensor_parallel's plan, or VocabParallelLMHead): rank r holds rows [r*V/tp, (r+1)*V/tp)."""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, float64 stays
+    return VocabParallelCrossEntropy.apply(wide.flatten(0, -2), targets.reshape(-1),
+                                           dist.get_rank(group) * logits.shape[-1], group)
+
+
 class VocabParallelLMHead(nn.Module):
     """logits[:, my vocab rows] with the tied embedding shard, and the vocab-parallel cross-entropy."""
 
@@ -330,10 +347,7 @@ class VocabParallelLMHead(nn.Module):
             logits = logits.masked_fill(torch.arange(logits.shape[-1], device=x.device) >= self.n_valid, -math.inf)
         if targets is None:          # generation: gather the vocabulary (the only place full logits exist)
             return gather_seq(logits, self.group, dim=2)[0], None
-        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, float64 stays
-        loss = VocabParallelCrossEntropy.apply(wide.flatten(0, 1), targets.reshape(-1),
-                                               self.vocab_start, self.group)
-        return logits, loss
+        return logits, vocab_parallel_loss(logits, targets, self.group)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -342,108 +356,71 @@ class VocabParallelLMHead(nn.Module):
 
 def tensor_parallel(model, plan, group, sp=False, overlap=False, sequence_parallel=(), replicated=(), device=None):
     """Swap the modules `plan` names for tensor-parallel ones, in place. plan: {module name: style}:
-        "column"            an nn.Linear whose output features are split (q, k, v; an MLP's gate and up):
-                            ("column", 3) when one Linear holds q|k|v
+        "column"            an nn.Linear whose output features are split (q, k, v; an MLP's gate and up; a head
+                            tied to an "embedding": logits [..., V/tp], vocab_parallel_loss): ("column", 3) for q|k|v
         "row"               an nn.Linear whose input features are split (attention's output, the MLP's down)
         "embedding"         an nn.Embedding split by vocabulary rows (under SP its output is my sequence chunk)
         "sp_begin"/"sp_end" under SP, a replicated module whose output is cut to my sequence chunk (a replicated
                             embedding) / whose input is gathered whole first (a replicated LM head); else nothing
-    A module built on the meta device gives an empty layer on `device` (fill it: tp_shards.init_tp_weights); a
-    built one gives a layer holding this rank's slice of its weights. Under SP every module between sp_begin
-    (or "embedding") and sp_end sees my sequence chunk, so the gradients of its replicated parameters are partial
-    sums: name those modules in `sequence_parallel` (their parameters get all_reduce_sequence_parallel_grads;
-    row biases are marked already). A norm-like module with parameters named in neither `sequence_parallel` nor
-    `replicated` (a norm outside the SP region) is a ValueError: its gradient would silently be 1/tp of it."""
+        "sp_gather"         under SP, a module that reads the sequence length off its input (Hugging Face's
+                            attention): its input is gathered whole as TP's f, its column layers just multiply
+    A first input may come by keyword, an output be a tuple (module_io.py). Tied parameters stay one Parameter
+    (every holder planned, equal shards) or the plan is a ValueError naming them. A module built on the meta
+    device gives an empty layer on `device` (fill it: tp_shards.init_tp_weights); a built one gives a layer
+    holding this rank's slice of its weights. Under SP every module between sp_begin (or "embedding") and sp_end
+    sees my sequence chunk, so the gradients of its replicated parameters are partial sums: name those modules
+    in `sequence_parallel` (their parameters get all_reduce_sequence_parallel_grads; row biases are marked
+    already). A norm-like module with parameters named in neither `sequence_parallel` nor `replicated` (a norm
+    outside the SP region) is a ValueError: its gradient would silently be 1/tp of it."""
+    gathered = [name for name, style in plan.items() if style == "sp_gather"]
+    new = {}
     for name, style in plan.items():
-        module = model.get_submodule(name)
-        if style in ("sp_begin", "sp_end"):
-            if sp:
-                sequence_parallel_edge(module, style, group)
-            continue
-        new = parallel_layer(module, style, group, sp, overlap, device)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, new)
+        inside = sp and any(name.startswith(g + ".") for g in gathered)    # columns of an sp_gather module
+        if style not in EDGES:
+            new[name] = parallel_layer(model.get_submodule(name), style, group, sp, overlap, device, inside)
+    swap_keeping_ties(model, new)
+    for name, style in plan.items():
+        if style in EDGES and sp:
+            sequence_parallel_edge(model.get_submodule(name), style, group)
     if sp:
         mark_sequence_parallel(model, sequence_parallel, replicated)
     return model
 
 
-def parallel_layer(module, style, group, sp, overlap, device=None):
+def parallel_layer(module, style, group, sp, overlap, device=None, gathered=False):
     """The tensor-parallel layer for `module` (an nn.Linear or nn.Embedding) in `style`, holding this rank's
-    slice of its weights (empty when `module` is on the meta device)."""
+    slice of its weights (empty when `module` is on the meta device). gathered: a column layer inside an
+    sp_gather module, whose input is whole already."""
     kind, parts = style if isinstance(style, tuple) else (style, 1)
     w = module.weight
     kwargs = dict(device=w.device if device is None else device, dtype=w.dtype)
     if kind == "column":
-        new = ColumnParallelLinear(module.in_features, module.out_features, group, sp, overlap, parts,
-                                   module.bias is not None, **kwargs)
+        new = ColumnParallelLinear(module.in_features, module.out_features, group, sp and not gathered, overlap,
+                                   parts, module.bias is not None, **kwargs)
+        new.gathered = gathered
     elif kind == "row":
         new = RowParallelLinear(module.in_features, module.out_features, group, sp, module.bias is not None, **kwargs)
     elif kind == "embedding":
         new = VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, group, sp, **kwargs)
     else:
-        raise ValueError(f"unknown tensor-parallel style {style!r}: column, row, embedding, sp_begin or sp_end")
+        raise ValueError(f"unknown tensor-parallel style {style!r}: column, row, embedding, sp_begin, sp_end or "
+                         f"sp_gather")
     if not w.is_meta:
         for key, p in new.named_parameters():
             load_shard(p, getattr(module, key).detach().to(p.device), group)
     return new
 
 
+EDGES = ("sp_begin", "sp_end", "sp_gather")     # styles that hook a module and swap nothing
+
+
 def sequence_parallel_edge(module, style, group):
-    """Hooks that cut a replicated module's output to my sequence chunk (sp_begin) or gather its input (sp_end);
-    its parameters and their names stay as they are."""
+    """Hooks that cut a replicated module's output to my sequence chunk (sp_begin) or gather its input whole
+    (sp_end; sp_gather as TP's f, its gradient summed); its parameters and their names stay as they are."""
     if style == "sp_begin":
-        module.register_forward_hook(lambda mod, args, out: ScatterToSP.apply(out, group))
+        on_first_output(module, lambda out: ScatterToSP.apply(out, group))
     else:
-        module.register_forward_pre_hook(lambda mod, args: (GatherFromSP.apply(args[0], group),) + tuple(args[1:]))
-
-
-def is_norm(module):
-    """LayerNorm, RMSNorm, GroupNorm, a fused or a user's own norm: by class name, with parameters of its own."""
-    return "Norm" in type(module).__name__ and any(True for _ in module.parameters(recurse=False))
-
-
-def mark_sequence_parallel(model, names, replicated=()):
-    """Tag every parameter of the named modules `sequence_parallel` (its gradient is summed over tp after
-    backward); refuse a norm with parameters that is named in neither list."""
-    for name in names:
-        for p in model.get_submodule(name).parameters():
-            p.sequence_parallel = True
-    covered = tuple(names) + tuple(replicated)
-    missed = [n for n, m in model.named_modules() if is_norm(m)
-              and not any(n == c or n.startswith(c + ".") for c in covered)]
-    if missed:
-        raise ValueError(f"sequence parallelism: the norms {missed} have parameters but are not named in "
-                         f"sequence_parallel: under SP a norm sees this rank's sequence chunk, so its gradient must "
-                         f"be summed over tp (name it in sequence_parallel), or, if it runs on the whole sequence "
-                         f"outside the SP region, name it in replicated")
-
-
-def all_reduce_sequence_parallel_grads(model, group):
-    """Under SP each rank's norms and row biases saw only its sequence chunk: sum their grads (one bucket)."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        all_reduce(flat, group=group)
-        torch._foreach_copy_(grads, [v.view_as(g) for g, v in zip(grads, flat.split([g.numel() for g in grads]))])
-
-
-def tp_counts(p, group):
-    """Whether this TP rank counts p in a global norm: every rank its shards, TP rank 0 the replicated
-    parameters (norms, row biases), so each value is counted once."""
-    return hasattr(p, "tp_split") or dist.get_rank(group) == 0
-
-
-def tp_owned(params, group):
-    """(gradients this rank counts in the global norm, the replicas another TP rank counts)."""
-    grads = [(p.grad, tp_counts(p, group)) for p in params if p.grad is not None]
-    return [g for g, mine in grads if mine], [g for g, mine in grads if not mine]
-
-
-def clip_tp_grads(model, max_norm, group):
-    """The global grad norm over the TP ranks, and every gradient (replicas too) scaled to at most max_norm."""
-    owned, replicas = tp_owned(model.parameters(), group)
-    return clip_grad_norm(owned, max_norm, group, device=owned[0].device, dtype=owned[0].dtype, replicas=replicas)
+        on_first_input(module, lambda x: GatherFromSP.apply(x, group, style == "sp_gather"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -472,6 +449,7 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
         if sp:
             mlp.dropout = rng(mlp.dropout)
     norms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]   # under SP: my chunk
+    model.lm_head = None                         # holds wte's weight (tied): rebuilt on wte's shard just below
     tensor_parallel(model, plan, group, sp, overlap, sequence_parallel=partial + norms, device=device)
     model.lm_head = VocabParallelLMHead(model.transformer.wte, group, sp, overlap)
     if sp:

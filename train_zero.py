@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from common.comm import COMM, CastsFreedWithParams, all_gather, clip_grad_norm, reduce_scatter
-from train_ddp import DataParallelGrads, assign_buckets, mean_over_group
+from train_ddp import DataParallelGrads, ReducedTwice, assign_buckets, mean_over_group
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -137,11 +137,10 @@ class ShardedAdamW:
 
 
 class ShardedGrads(DataParallelGrads):
-    """train_ddp's buckets and hooks with ZeRO's action for a ready bucket: reduce-scatter it into this
-    rank's gradient shard. Stage 1 keeps DDP's persistent bucket buffers (param.grad views, no_sync
-    accumulation). Stage 2 copies each final gradient into a bucket buffer, stage 3 attaches param.grad to
-    one as the unit's backward starts; either lives only until its reduce-scatter is done, and the reduced
-    slices accumulate in the shard across micro-steps."""
+    """train_ddp's buckets and hooks with ZeRO's action for a ready bucket: reduce-scatter it into this rank's
+    gradient shard. Stage 1 keeps DDP's bucket buffers (no_sync accumulation) and reduces once a step, in place
+    (require_sync(last micro-batch); twice raises ReducedTwice). Stage 2 copies each final gradient into a bucket
+    buffer, stage 3 attaches param.grad to one; either lives until its reduce-scatter, summed into the shard."""
 
     def __init__(self, shards, group, stage):
         n = 1 if stage == 0 else dist.get_world_size(group)
@@ -149,7 +148,7 @@ class ShardedGrads(DataParallelGrads):
                          attach=stage <= 1, groups=[s.params for s in shards])
         self.stage, self.communicate, self.in_flight = stage, True, []
         for b, s in zip(self.buckets, shards):
-            b.shard = s
+            b.shard, b.reduced = s, False
             # stage 0 all-reduces the whole buffer; stage 1 reduce-scatters it in place into its own slice
             s.grad = b.buffer[s.lo: s.hi] if stage <= 1 else torch.zeros_like(s.shard)
 
@@ -169,6 +168,9 @@ class ShardedGrads(DataParallelGrads):
         if self.stage == 0:
             return super().launch(bucket)
         s = bucket.shard
+        if self.stage == 1 and bucket.reduced:          # its other slices still hold the earlier micro-batches
+            raise ReducedTwice("ZeRO-1 reduces once a step: require_sync(micro == last), not (True) as stages 2-3")
+        bucket.reduced = True
         if self.stage == 3:
             s.free()                                    # this unit's backward is over
             for p in bucket.params:
@@ -210,6 +212,7 @@ class ShardedGrads(DataParallelGrads):
     def zero_grad(self):
         for b in self.buckets:
             (b.buffer if self.stage <= 1 else b.shard.grad).zero_()
+            b.reduced = False
 
 
 def shard_model(model, stage, group, dtype, device, blocks=None, buckets=None, bucket_mb=25.0, names=None,

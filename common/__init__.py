@@ -24,8 +24,13 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     tp_shards.py     how a tensor-parallel slice maps to the full parameter
     tp_setup.py      what applying TP needs besides its layers: a degree's shape checks, per-rank random streams
     partition_activations.py   ZeRO-R's Pa under TP: 1/tp of each recomputed block's input kept, gathered back
-    pipeline_schedules.py, pipeline_tied.py, pipeline_weight_grads.py   the pipeline's schedules as data,
-                     the tied embedding across stages, the split backward of zero-bubble schedules
+    tp_grads.py      a tensor-parallel model's gradients: SP's partial sums, each value counted once in the norm
+    pipeline_schedules.py, pipeline_stages.py, pipeline_tied.py, pipeline_weight_grads.py   the pipeline's
+                     schedules as data, any model cut into stages, the tied weight across stages, the split
+                     backward of zero-bubble schedules
+    module_io.py     what a technique needs of a foreign model: tied parameters by identity, a module's input by
+                     keyword and output in a tuple (train_tp's swaps and hooks)
+    hf_attention.py  an attention core as a function of transformers' attention registry (train_cp's, copied out)
     nccl_check.py    replays each rank's p2p launches under NCCL's grouping rules (tests)
     plan_inputs.py, plan_memory.py   plan.py's inputs (GPUs, presets, layouts) and memory formulas
     plan_cli.py      plan.py's command line: flags, range checks, the Job and Layout they build

@@ -1,12 +1,14 @@
 """
-pipeline_tied.py: the tied embedding / LM-head weight of a GPT cut into pipeline stages (train_pp.py, and
-train_5d.py through it).
+pipeline_tied.py: a tied weight (an embedding and LM head, one Parameter) of a model cut into pipeline stages
+(train_pp.py, and train_5d.py through it). A stage lists what it shares in `tied`: pipeline_stages.py's
+SequentialStage finds it by identity (what `before` and `after` both hold), train_pp's PipelineStage is model.py's
+GPT's wte.
 
-model.py ties the token embedding (first stage) to the LM head (last stage). Where the two stages sit on
-different ranks (round-robin placement, p > 1), each rank holds a copy; summing the two gradients keeps the
-copies equal (identical grads + identical AdamW = identical copies) and the global grad norm counts the
-weight once. Where one rank holds both ends (p == 1, or the V placement of zbv and dualpipev, stages 0 and
-2p-1 on rank 0), both stages share one Parameter and autograd sums its gradient: no copy, no communication.
+The tie joins the first stage to the last. Where the two stages sit on different ranks (round-robin placement,
+p > 1), each rank holds a copy; summing the two gradients keeps the copies equal (identical grads + identical
+AdamW = identical copies) and the global grad norm counts the weight once. Where one rank holds both ends (p == 1,
+or the V placement of zbv and dualpipev, stages 0 and 2p-1 on rank 0), both stages share one Parameter and
+autograd sums its gradient: no copy, no communication.
 
     rank:          0            1           2           3
     round-robin:   wte ....................................... lm_head (copy)   all-reduce the pair (0, 3)
@@ -30,9 +32,9 @@ def tied_pair_group(p, v, placement="loop"):
 
 
 def tied_weight(chunks):
-    """The tied embedding / LM-head weight on this rank (None in the middle of the pipeline): the first
+    """The tied weight on this rank (None in the middle of the pipeline, or where nothing is tied): the first
     stage's, or the last stage's copy (one Parameter when both stages are on this rank)."""
-    return next((c.transformer["wte"].weight for c in chunks if "wte" in c.transformer), None)
+    return next((p for c in chunks for p in c.tied), None)
 
 
 def tied_grads_sync(chunks, tied_group):

@@ -1,0 +1,93 @@
+"""
+module_io.py: what a technique needs to know of a model it did not write, found without a model's attribute paths:
+which parameters several modules share (a tied embedding and LM head), how a module takes its main input (by
+position or by keyword, as Hugging Face's layers are called: `self_attn(hidden_states=h, ...)`) and where its main
+output is (a tensor, or the first item of a tuple: `(attn_output, attn_weights)`). Torch and the stdlib only: the
+rungs that swap or hook modules (train_tp.py, train_pp.py) take it along when copied out (docs/copy_out.md).
+
+    shared_parameters(model)              {parameter: [(module name, key), ...]} for those held twice or more
+    swap_keeping_ties(model, new)         swap modules by name; tied weights stay one Parameter, or a ValueError
+    on_first_input(module, fn)            a pre-hook: the module's first input x becomes fn(x), however passed
+    on_first_output(module, fn)           a hook: its first output y becomes fn(y), a tuple keeping the rest
+"""
+import inspect
+
+import torch
+
+
+def shared_parameters(model):
+    """Parameters that two or more module attributes of `model` hold (tied weights), by identity: {parameter:
+    [(module name, attribute), ...]} in module order. Names are what named_modules() says."""
+    holders = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for key, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(p, []).append((name, key))
+    return {p: where for p, where in holders.items() if len(where) > 1}
+
+
+def swap_keeping_ties(model, new):
+    """Replace each module `model.get_submodule(name)` by new[name], in place. A parameter that several modules
+    held before (a tied embedding / head) is one Parameter after: the first swapped holder's, given to the others
+    (same key, same shape). A tie the swap would cut, where some holders are swapped and others are not, or whose
+    new parameters differ in shape or split, is a ValueError naming the tied parameters, raised before any swap."""
+    ties = []
+    for p, where in shared_parameters(model).items():
+        swapped = [(name, key) for name, key in where if name in new]
+        if not swapped:
+            continue
+        names = [f"{name}.{key}" if name else key for name, key in where]
+        kept = [n for (name, _), n in zip(where, names) if name not in new]
+        first = getattr(new[swapped[0][0]], swapped[0][1], None)
+        others = [getattr(new[name], key, None) for name, key in swapped[1:]]
+        if kept or first is None or any(not same_layout(first, q) for q in others):
+            why = f"not swapped: {', '.join(kept)}" if kept else "their new layers split them differently"
+            raise ValueError(f"{' and '.join(names)} are one tied parameter, but the swap would untie them ({why}): "
+                             f"swap every holder alike, or untie them on purpose first")
+        ties.append((first, swapped[1:]))
+    for name, module in new.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, module)
+    for first, rest in ties:
+        for name, key in rest:
+            setattr(new[name], key, first)
+    return model
+
+
+def same_layout(a, b):
+    """Whether two new parameters can be one: the same shape and the same split tags (tensor-parallel)."""
+    tags = ("tp_split", "tp_pad")
+    return (b is not None and a.shape == b.shape and a.dtype == b.dtype
+            and all(getattr(a, t, None) == getattr(b, t, None) for t in tags))
+
+
+def first_input_name(module):
+    """The name of the first parameter of module.forward (hidden_states for a Hugging Face layer)."""
+    return next(iter(inspect.signature(module.forward).parameters))
+
+
+def on_first_input(module, fn):
+    """Register a forward pre-hook that replaces the module's first input x by fn(x), whether x comes by
+    position (`module(x)`) or by keyword (`module(hidden_states=x)`); other inputs pass unchanged."""
+    name = first_input_name(module)
+
+    def hook(mod, args, kwargs):
+        if args:
+            return (fn(args[0]),) + tuple(args[1:]), kwargs
+        return args, {**kwargs, name: fn(kwargs[name])}
+    return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def first_output(out, fn=None):
+    """The main output of a module call: `out` itself if a tensor, else its first item (a tuple's or a list's).
+    With fn: the same output with that tensor replaced by fn(tensor), the rest of a tuple kept."""
+    if isinstance(out, torch.Tensor):
+        return out if fn is None else fn(out)
+    if fn is None:
+        return out[0]
+    return type(out)([fn(out[0]), *out[1:]])
+
+
+def on_first_output(module, fn):
+    """Register a forward hook that replaces the module's main output y (first_output) by fn(y)."""
+    return module.register_forward_hook(lambda mod, args, out: first_output(out, fn))

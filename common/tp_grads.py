@@ -1,0 +1,63 @@
+"""
+tp_grads.py: the gradients of a tensor-parallel model after backward (train_tp.py's building blocks, split out so
+the rung reads as its layers; docs/copy_out.md). Under sequence parallelism a replicated parameter inside the SP
+region (a norm, a row bias) saw only this rank's sequence chunk: its gradient is a partial sum, summed over tp. In
+the global gradient norm every value counts once: each rank its shards (tagged `tp_split` by train_tp's layers),
+TP rank 0 the replicated parameters.
+
+    mark_sequence_parallel(model, norms)             # tensor_parallel does it under SP; refuses a norm left out
+    all_reduce_sequence_parallel_grads(model, group)
+    clip_tp_grads(model, max_norm, group)            # the global norm, every gradient scaled to at most max_norm
+"""
+import torch
+import torch.distributed as dist
+
+from common.comm import all_reduce, clip_grad_norm
+
+
+def is_norm(module):
+    """LayerNorm, RMSNorm, GroupNorm, a fused or a user's own norm: by class name, with parameters of its own."""
+    return "Norm" in type(module).__name__ and any(True for _ in module.parameters(recurse=False))
+
+
+def mark_sequence_parallel(model, names, replicated=()):
+    """Tag every parameter of the named modules `sequence_parallel` (its gradient is summed over tp after
+    backward); refuse a norm with parameters that is named in neither list."""
+    for name in names:
+        for p in model.get_submodule(name).parameters():
+            p.sequence_parallel = True
+    covered = tuple(names) + tuple(replicated)
+    missed = [n for n, m in model.named_modules() if is_norm(m)
+              and not any(n == c or n.startswith(c + ".") for c in covered)]
+    if missed:
+        raise ValueError(f"sequence parallelism: the norms {missed} have parameters but are not named in "
+                         f"sequence_parallel: under SP a norm sees this rank's sequence chunk, so its gradient must "
+                         f"be summed over tp (name it in sequence_parallel), or, if it runs on the whole sequence "
+                         f"outside the SP region, name it in replicated")
+
+
+def all_reduce_sequence_parallel_grads(model, group):
+    """Under SP each rank's norms and row biases saw only its sequence chunk: sum their grads (one bucket)."""
+    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, group=group)
+        torch._foreach_copy_(grads, [v.view_as(g) for g, v in zip(grads, flat.split([g.numel() for g in grads]))])
+
+
+def tp_counts(p, group):
+    """Whether this TP rank counts p in a global norm: every rank its shards, TP rank 0 the replicated
+    parameters (norms, row biases), so each value is counted once."""
+    return hasattr(p, "tp_split") or dist.get_rank(group) == 0
+
+
+def tp_owned(params, group):
+    """(gradients this rank counts in the global norm, the replicas another TP rank counts)."""
+    grads = [(p.grad, tp_counts(p, group)) for p in params if p.grad is not None]
+    return [g for g, mine in grads if mine], [g for g, mine in grads if not mine]
+
+
+def clip_tp_grads(model, max_norm, group):
+    """The global grad norm over the TP ranks, and every gradient (replicas too) scaled to at most max_norm."""
+    owned, replicas = tp_owned(model.parameters(), group)
+    return clip_grad_norm(owned, max_norm, group, device=owned[0].device, dtype=owned[0].dtype, replicas=replicas)
