@@ -33,7 +33,7 @@ from collections import namedtuple
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import HAS_TRITON, block_offsets, tl, triton
+from kernels.backend import HAS_TRITON, block_offsets, next_pow2, tl, triton
 
 ACTIVATION = {"tensorwise": ((0, 0), (0, 0)), "delayed": ((0, 0), (0, 0)), "rowwise": ((1, 0), (0, 1)),
               "blockwise": ((1, 128), (128, 1))}
@@ -58,8 +58,10 @@ def _transposed(groups):
 def _inv_buffer(rows, k, groups, device):
     """1/scale per operand row (one for a tensorwise scale) and K-group, K-group-major: [rows, K groups] with
     strides (1, rows)."""
-    per_row = 1 if groups == (0, 0) else rows
-    return torch.empty(_groups_count(k, groups[1]), per_row, device=device).t()
+    per_row, k_groups = 1 if groups == (0, 0) else rows, _groups_count(k, groups[1])
+    if k_groups == 1:       # [rows, 1] with unit strides, as the CPU kernel checks
+        return torch.empty(per_row, 1, device=device)
+    return torch.empty(k_groups, per_row, device=device).t()
 
 
 def fp8_cast(t, dtype, groups, amax=None, transposed=True, pad=1, use_triton=False):
@@ -81,8 +83,21 @@ def fp8_amax(t, groups, use_triton=False):
         return amax(t, GRANULARITY[groups]).reshape(_groups_count(t.shape[0], groups[0]), -1)
     R, C = t.shape
     out = torch.zeros(_groups_count(R, groups[0]), _groups_count(C, groups[1]), device=t.device)
-    _launch_amax(t, R, C, out, groups, out, groups, False)
+    _launch_amax(t, R, C, out, groups, (0, 0, groups))
     return out
+
+
+def delayed_source(history, current, use_triton=False):
+    """Delayed scaling's amax for this step: the history's max (the current amax while the history is still
+    all zero), and the current amax pushed into the history, one small kernel on a GPU."""
+    if not use_triton:
+        past = history.max()
+        history.copy_(torch.roll(history, 1))
+        history[0] = current
+        return torch.where(past > 0, past, current)
+    source = torch.empty(1, 1, device=history.device)
+    _fp8_delayed[(1,)](history, current, source, history.numel(), LEN=next_pow2(history.numel()))
+    return source
 
 
 def _cast_reference(t, dtype, groups_q, groups_t, amax, transposed, RP, CP):
@@ -103,7 +118,7 @@ def _cast_reference(t, dtype, groups_q, groups_t, amax, transposed, RP, CP):
 def _padded_amax(amax, groups, RP):
     """A given amax (one, or one per row) in the group layout, with zero rows for t's padding rows."""
     if groups == (0, 0):
-        return amax.reshape(1, 1)
+        return amax if amax.dim() == 2 else amax.reshape(1, 1)
     return F.pad(amax, (0, 0, 0, RP - amax.shape[0])) if RP > amax.shape[0] else amax
 
 
@@ -118,22 +133,26 @@ def _inv_layout(inv, groups, rows):
 
 def _cast_triton(t, dtype, groups_q, groups_t, amax, transposed, RP, CP):
     R, C = t.shape
-    shared = groups_t == groups_q
     if amax is None:
-        amax = torch.zeros(_groups_count(RP, groups_q[0]), _groups_count(CP, groups_q[1]), device=t.device)
-        amax_t = amax if shared or not transposed else torch.zeros(
-            _groups_count(RP, groups_t[0]), _groups_count(CP, groups_t[1]), device=t.device)
-        _launch_amax(t, RP, CP, amax, groups_q, amax_t, groups_t, transposed and not shared)
+        # q's group maxima, then (when its groups differ) qt's, in one buffer: qt's start at offset t_off
+        q_shape = _groups_count(RP, groups_q[0]), _groups_count(CP, groups_q[1])
+        t_shape = _groups_count(RP, groups_t[0]), _groups_count(CP, groups_t[1])
+        second = transposed and groups_t != groups_q
+        amax = torch.zeros(q_shape[0] * q_shape[1] + (t_shape[0] * t_shape[1] if second else 0), device=t.device)
+        t_part = (q_shape[0] * q_shape[1], t_shape[1], groups_t) if second else (0, q_shape[1], groups_q)
+        _launch_amax(t, RP, CP, amax, groups_q, t_part if second else None)
+        a_sr, (t_off, t_sr, _) = q_shape[1], t_part
     else:
-        amax = amax_t = _padded_amax(amax, groups_q, RP)
+        amax = _padded_amax(amax, groups_q, RP)
+        a_sr, t_off, t_sr = amax.stride(0), 0, amax.stride(0)
     q = torch.empty(RP, CP, device=t.device, dtype=dtype)
     inv = _inv_buffer(RP, CP, groups_q, t.device)
     qt = torch.empty(CP, RP, device=t.device, dtype=dtype) if transposed else q
     inv_t = _inv_buffer(CP, RP, _transposed(groups_t), t.device) if transposed else inv
     grid = (triton.cdiv(RP, TILE), triton.cdiv(CP, TILE))
     _fp8_cast[grid](t, R, C, t.stride(0), t.stride(1), RP, CP,
-                    amax, amax.stride(0), q, inv, inv.stride(0), inv.stride(1),
-                    amax_t, amax_t.stride(0), qt, inv_t, inv_t.stride(0), inv_t.stride(1),
+                    amax, a_sr, q, inv, inv.stride(0), inv.stride(1),
+                    t_off, t_sr, qt, inv_t, inv_t.stride(0), inv_t.stride(1),
                     GQ_R=groups_q[0], GQ_C=groups_q[1], IQ=int(groups_q != (0, 0)),
                     GT_R=groups_t[0], GT_C=groups_t[1], IT=int(groups_t != (0, 0)),
                     WRITE_T=transposed, FP8=_tl_fp8(dtype), FP8_MAX=torch.finfo(dtype).max, EPS=1e-12, TILE=TILE)
@@ -142,11 +161,14 @@ def _cast_triton(t, dtype, groups_q, groups_t, amax, transposed, RP, CP):
     return Fp8Cast(q, inv, qt, inv_t)
 
 
-def _launch_amax(t, RP, CP, amax, groups, amax_t, groups_t, two):
+def _launch_amax(t, RP, CP, amax, groups, second):
+    """The amax kernel over t (padded to [RP, CP]) into amax (row stride: its groups' count along columns);
+    second = (offset, row stride, groups) of a second grouping in the same buffer, or None."""
+    t_off, t_sr, groups_t = second or (0, 1, groups)
     grid = (triton.cdiv(RP, TILE), triton.cdiv(CP, TILE))
-    _fp8_amax[grid](t, t.shape[0], t.shape[1], t.stride(0), t.stride(1), RP, CP, amax, amax.stride(0), amax_t,
-                    amax_t.stride(0), GA_R=groups[0], GA_C=groups[1], GB_R=groups_t[0], GB_C=groups_t[1], TWO=two,
-                    TILE=TILE)
+    _fp8_amax[grid](t, t.shape[0], t.shape[1], t.stride(0), t.stride(1), RP, CP, amax,
+                    _groups_count(CP, groups[1]), t_off, t_sr, GA_R=groups[0], GA_C=groups[1], GB_R=groups_t[0],
+                    GB_C=groups_t[1], TWO=second is not None, TILE=TILE)
 
 
 def _tl_fp8(dtype):
@@ -194,14 +216,14 @@ if HAS_TRITON:
         return v, rows, cols
 
     @triton.jit
-    def _fp8_amax(x, R, C, sr, sc, RP, CP, a, a_sr, b, b_sr, GA_R: tl.constexpr, GA_C: tl.constexpr,
+    def _fp8_amax(x, R, C, sr, sc, RP, CP, a, a_sr, b_off, b_sr, GA_R: tl.constexpr, GA_C: tl.constexpr,
                   GB_R: tl.constexpr, GB_C: tl.constexpr, TWO: tl.constexpr, TILE: tl.constexpr):
         """|t| maxima per group of one or two groupings, from one read of t."""
         v, rows, cols = _load_tile(x, R, C, sr, sc, TILE)
         v = tl.abs(v)
         _amax_into(v, rows, cols, RP, CP, a, a_sr, GA_R, GA_C, TILE)
         if TWO:
-            _amax_into(v, rows, cols, RP, CP, b, b_sr, GB_R, GB_C, TILE)
+            _amax_into(v, rows, cols, RP, CP, a + b_off, b_sr, GB_R, GB_C, TILE)
 
     @triton.jit
     def _fp8_grid(v, FP8: tl.constexpr):
@@ -229,7 +251,7 @@ if HAS_TRITON:
         return tl.minimum(tl.maximum(v * scale, -FP8_MAX), FP8_MAX), scale
 
     @triton.jit
-    def _fp8_cast(x, R, C, sr, sc, RP, CP, a, a_sr, q, inv, inv_sr, inv_sk, b, b_sr, qt, inv_t, inv_t_sr, inv_t_sk,
+    def _fp8_cast(x, R, C, sr, sc, RP, CP, a, a_sr, q, inv, inv_sr, inv_sk, b_off, b_sr, qt, inv_t, inv_t_sr, inv_t_sk,
                   GQ_R: tl.constexpr, GQ_C: tl.constexpr, IQ: tl.constexpr, GT_R: tl.constexpr,
                   GT_C: tl.constexpr, IT: tl.constexpr, WRITE_T: tl.constexpr, FP8: tl.constexpr,
                   FP8_MAX: tl.constexpr, EPS: tl.constexpr, TILE: tl.constexpr):
@@ -244,11 +266,21 @@ if HAS_TRITON:
         idx = _group(rows, IQ)[:, None] * inv_sr + _group(cols, GQ_C)[None, :] * inv_sk
         tl.store(inv + idx, 1.0 / scale, mask=first)
         if WRITE_T:
-            s, scale = _scaled(v, rows, cols, b, b_sr, GT_R, GT_C, FP8_MAX, EPS)
+            s, scale = _scaled(v, rows, cols, a + b_off, b_sr, GT_R, GT_C, FP8_MAX, EPS)
             tl.store(qt + cols[None, :] * RP + rows[:, None], _fp8_grid(s, FP8), mask=inside)
             # qt's operand rows are t's columns (IT), its K groups t's row groups
             first = inside & _first(cols, IT)[None, :] & _first(rows, GT_R)[:, None]
             idx = _group(cols, IT)[None, :] * inv_t_sr + _group(rows, GT_R)[:, None] * inv_t_sk
             tl.store(inv_t + idx, 1.0 / scale, mask=first)
+
+    @triton.jit
+    def _fp8_delayed(history, current, source, N, LEN: tl.constexpr):
+        """source = max(history), or current while that is 0; then history = [current, history[:-1]]."""
+        offs = tl.arange(0, LEN)
+        past = tl.load(history + offs, mask=offs < N, other=0.0)
+        now = tl.load(current)
+        tl.store(source, tl.where(tl.max(past, axis=0) > 0, tl.max(past, axis=0), now))
+        tl.store(history + offs + 1, past, mask=offs + 1 < N)
+        tl.store(history, now)
 else:
-    _fp8_amax = _fp8_cast = None
+    _fp8_amax = _fp8_cast = _fp8_delayed = None
