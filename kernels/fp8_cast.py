@@ -83,7 +83,7 @@ def fp8_amax(t, groups, use_triton=False):
         return amax(t, GRANULARITY[groups]).reshape(_groups_count(t.shape[0], groups[0]), -1)
     R, C = t.shape
     out = torch.zeros(_groups_count(R, groups[0]), _groups_count(C, groups[1]), device=t.device)
-    _launch_amax(t, R, C, out, groups, (0, 0, groups))
+    _launch_amax(t, R, C, out, groups, None)
     return out
 
 
