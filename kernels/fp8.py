@@ -19,8 +19,11 @@ Recipes (how many scales, over what):
                 scale repeated on its 128 rows: the same numbers). Elsewhere (CPU, Ada, older cuBLAS) a
                 reference implementation: one row-scaled _scaled_mm per 128-wide slice of the contraction
                 dim, partial sums added in fp32: K/128 GEMMs, correct but slow
-    delayed     Transformer Engine: tensorwise, scale from the max over a history of past amaxes (no
-                extra pass over the tensor before the GEMM); the current amax is pushed afterwards
+    delayed     Transformer Engine: tensorwise, scale from the max over a history of past amaxes; the
+                current amax is measured and pushed into the history
+Per forward + backward each operand (x, W, dy) is quantized once, amax and cast fused, into both layouts its
+two GEMMs read (kernels/fp8_cast.py; the GEMM call is kernels/fp8_gemm.py); the output comes in the autocast
+dtype, as nn.Linear's; only the forward GEMM asks for fast accumulation. docs/kernels.md has the op counts.
 What stays in high precision (playbook / DeepSeek-V3): embedding, LM head, LayerNorms, attention softmax,
 routers, master weights and the optimizer. The bias add is in high precision after the GEMM.
 
@@ -38,11 +41,11 @@ import torch.nn as nn
 
 from kernels.backend import HAS_TRITON
 from kernels.fp8_cast import GROUPS, delayed_source, fp8_amax, fp8_cast
+from kernels.fp8_gemm import BLOCK, scaled_gemm, unpadded
 
 RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 E5M2 = getattr(torch, "float8_e5m2", None)
-BLOCK = 128                   # DeepSeek-V3's tile / block edge
 AMAX_EPS = 1e-12              # amax floor: an all-zero tensor gets a finite scale
 
 
@@ -128,56 +131,6 @@ def cast(t, dtype, recipe, role, amax=None, transposed=True):
     return fp8_cast(t, dtype, GROUPS[recipe][role], amax, transposed, pad, use_triton=fused_cast(t))
 
 
-def gemm_dtype(out_dtype, recipe, kind):
-    """The output dtype _scaled_mm is asked for: bf16 for row and block scales on a GPU (the one every torch
-    build's row-scaled kernels accept), else out_dtype where _scaled_mm can write it, else fp32."""
-    if kind != "cpu" and recipe in ("rowwise", "blockwise"):
-        return torch.bfloat16
-    return out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-
-
-def scaled_gemm(a, b, out_dtype, recipe, kind, fast_accum=False):
-    """a = (qa [M, K], 1/scales) times b = (qb [N, K], 1/scales)^T, the scales as fp8_cast lays them out (an
-    Fp8Cast's first two fields, or its last two: the transposed operand), accumulated in fp32,
-    returned as gemm_dtype gives (padded rows and columns included). fast_accum: the Hopper FP8 tensor cores'
-    faster, less precise accumulation (the forward GEMM only; gradients keep full accumulation, as torchao)."""
-    out = gemm_dtype(out_dtype, recipe, kind)
-    if recipe == "blockwise" and kind != "cuda_blocks":
-        return _blockwise_by_slices(a, b, out)
-    (qa, inv_a), (qb, inv_b) = a, b
-    inv_b = inv_b.t()
-    if kind == "cpu" and inv_a.numel() == 1:
-        # CPU (torch 2.13): the per-tensor path is ~1000x slower than the per-row one; equal per-row scales
-        # give the identical product
-        inv_a = inv_a.expand(qa.shape[0], 1).contiguous()
-        inv_b = inv_b.expand(1, qb.shape[0]).contiguous()
-    # no fast accumulation for blockwise: DeepSeek-V3's recipe exists to keep the accumulation accurate
-    return _scaled_mm(qa, qb, inv_a, inv_b, out, fast_accum and recipe != "blockwise")
-
-
-def _scaled_mm(qa, qb, inv_a, inv_b, out_dtype, fast_accum=False):
-    """qa [M, K] row-major times qb [N, K]^T (column-major, as cuBLASLt wants), scales passed as laid out by the
-    caller: a thin wrapper that names the shapes when torch refuses them."""
-    try:
-        return torch._scaled_mm(qa, qb.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype,
-                                use_fast_accum=fast_accum)
-    except RuntimeError as e:
-        raise RuntimeError(f"torch._scaled_mm rejected {qa.dtype} {tuple(qa.shape)} x {qb.dtype} {tuple(qb.shape)}^T "
-                           f"with scales {tuple(inv_a.shape)} x {tuple(inv_b.shape)} on {qa.device} "
-                           f"(torch {torch.__version__}): {e}") from e
-
-
-def _blockwise_by_slices(a, b, out_dtype):
-    """Blockwise where no native 1x128 scales exist: per 128-wide slice of K the scales are per row of a and per
-    row of b, a row-scaled GEMM; the K/128 partial products are added in fp32."""
-    (qa, inv_a), (qb, inv_b) = a, b
-    out = torch.zeros(qa.shape[0], qb.shape[0], device=qa.device, dtype=torch.float32)
-    for kb, k0 in enumerate(range(0, qa.shape[1], BLOCK)):
-        out += _scaled_mm(qa[:, k0:k0 + BLOCK].contiguous(), qb[:, k0:k0 + BLOCK].contiguous(),
-                          inv_a[:, kb].unsqueeze(1), inv_b[:, kb].unsqueeze(0), out_dtype).float()
-    return out
-
-
 def fp8_matmul(a, b, a_dtype, b_dtype, recipe, a_amax=None, b_amax=None, b_is_weight=True, k_reduce=None):
     """a [M, K] @ b [N, K]^T in fp32 with both operands quantized to FP8 along K, the recipe's way: one GEMM of
     its own operands (kernels/fp8_parallel.py; Float8Linear shares quantized operands between its GEMMs).
@@ -195,11 +148,6 @@ def fp8_matmul(a, b, a_dtype, b_dtype, recipe, a_amax=None, b_amax=None, b_is_we
     qa = cast(a, a_dtype, recipe, "activation", a_amax, transposed=False)
     qb = cast(b, b_dtype, recipe, "weight" if b_is_weight else "activation", b_amax, transposed=False)
     return unpadded(scaled_gemm(qa[:2], qb[:2], torch.float32, recipe, gemm_kind(a)), M, N).float()
-
-
-def unpadded(t, rows, cols):
-    """t without the padding rows / columns a GPU GEMM's operands had (t itself when there were none)."""
-    return t if t.shape == (rows, cols) else t[:rows, :cols]
 
 
 def delayed_amax(history, t, current=None):
