@@ -19,8 +19,11 @@ Recipes (how many scales, over what):
                 scale repeated on its 128 rows: the same numbers). Elsewhere (CPU, Ada, older cuBLAS) a
                 reference implementation: one row-scaled _scaled_mm per 128-wide slice of the contraction
                 dim, partial sums added in fp32: K/128 GEMMs, correct but slow
-    delayed     Transformer Engine: tensorwise, scale from the max over a history of past amaxes (no
-                extra pass over the tensor before the GEMM); the current amax is pushed afterwards
+    delayed     Transformer Engine: tensorwise, scale from the max over a history of past amaxes; the
+                current amax is measured and pushed into the history
+Per forward + backward each operand (x, W, dy) is quantized once, amax and cast fused, into both layouts its
+two GEMMs read (kernels/fp8_cast.py; the GEMM call is kernels/fp8_gemm.py); the output comes in the autocast
+dtype, as nn.Linear's; only the forward GEMM asks for fast accumulation. docs/kernels.md has the op counts.
 What stays in high precision (playbook / DeepSeek-V3): embedding, LM head, LayerNorms, attention softmax,
 routers, master weights and the optimizer. The bias add is in high precision after the GEMM.
 
@@ -31,13 +34,18 @@ operands are padded with zero rows to the next multiple (of 16, or 128 for nativ
 neither a GEMM's result nor an amax, so the padded product is exactly the unpadded one. An expert that received
 no tokens gets an empty output and a zero dW without quantizing anything.
 """
+import os
+
 import torch
 import torch.nn as nn
+
+from kernels.backend import HAS_TRITON
+from kernels.fp8_cast import GROUPS, delayed_source, fp8_amax, fp8_cast
+from kernels.fp8_gemm import BLOCK, scaled_gemm, unpadded
 
 RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 E5M2 = getattr(torch, "float8_e5m2", None)
-BLOCK = 128                   # DeepSeek-V3's tile / block edge
 AMAX_EPS = 1e-12              # amax floor: an all-zero tensor gets a finite scale
 
 
@@ -109,40 +117,25 @@ def dequantize(q, scale, granularity):
     return q.float() / per_element(scale, granularity, q.shape)
 
 
-def _scaled_mm(qa, qb, inv_a, inv_b, out_dtype):
-    """qa [M, K] row-major times qb [N, K]^T (column-major, as cuBLASLt wants), scales passed as laid out by the
-    caller: a thin wrapper that names the shapes when torch refuses them."""
-    try:
-        return torch._scaled_mm(qa.contiguous(), qb.contiguous().t(), scale_a=inv_a, scale_b=inv_b,
-                                out_dtype=out_dtype)
-    except RuntimeError as e:
-        raise RuntimeError(f"torch._scaled_mm rejected {qa.dtype} {tuple(qa.shape)} x {qb.dtype} {tuple(qb.shape)}^T "
-                           f"with scales {tuple(inv_a.shape)} x {tuple(inv_b.shape)} on {qa.device} "
-                           f"(torch {torch.__version__}): {e}") from e
+def fused_cast(t):
+    """True where operands are quantized by kernels/fp8_cast.py's Triton kernels: GPU tensors with Triton
+    installed (and, in the tests, CPU tensors that take the GPU path under Triton's interpreter)."""
+    return HAS_TRITON and gemm_kind(t) != "cpu" and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def _tensorwise_mm(qa, qb, inv_a, inv_b, out_dtype, kind):
-    """_scaled_mm with one scale per operand (inv_a, inv_b: one element each)."""
-    if kind == "cpu":
-        # CPU (torch 2.13): the per-tensor path is ~1000x slower than the per-row one; equal per-row scales
-        # give the identical product
-        inv_a = inv_a.reshape(1, 1).expand(qa.shape[0], 1).contiguous()
-        inv_b = inv_b.reshape(1, 1).expand(1, qb.shape[0]).contiguous()
-    return _scaled_mm(qa, qb, inv_a, inv_b, out_dtype)
-
-
-def _pad_rows(t, multiple, dim):
-    """t with zero rows (dim 0) or columns (dim 1) appended up to a multiple of `multiple`; t itself if none."""
-    extra = -t.shape[dim] % multiple
-    if not extra:
-        return t
-    return nn.functional.pad(t, (0, extra) if dim == 1 else (0, 0, 0, extra))
+def cast(t, dtype, recipe, role, amax=None, transposed=True):
+    """fp8_cast of a 2-D operand ('activation' or 'weight' groups of the recipe), zero-padded as its GPU GEMMs
+    want: K and N multiples of 16, whole 128-blocks of K for native block scales."""
+    kind = gemm_kind(t)
+    pad = 1 if kind == "cpu" else BLOCK if recipe == "blockwise" and kind == "cuda_blocks" else 16
+    return fp8_cast(t, dtype, GROUPS[recipe][role], amax, transposed, pad, use_triton=fused_cast(t))
 
 
 def fp8_matmul(a, b, a_dtype, b_dtype, recipe, a_amax=None, b_amax=None, b_is_weight=True, k_reduce=None):
-    """a [M, K] @ b [N, K]^T in fp32 with both operands quantized to FP8 along K, the recipe's way. k_reduce: K is
-    split over ranks (tensor parallelism, kernels/fp8_parallel.py), a function maxing the rowwise amaxes of both
-    operands over them (tensorwise amaxes come whole as a_amax / b_amax; blockwise tiles lie in one rank)."""
+    """a [M, K] @ b [N, K]^T in fp32 with both operands quantized to FP8 along K, the recipe's way: one GEMM of
+    its own operands (kernels/fp8_parallel.py; Float8Linear shares quantized operands between its GEMMs).
+    k_reduce: K is split over ranks (tensor parallelism), a function maxing the rowwise amaxes of both operands
+    over them (tensorwise amaxes come whole as a_amax / b_amax; blockwise tiles lie in one rank)."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown FP8 recipe {recipe!r}; expected one of {RECIPES}")
     M, N, K = a.shape[0], b.shape[0], a.shape[1]
@@ -150,60 +143,11 @@ def fp8_matmul(a, b, a_dtype, b_dtype, recipe, a_amax=None, b_amax=None, b_is_we
         # an empty GEMM (an expert that received no tokens): nothing to quantize (an amax over nothing is an
         # error); the sum over an empty K is zero
         return torch.zeros(M, N, device=a.device, dtype=torch.float32)
-    kind = gemm_kind(a)
-    if kind != "cpu":
-        # cuBLASLt: K and N multiples of 16 (native block scales: whole 128-blocks of K). Zero rows change
-        # neither the product nor any amax
-        k_multiple = BLOCK if recipe == "blockwise" and kind == "cuda_blocks" else 16
-        a, b = _pad_rows(a, k_multiple, 1), _pad_rows(_pad_rows(b, k_multiple, 1), 16, 0)
-    # rowwise and blockwise on a GPU: a bf16 output, the one every torch build's row-scaled kernels accept
-    out_dtype = torch.bfloat16 if kind != "cpu" and recipe in ("rowwise", "blockwise") else torch.float32
-    if recipe in ("tensorwise", "delayed"):
-        qa, sa = quantize(a, a_dtype, "tensor", a_amax)
-        qb, sb = quantize(b, b_dtype, "tensor", b_amax)
-        out = _tensorwise_mm(qa, qb, sa.reciprocal(), sb.reciprocal(), out_dtype, kind)
-    elif recipe == "rowwise":
-        a_amax, b_amax = amax(a, "row"), amax(b, "row")
-        if k_reduce is not None:
-            a_amax, b_amax = k_reduce(a_amax, b_amax)
-        qa, sa = quantize(a, a_dtype, "row", a_amax)
-        qb, sb = quantize(b, b_dtype, "row", b_amax)
-        out = _scaled_mm(qa, qb, sa.reciprocal(), sb.reciprocal().t().contiguous(), out_dtype)
-    elif kind == "cuda_blocks":
-        out = _blockwise_native(a, b, a_dtype, b_dtype, b_is_weight, out_dtype)
-    else:
-        out = _blockwise_by_slices(a, b, a_dtype, b_dtype, b_is_weight, out_dtype)
-    return out[:, :N].float()
-
-
-def _block_scales(a, b, a_dtype, b_dtype, b_is_weight):
-    """(qa, 1x128 scales of a [M, K/128], qb, scales of b per row and 128-block of K [N, K/128]): a weight's
-    128x128 block scale repeated on each of its rows, the same numbers as 1x128 scales."""
-    qa, sa = quantize(a, a_dtype, "tile")
-    qb, sb = quantize(b, b_dtype, "block" if b_is_weight else "tile")
-    if b_is_weight:
-        sb = sb.repeat_interleave(BLOCK, dim=0)[:b.shape[0]]
-    return qa, sa, qb, sb
-
-
-def _blockwise_native(a, b, a_dtype, b_dtype, b_is_weight, out_dtype):
-    """One _scaled_mm with cuBLASLt's 1x128 x 1x128 block scales (K padded to whole blocks by the caller).
-    Layouts its checks want: a's scales [M, K/128] outer-dim-major (strides (1, M)), b's as [K/128, N]
-    row-major (b enters transposed). The 128x128 weight format is not used: its scale layout differs between
-    torch versions and must be 16-byte aligned, while repeating the block scale per row costs nothing."""
-    qa, sa, qb, sb = _block_scales(a, b, a_dtype, b_dtype, b_is_weight)
-    return _scaled_mm(qa, qb, sa.reciprocal().t().contiguous().t(), sb.reciprocal().t().contiguous(), out_dtype)
-
-
-def _blockwise_by_slices(a, b, a_dtype, b_dtype, b_is_weight, out_dtype):
-    """The reference implementation: per 128-wide slice of K the scales are per row of a and per row of b, a
-    row-scaled GEMM; the K/128 partial products are added in fp32."""
-    qa, sa, qb, sb = _block_scales(a, b, a_dtype, b_dtype, b_is_weight)
-    out = torch.zeros(a.shape[0], b.shape[0], device=a.device, dtype=torch.float32)
-    for kb, k0 in enumerate(range(0, a.shape[1], BLOCK)):
-        out += _scaled_mm(qa[:, k0:k0 + BLOCK], qb[:, k0:k0 + BLOCK], sa[:, kb:kb + 1].reciprocal(),
-                          sb[:, kb][None, :].reciprocal().contiguous(), out_dtype).float()
-    return out
+    if recipe == "rowwise" and k_reduce is not None:
+        a_amax, b_amax = k_reduce(fp8_amax(a, (1, 0), fused_cast(a)), fp8_amax(b, (1, 0), fused_cast(b)))
+    qa = cast(a, a_dtype, recipe, "activation", a_amax, transposed=False)
+    qb = cast(b, b_dtype, recipe, "weight" if b_is_weight else "activation", b_amax, transposed=False)
+    return unpadded(scaled_gemm(qa[:2], qb[:2], torch.float32, recipe, gemm_kind(a)), M, N).float()
 
 
 def delayed_amax(history, t, current=None):
@@ -212,36 +156,55 @@ def delayed_amax(history, t, current=None):
     synchronisation."""
     # an empty tensor (an expert without tokens this step) has amax 0: it never raises the history's max
     if current is None:
-        current = t.detach().abs().amax().float() if t.numel() else history.new_zeros(())
-    past = history.max()
-    history.copy_(torch.roll(history, 1))
-    history[0] = current
-    return torch.where(past > 0, past, current)
+        current = fp8_amax(t, (0, 0), fused_cast(t)) if t.numel() else history.new_zeros(())
+    return delayed_source(history, current, fused_cast(t))
+
+
+def out_dtype_of(x):
+    """A Linear's output dtype: the autocast dtype under autocast (as nn.Linear), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 class _Float8LinearFunction(torch.autograd.Function):
+    """y = x W^T with each operand quantized once per forward + backward, in both layouts (fp8_cast): the
+    forward keeps x^T's and W^T's FP8 copies for dW and dx, instead of quantizing x and W again."""
+
     @staticmethod
     def forward(ctx, x, weight, recipe, history):
         x2 = x.reshape(-1, x.shape[-1])
+        M, N, kind = x2.shape[0], weight.shape[0], gemm_kind(x2)
         x_amax = w_amax = None
         if recipe == "delayed":
             x_amax, w_amax = delayed_amax(history[0], x2), delayed_amax(history[1], weight)
-        y = fp8_matmul(x2, weight, E4M3, E4M3, recipe, x_amax, w_amax)
-        ctx.save_for_backward(x2, weight)
-        ctx.recipe, ctx.history, ctx.amaxes, ctx.x_shape = recipe, history, (x_amax, w_amax), x.shape
-        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        if not M:
+            y = x2.new_zeros(0, N, dtype=out_dtype_of(x))
+            ctx.save_for_backward(x2, weight)
+        else:
+            qx, qw = cast(x2, E4M3, recipe, "activation", x_amax), cast(weight, E4M3, recipe, "weight", w_amax)
+            y = unpadded(scaled_gemm(qx[:2], qw[:2], out_dtype_of(x), recipe, kind, fast_accum=True), M, N)
+            y = y.to(out_dtype_of(x))
+            ctx.save_for_backward(qx.qt, qx.inv_t, qw.qt, qw.inv_t)
+        ctx.recipe, ctx.history, ctx.shapes, ctx.dtypes = recipe, history, (x.shape, M, N), (x.dtype, weight.dtype)
+        return y.reshape(*x.shape[:-1], N)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        x_amax, w_amax = ctx.amaxes
-        dy_amax = delayed_amax(ctx.history[2], dy2) if ctx.recipe == "delayed" else None
+        (x_shape, M, N), (x_dtype, w_dtype), recipe = ctx.shapes, ctx.dtypes, ctx.recipe
+        dy2 = dy.reshape(-1, N)
+        dy_amax = delayed_amax(ctx.history[2], dy2) if recipe == "delayed" else None
+        if not M:       # an expert without tokens: an empty input gradient, a zero weight gradient
+            x2, weight = ctx.saved_tensors
+            return x2.new_zeros(x_shape), torch.zeros_like(weight), None, None
+        xt, xt_inv, wt, wt_inv = ctx.saved_tensors
+        K, kind = x_shape[-1], gemm_kind(dy)
         # cuBLASLt's row-scaled FP8 GEMMs take e4m3 operands only (torchao's rowwise recipe does the same)
-        g = E4M3 if gemm_kind(dy) != "cpu" and ctx.recipe in ("rowwise", "blockwise") else E5M2
-        dx = fp8_matmul(dy2, weight.t(), g, E4M3, ctx.recipe, dy_amax, w_amax)
-        dw = fp8_matmul(dy2.t(), x2.t(), g, E4M3, ctx.recipe, dy_amax, x_amax, b_is_weight=False)
-        return dx.to(x2.dtype).view(ctx.x_shape), dw.to(weight.dtype), None, None
+        g = E4M3 if kind != "cpu" and recipe in ("rowwise", "blockwise") else E5M2
+        qdy = cast(dy2, g, recipe, "activation", dy_amax)
+        dx = unpadded(scaled_gemm(qdy[:2], (wt, wt_inv), x_dtype, recipe, kind), M, K)
+        dw = unpadded(scaled_gemm(qdy[2:], (xt, xt_inv), w_dtype, recipe, kind), N, K)
+        return dx.to(x_dtype).reshape(x_shape), dw.to(w_dtype), None, None
 
 
 class Float8Linear(nn.Linear):

@@ -118,7 +118,9 @@ def test_float64_kernels_never_round_to_fp32(compiled):
     """A float64 launch computes in float64: its TTIR has no float64 -> fp32 conversion (arith.truncf), which
     would make --dtype float64 --kernels triton only fp32-accurate without a word."""
     truncation = re.compile(r"arith\.truncf .* : (?:tensor<[^>]*xf64>|f64) to (?:tensor<[^>]*xf32>|f32)")
-    rounded = sorted({r["launch"].kernel for r in compiled["float64", 90] if truncation.search(r.get("ttir") or "")})
+    # FP8 quantization (kernels/fp8_cast.py) rounds to 8 bits by definition, through fp32 as torch's casts do
+    rounded = sorted({r["launch"].kernel for r in compiled["float64", 90] if truncation.search(r.get("ttir") or "")
+                      and not r["launch"].kernel.startswith("kernels.fp8_cast:")})
     assert not rounded, f"float64 kernels that round to fp32: {rounded}"
 
 

@@ -148,4 +148,28 @@ def model_launches(dtype):
                 _, loss = model(idx[:, :-1], idx[:, 1:])
             loss.backward()
         launches += log
+    return launches + fp8_launches(dtype)
+
+
+def fp8_launches(dtype):
+    """The FP8 cast kernels' launches: one Float8Linear forward + backward per recipe, x in `dtype` (under
+    autocast for 16-bit dtypes), on the H100 path; _scaled_mm answers with an empty tensor (nothing runs).
+    Every recipe where a GPU runs FP8 (fp32 weights, bf16 autocast); delayed alone, which reaches all three
+    kernels, for float16 and float64 (each distinct launch is one more ahead-of-time compile)."""
+    import kernels.fp8 as fp8
+    launches = []
+    x_dtype = torch.float64 if dtype == "float64" else torch.float32
+    low_precision = dtype in ("bfloat16", "float16")
+
+    def no_gemm(a, b, scale_a, scale_b, out_dtype=None, use_fast_accum=False, **_):
+        return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype)
+    for recipe in fp8.RECIPES if dtype in ("float32", "bfloat16") else ("delayed",):
+        layer = fp8.Float8Linear.from_float(torch.nn.Linear(256, 128).to(x_dtype), recipe)
+        x = torch.randn(40, 256, dtype=x_dtype, requires_grad=True)
+        with recorded_launches() as log, mock.patch.object(fp8, "gemm_kind", lambda t: "cuda_blocks"), \
+                mock.patch.object(torch, "_scaled_mm", no_gemm):
+            with torch.autocast(DEVICE, dtype=getattr(torch, dtype), enabled=low_precision):
+                y = layer(x)
+            y.backward(torch.ones_like(y))
+        launches += log
     return launches
