@@ -8,25 +8,24 @@ flat buffer padded to a multiple of N ranks; rank r owns elements [r*s, (r+1)*s)
     torchrun --nproc_per_node 2 train_zero.py --zero_stage 3 --dtype bfloat16  # + sharded parameters
 
 Precision (train_single's recipe): the parameters are fp32 and are their own master copy; --dtype bfloat16
-runs the forward and backward under bf16 autocast (each matmul casts its weight on the fly), and gradients are
-accumulated and reduce-scattered in fp32. Bytes per parameter (plan_inputs.model_state_bytes_per_param("fp32")):
-    params 4, grads 4, AdamW m + v 8         (float32 and bfloat16 alike; float64 doubles each)
-bf16 saves activation memory and matmul time here, not model-state bytes: a recipe with bf16 parameter copies
-(2 + 2 + 12) would need a second, fp32 copy of every weight as the master.
+runs the forward and backward under bf16 autocast (each matmul casts its weight on the fly; ZeRO-3 gathers the
+shards in bf16, FSDP2's param_dtype, widened into the fp32 buffer), and gradients are accumulated and
+reduce-scattered in fp32. Bytes per parameter (plan_inputs.model_state_bytes_per_param("fp32")): params 4,
+grads 4, AdamW m + v 8 (float32 and bfloat16 alike; float64 doubles each). bf16 saves activation memory, matmul
+time and ZeRO-3's gather bytes, not model-state bytes (bf16 parameter copies would need a second, fp32 master).
 Model-state bytes per rank (P parameters, padded to P' with P' - P < N * buckets, N ranks):
     stage 0 (DP)  4P + 4P + 8P           stage 2  4P' + (4P' + 8P')/N
     stage 1       4P' + 4P' + 8P'/N      stage 3  (4P' + 4P' + 8P')/N  (+ gathered units in flight)
 Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (docs/observability.md's convention):
     stage 1  reduce-scatter + all-gather          2 (N-1)/N P' b        (= one all-reduce)
     stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay whole)
-    stage 3  all-gather fwd + bwd + reduce-scatter 3 g (N-1)/N P' b
+    stage 3  all-gather fwd + bwd + reduce-scatter g (N-1)/N P' (2 b16 + b), b16 = b (2 under bf16 autocast)
     stages 1-3 also all-reduce one fp32 scalar (the squared gradient norm): + 2 (N-1)/N * 4 bytes.
 ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre-backward: gather (prefetch
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
 ZeRO-R's CB and MD are train_ddp's (its docstring): fixed --bucket_mb buffers, and flat buffers made once whose
 views are the parameters and gradients; a ZeRO-3 unit is gathered as one contiguous allocation, not one per tensor.
-Any model (docs/copy_out.md): shard_model(model, stage, group, ..., blocks=) and install_zero3_hooks take the
-blocks as an argument; shard_gpt is model.py's GPT.
+Any model (docs/copy_out.md): shard_model(..., blocks=) and install_zero3_hooks take the blocks; shard_gpt: GPT.
 """
 import argparse
 import sys
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from common.comm import COMM, CastsFreedWithParams, all_gather, clip_grad_norm, reduce_scatter
+from common.comm import COMM, CastsFreedWithParams, all_gather_as, clip_grad_norm, compute_dtype, reduce_scatter
 from train_ddp import DataParallelGrads, ReducedTwice, assign_buckets, mean_over_group
 
 
@@ -49,8 +48,7 @@ class Shard:
     """One bucket (stages 0-2) or unit (stage 3) of parameters: a flat buffer `full` whose views are the model's
     parameters, this rank's slice `shard`, and the AdamW moments of that slice. The parameters are fp32 (float64
     in a float64 run), so the shard is its own master copy (`master` is `shard`); 16-bit compute comes from
-    autocast. Stage 3 keeps only `shard` at rest: `full` has its storage resized to zero except between
-    `gather()` and `free()`."""
+    autocast. Stage 3 keeps only `shard` at rest: `full` is resized to zero except between gather() and free()."""
 
     def __init__(self, names, params, stage, group, dtype, device, initial):
         """dtype: the parameters' (fp32, or float64); initial: {name: full value} of these parameters (a built
@@ -75,7 +73,7 @@ class Shard:
         self.decay_runs = [(max(off, self.lo) - self.lo, min(off + p.numel(), self.hi) - self.lo)
                            for p, off in zip(params, self.offsets)
                            if p.dim() >= 2 and off < self.hi and off + p.numel() > self.lo]
-        self.handle, self.in_backward = None, False
+        self.handle, self.in_backward, self.wire_dtype = None, False, None
         if stage == 3:
             self.full.untyped_storage().resize_(0)      # at rest: only the shard
 
@@ -88,12 +86,13 @@ class Shard:
             full[off: off + value.numel()] = value
         return full
 
-    def gather(self):
-        """Stage 3: start the all-gather of the full parameters (async); `wait()` before use."""
+    def gather(self, dtype=None):
+        """Stage 3: start the all-gather of the full parameters (async) in `dtype` (default theirs; bf16 under
+        autocast, widened into the fp32 `full` at wait(): comm.all_gather_as); `wait()` before use."""
         if self.handle is None and self.full.untyped_storage().nbytes() == 0:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
             # into `.data` (same memory, own version counter): refilling saved parameters is no modification
-            self.handle = all_gather(self.full.data, self.shard, group=self.group, async_op=True)
+            self.handle = all_gather_as(self.full.data, self.shard, dtype or self.master_dtype, self.group, True)
 
     def wait(self):
         self.gather()
@@ -110,7 +109,7 @@ class Shard:
         """After the optimizer step (stages 1-2): all-gather the updated shards so every rank's full parameters
         agree again. Stage 0 stepped the full buffer itself; stage 3 gathers before each use."""
         if self.stage in (1, 2):
-            all_gather(self.full, self.shard, group=self.group)
+            all_gather_as(self.full, self.shard, self.master_dtype, self.group)
 
 
 class ShardedAdamW:
@@ -264,8 +263,9 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
     a block's unit is then freed once the gradient reaches the block below, the lowest by the caller."""
     units, roots = list(reversed(shards[:len(blocks)])), shards[len(blocks):]    # blocks' units in forward order
 
-    def fetch(unit):
-        unit.gather()
+    def fetch(unit, forward=False):  # in autocast's dtype, read in a forward: a backward runs outside autocast
+        unit.wire_dtype = compute_dtype(unit.master_dtype, unit.shard.device.type) if forward else unit.wire_dtype
+        unit.gather(unit.wire_dtype)
         if on_gather is not None:
             on_gather()
 
@@ -296,10 +296,10 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
         def hook(module, args):
             if units[i].in_backward:                   # a recompute (--recompute full) inside backward
                 return
-            fetch(units[i])
+            fetch(units[i], forward=True)
             units[i].wait()
             if prefetch and i + 1 < len(units):
-                fetch(units[i + 1])
+                fetch(units[i + 1], forward=True)
         return hook
 
     def post_forward(i):
@@ -314,7 +314,7 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
 
     def root_pre_forward(module, args):
         for unit in roots:
-            fetch(unit)
+            fetch(unit, forward=True)
         for unit in roots:
             unit.wait()
 

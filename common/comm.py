@@ -219,16 +219,46 @@ def new_group(ranks, timeout_s=None):
     return dist.new_group(ranks, **kwargs)
 
 
+def compute_dtype(dtype, device_type):
+    """The dtype a matmul computes an fp32 `dtype` in: autocast's 16-bit dtype while autocast is on for the device
+    type ("cpu", "cuda"), else `dtype` itself (float64 runs, runs without autocast: unchanged). Read it where
+    autocast is on (a forward); a backward runs outside it, so what it sends is decided at the forward."""
+    if dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
+
+
 def in_compute_dtype(x):
     """x in autocast's 16-bit dtype when autocast is on for its device and x is fp32, else x itself: for an
     activation about to be communicated on its way into a matmul, which would cast it anyway (a LayerNorm's output
     is fp32 under autocast). The collective then moves 2 bytes per value instead of 4, and so does its backward twin
     (the gradient takes the dtype of what was sent), as Megatron-LM's 16-bit activations do; the values the matmul
     sees are the same. float64 runs and runs without autocast: unchanged."""
-    device = x.device.type
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
-        return x.to(torch.get_autocast_dtype(device))
-    return x
+    return x.to(compute_dtype(x.dtype, x.device.type))
+
+
+class _Widened:
+    """An all_gather_as's work: wait() also widens the gathered 16-bit values into the full-precision output."""
+
+    def __init__(self, work, wire, output):
+        self.work, self.wire, self.output = work, wire, output
+
+    def wait(self):
+        self.work.wait()
+        self.output.copy_(self.wire)
+        self.wire = None
+
+
+def all_gather_as(output, input, dtype, group=None, async_op=False):
+    """all_gather(output, input) with the values travelling in `dtype` (narrower than output's, e.g. bf16 into an
+    fp32 buffer): each rank sends its shard rounded to `dtype`, and the gathered values are widened into `output`
+    at wait() (exact). ZeRO-3 under autocast (FSDP2's param_dtype): half the bytes, and a matmul sees the weight it
+    would have cast anyway. dtype == output's: a plain all_gather."""
+    if dtype == output.dtype:
+        return all_gather(output, input, group=group, async_op=async_op)
+    wire = torch.empty_like(output, dtype=dtype)
+    work = _Widened(all_gather(wire, input.to(dtype), group=group, async_op=True), wire, output)
+    return work if async_op else work.wait()
 
 
 class CastsFreedWithParams:

@@ -5,6 +5,9 @@ and expert parallelism's dispatch move 4 bytes per value where the matmul that r
 comm.in_compute_dtype casts such activations before they travel; these tests record the dtype of every activation
 handed to a collective in one bf16 step and allow fp32 only where train_single keeps fp32 too: the residual stream
 out of the vocabulary-parallel embedding (the fp32 embedding's sum, and under SP its gradient's all-gather).
+The traffic of whole rungs is checked the same way, by the dtype of each collective and the bytes counted per step
+against a float32 run (which moves what a bf16 run moved before): ZeRO-3's gathers travel in bf16, at half the
+bytes, while its gradients are still reduce-scattered in fp32.
 """
 import pytest
 import torch
@@ -49,3 +52,46 @@ def test_activations_travel_in_bf16(script, flags, fp32_per_micro, tiny_data, tm
         assert all(dtype in ("torch.float32", "torch.bfloat16") for _, dtype in seen), seen
         assert len(fp32) == fp32_per_micro * micro_batches, \
             f"rank {rank}: {len(fp32)} fp32 activations communicated ({fp32}), expected only the embedding's"
+
+
+def traffic(rank, world_size, script, argv):
+    """A worker: run `script`'s main for one step and return the dtypes its collectives moved ({op: {dtype
+    names}}) and the bytes it counted per op, both up to the step's log line (not the checkpoint written after)."""
+    import importlib
+
+    import common.comm as comm
+    from common.metrics import MetricsLogger
+    seen, counted, launch, log_step = {}, {}, comm._launch, MetricsLogger.log_step
+
+    def record(op, group, fn, /, *args, **kwargs):
+        tensor = next((t for t in args if isinstance(t, torch.Tensor)), None)
+        tensors = [tensor] if tensor is not None else [o.tensor for o in args[0]]     # batch_isend_irecv: P2POps
+        if not counted:
+            seen.setdefault(op, set()).update(str(t.dtype) for t in tensors)
+        return launch(op, group, fn, *args, **kwargs)
+
+    def logged(self, *args, **kwargs):
+        counted.update(comm.COMM.by_op)
+        return log_step(self, *args, **kwargs)
+
+    comm._launch, MetricsLogger.log_step = record, logged
+    importlib.import_module(script).main(argv)
+    return seen, counted
+
+
+def run_traffic(script, tiny_data, tmp_path, **flags):
+    """{dtype: (dtypes per op, bytes per op)} of rank 0, for a float32 and a bf16 step."""
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        argv = tiny_argv(tiny_data, str(tmp_path / dtype), dtype=dtype, max_steps=1, **flags)
+        out[dtype] = run_workers(traffic, 2, args=(script, argv))[0]
+    return out
+
+
+def test_zero3_gathers_in_bf16_and_reduces_in_fp32(tiny_data, tmp_path):
+    out = run_traffic("train_zero", tiny_data, tmp_path, zero_stage=3, micro_batch_size=2)
+    (dtypes, counted), (_, fp32_counted) = out["bfloat16"], out["float32"]
+    assert dtypes["all_gather"] == {"torch.bfloat16"}, dtypes
+    assert dtypes["reduce_scatter"] == {"torch.float32"}, dtypes       # gradients: reduced in fp32
+    assert counted["all_gather"] == fp32_counted["all_gather"] / 2, (counted, fp32_counted)
+    assert counted["reduce_scatter"] == fp32_counted["reduce_scatter"], (counted, fp32_counted)
