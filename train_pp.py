@@ -20,8 +20,8 @@ afab (GPipe) and 1f1b (p-1)/(m+p-1); interleaved (p-1)/(V*m+p-1); zb1 (ZB-H1, ba
 input-gradient B and weight-gradient W, the Ws filling the bubbles) bubble (p-1)(F+B-W); zbv (ZB-V) and
 dualpipev (DeepSeek-V3's DualPipe, V form) (p-1)/(6m+p-1) in chunk units, zbv's a gapless parallelogram.
 Each stage boundary carries m activations forward and m gradients back per step: a rank sends
-m * b*T*h * 4 bytes * (2V - [first rank] - [last rank]) (a V: 2m on ranks 0 and p-1, whose p-1 -> p stays
-local, 4m elsewhere), in the batches of pipeline_schedules.comm_plan:
+m * b*T*h * c bytes * (2V - [first rank] - [last rank]) (a V: 2m on ranks 0 and p-1, whose p-1 -> p stays
+local, 4m elsewhere; c = 2 under bf16 autocast, else 4, 8 in float64), in the batches of pipeline_schedules.comm_plan:
 NCCL-safe for every schedule (nccl_check.py replays the launches under NCCL's rules; gloo alone cannot tell).
 
 Loss scaling: the last stage backpropagates loss / m, so gradients equal train_single's for the same global
@@ -63,20 +63,20 @@ class PipelineRunner:
     The stages (`chunks`: this rank's v stage modules, in chunk order) are called stage(input, targets):
     input is get_batch(mb)'s x on the first stage and the previous stage's output elsewhere; targets is
     get_batch(mb)'s y on the last stage, else None. A stage returns its output activations, one tensor of
-    act_shape (sent as act_dtype, by default the stages' parameter dtype), or on the last stage the mean loss over
-    the micro-batch (a scalar). A stage has attributes `first` and `last`. `store`: a WeightGradStore, for the
-    schedules with W actions (zb1, zbv, dualpipev); `amp`: a context for each stage call (autocast; default none);
-    `action_hook(action)`, when set, a context manager around each action's compute (metrics.ActionTimer times
-    the pipeline's idle share)."""
+    act_shape (sent in autocast's 16 bits, else act_dtype: the stages' parameter dtype by default; received, it is
+    widened to act_dtype), or on the last stage the mean loss (a scalar). A stage has `first` and `last`. `store`: a
+    WeightGradStore, for the schedules with W actions (zb1, zbv, dualpipev); `amp`: a context for each stage call
+    (autocast; default none); `action_hook(action)`, when set, a context manager around each action's compute
+    (metrics.ActionTimer times the pipeline's idle share)."""
 
-    def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None,
-                 act_dtype=None):
+    def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None, act_dtype=None):
         self.chunks, self.group, self.schedules, self.n_micro = chunks, group, schedules, n_micro
         self.rank, self.p, self.v = dist.get_rank(group), dist.get_world_size(group), len(chunks)
         self.act_shape, self.device, self.store = act_shape, device, store
         self.amp = contextlib.nullcontext() if amp is None else amp
-        # what crosses stages: the parameters' dtype (fp32 even under autocast; float64 in a float64 run)
         self.act_dtype = act_dtype or next(p.dtype for c in chunks for p in c.parameters() if p.is_floating_point())
+        with self.amp:       # what crosses stages: autocast's 16 bits (as Megatron sends), else act_dtype (float64)
+            self.wire_dtype = comm.compute_dtype(self.act_dtype, torch.device(device).type)
         self.peer = [dist.get_global_rank(group, r) for r in range(self.p)]
         self.plan = comm_plan(schedules, self.p, self.v)[self.rank]   # actions and batches, in launch order
         self.placement = schedule_placement(schedules)                  # stage -> rank: round-robin or a V
@@ -95,7 +95,7 @@ class PipelineRunner:
             if kind == "send":
                 tensor = self.outbox.pop(msg)
             else:
-                tensor = torch.empty(self.act_shape, device=self.device, dtype=self.act_dtype)
+                tensor = torch.empty(self.act_shape, device=self.device, dtype=self.wire_dtype)
             ops.append(comm.p2p_op(kind, tensor, self.peer[peer], self.group))
         works = comm.batch_isend_irecv(ops)
         for i, ((kind, _, msg), op) in enumerate(zip(exchange.ops, ops)):
@@ -142,12 +142,13 @@ class PipelineRunner:
         # the stage gets a view: autocast caches its casts of leaves for the whole step (_one_cast_per_step), which
         # is meant for the weights, not for a micro-batch's input
         with self.amp:
-            out = stage(inp if stage.first else inp.view_as(inp), y if stage.last else None)
+            out = stage(inp if stage.first else inp.view_as(inp).to(self.act_dtype), y if stage.last else None)
         if stage.last:
             self.loss_sum += out.detach().to(self.act_dtype)
             out = out / self.n_micro             # mean over the global batch = mean of micro-batch means
-        else:
-            self._send(a, out.detach().to(self.act_dtype))   # the residual stream at full width
+        else:                                    # in autocast's 16 bits (ToCopy's backward widens the gradient)
+            out = out.to(self.wire_dtype)
+            self._send(a, out.detach())          # the residual stream at full width
         self.saved[(a.mb, a.chunk)] = (inp, out)    # held until this micro-batch's B: the in-flight memory
 
     def _backward(self, a, received):
@@ -210,10 +211,11 @@ class PipelineRunner:
             stage = self.chunks[s // self.p]
             if s > 0 and owner[s - 1] != self.rank:
                 shape = act_shape or (x.shape[0],) + tuple(self.act_shape[1:])   # [b, T (/tp under SP), h]
-                h = torch.empty(shape, device=self.device, dtype=self.act_dtype)
+                h = torch.empty(shape, device=self.device, dtype=self.wire_dtype)
                 comm.recv(h, self.peer[owner[s - 1]], group=self.group)
             with self.amp:
-                h = stage(x if s == 0 else h, y if s == S - 1 else None).to(self.act_dtype)
+                h = stage(x if s == 0 else h.to(self.act_dtype), y if s == S - 1 else None)
+            h = h.to(self.act_dtype if s == S - 1 else self.wire_dtype)
             if s == S - 1:
                 loss = h
             elif owner[s + 1] != self.rank:
@@ -286,8 +288,7 @@ class PipelineStage(nn.Module):
 
 
 def stage_views(gpt, rank, p, v, placement="loop"):
-    """This rank's V chunks (stages rank, rank+p, ...; in a V rank and 2p-1-rank) of `gpt`, as PipelineStage
-    views."""
+    """This rank's V chunks (stages rank, rank+p, ...; in a V rank and 2p-1-rank) of `gpt`: PipelineStage views."""
     return nn.ModuleList([PipelineStage(gpt, layers, first, last)
                           for _, layers, first, last in stages_of_rank(gpt.cfg.n_layer, rank, p, v, placement)])
 
@@ -380,8 +381,7 @@ def extra_args(parser):
 
 
 def main(argv=None):
-    # the script's plumbing, imported here: the building blocks above need only torch, comm.py and
-    # pipeline_schedules.py
+    # the script's plumbing, imported here: the building blocks above need only torch, comm.py, pipeline_schedules
     from common.config import parse_config
     from common.distributed import init_distributed
     from common.metrics import ActionTimer, MetricsLogger

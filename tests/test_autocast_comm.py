@@ -7,7 +7,8 @@ handed to a collective in one bf16 step and allow fp32 only where train_single k
 out of the vocabulary-parallel embedding (the fp32 embedding's sum, and under SP its gradient's all-gather).
 The traffic of whole rungs is checked the same way, by the dtype of each collective and the bytes counted per step
 against a float32 run (which moves what a bf16 run moved before): ZeRO-3's gathers travel in bf16, at half the
-bytes, while its gradients are still reduce-scattered in fp32.
+bytes, while its gradients are still reduce-scattered in fp32; the pipeline's sends (the residual stream forward,
+its gradient back) travel in bf16, at half the bytes.
 """
 import pytest
 import torch
@@ -95,3 +96,10 @@ def test_zero3_gathers_in_bf16_and_reduces_in_fp32(tiny_data, tmp_path):
     assert dtypes["reduce_scatter"] == {"torch.float32"}, dtypes       # gradients: reduced in fp32
     assert counted["all_gather"] == fp32_counted["all_gather"] / 2, (counted, fp32_counted)
     assert counted["reduce_scatter"] == fp32_counted["reduce_scatter"], (counted, fp32_counted)
+
+
+def test_pipeline_sends_bf16(tiny_data, tmp_path):
+    out = run_traffic("train_pp", tiny_data, tmp_path, pp=2)
+    (dtypes, counted), (_, fp32_counted) = out["bfloat16"], out["float32"]
+    assert dtypes["batch_isend_irecv"] == {"torch.bfloat16"}, dtypes
+    assert counted["send"] == fp32_counted["send"] / 2 > 0, (counted, fp32_counted)
