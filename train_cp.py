@@ -15,11 +15,11 @@ with this step's blocks). Each block gives a partial output and log-sum-exp, mer
     lse = log(e^lse_a + e^lse_b),   out = out_a * e^(lse_a - lse) + out_b * e^(lse_b - lse)
 Fully masked blocks are skipped: in ring, rank r computes 1/2 + r blocks of c x c (rank 0 idles while rank
 cp-1 works); in zigzag every rank computes the causal diagonal plus cp-1 half blocks, exactly equal work.
-Backward: dQ accumulates locally; dK/dV travel around the ring with K/V and take one last hop home.
-allgather (Llama 3): K/V all-gathered, local queries attend to what they can see, dK/dV reduce-scattered.
-Bytes sent per layer and micro-batch (KV = this rank's K and V, dKV = the same in fp32): ring and zigzag
-(cp-1)*KV forward, (cp-1)*KV + cp*dKV backward; allgather (cp-1)*(2*KV + dKV). Plus the all-reduce of
-every gradient over CP, 2(cp-1)/cp * 4N bytes, as every rank holds the whole model.
+Backward: dQ accumulates locally; dK/dV travel around the ring with K/V (in their dtype, summed in fp32 at
+each rank) and take one last hop home. allgather (Llama 3): K/V all-gathered, local queries attend to what they
+can see, dK/dV reduce-scattered in fp32. Bytes sent per layer and micro-batch (KV = this rank's K and V, in the
+compute dtype, dKV = the same in fp32): ring and zigzag (cp-1)*KV forward, (cp-1)*KV + cp*KV backward;
+allgather (cp-1)*(2*KV + dKV). Plus the all-reduce of every gradient over CP, 2(cp-1)/cp * 4N bytes.
 Block attention: the plain-torch reference pair below, torch's fused CPU kernel on CPU, aten's flash or
 memory-efficient kernels on CUDA (kernels/attention_lse.py; --kernels torch: the reference), or with --kernels
 triton kernels/flash_attention.py's pair (same signatures). K/V may have fewer heads than Q (grouped-query
@@ -241,11 +241,11 @@ class RingAttention(torch.autograd.Function):
                 blocks = ring_step_blocks(ctx.layout, r, (r - s) % n, q.shape[-2])
                 with label(f"cp:ring step {s} backward"):
                     grads = attend_backward(dout, q, kv[0], kv[1], out, lse, blocks, ctx.kernel, dq)
-                if s > 0:
-                    dkv = next_dkv()           # this block's dK/dV, accumulated by the ranks before us
+                if s > 0:                      # this block's dK/dV, summed by the ranks before us: widened
+                    dkv = next_dkv().to(dq.dtype)
                 add_kv_grads(dkv, grads)
-                if n > 1:                      # pass it on; after the last step this is the hop home
-                    next_dkv = ring_shift(dkv, group)
+                if n > 1:                      # passed on in K/V's dtype; after the last step this is the hop home
+                    next_dkv = ring_shift(dkv.to(k.dtype), group)
                 if s + 1 < n:
                     kv = next_kv()
             if n > 1:

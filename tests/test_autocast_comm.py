@@ -8,7 +8,7 @@ out of the vocabulary-parallel embedding (the fp32 embedding's sum, and under SP
 The traffic of whole rungs is checked the same way, by the dtype of each collective and the bytes counted per step
 against a float32 run (which moves what a bf16 run moved before): ZeRO-3's gathers travel in bf16, at half the
 bytes, while its gradients are still reduce-scattered in fp32; the pipeline's sends (the residual stream forward,
-its gradient back) travel in bf16, at half the bytes.
+its gradient back) travel in bf16, at half the bytes; so do ring attention's K/V and dK/dV hops.
 """
 import pytest
 import torch
@@ -102,4 +102,11 @@ def test_pipeline_sends_bf16(tiny_data, tmp_path):
     out = run_traffic("train_pp", tiny_data, tmp_path, pp=2)
     (dtypes, counted), (_, fp32_counted) = out["bfloat16"], out["float32"]
     assert dtypes["batch_isend_irecv"] == {"torch.bfloat16"}, dtypes
+    assert counted["send"] == fp32_counted["send"] / 2 > 0, (counted, fp32_counted)
+
+
+def test_ring_attention_sends_dkv_in_bf16(tiny_data, tmp_path):
+    out = run_traffic("train_cp", tiny_data, tmp_path, cp=2, cp_layout="ring")
+    (dtypes, counted), (_, fp32_counted) = out["bfloat16"], out["float32"]
+    assert dtypes["batch_isend_irecv"] == {"torch.bfloat16"}, dtypes     # K/V forward, K/V and dK/dV backward
     assert counted["send"] == fp32_counted["send"] / 2 > 0, (counted, fp32_counted)
