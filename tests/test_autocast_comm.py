@@ -6,9 +6,10 @@ comm.in_compute_dtype casts such activations before they travel; these tests rec
 handed to a collective in one bf16 step and allow fp32 only where train_single keeps fp32 too: the residual stream
 out of the vocabulary-parallel embedding (the fp32 embedding's sum, and under SP its gradient's all-gather).
 The traffic of whole rungs is checked the same way, by the dtype of each collective and the bytes counted per step
-against a float32 run (which moves what a bf16 run moved before): ZeRO-3's gathers travel in bf16, at half the
-bytes, while its gradients are still reduce-scattered in fp32; the pipeline's sends (the residual stream forward,
-its gradient back) travel in bf16, at half the bytes; so do ring attention's K/V and dK/dV hops.
+against a float32 run: ZeRO-3's gathers travel in bf16, at half the bytes, while its gradients are still
+reduce-scattered in fp32; the pipeline's sends (the residual stream forward, its gradient back) travel in bf16, at
+half the bytes; so do all of ring attention's hops. Before, a bf16 run gathered and sent what a float32 run does,
+but for ring attention's K/V (already bf16; its dK/dV were fp32): each test fails there.
 """
 import pytest
 import torch
