@@ -11,6 +11,7 @@ common/distributed.py starts the process group).
     clip_grad_norm(grads, 1.0, group=tp_group)   # the global grad norm of gradients spread over a group
     with label("pp:F mb0 chunk0"): ...           # a named range in a --profile trace (nothing when off)
     x = in_compute_dtype(x)                      # under autocast: fp32 -> bf16 before x travels to a matmul
+    all_gather_as(full, shard, torch.bfloat16)   # bf16 on the wire, widened into the fp32 `full` (ZeRO-3)
 
 Under a torch profiler (--profile, profiling.py) each call is also a range "comm:<op> [group's global ranks]", and
 an async call's wait() a range "comm:wait <op> ...": traces show communication (bench/timeline.py colours it).
