@@ -42,11 +42,9 @@ import torch.nn as nn
 from kernels.backend import HAS_TRITON
 from kernels.fp8_cast import GROUPS, delayed_source, fp8_amax, fp8_cast
 from kernels.fp8_gemm import BLOCK, scaled_gemm, unpadded
+from kernels.fp8_quant import AMAX_EPS, E4M3, E5M2, amax, dequantize, fp8_max, per_element, quantize  # noqa: F401
 
 RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
-E4M3 = getattr(torch, "float8_e4m3fn", None)
-E5M2 = getattr(torch, "float8_e5m2", None)
-AMAX_EPS = 1e-12              # amax floor: an all-zero tensor gets a finite scale
 
 
 def gemm_kind(t):
@@ -70,51 +68,10 @@ def check_fp8_support(device):
         raise RuntimeError("FP8 matmuls need a GPU with compute capability >= 8.9 (Ada, Hopper or newer)")
 
 
-def fp8_max(dtype):
-    return torch.finfo(dtype).max
-
-
 def sqnr_db(ref, approx):
     """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||ref - approx||)."""
     ref, approx = ref.detach().double(), approx.detach().double()
     return float(20 * torch.log10(ref.norm() / (ref - approx).norm().clamp_min(1e-30)))
-
-
-def amax(t, granularity):
-    """|t| maxima of a 2-D tensor [R, K] over: the whole tensor ('tensor') -> [], each row ('row') -> [R, 1],
-    1 x 128 tiles along K ('tile') -> [R, ceil(K/128)], or 128 x 128 blocks ('block') -> [ceil(R/128), ceil(K/128)]."""
-    a = t.detach().abs().float()
-    if granularity == "tensor":
-        return a.amax()
-    if granularity == "row":
-        return a.amax(dim=1, keepdim=True)
-    R, K = a.shape
-    a = nn.functional.pad(a, (0, -K % BLOCK, 0, -R % BLOCK if granularity == "block" else 0))
-    if granularity == "tile":
-        return a.view(R, -1, BLOCK).amax(dim=2)
-    return a.view(a.shape[0] // BLOCK, BLOCK, -1, BLOCK).amax(dim=(1, 3))
-
-
-def per_element(scale, granularity, shape):
-    """Broadcast a scale from amax()'s layout to one value per element of a [R, K] tensor."""
-    if granularity in ("tensor", "row"):
-        return scale
-    R, K = shape
-    if granularity == "block":
-        scale = scale.repeat_interleave(BLOCK, dim=0)[:R]
-    return scale.repeat_interleave(BLOCK, dim=1)[:, :K]
-
-
-def quantize(t, dtype, granularity, amax_value=None):
-    """(fp8 tensor, scale) with t * scale -> fp8 (saturating); amax_value overrides the measured amax (delayed)."""
-    a = amax(t, granularity) if amax_value is None else amax_value
-    scale = fp8_max(dtype) / a.clamp_min(AMAX_EPS)
-    q = (t.float() * per_element(scale, granularity, t.shape)).clamp(-fp8_max(dtype), fp8_max(dtype))
-    return q.to(dtype), scale
-
-
-def dequantize(q, scale, granularity):
-    return q.float() / per_element(scale, granularity, q.shape)
 
 
 def fused_cast(t):

@@ -24,9 +24,9 @@ whole dimension), per layout (q's, qt's); GROUPS lists them per recipe and opera
 on its 128 rows): the layouts cuBLASLt's row and 1x128 scales want, with no copy before the GEMM.
 
 On a GPU (and in the tests, under Triton's interpreter) the Triton kernels run; on a CPU the torch reference
-below does the same with kernels/fp8.py's quantize(), the definition both are tested against. Padding: on a GPU
-both dims are padded with zeros to `pad` (16, or 128 for native block scales; cuBLASLt's K and N rules), zeros
-that change no amax and no product.
+below does the same with kernels/fp8_quant.py's quantize(), the definition both are tested against. Padding: on a
+GPU both dims are padded with zeros to `pad` (16, or 128 for native block scales; cuBLASLt's K and N rules),
+zeros that change no amax and no product.
 """
 from collections import namedtuple
 
@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import HAS_TRITON, block_offsets, next_pow2, tl, triton
+from kernels.fp8_quant import AMAX_EPS, amax, quantize
 
 ACTIVATION = {"tensorwise": ((0, 0), (0, 0)), "delayed": ((0, 0), (0, 0)), "rowwise": ((1, 0), (0, 1)),
               "blockwise": ((1, 128), (128, 1))}
@@ -79,7 +80,6 @@ def fp8_cast(t, dtype, groups, amax=None, transposed=True, pad=1, use_triton=Fal
 def fp8_amax(t, groups, use_triton=False):
     """|t| maxima per group [rows' groups, columns' groups] (fp32), without quantizing."""
     if not use_triton:
-        from kernels.fp8 import amax
         return amax(t, GRANULARITY[groups]).reshape(_groups_count(t.shape[0], groups[0]), -1)
     R, C = t.shape
     out = torch.zeros(_groups_count(R, groups[0]), _groups_count(C, groups[1]), device=t.device)
@@ -101,8 +101,7 @@ def delayed_source(history, current, use_triton=False):
 
 
 def _cast_reference(t, dtype, groups_q, groups_t, amax, transposed, RP, CP):
-    """The definition: kernels/fp8.py's quantize() of t (zero-padded) and of its transpose."""
-    from kernels.fp8 import quantize
+    """The definition: kernels/fp8_quant.py's quantize() of t (zero-padded) and of its transpose."""
     R, C = t.shape
     tp = F.pad(t, (0, CP - C, 0, RP - R)) if (RP, CP) != (R, C) else t
     given = None if amax is None else _padded_amax(amax, groups_q, RP)
@@ -155,7 +154,7 @@ def _cast_triton(t, dtype, groups_q, groups_t, amax, transposed, RP, CP):
                     t_off, t_sr, qt, inv_t, inv_t.stride(0), inv_t.stride(1),
                     GQ_R=groups_q[0], GQ_C=groups_q[1], IQ=int(groups_q != (0, 0)),
                     GT_R=groups_t[0], GT_C=groups_t[1], IT=int(groups_t != (0, 0)),
-                    WRITE_T=transposed, FP8=_tl_fp8(dtype), FP8_MAX=torch.finfo(dtype).max, EPS=1e-12, TILE=TILE)
+                    WRITE_T=transposed, FP8=_tl_fp8(dtype), FP8_MAX=torch.finfo(dtype).max, EPS=AMAX_EPS, TILE=TILE)
     if not transposed:
         qt, inv_t = None, None
     return Fp8Cast(q, inv, qt, inv_t)
