@@ -160,9 +160,10 @@ def check_partition_args(cfg, tp):
     """The layouts Pa is for (and was checked in), as one error line each."""
     from common.errors import check
     from common.pipeline_schedules import SPLIT_BACKWARD
-    check(cfg.partition_activations or not cfg.offload_activations,
+    partition = getattr(cfg, "partition_activations", False)     # a Config made in code has neither flag
+    check(partition or not getattr(cfg, "offload_activations", False),
           "--offload_activations offloads the parts --partition_activations keeps: give both")
-    if not cfg.partition_activations:
+    if not partition:
         return
     check(cfg.recompute == "full", "--partition_activations partitions the block inputs --recompute full keeps: "
                                    f"give --recompute full (got {cfg.recompute})")
