@@ -133,8 +133,8 @@ def _peak_whole_units(rank, world, argv):
     import train_zero
     whole, peak, gather, free = set(), [0], train_zero.Shard.gather, train_zero.Shard.free
 
-    def followed_gather(shard):
-        gather(shard)
+    def followed_gather(shard, *args):
+        gather(shard, *args)
         whole.add(shard)
         peak[0] = max(peak[0], len(whole))
 
