@@ -1,7 +1,8 @@
 """
 bench/gpu_check_rows.py: the rows bench/gpu_check.py runs, in order of value, each with its command and an estimate
 of its seconds on one H100-class GPU (process start, data, model set-up and the steps included; measured on an
-H200, bench/results/gpu_check_h200.md; gpu_check scales them by how the rows so far compared with theirs). Also the data the train rows read:
+H200, bench/results/gpu_check_h200.md; gpu_check scales them by how the rows so far compared with theirs). Also
+the data the train rows read:
 
     python3 bench/gpu_check_rows.py data OUT     # OUT/data_gpt2vocab: the default corpus declared as vocab 50257
 
