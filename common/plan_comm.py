@@ -36,10 +36,13 @@ def comm_bytes(job, lay, padded):
     S = b*s*h*bpv of one micro-batch's activations (s = seq/cp), L_r blocks on the busiest pipeline rank:
         tp  m*L_r * part_t * S * (8 TP: 2 all-reduces fwd + 2 bwd | 10 SP: 2 AG + 2 RS fwd, 4 AG + 2 RS bwd) + 4 more
             per block under full recompute (test_tp.py counts these)
-        cp  m*L_r * ((cp-1)*2 KV + cp * dKV (fp32)), + (cp-1) KV with full recompute, KV = 2b*s*kv/t*bpv, kv the
-            key/value width (h without GQA; train_cp)
+        cp  m*L_r * ((cp-1)*2 KV + cp * dKV), + (cp-1) KV with full recompute, KV = 2b*s*kv/t*bpv, kv the
+            key/value width (h without GQA); train_cp's ring sends dK/dV in K/V's dtype (bf16 under autocast), so
+            dKV = KV
         dp  over n = dp*cp, P' padded rank params, p/g bytes: stage 0 all-reduce 2 part P g; 1: RS part P' g + AG
-            part P' p; 2: RS per micro-batch m part P' g + AG part P' p; 3: 2m part P' p (AG fwd+bwd) + m part P' g
+            part P' p; 2: RS per micro-batch m part P' g + AG part P' p; 3: 2m part P' bpv (AG fwd+bwd) + m part P' g:
+            ZeRO-3 gathers in the compute dtype (train_zero's all_gather_as under bf16 autocast, FSDP's param_dtype),
+            ZeRO-1/2 gather the updated parameters in their own dtype (4 bytes under amp)
         pp  2*m*v*S/(t if SP) (activations forward, gradients back); with job.pp_scatter_gather (Megatron) S/t
             each, and tp all-gathers every arriving message: + 2*m*v*part_t*S on tp
         ep  per MoE block and micro-batch 4 * part_ep * top_k * b*s*h*bpv (dispatch + combine, fwd + bwd)"""
@@ -52,14 +55,15 @@ def comm_bytes(job, lay, padded):
         out["tp"] = m * blocks * (t - 1) / t * S * ((10 if lay.sp else 8) + 4 * full)
     if lay.cp > 1:
         kv = 2 * b * s * plan_shape.kv_dim(job) / t * bpv
-        out["cp"] = m * blocks * ((lay.cp - 1) * kv * (2 + full) + lay.cp * kv * 4 / bpv)
+        out["cp"] = m * blocks * ((lay.cp - 1) * kv * (2 + full) + lay.cp * kv)
     n = lay.dp * lay.cp
     if n > 1:
         part = (n - 1) / n * padded
         sizes = model_state_bytes_per_param(recipe, job.moments, job.grad_dtype)
         reduced = min(sizes["grads"], 4)         # grad_dtype both: the fp32 buffer is what is reduced
         reduce = {0: 2, 1: 1, 2: m, 3: m}[lay.zero_stage] * part * reduced
-        gather = {0: 0, 1: 1, 2: 1, 3: 2 * m}[lay.zero_stage] * part * sizes["params"]
+        wire = bpv if lay.zero_stage == 3 else sizes["params"]
+        gather = {0: 0, 1: 1, 2: 1, 3: 2 * m}[lay.zero_stage] * part * wire
         out["dp"] = reduce + gather
         out["dp_reduce"] = reduce
     if lay.pp > 1:

@@ -100,6 +100,31 @@ def test_state_and_comm_bytes_equal_train_zero(zero_rows, stage):
     assert predicted == pytest.approx(row["comm_bytes"], rel=1e-12)
 
 
+def _bf16_5d_worker(rank, world, argv):
+    import train_5d
+    from common.metrics import read_metrics
+    result = train_5d.main(argv)
+    padded = sum(s.padded for s in result["dp_axis"].shards)
+    return dict(padded=padded, row=read_metrics(argv[argv.index("--out_dir") + 1])[0]) if rank == 0 else None
+
+
+def test_bf16_comm_bytes_equal_train_5d(tiny_data, tmp_path):
+    """Under bf16 autocast (plan's amp: fp32 states) a live 2-rank train_5d step with ring attention and ZeRO-3 over
+    the cp group sends what plan.py predicts on each axis: K/V and dK/dV in bf16 (2 bytes per value), the ZeRO-3
+    gathers in bf16 and the gradients reduce-scattered in fp32 (before, plan counted the gathers and dK/dV at 4)."""
+    argv = tiny_argv(tiny_data, str(tmp_path), max_steps=1, dtype="bfloat16", cp=2, cp_layout="ring", zero_stage=3,
+                     micro_batch_size=2)
+    got = run_workers(_bf16_5d_worker, 2, args=(argv,))[0]
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+    job = job_for(cfg, gpus=2, global_seqs=8, precision="amp")
+    lay = plan.Layout(dp=1, cp=2, zero_stage=3, micro_batch_size=2)
+    padded = plan_memory.memory(job, lay)["padded_params"]
+    assert padded == got["padded"]
+    predicted, counted = plan.comm_bytes(job, lay, padded), got["row"]["comm_bytes_by_axis"]
+    for axis in ("cp", "dp"):
+        assert predicted[axis] == pytest.approx(counted[axis], rel=1e-12), (axis, predicted, counted)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # activations
 
@@ -265,7 +290,7 @@ def accepts(validate, *args):
 
 def test_tp_and_cp_bytes_follow_the_rungs():
     """Per block and micro-batch: TP 8 (SP 10) x (t-1)/t x S, as tests/test_tp.py counts; ring CP (cp-1) K/V hops
-    forward, (cp-1) K/V + cp fp32 dK/dV backward, as tests/test_cp.py counts."""
+    forward, (cp-1) K/V + cp dK/dV (in K/V's dtype) backward, as tests/test_cp.py counts."""
     cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, n_embd=32)
     job = job_for(cfg, gpus=4, global_seqs=2, precision="fp32")
     S = 2 * 64 * 32 * 4
