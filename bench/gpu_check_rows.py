@@ -5,6 +5,7 @@ H200, bench/results/gpu_check_h200.md; gpu_check scales them by how the rows so 
 the data the train rows read:
 
     python3 bench/gpu_check_rows.py data OUT     # OUT/data_gpt2vocab: the default corpus declared as vocab 50257
+    python3 bench/gpu_check_rows.py plan h200    # plan.py's predicted peaks of the rows the plan-memory row compares
 
 The train rows run GPT-2-small's shape (the vocabulary decides the LM head's size, a fifth of its FLOPs) on the
 default corpus's byte tokens, so the loss falls as on real text (random tokens would sit at log(50257) and hide a
@@ -169,16 +170,28 @@ def grid_5d(n):
 def predicted_single_gpu_peak(flags, vocab_size, gpu):
     """plan.py's predicted peaks for train_single with these flags on one GPU (bf16 autocast), for the matching
     1-GPU layout: (allocated: the tensors and cuBLAS's workspaces, reserved: with the allocator's cache), both
-    without the CUDA context, as torch.cuda.max_memory_allocated / max_memory_reserved count them."""
+    without the CUDA context, as torch.cuda.max_memory_allocated / max_memory_reserved count them. train_single
+    keeps the logits through the backward (`_, loss = model(x, y)`) and sets its gradients to None after each step."""
+    from dataclasses import replace
     from common.config import Config
     from plan import plan_job, rank_layouts
     cfg = Config(**{k: v for k, v in flags.items() if k not in ("kernels", "compile", "fp8")}, dtype="bfloat16")
-    rows = [r for r in rank_layouts(plan_job(cfg, vocab_size, 1, 1, gpu, "amp"))
+    job = replace(plan_job(cfg, vocab_size, 1, 1, gpu, "amp"), logits_held=True, grads_freed=True)
+    rows = [r for r in rank_layouts(job)
             if r["micro_batch_size"] == cfg.micro_batch_size and r["recompute"] == cfg.recompute]
     return rows[0]["mem_bytes"]["total"], rows[0]["mem_bytes"]["reserved"]
 
 
+def print_plan_peaks(gpu):
+    """The plan-memory row's predictions, without a GPU: each 1-GPU train row with plan_flags, on plan_inputs' `gpu`."""
+    from common.plan_inputs import GIB
+    for row in one_gpu_rows("/tmp", 6, (9, 0), 0.02, 0.05):
+        if row.plan_flags is not None:
+            allocated, reserved = predicted_single_gpu_peak(row.plan_flags, GPT2_VOCAB, gpu)
+            print(f"{row.name}: allocated {allocated / GIB:.2f} GiB, reserved {reserved / GIB:.2f} GiB")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "data":
-        sys.exit("usage: python3 bench/gpu_check_rows.py data OUT")
-    prepare_data(sys.argv[2])
+    if len(sys.argv) != 3 or sys.argv[1] not in ("data", "plan"):
+        sys.exit("usage: python3 bench/gpu_check_rows.py data OUT | plan GPU")
+    prepare_data(sys.argv[2]) if sys.argv[1] == "data" else print_plan_peaks(sys.argv[2])

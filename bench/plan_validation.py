@@ -177,7 +177,8 @@ def mpt(name, L, h, a, gpus, gpu, mbs, gbs, checkpointing, tps_per_gpu, mfu_text
     tied embeddings, vocabulary 50,368; seq 2048): Composer's FSDP FULL_SHARD (ZeRO-3, prefetching), its flash
     attention, activation checkpointing (full recompute) where the row says so, micro-batch and global batch as
     listed; the table's mixed-precision mode (PURE: bf16 gathers and reductions, plan.py's bf16 recipe; DEFAULT:
-    fp32 reductions, its amp recipe; fp32 sharded states either way). MFU from the row's tokens/s/GPU x 6N + 12Lhs
+    fp32 reductions, its amp recipe; fp32 sharded states either way; the forward runs FSDP's bf16 param_dtype, so the
+    residual stream is bf16: fp32_residual off). MFU from the row's tokens/s/GPU x 6N + 12Lhs
     (its own MFU counts the learned position embedding too:
     within 0.1%) over 312 / 989.5 TFLOP/s. The A100 kernel share in plan_time comes from this table's 7B / 8-GPU
     A100 row (not among these). Memory as MPT runs: learned positions, no rotary copies (rope=False: the rows'
@@ -189,7 +190,7 @@ def mpt(name, L, h, a, gpus, gpu, mbs, gbs, checkpointing, tps_per_gpu, mfu_text
     peak = H100_SXM if gpu == "h100" else A100
     precision = "bf16" if precision == "PURE" else "amp"      # FSDP's bf16 gathers and reductions, or fp32 reductions
     flops = 6 * (12 * L * h * h + 50368 * h) + 12 * L * h * seq
-    job = dict(SOFTWARE["torchtitan"], precision=precision, rope=False, fused_loss=True)
+    job = dict(SOFTWARE["torchtitan"], precision=precision, rope=False, fused_loss=True, fp32_residual=False)
     return Setup(name, FOUNDRY, shape, gpus, gpu, seq, gbs, lay, tps_per_gpu * flops / peak,
                  f"{tps_per_gpu} TPS/GPU, {mfu_text} MFU", "llm-foundry", job)
 

@@ -30,6 +30,12 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
           "learned or ALiBi positions"),
          ("fused_loss", bool, False, "cross-entropy fused in one kernel on the 16-bit logits (flash-attn's xentropy, "
           "llm-foundry's default): the logits and their gradient only, no fp32 copies"),
+         ("inplace_loss", bool, False, "the loss's softmax and gradient computed in place on the fp32 logits "
+          "(Megatron's vocab-parallel cross-entropy): no fp32 gradients of the logits beside the softmax"),
+         ("fp32_residual", bool, True, "under --precision amp the residual stream is fp32 (autocast over fp32 "
+          "weights, as the train scripts run); --no-fp32_residual: the forward runs 16-bit weights (FSDP param_dtype)"),
+         ("grads_freed", bool, False, "gradients set to None after each step (zero_grad(set_to_none=True) without "
+          "persistent buckets): a step of one micro-batch starts its backward without them"),
          ("dropout", float, 0.0, "dropout probability (masks kept for backward when > 0)"),
          ("n_experts", int, 0, "experts per MoE block (0: dense)"), ("top_k", int, 2, "experts per token"),
          ("capacity_factor", float, 0.0, "MoE expert capacity factor (0: dropless, expert memory at the even share; "
@@ -167,7 +173,8 @@ def build_job(a):
                last_stage_layers=a.last_stage_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,
                causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0, rope=a.rope, fused_loss=a.fused_loss,
                net_gbps=a.net_gbps or 0.0, bucket_mb_per_dp=a.bucket_mb_per_dp, dp_overlap_style=a.dp_overlap_style,
-               grad_dtype=a.grad_dtype)
+               grad_dtype=a.grad_dtype, inplace_loss=a.inplace_loss, fp32_residual=a.fp32_residual,
+               grads_freed=a.grads_freed)
 
 
 BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused

@@ -147,6 +147,19 @@ class Job:
     net_gbps: float = 0.0     # the cluster's network per GPU, Gb/s per direction (0: the GPU row's, a DGX's NICs)
     fused_loss: bool = False  # the cross-entropy computed in one kernel from the 16-bit logits (flash-attn's
                               # xentropy, llm-foundry's default): no fp32 copy or softmax of the logits kept
+    inplace_loss: bool = False  # Megatron's vocab-parallel cross-entropy: softmax in place on the fp32 logits, its
+                                # gradient in place on the saved softmax (no fp32 gradients beside it)
+    # what the training loop keeps at the start of the backward (plan_memory.memory, other_bytes)
+    logits_held: bool = False   # the caller holds the logits through the backward (train_single, train_tp, train_ddp,
+                                # train_zero: `_, loss = model(x, y)`); train_5d's stages return the loss alone and
+                                # torchtitan deletes them ("del pred ... to avoid peaking memory")
+    grads_freed: bool = False   # gradients set to None after each step (optimizer.zero_grad(set_to_none=True): train_
+                                # single, FSDP2 in torchtitan), so a step of one micro-batch starts its backward without
+                                # them; False: kept in persistent buffers (train_5d's and DDP's buckets, Megatron's
+                                # main_grad)
+    fp32_residual: bool = True  # under amp the residual stream is fp32 (autocast over fp32 weights: the embedding
+                                # and each block's sum are fp32), so the LayerNorms save 4-byte inputs; False where
+                                # the forward runs 16-bit weights (FSDP's param_dtype)
 
     @property
     def shape(self):

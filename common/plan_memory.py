@@ -218,26 +218,42 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
     beyond the paper's count: q and k before and after RoPE (+2sbh/t values; none without RoPE, job.rope False:
     learned or ALiBi positions), the fp32 log-sum-exp of the fused attention (a*s*b*4/t bytes, gone with selective
     recompute), two LayerNorms' mean and rstd (16sb bytes, /t under SP), and an MoE block's moe_extra_bytes
-    (extras=False: the paper's count alone). train_cp's attention output is laid out as SDPA's, so c_proj's input is
-    a view of the one saved copy under cp too."""
+    (extras=False: the paper's count alone), and residual_extra_bytes (the fp32 residual stream under amp).
+    train_cp's attention output is laid out as SDPA's, so c_proj's input is a view of the one saved copy under cp."""
     cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
     s, b, h = job.cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     if lay.recompute == "op":
         block_input, kept, _ = op_recompute_values(job)
         lse = cfg.n_head * s * b * 4 / t
-        return s * b * bpv * (block_input / (t if lay.sp else 1) + kept / t) + lse
+        return s * b * bpv * (block_input / (t if lay.sp else 1) + kept / t) + lse + residual_extra_bytes(job, lay, 1)
     rc = "selective" if (job.attn == "flash" and lay.recompute == "none") else lay.recompute
     base = tp_activation_bytes_per_layer(s, b, cfg, t, sp=lay.sp, bytes_per_value=bpv, recompute=rc,
                                          dropout=cfg.dropout > 0)
-    if lay.recompute == "full" or not extras:
+    if not extras:
         return base
+    if lay.recompute == "full":
+        return base + residual_extra_bytes(job, lay, 1)
     lse = cfg.n_head * s * b * 4 / t if (lay.recompute == "none" and job.attn == "flash") else 0
     extra = 2 * s * b * h * bpv / t + lse + 16 * s * b / (t if lay.sp else 1)
     extra += s * b * activation_delta_values(job) * bpv / t
     extra -= 0 if job.rope else s * b * (h + kv_dim(job)) * bpv / t    # no rotated q (h) and k (kv) copies
     if moe:
         extra += moe_extra_bytes(job, lay)
-    return base + extra
+    return base + extra + residual_extra_bytes(job, lay, 2)
+
+
+def residual_extra_bytes(job, lay, copies):
+    """Bytes beyond the 16-bit count for `copies` saved tensors of the residual stream (the block input under full or
+    op recompute: 1; the two LayerNorm inputs otherwise: 2; ln_f's: 1), b*s*h values, /t under SP: under amp
+    (job.fp32_residual) the stream is fp32. Autocast runs matmuls in bf16 but the embedding's output (an fp32 weight's
+    rows) and each residual add (fp32 + bf16 promotes) stay fp32, and layer_norm is on autocast's fp32 list (torch's
+    "Automatic Mixed Precision" docs, "CUDA Ops that can autocast to float32"), so each LayerNorm saves a 4-byte
+    input where Korthikanti et al. count 2 (measured: torch's MemTracker on model.py under CPU autocast)."""
+    cfg, bpv = job.cfg, PRECISION[job.precision][1]
+    if not (job.fp32_residual and job.precision == "amp"):
+        return 0
+    tokens = lay.micro_batch_size * cfg.block_size // lay.cp
+    return copies * tokens * cfg.n_embd * (4 - bpv) / (lay.tp if lay.sp else 1)
 
 
 def head_activation_bytes(job, lay):
@@ -249,7 +265,28 @@ def head_activation_bytes(job, lay):
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     loss = (bpv * s * b * cfg.padded_vocab_size / lay.tp + 4 * s * b if job.fused_loss
             else 4 * s * b * cfg.padded_vocab_size / lay.tp)
-    return 2 * s * b * h * bpv / (lay.tp if lay.sp else 1) + 16 * s * b + loss + s * (h // cfg.n_head) * 4
+    return (2 * s * b * h * bpv / (lay.tp if lay.sp else 1) + 16 * s * b + loss + s * (h // cfg.n_head) * 4
+            + residual_extra_bytes(job, lay, 1))
+
+
+def loss_backward_bytes(job, lay):
+    """What the loss adds at the start of the backward, where the last stage's memory peaks (beside its saved softmax,
+    head_activation_bytes): F.cross_entropy is log_softmax then nll_loss (torch.nn.functional); nll_loss's backward
+    returns a dense gradient of the log-probabilities' shape (aten nll_loss_backward: zeros, then -1/N at each
+    target) and log_softmax's backward allocates its own output (aten _log_softmax_backward_data: grad - exp(out) *
+    sum(grad)), both fp32 while the saved output is alive: 8 bytes per logit. The fused loss computes the logits'
+    gradient in one kernel, in their dtype (flash-attn's losses/cross_entropy.py: bpv bytes); Megatron's
+    (job.inplace_loss) turns the fp32 logits into the softmax in place and the softmax into the gradient in place
+    (megatron/core/tensor_parallel/cross_entropy.py, _VocabParallelCrossEntropy): bpv bytes, the 16-bit logits
+    before it or their gradient after it. job.logits_held: the
+    logits themselves (bpv bytes; the fp32 copy F.cross_entropy is given is not saved and is freed with the forward).
+    Per logit of one micro-batch: s*b*V/t. Measured: torch's MemTracker on model.py's step under CPU autocast, 14
+    bytes per logit at the peak with the logits held (10 before this term)."""
+    cfg, bpv = job.cfg, PRECISION[job.precision][1]
+    logits = cfg.block_size // lay.cp * lay.micro_batch_size * cfg.padded_vocab_size / lay.tp
+    if job.fused_loss or job.inplace_loss:
+        return logits * bpv
+    return logits * (8 + (bpv if job.logits_held else 0))
 
 
 def in_flight(schedule, p, m, v, rank):
@@ -279,32 +316,49 @@ def activation_bytes(job, lay, rank):
 
 
 def other_bytes(job, lay, rank, groups):
-    """Working sets beside states and activations: the logits of one micro-batch in compute dtype plus their fp32
-    copy (s*b*V/t*(bpv + 4), last stage; with a fused loss their gradient alone, s*b*V/t*bpv); ZeRO-2's two
-    gradient buffers in flight (2 * largest bucket * g); ZeRO-3's gathered current + prefetched unit and the unit's
-    full gradient ((2p + g) * largest unit); amp's bf16 copies of the weights (2 bytes per rank parameter; under
-    ZeRO-3 only those of the two gathered units); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
+    """Working sets beside states and activations at the start of the backward: the loss's gradients and the logits
+    if held (loss_backward_bytes, last stage); ZeRO-2's two gradient buffers in flight (2 * largest bucket * g);
+    ZeRO-3's gathered current + prefetched unit and the unit's full gradient ((2p + g) * largest unit); amp's bf16
+    copies of the weights (2 bytes per rank parameter, which the matmuls save for their backward; under ZeRO-3 only
+    those of the two gathered units; under full recompute none of the blocks', but the one being recomputed); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
     (2 * 2b*s*h/t values); torch's cuBLAS and cuBLASLt workspaces (CUBLAS_WORKSPACE); under full recompute the
-    block being recomputed: what it keeps without recompute, less its stored input, live until its backward ends."""
+    block being recomputed: what it keeps without recompute, less its stored input, live until its backward ends
+    (the last block's recompute starts after the loss's backward: the larger of the two counts)."""
     cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     sizes = model_state_bytes_per_param(recipe, job.moments, job.grad_dtype)
     out = CUBLAS_WORKSPACE
-    if rank == end_ranks(lay)[1]:       # fused loss: the logits' gradient alone (the logits are its saved input)
-        out += s * b * cfg.padded_vocab_size / lay.tp * (bpv + (4 if bpv < 4 and not job.fused_loss else 0))
+    loss = loss_backward_bytes(job, lay) if rank == end_ranks(lay)[1] else 0
     if lay.zero_stage == 2:
         out += 2 * max(groups) * sizes["grads"]
     if lay.zero_stage == 3:
         out += max(groups) * (2 * sizes["params"] + sizes["grads"])
+    recomputed = 0      # full recompute: the blocks' casts are not saved (each is made again in its recompute)
+    if lay.recompute == "full" and lay.zero_stage < 3:
+        blocks = stage_blocks(job, lay.pp, lay.v, rank, placement_of(lay.schedule))
+        recomputed = [sum(block_numels(job, lay.tp, lay.ep, job.cfg.is_moe_block(i))) for i in blocks] or [0]
     if job.precision == "amp":      # ZeRO-3 frees a unit's casts with its gathered weights: current + prefetched
-        out += 2 * (2 * max(groups) if lay.zero_stage == 3 else sum(groups))
+        out += 2 * (2 * max(groups) if lay.zero_stage == 3 else sum(groups) - sum(recomputed or [0]))
     if lay.pp > 1:
         out += 2 * s * b * h * bpv / (lay.tp if lay.sp else 1)
     if lay.cp > 1:
         out += 4 * s * b * kv_dim(job) / lay.tp * bpv
+    block = 0       # under full recompute the block being recomputed, after the loss's gradients are freed
     if lay.recompute == "full":
-        out += layer_activation_bytes(job, replace(lay, recompute="none")) - layer_activation_bytes(job, lay)
-    return out
+        block = layer_activation_bytes(job, replace(lay, recompute="none")) - layer_activation_bytes(job, lay)
+        block += 2 * max(recomputed) if job.precision == "amp" and recomputed else 0
+    return out + max(loss, block)
+
+
+def peak_bytes(job, lay, parts):
+    """The tensors' peak (allocated): at the start of the backward, every part; a step of one micro-batch whose
+    gradients were set to None after the last step (job.grads_freed) has none yet there (autograd allocates each as
+    its backward runs, while the activations it frees are larger), so the peak is the larger of that point without
+    them and the optimizer step's states (params + grads + optimizer + cuBLAS's workspaces)."""
+    whole = sum(parts.values())
+    if not (job.grads_freed and lay.grad_acc(job) == 1):
+        return whole
+    return max(whole - parts["grads"], parts["params"] + parts["grads"] + parts["optimizer"] + CUBLAS_WORKSPACE)
 
 
 def communicators(dp, tp, cp, pp, ep):
@@ -337,7 +391,7 @@ def memory(job, lay):
         st, groups = model_state(job, lay, rank)
         parts = dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
                      activations=activation_bytes(job, lay, rank), other=other_bytes(job, lay, rank, groups))
-        parts["total"] = sum(parts.values())
+        parts["total"] = peak_bytes(job, lay, parts)
         parts["reserved"] = parts["total"] + ALLOCATOR_RESERVE * (parts["activations"] + parts["other"])
         if parts["total"] <= usable:                  # the cache yields to live tensors before a cudaMalloc fails
             parts["reserved"] = min(parts["reserved"], usable)

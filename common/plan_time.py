@@ -217,9 +217,10 @@ SOFTWARE = {
     # Megatron-LM as Narayanan et al. 2021 ran it (SC'21; NVIDIA/Megatron-LM examples/sc21/run_table_1.sh): the
     # attention unfused through HBM (fused scale-mask-softmax, no flash kernel), gradients all-reduced after the
     # backward (--DDP-impl local), pipeline messages scattered over tp and all-gathered on arrival (Sec. 4.1).
-    # Its optimizer keeps fp32 main gradients beside the fp16 parameters (Float16OptimizerWithFloat16Params).
+    # Its optimizer keeps fp32 main gradients beside the fp16 parameters (Float16OptimizerWithFloat16Params); its
+    # vocab-parallel cross-entropy works in place on the fp32 logits (inplace_loss; so do its descendants below).
     "megatron-2021": dict(attn="eager", dp_overlap=False, pp_scatter_gather=True, tp_overlap=0.0, pp_overlap=False,
-                          grad_dtype="fp32"),
+                          grad_dtype="fp32", inplace_loss=True),
     # torchtitan (pytorch/torchtitan, 2024): flash attention through SDPA, FSDP2 prefetching its all-gathers and
     # reducing under the backward, tensor-parallel collectives in the open (its async TP is an opt-in compile pass),
     # pipeline sends blocking (torch.distributed.pipelining).
@@ -230,12 +231,13 @@ SOFTWARE = {
     # reduce-scatters pipelined with their GEMMs (userbuffers; with SP), pipeline sends under the interleaved chunks;
     # fp32 main gradients beside bf16 parameters (Megatron-LM README: "bf16 param, fp32 grads: 18 bytes").
     "megatron-core": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=TP_OVERLAP["nemo-te"],
-                          pp_overlap=True, dp_overlap_style="mcore", grad_dtype="fp32", **MCORE_BUCKET),
+                          pp_overlap=True, dp_overlap_style="mcore", grad_dtype="fp32", inplace_loss=True,
+                          **MCORE_BUCKET),
     # Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused softmax, DeepSpeed's pipeline engine reducing the gradients
     # after the last micro-batch, its BF16_Optimizer's fp32 gradient buffer beside the bf16 gradients ("4 bytes *
     # params", bigscience tr11-176B-ml README).
     "megatron-deepspeed": dict(attn="eager", dp_overlap=False, pp_scatter_gather=False, tp_overlap=0.0,
-                               pp_overlap=False, grad_dtype="both"),
+                               pp_overlap=False, grad_dtype="both", inplace_loss=True),
     # Llama 3's stack (Dubey et al. 2024, Sec. 3.3.2): FSDP "asynchronously prefetching sharded model weights and
     # reducing gradients", "asynchronous point-to-point communication in PP"; TP overlap is not stated (none here).
     "llama3": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=True),

@@ -237,8 +237,10 @@ def test_held_layers_of_even_chunks_is_in_flight_times_chunk(schedule, v):
 def test_no_rope_and_fused_loss_change_exactly_their_terms():
     """--no-rope drops the rotated q (h) and k (kv) copies of each block, s*b*(h + kv)*bpv/t bytes per layer (none of
     the paper's count); --fused_loss keeps the 16-bit logits and an fp32 log-sum-exp for the loss's backward and
-    their 16-bit gradient beside (flash-attn's fused cross-entropy) instead of the fp32 copy and softmax: on the
-    last rank only. Both default off as model.py runs: its RoPE, torch's cross-entropy."""
+    their 16-bit gradient beside (flash-attn's fused cross-entropy) instead of the fp32 softmax and, at the
+    backward's start, nll_loss's and log_softmax's fp32 gradients (8 bytes per logit): on the last rank only.
+    Megatron's in-place loss keeps the fp32 softmax and one 16-bit copy. Both default off as model.py runs: its
+    RoPE, torch's cross-entropy."""
     cfg = GPTConfig(vocab_size=1000, block_size=256, n_layer=4, n_head=8, n_embd=256)
     for kv, tp in ((0, 1), (2, 2)):
         job = job_for(cfg, n_kv_head=kv)
@@ -252,7 +254,10 @@ def test_no_rope_and_fused_loss_change_exactly_their_terms():
     head = plan_memory.head_activation_bytes(job, lay) - plan_memory.head_activation_bytes(fused, lay)
     assert head == 4 * 512 * V - (2 * 512 * V + 4 * 512)
     other = plan_memory.other_bytes(job, lay, 0, [1]) - plan_memory.other_bytes(fused, lay, 0, [1])
-    assert other == 4 * 512 * V
+    assert other == (8 - 2) * 512 * V
+    inplace = replace(job, inplace_loss=True)
+    assert plan_memory.other_bytes(inplace, lay, 0, [1]) == plan_memory.other_bytes(fused, lay, 0, [1])
+    assert plan_memory.head_activation_bytes(inplace, lay) == plan_memory.head_activation_bytes(job, lay)
     assert not preset("llama3-8b").fused_loss and preset("llama3-8b").rope
     job = build_job(parse_args(["--model", "gpt2", "--no-rope", "--fused_loss"], ""))
     assert not job.rope and job.fused_loss
