@@ -426,12 +426,19 @@ llm-foundry with small GEMMs or one micro-batch (five), Megatron-LM 2021 at smal
 Megatron-Core (Nemotron-4 340B, -4%), torchtitan and Llama 3's stack have none. By GPU: 4 of the 12 H100 rows,
 6 of the 35 A100 rows. By context: one of the 5 rows beyond 8K (MPT 7B at 64K on H100).
 
-Memory: torchtitan's two runs without torch.compile or Float8 are predicted within 4% (reserved memory), its
-8B runs with context parallelism and full recompute within 1% (their predictions reach the usable memory, where
-the allocator's reserve stops). Its 70B (FSDP x TP, local batch 16) and 405B runs (FSDP x TP x PP) with
-torch.compile and Float8 are predicted low (0.63-0.91): plan.py models neither Float8's weight and activation
-copies nor what torch.compile changes, and the 405B runs' pipeline micro-batch and stages per rank are not
-published (bench/plan_memory_runs.py says what was assumed). The 405B with 1F1B measured 82.5 GiB against the
+Memory: torchtitan's two runs without torch.compile or Float8 are predicted 1.05 and 1.11 (reserved memory;
+1.01 and 1.04 before the loss's backward was counted: cross-entropy's two fp32 gradients beside the saved
+log-softmax, 8 bytes per logit, 3.9 GiB at 16K tokens and a 128K vocabulary, the term that brought the H200 run of
+train_single to 1.00, bench/results/gpu_check_h200.md and docs/plan.md); the 8-GPU one, like the 8B runs with
+context parallelism (1.02-1.03), reaches the usable memory, where the allocator's reserve stops. Its 70B (FSDP x
+TP, local batch 16) and 405B runs (FSDP x TP x PP) with torch.compile and Float8 are predicted low (0.63-0.91), and
+what those two change would lower the predictions, not raise them: every one of these runs checkpointed whole
+blocks, so a block keeps its input alone whatever torch.compile fuses inside it (torchtitan compiles each
+TransformerBlock); torchao's Float8Linear saves its high-precision input and its weight as gathered
+(float8_linear.py, matmul_with_hp_or_float8_args: save_for_backward(input_hp, weight_hp_t)); FSDP's float8
+all-gather gathers 1-byte weights (torchtitan docs/float8.md), which saves under 1% here. Neither is a flag: what is
+missing is elsewhere, and the 405B runs' pipeline micro-batch and stages per rank are not published
+(bench/plan_memory_runs.py says what was assumed). The 405B with 1F1B measured 82.5 GiB against the
 interleaved schedule's 72.7; plan.py predicts the two within 4% of each other.
 """
 
