@@ -389,7 +389,7 @@ def main(argv=None):
     with torch.device("meta"):                          # shapes only: each Shard builds its own values
         model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed)
     shards = shard_gpt(model, cfg, stage, group, param_dtype(dtype), env.device)
-    apply_kernels_and_fp8(model, cfg, env.device)       # stages 0-2 (validate): the same, sharded, parameters
+    apply_kernels_and_fp8(model, cfg, env.device)       # the same, sharded, parameters (FP8: stages 0-2)
     grads, gathered = ShardedGrads(shards, group, stage), GatheredBytes(shards)
     if stage == 3:
         install_zero3_hooks(model, list(model.transformer.h), shards, grads, cfg.prefetch, on_gather=gathered)
