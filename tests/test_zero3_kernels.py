@@ -56,8 +56,8 @@ def _zero3_bytes(padded, dp, grad_acc, b=8):
 
 def test_zero3_with_triton_kernels_and_compile(text_data, text_reference, text_reference_triton, tmp_path):
     """train_zero at dp 2: --kernels triton against train_single --kernels triton, --compile against train_single's
-    first steps (module docstring); each step all-gathers every unit twice per micro-batch (forward, backward), frees it twice and
-    reduce-scatters it once, with or without compile."""
+    first steps (module docstring); each step all-gathers every unit twice per micro-batch (forward, backward),
+    frees it twice and reduce-scatters it once, with or without compile."""
     dirs = {name: str(tmp_path / name) for name in ("triton", "compile")}
     jobs = [("train_zero", text_argv(text_data, dirs["triton"], zero_stage=3, kernels="triton", **TRITON_TWO_STEPS)),
             ("train_zero", text_argv(text_data, dirs["compile"], zero_stage=3, compile=True, **TRITON_TWO_STEPS))]
