@@ -84,6 +84,7 @@ from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context,
                              evaluate, fits_on_device, gpt_config, materialize, param_dtype, prepare_data, print_sample,
                              resolve_dtype, should_save)
 from common.tp_shards import init_tp_weights
+from kernels.apply import compile_block
 from common.tp_setup import check_tp
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
@@ -503,9 +504,9 @@ def main(argv=None):
     store = WeightGradStore() if cfg.pp_schedule in SPLIT_BACKWARD else None
     if store is not None:
         defer_weight_grads(chunks, store)
-    if cfg.compile:
+    if cfg.compile:                   # block by block, each inside ZeRO-3's hooks where they are installed
         for block in (b for chunk in chunks for b in chunk.transformer["h"]):
-            block.compile()
+            compile_block(block)
     act_shape = (micro, len(pos) // (cfg.tp if cfg.sp else 1), cfg.n_embd)
     schedules = make_schedule(cfg.pp_schedule, cfg.pp, m, cfg.pp_virtual)
     sim = simulate(schedules, cfg.pp, cfg.pp_virtual)

@@ -369,7 +369,7 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import GatheredBytes, MetricsLogger, model_state_bytes
     from common.optim import BETAS, EPS, NonFiniteGuard, lr_at
-    from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
+    from common.training import (apply_kernels_and_fp8, autocast_context, compiled, enable_tf32, evaluate, gpt_config,
                                  param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
     from common import checkpoint
     from common.checkpoint import ShardState, replicated
@@ -389,7 +389,7 @@ def main(argv=None):
     with torch.device("meta"):                          # shapes only: each Shard builds its own values
         model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed)
     shards = shard_gpt(model, cfg, stage, group, param_dtype(dtype), env.device)
-    apply_kernels_and_fp8(model, cfg, env.device)       # stages 0-2 (validate): the same, sharded, parameters
+    apply_kernels_and_fp8(model, cfg, env.device)       # the same, sharded, parameters (FP8: stages 0-2)
     grads, gathered = ShardedGrads(shards, group, stage), GatheredBytes(shards)
     if stage == 3:
         install_zero3_hooks(model, list(model.transformer.h), shards, grads, cfg.prefetch, on_gather=gathered)
@@ -398,7 +398,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed + env.rank)              # dropout: each rank masks its own sequences
     held = ShardState(shards, optimizer, [model], replicated)   # what this rank holds, for checkpoints
     start = checkpoint.start_from(cfg, env, model.cfg, held)   # each rank its own RNG
-    train_model = torch.compile(model) if cfg.compile else model
+    train_model = compiled(model, cfg, list(model.transformer.h) if stage == 3 else ())   # ZeRO-3: by block
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
     logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=dp,

@@ -16,6 +16,7 @@ from common.distributed import fail_together
 from common.data import GlobalBatchLoader, ensure_dataset
 from common.data_mix import MixtureLoader, parse_data_mix, source_val_losses
 from kernels import apply_kernels, convert_to_float8
+from kernels.apply import compile_block
 from kernels.fp8 import check_fp8_support
 from kernels.fp8_parallel import convert_parallel_to_float8
 from model import GPTConfig
@@ -63,6 +64,20 @@ def apply_kernels_and_fp8(model, cfg, device):
     except (ValueError, RuntimeError) as e:
         fail(str(e))
     return mode
+
+
+def compiled(model, cfg, blocks=()):
+    """The model a step calls: itself, or with --compile compiled whole; where hooks sit on `blocks` (ZeRO-3's
+    gather, free and reduce-scatter), each block's forward compiled inside them instead (kernels/apply.py's
+    compile_block) and the rest (embedding, final norm, head) eager, because compiling the whole model would
+    trace the hooks themselves into its graphs (docs/kernels.md)."""
+    if not cfg.compile:
+        return model
+    if not blocks:
+        return torch.compile(model)
+    for block in blocks:
+        compile_block(block)
+    return model
 
 
 def prepares_data(env):
@@ -155,12 +170,15 @@ def check_moe(cfg):
 
 
 def check_zero3(cfg):
-    """What ZeRO-3's hooks on model.py's blocks are not checked with, in any layout (train_zero.py, train_5d.py)."""
-    check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3")
-    check(cfg.zero_stage < 3 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
-          "--kernels triton|compile and --fp8 apply to ZeRO stages 0-2; ZeRO-3 gathers and frees each block's "
-          "parameters from hooks on model.py's blocks, which the fused or FP8 modules are not checked with: "
-          "use --kernels torch --fp8 none")
+    """What ZeRO-3's gather hooks are not yet checked with, in any layout (train_zero.py, train_5d.py)."""
+    check_zero3_fp8(cfg)
+
+
+def check_zero3_fp8(cfg):
+    """FP8 under ZeRO-3: its GEMMs' modules are not yet checked with the hooks that gather and free each block."""
+    check(cfg.zero_stage < 3 or cfg.fp8 == "none",
+          "--fp8 applies to ZeRO stages 0-2; ZeRO-3 gathers and frees each block's parameters from hooks that the "
+          "FP8 modules are not checked with: use --fp8 none")
 
 
 class ValLoss(float):

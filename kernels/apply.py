@@ -165,9 +165,19 @@ def apply_kernels(model, mode="auto"):
             fused = FusedBlock(block, "torch" if mode == "compile" else mode)
             if mode == "compile":
                 # regional compilation: inductor fuses the whole block's torch references (LayerNorms, RoPE,
-                # bias+GeLU, bias+residual); Module.compile() works in place, so no _orig_mod. in names
-                fused.compile()
+                # bias+GeLU, bias+residual)
+                compile_block(fused)
             setattr(blocks, key, fused)
     if type(getattr(model, "lm_head", None)) is LMHead:   # a stage before the last has none; TP's is vocab-parallel
         model.lm_head = FusedLMHead(model.lm_head, mode)
     return mode
+
+
+def compile_block(block):
+    """Compile one block's forward in place (regional compilation; no _orig_mod. in names) and return it. Its
+    forward, not its __call__ as Module.compile() does: hooks on the block (ZeRO-3's gather before its forward,
+    free after, the backward hook it puts on the output) stay outside the compiled region and run eagerly, as
+    torchtitan compiles each block inside FSDP2's hooks; a block compiled already is left as it is."""
+    if "forward" not in vars(block):
+        block.forward = torch.compile(block.forward)
+    return block

@@ -53,6 +53,15 @@ def text_reference(text_reference_for):
     return text_reference_for("L2")
 
 
+@pytest.fixture(scope="session")
+def text_reference_triton(text_data, tmp_path_factory):
+    """train_single --kernels triton (interpreted, float64) on text_data, 2 steps in micro-batches of 2: (losses,
+    grad norms), the reference of the fused kernels under the other layouts (TRITON_TWO_STEPS), run once."""
+    from train_helpers import TRITON_TWO_STEPS, run_single, text_argv
+    out = str(tmp_path_factory.mktemp("text_reference_triton"))
+    return run_single(text_argv(text_data, out, kernels="triton", **TRITON_TWO_STEPS), both_curves=True)[0]
+
+
 @pytest.fixture(autouse=True)
 def release_out_dir_locks():
     """A run's main() called in this process holds its out_dir lock until the process ends; a test's runs end

@@ -11,7 +11,7 @@ import pytest
 
 from distributed_helper import run_workers
 from common.metrics import read_metrics
-from train_helpers import EXACT, assert_exact, curves, run_single, text_argv
+from train_helpers import EXACT, TRITON_TWO_STEPS, assert_exact, curves, run_single, text_argv
 
 RECIPES = ("tensorwise", "rowwise", "delayed", "blockwise")
 SPLIT_FP32 = 1e-6          # a split contraction's fp32 partial sums (~1e-7 measured): the only difference
@@ -103,13 +103,12 @@ def _axis(out_dir, axis):
     return [r["comm_bytes_by_axis"][axis] for r in read_metrics(out_dir)]
 
 
-def test_fused_kernels_under_tp_and_sp_equal_tp1(text_data, tmp_path):
+def test_fused_kernels_under_tp_and_sp_equal_tp1(text_data, text_reference_triton, tmp_path):
     """--kernels triton (interpreted) with tp 2 + SP: LayerNorm, bias+GeLU on the column shard, bias+dropout+
     residual after the row sum, flash attention on this rank's heads, the vocab-parallel head unchanged; the curve
     is train_single's with the same kernels, and the counted TP bytes are the unfused run's."""
-    opts = dict(max_steps=2, micro_batch_size=2)
-    dirs = {name: str(tmp_path / name) for name in ("single", "fused", "plain")}
-    ref = run_single(text_argv(text_data, dirs["single"], kernels="triton", **opts), both_curves=True)[0]
+    opts, ref = TRITON_TWO_STEPS, text_reference_triton
+    dirs = {name: str(tmp_path / name) for name in ("fused", "plain")}
     jobs = [("train_5d", text_argv(text_data, dirs["fused"], tp=2, sp=True, kernels="triton", **opts)),
             ("train_5d", text_argv(text_data, dirs["plain"], tp=2, sp=True, **opts))]
     kinds = run_workers(_runs, 2, args=(jobs,), timeout=900)[0][0]["kinds"]

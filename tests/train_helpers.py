@@ -71,6 +71,10 @@ MODELS = {"L2": dict(), "L4": dict(n_layer=4, lr=6e-3), "L8": dict(n_layer=8),
           "TP3": dict(n_embd=48, n_head=6, block_size=48)}
 
 
+# The interpreted Triton kernels are slow on CPU: their layouts run 2 steps (one update) in micro-batches of 2.
+TRITON_TWO_STEPS = dict(max_steps=2, micro_batch_size=2)
+
+
 def text_argv(data_dir, out_dir, **overrides):
     """tiny_argv with the exactness-check settings (SPIKY), for a make_text_dataset directory."""
     return tiny_argv(data_dir, out_dir, **{**SPIKY, **overrides})
