@@ -27,9 +27,10 @@ What each axis does in one optimizer step (each from its rung):
         interleaved, zb1, and zbv / dualpipev with their stages in a V), activations and their gradients sent
         point to point
     dp  train_ddp: each (dp, cp) pair of coordinates holds its slice of the batch / sequence; gradients are
-        averaged over the dp x cp group in flat buckets, or train_zero's ZeRO-1/2 shards over it, or ZeRO-3's
-        units: each chunk's blocks gathered block by block in every F and B action, reduce-scattered as each
-        block's backward ends (experts, with ep > 1, sharded over their edp group instead; ZeRO-3: a unit per MoE block)
+        averaged over the dp x cp group in flat buckets, each launched once the schedule's last backward writing
+        it ends (pipeline_grad_ready.py), or train_zero's ZeRO-1/2 shards over it, or ZeRO-3's units: each
+        chunk's blocks gathered block by block in every F and B action, reduce-scattered as each block's
+        backward ends (experts, with ep > 1, sharded over their edp group instead; ZeRO-3: a unit per MoE block)
     ep  train_ep: with --n_experts, each MoE block's experts are shared out over ep consecutive ranks of the
         dp x cp group (ep | dp*cp); tokens go to their experts' ranks and back by all_to_all. Expert gradients
         are averaged over the ranks holding the same experts (edp), dense ones over dp x cp. Under --sp each TP
