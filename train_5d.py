@@ -118,17 +118,16 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
 
 # ----------------------------------------------------------------------------------------------------------
 # the dp x cp axis, one object whatever its mode, so the step below has no branch on it:
-#     follow(runner, ...)   hooked to the pipeline: ZeRO-2/3 reduce after each backward action of a chunk; replicas
-#                           and ZeRO-1 each bucket once the schedule's last backward writing it ends
-#     start(), finish()     around the pipeline: the mean over dp x cp (ZeRO: into my shard of each bucket) waited
-#                           for, with the sums of a rank's own gradients: SP's LayerNorm over tp (before the mean;
-#                           ZeRO-2/3 on the shards), the tied embedding over its two stages (ZeRO-1 before the mean)
+#     follow(runner, ...)   hooked to the pipeline: ZeRO-2/3 reduce after each backward of a chunk; replicas and ZeRO-1
+#                           each bucket after the schedule's last backward writing it (SP's norms summed over tp first)
+#     start(), finish()     around it: the mean over dp x cp (ZeRO: into my shard of each bucket) waited for, the tied
+#                           copies summed (ZeRO-1 before the mean, replicas on the means, ZeRO-2/3 on shards, SP's too)
 #     clip(max_norm)        the global grad norm, each value counted once over the grid, gradients scaled
 #     step(lr), zero_grad(), held (what this rank holds, for checkpoint.save / load)
 
 class DataParallelAxis:
-    """What every mode shares: the sums before the mean, and counting each value once in the norm (TP replicas
-    by TP rank 0, the tied weight by the first stage)."""
+    """What every mode shares: the reductions hooked to the pipeline, and counting each value once in the norm (TP
+    replicas by TP rank 0, the tied weight by the first stage)."""
     reduce_per_backward, after_w = False, False
     shards = ()                                      # ZeRO's flat buckets (none when every rank holds all)
 
