@@ -27,9 +27,10 @@ What each axis does in one optimizer step (each from its rung):
         interleaved, zb1, and zbv / dualpipev with their stages in a V), activations and their gradients sent
         point to point
     dp  train_ddp: each (dp, cp) pair of coordinates holds its slice of the batch / sequence; gradients are
-        averaged over the dp x cp group in flat buckets, or train_zero's ZeRO-1/2 shards over it, or ZeRO-3's
-        units: each chunk's blocks gathered block by block in every F and B action, reduce-scattered as each
-        block's backward ends (experts, with ep > 1, sharded over their edp group instead; ZeRO-3: a unit per MoE block)
+        averaged over the dp x cp group in flat buckets, each launched once the schedule's last backward writing
+        it ends (pipeline_grad_ready.py), or train_zero's ZeRO-1/2 shards over it, or ZeRO-3's units: each
+        chunk's blocks gathered block by block in every F and B action, reduce-scattered as each block's
+        backward ends (experts, with ep > 1, sharded over their edp group instead; ZeRO-3: a unit per MoE block)
     ep  train_ep: with --n_experts, each MoE block's experts are shared out over ep consecutive ranks of the
         dp x cp group (ep | dp*cp); tokens go to their experts' ranks and back by all_to_all. Expert gradients
         are averaged over the ranks holding the same experts (edp), dense ones over dp x cp. Under --sp each TP
@@ -76,17 +77,19 @@ from train_cp import (ContextParallelAttentionCore, block_attention_kernel, chec
                       swap_attention_cores)
 from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, check_pp, stage_views
-from common.pipeline_tied import tied_grads_sync, tied_weight
+from common.pipeline_grad_ready import GradsReadyBySchedule
+from common.pipeline_tied import tied_copy, tied_grads_sync, tied_weight
 from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
 from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, check_zero3, enable_tf32,
                              evaluate, fits_on_device, gpt_config, materialize, param_dtype, prepare_data, print_sample,
                              resolve_dtype, should_save)
+from common.tp_grads import sum_in_place
 from common.tp_shards import init_tp_weights
 from kernels.apply import compile_block
 from common.tp_setup import check_tp
-from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
+from train_tp import apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
 
 # ----------------------------------------------------------------------------------------------------------
@@ -116,16 +119,16 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
 
 # ----------------------------------------------------------------------------------------------------------
 # the dp x cp axis, one object whatever its mode, so the step below has no branch on it:
-#     start()               before the pipeline: reduce as each backward ends (ZeRO-2/3), or once after it
-#     after_backward(B)     the pipeline calls it after each backward action (ZeRO-2/3: B's chunk reduces)
-#     finish()              the sums of a rank's own gradients (tied embedding over its two stages, SP's LayerNorm
-#                           over tp), then the mean over dp x cp (ZeRO: into my shard of each bucket)
+#     follow(runner, ...)   hooked to the pipeline: ZeRO-2/3 reduce after each backward of a chunk; replicas and ZeRO-1
+#                           each bucket after the schedule's last backward writing it (SP's norms summed over tp first)
+#     start(), finish()     around it: the mean over dp x cp (ZeRO: into my shard of each bucket) waited for, the tied
+#                           copies summed (ZeRO-1 before the mean, replicas on the means, ZeRO-2/3 on shards, SP's too)
 #     clip(max_norm)        the global grad norm, each value counted once over the grid, gradients scaled
 #     step(lr), zero_grad(), held (what this rank holds, for checkpoint.save / load)
 
 class DataParallelAxis:
-    """What every mode shares: the sums before the mean, and counting each value once in the norm (TP replicas
-    by TP rank 0, the tied weight by the first stage)."""
+    """What every mode shares: the reductions hooked to the pipeline, and counting each value once in the norm (TP
+    replicas by TP rank 0, the tied weight by the first stage)."""
     reduce_per_backward, after_w = False, False
     shards = ()                                      # ZeRO's flat buckets (none when every rank holds all)
 
@@ -144,14 +147,24 @@ class DataParallelAxis:
         for grads in self.reductions():
             grads.require_sync(self.reduce_per_backward and not self.after_w)
 
+    def follow(self, runner, store, actions):
+        """Hook the reductions to the runner (after each B) and the WeightGradStore (W): ZeRO-2/3 reduce per backward;
+        replicas and ZeRO-1 launch each bucket after the last action of `actions` (this rank's schedule) writing it,
+        SP's norms summed over tp first (pipeline_grad_ready.py), ZeRO-1's tied bucket at finish, after its sum."""
+        hooks = self
+        if not self.reduce_per_backward:
+            copy = tied_copy(self.chunks, self.grid.groups.tied) if self.shards else None     # ZeRO-1's
+            hooks = GradsReadyBySchedule(self.chunks, actions, self.reductions(), self.grid.groups.tp, hold=copy)
+        runner.after_backward = hooks.after_backward
+        if store is not None:
+            store.after_compute = hooks.after_weight_grads
+
     def after_backward(self, action):          # ZeRO-2/3: this chunk's buckets (the other chunk has none now)
         if self.reduce_per_backward and not self.after_w:
             for grads in self.grads_of[action.chunk]:
                 grads.finish()
 
-    def finish(self):            # sums of this rank's gradients first (linear: before or after the mean alike)
-        tied_grads_sync(self.chunks, self.grid.groups.tied)
-        all_reduce_sequence_parallel_grads(self.chunks, self.grid.groups.tp)
+    def finish(self):            # what the schedule left launched, every reduction waited for
         for grads in self.reductions():
             grads.require_sync(True)
             grads.finish()
@@ -193,6 +206,10 @@ class Replicas(DataParallelAxis):
             return self.grid.ep == 1 or dist.get_rank(groups.edp if is_expert_param(name) else groups.dp_cp) == 0
         pieces = [(p.grad, self.counted(p) and first(n)) for n, p in named_parameters(self.chunks)]   # tied: once
         return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
+
+    def finish(self):            # sum and mean are linear: the tied copies' sum taken on their means is alike
+        super().finish()
+        tied_grads_sync(self.chunks, self.grid.groups.tied)
 
     def step(self, lr):
         set_lr(self.optimizer, lr)
@@ -257,7 +274,8 @@ class ZeroShards(DataParallelAxis):
         return out
 
     def finish(self):
-        if not self.reduce_per_backward:
+        if not self.reduce_per_backward:             # ZeRO-1: the tied copies summed before their reduce-scatter
+            tied_grads_sync(self.chunks, self.grid.groups.tied)
             super().finish()
         else:                                        # ZeRO-2/3: the sums on the shards
             for grads in self.reductions() if self.after_w else ():
@@ -267,10 +285,7 @@ class ZeroShards(DataParallelAxis):
                 shard = next(s for s in self.shards if s.params[0] is tied)
                 comm.all_reduce(shard.grad, group=self.grid.groups.tied)
             partial = [g for p, g in self.my_slices() if getattr(p, "sequence_parallel", False)]
-            if partial:
-                flat = torch.cat(partial)
-                comm.all_reduce(flat, group=self.grid.groups.tp)
-                torch._foreach_copy_(partial, list(flat.split([g.numel() for g in partial])))
+            sum_in_place(partial, self.grid.groups.tp)
         if self.expert_shards:                       # an expert's gradient sums its EP group's tokens already
             torch._foreach_div_([s.grad for s in self.expert_shards], self.grid.ep)
 
@@ -518,9 +533,7 @@ def main(argv=None):
                                                                      env.device, holder)
     else:
         dp_axis = Replicas(chunks, cfg, grid, env.device, holder)
-    runner.after_backward = dp_axis.after_backward
-    if store is not None and cfg.zero_stage >= 2:
-        store.after_compute = dp_axis.after_weight_grads
+    dp_axis.follow(runner, store, schedules[grid.coords["pp"]])
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
     start = checkpoint.start_from(cfg, env, gcfg, dp_axis.held)

@@ -117,7 +117,7 @@ class DataParallelGrads:
         self.n = dist.get_world_size(group)
         self.communicate = self.n > 1       # a one-rank group has nothing to average
         self.sync = True
-        self.buckets, self.attached = [], mode == "bucket" and attach
+        self.buckets, self.attached, self.bucket_of = [], mode == "bucket" and attach, {}
         if mode == "bucket":
             # backward produces gradients roughly in reverse order of use: last layers' buckets fill first
             if groups is None:
@@ -156,6 +156,17 @@ class DataParallelGrads:
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             self.launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
+
+    def grads_ready(self, params):
+        """Count the gradients of those of `params` in this object's buckets as final now, as their hooks would:
+        for a caller that knows when they are, with the hooks off (require_sync(False)) while gradients still
+        accumulate: a pipeline schedule's last backward of a stage (common/pipeline_grad_ready.py). Complete
+        buckets launch at once, in index order."""
+        sync, self.sync = self.sync, True
+        for p in params:
+            if id(p) in self.bucket_of:
+                self._grad_ready(p)
+        self.sync = sync
 
     def grad_landed(self, bucket, i, p):
         """Hook for subclasses: p's gradient is final (DDP: it already sits in the bucket)."""

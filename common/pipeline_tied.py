@@ -37,12 +37,18 @@ def tied_weight(chunks):
     return next((p for c in chunks for p in c.tied), None)
 
 
-def tied_grads_sync(chunks, tied_group):
-    """Sum the tied weight's gradient over its two copies (first and last stage), in place. Nothing to do on
-    a rank holding both ends (one Parameter), even if a group was made for the pair."""
+def tied_copy(chunks, tied_group):
+    """The tied weight on this rank when it is one of two copies whose gradients are summed, else None: not on a
+    rank holding both ends (one Parameter), even if a group was made for the pair."""
     w = tied_weight(chunks)
     both_ends = any(c.first for c in chunks) and any(c.last for c in chunks)
-    if w is not None and tied_group is not None and not both_ends:
+    return w if tied_group is not None and not both_ends else None
+
+
+def tied_grads_sync(chunks, tied_group):
+    """Sum the tied weight's gradient over its two copies (first and last stage), in place."""
+    w = tied_copy(chunks, tied_group)
+    if w is not None:
         comm.all_reduce(w.grad, group=tied_group)
 
 

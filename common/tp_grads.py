@@ -38,11 +38,21 @@ def mark_sequence_parallel(model, names, replicated=()):
 
 def all_reduce_sequence_parallel_grads(model, group):
     """Under SP each rank's norms and row biases saw only its sequence chunk: sum their grads (one bucket)."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
+    sum_sequence_parallel_grads(model.parameters(), group)
+
+
+def sum_sequence_parallel_grads(params, group):
+    """all_reduce_sequence_parallel_grads of the parameters `params` only (train_5d: those whose gradients a
+    pipeline schedule has just finished, summed before their data-parallel reduction starts)."""
+    sum_in_place([p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None], group)
+
+
+def sum_in_place(tensors, group):
+    """Sum `tensors` over `group` in place with one all-reduce of their concatenation (one message, not many)."""
+    if tensors:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
         all_reduce(flat, group=group)
-        torch._foreach_copy_(grads, [v.view_as(g) for g, v in zip(grads, flat.split([g.numel() for g in grads]))])
+        torch._foreach_copy_(tensors, [v.view_as(t) for t, v in zip(tensors, flat.split([t.numel() for t in tensors]))])
 
 
 def tp_counts(p, group):
