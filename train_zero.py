@@ -374,7 +374,8 @@ def main(argv=None):
     from common import checkpoint
     from common.checkpoint import ShardState, replicated
     from model import GPT, flops_per_token
-    cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb", "fp8"), description=__doc__.split("\n\n")[0],
+    cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb", "fp8", "fp8_all_gather"),
+                       description=__doc__.split("\n\n")[0],
                        extra_args=add_args, validate=validate)
     env = init_distributed(cfg)
     group, dp, stage = dist.group.WORLD, env.world_size, cfg.zero_stage

@@ -157,10 +157,22 @@ def check_moe(cfg):
 def check_zero3(cfg):
     """What ZeRO-3's hooks on model.py's blocks are not checked with, in any layout (train_zero.py, train_5d.py)."""
     check(not (cfg.compile and cfg.zero_stage == 3), "--compile is not supported with --zero_stage 3")
-    check(cfg.zero_stage < 3 or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
-          "--kernels triton|compile and --fp8 apply to ZeRO stages 0-2; ZeRO-3 gathers and frees each block's "
-          "parameters from hooks on model.py's blocks, which the fused or FP8 modules are not checked with: "
-          "use --kernels torch --fp8 none")
+    check(cfg.zero_stage < 3 or cfg.kernels in ("auto", "torch"),
+          "--kernels triton|compile applies to ZeRO stages 0-2; ZeRO-3 gathers and frees each block's parameters "
+          "from hooks on model.py's blocks, which the fused modules are not checked with: use --kernels torch")
+    check_fp8_all_gather(cfg)
+
+
+def check_fp8_all_gather(cfg):
+    """--fp8_all_gather: ZeRO-3's gather of FP8 weights already quantized (kernels/fp8_gather.py), for the recipes
+    whose weight scales a rank can reduce from its shard's amaxes, with one encoding of W for both its GEMMs."""
+    if not getattr(cfg, "fp8_all_gather", False):
+        return
+    check(cfg.zero_stage == 3 and cfg.fp8 != "none", "--fp8_all_gather needs --zero_stage 3 and --fp8 (it gathers "
+          "the blocks' FP8 weights instead of their high-precision values)")
+    check(cfg.fp8 != "rowwise", "--fp8_all_gather with --fp8 rowwise: W's forward GEMM scales it per row and its "
+          "dgrad GEMM per column, two FP8 encodings of W (2 bytes a value, bf16's): use tensorwise, delayed or "
+          "blockwise")
 
 
 class ValLoss(float):
