@@ -1,0 +1,154 @@
+"""
+kernels/fp8_gather.py: ZeRO-3's all-gather of a unit (train_zero.py's Shard) whose block runs FP8 GEMMs
+(kernels/fp8.py's Float8Linear, kernels/fp8_parallel.py's tensor-parallel layers).
+
+    attach_fp8_gathers(model, units, fp8_all_gather=False)     # after shard_model and apply_kernels_and_fp8
+
+Without --fp8_all_gather the unit travels in its parameters' dtype (fp32), not autocast's bf16 as other units do:
+an FP8 GEMM quantizes W from its master values, as one device does, and a bf16 copy on the way would round W
+(and its amax, hence every scale) first. With --fp8_all_gather each Float8Linear weight travels already
+quantized, 1 byte a value, and the GEMM takes it as is (the unit's norms and biases still travel in fp32):
+
+    each rank   amax of its piece of every FP8 weight  --all_reduce MAX-->  the whole weight's amax (exact: a max)
+                scale  s = fp8_max / amax                (delayed: the history's max, as the forward would take it)
+                q = clamp(piece * s) -> e4m3              (the same value per element as quantizing W whole)
+    all_gather  [q pieces | fp32 norms, biases] packed per rank, padded to the largest rank's bytes
+    forward     q (and q^T, a byte transpose: one scale) into the FP8 GEMM; delayed pushes the gathered amax
+
+A rank's pieces are the runs of its flat shard [r s, (r+1) s) that each parameter covers, so every rank knows
+every rank's packing. Bytes sent per gather of a unit, N ranks, packed(r) = FP8 values + 4 x other values of rank
+r's shard (8 in float64):  (N-1) max_r packed(r)  +  the amax all-reduce 2 (N-1)/N x 4 x (FP8 weights).
+Recipes: tensorwise and delayed (one scale per tensor, from a max). Rowwise scales W per row for the forward GEMM and
+per column for dgrad, two encodings (2 bytes a value, bf16's); blockwise's 128 x 128 block amaxes over a flat shard
+that cuts blocks are not built: both are refused (common/training.py).
+"""
+import torch
+import torch.distributed as dist
+
+from common.comm import all_gather, all_gather_as, all_reduce
+from kernels.fp8 import E4M3, Float8Linear
+from kernels.fp8_cast import Fp8Cast, delayed_source
+from kernels.fp8_quant import amax, quantize
+
+GATHERED_RECIPES = ("tensorwise", "delayed")
+
+
+def fp8_weights(module):
+    """{id(weight): module} of the weights whose GEMMs run in FP8 in `module` (Float8Linear, or a tensor-parallel
+    layer with FP8 gemms)."""
+    out = {}
+    for m in module.modules():
+        gemm = getattr(m, "gemm", None)
+        if isinstance(m, Float8Linear) or type(gemm).__name__ == "Float8ParallelGemms":
+            out[id(m.weight)] = m
+    return out
+
+
+def attach_fp8_gathers(model, units, fp8_all_gather=False):
+    """Give every ZeRO-3 unit holding an FP8 GEMM's weight its FP8 gather (unit.fp8), in place; returns them."""
+    weights = fp8_weights(model)
+    out = []
+    for unit in units:
+        mine = [(i, weights[id(p)]) for i, p in enumerate(unit.params) if id(p) in weights]
+        if mine:
+            unit.fp8 = Float8UnitGather(unit, mine, fp8_all_gather)
+            out.append(unit.fp8)
+    return out
+
+
+class Float8UnitGather:
+    """How one unit is gathered: whole in its parameters' dtype, or (all_gather) its Float8Linear weights quantized."""
+
+    def __init__(self, unit, fp8_params, all_gather):
+        self.unit, self.all_gather = unit, all_gather
+        self.modules = {i: m for i, m in fp8_params}
+        if all_gather:
+            recipes = {m.recipe for m in self.modules.values()}
+            if not all(isinstance(m, Float8Linear) for m in self.modules.values()) or recipes - set(GATHERED_RECIPES):
+                raise ValueError(f"--fp8_all_gather gathers Float8Linear weights of the {GATHERED_RECIPES} recipes; "
+                                 f"this unit has {sorted(recipes)} (tensor-parallel FP8 layers are not covered)")
+            n = dist.get_world_size(unit.group)
+            self.runs = [self.runs_of(r * (unit.padded // n), (r + 1) * (unit.padded // n)) for r in range(n)]
+            self.width = max(sum(self.run_bytes(run) for run in runs) for runs in self.runs)
+
+    def runs_of(self, lo, hi):
+        """(parameter index, start, end) in flat unit coordinates of each parameter's part of [lo, hi)."""
+        out = []
+        for i, (p, off) in enumerate(zip(self.unit.params, self.unit.offsets)):
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a < b:
+                out.append((i, a, b))
+        return out
+
+    def run_bytes(self, run):
+        i, a, b = run
+        return (b - a) * (1 if i in self.modules else self.unit.master_dtype.itemsize)
+
+    def gather(self, full, shard, dtype, group, async_op=True):
+        """Start the unit's all-gather into `full` (its parameters' dtype; `dtype`, autocast's, is not used)."""
+        if not self.all_gather:
+            return all_gather_as(full, shard, self.unit.master_dtype, group, async_op)
+        return _PackedGather(self, full, shard, group)
+
+    def free(self):
+        for m in self.modules.values():
+            m.gathered_weight = None
+
+
+class _PackedGather:
+    """One FP8 all-gather of a unit in flight: quantize and pack this rank's shard, send; wait() unpacks."""
+
+    def __init__(self, plan, full, shard, group):
+        unit, self.plan, self.full = plan.unit, plan, full
+        rank, n = dist.get_rank(group), dist.get_world_size(group)
+        self.currents, self.sources = self.amaxes(shard, plan.runs[rank], group)
+        parts = []
+        for i, a, b in plan.runs[rank]:
+            piece = shard[a - unit.lo: b - unit.lo]
+            if i in plan.modules:
+                piece = quantize(piece.view(1, -1), E4M3, "tensor", self.sources[i])[0]
+            parts.append(piece.reshape(-1).view(torch.uint8))
+        send = torch.zeros(plan.width, dtype=torch.uint8, device=shard.device)
+        if parts:
+            packed = torch.cat(parts)
+            send[:packed.numel()] = packed
+        self.received = torch.empty(n * plan.width, dtype=torch.uint8, device=shard.device)
+        self.work = all_gather(self.received, send, group=group, async_op=True)
+
+    def amaxes(self, shard, runs, group):
+        """Each FP8 weight's whole amax (its pieces' maxed over the group) and the scale source it quantizes with:
+        that amax, or under delayed scaling the history's max (without pushing: the forward pushes)."""
+        unit, modules = self.plan.unit, self.plan.modules
+        local = {i: shard.new_zeros((), dtype=torch.float32) for i in modules}
+        for i, a, b in runs:
+            if i in modules:
+                local[i] = amax(shard[a - unit.lo: b - unit.lo].view(1, -1), "tensor")
+        flat = torch.stack([local[i] for i in modules])
+        all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        currents = {i: v.reshape(1, 1) for i, v in zip(modules, flat)}
+        sources = {i: delayed_source(m.amax_history[1].clone(), currents[i]) if m.recipe == "delayed" else currents[i]
+                   for i, m in modules.items()}
+        return currents, sources
+
+    def wait(self):
+        self.work.wait()
+        plan, unit = self.plan, self.plan.unit
+        q = {i: torch.empty(unit.params[i].numel(), dtype=torch.uint8, device=self.full.device) for i in plan.modules}
+        for r, runs in enumerate(plan.runs):
+            at = r * plan.width
+            for run in runs:
+                i, a, b = run
+                data = self.received[at: at + plan.run_bytes(run)]
+                if i in plan.modules:
+                    off = unit.offsets[i]
+                    q[i][a - off: b - off] = data
+                    self.full[a: b] = float("nan")          # the FP8 GEMM reads q: the fp32 W stays unread
+                else:
+                    self.full[a: b] = data.view(unit.master_dtype)
+                at += plan.run_bytes(run)
+        for i, m in plan.modules.items():
+            w = q[i].view(unit.params[i].shape)
+            inv = quantize(w.new_zeros(1, 0, dtype=torch.float32), E4M3, "tensor", self.sources[i])[1].reciprocal()
+            cast = Fp8Cast(w.view(E4M3), inv.reshape(1, 1), w.t().contiguous().view(E4M3), inv.reshape(1, 1))
+            m.gathered_weight = (cast, self.currents[i])
+        self.received = None
