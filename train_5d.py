@@ -79,6 +79,7 @@ from train_pp import PipelineRunner, check_pp, stage_views
 from common.pipeline_tied import tied_grads_sync, tied_weight
 from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
+from kernels.fp8_gather import attach_fp8_gathers
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
 from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, check_zero3, enable_tf32,
                              evaluate, fits_on_device, gpt_config, materialize, param_dtype, prepare_data, print_sample,
@@ -322,6 +323,7 @@ class ZeroUnits(ZeroShards):
                 install_zero3_hooks(chunk, modules, units, None if self.after_w else grads,
                                     reshard_after_forward=cfg.reshard_after_forward)
                 self.units_of[-1] += units
+        attach_fp8_gathers(chunks, self.shards)      # FP8 GEMMs' weights gathered in fp32 (kernels/fp8_gather.py)
 
     def after_backward(self, action):
         super().after_backward(action)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from common.comm import all_gather, all_gather_as, all_reduce
 from kernels.fp8 import E4M3, Float8Linear
 from kernels.fp8_cast import Fp8Cast, delayed_source
+from kernels.fp8_parallel import Float8ParallelGemms
 from kernels.fp8_quant import amax, quantize
 
 GATHERED_RECIPES = ("tensorwise", "delayed")
@@ -38,8 +39,7 @@ def fp8_weights(module):
     layer with FP8 gemms)."""
     out = {}
     for m in module.modules():
-        gemm = getattr(m, "gemm", None)
-        if isinstance(m, Float8Linear) or type(gemm).__name__ == "Float8ParallelGemms":
+        if isinstance(m, Float8Linear) or isinstance(getattr(m, "gemm", None), Float8ParallelGemms):
             out[id(m.weight)] = m
     return out
 

@@ -1,0 +1,89 @@
+"""ZeRO-3 with FP8 GEMMs (train_zero.py, kernels/fp8_gather.py): every recipe at dp 2 against the same recipe in one
+process, --fp8_all_gather against FP8 ZeRO-3 without it, delayed scaling's histories across a resume.
+
+FP8 has no float64 parity with train_single's high-precision run; the reference is train_single with the same
+recipe and the same micro-batches (2 sequences each). With a dynamic recipe (tensorwise, rowwise, blockwise) every
+operand is quantized from the same values as there, micro-batch by micro-batch: the FP8 units are gathered in the
+parameters' dtype, so only the order of the float64 gradient sums differs (~1e-16), too little to flip a quantized
+value in these steps: 1e-9 (docs/kernels.md gives the general bound, FP8_STEP0 / FP8_STEP1). Delayed scaling keeps
+an amax history per rank (its micro-batches' amaxes), so at dp 2 its reference is ZeRO-0 at dp 2 (1e-9), and
+train_single within the bound."""
+import shutil
+
+import torch
+
+from distributed_helper import run_workers
+from common.metrics import read_metrics
+from test_tp_fused import FP8_STEP0, FP8_STEP1, RECIPES
+from train_helpers import EXACT, assert_exact, curves, run_single, text_argv
+
+RUN = dict(max_steps=2, micro_batch_size=2)          # 2 micro-batches a rank a step at dp 2 (global batch 8)
+
+
+def _runs(rank, world, jobs):
+    """train_zero.main per (argv, copy_to): after a run, rank 0 copies its out_dir to copy_to (a checkpoint to
+    resume elsewhere)."""
+    import torch.distributed as dist
+    import train_zero
+    for argv, copy_to in jobs:
+        train_zero.main(argv)
+        if copy_to and rank == 0:
+            shutil.copytree(argv[argv.index("--out_dir") + 1], copy_to)
+        dist.barrier()
+
+
+def within_fp8_bound(ref, got):
+    for step, bound in enumerate((FP8_STEP0, FP8_STEP1)):
+        for i, what in enumerate(("loss", "grad_norm")):
+            assert abs(got[i][step] - ref[i][step]) <= bound[what] * ref[i][step], (step, what, got, ref)
+
+
+def packed_widths(n, itemsize):
+    """Bytes a rank sends per FP8 all-gather of a block's unit, from the block's parameters in their order: per
+    rank, its shard's FP8 weight values at 1 byte, the others at itemsize; the gather's width is the largest."""
+    from model import GPT, GPTConfig
+    with torch.device("meta"):
+        block = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)).transformer.h[0]
+    fp8 = {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"}
+    per_value = [1 if name in fp8 else itemsize for name, p in block.named_parameters() for _ in range(p.numel())]
+    shard = -(-len(per_value) // n)
+    return max(sum(per_value[r * shard: (r + 1) * shard]) for r in range(n)), len(per_value)
+
+
+def all_gather_bytes(padded_root, n=2, grad_acc=2, b=8):
+    """A step's bytes with --fp8_all_gather (float64, b = 8): each block's unit gathered before its forward and its
+    backward, packed (n-1) x width, plus the all-reduce MAX of its 4 FP8 weights' fp32 amaxes; reduce-scattered
+    once per micro-batch in full precision; the root unit as in ZeRO-3; the all-reduce of the squared gradient
+    norm (a float64 scalar here)."""
+    width, numel = packed_widths(n, b)
+    padded = -(-numel // n) * n
+    ring = (n - 1) / n
+    per_block = 2 * grad_acc * ((n - 1) * width + 2 * ring * 4 * 4) + grad_acc * ring * padded * b
+    return 2 * per_block + grad_acc * ring * padded_root * 3 * b + 2 * ring * b
+
+
+def test_zero3_fp8_recipes_all_gather_and_resume(text_data, tmp_path):
+    dirs = {name: str(tmp_path / name) for name in
+            [f"z3_{r}" for r in RECIPES] + ["z0_delayed", "ag_tensorwise", "ag_delayed", "resumed", "copy"]}
+    jobs = [(text_argv(text_data, dirs[f"z3_{r}"], zero_stage=3, fp8=r, **RUN), None) for r in RECIPES]
+    jobs += [(text_argv(text_data, dirs["z0_delayed"], zero_stage=0, fp8="delayed", **RUN), None)]
+    jobs += [(text_argv(text_data, dirs[f"ag_{r}"], zero_stage=3, fp8=r, fp8_all_gather=True, **RUN), None)
+             for r in ("tensorwise", "delayed")]
+    resumed = text_argv(text_data, dirs["resumed"], zero_stage=3, fp8="delayed", **RUN)
+    jobs += [(resumed + ["--stop_step", "1"], dirs["copy"]), (resumed + ["--resume"], None)]
+    run_workers(_runs, 2, args=(jobs,), timeout=900)
+
+    for r in RECIPES:
+        ref = run_single(text_argv(text_data, str(tmp_path / f"single_{r}"), fp8=r, **RUN), both_curves=True)[0]
+        got = curves(dirs[f"z3_{r}"])
+        within_fp8_bound(ref, got)
+        assert_exact(curves(dirs["z0_delayed"]) if r == "delayed" else ref, got, rtol=EXACT)
+    for r in ("tensorwise", "delayed"):
+        assert curves(dirs[f"ag_{r}"]) == curves(dirs[f"z3_{r}"])          # bit for bit: the same quantized W
+        padded_root = 256 * 32 + 2 * 32                                    # wte (vocab 256) + ln_f, even already
+        for row in read_metrics(dirs[f"ag_{r}"]):
+            assert row["comm_bytes"] == all_gather_bytes(padded_root), (r, row["comm_bytes"])
+    # delayed's histories come back: the same world continues as the unbroken run; one process within the bound
+    assert curves(dirs["resumed"]) == curves(dirs["z3_delayed"])
+    run_single(text_argv(text_data, dirs["copy"], fp8="delayed", resume=True, **RUN))
+    within_fp8_bound(curves(dirs["z3_delayed"]), curves(dirs["copy"]))
