@@ -114,3 +114,28 @@ def test_5d_zero3_fp8_layouts(text_data, tmp_path):
     ref = run_single(text_argv(text_data, dirs["single_moe"], fp8="tensorwise", **moe, **run), both_curves=True)[0]
     within_fp8_bound(ref, curves(dirs["ep"]))
     assert_exact(curves(dirs["ep_zero1"]), curves(dirs["ep"]), rtol=EXACT)
+
+
+def _runs_on_simulated_gpu(rank, world, jobs):
+    """_runs with kernels/fp8.py on its H100 path: every _scaled_mm under CUDA's rules (tests/cuda_scaled_mm.py).
+    Operands are cast by the torch reference, not the Triton kernels under the interpreter (minutes here):
+    tests/test_fp8_ops.py shows both give the same values bit for bit."""
+    import torch
+    import cuda_scaled_mm
+    import kernels.fp8 as fp8
+    fp8.gemm_kind = cuda_scaled_mm.simulated_gpu("cuda_blocks")
+    fp8.fused_cast = lambda t: False
+    torch._scaled_mm = cuda_scaled_mm.cuda_rules_scaled_mm(native_blocks=True)
+    _runs(rank, world, jobs)
+
+
+def test_fp8_all_gather_under_cuda_rules(text_data, tmp_path):
+    """On the GPU path (operands padded to CUDA's multiples of 16, _scaled_mm under CUDA's rules) the FP8-gathered
+    weights are accepted and are the cast's bit for bit: the same losses as FP8 ZeRO-3 without the all-gather
+    (delayed's second step: scales from the history)."""
+    argvs = {(r, ag): text_argv(text_data, str(tmp_path / f"{r}_{ag}"), zero_stage=3, fp8=r, fp8_all_gather=ag,
+                                max_steps=2, micro_batch_size=4)
+             for r in ("tensorwise", "delayed") for ag in (False, True)}
+    run_workers(_runs_on_simulated_gpu, 2, args=([(argv, None) for argv in argvs.values()],), timeout=900)
+    for r in ("tensorwise", "delayed"):
+        assert curves(str(tmp_path / f"{r}_True")) == curves(str(tmp_path / f"{r}_False"))
