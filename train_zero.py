@@ -74,7 +74,7 @@ class Shard:
                            for p, off in zip(params, self.offsets)
                            if p.dim() >= 2 and off < self.hi and off + p.numel() > self.lo]
         self.handle, self.in_backward, self.wire_dtype = None, False, None
-        self.fp8 = None                                 # a unit of FP8 GEMMs' weights: kernels/fp8_gather.py
+        self.all_gather = all_gather_as                 # how gather() fills `full` (FP8 units: kernels/fp8_gather.py)
         if stage == 3:
             self.full.untyped_storage().resize_(0)      # at rest: only the shard
 
@@ -93,8 +93,7 @@ class Shard:
         if self.handle is None and self.full.untyped_storage().nbytes() == 0:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
             # into `.data` (same memory, own version counter): refilling saved parameters is no modification
-            gather = all_gather_as if self.fp8 is None else self.fp8.gather
-            self.handle = gather(self.full.data, self.shard, dtype or self.master_dtype, self.group, True)
+            self.handle = self.all_gather(self.full.data, self.shard, dtype or self.master_dtype, self.group, True)
 
     def wait(self):
         self.gather()
@@ -105,8 +104,6 @@ class Shard:
     def free(self):
         self.full.untyped_storage().resize_(0)          # parameter views keep their shape, lose their memory
         self.in_backward = False
-        if self.fp8 is not None:
-            self.fp8.free()
 
     @torch.no_grad()
     def publish(self):
@@ -377,11 +374,9 @@ def main(argv=None):
                                  param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
     from common import checkpoint
     from common.checkpoint import ShardState, replicated
-    from kernels.fp8_gather import attach_fp8_gathers
     from model import GPT, flops_per_token
-    cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb", "fp8", "fp8_all_gather"),
-                       description=__doc__.split("\n\n")[0],
-                       extra_args=add_args, validate=validate)
+    cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb", "fp8", "fp8_all_gather"), extra_args=add_args,
+                       description=__doc__.split("\n\n")[0], validate=validate)
     env = init_distributed(cfg)
     group, dp, stage = dist.group.WORLD, env.world_size, cfg.zero_stage
     grad_acc = grad_accum_steps(cfg, dp)
@@ -395,9 +390,7 @@ def main(argv=None):
     with torch.device("meta"):                          # shapes only: each Shard builds its own values
         model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed)
     shards = shard_gpt(model, cfg, stage, group, param_dtype(dtype), env.device)
-    apply_kernels_and_fp8(model, cfg, env.device)       # the same, sharded, parameters
-    if stage == 3:                                      # FP8 GEMMs' weights gathered in fp32, or FP8
-        attach_fp8_gathers(model, shards, cfg.fp8_all_gather)
+    apply_kernels_and_fp8(model, cfg, env.device, units=shards if stage == 3 else None)   # the same parameters
     grads, gathered = ShardedGrads(shards, group, stage), GatheredBytes(shards)
     if stage == 3:
         install_zero3_hooks(model, list(model.transformer.h), shards, grads, cfg.prefetch, on_gather=gathered)

@@ -17,6 +17,7 @@ from common.data import GlobalBatchLoader, ensure_dataset
 from common.data_mix import MixtureLoader, parse_data_mix, source_val_losses
 from kernels import apply_kernels, convert_to_float8
 from kernels.fp8 import check_fp8_support
+from kernels.fp8_gather import attach_fp8_gathers
 from kernels.fp8_parallel import convert_parallel_to_float8
 from model import GPTConfig
 
@@ -50,16 +51,18 @@ def enable_tf32(device):
         torch.backends.cudnn.allow_tf32 = True
 
 
-def apply_kernels_and_fp8(model, cfg, device):
+def apply_kernels_and_fp8(model, cfg, device, units=None):
     """--kernels (fused modules) and --fp8 (Float8Linear GEMMs; FP8 GEMMs inside tensor-parallel layers) swapped
     into a model or a pipeline stage in place, parameters unchanged; one clear error line when the device cannot
-    run them. Returns the kernel mode."""
+    run them. units: ZeRO-3's (train_zero's Shards) of this model, whose FP8 weights are then gathered as
+    kernels/fp8_gather.py says (in fp32, or with --fp8_all_gather quantized). Returns the kernel mode."""
     try:
         mode = apply_kernels(model, cfg.kernels)
         if getattr(cfg, "fp8", "none") != "none":
             check_fp8_support(device)
             convert_to_float8(model, recipe=cfg.fp8)
             convert_parallel_to_float8(model, recipe=cfg.fp8)
+            attach_fp8_gathers(model, units or [], getattr(cfg, "fp8_all_gather", False))
     except (ValueError, RuntimeError) as e:
         fail(str(e))
     return mode

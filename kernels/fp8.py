@@ -145,7 +145,8 @@ class _Float8LinearFunction(torch.autograd.Function):
             qw = cast(weight, E4M3, recipe, "weight", w_amax) if gathered is None else gathered[0]
             y = unpadded(scaled_gemm(qx[:2], qw[:2], out_dtype_of(x), recipe, kind, fast_accum=True), M, N)
             y = y.to(out_dtype_of(x))
-            ctx.save_for_backward(qx.qt, qx.inv_t, qw.qt, qw.inv_t)
+            # a gathered W^T lives in ZeRO-3's unit, freed after this forward: dgrad keeps a copy
+            ctx.save_for_backward(qx.qt, qx.inv_t, qw.qt if gathered is None else qw.qt.clone(), qw.inv_t)
         ctx.recipe, ctx.history, ctx.shapes, ctx.dtypes = recipe, history, (x.shape, M, N), (x.dtype, weight.dtype)
         return y.reshape(*x.shape[:-1], N)
 

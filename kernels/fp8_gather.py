@@ -45,14 +45,15 @@ def fp8_weights(module):
 
 
 def attach_fp8_gathers(model, units, fp8_all_gather=False):
-    """Give every ZeRO-3 unit holding an FP8 GEMM's weight its FP8 gather (unit.fp8), in place; returns them."""
+    """Make every ZeRO-3 unit holding an FP8 GEMM's weight gather as below (its all_gather), in place; returns the
+    gathers."""
     weights = fp8_weights(model)
     out = []
     for unit in units:
         mine = [(i, weights[id(p)]) for i, p in enumerate(unit.params) if id(p) in weights]
         if mine:
-            unit.fp8 = Float8UnitGather(unit, mine, fp8_all_gather)
-            out.append(unit.fp8)
+            out.append(Float8UnitGather(unit, mine, fp8_all_gather))
+            unit.all_gather = out[-1].gather
     return out
 
 
@@ -89,10 +90,6 @@ class Float8UnitGather:
         if not self.all_gather:
             return all_gather_as(full, shard, self.unit.master_dtype, group, async_op)
         return _PackedGather(self, full, shard, group)
-
-    def free(self):
-        for m in self.modules.values():
-            m.gathered_weight = None
 
 
 class _PackedGather:
@@ -131,24 +128,29 @@ class _PackedGather:
         return currents, sources
 
     def wait(self):
+        """Unpack: the norms and biases into `full`; each FP8 weight's q [N, K] and q^T [K, N] into the first 2
+        bytes a value of its own place in `full` (4 or 8 bytes a value, whose fp32 W nothing reads), so they are
+        freed with the unit (the forward keeps its own copy of q^T for dgrad)."""
         self.work.wait()
         plan, unit = self.plan, self.plan.unit
-        q = {i: torch.empty(unit.params[i].numel(), dtype=torch.uint8, device=self.full.device) for i in plan.modules}
+        raw, size = self.full.view(torch.uint8), unit.master_dtype.itemsize
+        q = {i: raw[unit.offsets[i] * size:][:unit.params[i].numel()] for i in plan.modules}
         for r, runs in enumerate(plan.runs):
             at = r * plan.width
             for run in runs:
                 i, a, b = run
                 data = self.received[at: at + plan.run_bytes(run)]
                 if i in plan.modules:
-                    off = unit.offsets[i]
-                    q[i][a - off: b - off] = data
-                    self.full[a: b] = float("nan")          # the FP8 GEMM reads q: the fp32 W stays unread
+                    q[i][a - unit.offsets[i]: b - unit.offsets[i]] = data
                 else:
                     self.full[a: b] = data.view(unit.master_dtype)
                 at += plan.run_bytes(run)
         for i, m in plan.modules.items():
-            w = q[i].view(unit.params[i].shape)
+            (N, K), n = unit.params[i].shape, unit.params[i].numel()
+            w = q[i].view(N, K)
+            wt = raw[unit.offsets[i] * size + n:][:n].view(K, N)
+            wt.copy_(w.t())
+            # 1/scale as the cast lays it out: one value, from the source the shards were quantized with
             inv = quantize(w.new_zeros(1, 0, dtype=torch.float32), E4M3, "tensor", self.sources[i])[1].reciprocal()
-            cast = Fp8Cast(w.view(E4M3), inv.reshape(1, 1), w.t().contiguous().view(E4M3), inv.reshape(1, 1))
-            m.gathered_weight = (cast, self.currents[i])
+            m.gathered_weight = (Fp8Cast(w.view(E4M3), inv, wt.view(E4M3), inv), self.currents[i])
         self.received = None
