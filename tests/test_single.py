@@ -197,7 +197,7 @@ def test_kernels_and_fp8_applied_like_single(script, flags, tiny_data, tmp_path,
     assert_same_losses(ref, losses(str(tmp_path / script)), rtol=1e-5)
 
 
-@pytest.mark.parametrize("script, flags", [("train_zero", dict(zero_stage=3, fp8="tensorwise")),
+@pytest.mark.parametrize("script, flags", [("train_zero", dict(zero_stage=3, kernels="triton")),
                                            ("train_pp", dict(pp=1, pp_schedule="zb1", kernels="compile"))])
 def test_kernels_and_fp8_refused_where_they_cannot_apply(script, flags, tiny_data, tmp_path, capsys):
     """ZeRO-3's gather/free hooks and zb1's deferred weight gradients: one error line."""

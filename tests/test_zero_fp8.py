@@ -10,12 +10,13 @@ an amax history per rank (its micro-batches' amaxes), so at dp 2 its reference i
 train_single within the bound."""
 import shutil
 
+import pytest
 import torch
 
 from distributed_helper import run_workers
 from common.metrics import read_metrics
 from test_tp_fused import FP8_STEP0, FP8_STEP1, RECIPES
-from train_helpers import EXACT, assert_exact, curves, run_single, text_argv
+from train_helpers import EXACT, assert_exact, curves, run_single, text_argv, tiny_argv
 
 RUN = dict(max_steps=2, micro_batch_size=2)          # 2 micro-batches a rank a step at dp 2 (global batch 8)
 
@@ -139,3 +140,17 @@ def test_fp8_all_gather_under_cuda_rules(text_data, tmp_path):
     run_workers(_runs_on_simulated_gpu, 2, args=([(argv, None) for argv in argvs.values()],), timeout=900)
     for r in ("tensorwise", "delayed"):
         assert curves(str(tmp_path / f"{r}_True")) == curves(str(tmp_path / f"{r}_False"))
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (dict(zero_stage=2, fp8="tensorwise"), "needs --zero_stage 3 and --fp8"),
+    (dict(zero_stage=3), "needs --zero_stage 3 and --fp8"),
+    (dict(zero_stage=3, fp8="rowwise"), "two FP8 encodings of W"),
+    (dict(zero_stage=3, fp8="blockwise"), "is not built"),
+])
+def test_fp8_all_gather_refusals(flags, reason, tiny_data, tmp_path, capsys):
+    import train_zero
+    with pytest.raises(SystemExit) as e:
+        train_zero.main(tiny_argv(tiny_data, str(tmp_path), fp8_all_gather=True, **flags))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("error:") == 1 and reason in err, err
