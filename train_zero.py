@@ -19,7 +19,8 @@ Model-state bytes per rank (P parameters, padded to P' with P' - P < N * buckets
 Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (docs/observability.md's convention):
     stage 1  reduce-scatter + all-gather          2 (N-1)/N P' b        (= one all-reduce)
     stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay whole)
-    stage 3  all-gather fwd + bwd + reduce-scatter g (N-1)/N P' (2 b16 + b), b16 = b (2 under bf16 autocast)
+    stage 3  all-gather fwd + bwd + reduce-scatter g (N-1)/N P' (2 b16 + b), b16 = b (2 under bf16 autocast;
+             b for a block of FP8 GEMMs, about 1 with --fp8_all_gather: kernels/fp8_gather.py)
     stages 1-3 also all-reduce one fp32 scalar (the squared gradient norm): + 2 (N-1)/N * 4 bytes.
 ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre-backward: gather (prefetch
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.

@@ -133,9 +133,10 @@ def _runs_on_simulated_gpu(rank, world, jobs):
 def test_fp8_all_gather_under_cuda_rules(text_data, tmp_path):
     """On the GPU path (operands padded to CUDA's multiples of 16, _scaled_mm under CUDA's rules) the FP8-gathered
     weights are accepted and are the cast's bit for bit: the same losses as FP8 ZeRO-3 without the all-gather
-    (delayed's second step: scales from the history)."""
+    (delayed's second step: scales from the history; recomputed in backward from the weights gathered again)."""
+    recompute = dict(tensorwise="none", delayed="full")     # full: the forward again in backward, gathered again
     argvs = {(r, ag): text_argv(text_data, str(tmp_path / f"{r}_{ag}"), zero_stage=3, fp8=r, fp8_all_gather=ag,
-                                max_steps=2, micro_batch_size=4)
+                                max_steps=2, micro_batch_size=4, recompute=recompute[r])
              for r in ("tensorwise", "delayed") for ag in (False, True)}
     run_workers(_runs_on_simulated_gpu, 2, args=([(argv, None) for argv in argvs.values()],), timeout=900)
     for r in ("tensorwise", "delayed"):
