@@ -48,7 +48,8 @@ rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/
 (N: dp x cp, or edp for an experts unit; gathers: 2m when resharding after forward, none for a W action).
 Checkpoints are one file in train_single's layout: any layout, or train_single, resumes any other. --kernels and
 --fp8 apply inside the stages as in train_single; with tp > 1 inside the parallel layers, keeping their
-communication (FP8 adds tp's amax all-reduces: kernels/fp8_parallel.py). zb1, zbv and dualpipev defer the weight
+communication (FP8 adds tp's amax all-reduces: kernels/fp8_parallel.py); ZeRO-3 gathers FP8 blocks in fp32, or
+with --fp8_all_gather (tp 1) their weights quantized (kernels/fp8_gather.py). zb1, zbv and dualpipev defer the weight
 gradients of nn.Linear and of train_tp's parallel layers (their B keeps TP's communication).
 """
 import argparse
@@ -323,7 +324,7 @@ class ZeroUnits(ZeroShards):
                 install_zero3_hooks(chunk, modules, units, None if self.after_w else grads,
                                     reshard_after_forward=cfg.reshard_after_forward)
                 self.units_of[-1] += units
-        attach_fp8_gathers(chunks, self.shards)      # FP8 GEMMs' weights gathered in fp32 (kernels/fp8_gather.py)
+        attach_fp8_gathers(chunks, self.shards, cfg.fp8_all_gather)   # FP8 weights: in fp32 or FP8 (kernels/)
 
     def after_backward(self, action):
         super().after_backward(action)
@@ -464,6 +465,8 @@ def validate(cfg):
     check(cfg.dtype != "float16", "train_5d supports float32, bfloat16 and float64 (no fp16 loss scaling)")
     check(cfg.zero_stage in (0, 1, 2, 3), f"--zero_stage {cfg.zero_stage}: 0 (replicas), 1, 2 or 3")
     check_zero3(cfg)
+    check(tp == 1 or not cfg.fp8_all_gather, "--fp8_all_gather with --tp > 1: the tensor-parallel layers quantize "
+          "their weight shard inside each GEMM (kernels/fp8_parallel.py), not from a gathered FP8 weight")
     check(cfg.zero_stage < 3 or cfg.dp * cp > 1, "--zero_stage 3 shards over dp x cp: with dp*cp = 1 there is "
                                                  "nothing to shard")
     check(cfg.zero_stage < 3 or cfg.pp_schedule != "interleaved" or pp > 1, "--zero_stage 3 with interleaved "
@@ -480,7 +483,7 @@ def validate(cfg):
 
 def main(argv=None):
     cfg = parse_config(argv, techniques=("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp_virtual",
-                                         "zero_stage", "bucket_mb", "fp8", "ep") + MOE_FLAGS,
+                                         "zero_stage", "bucket_mb", "fp8", "fp8_all_gather", "ep") + MOE_FLAGS,
                        description=__doc__.split("\n\n")[0], extra_args=extra_args, validate=validate)
     env = init_distributed(cfg)
     loader = prepare_data(cfg, env)

@@ -100,21 +100,24 @@ def test_5d_zero3_fp8_layouts(text_data, tmp_path):
     """train_5d's ZeRO-3 with tensorwise FP8 GEMMs at (dp 2, tp 2 + SP), in the tensor-parallel layers, and at
     (dp 2, ep 2), in the experts' Float8Linears: train_single's same recipe within the FP8 bound. An expert's input
     amax is over the tokens its rank receives from both dp ranks, not over one device's micro-batch (delayed's
-    histories too: 1.8e-5 at step 0 here), so ep's exact reference is ZeRO-1 in the same layout (1e-9)."""
+    histories too: 1.8e-5 at step 0 here), so ep's exact reference is ZeRO-1 in the same layout (1e-9). With
+    --fp8_all_gather the ep layout's losses are the same bit for bit."""
     from test_moe_layouts import MOE
     moe = dict(top_k=2, **MOE)
     run = dict(RUN, micro_batch_size=4)                # one micro-batch a dp rank: the fewest passes
-    dirs = {name: str(tmp_path / name) for name in ("tp", "ep", "ep_zero1", "single", "single_moe")}
+    dirs = {name: str(tmp_path / name) for name in ("tp", "ep", "ep_zero1", "ep_ag", "single", "single_moe")}
     run_workers(_5d_runs, 4, args=([text_argv(text_data, dirs["tp"], dp=2, tp=2, sp=True, zero_stage=3,
                                               fp8="tensorwise", **run)],), timeout=900)
-    run_workers(_5d_runs, 2, args=([text_argv(text_data, dirs[name], dp=2, ep=2, zero_stage=stage, fp8="tensorwise",
-                                              **moe, **run) for name, stage in (("ep", 3), ("ep_zero1", 1))],),
-                timeout=900)
+    ep_runs = (("ep", dict(zero_stage=3)), ("ep_zero1", dict(zero_stage=1)),
+               ("ep_ag", dict(zero_stage=3, fp8_all_gather=True)))
+    run_workers(_5d_runs, 2, args=([text_argv(text_data, dirs[name], dp=2, ep=2, fp8="tensorwise", **flags, **moe,
+                                              **run) for name, flags in ep_runs],), timeout=900)
     ref = run_single(text_argv(text_data, dirs["single"], fp8="tensorwise", **run), both_curves=True)[0]
     within_fp8_bound(ref, curves(dirs["tp"]))
     ref = run_single(text_argv(text_data, dirs["single_moe"], fp8="tensorwise", **moe, **run), both_curves=True)[0]
     within_fp8_bound(ref, curves(dirs["ep"]))
     assert_exact(curves(dirs["ep_zero1"]), curves(dirs["ep"]), rtol=EXACT)
+    assert curves(dirs["ep_ag"]) == curves(dirs["ep"])     # experts' units over edp, dense ones over dp: FP8 too
 
 
 def _runs_on_simulated_gpu(rank, world, jobs):
