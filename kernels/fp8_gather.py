@@ -58,16 +58,16 @@ def attach_fp8_gathers(model, units, fp8_all_gather=False):
 
 
 class Float8UnitGather:
-    """How one unit is gathered: whole in its parameters' dtype, or (all_gather) its Float8Linear weights quantized."""
+    """How one unit is gathered: whole in its parameters' dtype, or (quantized) its Float8Linear weights in FP8."""
 
-    def __init__(self, unit, fp8_params, all_gather):
-        self.unit, self.all_gather = unit, all_gather
+    def __init__(self, unit, fp8_params, quantized):
+        self.unit, self.quantized = unit, quantized
         self.modules = {i: m for i, m in fp8_params}
-        if all_gather:
-            recipes = {m.recipe for m in self.modules.values()}
-            if not all(isinstance(m, Float8Linear) for m in self.modules.values()) or recipes - set(GATHERED_RECIPES):
-                raise ValueError(f"--fp8_all_gather gathers Float8Linear weights of the {GATHERED_RECIPES} recipes; "
-                                 f"this unit has {sorted(recipes)} (tensor-parallel FP8 layers are not covered)")
+        if quantized:
+            recipes = {getattr(m, "recipe", "tensor-parallel") for m in self.modules.values()}
+            if recipes - set(GATHERED_RECIPES):
+                raise ValueError(f"--fp8_all_gather gathers the Float8Linear weights of the {GATHERED_RECIPES} "
+                                 f"recipes; this unit has {sorted(recipes)} FP8 layers")
             n = dist.get_world_size(unit.group)
             self.runs = [self.runs_of(r * (unit.padded // n), (r + 1) * (unit.padded // n)) for r in range(n)]
             self.width = max(sum(self.run_bytes(run) for run in runs) for runs in self.runs)
@@ -87,7 +87,7 @@ class Float8UnitGather:
 
     def gather(self, full, shard, dtype, group, async_op=True):
         """Start the unit's all-gather into `full` (its parameters' dtype; `dtype`, autocast's, is not used)."""
-        if not self.all_gather:
+        if not self.quantized:
             return all_gather_as(full, shard, self.unit.master_dtype, group, async_op)
         return _PackedGather(self, full, shard, group)
 
