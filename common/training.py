@@ -168,15 +168,15 @@ def check_zero3(cfg):
 
 def check_fp8_all_gather(cfg):
     """--fp8_all_gather: ZeRO-3's gather of FP8 weights already quantized (kernels/fp8_gather.py), for the recipes
-    with one scale per weight (a max of its shards' amaxes) and one encoding of W for both its GEMMs."""
+    whose weight scales are maxes of its shards' amaxes (per tensor or per 128 x 128 block) and that quantize W
+    once for both its GEMMs."""
     if not getattr(cfg, "fp8_all_gather", False):
         return
     check(cfg.zero_stage == 3 and cfg.fp8 != "none", "--fp8_all_gather needs --zero_stage 3 and --fp8 (it gathers "
           "the blocks' FP8 weights instead of their high-precision values)")
     check(cfg.fp8 != "rowwise", "--fp8_all_gather with --fp8 rowwise: W's forward GEMM scales it per row and its "
-          "dgrad GEMM per column, two FP8 encodings of W (2 bytes a value, bf16's): use tensorwise or delayed")
-    check(cfg.fp8 != "blockwise", "--fp8_all_gather with --fp8 blockwise is not built: its 128x128 block scales "
-          "need each block's amax from shards that cut blocks anywhere: use tensorwise or delayed")
+          "dgrad GEMM per column, two FP8 encodings of W (2 bytes a value, bf16's): use tensorwise, delayed or "
+          "blockwise")
 
 
 class ValLoss(float):

@@ -9,29 +9,32 @@ an FP8 GEMM quantizes W from its master values, as one device does, and a bf16 c
 (and its amax, hence every scale) first. With --fp8_all_gather each Float8Linear weight travels already
 quantized, 1 byte a value, and the GEMM takes it as is (the unit's norms and biases still travel in fp32):
 
-    each rank   amax of its piece of every FP8 weight  --all_reduce MAX-->  the whole weight's amax (exact: a max)
-                scale  s = fp8_max / amax                (delayed: the history's max, as the forward would take it)
+    each rank   amaxes of its piece of every FP8 weight  --all_reduce MAX-->  the whole weight's (exact: a max)
+                scale  s = fp8_max / amax                (delayed: the history's max, as the forward would take it;
+                                                          blockwise: one per 128 x 128 block)
                 q = clamp(piece * s) -> e4m3              (the same value per element as quantizing W whole)
     all_gather  [q pieces | fp32 norms, biases] packed per rank, padded to the largest rank's bytes
     forward     q (and q^T, a byte transpose: one scale) into the FP8 GEMM; delayed pushes the gathered amax
 
 A rank's pieces are the runs of its flat shard [r s, (r+1) s) that each parameter covers, so every rank knows
 every rank's packing. Bytes sent per gather of a unit, N ranks, packed(r) = FP8 values + 4 x other values of rank
-r's shard (8 in float64):  (N-1) max_r packed(r)  +  the amax all-reduce 2 (N-1)/N x 4 x (FP8 weights).
-Recipes: tensorwise and delayed (one scale per tensor, from a max). Rowwise scales W per row for the forward GEMM and
-per column for dgrad, two encodings (2 bytes a value, bf16's); blockwise's 128 x 128 block amaxes over a flat shard
-that cuts blocks are not built: both are refused (common/training.py).
+r's shard (8 in float64):  (N-1) max_r packed(r)  +  the amax all-reduce 2 (N-1)/N x 4 x (amaxes: one per FP8
+weight, blockwise one per block). Recipes: tensorwise, delayed and blockwise (whose 128 x 128 blocks quantize W and
+W^T alike). Rowwise scales W per row for the forward GEMM and per column for dgrad, two encodings (2 bytes a value,
+bf16's): refused (common/training.py); so is blockwise on a GPU with native block scales where a weight is not
+whole 128-blocks (its GEMM pads W to them).
 """
 import torch
 import torch.distributed as dist
 
 from common.comm import all_gather, all_gather_as, all_reduce
-from kernels.fp8 import E4M3, Float8Linear
-from kernels.fp8_cast import Fp8Cast, delayed_source
+from kernels.fp8 import E4M3, Float8Linear, gemm_kind
+from kernels.fp8_cast import GRANULARITY, GROUPS, Fp8Cast, _inv_layout, delayed_source
+from kernels.fp8_gemm import BLOCK
 from kernels.fp8_parallel import Float8ParallelGemms
-from kernels.fp8_quant import amax, quantize
+from kernels.fp8_quant import amax, quantize, scale_of
 
-GATHERED_RECIPES = ("tensorwise", "delayed")
+GATHERED_RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
 def fp8_weights(module):
@@ -68,6 +71,11 @@ class Float8UnitGather:
             if recipes - set(GATHERED_RECIPES):
                 raise ValueError(f"--fp8_all_gather gathers the Float8Linear weights of the {GATHERED_RECIPES} "
                                  f"recipes; this unit has {sorted(recipes)} FP8 layers")
+            if "blockwise" in recipes and any(gemm_kind(unit.params[i]) == "cuda_blocks" and
+                                              (unit.params[i].shape[0] % BLOCK or unit.params[i].shape[1] % BLOCK)
+                                              for i in self.modules):
+                raise ValueError(f"--fp8_all_gather with blockwise on a GPU with native block scales needs weights "
+                                 f"of whole {BLOCK}-blocks (n_embd a multiple of {BLOCK}): its GEMM pads them")
             n = dist.get_world_size(unit.group)
             self.runs = [self.runs_of(r * (unit.padded // n), (r + 1) * (unit.padded // n)) for r in range(n)]
             self.width = max(sum(self.run_bytes(run) for run in runs) for runs in self.runs)
@@ -103,7 +111,9 @@ class _PackedGather:
         for i, a, b in plan.runs[rank]:
             piece = shard[a - unit.lo: b - unit.lo]
             if i in plan.modules:
-                piece = quantize(piece.view(1, -1), E4M3, "tensor", self.sources[i])[0]
+                region, row, at = self.region(i, piece, a - unit.offsets[i])
+                q = quantize(region, E4M3, self.granularity(i), self.sources[i][row // BLOCK:])[0]
+                piece = q.reshape(-1)[at: at + piece.numel()]
             parts.append(piece.reshape(-1).view(torch.uint8))
         send = torch.zeros(plan.width, dtype=torch.uint8, device=shard.device)
         if parts:
@@ -112,17 +122,42 @@ class _PackedGather:
         self.received = torch.empty(n * plan.width, dtype=torch.uint8, device=shard.device)
         self.work = all_gather(self.received, send, group=group, async_op=True)
 
+    def granularity(self, i):
+        """quantize()'s name for weight i's scale groups: 'tensor', or 'block' (128 x 128)."""
+        return GRANULARITY[GROUPS[self.plan.modules[i].recipe]["weight"][0]]
+
+    def amax_shape(self, i):
+        N, K = self.plan.unit.params[i].shape
+        return (-(-N // BLOCK), -(-K // BLOCK)) if self.granularity(i) == "block" else (1, 1)
+
+    def region(self, i, piece, start):
+        """(values, first row, offset of the piece in them) that quantize weight i's piece (its flat values from
+        `start`) with its scale groups: the piece itself for one scale; for 128 x 128 blocks the whole block rows
+        it touches, zero elsewhere (zeros raise no amax)."""
+        if self.granularity(i) == "tensor":
+            return piece.view(1, -1), 0, 0
+        N, K = self.plan.unit.params[i].shape
+        row = start // K // BLOCK * BLOCK
+        end = min(N, -(-(start + piece.numel()) // K // BLOCK) * BLOCK)
+        region = piece.new_zeros(end - row, K)
+        region.view(-1)[start - row * K: start - row * K + piece.numel()] = piece
+        return region, row, start - row * K
+
     def amaxes(self, shard, runs, group):
-        """Each FP8 weight's whole amax (its pieces' maxed over the group) and the scale source it quantizes with:
-        that amax, or under delayed scaling the history's max (without pushing: the forward pushes)."""
+        """Each FP8 weight's whole amaxes (one, or one per 128 x 128 block: its pieces' maxed over the group) and
+        the scale source it quantizes with: those, or under delayed scaling the history's max (without pushing:
+        the forward pushes)."""
         unit, modules = self.plan.unit, self.plan.modules
-        local = {i: shard.new_zeros((), dtype=torch.float32) for i in modules}
+        local = {i: shard.new_zeros(self.amax_shape(i), dtype=torch.float32) for i in modules}
         for i, a, b in runs:
             if i in modules:
-                local[i] = amax(shard[a - unit.lo: b - unit.lo].view(1, -1), "tensor")
-        flat = torch.stack([local[i] for i in modules])
+                region, row, _ = self.region(i, shard[a - unit.lo: b - unit.lo], a - unit.offsets[i])
+                part = amax(region, self.granularity(i)).reshape(-1, local[i].shape[1])
+                local[i][row // BLOCK:][:part.shape[0]] = part
+        flat = torch.cat([local[i].reshape(-1) for i in modules])
         all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-        currents = {i: v.reshape(1, 1) for i, v in zip(modules, flat)}
+        currents = dict(zip(modules, (v.view(local[i].shape) for i, v in
+                                      zip(modules, flat.split([local[i].numel() for i in modules])))))
         sources = {i: delayed_source(m.amax_history[1].clone(), currents[i]) if m.recipe == "delayed" else currents[i]
                    for i, m in modules.items()}
         return currents, sources
@@ -150,7 +185,10 @@ class _PackedGather:
             w = q[i].view(N, K)
             wt = raw[unit.offsets[i] * size + n:][:n].view(K, N)
             wt.copy_(w.t())
-            # 1/scale as the cast lays it out: one value, from the source the shards were quantized with
-            inv = quantize(w.new_zeros(1, 0, dtype=torch.float32), E4M3, "tensor", self.sources[i])[1].reciprocal()
-            m.gathered_weight = (Fp8Cast(w.view(E4M3), inv, wt.view(E4M3), inv), self.currents[i])
+            # 1/scales as the cast lays them out (W's, and W^T's: the same groups transposed), from the amaxes the
+            # shards were quantized with
+            groups = GROUPS[m.recipe]["weight"][0]
+            scale = scale_of(self.sources[i], E4M3)
+            inv, inv_t = _inv_layout(scale.reciprocal(), groups, N), _inv_layout(scale.t().reciprocal(), groups, K)
+            m.gathered_weight = (Fp8Cast(w.view(E4M3), inv, wt.view(E4M3), inv_t), self.currents[i])
         self.received = None

@@ -19,6 +19,7 @@ from test_tp_fused import FP8_STEP0, FP8_STEP1, RECIPES
 from train_helpers import EXACT, assert_exact, curves, run_single, text_argv, tiny_argv
 
 RUN = dict(max_steps=2, micro_batch_size=2)          # 2 micro-batches a rank a step at dp 2 (global batch 8)
+GATHERED = ("tensorwise", "delayed", "blockwise")      # the recipes --fp8_all_gather takes
 
 
 def _runs(rank, world, jobs):
@@ -53,9 +54,9 @@ def packed_widths(n, itemsize):
 
 def all_gather_bytes(padded_root, n=2, grad_acc=2, b=8):
     """A step's bytes with --fp8_all_gather (float64, b = 8): each block's unit gathered before its forward and its
-    backward, packed (n-1) x width, plus the all-reduce MAX of its 4 FP8 weights' fp32 amaxes; reduce-scattered
-    once per micro-batch in full precision; the root unit as in ZeRO-3; the all-reduce of the squared gradient
-    norm (a float64 scalar here)."""
+    backward, packed (n-1) x width, plus the all-reduce MAX of its 4 FP8 weights' fp32 amaxes (one a weight at
+    n_embd 32, blockwise too: one 128 x 128 block); reduce-scattered once per micro-batch in full precision; the
+    root unit as in ZeRO-3; the all-reduce of the squared gradient norm (a float64 scalar here)."""
     width, numel = packed_widths(n, b)
     padded = -(-numel // n) * n
     ring = (n - 1) / n
@@ -64,12 +65,12 @@ def all_gather_bytes(padded_root, n=2, grad_acc=2, b=8):
 
 
 def test_zero3_fp8_recipes_all_gather_and_resume(text_data, tmp_path):
-    dirs = {name: str(tmp_path / name) for name in
-            [f"z3_{r}" for r in RECIPES] + ["z0_delayed", "ag_tensorwise", "ag_delayed", "resumed", "copy"]}
+    dirs = {name: str(tmp_path / name) for name in [f"z3_{r}" for r in RECIPES] + [f"ag_{r}" for r in GATHERED]
+            + ["z0_delayed", "resumed", "copy"]}
     jobs = [(text_argv(text_data, dirs[f"z3_{r}"], zero_stage=3, fp8=r, **RUN), None) for r in RECIPES]
     jobs += [(text_argv(text_data, dirs["z0_delayed"], zero_stage=0, fp8="delayed", **RUN), None)]
     jobs += [(text_argv(text_data, dirs[f"ag_{r}"], zero_stage=3, fp8=r, fp8_all_gather=True, **RUN), None)
-             for r in ("tensorwise", "delayed")]
+             for r in GATHERED]
     resumed = text_argv(text_data, dirs["resumed"], zero_stage=3, fp8="delayed", **RUN)
     jobs += [(resumed + ["--stop_step", "1"], dirs["copy"]), (resumed + ["--resume"], None)]
     run_workers(_runs, 2, args=(jobs,), timeout=900)
@@ -79,7 +80,7 @@ def test_zero3_fp8_recipes_all_gather_and_resume(text_data, tmp_path):
         got = curves(dirs[f"z3_{r}"])
         within_fp8_bound(ref, got)
         assert_exact(curves(dirs["z0_delayed"]) if r == "delayed" else ref, got, rtol=EXACT)
-    for r in ("tensorwise", "delayed"):
+    for r in GATHERED:
         assert curves(dirs[f"ag_{r}"]) == curves(dirs[f"z3_{r}"])          # bit for bit: the same quantized W
         padded_root = 256 * 32 + 2 * 32                                    # wte (vocab 256) + ln_f, even already
         for row in read_metrics(dirs[f"ag_{r}"]):
@@ -134,15 +135,17 @@ def _runs_on_simulated_gpu(rank, world, jobs):
 
 
 def test_fp8_all_gather_under_cuda_rules(text_data, tmp_path):
-    """On the GPU path (operands padded to CUDA's multiples of 16, _scaled_mm under CUDA's rules) the FP8-gathered
-    weights are accepted and are the cast's bit for bit: the same losses as FP8 ZeRO-3 without the all-gather
-    (delayed's second step: scales from the history; recomputed in backward from the weights gathered again)."""
-    recompute = dict(tensorwise="none", delayed="full")     # full: the forward again in backward, gathered again
+    """On the GPU path (operands padded to CUDA's multiples of 16, native 1x128 block scales, _scaled_mm under
+    CUDA's rules) the FP8-gathered weights are accepted and are the cast's bit for bit: the same losses as FP8 ZeRO-3
+    without the all-gather (delayed's second step: scales from the history; recomputed in backward from the weights
+    gathered again; blockwise at n_embd 128: several 128 x 128 blocks a weight, shards cutting them)."""
+    flags = dict(tensorwise=dict(max_steps=2), delayed=dict(max_steps=2, recompute="full"),
+                 blockwise=dict(max_steps=1, n_embd=128))
     argvs = {(r, ag): text_argv(text_data, str(tmp_path / f"{r}_{ag}"), zero_stage=3, fp8=r, fp8_all_gather=ag,
-                                max_steps=2, micro_batch_size=4, recompute=recompute[r])
-             for r in ("tensorwise", "delayed") for ag in (False, True)}
+                                micro_batch_size=4, **flags[r])
+             for r in GATHERED for ag in (False, True)}
     run_workers(_runs_on_simulated_gpu, 2, args=([(argv, None) for argv in argvs.values()],), timeout=900)
-    for r in ("tensorwise", "delayed"):
+    for r in GATHERED:
         assert curves(str(tmp_path / f"{r}_True")) == curves(str(tmp_path / f"{r}_False"))
 
 
@@ -150,7 +153,6 @@ def test_fp8_all_gather_under_cuda_rules(text_data, tmp_path):
     (dict(zero_stage=2, fp8="tensorwise"), "needs --zero_stage 3 and --fp8"),
     (dict(zero_stage=3), "needs --zero_stage 3 and --fp8"),
     (dict(zero_stage=3, fp8="rowwise"), "two FP8 encodings of W"),
-    (dict(zero_stage=3, fp8="blockwise"), "is not built"),
 ])
 def test_fp8_all_gather_refusals(flags, reason, tiny_data, tmp_path, capsys):
     import train_zero
