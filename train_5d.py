@@ -80,11 +80,10 @@ from train_pp import PipelineRunner, check_pp, stage_views
 from common.pipeline_tied import tied_grads_sync, tied_weight
 from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
-from kernels.fp8_gather import attach_fp8_gathers
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
 from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, check_zero3, enable_tf32,
-                             evaluate, fits_on_device, gpt_config, materialize, param_dtype, prepare_data, print_sample,
-                             resolve_dtype, should_save)
+                             evaluate, fits_on_device, gather_fp8_units, gpt_config, materialize, param_dtype,
+                             prepare_data, print_sample, resolve_dtype, should_save)
 from common.tp_shards import init_tp_weights
 from common.tp_setup import check_tp
 from train_tp import all_reduce_sequence_parallel_grads, apply_tp, tp_counts
@@ -324,7 +323,7 @@ class ZeroUnits(ZeroShards):
                 install_zero3_hooks(chunk, modules, units, None if self.after_w else grads,
                                     reshard_after_forward=cfg.reshard_after_forward)
                 self.units_of[-1] += units
-        attach_fp8_gathers(chunks, self.shards, cfg.fp8_all_gather)   # FP8 weights: in fp32 or FP8 (kernels/)
+        gather_fp8_units(chunks, self.shards, cfg)   # FP8 GEMMs' weights: in fp32, or FP8 (kernels/fp8_gather.py)
 
     def after_backward(self, action):
         super().after_backward(action)

@@ -62,10 +62,20 @@ def apply_kernels_and_fp8(model, cfg, device, units=None):
             check_fp8_support(device)
             convert_to_float8(model, recipe=cfg.fp8)
             convert_parallel_to_float8(model, recipe=cfg.fp8)
-            attach_fp8_gathers(model, units or [], getattr(cfg, "fp8_all_gather", False))
     except (ValueError, RuntimeError) as e:
         fail(str(e))
+    gather_fp8_units(model, units or [], cfg)
     return mode
+
+
+def gather_fp8_units(model, units, cfg):
+    """ZeRO-3's units of `model` (train_zero's Shards) holding FP8 GEMMs' weights gather them as
+    kernels/fp8_gather.py says: in fp32, or with --fp8_all_gather quantized; one clear error line where the
+    recipe or the device's GEMM cannot take a gathered FP8 weight."""
+    try:
+        attach_fp8_gathers(model, units, getattr(cfg, "fp8_all_gather", False))
+    except ValueError as e:
+        fail(str(e))
 
 
 def prepares_data(env):
