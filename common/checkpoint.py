@@ -219,7 +219,8 @@ def save(cfg, gcfg, next_step, held):
     meta = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         meta = dict(model={}, optimizer=dict(state={}, param_groups=param_groups, names=order), step=next_step,
-                    rng=rng_state(), rng_by_rank=rngs, fp8_by_rank=fp8, config=dict(vars(cfg)), model_config=model_config(gcfg))
+                    rng=rng_state(), rng_by_rank=rngs, fp8_by_rank=fp8, config=dict(vars(cfg)),
+                    model_config=model_config(gcfg))
     if not dist.is_initialized() or dist.get_world_size() == 1:
         meta["model"], meta["optimizer"]["state"] = part["model"], part["optimizer"]["state"]
         save_step(cfg, meta, next_step)

@@ -14,7 +14,7 @@ quantized, 1 byte a value, and the GEMM takes it as is (the unit's norms and bia
                                                           blockwise: one per 128 x 128 block)
                 q = clamp(piece * s) -> e4m3              (the same value per element as quantizing W whole)
     all_gather  [q pieces | fp32 norms, biases] packed per rank, padded to the largest rank's bytes
-    forward     q (and q^T, a byte transpose: one scale) into the FP8 GEMM; delayed pushes the gathered amax
+    forward     q and q^T (a byte transpose, its scales transposed) into the FP8 GEMM; delayed pushes the amax
 
 A rank's pieces are the runs of its flat shard [r s, (r+1) s) that each parameter covers, so every rank knows
 every rank's packing. Bytes sent per gather of a unit, N ranks, packed(r) = FP8 values + 4 x other values of rank
@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from common.comm import all_gather, all_gather_as, all_reduce
-from kernels.fp8 import E4M3, Float8Linear, gemm_kind
+import kernels.fp8 as fp8
+from kernels.fp8 import E4M3, Float8Linear
 from kernels.fp8_cast import GRANULARITY, GROUPS, Fp8Cast, _inv_layout, delayed_source
 from kernels.fp8_gemm import BLOCK
 from kernels.fp8_parallel import Float8ParallelGemms
@@ -71,7 +72,7 @@ class Float8UnitGather:
             if recipes - set(GATHERED_RECIPES):
                 raise ValueError(f"--fp8_all_gather gathers the Float8Linear weights of the {GATHERED_RECIPES} "
                                  f"recipes; this unit has {sorted(recipes)} FP8 layers")
-            if "blockwise" in recipes and any(gemm_kind(unit.params[i]) == "cuda_blocks" and
+            if "blockwise" in recipes and any(fp8.gemm_kind(unit.params[i]) == "cuda_blocks" and
                                               (unit.params[i].shape[0] % BLOCK or unit.params[i].shape[1] % BLOCK)
                                               for i in self.modules):
                 raise ValueError(f"--fp8_all_gather with blockwise on a GPU with native block scales needs weights "
