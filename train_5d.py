@@ -49,7 +49,8 @@ rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/
 (N: dp x cp, or edp for an experts unit; gathers: 2m when resharding after forward, none for a W action).
 Checkpoints are one file in train_single's layout: any layout, or train_single, resumes any other. --kernels and
 --fp8 apply inside the stages as in train_single; with tp > 1 inside the parallel layers, keeping their
-communication (FP8 adds tp's amax all-reduces: kernels/fp8_parallel.py). zb1, zbv and dualpipev defer the weight
+communication (FP8 adds tp's amax all-reduces: kernels/fp8_parallel.py); ZeRO-3 gathers FP8 blocks in fp32, or
+with --fp8_all_gather (tp 1) their weights quantized (kernels/fp8_gather.py). zb1, zbv and dualpipev defer the weight
 gradients of nn.Linear and of train_tp's parallel layers (their B keeps TP's communication).
 """
 import argparse
@@ -83,8 +84,8 @@ from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
 from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, check_zero3, enable_tf32,
-                             evaluate, fits_on_device, gpt_config, materialize, param_dtype, prepare_data, print_sample,
-                             resolve_dtype, should_save)
+                             evaluate, fits_on_device, gather_fp8_units, gpt_config, materialize, param_dtype,
+                             prepare_data, print_sample, resolve_dtype, should_save)
 from common.tp_grads import sum_in_place
 from common.tp_shards import init_tp_weights
 from kernels.apply import compile_block
@@ -338,6 +339,7 @@ class ZeroUnits(ZeroShards):
                 install_zero3_hooks(chunk, modules, units, None if self.after_w else grads,
                                     reshard_after_forward=cfg.reshard_after_forward)
                 self.units_of[-1] += units
+        gather_fp8_units(chunks, self.shards, cfg)   # FP8 GEMMs' weights: in fp32, or FP8 (kernels/fp8_gather.py)
 
     def after_backward(self, action):
         super().after_backward(action)
@@ -494,7 +496,7 @@ def validate(cfg):
 
 def main(argv=None):
     cfg = parse_config(argv, techniques=("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp_virtual",
-                                         "zero_stage", "bucket_mb", "fp8", "ep") + MOE_FLAGS,
+                                         "zero_stage", "bucket_mb", "fp8", "fp8_all_gather", "ep") + MOE_FLAGS,
                        description=__doc__.split("\n\n")[0], extra_args=extra_args, validate=validate)
     env = init_distributed(cfg)
     loader = prepare_data(cfg, env)

@@ -19,7 +19,8 @@ Model-state bytes per rank (P parameters, padded to P' with P' - P < N * buckets
 Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (docs/observability.md's convention):
     stage 1  reduce-scatter + all-gather          2 (N-1)/N P' b        (= one all-reduce)
     stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay whole)
-    stage 3  all-gather fwd + bwd + reduce-scatter g (N-1)/N P' (2 b16 + b), b16 = b (2 under bf16 autocast)
+    stage 3  all-gather fwd + bwd + reduce-scatter g (N-1)/N P' (2 b16 + b), b16 = b (2 under bf16 autocast;
+             b for a block of FP8 GEMMs, about 1 with --fp8_all_gather: kernels/fp8_gather.py)
     stages 1-3 also all-reduce one fp32 scalar (the squared gradient norm): + 2 (N-1)/N * 4 bytes.
 ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre-backward: gather (prefetch
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
@@ -74,6 +75,7 @@ class Shard:
                            for p, off in zip(params, self.offsets)
                            if p.dim() >= 2 and off < self.hi and off + p.numel() > self.lo]
         self.handle, self.in_backward, self.wire_dtype = None, False, None
+        self.all_gather = all_gather_as                 # how gather() fills `full` (FP8 units: kernels/fp8_gather.py)
         if stage == 3:
             self.full.untyped_storage().resize_(0)      # at rest: only the shard
 
@@ -92,7 +94,7 @@ class Shard:
         if self.handle is None and self.full.untyped_storage().nbytes() == 0:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
             # into `.data` (same memory, own version counter): refilling saved parameters is no modification
-            self.handle = all_gather_as(self.full.data, self.shard, dtype or self.master_dtype, self.group, True)
+            self.handle = self.all_gather(self.full.data, self.shard, dtype or self.master_dtype, self.group, True)
 
     def wait(self):
         self.gather()
@@ -374,8 +376,8 @@ def main(argv=None):
     from common import checkpoint
     from common.checkpoint import ShardState, replicated
     from model import GPT, flops_per_token
-    cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb", "fp8"), description=__doc__.split("\n\n")[0],
-                       extra_args=add_args, validate=validate)
+    cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb", "fp8", "fp8_all_gather"), extra_args=add_args,
+                       description=__doc__.split("\n\n")[0], validate=validate)
     env = init_distributed(cfg)
     group, dp, stage = dist.group.WORLD, env.world_size, cfg.zero_stage
     grad_acc = grad_accum_steps(cfg, dp)
@@ -389,7 +391,7 @@ def main(argv=None):
     with torch.device("meta"):                          # shapes only: each Shard builds its own values
         model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed)
     shards = shard_gpt(model, cfg, stage, group, param_dtype(dtype), env.device)
-    apply_kernels_and_fp8(model, cfg, env.device)       # the same, sharded, parameters (FP8: stages 0-2)
+    apply_kernels_and_fp8(model, cfg, env.device, units=shards if stage == 3 else None)   # the same parameters
     grads, gathered = ShardedGrads(shards, group, stage), GatheredBytes(shards)
     if stage == 3:
         install_zero3_hooks(model, list(model.transformer.h), shards, grads, cfg.prefetch, on_gather=gathered)

@@ -14,6 +14,7 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     checkpoint.py    the one save and load of every layout: train_single's format, written in parallel parts
     checkpoint_files.py   its files: paths, atomic writes, a full disk in one line, the out_dir lock
     checkpoint_compat.py  whether a checkpoint fits this run: model-defining fields, entries by name, inf/NaN
+    fp8_state.py     FP8 delayed scaling's amax histories in a checkpoint, per rank
     hf.py            export to a Hugging Face GPTNeoXForCausalLM (python -m common.hf export), --init_from
     hf_convert.py, hf_tokenizer.py   its names, permutations and config.json; its tokenizer files
     metrics.py       MFU, peak memory, metrics.jsonl and the progress line

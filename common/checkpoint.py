@@ -36,6 +36,7 @@ from common.checkpoint_compat import compatibility_problem, model_config, rank_p
 from common.comm import all_gather
 from common.distributed import agree, fail_together
 from common.errors import fail
+from common import fp8_state
 from common.hf import init_from
 from common.optim import configure_optimizer
 from common.tp_shards import full_shape, tp_gather, tp_slice
@@ -123,13 +124,13 @@ def rng_state():
     return state
 
 
-def rng_states_by_rank():
-    """Every rank's RNG state, in rank order, on rank 0 (None elsewhere): for a checkpoint that rank 0 writes for
-    ranks that each draw their own dropout stream (seed + rank), so that each resumes its own."""
+def by_rank(state):
+    """Every rank's `state`, in rank order, on rank 0 (None elsewhere): for a checkpoint that rank 0 writes for
+    ranks that each keep their own (RNG states: each draws its own dropout stream, seed + rank; FP8 histories)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [rng_state()]
+        return [state]
     states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(rng_state(), states, dst=0)
+    dist.gather_object(state, states, dst=0)
     return states
 
 
@@ -204,7 +205,8 @@ class Writers:
 def save(cfg, gcfg, next_step, held):
     """Every rank calls this after step next_step - 1: the tensors it is picked for form its part, written in
     parallel with the other ranks' (save_step); with one process, one file."""
-    rngs = rng_states_by_rank()                      # each rank's own dropout stream
+    rngs = by_rank(rng_state())                      # each rank's own dropout stream
+    fp8 = by_rank(fp8_state.histories(held.modules))     # and its own delayed-scaling amax histories
     writers, mine = Writers(), {}
     for name, values, (key, holders, me) in held.whole():
         if writers.mine(values[0], key, holders, me):
@@ -217,7 +219,8 @@ def save(cfg, gcfg, next_step, held):
     meta = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         meta = dict(model={}, optimizer=dict(state={}, param_groups=param_groups, names=order), step=next_step,
-                    rng=rng_state(), rng_by_rank=rngs, config=dict(vars(cfg)), model_config=model_config(gcfg))
+                    rng=rng_state(), rng_by_rank=rngs, fp8_by_rank=fp8, config=dict(vars(cfg)),
+                    model_config=model_config(gcfg))
     if not dist.is_initialized() or dist.get_world_size() == 1:
         meta["model"], meta["optimizer"]["state"] = part["model"], part["optimizer"]["state"]
         save_step(cfg, meta, next_step)
@@ -263,11 +266,21 @@ def load(cfg, env, gcfg, held):
     fail_together(error, env)
     held.restore({name: (state["model"][name], moments.get(name)) for name, _ in held.shapes()})
     set_rng_state(own_rng_state(state))
+    fp8_state.restore(held.modules, state.get("fp8_by_rank"), env.rank, env.world_size)
     saved_seed = (state.get("config") or {}).get("seed", cfg.seed)
     if saved_seed != cfg.seed and env.rank == 0:
         print(f"warning: --seed {cfg.seed} differs from the checkpoint's {saved_seed}: from step {state['step']} "
               f"on, the batches and dropout masks differ from the original run's", flush=True)
     return state["step"]
+
+
+def saved_buffers(module):
+    """(name, buffer) of the buffers a checkpoint keeps by name: the persistent ones (an MoE block's load); not
+    FP8's amax histories (per rank: fp8_state.py)."""
+    for prefix, m in module.named_modules():
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                yield f"{prefix}.{name}" if prefix else name, b
 
 
 def named_parameters(modules):
@@ -317,7 +330,7 @@ class ModuleState:
         named = named_parameters(self.modules)
         tp = self.tp_group
         return ([(n, full_shape(p, tp) if tp is not None else tuple(p.shape)) for n, p in named]
-                + [(n, tuple(b.shape)) for m in self.modules for n, b in m.named_buffers()])
+                + [(n, tuple(b.shape)) for m in self.modules for n, b in saved_buffers(m)])
 
     def whole(self, moments=True):
         """TP slices gathered over tp_group (a collective every TP rank runs). AdamW state a skipped first step
@@ -334,7 +347,7 @@ class ModuleState:
             step = [st.get("step", torch.tensor(0.0))] if moments else []
             yield name, [t.detach() for t in values] + step, self.holder(name)
         for m in self.modules:
-            for name, b in m.named_buffers():
+            for name, b in saved_buffers(m):
                 yield name, [b], self.holder(name)
 
     def restore(self, saved):
@@ -349,7 +362,7 @@ class ModuleState:
                                                                       for k in ("exp_avg", "exp_avg_sq")})
         self.optimizer.load_state_dict(dict(state=local, param_groups=self.optimizer.state_dict()["param_groups"]))
         for m in self.modules:
-            for name, b in m.named_buffers():       # an MoE block's load: the previous step's expert shares
+            for name, b in saved_buffers(m):       # an MoE block's load: the previous step's expert shares
                 b.copy_(saved[name][0])
 
 
@@ -388,7 +401,7 @@ class ShardState(ModuleState):
             if name not in skip:
                 yield name, values + step, self.holder(name)
         for m in self.modules:
-            for name, b in m.named_buffers():
+            for name, b in saved_buffers(m):
                 yield name, [b], self.holder(name)
 
     def restore(self, saved):
@@ -406,5 +419,5 @@ class ShardState(ModuleState):
             for t, full in zip((s.master, s.exp_avg, s.exp_avg_sq), flats):
                 t.copy_(full[s.lo: s.hi])
         for m in self.modules:
-            for name, b in m.named_buffers():
+            for name, b in saved_buffers(m):
                 b.copy_(saved[name][0])

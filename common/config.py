@@ -43,6 +43,7 @@ class Config:
     recompute: str = "none"
     kernels: str = "auto"
     fp8: str = "none"
+    fp8_all_gather: bool = False
     dist_timeout: float = 300.0
     # io and logging
     data_dir: str = os.path.join("data", "stdlib")
@@ -99,6 +100,9 @@ HELP = dict(
             "auto (torch until a Triton kernel is measured faster on a GPU)",
     fp8="FP8 matmuls in the blocks' Linear layers (kernels/fp8.py): none | tensorwise | rowwise | blockwise | "
         "delayed; embedding, LM head, norms, softmax and router stay in high precision",
+    fp8_all_gather="ZeRO-3 with --fp8 tensorwise | delayed | blockwise: gather each block's FP8 weights already "
+                   "quantized (1 byte a value, plus its scales) instead of in the parameter or autocast dtype; the "
+                   "same numbers (docs/kernels.md)",
     dist_timeout="seconds before a stuck collective raises instead of hanging",
     data_dir="directory with train.bin, val.bin, meta.json (the default corpus is prepared on first use)",
     data_mix="DIR:WEIGHT,DIR:WEIGHT,...: train on a weighted mixture of prepared corpora instead of --data_dir "
@@ -136,7 +140,7 @@ CHOICES = dict(recompute=["none", "selective", "full"], kernels=["auto", "triton
                zero_stage=[0, 1, 2, 3], aux_loss_scope=["global", "micro"])
 TECHNIQUE_FLAGS = ("dp", "tp", "sp", "cp", "cp_layout", "pp", "pp_schedule", "pp_virtual", "n_microbatches",
                    "zero_stage", "ep", "n_experts", "top_k", "moe_every", "aux_loss_coef", "aux_loss_scope",
-                   "capacity_factor", "bucket_mb", "fp8")
+                   "capacity_factor", "bucket_mb", "fp8", "fp8_all_gather")
 
 
 INT_TEXT = re.compile(r"\s*[+-]?[0-9]+\s*")

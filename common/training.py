@@ -18,6 +18,7 @@ from common.data_mix import MixtureLoader, parse_data_mix, source_val_losses
 from kernels import apply_kernels, convert_to_float8
 from kernels.apply import compile_block
 from kernels.fp8 import check_fp8_support
+from kernels.fp8_gather import attach_fp8_gathers
 from kernels.fp8_parallel import convert_parallel_to_float8
 from model import GPTConfig
 
@@ -51,10 +52,11 @@ def enable_tf32(device):
         torch.backends.cudnn.allow_tf32 = True
 
 
-def apply_kernels_and_fp8(model, cfg, device):
+def apply_kernels_and_fp8(model, cfg, device, units=None):
     """--kernels (fused modules) and --fp8 (Float8Linear GEMMs; FP8 GEMMs inside tensor-parallel layers) swapped
     into a model or a pipeline stage in place, parameters unchanged; one clear error line when the device cannot
-    run them. Returns the kernel mode."""
+    run them. units: ZeRO-3's (train_zero's Shards) of this model, whose FP8 weights are then gathered as
+    kernels/fp8_gather.py says (in fp32, or with --fp8_all_gather quantized). Returns the kernel mode."""
     try:
         mode = apply_kernels(model, cfg.kernels)
         if getattr(cfg, "fp8", "none") != "none":
@@ -63,6 +65,7 @@ def apply_kernels_and_fp8(model, cfg, device):
             convert_parallel_to_float8(model, recipe=cfg.fp8)
     except (ValueError, RuntimeError) as e:
         fail(str(e))
+    gather_fp8_units(model, units or [], cfg)
     return mode
 
 
@@ -78,6 +81,16 @@ def compiled(model, cfg, blocks=()):
     for block in blocks:
         compile_block(block)
     return model
+
+
+def gather_fp8_units(model, units, cfg):
+    """ZeRO-3's units of `model` (train_zero's Shards) holding FP8 GEMMs' weights gather them as
+    kernels/fp8_gather.py says: in fp32, or with --fp8_all_gather quantized; one clear error line where the
+    recipe or the device's GEMM cannot take a gathered FP8 weight."""
+    try:
+        attach_fp8_gathers(model, units, getattr(cfg, "fp8_all_gather", False))
+    except ValueError as e:
+        fail(str(e))
 
 
 def prepares_data(env):
@@ -170,15 +183,24 @@ def check_moe(cfg):
 
 
 def check_zero3(cfg):
-    """What ZeRO-3's gather hooks are not yet checked with, in any layout (train_zero.py, train_5d.py)."""
-    check_zero3_fp8(cfg)
+    """ZeRO-3's own rules, in any layout (train_zero.py, train_5d.py): the fused modules, --compile and every FP8
+    recipe compose with its gather hooks (docs/kernels.md); what is left is --fp8_all_gather's."""
+    check_fp8_all_gather(cfg)
 
 
-def check_zero3_fp8(cfg):
-    """FP8 under ZeRO-3: its GEMMs' modules are not yet checked with the hooks that gather and free each block."""
-    check(cfg.zero_stage < 3 or cfg.fp8 == "none",
-          "--fp8 applies to ZeRO stages 0-2; ZeRO-3 gathers and frees each block's parameters from hooks that the "
-          "FP8 modules are not checked with: use --fp8 none")
+def check_fp8_all_gather(cfg):
+    """--fp8_all_gather: ZeRO-3's gather of FP8 weights already quantized (kernels/fp8_gather.py), for the recipes
+    whose weight scales are maxes of its shards' amaxes (per tensor or per 128 x 128 block) and that quantize W
+    once for both its GEMMs."""
+    if not getattr(cfg, "fp8_all_gather", False):
+        return
+    check(cfg.zero_stage == 3 and cfg.fp8 != "none", "--fp8_all_gather needs --zero_stage 3 and --fp8 (it gathers "
+          "the blocks' FP8 weights instead of their high-precision values)")
+    check(cfg.fp8 != "rowwise", "--fp8_all_gather with --fp8 rowwise: W's forward GEMM scales it per row and its "
+          "dgrad GEMM per column, two FP8 encodings of W (2 bytes a value, bf16's): use tensorwise, delayed or "
+          "blockwise")
+    check(getattr(cfg, "tp", 1) == 1, "--fp8_all_gather with --tp > 1: the tensor-parallel layers quantize their "
+          "weight shard inside each GEMM (kernels/fp8_parallel.py), not from a gathered FP8 weight")
 
 
 class ValLoss(float):

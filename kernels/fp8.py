@@ -129,20 +129,24 @@ class _Float8LinearFunction(torch.autograd.Function):
     forward keeps x^T's and W^T's FP8 copies for dW and dx, instead of quantizing x and W again."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe, history):
+    def forward(ctx, x, weight, recipe, history, gathered=None):
+        """gathered: (W's Fp8Cast, W's amax) quantized already (ZeRO-3's FP8 all-gather, kernels/fp8_gather.py)."""
         x2 = x.reshape(-1, x.shape[-1])
         M, N, kind = x2.shape[0], weight.shape[0], gemm_kind(x2)
         x_amax = w_amax = None
         if recipe == "delayed":
-            x_amax, w_amax = delayed_amax(history[0], x2), delayed_amax(history[1], weight)
+            x_amax = delayed_amax(history[0], x2)
+            w_amax = delayed_amax(history[1], weight, None if gathered is None else gathered[1])
         if not M:
             y = x2.new_zeros(0, N, dtype=out_dtype_of(x))
             ctx.save_for_backward(x2, weight)
         else:
-            qx, qw = cast(x2, E4M3, recipe, "activation", x_amax), cast(weight, E4M3, recipe, "weight", w_amax)
+            qx = cast(x2, E4M3, recipe, "activation", x_amax)
+            qw = cast(weight, E4M3, recipe, "weight", w_amax) if gathered is None else gathered[0]
             y = unpadded(scaled_gemm(qx[:2], qw[:2], out_dtype_of(x), recipe, kind, fast_accum=True), M, N)
             y = y.to(out_dtype_of(x))
-            ctx.save_for_backward(qx.qt, qx.inv_t, qw.qt, qw.inv_t)
+            # a gathered W^T lives in ZeRO-3's unit, freed after this forward: dgrad keeps a copy
+            ctx.save_for_backward(qx.qt, qx.inv_t, qw.qt if gathered is None else qw.qt.clone(), qw.inv_t)
         ctx.recipe, ctx.history, ctx.shapes, ctx.dtypes = recipe, history, (x.shape, M, N), (x.dtype, weight.dtype)
         return y.reshape(*x.shape[:-1], N)
 
@@ -153,7 +157,7 @@ class _Float8LinearFunction(torch.autograd.Function):
         dy_amax = delayed_amax(ctx.history[2], dy2) if recipe == "delayed" else None
         if not M:       # an expert without tokens: an empty input gradient, a zero weight gradient
             x2, weight = ctx.saved_tensors
-            return x2.new_zeros(x_shape), torch.zeros_like(weight), None, None
+            return x2.new_zeros(x_shape), torch.zeros_like(weight), None, None, None
         xt, xt_inv, wt, wt_inv = ctx.saved_tensors
         K, kind = x_shape[-1], gemm_kind(dy)
         # cuBLASLt's row-scaled FP8 GEMMs take e4m3 operands only (torchao's rowwise recipe does the same)
@@ -161,7 +165,7 @@ class _Float8LinearFunction(torch.autograd.Function):
         qdy = cast(dy2, g, recipe, "activation", dy_amax)
         dx = unpadded(scaled_gemm(qdy[:2], (wt, wt_inv), x_dtype, recipe, kind), M, K)
         dw = unpadded(scaled_gemm(qdy[2:], (xt, xt_inv), w_dtype, recipe, kind), N, K)
-        return dx.to(x_dtype).reshape(x_shape), dw.to(w_dtype), None, None
+        return dx.to(x_dtype).reshape(x_shape), dw.to(w_dtype), None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -175,6 +179,7 @@ class Float8Linear(nn.Linear):
         self.recipe = recipe
         # amax histories of x, W, dy for delayed scaling (unused by the dynamic recipes)
         self.register_buffer("amax_history", torch.zeros(3, history_len, device=device), persistent=False)
+        self.gathered_weight = None     # set while ZeRO-3 holds this W gathered in FP8 (kernels/fp8_gather.py)
 
     @classmethod
     def from_float(cls, linear, recipe="tensorwise", history_len=16):
@@ -187,7 +192,7 @@ class Float8Linear(nn.Linear):
     def matmul(self, x):
         """x W^T in FP8, without the bias: for a fused kernel that adds the bias itself (kernels/apply.py's
         FusedBlock), so FP8 and the fused kernels compose."""
-        return _Float8LinearFunction.apply(x, self.weight, self.recipe, self.amax_history)
+        return _Float8LinearFunction.apply(x, self.weight, self.recipe, self.amax_history, self.gathered_weight)
 
     def forward(self, x):
         y = self.matmul(x)

@@ -50,10 +50,15 @@ def per_element(scale, granularity, shape):
     return scale.repeat_interleave(BLOCK, dim=1)[:, :K]
 
 
+def scale_of(a, dtype):
+    """The scale that maps an amax (any layout) to the format's largest value."""
+    return fp8_max(dtype) / a.clamp_min(AMAX_EPS)
+
+
 def quantize(t, dtype, granularity, amax_value=None):
     """(fp8 tensor, scale) with t * scale -> fp8 (saturating); amax_value overrides the measured amax (delayed)."""
     a = amax(t, granularity) if amax_value is None else amax_value
-    scale = fp8_max(dtype) / a.clamp_min(AMAX_EPS)
+    scale = scale_of(a, dtype)
     q = (t.float() * per_element(scale, granularity, t.shape)).clamp(-fp8_max(dtype), fp8_max(dtype))
     return q.to(dtype), scale
 

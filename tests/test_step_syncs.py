@@ -101,6 +101,7 @@ RUNGS = {
     "ep_capacity": ("train_ep", dict(ep=2, n_experts=4, top_k=2, capacity_factor=1.0)),
     "tp_sp": ("train_tp", dict(tp=2, sp=True)),
     "zero3": ("train_zero", dict(zero_stage=3)),
+    "zero3_fp8_all_gather": ("train_zero", dict(zero_stage=3, fp8="delayed", fp8_all_gather=True)),
     "5d_cp_allgather": ("train_5d", dict(dp=1, tp=1, pp=1, cp=2, cp_layout="allgather")),
 }
 
