@@ -49,7 +49,7 @@ rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/
 Checkpoints are one file in train_single's layout: any layout, or train_single, resumes any other. --kernels and
 --fp8 apply inside the stages as in train_single; with tp > 1 inside the parallel layers, keeping their
 communication (FP8 adds tp's amax all-reduces: kernels/fp8_parallel.py). zb1, zbv and dualpipev defer the weight
-gradients of nn.Linear and of train_tp's parallel layers (their B keeps TP's communication).
+gradients of nn.Linear, FP8, train_tp's layers and the fused LM head (B keeps TP's communication; docs/pipelines.md).
 """
 import argparse
 import functools
