@@ -11,6 +11,8 @@ For each chunk of n tokens (n*V ~ N*C, so the chunk's logits are about as big as
     z <- (softmax(z) - onehot(t)) / N_valid     the logit gradient written over the logits
     dh_c = z W ;  dW += z^T h_c                 two matmuls, then the chunk's buffer is reused
 backward only scales the stored dh, dW by the incoming gradient (the loss is the graph's end in training).
+Under a zero-bubble pipeline (defer=) the forward skips dW and the W step makes a second pass over the chunks for
+it: the same ops in the same order, so the same dW, for one more GEMM (docs/pipelines.md, "The W step").
 
 Memory (fp32, N tokens, vocab V): the unfused head keeps N*V logits, makes an fp32 copy for the loss, the
 softmax and the logit gradient: about 3-4 x 4*N*V bytes at peak. Fused: 4*n*V for one chunk plus dh (N*C)
