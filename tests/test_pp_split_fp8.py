@@ -62,3 +62,36 @@ def test_5d_zb1_fp8_equals_1f1b(tiny_data, tmp_path):
     got = _run_all("train_5d", 4, tmp_path, tiny_data, cases, dp=2, pp=2, zero_stage=2, micro_batch_size=1,
                    max_steps=2, fp8="delayed", dtype="float64")
     assert_exact(got["1f1b"], got["zb1"])
+
+
+def _block_grads(store):
+    """Weight gradients of one model.py block under --kernels compile (the FusedBlock compiled whole) with FP8,
+    over two micro-batches; with a store, each B leaves dW to W, run after it."""
+    import torch
+    from common.pipeline_weight_grads import defer_weight_grads
+    from kernels import apply_kernels, convert_to_float8
+    from model import Block, GPTConfig, rope_cache
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Block(GPTConfig(n_embd=32, n_head=2, block_size=8, vocab_size=64))])
+    apply_kernels(blocks, "compile")
+    convert_to_float8(blocks, "tensorwise")
+    if store is not None:
+        defer_weight_grads(blocks, store)
+    rope = rope_cache(16, torch.arange(8))
+    for mb in range(2):
+        x = torch.randn(2, 8, 32, requires_grad=True)
+        blocks[0](x, rope).backward(torch.randn(2, 8, 32))
+        if store is not None:
+            assert mb > 0 or all(p.grad is None for n, p in blocks.named_parameters() if n.endswith("fc.weight"))
+            store.close(mb)
+            store.compute(mb)
+    return {n: p.grad for n, p in blocks.named_parameters()}
+
+
+def test_compiled_fused_block_keeps_fp8_dw_for_w():
+    """--kernels compile: the FP8 layers inside a compiled FusedBlock still hand their dW to the store (the
+    compiled graph does not swallow B's stash), and W's gradients are the unsplit backward's bit for bit."""
+    import torch
+    from common.pipeline_weight_grads import WeightGradStore
+    plain, split = _block_grads(None), _block_grads(WeightGradStore())
+    assert all(torch.equal(plain[n], split[n]) for n in plain)
