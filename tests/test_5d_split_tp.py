@@ -20,7 +20,7 @@ def _split_equals_plain(rank, world, sp, recipe=None):
         dist.init_process_group("gloo")
     group = dist.group.WORLD
     out = {}
-    h, f = (8, 12) if recipe is None else (256, 256)          # FP8 blockwise: shards of whole 128-blocks
+    h, f = (256, 256) if recipe == "blockwise" else (8, 12)   # FP8 blockwise: shards of whole 128-blocks
     if recipe is not None:      # kernels/fp8.py on its H100 path, every _scaled_mm under CUDA's rules
         fp8.gemm_kind = cuda_scaled_mm.simulated_gpu("cuda_blocks")
         torch._scaled_mm = cuda_scaled_mm.cuda_rules_scaled_mm(native_blocks=True)
