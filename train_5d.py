@@ -48,10 +48,9 @@ micro-batch for ZeRO-2, + all-gather) of this rank's gradients, ep train_ep's al
 rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/N of each unit's padded bytes
 (N: dp x cp, or edp for an experts unit; gathers: 2m when resharding after forward, none for a W action).
 Checkpoints are one file in train_single's layout: any layout, or train_single, resumes any other. --kernels and
---fp8 apply inside the stages as in train_single; with tp > 1 inside the parallel layers, keeping their
-communication (FP8 adds tp's amax all-reduces: kernels/fp8_parallel.py); ZeRO-3 gathers FP8 blocks in fp32, or
-with --fp8_all_gather (tp 1) their weights quantized (kernels/fp8_gather.py). zb1, zbv and dualpipev defer the weight
-gradients of nn.Linear and of train_tp's parallel layers (their B keeps TP's communication).
+--fp8 apply inside the stages as in train_single, inside the parallel layers with tp > 1 (FP8 adds tp's amax
+all-reduces: kernels/fp8_parallel.py), gathered by ZeRO-3 in fp32 or with --fp8_all_gather in FP8 (fp8_gather.py);
+zb1, zbv and dualpipev defer the dW of nn.Linear, FP8, train_tp's layers and the fused LM head (docs/pipelines.md).
 """
 import argparse
 import functools

@@ -353,7 +353,7 @@ def validate(cfg):
 
 def check_pp(cfg, p, m):
     """What a pipeline of p ranks running m micro-batches per step asks of the run, for train_pp and train_5d alike:
-    the schedule's chunks per rank, enough micro-batches to fill it, the layers to cut, linears it can split."""
+    the schedule's chunks per rank, enough micro-batches to fill it, the layers to cut."""
     from common.config import check
     v, name, stages = cfg.pp_virtual, cfg.pp_schedule, p * cfg.pp_virtual
     check(cfg.n_layer >= stages, f"n_layer={cfg.n_layer} is fewer than pp*pp_virtual={stages} stages")
@@ -370,9 +370,7 @@ def check_pp(cfg, p, m):
     check(name in ("afab", "zbv") or m >= p, f"--pp_schedule {name} needs at least as many micro-batches as "
                                              f"stages: n_microbatches={m} < --pp {p} (use more, or afab or zbv)")
     check(name != "dualpipev" or m >= 2 * p, f"dualpipev needs n_microbatches ({m}) >= 2 * --pp = {2 * p}")
-    check(name not in SPLIT_BACKWARD or (cfg.kernels in ("auto", "torch") and cfg.fp8 == "none"),
-          f"{name} defers the weight gradients of nn.Linear and tensor-parallel layers; fused kernels or --fp8 "
-          "replace them: use afab, 1f1b or interleaved")
+
 
 def extra_args(parser):
     parser.add_argument("--pp_uneven", action="store_true", help="allow n_layer not divisible by pp*pp_virtual")

@@ -175,8 +175,8 @@ class ColumnLinearFn(torch.autograd.Function):
             grad_in, work = reduce_scatter_seq(grad_in, ctx.group, async_op=ctx.overlap)
         else:
             work = all_reduce(grad_in, group=ctx.group, async_op=ctx.overlap)
-        if ctx.store is not None:                                # dW and db wait for the W action
-            ctx.store.stash(*ctx.params, x, grad_out)
+        if ctx.store is not None:                                # dW and db wait for the W action (FP8: its GEMM)
+            ctx.store.stash(*ctx.params, x, grad_out, None if ctx.gemm is None else ctx.gemm.weight_grad(ctx, weight))
             if work is not None:
                 work.wait()
             return grad_in, None, None, None, None, None, None, None
@@ -271,7 +271,7 @@ class RowParallelLinear(nn.Module):
     def matmul(self, x):                         # the summed product, bias left out (for a fused bias kernel)
         store, gemm = self.weight_grad_store, self.gemm
         if gemm is not None:
-            partial = gemm.linear(x, self.weight)
+            partial = gemm.linear(x, self.weight, store)
         else:
             partial = F.linear(x, self.weight) if store is None else store.linear(x, self.weight)
         return leave_tp_region(partial, self.group, self.sp)

@@ -6,24 +6,38 @@ for) and dW = gy^T x (the weight gradient nothing downstream needs until the opt
 computes only dx and sends it at once; the matching W action computes dW later, in what would be a bubble
 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"). Here the blocks' nn.Linear layers are swapped for
 DeferredWeightGradLinear: its backward returns dx and stashes (layer, x, gy) in a WeightGradStore, and
-W(micro-batch) turns the stash into gradients. Parameters and their names are unchanged. Tensor-parallel layers
-(train_tp.py) take the store themselves: their B keeps the input gradient's all-reduce (or SP's reduce-scatter)
-and stashes the weight's part for W.
+W(micro-batch) turns the stash into gradients. Parameters and their names are unchanged.
+
+Any layer that runs its own GEMMs takes the store itself (a `weight_grad_store` attribute) and stashes what its W
+needs: train_tp's tensor-parallel layers (B keeps the input gradient's all-reduce, or SP's reduce-scatter);
+kernels/fp8.py's Float8Linear and the FP8 GEMMs inside the tensor-parallel layers (W runs the FP8 dW GEMM on the
+dy that B quantized and the x that F quantized: the unsplit backward's numbers, bit for bit); kernels/apply.py's
+fused LM head (W recomputes the logits its forward did not keep). Gradients that are a reduction inside a fused
+kernel's one pass over dy (the fused LayerNorm's dgamma, dbeta, the fused bias adds' db) stay in B, as
+nn.LayerNorm's do. docs/pipelines.md ("The W step") says why for each.
 """
+import functools
+
 import torch
 import torch.nn as nn
 
 
 class WeightGradStore:
-    """Layers stash (weight, bias, input, output gradient) during B; W(mb) computes their dW = gy^T x (and db)."""
+    """Layers stash their weight gradients' work during B; W(mb) does it: dW = gy^T x (and db) for a Linear, or
+    whatever function a layer with GEMMs of its own deferred."""
 
     def __init__(self):
         self.pending, self.saved = [], {}
         self.after_compute = None                # called with the key after each W (ZeRO-2: reduce now)
 
-    def stash(self, weight, bias, x, gy):
-        """From a backward that returned only dx (bias None: its gradient is not this layer's to defer)."""
-        self.pending.append((weight, bias, x, gy))
+    def stash(self, weight, bias, x, gy, weight_grad=None):
+        """From a backward that returned only dx (bias None: its gradient is not this layer's to defer).
+        weight_grad(gy2, x2): the layer's own dW GEMM on the 2-D operands (tokens as rows); None: gy2^T x2."""
+        self.defer(functools.partial(linear_weight_grads, weight, bias, x, gy, weight_grad))
+
+    def defer(self, grads):
+        """grads(): [(parameter, its gradient)], called by W of the micro-batch B is running."""
+        self.pending.append(grads)
 
     def linear(self, x, weight, bias=None):
         """y = x W^T + b whose backward returns only dx and stashes the rest here: for layers that own their
@@ -35,13 +49,19 @@ class WeightGradStore:
 
     @torch.no_grad()
     def compute(self, key):
-        for weight, bias, x, gy in self.saved.pop(key):
-            gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1]).to(gy.dtype)  # tokens as rows
-            grads = [(weight, gy2.t() @ x2)] + ([(bias, gy2.sum(0))] if bias is not None else [])
-            for p, g in grads:
+        for grads in self.saved.pop(key):
+            for p, g in grads():
                 p.grad = g.to(p.dtype) if p.grad is None else p.grad.add_(g.to(p.dtype))
         if self.after_compute is not None:
             self.after_compute(key)
+
+
+def linear_weight_grads(weight, bias, x, gy, weight_grad=None):
+    """[(weight, dW), (bias, db)] of y = x W^T + b from its input and output gradient: dW = gy^T x by torch's
+    GEMM, or by `weight_grad` (an FP8 layer's), db = the sum of gy over tokens."""
+    gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])      # tokens as rows
+    dw = gy2.t() @ x2.to(gy2.dtype) if weight_grad is None else weight_grad(gy2, x2)
+    return [(weight, dw)] + ([(bias, gy2.sum(0))] if bias is not None else [])
 
 
 class _LinearInputGradOnly(torch.autograd.Function):
@@ -70,11 +90,16 @@ class DeferredWeightGradLinear(nn.Module):
     def forward(self, x):
         return self.store.linear(x, self.weight, self.bias)
 
+    def matmul(self, x):
+        """x W^T without the bias, its dW deferred: for kernels/apply.py's FusedBlock, which adds the bias in its
+        fused kernel (whose backward sums db in B)."""
+        return self.store.linear(x, self.weight)
+
 
 def defer_weight_grads(module, store):
     """Swap every nn.Linear inside `module` (the blocks' four matmuls) for DeferredWeightGradLinear; a layer that
-    runs its own matmul (train_tp's column- and row-parallel layers: a `weight_grad_store` attribute) is handed
-    the store and defers its own dW, keeping its communication in B."""
+    runs its own GEMMs (a `weight_grad_store` attribute: train_tp's column- and row-parallel layers, FP8 layers,
+    the fused LM head) is handed the store and defers its own dW, keeping its communication in B."""
     for parent in list(module.modules()):
         if hasattr(parent, "weight_grad_store"):
             parent.weight_grad_store = store

@@ -113,6 +113,7 @@ class FusedLMHead(nn.Module):
     def __init__(self, head, backend):
         super().__init__()
         self.weight, self.backend = head.weight, backend
+        self.weight_grad_store = None            # zero-bubble pipelines: dW in W (pipeline_weight_grads.py)
 
     def forward(self, x, targets=None):
         if targets is None:
@@ -123,7 +124,8 @@ class FusedLMHead(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             h, w = h.to(dtype), w.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
-            return None, linear_cross_entropy(h, w, targets, backend=self.backend)
+            defer = None if self.weight_grad_store is None else (self.weight_grad_store, self.weight)
+            return None, linear_cross_entropy(h, w, targets, backend=self.backend, defer=defer)
 
 
 def _has_matmul(linear):

@@ -34,6 +34,7 @@ operands are padded with zero rows to the next multiple (of 16, or 128 for nativ
 neither a GEMM's result nor an amax, so the padded product is exactly the unpadded one. An expert that received
 no tokens gets an empty output and a zero dW without quantizing anything.
 """
+import functools
 import os
 
 import torch
@@ -152,20 +153,49 @@ class _Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        (x_shape, M, N), (x_dtype, w_dtype), recipe = ctx.shapes, ctx.dtypes, ctx.recipe
-        dy2 = dy.reshape(-1, N)
-        dy_amax = delayed_amax(ctx.history[2], dy2) if recipe == "delayed" else None
-        if not M:       # an expert without tokens: an empty input gradient, a zero weight gradient
-            x2, weight = ctx.saved_tensors
-            return x2.new_zeros(x_shape), torch.zeros_like(weight), None, None, None
-        xt, xt_inv, wt, wt_inv = ctx.saved_tensors
-        K, kind = x_shape[-1], gemm_kind(dy)
-        # cuBLASLt's row-scaled FP8 GEMMs take e4m3 operands only (torchao's rowwise recipe does the same)
-        g = E4M3 if kind != "cpu" and recipe in ("rowwise", "blockwise") else E5M2
-        qdy = cast(dy2, g, recipe, "activation", dy_amax)
-        dx = unpadded(scaled_gemm(qdy[:2], (wt, wt_inv), x_dtype, recipe, kind), M, K)
-        dw = unpadded(scaled_gemm(qdy[2:], (xt, xt_inv), w_dtype, recipe, kind), N, K)
-        return dx.to(x_dtype).reshape(x_shape), dw.to(w_dtype), None, None, None
+        dx, weight_grad = float8_backward_split(ctx, dy)
+        return dx, weight_grad(), None, None, None
+
+
+def float8_backward_split(ctx, dy):
+    """_Float8LinearFunction's backward in two parts: dx = dy W now (dy quantized once, in both layouts), and a
+    function that returns dW = dy^T x from that quantized dy and the forward's quantized x^T whenever it is called:
+    at once (the backward above), or in a zero-bubble pipeline's W step (_Float8LinearInputGradOnly). The same
+    GEMM on the same operands either way: the same dW, bit for bit."""
+    (x_shape, M, N), (x_dtype, w_dtype), recipe = ctx.shapes, ctx.dtypes, ctx.recipe
+    dy2 = dy.reshape(-1, N)
+    dy_amax = delayed_amax(ctx.history[2], dy2) if recipe == "delayed" else None
+    if not M:       # an expert without tokens: an empty input gradient, a zero weight gradient
+        x2, weight = ctx.saved_tensors
+        return x2.new_zeros(x_shape), functools.partial(torch.zeros_like, weight)
+    xt, xt_inv, wt, wt_inv = ctx.saved_tensors
+    K, kind = x_shape[-1], gemm_kind(dy)
+    # cuBLASLt's row-scaled FP8 GEMMs take e4m3 operands only (torchao's rowwise recipe does the same)
+    g = E4M3 if kind != "cpu" and recipe in ("rowwise", "blockwise") else E5M2
+    qdy = cast(dy2, g, recipe, "activation", dy_amax)
+    dx = unpadded(scaled_gemm(qdy[:2], (wt, wt_inv), x_dtype, recipe, kind), M, K)
+    dyt = qdy[2:]                   # dy^T's layout: all that dW needs of dy (the closure keeps no more)
+
+    def weight_grad():
+        return unpadded(scaled_gemm(dyt, (xt, xt_inv), w_dtype, recipe, kind), N, K).to(w_dtype)
+    return dx.to(x_dtype).reshape(x_shape), weight_grad
+
+
+class _Float8LinearInputGradOnly(torch.autograd.Function):
+    """_Float8LinearFunction whose backward returns only dx and defers dW to a zero-bubble pipeline's W step:
+    `store` is common/pipeline_weight_grads.WeightGradStore (Float8Linear.weight_grad_store)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe, history, gathered, store):
+        ctx.weight, ctx.store = weight, store            # the Parameter itself, for W
+        return _Float8LinearFunction.forward(ctx, x, weight, recipe, history, gathered)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx, weight_grad = float8_backward_split(ctx, dy)
+        weight = ctx.weight
+        ctx.store.defer(lambda: [(weight, weight_grad())])
+        return dx, None, None, None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -177,6 +207,7 @@ class Float8Linear(nn.Linear):
         if recipe not in RECIPES:
             raise ValueError(f"unknown FP8 recipe {recipe!r}; expected one of {RECIPES}")
         self.recipe = recipe
+        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline_weight_grads.py)
         # amax histories of x, W, dy for delayed scaling (unused by the dynamic recipes)
         self.register_buffer("amax_history", torch.zeros(3, history_len, device=device), persistent=False)
         self.gathered_weight = None     # set while ZeRO-3 holds this W gathered in FP8 (kernels/fp8_gather.py)
@@ -192,6 +223,9 @@ class Float8Linear(nn.Linear):
     def matmul(self, x):
         """x W^T in FP8, without the bias: for a fused kernel that adds the bias itself (kernels/apply.py's
         FusedBlock), so FP8 and the fused kernels compose."""
+        if self.weight_grad_store is not None:
+            return _Float8LinearInputGradOnly.apply(x, self.weight, self.recipe, self.amax_history,
+                                                    self.gathered_weight, self.weight_grad_store)
         return _Float8LinearFunction.apply(x, self.weight, self.recipe, self.amax_history, self.gathered_weight)
 
     def forward(self, x):

@@ -30,6 +30,8 @@ the order of the sums where the contraction is split: tp partial products, each 
 dtype (fp32; bf16 for row- and block-scaled GEMMs on a GPU), then summed in the parameter dtype, where one device
 rounds once. A later quantization can round such a value the other way: docs/kernels.md has the measured bound.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -111,25 +113,34 @@ class Float8ParallelGemms:
                         ctx.fp8_amaxes[0], b_is_weight=False)
         return dw.to(weight.dtype)
 
+    def weight_grad(self, ctx, weight):
+        """grad_weight as a function of (dy2, x2): what a zero-bubble pipeline's W step calls
+        (common/pipeline_weight_grads.WeightGradStore.stash), the same GEMM on the same operands and amaxes."""
+        return functools.partial(self.grad_weight, ctx, weight=weight)
+
     @torch.compiler.disable      # collectives (the amax reductions) run eagerly, as train_tp's do
-    def linear(self, x, weight):
-        """x W^T with autograd, no communication of its own (a row-parallel layer's partial product)."""
-        return _ParallelFloat8Linear.apply(x, weight, self)
+    def linear(self, x, weight, store=None):
+        """x W^T with autograd, no communication of its own (a row-parallel layer's partial product). store: a
+        zero-bubble pipeline's WeightGradStore (common/pipeline_weight_grads.py), which runs the dW GEMM in W."""
+        return _ParallelFloat8Linear.apply(x, weight, self, store)
 
 
 class _ParallelFloat8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, gemms):
+    def forward(ctx, x, weight, gemms, store):
         ctx.save_for_backward(x, weight)
-        ctx.gemms = gemms
+        ctx.gemms, ctx.store, ctx.weight = gemms, store, weight     # the Parameter itself, for W
         return gemms.forward(ctx, x, weight)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx = ctx.gemms.grad_input(ctx, dy, weight)
-        dw = ctx.gemms.grad_weight(ctx, dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]), weight)
-        return dx, dw, None
+        weight_grad = ctx.gemms.weight_grad(ctx, weight)
+        if ctx.store is not None:       # dW later, the same GEMM on the same operands and amaxes
+            ctx.store.stash(ctx.weight, None, x, dy, weight_grad)
+            return dx, None, None, None
+        return dx, weight_grad(dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])), None, None
 
 
 def convert_parallel_to_float8(model, recipe="tensorwise", skip=("lm_head", "wte", "router", "gate")):

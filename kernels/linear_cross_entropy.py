@@ -11,6 +11,8 @@ For each chunk of n tokens (n*V ~ N*C, so the chunk's logits are about as big as
     z <- (softmax(z) - onehot(t)) / N_valid     the logit gradient written over the logits
     dh_c = z W ;  dW += z^T h_c                 two matmuls, then the chunk's buffer is reused
 backward only scales the stored dh, dW by the incoming gradient (the loss is the graph's end in training).
+Under a zero-bubble pipeline (defer=) the forward skips dW and the W step makes a second pass over the chunks for
+it: the same ops in the same order, so the same dW, for one more GEMM (docs/pipelines.md, "The W step").
 
 Memory (fp32, N tokens, vocab V): the unfused head keeps N*V logits, makes an fp32 copy for the loss, the
 softmax and the logit gradient: about 3-4 x 4*N*V bytes at peak. Fused: 4*n*V for one chunk plus dh (N*C)
@@ -20,6 +22,8 @@ Targets equal to ignore_index (-100, as F.cross_entropy) count neither in the lo
 Precision: the row kernel works in fp32 for 16-bit and fp32 logits and in float64 for float64 logits (the
 per-row losses too), so the float64 exactness runs keep the fused head in float64.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -102,36 +106,65 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+def _chunk_pass(h, weight, targets, inv_n, ignore_index, chunk, backend, dh=None, dw=None):
+    """The summed per-row losses, chunk by chunk: z = h_c W^T, the row kernel (z <- the logit gradient), then
+    dh_c = z W where dh is given and dW += z^T h_c where dw is given (the same ops in the forward and in a
+    deferred dW, so both give the same bits)."""
+    loss = torch.zeros((), device=h.device, dtype=_acc_dtype(h))
+    for i in range(0, h.shape[0], chunk):
+        hc, tc = h[i:i + chunk], targets[i:i + chunk]
+        z = hc @ weight.t()                                  # [n, V]: the only vocab-sized buffer
+        loss += _ce_grad_(z, tc, inv_n, ignore_index, backend).sum()
+        if dh is not None:
+            torch.mm(z, weight, out=dh[i:i + chunk])
+        if dw is not None and z.dtype == dw.dtype:
+            dw.addmm_(z.t(), hc)                             # in place: no [V, C] temporary per chunk
+        elif dw is not None:
+            dw += (z.t() @ hc).to(dw.dtype)                  # fp32 accumulation over chunks
+    return loss
+
+
+def _acc_dtype(h):
+    return torch.float64 if h.dtype == torch.float64 else torch.float32    # sums over chunks: >= fp32
+
+
+def _weight_grad(h, weight, targets, inv_n, ignore_index, chunk, backend, grad_loss):
+    """dW of the loss, scaled by grad_loss, as the forward would have computed it (a second pass over the chunks:
+    the logits again, their gradient, z^T h_c)."""
+    dw = torch.zeros(weight.shape, device=h.device, dtype=_acc_dtype(h))
+    _chunk_pass(h, weight, targets, inv_n, ignore_index, chunk, backend, dw=dw)
+    dw = dw.to(weight.dtype)
+    return dw.mul_(grad_loss.to(dw.dtype))
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, ignore_index, chunk, backend):
-        N, C = h.shape
+    def forward(ctx, h, weight, targets, ignore_index, chunk, backend, defer=None):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         # 1 / (number of counted targets) as a float64 device scalar: int() of the count would make the host wait
         # for the GPU on every micro-step
         inv_n = (targets != ignore_index).sum().clamp_min(1).double().reciprocal()
-        acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32    # sums over chunks: >= fp32
-        loss = torch.zeros((), device=h.device, dtype=acc_dtype)
         dh = torch.empty_like(h) if need_grad else None
-        dw = torch.zeros(weight.shape, device=h.device, dtype=acc_dtype) if need_grad else None
-        for i in range(0, N, chunk):
-            hc, tc = h[i:i + chunk], targets[i:i + chunk]
-            z = hc @ weight.t()                                  # [n, V]: the only vocab-sized buffer
-            loss += _ce_grad_(z, tc, inv_n, ignore_index, backend).sum()
-            if need_grad:
-                torch.mm(z, weight, out=dh[i:i + chunk])
-                if z.dtype == acc_dtype:
-                    dw.addmm_(z.t(), hc)                         # in place: no [V, C] temporary per chunk
-                else:
-                    dw += (z.t() @ hc).to(acc_dtype)             # fp32 accumulation over chunks
-        ctx.save_for_backward(dh, dw.to(weight.dtype) if need_grad else None)
+        dw = torch.zeros(weight.shape, device=h.device, dtype=_acc_dtype(h)) if need_grad and not defer else None
+        loss = _chunk_pass(h, weight, targets, inv_n, ignore_index, chunk, backend, dh, dw)
+        ctx.defer, ctx.args = defer, (ignore_index, chunk, backend)
+        if need_grad and defer:          # W computes dW: keep what it needs to compute the logits again
+            ctx.save_for_backward(dh, h, weight, targets, inv_n)
+        else:
+            ctx.save_for_backward(dh, dw.to(weight.dtype) if need_grad else None)
         return loss * inv_n.to(loss.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        dh, dw = ctx.saved_tensors
         # scaled in place: no second vocab x C buffer (so this graph can be backpropagated only once)
-        return dh.mul_(grad_loss.to(dh.dtype)), dw.mul_(grad_loss.to(dw.dtype)), None, None, None, None
+        if ctx.defer:
+            dh, h, weight, targets, inv_n = ctx.saved_tensors
+            store, param = ctx.defer
+            dw = functools.partial(_weight_grad, h, weight, targets, inv_n, *ctx.args, grad_loss)
+            store.defer(lambda: [(param, dw())])
+            return dh.mul_(grad_loss.to(dh.dtype)), None, None, None, None, None, None
+        dh, dw = ctx.saved_tensors
+        return dh.mul_(grad_loss.to(dh.dtype)), dw.mul_(grad_loss.to(dw.dtype)), None, None, None, None, None
 
 
 def linear_cross_entropy_reference(h, weight, targets, ignore_index=-100):
@@ -139,10 +172,13 @@ def linear_cross_entropy_reference(h, weight, targets, ignore_index=-100):
     return F.cross_entropy(_at_least_fp32(h @ weight.t()), targets, ignore_index=ignore_index)
 
 
-def linear_cross_entropy(h, weight, targets, ignore_index=-100, chunk=None, backend="auto"):
+def linear_cross_entropy(h, weight, targets, ignore_index=-100, chunk=None, backend="auto", defer=None):
     """mean over tokens of cross_entropy(h @ weight^T, targets), never materialising all the logits.
-    h [..., C], targets [...]; backend 'torch' / 'compile' chunk the same way with torch ops per chunk."""
+    h [..., C], targets [...]; backend 'torch' / 'compile' chunk the same way with torch ops per chunk.
+    defer: (store, parameter) under a zero-bubble pipeline: the forward computes no dW; backward hands the store
+    (common/pipeline_weight_grads.WeightGradStore) a function that computes it, for the parameter, in W."""
     h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     chunk = chunk or default_chunk(h2.shape[0], weight.shape[0], weight.shape[1])
     backend = "triton" if use_triton(h2, backend) else ("torch" if backend == "auto" else backend)
-    return LinearCrossEntropyFunction.apply(h2.contiguous(), weight, t.contiguous(), ignore_index, chunk, backend)
+    return LinearCrossEntropyFunction.apply(h2.contiguous(), weight, t.contiguous(), ignore_index, chunk, backend,
+                                            defer)

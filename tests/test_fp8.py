@@ -174,6 +174,33 @@ def test_every_selected_linear_runs_fp8_under_each_kernels_mode(mode, fp8, monke
     assert abs(loss.item() - high_precision_loss) > 10 * abs(loss.item() - fp8_loss)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_float8_linear_defers_dw_to_a_zero_bubble_w_step(recipe):
+    """Under zb1 / zbv / dualpipev (common/pipeline_weight_grads.py) B returns dx and W runs the dW GEMM on the dy
+    B quantized and the x F quantized: the unsplit backward's dx and dW bit for bit, over two micro-batches
+    (delayed: its histories); the bias, added after the GEMM, keeps its gradient in B."""
+    from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
+    out = []
+    for deferred in (False, True):
+        torch.manual_seed(4)
+        layer, store = Float8Linear.from_float(nn.Linear(128, 64), recipe), WeightGradStore()
+        if deferred:
+            defer_weight_grads(nn.Sequential(layer), store)
+        dxs = []
+        for mb in range(2):
+            x = torch.randn(2, 9, 128, requires_grad=True)          # 18 tokens: dW's K padded on the GPU path
+            layer(x).backward(torch.randn(2, 9, 64))
+            dxs.append(x.grad)
+            store.close(mb)
+            if deferred:
+                assert (mb > 0 or layer.weight.grad is None) and layer.bias.grad is not None
+                store.compute(mb)
+        out.append((dxs, layer.weight.grad, layer.bias.grad, layer.amax_history.clone()))
+    (dx0, w0, b0, h0), (dx1, w1, b1, h1) = out
+    assert all(torch.equal(a, b) for a, b in zip(dx0, dx1))
+    assert torch.equal(w0, w1) and torch.equal(b0, b1) and torch.equal(h0, h1)
+
+
 TOKEN_COUNTS = (0, 1, 7, 13, 40, 130)        # what top-k routing gives experts: rarely a multiple of 16, or none
 
 

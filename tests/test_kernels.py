@@ -131,6 +131,25 @@ def test_linear_cross_entropy_float64_end_to_end():
                           lambda h, w: linear_cross_entropy_reference(h, w, t), [h, w], randn(()), rtol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_linear_cross_entropy_defers_dw_to_a_zero_bubble_w_step(backend):
+    """Under zb1 / zbv / dualpipev the fused head leaves dW to W (common/pipeline_weight_grads.py), which computes
+    the logits again: the loss, dh and dW equal the undeferred head's bit for bit (same ops, same order)."""
+    from common.pipeline_weight_grads import WeightGradStore
+    torch.manual_seed(6)
+    h, w, t = randn(45, 19), randn(101, 19), torch.randint(0, 101, (45,), device=DEVICE)
+    t[7] = -100
+    upstream, store = randn(()), WeightGradStore()
+    ref = grads(lambda h, w: linear_cross_entropy(h, w, t, chunk=16, backend=backend), [h, w], upstream)
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_cross_entropy(h, w, t, chunk=16, backend=backend, defer=(store, w))
+    loss.backward(upstream)
+    assert w.grad is None and torch.equal(h.grad, ref[1]) and torch.equal(loss.detach(), ref[0])
+    store.close("mb")
+    store.compute("mb")
+    assert torch.equal(w.grad, ref[2])
+
+
 F64_RTOL = 1e-12           # float64 rounding and reordering stay ~1e-15; a step through fp32 costs ~1e-7
 F64_CASES = {
     "layer_norm": (lambda x, w, b: layer_norm(x, w, b, backend="triton"),

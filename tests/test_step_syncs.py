@@ -97,6 +97,7 @@ RUNGS = {
     "cp_allgather": ("train_cp", dict(cp=2, cp_layout="allgather")),
     "cp_zigzag": ("train_cp", dict(cp=2, cp_layout="zigzag")),
     "pp_1f1b": ("train_pp", dict(pp=2, pp_schedule="1f1b", n_microbatches=4, n_layer=4)),
+    "pp_zb1_fp8": ("train_pp", dict(pp=2, pp_schedule="zb1", n_microbatches=4, n_layer=4, fp8="delayed")),
     "ep": ("train_ep", dict(ep=2, n_experts=2, top_k=1)),
     "ep_capacity": ("train_ep", dict(ep=2, n_experts=4, top_k=2, capacity_factor=1.0)),
     "tp_sp": ("train_tp", dict(tp=2, sp=True)),
