@@ -198,6 +198,18 @@ class _Float8LinearInputGradOnly(torch.autograd.Function):
         return dx, None, None, None, None, None
 
 
+def _apply(function, *args):
+    return function.apply(*args)
+
+
+@torch.compiler.disable
+def _outside_compile(function, *args):
+    """The delayed recipe's GEMMs run eagerly under torch.compile: its amax history is updated in place by every
+    forward and backward, and a compiled graph saves that buffer for its backward, so a second micro-batch's
+    forward before the first one's backward (any pipeline schedule) fails autograd's version check."""
+    return function.apply(*args)
+
+
 class Float8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run in FP8; parameters (names, values, dtype) are the Linear's own."""
 
@@ -223,10 +235,11 @@ class Float8Linear(nn.Linear):
     def matmul(self, x):
         """x W^T in FP8, without the bias: for a fused kernel that adds the bias itself (kernels/apply.py's
         FusedBlock), so FP8 and the fused kernels compose."""
+        run = _outside_compile if self.recipe == "delayed" else _apply
         if self.weight_grad_store is not None:
-            return _Float8LinearInputGradOnly.apply(x, self.weight, self.recipe, self.amax_history,
-                                                    self.gathered_weight, self.weight_grad_store)
-        return _Float8LinearFunction.apply(x, self.weight, self.recipe, self.amax_history, self.gathered_weight)
+            return run(_Float8LinearInputGradOnly, x, self.weight, self.recipe, self.amax_history,
+                       self.gathered_weight, self.weight_grad_store)
+        return run(_Float8LinearFunction, x, self.weight, self.recipe, self.amax_history, self.gathered_weight)
 
     def forward(self, x):
         y = self.matmul(x)

@@ -261,3 +261,20 @@ def test_fp8_moe_model_with_idle_experts(recipe):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     assert abs(losses[True] - losses[False]) <= 0.02 * losses[False], losses
 
+
+
+def test_delayed_recipe_under_compile_with_two_forwards_in_flight():
+    """A pipeline runs several micro-batches' forwards before their backwards. Under torch.compile a graph saved
+    the delayed recipe's amax history, which the next forward updates in place, and the first backward failed
+    autograd's version check (train_pp --kernels compile --fp8 delayed); the recipe's GEMMs now run outside the
+    graph and give eager's gradients and history."""
+    torch.manual_seed(0)
+    layers = [Float8Linear.from_float(nn.Linear(32, 16), "delayed") for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    xs = [torch.randn(8, 32) for _ in range(2)]
+    for layer, run in zip(layers, (torch.compile(layers[0]), layers[1])):
+        outs = [run(x) for x in xs]                     # both forwards first, as 1F1B's warm-up does
+        for y in reversed(outs):
+            y.square().sum().backward()
+    assert torch.equal(layers[0].weight.grad, layers[1].weight.grad)
+    assert torch.equal(layers[0].amax_history, layers[1].amax_history)
