@@ -41,13 +41,21 @@ def _worker(rank, world_size, port, fn, args, queue, environ):
 _CONTEXT = []
 
 
+# What the fork server imports once for every worker: torch, and the train scripts with all they import (train_5d
+# brings every rung, common/, kernels/ and torch._dynamo): ~3.5 s of CPU per worker otherwise, 12-20 s of wall
+# time for a 4-rank launch on two loaded cores, paid again by every run_workers call. Python 3.11's fork server
+# imports these from its working directory (pytest's, the repo root); one it cannot import is skipped, and each
+# worker imports it itself as before. No import here reads the environment or starts a thread.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "model", "train_single", "train_5d"]
+
+
 def context():
-    """Workers are forked from one server process that imported torch once (multiprocessing's forkserver): a
-    worker starts in a fraction of a second instead of importing torch again, as a spawned one would. The server
-    runs nothing else, so no thread of a test's torch is forked with it."""
+    """Workers are forked from one server process that imported torch and the train scripts once
+    (multiprocessing's forkserver): a worker starts in a fraction of a second instead of importing them again, as
+    a spawned one would. The server runs nothing else, so no thread of a test's torch is forked with it."""
     if not _CONTEXT:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(PRELOAD)
         _CONTEXT.append(ctx)
     return _CONTEXT[0]
 

@@ -200,7 +200,7 @@ def _resume_runs(rank, world, argvs):
 
 def test_resharding_resume(text_reference, text_data, tmp_path):
     """One checkpoint in train_single's layout carries a run across layouts: steps 0-9 as (tp 2, pp 2), 10-19 as
-    (dp 2, cp 2) with ZeRO-1, 20-29 as train_single; the losses are the unbroken run's (float64, 1e-9)."""
+    (dp 2, cp 2) with ZeRO-1, 20-21 as train_single; the losses are the unbroken run's (float64, 1e-9)."""
     out = str(tmp_path / "run")
     run_workers(_resume_runs, 4, args=([text_argv(text_data, out, tp=2, pp=2, micro_batch_size=2, stop_step=10)],))
     assert len(losses(out)) == 10

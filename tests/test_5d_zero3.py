@@ -114,7 +114,7 @@ def _resume_runs(rank, world, argvs):
 
 
 def test_zero3_resharding_resume(text_reference, text_data, tmp_path):
-    """Steps 0-9 as ZeRO-3 over (dp 2, cp 2), 10-19 as (tp 2, pp 2), 20-29 as train_single: the unbroken run's
+    """Steps 0-9 as ZeRO-3 over (dp 2, cp 2), 10-19 as (tp 2, pp 2), 20-21 as train_single: the unbroken run's
     losses and grad norms (float64, 1e-9)."""
     out = str(tmp_path / "run")
     run_workers(_resume_runs, 4, args=([text_argv(text_data, out, dp=2, cp=2, zero_stage=3, micro_batch_size=2,

@@ -231,7 +231,7 @@ def test_bad_input_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("world,runs", [(2, [(2, 4, 2)]), (4, [(4, 8, 2), (2, 4, 1)])])   # (ep, n_experts, top_k)
 def test_float64_parity_exact(text_data, tmp_path, world, runs):
-    """float64 on real text, clipping on, 30 steps: expert parallelism (one EP group, or two with every expert
+    """float64 on real text, clipping on, 22 steps: expert parallelism (one EP group, or two with every expert
     on 2 ranks) reproduces train_single's MoE within 1e-9 per step (loss and grad norm) and in the final
     weights. Micro-batches of 2 on every rank, the whole batch of 8 in one micro-batch in train_single: with
     global-batch load balancing (the default) the objective does not depend on how the batch is split."""

@@ -73,7 +73,7 @@ def test_train_5d_with_ep_is_train_single(text_data, tmp_path, world):
 
 def test_resume_across_layouts_keeps_the_router_load(text_data, tmp_path):
     """The checkpoint carries each MoE block's load (the previous step's expert shares) with the weights: steps
-    0-9 as train_5d (pp 2, ep 2), 10-19 as (tp 2 + SP, ep 2), 20-29 as train_single; the unbroken run's curve."""
+    0-9 as train_5d (pp 2, ep 2), 10-19 as (tp 2 + SP, ep 2), 20-21 as train_single; the unbroken run's curve."""
     out = str(tmp_path / "run")
     for world, layout, stop in ((4, dict(pp=2, dp=2, ep=2), 10), (4, dict(tp=2, dp=2, ep=2, sp=True), 20)):
         argv = text_argv(text_data, out, micro_batch_size=2, top_k=2, stop_step=stop, resume=stop > 10, **MOE,
