@@ -98,17 +98,20 @@ def _5d_runs(rank, world, argvs):
 
 
 def test_5d_zero3_fp8_layouts(text_data, tmp_path):
-    """train_5d's ZeRO-3 with tensorwise FP8 GEMMs at (dp 2, tp 2 + SP), in the tensor-parallel layers, and at
-    (dp 2, ep 2), in the experts' Float8Linears: train_single's same recipe within the FP8 bound. An expert's input
+    """train_5d's ZeRO-3 with tensorwise FP8 GEMMs at (dp 2, tp 2 + SP), in the tensor-parallel layers, at
+    (dp 2, pp 2) with 1f1b and zb1, and at (dp 2, ep 2), in the experts' Float8Linears: train_single's same recipe within the FP8 bound. An expert's input
     amax is over the tokens its rank receives from both dp ranks, not over one device's micro-batch (delayed's
     histories too: 1.8e-5 at step 0 here), so ep's exact reference is ZeRO-1 in the same layout (1e-9). With
     --fp8_all_gather the ep layout's losses are the same bit for bit."""
     from test_moe_layouts import MOE
     moe = dict(top_k=2, **MOE)
     run = dict(RUN, micro_batch_size=4)                # one micro-batch a dp rank: the fewest passes
-    dirs = {name: str(tmp_path / name) for name in ("tp", "ep", "ep_zero1", "ep_ag", "single", "single_moe")}
+    dirs = {name: str(tmp_path / name) for name in ("tp", "ep", "ep_zero1", "ep_ag", "single", "single_moe",
+                                                     "pp_1f1b", "pp_zb1", "single_mb2")}
+    pp = [text_argv(text_data, dirs[f"pp_{s}"], dp=2, pp=2, pp_schedule=s, zero_stage=3, fp8="tensorwise", **RUN)
+          for s in ("1f1b", "zb1")]                   # 2 micro-batches a dp rank: 1F1B's pp 2 needs both
     run_workers(_5d_runs, 4, args=([text_argv(text_data, dirs["tp"], dp=2, tp=2, sp=True, zero_stage=3,
-                                              fp8="tensorwise", **run)],), timeout=900)
+                                              fp8="tensorwise", **run)] + pp,), timeout=900)
     ep_runs = (("ep", dict(zero_stage=3)), ("ep_zero1", dict(zero_stage=1)),
                ("ep_ag", dict(zero_stage=3, fp8_all_gather=True)))
     run_workers(_5d_runs, 2, args=([text_argv(text_data, dirs[name], dp=2, ep=2, fp8="tensorwise", **flags, **moe,
@@ -119,6 +122,11 @@ def test_5d_zero3_fp8_layouts(text_data, tmp_path):
     within_fp8_bound(ref, curves(dirs["ep"]))
     assert_exact(curves(dirs["ep_zero1"]), curves(dirs["ep"]), rtol=EXACT)
     assert curves(dirs["ep_ag"]) == curves(dirs["ep"])     # experts' units over edp, dense ones over dp: FP8 too
+    # (dp 2, pp 2): the stages' FP8 blocks gathered by ZeRO-3 in every F and B, and under zb1 the FP8 dW GEMM
+    # in W (on B's quantized dy, after B freed the weights): 1F1B's losses, both train_single's within the bound
+    ref = run_single(text_argv(text_data, dirs["single_mb2"], fp8="tensorwise", **RUN), both_curves=True)[0]
+    within_fp8_bound(ref, curves(dirs["pp_1f1b"]))
+    assert_exact(curves(dirs["pp_1f1b"]), curves(dirs["pp_zb1"]), rtol=EXACT)
 
 
 def _runs_on_simulated_gpu(rank, world, jobs):
