@@ -14,6 +14,7 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     checkpoint.py    the one save and load of every layout: train_single's format, written in parallel parts
     checkpoint_files.py   its files: paths, atomic writes, a full disk in one line, the out_dir lock
     checkpoint_compat.py  whether a checkpoint fits this run: model-defining fields, entries by name, inf/NaN
+    rank_states.py   what a checkpoint keeps per rank: RNG streams, and its gather of any per-rank state
     fp8_state.py     FP8 delayed scaling's amax histories in a checkpoint, per rank
     hf.py            export to a Hugging Face GPTNeoXForCausalLM (python -m common.hf export), --init_from
     hf_convert.py, hf_tokenizer.py   its names, permutations and config.json; its tokenizer files
@@ -29,6 +30,7 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
     pipeline_schedules.py, pipeline_stages.py, pipeline_tied.py, pipeline_weight_grads.py   the pipeline's
                      schedules as data, any model cut into stages, the tied weight across stages, the split
                      backward of zero-bubble schedules
+    pipeline_grad_ready.py   which schedule action last writes each gradient, so DP's buckets launch right after it
     module_io.py     what a technique needs of a foreign model: tied parameters by identity, a module's input by
                      keyword and output in a tuple (train_tp's swaps and hooks)
     hf_attention.py  an attention core as a function of transformers' attention registry (train_cp's, copied out)

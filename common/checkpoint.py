@@ -37,6 +37,7 @@ from common.comm import all_gather
 from common.distributed import agree, fail_together
 from common.errors import fail
 from common import fp8_state
+from common.rank_states import by_rank, own_rng_state, rng_state, set_rng_state
 from common.hf import init_from
 from common.optim import configure_optimizer
 from common.tp_shards import full_shape, tp_gather, tp_slice
@@ -112,50 +113,6 @@ def commit_or_fail(cfg, next_step, error, what):
         if error is not None:
             fail(error, rank_local=True)
         fail(f"{what} failed on another rank (its error line says why); the previous checkpoint is kept")
-
-
-def rng_state():
-    """The CPU generator's state, and the current GPU's (not every GPU's: a node with fewer GPUs resumes too) where
-    this rank computes on a GPU. CUDA is initialised exactly then: a --device cpu rank on a GPU machine never
-    touched it, and asking for a GPU's state would open a context on GPU 0 (memory, and a process on that GPU)."""
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def by_rank(state):
-    """Every rank's `state`, in rank order, on rank 0 (None elsewhere): for a checkpoint that rank 0 writes for
-    ranks that each keep their own (RNG states: each draws its own dropout stream, seed + rank; FP8 histories)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [state]
-    states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(state, states, dst=0)
-    return states
-
-
-def own_rng_state(state):
-    """This rank's RNG state from a checkpoint: its own from `rng_by_rank` when the checkpoint has one per rank
-    of a world of this size, else the one `rng` (a single-device checkpoint, or another world size)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    by_rank = state.get("rng_by_rank")
-    return by_rank[rank] if by_rank is not None and len(by_rank) == world else state["rng"]
-
-
-def set_rng_state(state):
-    """Restore the CPU state, and the current GPU's: saved as one state (this version), or as one per GPU of the
-    saving node (earlier versions: this device's, or the first if the node had fewer)."""
-    torch.set_rng_state(state["cpu"])
-    cuda = state.get("cuda")
-    if cuda is None or not torch.cuda.is_initialized():         # a CPU rank (see rng_state), or no GPU here
-        return
-    if isinstance(cuda, (list, tuple)):
-        if not cuda:
-            return
-        index = torch.cuda.current_device()
-        cuda = cuda[index] if index < len(cuda) else cuda[0]
-    torch.cuda.set_rng_state(cuda)
 
 
 # ----------------------------------------------------------------------------------------------------------

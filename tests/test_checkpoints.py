@@ -190,26 +190,26 @@ def test_only_the_current_gpus_rng_state_is_saved_and_restored(monkeypatch):
     one: the current device's state is set, never an index the node lacks; this version saves one state. A rank
     that computes on the CPU of a GPU machine (CUDA never initialised) neither saves nor sets a GPU's state: that
     would open a context on GPU 0."""
-    from common import checkpoint
+    from common import rank_states
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)      # --device cpu on a GPU machine
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: pytest.fail("a CPU rank asked for a GPU's state"))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: pytest.fail("a CPU rank set a GPU's state"))
-    assert set(checkpoint.rng_state()) == {"cpu"}
-    checkpoint.set_rng_state(dict(cpu=torch.get_rng_state(), cuda=torch.tensor([5], dtype=torch.uint8)))
+    assert set(rank_states.rng_state()) == {"cpu"}
+    rank_states.set_rng_state(dict(cpu=torch.get_rng_state(), cuda=torch.tensor([5], dtype=torch.uint8)))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)       # a rank on a GPU
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([7], dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state saved"))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: calls.append(int(state[0])))
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("every GPU's state restored"))
-    assert int(checkpoint.rng_state()["cuda"][0]) == 7
+    assert int(rank_states.rng_state()["cuda"][0]) == 7
     cpu = torch.get_rng_state()
-    checkpoint.set_rng_state(dict(cpu=cpu, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(8)]))
-    checkpoint.set_rng_state(dict(cpu=cpu, cuda=torch.tensor([5], dtype=torch.uint8)))
+    rank_states.set_rng_state(dict(cpu=cpu, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(8)]))
+    rank_states.set_rng_state(dict(cpu=cpu, cuda=torch.tensor([5], dtype=torch.uint8)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)   # local rank 3 of a node, 2 states saved
-    checkpoint.set_rng_state(dict(cpu=cpu, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(2)]))
+    rank_states.set_rng_state(dict(cpu=cpu, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(2)]))
     assert calls == [0, 5, 0]
 
 
