@@ -82,12 +82,11 @@ from common.pipeline_tied import tied_copy, tied_grads_sync, tied_weight
 from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
-from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, check_zero3, enable_tf32,
-                             evaluate, fits_on_device, gather_fp8_units, gpt_config, materialize, param_dtype,
-                             prepare_data, print_sample, resolve_dtype, should_save)
+from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, check_zero3, compiled,
+                             enable_tf32, evaluate, fits_on_device, gather_fp8_units, gpt_config, materialize,
+                             param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
 from common.tp_grads import sum_in_place
 from common.tp_shards import init_tp_weights
-from kernels.apply import compile_block
 from common.tp_setup import check_tp
 from train_tp import apply_tp, tp_counts
 from train_zero import ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
@@ -520,9 +519,7 @@ def main(argv=None):
     store = WeightGradStore() if cfg.pp_schedule in SPLIT_BACKWARD else None
     if store is not None:
         defer_weight_grads(chunks, store)
-    if cfg.compile:                   # block by block, each inside ZeRO-3's hooks where they are installed
-        for block in (b for chunk in chunks for b in chunk.transformer["h"]):
-            compile_block(block)
+    compiled(chunks, cfg, [b for chunk in chunks for b in chunk.transformer["h"]])   # by block, in ZeRO-3's hooks
     act_shape = (micro, len(pos) // (cfg.tp if cfg.sp else 1), cfg.n_embd)
     schedules = make_schedule(cfg.pp_schedule, cfg.pp, m, cfg.pp_virtual)
     sim = simulate(schedules, cfg.pp, cfg.pp_virtual)

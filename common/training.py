@@ -71,10 +71,10 @@ def apply_kernels_and_fp8(model, cfg, device, units=None):
 
 
 def compiled(model, cfg, blocks=()):
-    """The model a step calls: itself, or with --compile compiled whole; where hooks sit on `blocks` (ZeRO-3's
-    gather, free and reduce-scatter), each block's forward compiled inside them instead (kernels/apply.py's
-    compile_block) and the rest (embedding, final norm, head) eager, because compiling the whole model would
-    trace the hooks themselves into its graphs (docs/kernels.md)."""
+    """The model a step calls: itself, or with --compile compiled whole; given `blocks` (where hooks sit on them:
+    ZeRO-3's gather, free and reduce-scatter; train_5d's stages always), each block's forward compiled inside the
+    hooks instead (kernels/apply.py's compile_block) and the rest (embedding, final norm, head) eager, because
+    compiling the whole model would trace the hooks themselves into its graphs (docs/kernels.md)."""
     if not cfg.compile:
         return model
     if not blocks:
