@@ -10,6 +10,7 @@ prediction of the same quantity is compared (plan_memory.memory: "reserved", "de
 import dataclasses
 
 from common.plan_inputs import MODELS, Layout
+from common.plan_time import SOFTWARE
 from plan_tables import SETUPS, TITAN_A100, TITAN_H100, Setup
 
 LLAMA3_8B, LLAMA3_70B = MODELS["llama3-8b"], MODELS["llama3-70b"]
@@ -29,9 +30,10 @@ def titan_h100(name, shape, gpus, seq, global_seqs, layout, gib, modelled=False,
     """A row of torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100, 96 GB HBM2e: plan.py's
     h100-hbm2e; "Memory(GiB)" is the logged max_reserved_gib, the maximum over all GPUs, footnote 1). Tables 2, 4, 5
     and 6 ran torch.compile and Float8 (plan.py models neither: modelled False); Tables 1 and 3's first rows ran
-    neither."""
+    neither. Software: plan_time.SOFTWARE["torchtitan"] (its loss_parallel under TP, torch's pipeline stages keeping
+    every micro-batch's output), the benchmark's torchtitan commit 9dec370 (2024-12-26) and torch's of 2024-12-23."""
     setup = Setup(name, TITAN_H100, shape, gpus, "h100-hbm2e", seq, global_seqs, layout, 0.0, f"{gib} GiB",
-                  "torchtitan-2024-12", job or {})
+                  "torchtitan-2024-12", dict(SOFTWARE["torchtitan"], **(job or {})))
     return MemoryRun(setup, gib, "reserved", modelled)
 
 
@@ -56,18 +58,23 @@ def table5(schedule, v, gib):
     the gradients of every micro-batch before reducing them ("we need to accumulate gradients on previous steps and
     reduce them on the last step", torch.distributed.pipelining's backward_maybe_with_nosync): parameters gathered
     and gradients whole through the step, optimizer states sharded, plan.py's ZeRO-1, the gradients in FSDP's fp32
-    reduce dtype (torchtitan's mixed_precision_reduce default: grad_dtype fp32, assumed). Assumed: micro-batches of 1
-    sequence (torchtitan's pipeline_parallel_microbatch_size default), 2 stages per rank for the interleaved
-    schedule, the 126 layers split as evenly as they go (not Llama 3's embedding-and-loss-as-layers split)."""
+    reduce dtype (torchtitan's mixed_precision_reduce default "float32"; FSDP2 upcasts the unsharded gradient of each
+    micro-batch but the last into unsharded_accumulated_grad, _fsdp_param.py to_accumulated_grad_if_needed):
+    grad_dtype fp32. Micro-batches: 8 of 4 sequences, as torchtitan's commit of the benchmark (9dec370) builds the
+    schedule without pipeline_parallel_microbatches ("n_microbatches = job_config.experimental.
+    pipeline_parallel_degree", torchtitan/parallelisms/pipelining_utils.py, build_pipeline_schedule; the config's
+    default is None, "the number of pipeline stages"); 2 stages per rank for the interleaved schedule (its
+    generate_split_points: "num_stages_per_rank = 2" for a multi-stage schedule). Assumed: the 126 layers split as
+    evenly as they go (generate_split_points gives the first and last stages one layer less)."""
     return titan_h100(f"Llama 3.1 405B, {schedule}", LLAMA3_405B, 512, 8192, 256,
-                      Layout(dp=8, tp=8, pp=8, sp=True, zero_stage=1, schedule=schedule, v=v, micro_batch_size=1,
+                      Layout(dp=8, tp=8, pp=8, sp=True, zero_stage=1, schedule=schedule, v=v, micro_batch_size=4,
                              recompute="full"), gib, job=dict(grad_dtype="fp32"))
 
 
 def table6(fsdp, cp, seq, gib):
     """Table 6: Llama 3.1 405B, 512 GPUs, FSDP x CP x TP 8 x PP 8, 1F1B, local batch 8 (global 8 x FSDP), full
     activation checkpointing, torch.compile + Float8 + AsyncTP; ZeRO-1 with fp32 gradients as in table5 (PP keeps
-    parameters gathered and gradients whole), micro-batches of 1 sequence (assumed)."""
+    parameters gathered and gradients whole), 8 micro-batches of 1 sequence (the pipeline degree, as in table5)."""
     return titan_h100(f"Llama 3.1 405B, CP {cp}, {seq // 1024}K", LLAMA3_405B, 512, seq, 8 * fsdp,
                       Layout(dp=fsdp, cp=cp, tp=8, pp=8, sp=True, zero_stage=1, micro_batch_size=1,
                              recompute="full"), gib, job=dict(grad_dtype="fp32"))

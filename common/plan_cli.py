@@ -13,7 +13,7 @@ from dataclasses import fields
 
 from common.errors import check, fail
 from common.pipeline_schedules import V_SHAPED
-from common.plan_inputs import GRAD_DTYPES, HARDWARE, MODELS, PRECISION, SHAPE, Job, Layout
+from common.plan_inputs import GRAD_DTYPES, HARDWARE, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE, Job, Layout
 from common.plan_time import MCORE_BUCKET, SOFTWARE
 from model import GPTConfig
 
@@ -32,6 +32,11 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
           "llm-foundry's default): the logits and their gradient only, no fp32 copies"),
          ("inplace_loss", bool, False, "the loss's softmax and gradient computed in place on the fp32 logits "
           "(Megatron's vocab-parallel cross-entropy): no fp32 gradients of the logits beside the softmax"),
+         ("loss_parallel", bool, False, "with tp > 1 the loss runs through torch's loss_parallel (torchtitan): "
+          "12 bytes per logit in its backward beside the saved log-softmax, not 8"),
+         ("pp_outputs_kept", str, "none", "stage outputs a pipeline runtime keeps until the step ends: none | last "
+          "(the last stage's logits of every micro-batch) | all (every stage's: torch.distributed.pipelining "
+          "before 2025)"),
          ("fp32_residual", bool, True, "under --precision amp the residual stream is fp32 (autocast over fp32 "
           "weights, as the train scripts run); --no-fp32_residual: the forward runs 16-bit weights (FSDP param_dtype)"),
          ("grads_freed", bool, False, "gradients set to None after each step (zero_grad(set_to_none=True) without "
@@ -105,7 +110,7 @@ def parse_args(argv, description):
         ap.add_argument(f"--{name}", type=finite(kind) if kind in (int, float) else kind, default=default, help=text,
                         choices=dict(precision=list(PRECISION), attn=["flash", "eager"], software=list(SOFTWARE),
                                      moments=["fp32", "bf16"], dp_overlap_style=["ddp", "mcore"],
-                                     grad_dtype=list(GRAD_DTYPES)).get(name))
+                                     grad_dtype=list(GRAD_DTYPES), pp_outputs_kept=list(PP_OUTPUTS_KEPT)).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
     return ap.parse_args(argv)
 
@@ -174,7 +179,7 @@ def build_job(a):
                causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0, rope=a.rope, fused_loss=a.fused_loss,
                net_gbps=a.net_gbps or 0.0, bucket_mb_per_dp=a.bucket_mb_per_dp, dp_overlap_style=a.dp_overlap_style,
                grad_dtype=a.grad_dtype, inplace_loss=a.inplace_loss, fp32_residual=a.fp32_residual,
-               grads_freed=a.grads_freed)
+               grads_freed=a.grads_freed, loss_parallel=a.loss_parallel, pp_outputs_kept=a.pp_outputs_kept)
 
 
 BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused

@@ -65,6 +65,7 @@ MODELS = {
 
 
 GRAD_DTYPES = ("param", "fp32", "both")    # model_state_bytes_per_param's gradient buffers
+PP_OUTPUTS_KEPT = ("none", "last", "all")  # the stage outputs a pipeline runtime keeps (plan_loss_memory.py)
 
 
 def model_state_bytes_per_param(recipe="fp32", moments="fp32", grad_dtype="param"):
@@ -149,6 +150,10 @@ class Job:
                               # xentropy, llm-foundry's default): no fp32 copy or softmax of the logits kept
     inplace_loss: bool = False  # Megatron's vocab-parallel cross-entropy: softmax in place on the fp32 logits, its
                                 # gradient in place on the saved softmax (no fp32 gradients beside it)
+    loss_parallel: bool = False  # with tp > 1 the loss runs through torch's loss_parallel (DTensor's vocab-parallel
+                                 # cross-entropy: 12 bytes per logit in its backward, plan_loss_memory.py)
+    pp_outputs_kept: str = "none"   # a PP_OUTPUTS_KEPT entry: the stage outputs of every micro-batch a pipeline
+                                    # runtime keeps until the step ends (torch.distributed.pipelining before 2025: all)
     # what the training loop keeps at the start of the backward (plan_memory.memory, other_bytes)
     logits_held: bool = False   # the caller holds the logits through the backward (train_single, train_tp, train_ddp,
                                 # train_zero: `_, loss = model(x, y)`); train_5d's stages return the loss alone and
@@ -232,6 +237,8 @@ def validate(job, lay):
           f"{lay.schedule} needs micro-batches per step ({m}) >= pp={lay.pp}")
     check(lay.schedule != "dualpipev" or m >= 2 * lay.pp,
           f"dualpipev needs micro-batches per step ({m}) >= 2 * pp = {2 * lay.pp}")
+    check(job.pp_outputs_kept in PP_OUTPUTS_KEPT,
+          f"unknown pp_outputs_kept {job.pp_outputs_kept!r}; known: {', '.join(PP_OUTPUTS_KEPT)}")
     check(lay.zero_stage in (0, 1, 2, 3), f"zero_stage {lay.zero_stage}: ZeRO has stages 0, 1, 2 and 3")
     check(lay.zero_stage < 3 or lay.dp * lay.cp > 1, "zero_stage 3 shards over dp x cp: dp*cp = 1 has none")
     check(lay.zero_stage < 3 or lay.schedule != "interleaved" or lay.pp > 1,

@@ -6,7 +6,8 @@ formula in the docstring, and the tests hold each against what the rungs count (
                    + activations                  in_flight micro-batch-chunks x blocks per chunk x
                                                   layer_activation_bytes (Korthikanti et al. 2022 with TP/SP at
                                                   s/cp tokens) + head_activation_bytes on the last stage
-                   + other                        logits, ZeRO buffers, p2p and CP buffers, cuBLAS workspaces
+                   + other                        the loss's working set, ZeRO buffers, p2p and CP buffers, cuBLAS
+                                                  workspaces, pipeline outputs kept (plan_loss_memory.py)
                    = allocated (torch.cuda.max_memory_allocated)
     reserved       = allocated + ALLOCATOR_RESERVE x (activations + other), at most usable_bytes where the allocated fit
                                                  (torch.cuda.max_memory_reserved: the caching allocator's blocks; states
@@ -30,6 +31,7 @@ from functools import lru_cache
 from model import activation_bytes_per_layer
 from common.pipeline_schedules import placement_of, rank_of, stage_of
 from common.plan_inputs import PRECISION, model_state_bytes_per_param
+from common.plan_loss_memory import loss_backward_bytes, pipeline_outputs_bytes
 from common.plan_shape import (activation_delta_values, block_numels, embedding_numels, held_layers, job_of_shape,
                                kv_dim, op_recompute_values, stage_layer_counts)
 
@@ -269,26 +271,6 @@ def head_activation_bytes(job, lay):
             + residual_extra_bytes(job, lay, 1))
 
 
-def loss_backward_bytes(job, lay):
-    """What the loss adds at the start of the backward, where the last stage's memory peaks (beside its saved softmax,
-    head_activation_bytes): F.cross_entropy is log_softmax then nll_loss (torch.nn.functional); nll_loss's backward
-    returns a dense gradient of the log-probabilities' shape (aten nll_loss_backward: zeros, then -1/N at each
-    target) and log_softmax's backward allocates its own output (aten _log_softmax_backward_data: grad - exp(out) *
-    sum(grad)), both fp32 while the saved output is alive: 8 bytes per logit. The fused loss computes the logits'
-    gradient in one kernel, in their dtype (flash-attn's losses/cross_entropy.py: bpv bytes); Megatron's
-    (job.inplace_loss) turns the fp32 logits into the softmax in place and the softmax into the gradient in place
-    (megatron/core/tensor_parallel/cross_entropy.py, _VocabParallelCrossEntropy): bpv bytes, the 16-bit logits
-    before it or their gradient after it. job.logits_held: the
-    logits themselves (bpv bytes; the fp32 copy F.cross_entropy is given is not saved and is freed with the forward).
-    Per logit of one micro-batch: s*b*V/t. Measured: torch's MemTracker on model.py's step under CPU autocast, 14
-    bytes per logit at the peak with the logits held (10 before this term)."""
-    cfg, bpv = job.cfg, PRECISION[job.precision][1]
-    logits = cfg.block_size // lay.cp * lay.micro_batch_size * cfg.padded_vocab_size / lay.tp
-    if job.fused_loss or job.inplace_loss:
-        return logits * bpv
-    return logits * (8 + (bpv if job.logits_held else 0))
-
-
 def in_flight(schedule, p, m, v, rank):
     """Micro-batch-chunks whose activations pipeline rank `rank` holds at its peak (forward done, backward, or the
     weight-gradient W of a split schedule, not yet), as pipeline_schedules.simulate counts them (tested equal):
@@ -317,7 +299,8 @@ def activation_bytes(job, lay, rank):
 
 def other_bytes(job, lay, rank, groups):
     """Working sets beside states and activations at the start of the backward: the loss's gradients and the logits
-    if held (loss_backward_bytes, last stage); ZeRO-2's two gradient buffers in flight (2 * largest bucket * g);
+    if held (plan_loss_memory.loss_backward_bytes, last stage); the stage outputs a pipeline runtime keeps
+    (plan_loss_memory.pipeline_outputs_bytes); ZeRO-2's two gradient buffers in flight (2 * largest bucket * g);
     ZeRO-3's gathered current + prefetched unit and the unit's full gradient ((2p + g) * largest unit); amp's bf16
     copies of the weights (2 bytes per rank parameter, which the matmuls save for their backward; under ZeRO-3 only
     those of the two gathered units; under full recompute none of the blocks', but the one being recomputed); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
@@ -341,6 +324,7 @@ def other_bytes(job, lay, rank, groups):
         out += 2 * (2 * max(groups) if lay.zero_stage == 3 else sum(groups) - sum(recomputed or [0]))
     if lay.pp > 1:
         out += 2 * s * b * h * bpv / (lay.tp if lay.sp else 1)
+        out += pipeline_outputs_bytes(job, lay, lay.v, rank == end_ranks(lay)[1])
     if lay.cp > 1:
         out += 4 * s * b * kv_dim(job) / lay.tp * bpv
     block = 0       # under full recompute the block being recomputed, after the loss's gradients are freed

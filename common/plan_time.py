@@ -223,8 +223,11 @@ SOFTWARE = {
                           grad_dtype="fp32", inplace_loss=True),
     # torchtitan (pytorch/torchtitan, 2024): flash attention through SDPA, FSDP2 prefetching its all-gathers and
     # reducing under the backward, tensor-parallel collectives in the open (its async TP is an opt-in compile pass),
-    # pipeline sends blocking (torch.distributed.pipelining).
-    "torchtitan": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=False),
+    # pipeline sends blocking (torch.distributed.pipelining). Under TP its loss runs through torch's loss_parallel
+    # (torchtitan/parallelisms/parallel_dims.py, loss_parallel_enabled: tp > 1 unless disabled), and torch's pipeline
+    # stages of 2024 keep every micro-batch's output until the step ends (plan_loss_memory.py says to when).
+    "torchtitan": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=False,
+                       loss_parallel=True, pp_outputs_kept="all"),
     # Megatron-Core / NeMo with Transformer Engine as NeMo's performance recipes run it (NeMo Framework user guide,
     # "Communication Overlap"): data-parallel reduce-scatters per bucket under the backward and the parameter
     # all-gathers under the next forward (--overlap-grad-reduce --overlap-param-gather), TP all-gathers and

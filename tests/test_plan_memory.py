@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 import plan
-from common import plan_memory
+from common import plan_loss_memory, plan_memory
 from common.plan_cli import build_job, parse_args
 from common.plan_inputs import GIB, Job, Layout, model_state_bytes_per_param
 from common.plan_memory import ALLOCATOR_RESERVE, CUBLAS_WORKSPACE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES
@@ -127,3 +127,53 @@ def test_peak_equals_tracked_train_single_step(recompute):
     job = Job(cfg, 1, 1, "h100", 4, precision="amp", logits_held=True, grads_freed=True)
     predicted = plan_memory.memory(job, Layout(dp=1, micro_batch_size=4, recompute=recompute))["total"]
     assert (predicted - CUBLAS_WORKSPACE) / peak == pytest.approx(1, abs=0.01)
+
+
+def test_loss_parallel_backward_measured(tmp_path):
+    """torch's loss_parallel (torchtitan's loss under TP) on a 1-rank mesh under torch's MemTracker: its backward's
+    peak per logit is the 16-bit logits, the saved fp32 log-softmax and 12 bytes of fp32 working set (zeros, exp of
+    the log-softmax, their sum / product), where F.cross_entropy's is 8; plan_loss_memory.loss_backward_bytes counts
+    those 12 with --loss_parallel and tp > 1, the 8 otherwise."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        local = torch.randn(256, 1000, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+        logits = DTensor.from_local(local, mesh, [Shard(1)]).requires_grad_()
+        tracker = MemTracker()
+        tracker.track_external(logits)
+        with tracker, loss_parallel():
+            F.cross_entropy(logits.float(), torch.randint(0, 1000, (256,))).backward()
+        per_logit = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] / local.numel()
+    finally:
+        dist.destroy_process_group()
+    job, lay = job_for(logits_held=True, loss_parallel=True), Layout(dp=4, tp=2)
+    logits_count = plan_loss_memory.logits_per_micro_batch(job, lay)
+    assert per_logit == pytest.approx(4 + plan_loss_memory.loss_backward_bytes(job, lay) / logits_count, abs=0.1)
+    assert plan_loss_memory.loss_backward_bytes(job, lay) / logits_count == 12 + 2
+    assert plan_loss_memory.loss_backward_bytes(job, Layout(dp=8)) / (2 * logits_count) == 8 + 2   # tp 1: F's
+
+
+def test_torchtitan_pipeline_keeps_every_output():
+    """torch.distributed.pipelining of 2024 (torchtitan's) keeps every stage's output of every micro-batch until the
+    step ends: m logits on the last stage's rank, m b*s*h/t outputs per other stage; 'last' keeps the logits alone,
+    'none' nothing. memory's 'other' holds them; --software torchtitan sets them and its loss_parallel."""
+    job = job_for(global_seqs=32, pp_outputs_kept="all")
+    lay = Layout(dp=2, tp=2, pp=2, sp=True, schedule="interleaved", v=2, micro_batch_size=2)
+    m, s, h = lay.grad_acc(job), CFG.block_size, CFG.n_embd
+    logits, hidden = 2 * s * CFG.padded_vocab_size / 2 * 2, 2 * s * h / 2 * 2      # b = 2, / tp = 2, 2 bytes
+    assert plan_loss_memory.pipeline_outputs_bytes(job, lay, 2, True) == m * (logits + hidden)
+    assert plan_loss_memory.pipeline_outputs_bytes(job, lay, 2, False) == 2 * m * hidden
+    assert plan_loss_memory.pipeline_outputs_bytes(replace(job, pp_outputs_kept="last"), lay, 2, True) == m * logits
+    assert plan_loss_memory.pipeline_outputs_bytes(job, replace(lay, pp=1, dp=4), 2, True) == 0
+    for rank, kept in ((0, 2 * m * hidden), (1, m * (logits + hidden))):
+        none = plan_memory.other_bytes(replace(job, pp_outputs_kept="none"), lay, rank, [1])
+        assert plan_memory.other_bytes(job, lay, rank, [1]) - none == pytest.approx(kept)
+    titan = build_job(parse_args(["--model", "gpt2", "--software", "torchtitan"], ""))
+    assert titan.pp_outputs_kept == "all" and titan.loss_parallel
