@@ -16,6 +16,7 @@ from plan_tables import SETUPS, TITAN_A100, TITAN_H100, Setup
 LLAMA3_8B, LLAMA3_70B = MODELS["llama3-8b"], MODELS["llama3-70b"]
 LLAMA3_405B = dict(MODELS["llama3-405b"], ends_as_layers=False)     # torchtitan splits the layers alone
 TITAN_DOCS = "torchtitan docs/performance.md (Llama 3.1 405B section)"
+TRAINY_H200 = "torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
 
 
 @dataclasses.dataclass
@@ -80,11 +81,29 @@ def table6(fsdp, cp, seq, gib):
                              recompute="full"), gib, job=dict(grad_dtype="fp32"))
 
 
+def trainy_h200(nodes, gib):
+    """torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md: Llama 3.1 8B on 4 and 8 hosts of 8 H200
+    (141 GB), torchtitan e7c0cae (2025-06-13) with torch 2.8.0a0 (NGC 25.05); "Memory(GiB)" sampled at the 100th
+    iteration, torchtitan's max_reserved_gib. Its command line: the llama3_8b.toml of that commit (FSDP over every GPU,
+    data_parallel_shard_degree -1; seq_len 8192; selective activation checkpointing, "op" policy) with
+    local_batch_size 2, --training.compile and Float8 (tensorwise, FSDP float8 all-gather: plan.py models neither,
+    modelled False). That torchtitan compiles the loss under --training.compile (torchtitan/components/loss.py,
+    build_cross_entropy_loss: loss_fn = torch.compile(loss_fn)), where torch's min-cut partitioner with inductor's
+    decompositions saves the bf16 logits and a per-token max and log-sum-exp, not the fp32 log-softmax, and computes
+    the gradient pointwise from them: plan.py's fused_loss."""
+    gpus = 8 * nodes
+    setup = Setup(f"Llama 3.1 8B, {gpus} H200", TRAINY_H200, LLAMA3_8B, gpus, "h200", 8192, 2 * gpus,
+                  Layout(dp=gpus, zero_stage=3, micro_batch_size=2, recompute="op"), 0.0, f"{gib} GiB",
+                  "torchtitan-2024-12", dict(SOFTWARE["torchtitan"], fused_loss=True))
+    return MemoryRun(setup, gib, "reserved", False)
+
+
 MEASURED = ([MemoryRun(SETUPS[4], 82.4, "reserved"), MemoryRun(SETUPS[5], 67.0, "reserved")]   # Tables 1 and 3: FSDP
             + [table2(8 // cp, cp, 32768 * cp, gib) for cp, gib in ((1, 83.9), (2, 84.2), (4, 84.0), (8, 84.5))]
             + [table4(71.9, "Llama 3.1 70B, 2D"), table4(67.6, "Llama 3.1 70B, 2D + AsyncTP")]
             + [table5("1f1b", 1, 82.5), table5("interleaved", 2, 72.7)]
-            + [table6(8 // cp, cp, 32768 * cp, gib) for cp, gib in ((1, 75.3), (2, 75.9), (4, 77.1), (8, 84.9))])
+            + [table6(8 // cp, cp, 32768 * cp, gib) for cp, gib in ((1, 75.3), (2, 75.9), (4, 77.1), (8, 84.9))]
+            + [trainy_h200(4, 47.96), trainy_h200(8, 46.97)])
 
 
 def llama2_70b_oom():

@@ -431,15 +431,22 @@ Memory: torchtitan's two runs without torch.compile or Float8 are predicted 1.05
 log-softmax, 8 bytes per logit, 3.9 GiB at 16K tokens and a 128K vocabulary, the term that brought the H200 run of
 train_single to 1.00, bench/results/gpu_check_h200.md and docs/plan.md); the 8-GPU one, like the 8B runs with
 context parallelism (1.02-1.03), reaches the usable memory, where the allocator's reserve stops. Its 70B (FSDP x
-TP, local batch 16) and 405B runs (FSDP x TP x PP) with torch.compile and Float8 are predicted low (0.63-0.91), and
-what those two change would lower the predictions, not raise them: every one of these runs checkpointed whole
-blocks, so a block keeps its input alone whatever torch.compile fuses inside it (torchtitan compiles each
-TransformerBlock); torchao's Float8Linear saves its high-precision input and its weight as gathered
-(float8_linear.py, matmul_with_hp_or_float8_args: save_for_backward(input_hp, weight_hp_t)); FSDP's float8
-all-gather gathers 1-byte weights (torchtitan docs/float8.md), which saves under 1% here. Neither is a flag: what is
-missing is elsewhere, and the 405B runs' pipeline micro-batch and stages per rank are not published
-(bench/plan_memory_runs.py says what was assumed). The 405B with 1F1B measured 82.5 GiB against the
-interleaved schedule's 72.7; plan.py predicts the two within 4% of each other.
+TP) and 405B runs (FSDP x TP x PP) were predicted 0.63-0.91 before three things read from torchtitan's and torch's
+source at the benchmark's commits: (1) the 405B runs' pipeline ran the pipeline degree's 8 micro-batches
+(torchtitan 9dec370, build_pipeline_schedule), so Table 5's local batch of 32 went as micro-batches of 4 sequences,
+not 1 (1F1B 0.63 -> 0.83, interleaved 0.74 -> 0.94); (2) under TP torchtitan's loss runs through torch's
+loss_parallel, whose backward keeps 12 bytes per logit of fp32 working set beside the saved log-softmax where
+F.cross_entropy keeps 8 (tests/test_plan_memory.py measures it; the 70B at 2.1e9 logits per GPU: 0.82 -> 0.95,
+0.87 -> 1.01); (3) torch's 2024 pipeline stages keep every micro-batch's output until the step ends, on the last
+stage its logits (the interleaved 405B 0.94 -> 1.03, the others +0.01-0.02). Each is a --software torchtitan rule
+(plan_time.SOFTWARE), none a fit. What torch.compile and Float8 change was not modelled and would lower these
+predictions: FSDP's float8 all-gather (llama3_405b.toml sets it) keeps the 405B runs' gathered weights in 1 byte
+instead of 2 (about 6 GiB per GPU, where PP keeps them gathered through the step), and compiled blocks recompute
+what they fuse. The 405B
+with 1F1B at 8K (82.5 GiB) and at 32K with CP 1 (75.3 GiB) ran the same layout with the same tokens per
+micro-batch: 10% apart, where plan.py predicts both alike (0.84, 0.93). The two H200 runs of 2025 (Trainy,
+torch.compile and Float8) are predicted 1.20-1.21: torchtitan compiled the loss by then (fused_loss), and the
+blocks' compilation, not modelled, is what remains.
 """
 
 
