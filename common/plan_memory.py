@@ -60,7 +60,6 @@ CUBLAS_WORKSPACE = 2 * 32 * 2 ** 20
 ALLOCATOR_RESERVE = 16 / 77
 
 
-
 # ----------------------------------------------------------------------------------------------------------
 # where the stages are
 
@@ -298,12 +297,12 @@ def activation_bytes(job, lay, rank):
 
 
 def other_bytes(job, lay, rank, groups):
-    """Working sets beside states and activations at the start of the backward: the loss's gradients and the logits
-    if held (plan_loss_memory.loss_backward_bytes, last stage); the stage outputs a pipeline runtime keeps
-    (plan_loss_memory.pipeline_outputs_bytes); ZeRO-2's two gradient buffers in flight (2 * largest bucket * g);
-    ZeRO-3's gathered current + prefetched unit and the unit's full gradient ((2p + g) * largest unit); amp's bf16
-    copies of the weights (2 bytes per rank parameter, which the matmuls save for their backward; under ZeRO-3 only
-    those of the two gathered units; under full recompute none of the blocks', but the one being recomputed); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
+    """Working sets beside states and activations at the start of the backward: the loss's (plan_loss_memory, last
+    stage) and the stage outputs a pipeline runtime keeps (plan_loss_memory.pipeline_outputs_bytes); ZeRO-2's two
+    gradient buffers in flight (2 * largest bucket * g); ZeRO-3's gathered current + prefetched unit and the unit's
+    full gradient ((2p + g) * largest unit); amp's bf16 copies of the weights (2 bytes per rank parameter, which the
+    matmuls save for their backward; under ZeRO-3 only those of the two gathered units; under full recompute none of
+    the blocks', but the one being recomputed); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
     (2 * 2b*s*h/t values); torch's cuBLAS and cuBLASLt workspaces (CUBLAS_WORKSPACE); under full recompute the
     block being recomputed: what it keeps without recompute, less its stored input, live until its backward ends
     (the last block's recompute starts after the loss's backward: the larger of the two counts)."""
@@ -386,7 +385,6 @@ def memory(job, lay):
     best["device"] = best["reserved"] + CUDA_CONTEXT + NCCL_COMM_BYTES * n
     best["usable"] = usable
     return best
-
 
 
 def layers_per_rank(job, lay):
