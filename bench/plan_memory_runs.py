@@ -32,7 +32,8 @@ def titan_h100(name, shape, gpus, seq, global_seqs, layout, gib, modelled=False,
     h100-hbm2e; "Memory(GiB)" is the logged max_reserved_gib, the maximum over all GPUs, footnote 1). Tables 2, 4, 5
     and 6 ran torch.compile and Float8 (plan.py models neither: modelled False); Tables 1 and 3's first rows ran
     neither. Software: plan_time.SOFTWARE["torchtitan"] (its loss_parallel under TP, torch's pipeline stages keeping
-    every micro-batch's output), the benchmark's torchtitan commit 9dec370 (2024-12-26) and torch's of 2024-12-23."""
+    every micro-batch's output and a receive buffer per micro-batch), the benchmark's torchtitan commit 9dec370
+    (2024-12-26) and torch's of 2024-12-23."""
     setup = Setup(name, TITAN_H100, shape, gpus, "h100-hbm2e", seq, global_seqs, layout, 0.0, f"{gib} GiB",
                   "torchtitan-2024-12", dict(SOFTWARE["torchtitan"], **(job or {})))
     return MemoryRun(setup, gib, "reserved", modelled)

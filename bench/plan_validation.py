@@ -431,20 +431,22 @@ Memory: torchtitan's two runs without torch.compile or Float8 are predicted 1.05
 log-softmax, 8 bytes per logit, 3.9 GiB at 16K tokens and a 128K vocabulary, the term that brought the H200 run of
 train_single to 1.00, bench/results/gpu_check_h200.md and docs/plan.md); the 8-GPU one, like the 8B runs with
 context parallelism (1.02-1.03), reaches the usable memory, where the allocator's reserve stops. Its 70B (FSDP x
-TP) and 405B runs (FSDP x TP x PP) were predicted 0.63-0.91 before three things read from torchtitan's and torch's
+TP) and 405B runs (FSDP x TP x PP) were predicted 0.63-0.91 before four things read from torchtitan's and torch's
 source at the benchmark's commits: (1) the 405B runs' pipeline ran the pipeline degree's 8 micro-batches
 (torchtitan 9dec370, build_pipeline_schedule), so Table 5's local batch of 32 went as micro-batches of 4 sequences,
 not 1 (1F1B 0.63 -> 0.83, interleaved 0.74 -> 0.94); (2) under TP torchtitan's loss runs through torch's
 loss_parallel, whose backward keeps 12 bytes per logit of fp32 working set beside the saved log-softmax where
 F.cross_entropy keeps 8 (tests/test_plan_memory.py measures it; the 70B at 2.1e9 logits per GPU: 0.82 -> 0.95,
 0.87 -> 1.01); (3) torch's 2024 pipeline stages keep every micro-batch's output until the step ends, on the last
-stage its logits (the interleaved 405B 0.94 -> 1.03, the others +0.01-0.02). Each is a --software torchtitan rule
+stage its logits (the interleaved 405B 0.94 -> 1.03, the others +0.01-0.02), and (4) a receive buffer per
+micro-batch for activations and for gradients (the 405B runs +0.01-0.03: 1F1B 0.86, interleaved 1.06, with CP
+0.83-0.94). Each is a --software torchtitan rule
 (plan_time.SOFTWARE), none a fit. What torch.compile and Float8 change was not modelled and would lower these
 predictions: FSDP's float8 all-gather (llama3_405b.toml sets it) keeps the 405B runs' gathered weights in 1 byte
 instead of 2 (about 6 GiB per GPU, where PP keeps them gathered through the step), and compiled blocks recompute
 what they fuse. The 405B
 with 1F1B at 8K (82.5 GiB) and at 32K with CP 1 (75.3 GiB) ran the same layout with the same tokens per
-micro-batch: 10% apart, where plan.py predicts both alike (0.84, 0.93). The two H200 runs of 2025 (Trainy,
+micro-batch: 10% apart, where plan.py predicts both alike (0.86, 0.94). The two H200 runs of 2025 (Trainy,
 torch.compile and Float8) are predicted 1.20-1.21: torchtitan compiled the loss by then (fused_loss), and the
 blocks' compilation, not modelled, is what remains.
 """

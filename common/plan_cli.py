@@ -37,6 +37,8 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("pp_outputs_kept", str, "none", "stage outputs a pipeline runtime keeps until the step ends: none | last "
           "(the last stage's logits of every micro-batch) | all (every stage's: torch.distributed.pipelining "
           "before 2025)"),
+         ("pp_recv_per_micro_batch", bool, False, "a pipeline receive buffer per micro-batch for activations and one "
+          "for gradients, kept across steps (torch.distributed.pipelining); off: two messages in flight"),
          ("fp32_residual", bool, True, "under --precision amp the residual stream is fp32 (autocast over fp32 "
           "weights, as the train scripts run); --no-fp32_residual: the forward runs 16-bit weights (FSDP param_dtype)"),
          ("grads_freed", bool, False, "gradients set to None after each step (zero_grad(set_to_none=True) without "
@@ -179,7 +181,8 @@ def build_job(a):
                causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0, rope=a.rope, fused_loss=a.fused_loss,
                net_gbps=a.net_gbps or 0.0, bucket_mb_per_dp=a.bucket_mb_per_dp, dp_overlap_style=a.dp_overlap_style,
                grad_dtype=a.grad_dtype, inplace_loss=a.inplace_loss, fp32_residual=a.fp32_residual,
-               grads_freed=a.grads_freed, loss_parallel=a.loss_parallel, pp_outputs_kept=a.pp_outputs_kept)
+               grads_freed=a.grads_freed, loss_parallel=a.loss_parallel, pp_outputs_kept=a.pp_outputs_kept,
+               pp_recv_per_micro_batch=a.pp_recv_per_micro_batch)
 
 
 BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused

@@ -65,7 +65,7 @@ MODELS = {
 
 
 GRAD_DTYPES = ("param", "fp32", "both")    # model_state_bytes_per_param's gradient buffers
-PP_OUTPUTS_KEPT = ("none", "last", "all")  # the stage outputs a pipeline runtime keeps (plan_loss_memory.py)
+PP_OUTPUTS_KEPT = ("none", "last", "all")  # the stage outputs a pipeline runtime keeps (plan_runtime_memory.py)
 
 
 def model_state_bytes_per_param(recipe="fp32", moments="fp32", grad_dtype="param"):
@@ -151,9 +151,11 @@ class Job:
     inplace_loss: bool = False  # Megatron's vocab-parallel cross-entropy: softmax in place on the fp32 logits, its
                                 # gradient in place on the saved softmax (no fp32 gradients beside it)
     loss_parallel: bool = False  # with tp > 1 the loss runs through torch's loss_parallel (DTensor's vocab-parallel
-                                 # cross-entropy: 12 bytes per logit in its backward, plan_loss_memory.py)
+                                 # cross-entropy: 12 bytes per logit in its backward, plan_runtime_memory.py)
     pp_outputs_kept: str = "none"   # a PP_OUTPUTS_KEPT entry: the stage outputs of every micro-batch a pipeline
                                     # runtime keeps until the step ends (torch.distributed.pipelining before 2025: all)
+    pp_recv_per_micro_batch: bool = False   # a pipeline receive buffer per micro-batch, for activations and for
+                                            # gradients, kept (torch.distributed.pipelining's PipelineStage)
     # what the training loop keeps at the start of the backward (plan_memory.memory, other_bytes)
     logits_held: bool = False   # the caller holds the logits through the backward (train_single, train_tp, train_ddp,
                                 # train_zero: `_, loss = model(x, y)`); train_5d's stages return the loss alone and

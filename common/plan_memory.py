@@ -7,7 +7,7 @@ formula in the docstring, and the tests hold each against what the rungs count (
                                                   layer_activation_bytes (Korthikanti et al. 2022 with TP/SP at
                                                   s/cp tokens) + head_activation_bytes on the last stage
                    + other                        the loss's working set, ZeRO buffers, p2p and CP buffers, cuBLAS
-                                                  workspaces, pipeline outputs kept (plan_loss_memory.py)
+                                                  workspaces, pipeline outputs kept (plan_runtime_memory.py)
                    = allocated (torch.cuda.max_memory_allocated)
     reserved       = allocated + ALLOCATOR_RESERVE x (activations + other), at most usable_bytes where the allocated fit
                                                  (torch.cuda.max_memory_reserved: the caching allocator's blocks; states
@@ -27,11 +27,10 @@ import math
 from dataclasses import replace
 from functools import lru_cache
 
-
 from model import activation_bytes_per_layer
 from common.pipeline_schedules import placement_of, rank_of, stage_of
 from common.plan_inputs import PRECISION, model_state_bytes_per_param
-from common.plan_loss_memory import loss_backward_bytes, pipeline_outputs_bytes
+from common.plan_runtime_memory import loss_backward_bytes, pipeline_buffers_bytes, pipeline_outputs_bytes
 from common.plan_shape import (activation_delta_values, block_numels, embedding_numels, held_layers, job_of_shape,
                                kv_dim, op_recompute_values, stage_layer_counts)
 
@@ -297,17 +296,17 @@ def activation_bytes(job, lay, rank):
 
 
 def other_bytes(job, lay, rank, groups):
-    """Working sets beside states and activations at the start of the backward: the loss's (plan_loss_memory, last
-    stage) and the stage outputs a pipeline runtime keeps (plan_loss_memory.pipeline_outputs_bytes); ZeRO-2's two
+    """Working sets beside states and activations at the start of the backward: the loss's (plan_runtime_memory, last
+    stage) and the stage outputs a pipeline runtime keeps (plan_runtime_memory.pipeline_outputs_bytes); ZeRO-2's two
     gradient buffers in flight (2 * largest bucket * g); ZeRO-3's gathered current + prefetched unit and the unit's
     full gradient ((2p + g) * largest unit); amp's bf16 copies of the weights (2 bytes per rank parameter, which the
     matmuls save for their backward; under ZeRO-3 only those of the two gathered units; under full recompute none of
-    the blocks', but the one being recomputed); p2p buffers (2 b*s*h values, /t under SP); CP's K/V in flight
+    the blocks', but the one being recomputed); pipeline receive buffers (plan_runtime_memory); CP's K/V in flight
     (2 * 2b*s*h/t values); torch's cuBLAS and cuBLASLt workspaces (CUBLAS_WORKSPACE); under full recompute the
     block being recomputed: what it keeps without recompute, less its stored input, live until its backward ends
     (the last block's recompute starts after the loss's backward: the larger of the two counts)."""
     cfg, (recipe, bpv) = job.cfg, PRECISION[job.precision]
-    s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
+    s, b = cfg.block_size // lay.cp, lay.micro_batch_size
     sizes = model_state_bytes_per_param(recipe, job.moments, job.grad_dtype)
     out = CUBLAS_WORKSPACE
     loss = loss_backward_bytes(job, lay) if rank == end_ranks(lay)[1] else 0
@@ -322,8 +321,9 @@ def other_bytes(job, lay, rank, groups):
     if job.precision == "amp":      # ZeRO-3 frees a unit's casts with its gathered weights: current + prefetched
         out += 2 * (2 * max(groups) if lay.zero_stage == 3 else sum(groups) - sum(recomputed or [0]))
     if lay.pp > 1:
-        out += 2 * s * b * h * bpv / (lay.tp if lay.sp else 1)
-        out += pipeline_outputs_bytes(job, lay, lay.v, rank == end_ranks(lay)[1])
+        first, last = rank == 0, rank == end_ranks(lay)[1]
+        held = in_flight(lay.schedule, lay.pp, lay.grad_acc(job), lay.v, rank) * (lay.v - first) / lay.v
+        out += pipeline_outputs_bytes(job, lay, lay.v, last) + pipeline_buffers_bytes(job, lay, lay.v, first, last, held)
     if lay.cp > 1:
         out += 4 * s * b * kv_dim(job) / lay.tp * bpv
     block = 0       # under full recompute the block being recomputed, after the loss's gradients are freed

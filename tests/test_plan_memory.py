@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 import plan
-from common import plan_loss_memory, plan_memory
+from common import plan_runtime_memory, plan_memory
 from common.plan_cli import build_job, parse_args
 from common.plan_inputs import GIB, Job, Layout, model_state_bytes_per_param
 from common.plan_memory import ALLOCATOR_RESERVE, CUBLAS_WORKSPACE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES
@@ -132,7 +132,7 @@ def test_peak_equals_tracked_train_single_step(recompute):
 def test_loss_parallel_backward_measured(tmp_path):
     """torch's loss_parallel (torchtitan's loss under TP) on a 1-rank mesh under torch's MemTracker: its backward's
     peak per logit is the 16-bit logits, the saved fp32 log-softmax and 12 bytes of fp32 working set (zeros, exp of
-    the log-softmax, their sum / product), where F.cross_entropy's is 8; plan_loss_memory.loss_backward_bytes counts
+    the log-softmax, their sum / product), where F.cross_entropy's is 8; plan_runtime_memory.loss_backward_bytes counts
     those 12 with --loss_parallel and tp > 1, the 8 otherwise."""
     import torch
     import torch.distributed as dist
@@ -154,26 +154,34 @@ def test_loss_parallel_backward_measured(tmp_path):
     finally:
         dist.destroy_process_group()
     job, lay = job_for(logits_held=True, loss_parallel=True), Layout(dp=4, tp=2)
-    logits_count = plan_loss_memory.logits_per_micro_batch(job, lay)
-    assert per_logit == pytest.approx(4 + plan_loss_memory.loss_backward_bytes(job, lay) / logits_count, abs=0.1)
-    assert plan_loss_memory.loss_backward_bytes(job, lay) / logits_count == 12 + 2
-    assert plan_loss_memory.loss_backward_bytes(job, Layout(dp=8)) / (2 * logits_count) == 8 + 2   # tp 1: F's
+    logits_count = plan_runtime_memory.logits_per_micro_batch(job, lay)
+    assert per_logit == pytest.approx(4 + plan_runtime_memory.loss_backward_bytes(job, lay) / logits_count, abs=0.1)
+    assert plan_runtime_memory.loss_backward_bytes(job, lay) / logits_count == 12 + 2
+    assert plan_runtime_memory.loss_backward_bytes(job, Layout(dp=8)) / (2 * logits_count) == 8 + 2   # tp 1: F's
 
 
 def test_torchtitan_pipeline_keeps_every_output():
     """torch.distributed.pipelining of 2024 (torchtitan's) keeps every stage's output of every micro-batch until the
     step ends: m logits on the last stage's rank, m b*s*h/t outputs per other stage; 'last' keeps the logits alone,
-    'none' nothing. memory's 'other' holds them; --software torchtitan sets them and its loss_parallel."""
+    'none' nothing. Its stages keep a receive buffer per micro-batch for activations (but on the first stage) and for
+    gradients (but on the last), those in flight being their first block's saved input; other runtimes two messages.
+    memory's 'other' holds them; --software torchtitan sets them and its loss_parallel."""
     job = job_for(global_seqs=32, pp_outputs_kept="all")
     lay = Layout(dp=2, tp=2, pp=2, sp=True, schedule="interleaved", v=2, micro_batch_size=2)
     m, s, h = lay.grad_acc(job), CFG.block_size, CFG.n_embd
     logits, hidden = 2 * s * CFG.padded_vocab_size / 2 * 2, 2 * s * h / 2 * 2      # b = 2, / tp = 2, 2 bytes
-    assert plan_loss_memory.pipeline_outputs_bytes(job, lay, 2, True) == m * (logits + hidden)
-    assert plan_loss_memory.pipeline_outputs_bytes(job, lay, 2, False) == 2 * m * hidden
-    assert plan_loss_memory.pipeline_outputs_bytes(replace(job, pp_outputs_kept="last"), lay, 2, True) == m * logits
-    assert plan_loss_memory.pipeline_outputs_bytes(job, replace(lay, pp=1, dp=4), 2, True) == 0
+    assert plan_runtime_memory.pipeline_outputs_bytes(job, lay, 2, True) == m * (logits + hidden)
+    assert plan_runtime_memory.pipeline_outputs_bytes(job, lay, 2, False) == 2 * m * hidden
+    assert plan_runtime_memory.pipeline_outputs_bytes(replace(job, pp_outputs_kept="last"), lay, 2, True) == m * logits
+    assert plan_runtime_memory.pipeline_outputs_bytes(job, replace(lay, pp=1, dp=4), 2, True) == 0
     for rank, kept in ((0, 2 * m * hidden), (1, m * (logits + hidden))):
         none = plan_memory.other_bytes(replace(job, pp_outputs_kept="none"), lay, rank, [1])
         assert plan_memory.other_bytes(job, lay, rank, [1]) - none == pytest.approx(kept)
+    buffers = replace(job, pp_recv_per_micro_batch=True)
+    assert plan_runtime_memory.pipeline_buffers_bytes(buffers, lay, 2, True, False, 2.5) == (3 * m - 2.5) * hidden
+    assert plan_runtime_memory.pipeline_buffers_bytes(job, lay, 2, True, False, 2.5) == 2 * hidden
+    held = plan_memory.in_flight("interleaved", 2, m, 2, 0) / 2          # rank 0's chunk 1 (stage 2), not stage 0
+    assert plan_memory.other_bytes(buffers, lay, 0, [1]) - plan_memory.other_bytes(job, lay, 0, [1]) == pytest.approx(
+        (3 * m - held - 2) * hidden)
     titan = build_job(parse_args(["--model", "gpt2", "--software", "torchtitan"], ""))
-    assert titan.pp_outputs_kept == "all" and titan.loss_parallel
+    assert titan.pp_outputs_kept == "all" and titan.loss_parallel and titan.pp_recv_per_micro_batch
