@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 import plan
-from common import plan_runtime_memory, plan_memory
+from common import plan_memory, plan_runtime_memory
 from common.plan_cli import build_job, parse_args
 from common.plan_inputs import GIB, Job, Layout, model_state_bytes_per_param
 from common.plan_memory import ALLOCATOR_RESERVE, CUBLAS_WORKSPACE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES
