@@ -16,9 +16,9 @@ holding one stays gathered, a hold per W still to come:
     W (mb, chunk) ends   its gradients handed to ZeRO's reduce-scatter first (the store's after_compute), then the
                          hold released: the last one frees the unit
 
-So the head's weight is in memory from the first B that defers its dW to the last W (zb1's last stage: a step's
-cool-down); fewer all-gathers than freeing at B and gathering again for W, never more. Between a step's actions
-no unit is held: every W of the step runs inside it.
+So the head's weight stays in memory from a B that defers its dW to the last W still to come (on zb1's last
+stage, from the first B to the cool-down's W); all-gathers of that unit are fewer than when B frees it, never
+more. After a step no unit is held: every W of a step runs inside it.
 """
 import functools
 
