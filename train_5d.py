@@ -79,6 +79,7 @@ from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, check_pp, stage_views
 from common.pipeline_grad_ready import GradsReadyBySchedule
 from common.pipeline_tied import tied_copy, tied_grads_sync, tied_weight
+from common.pipeline_kept_units import free_after_w
 from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
@@ -151,6 +152,7 @@ class DataParallelAxis:
         replicas and ZeRO-1 launch each bucket after the last action of `actions` (this rank's schedule) writing it,
         SP's norms summed over tp first (pipeline_grad_ready.py), ZeRO-1's tied bucket at finish, after its sum."""
         hooks = self
+        self.store = store                          # ZeRO-3: which units a W reads (pipeline_kept_units.py)
         if not self.reduce_per_backward:
             copy = tied_copy(self.chunks, self.grid.groups.tied) if self.shards else None     # ZeRO-1's
             hooks = GradsReadyBySchedule(self.chunks, actions, self.reductions(), self.grid.groups.tp, hold=copy)
@@ -305,8 +307,9 @@ class ZeroUnits(ZeroShards):
     on the experts module. Each chunk has its own hooks and reduction: a micro-batch's F or B action gathers (and
     prefetches) its chunk's units block by block, and reduce-scatters their gradients as each block's backward
     ends. Under zb1, zbv and dualpipev, B gathers a block for its input gradients and frees it when the gradient
-    reaches the block below (dW = gy^T x needs no weights); the gradients are ZeRO-2's, reduce-scattered after W.
-    The sums are then taken on the shards, as for ZeRO-2."""
+    reaches the block below (dW = gy^T x needs no weights; a unit whose weight a W reads, the fused LM head's, is
+    kept until that W: pipeline_kept_units.py); the gradients are ZeRO-2's, reduce-scattered after W. The sums are
+    then taken on the shards, as for ZeRO-2."""
 
     def shard(self, chunk, cfg, grid, dtype, device, names):
         tied = tied_weight([chunk]) if grid.groups.tied is not None else None
@@ -341,9 +344,8 @@ class ZeroUnits(ZeroShards):
 
     def after_backward(self, action):
         super().after_backward(action)
-        if self.after_w:                   # the lowest block's unit and the roots (the hooks freed the others)
-            for unit in self.units_of[action.chunk]:
-                unit.free()
+        if self.after_w:           # the lowest block's unit and the roots (the hooks freed the others), or after W
+            free_after_w(self.store, (action.mb, action.chunk), self.units_of[action.chunk])
 
 
 def moe_metrics(chunks, grid, cfg):

@@ -31,6 +31,7 @@ imports a rung (train_*.py): read the ladder at the root first, come here for ho
                      schedules as data, any model cut into stages, the tied weight across stages, the split
                      backward of zero-bubble schedules
     pipeline_grad_ready.py   which schedule action last writes each gradient, so DP's buckets launch right after it
+    pipeline_kept_units.py   ZeRO-3 units kept gathered from a zero-bubble B until the W that reads their weights
     module_io.py     what a technique needs of a foreign model: tied parameters by identity, a module's input by
                      keyword and output in a tuple (train_tp's swaps and hooks)
     hf_attention.py  an attention core as a function of transformers' attention registry (train_cp's, copied out)

@@ -15,6 +15,10 @@ dy that B quantized and the x that F quantized: the unsplit backward's numbers, 
 fused LM head (W recomputes the logits its forward did not keep). Gradients that are a reduction inside a fused
 kernel's one pass over dy (the fused LayerNorm's dgamma, dbeta, the fused bias adds' db) stay in B, as
 nn.LayerNorm's do. docs/pipelines.md ("The W step") says why for each.
+
+A W that reads a parameter's value (the fused LM head's, for the logits; dW = gy^T x reads none) says so when it is
+deferred (`reads`): under ZeRO-3 the unit holding that parameter then stays gathered until the W has run
+(common/pipeline_kept_units.py), where any other unit is freed as B ends.
 """
 import functools
 
@@ -28,6 +32,8 @@ class WeightGradStore:
 
     def __init__(self):
         self.pending, self.saved = [], {}
+        self.pending_reads, self.reads = [], {}  # the parameters each W reads the values of
+        self.done = {}                           # key -> what to call once its W and after_compute are over
         self.after_compute = None                # called with the key after each W (ZeRO-2: reduce now)
 
     def stash(self, weight, bias, x, gy, weight_grad=None):
@@ -35,9 +41,11 @@ class WeightGradStore:
         weight_grad(gy2, x2): the layer's own dW GEMM on the 2-D operands (tokens as rows); None: gy2^T x2."""
         self.defer(functools.partial(linear_weight_grads, weight, bias, x, gy, weight_grad))
 
-    def defer(self, grads):
-        """grads(): [(parameter, its gradient)], called by W of the micro-batch B is running."""
+    def defer(self, grads, reads=()):
+        """grads(): [(parameter, its gradient)], called by W of the micro-batch B is running; reads: the parameters
+        whose values grads() reads (none for dW = gy^T x)."""
         self.pending.append(grads)
+        self.pending_reads += reads
 
     def linear(self, x, weight, bias=None):
         """y = x W^T + b whose backward returns only dx and stashes the rest here: for layers that own their
@@ -46,14 +54,26 @@ class WeightGradStore:
 
     def close(self, key):
         self.saved[key], self.pending = self.pending, []
+        self.reads[key], self.pending_reads = self.pending_reads, []
+
+    def reads_of(self, key):
+        """The parameters whose values W(key) will read (after B(key) has closed it)."""
+        return self.reads[key]
+
+    def when_computed(self, key, fn):
+        """Call fn() once W(key) has run and after_compute(key) has taken its gradients."""
+        self.done.setdefault(key, []).append(fn)
 
     @torch.no_grad()
     def compute(self, key):
         for grads in self.saved.pop(key):
             for p, g in grads():
                 p.grad = g.to(p.dtype) if p.grad is None else p.grad.add_(g.to(p.dtype))
+        del self.reads[key]
         if self.after_compute is not None:
             self.after_compute(key)
+        for fn in self.done.pop(key, ()):
+            fn()
 
 
 def linear_weight_grads(weight, bias, x, gy, weight_grad=None):

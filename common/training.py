@@ -15,7 +15,6 @@ from common.errors import check, fail
 from common.distributed import fail_together
 from common.data import GlobalBatchLoader, ensure_dataset
 from common.data_mix import MixtureLoader, parse_data_mix, source_val_losses
-from common.pipeline_schedules import SPLIT_BACKWARD
 from kernels import apply_kernels, convert_to_float8
 from kernels.apply import compile_block
 from kernels.fp8 import check_fp8_support
@@ -185,12 +184,8 @@ def check_moe(cfg):
 
 def check_zero3(cfg):
     """ZeRO-3's own rules, in any layout (train_zero.py, train_5d.py): the fused modules, --compile and every FP8
-    recipe compose with its gather hooks (docs/kernels.md); what is left: the fused LM head under a split backward,
-    and --fp8_all_gather's rules."""
-    check(cfg.zero_stage < 3 or cfg.kernels in ("auto", "torch") or getattr(cfg, "pp_schedule", "1f1b")
-          not in SPLIT_BACKWARD, f"--zero_stage 3 with --pp_schedule {getattr(cfg, 'pp_schedule', '')} and "
-          f"--kernels {cfg.kernels}: the fused LM head recomputes its logits in the W step, after ZeRO-3 has freed "
-          "the head's weight at the end of B: use --kernels torch, or ZeRO-2, or 1f1b")
+    recipe compose with its gather hooks (docs/kernels.md), under every pipeline schedule; what is left:
+    --fp8_all_gather's rules."""
     check_fp8_all_gather(cfg)
 
 

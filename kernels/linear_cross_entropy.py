@@ -148,6 +148,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         dw = torch.zeros(weight.shape, device=h.device, dtype=_acc_dtype(h)) if need_grad and not defer else None
         loss = _chunk_pass(h, weight, targets, inv_n, ignore_index, chunk, backend, dh, dw)
         ctx.defer, ctx.args = defer, (ignore_index, chunk, backend)
+        ctx.reads = [defer[1]] if defer and weight is defer[1] else []   # W reads the parameter itself (no cast)
         if need_grad and defer:          # W computes dW: keep what it needs to compute the logits again
             ctx.save_for_backward(dh, h, weight, targets, inv_n)
         else:
@@ -161,7 +162,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dh, h, weight, targets, inv_n = ctx.saved_tensors
             store, param = ctx.defer
             dw = functools.partial(_weight_grad, h, weight, targets, inv_n, *ctx.args, grad_loss)
-            store.defer(lambda: [(param, dw())])
+            store.defer(lambda: [(param, dw())], reads=ctx.reads)   # (ZeRO-3 keeps its unit gathered until W)
             return dh.mul_(grad_loss.to(dh.dtype)), None, None, None, None, None, None
         dh, dw = ctx.saved_tensors
         return dh.mul_(grad_loss.to(dh.dtype)), dw.mul_(grad_loss.to(dw.dtype)), None, None, None, None, None

@@ -178,7 +178,6 @@ def test_default_layout_shows_more_than_one_axis(tiny_data, tmp_path):
     (2, dict(tp=2, fp8="blockwise"), "--fp8 blockwise with tp=2 needs n_embd/tp (32/2) a multiple of 128"),
     (2, dict(tp=2, zero_stage=3), "with dp*cp = 1 there is nothing to shard"),
     (4, dict(dp=2, tp=2, zero_stage=3, fp8="tensorwise", fp8_all_gather=True), "--fp8_all_gather with --tp > 1"),
-    (4, dict(dp=2, pp=2, zero_stage=3, pp_schedule="zb1", kernels="triton", micro_batch_size=2), "the fused LM head recomputes its logits"),
     (2, dict(tp=2, sp=True, block_size=15, cp_layout="ring"), "block_size/cp=15 is not divisible by tp=2"),
 ])
 def test_bad_layout_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys, world, overrides, message):
