@@ -13,6 +13,7 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:
     pass
+import triton_interpreter  # noqa: E402,F401  (the interpreter without its repeated patching: speed only)
 
 
 import pytest  # noqa: E402

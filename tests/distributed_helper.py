@@ -46,7 +46,7 @@ _CONTEXT = []
 # time for a 4-rank launch on two loaded cores, paid again by every run_workers call. Python 3.11's fork server
 # imports these from its working directory (pytest's, the repo root); one it cannot import is skipped, and each
 # worker imports it itself as before. No import here reads the environment or starts a thread.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "model", "train_single", "train_5d"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "triton_interpreter", "model", "train_single", "train_5d"]
 
 
 def context():
