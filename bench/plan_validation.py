@@ -40,6 +40,7 @@ from common.plan_inputs import GIB, HARDWARE, MODELS, Layout  # noqa: E402
 from common.plan_time import SOFTWARE  # noqa: E402
 from plan import evaluate  # noqa: E402
 from plan_memory_runs import MEASURED, PUBLISHED_OOM  # noqa: E402
+from plan_mfu_runs import HELD_OUT  # noqa: E402
 from plan_tables import (A100, H100_SXM, SETUPS, TITAN_A100, Setup, describe, job_of, megatron,  # noqa: E402
                          titan_mfu, write_report)
 
@@ -291,7 +292,7 @@ def nemotron_15b(dp, global_seqs, seconds, mbs, mcore_bucket):
 NEMOTRON_15B_STAGES = [(96, 384, 0.57), (192, 768, 0.58), (288, 1152, 0.64)]
 
 RUNS = (sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + LLAMA2_RUNS + KORTHIKANTI_RUNS
-        + MTNLG_RUNS + [bloom()] + FOUNDRY_RUNS + FOUNDRY_LONG + LLAMA3_405B + [nemotron_340b()])
+        + MTNLG_RUNS + [bloom()] + FOUNDRY_RUNS + FOUNDRY_LONG + LLAMA3_405B + [nemotron_340b()] + HELD_OUT)
 
 
 # the --software entry (plan_time.SOFTWARE) each publication's stack is; its row's Job fields are that entry's, but
@@ -299,7 +300,7 @@ RUNS = (sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + LLAMA
 SOFTWARE_OF = {"megatron-2021": "megatron-2021", "megatron-2022": "megatron-2021 + SP",
                "megatron-deepspeed": "megatron-deepspeed",
                "llm-foundry": "torchtitan", "torchtitan-2024-04": "torchtitan", "torchtitan-2024-12": "torchtitan",
-               "llama3": "llama3", "megatron-core": "megatron-core"}
+               "torchtitan-2025-06": "torchtitan", "llama3": "llama3", "megatron-core": "megatron-core"}
 
 
 def predict(setup):
