@@ -432,8 +432,8 @@ NOTES = """
 
 - **torchtitan's async TP benchmark, held out (Llama 3.1 70B with plain TP -18%, 8B with async TP +16%).** The
   four bf16 rows (FSDP x TP 8, torch.compile, 500 W H100) are added in bench/plan_mfu_runs.py. plan.py predicts
-  async TP 1.18x (70B) and 1.24x (8B) faster than plain TP where the page measured 1.09x and 1.10x: the class the
-  TP-overlap item of the plan's issue names (micro-pipelined TP priced as Transformer Engine's chunked overlap).
+  async TP 1.18x (70B) and 1.24x (8B) faster than plain TP where the page measured 1.09x and 1.10x: TP overlap
+  over-credited (torch's micro-pipelined TP priced as Transformer Engine's chunked overlap), a known open class.
   The 70B's plain TP is predicted too slow and the 8B's plain TP within 3%; what torch.compile changes is not
   modelled.
 

@@ -522,3 +522,16 @@ def test_train_5d_layout_auto_errors(tiny_data, tmp_path, capsys, flags, message
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+
+
+def test_plan_nanotron_cells():
+    """bench/plan_nanotron.py's cells as nanotron's figure states them: each layout fills its nodes' 8 GPUs, each step
+    is the sweep's 256 sequences (2^20 tokens at 4,096), and the shapes give the figure's parameter counts by the
+    sweep script's estimate (tied embeddings under an intermediate size of 10,000)."""
+    nanotron = load_bench("plan_nanotron")
+    for model, nodes, dp, tp, pp, accumulation, mbs, *_ in nanotron.CELLS:
+        assert dp * tp * pp == 8 * nodes and dp * accumulation * mbs == 256
+    counts = {}
+    for model, (L, h, a, ffn) in nanotron.SHAPES.items():
+        counts[model] = 131072 * h * (1 if ffn < 10_000 else 2) + L * (3 * h * ffn + 4 * h * h)
+    assert [round(n / 1e9, 2) for n in counts.values()] == [1.34, 3.57, 8.86, 79.99]
