@@ -129,11 +129,9 @@ def test_peak_equals_tracked_train_single_step(recompute):
     assert (predicted - CUBLAS_WORKSPACE) / peak == pytest.approx(1, abs=0.01)
 
 
-def test_loss_parallel_backward_measured(tmp_path):
-    """torch's loss_parallel (torchtitan's loss under TP) on a 1-rank mesh under torch's MemTracker: its backward's
-    peak per logit is the 16-bit logits, the saved fp32 log-softmax and 12 bytes of fp32 working set (zeros, exp of
-    the log-softmax, their sum / product), where F.cross_entropy's is 8; plan_runtime_memory.loss_backward_bytes counts
-    those 12 with --loss_parallel and tp > 1, the 8 otherwise."""
+def _loss_parallel_peak_per_logit(rank, world):
+    """Bytes per logit at the peak of loss_parallel's forward + backward on a 1-rank mesh (MemTracker), in a fresh
+    worker process: an in-process run of the suite may have left a default process group behind."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -141,18 +139,24 @@ def test_loss_parallel_backward_measured(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        local = torch.randn(256, 1000, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
-        logits = DTensor.from_local(local, mesh, [Shard(1)]).requires_grad_()
-        tracker = MemTracker()
-        tracker.track_external(logits)
-        with tracker, loss_parallel():
-            F.cross_entropy(logits.float(), torch.randint(0, 1000, (256,))).backward()
-        per_logit = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] / local.numel()
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1,))
+    local = torch.randn(256, 1000, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    logits = DTensor.from_local(local, mesh, [Shard(1)]).requires_grad_()
+    tracker = MemTracker()
+    tracker.track_external(logits)
+    with tracker, loss_parallel():
+        F.cross_entropy(logits.float(), torch.randint(0, 1000, (256,))).backward()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] / local.numel()
+
+
+def test_loss_parallel_backward_measured():
+    """torch's loss_parallel (torchtitan's loss under TP) on a 1-rank mesh under torch's MemTracker: its backward's
+    peak per logit is the 16-bit logits, the saved fp32 log-softmax and 12 bytes of fp32 working set (zeros, exp of
+    the log-softmax, their sum / product), where F.cross_entropy's is 8; plan_runtime_memory.loss_backward_bytes counts
+    those 12 with --loss_parallel and tp > 1, the 8 otherwise."""
+    from distributed_helper import run_workers
+    per_logit = run_workers(_loss_parallel_peak_per_logit, 1)[0]
     job, lay = job_for(logits_held=True, loss_parallel=True), Layout(dp=4, tp=2)
     logits_count = plan_runtime_memory.logits_per_micro_batch(job, lay)
     assert per_logit == pytest.approx(4 + plan_runtime_memory.loss_backward_bytes(job, lay) / logits_count, abs=0.1)
