@@ -43,7 +43,7 @@ from common.plan_inputs import GIB, HARDWARE, RECOMPUTE, Job, Layout, as_run, va
 from common import plan_shape
 from common import plan_time as time_model
 from common.plan_comm import (axis_group, comm_bytes, comm_latency, exposed_dp_time, exposed_tp_time,  # noqa: F401
-                              link_bandwidth)
+                              link_bandwidth, tied_sync_time)
 from common.plan_memory import DEVICE_SHARE, MEM_PARTS, bucket_mb, communicators, layers_per_rank, memory, usable_bytes
 from common.plan_time import eager_attention_time, hardware_flops_per_token  # noqa: F401
 
@@ -67,6 +67,8 @@ def step_time(job, lay, mem):
         pp         exposed; with job.pp_overlap only the 2(p-1) transfers of the fill and drain stay on the path
         cp         exposed beyond the attention compute it overlaps (ring hops run under the block attention)
         dp         plan_comm.exposed_dp_time, as the stack overlaps it (job.dp_overlap, job.dp_overlap_style)
+        tied       plan_comm.tied_sync_time: the tied embedding's gradient summed over the first and last stage,
+                   after the backward (exposed)
         optimizer  read + write of the rank's model states at HBM bandwidth"""
     cfg, hw = job.cfg, job.hw
     m = lay.grad_acc(job)
@@ -92,7 +94,7 @@ def step_time(job, lay, mem):
     reduce = nbytes["dp_reduce"] / bw + alpha["dp"] * share
     gather = (nbytes["dp"] - nbytes["dp_reduce"]) / bw + alpha["dp"] * (1 - share)
     t["dp"] = exposed_dp_time(job, lay, reduce, gather, mem["groups"], compute, bubble)
-    parts = dict(compute=compute, attn_hbm=attn_hbm, bubble=bubble, **t,
+    parts = dict(compute=compute, attn_hbm=attn_hbm, bubble=bubble, **t, tied=tied_sync_time(job, lay),
                  optimizer=2 * (mem["params"] + mem["grads"] + mem["optimizer"]) / hw["hbm"])
     parts["total"] = sum(parts.values())
     return parts

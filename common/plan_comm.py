@@ -120,6 +120,23 @@ def comm_latency(job, lay, groups):
     return out
 
 
+def tied_sync_time(job, lay):
+    """Seconds of the tied embedding's gradient all-reduce between the first and the last pipeline stage, each rank's
+    vocab-parallel shard (V/t x h elements, in the dtype the data-parallel reduction uses), a 2-rank ring over pp's
+    link: it runs after the backward and before the optimizer step, with nothing left to hide it. So train_5d.py
+    (pipeline_tied.tied_grads_sync at its gradients' finish), nanotron (trainer.py sync_tied_weights_gradients after
+    the data-parallel wait, "TODO ... Put this in hooks so we can overlap communication with gradient computation")
+    and Megatron-Core (distributed/finalize_model_grads.py _allreduce_word_embedding_grads, after finish_grad_sync).
+    0 untied, without pp, or where one rank holds both ends (the V-shaped schedules)."""
+    if not job.tied or lay.pp == 1 or placement_of(lay.schedule) == "v":
+        return 0.0
+    recipe = PRECISION[job.precision][0]
+    grad = min(model_state_bytes_per_param(recipe, job.moments, job.grad_dtype)["grads"], 4)
+    nbytes = 2 * (2 - 1) / 2 * job.cfg.padded_vocab_size * job.cfg.n_embd / lay.tp * grad
+    nodes = 1 if axis_group(job, lay, "pp")[2] == "nvlink" else 2
+    return nbytes / link_bandwidth(job, lay, "pp") + time_model.latency("all_reduce", 2, nodes)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # what overlaps, as each stack runs it
 

@@ -126,3 +126,24 @@ def test_interleaved_search_without_v_is_each_v_once():
     per_v = [set(plan.consistent_layouts(job, {**fixed, "v": v})) for v in range(2, 34 // 4 + 1)]
     assert set(every) == set().union(*per_v) and len(every) == len(set(every)) == sum(map(len, per_v))
     assert plan_memory.memory(job, every[0])                          # each is a layout plan.py evaluates
+
+
+def test_tied_embedding_sync_is_exposed_once_per_step():
+    """With pp > 1 the tied embedding's gradient (V/t x h of each rank, in the reduced dtype) is summed over the first
+    and last stage after the backward, a 2-rank all-reduce over pp's link, exposed: across nodes one NIC, within a
+    node NVLink; nothing untied, without pp, or where one rank holds both ends (zbv)."""
+    job = job_for(gpus=16, global_seqs=16)
+    lay = Layout(dp=4, tp=2, pp=2, micro_batch_size=1)
+    shard = CFG.padded_vocab_size * CFG.n_embd / 2
+    across = plan.evaluate(job, lay)["time_s"]
+    expect = shard * 2 / (job.hw["net"] * 0.8) + plan_time.latency("all_reduce", 2, 2)
+    assert across["tied"] == pytest.approx(expect, rel=1e-12)
+    fp32 = plan.evaluate(replace(job, grad_dtype="fp32"), lay)["time_s"]["tied"]
+    assert fp32 - plan_time.latency("all_reduce", 2, 2) == pytest.approx(2 * (expect - plan_time.latency(
+        "all_reduce", 2, 2)), rel=1e-12)
+    within = plan.evaluate(job_for(global_seqs=16), Layout(dp=2, tp=2, pp=2, micro_batch_size=1))["time_s"]["tied"]
+    assert within == pytest.approx(shard * 2 / (job.hw["nvlink"] * 0.8) + plan_time.latency("all_reduce", 2, 1))
+    assert across["total"] == pytest.approx(sum(v for k, v in across.items() if k != "total"), rel=1e-12)
+    for other, layout in ((replace(job, tied=False), lay), (job, replace(lay, pp=1, dp=8)),
+                          (job, replace(lay, schedule="zbv", v=2))):
+        assert plan.evaluate(other, layout)["time_s"]["tied"] == 0.0
