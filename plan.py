@@ -247,7 +247,7 @@ def launch_command(job, row):
 
 HEADER = ("  #   dp tp cp  pp ep sp zero    schedule v mbs recompute | "
           "params  grads  optim   acts other  alloc  resvd GiB | "
-          "compute attnHBM  bubble      tp      cp      dp      pp      ep (ms) |   tokens/s   MFU")
+          "compute attnHBM  bubble      tp      cp      dp      pp      ep    tied (ms) |   tokens/s   MFU")
 
 
 def format_row(i, r):
@@ -256,7 +256,7 @@ def format_row(i, r):
     return (f"{i:3d} {r['dp']:4d} {r['tp']:2d} {r['cp']:2d} {r['pp']:3d} {r['ep']:2d} {'y' if r['sp'] else '-':>2s} "
             f"{r['zero_stage']:4d} {r['schedule'] if r['pp'] > 1 else '-':>11s} {r['v']} {r['micro_batch_size']:3d} "
             f"{r['recompute']:>9s} | " + " ".join(f"{mem[k] / GIB:6.1f}" for k in MEM_PARTS) + " | "
-            + " ".join(f"{1e3 * t[k]:7.1f}" for k in ("compute", "attn_hbm", "bubble", "tp", "cp", "dp", "pp", "ep"))
+            + " ".join(f"{1e3 * t[k]:7.1f}" for k in ("compute", "attn_hbm", "bubble", "tp", "cp", "dp", "pp", "ep", "tied"))
             + f" | {r['tokens_per_s']:10.0f} {100 * r['mfu']:5.1f}% {'OOM' if r['oom'] else 'fits'}")
 
 
