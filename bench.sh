@@ -6,7 +6,7 @@
 #   ./bench.sh single ddp      # several
 #   ./bench.sh all             # every sweep in bench/sweeps/
 #   ./bench.sh list            # what exists
-#   ./bench.sh failures        # not a timing sweep: the failure battery (bench/failure_battery.py), ~20 min
+#   ./bench.sh failures        # not a timing sweep: the failure battery (bench/failure_battery.py), ~40 min
 #
 # Each sweep calls bench/harness.py, which runs the competing commands alternately and reports medians and
 # ratios against the first command of the table (the peer, where there is one). Environment knobs:
