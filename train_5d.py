@@ -83,9 +83,9 @@ from common.pipeline_kept_units import free_after_w
 from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
-from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, check_zero3, compiled,
-                             enable_tf32, evaluate, fits_on_device, gather_fp8_units, gpt_config, materialize,
-                             param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
+from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_fp8_all_gather, check_moe,
+                             compiled, enable_tf32, evaluate, fits_on_device, gather_fp8_units, gpt_config,
+                             materialize, param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
 from common.tp_grads import sum_in_place
 from common.tp_shards import init_tp_weights
 from common.tp_setup import check_tp
@@ -479,7 +479,7 @@ def validate(cfg):
     check_pp(cfg, pp, m)
     check(cfg.dtype != "float16", "train_5d supports float32, bfloat16 and float64 (no fp16 loss scaling)")
     check(cfg.zero_stage in (0, 1, 2, 3), f"--zero_stage {cfg.zero_stage}: 0 (replicas), 1, 2 or 3")
-    check_zero3(cfg)
+    check_fp8_all_gather(cfg)
     check(cfg.zero_stage < 3 or cfg.dp * cp > 1, "--zero_stage 3 shards over dp x cp: with dp*cp = 1 there is "
                                                  "nothing to shard")
     check(cfg.zero_stage < 3 or cfg.pp_schedule != "interleaved" or pp > 1, "--zero_stage 3 with interleaved "

@@ -356,13 +356,13 @@ def add_args(parser):
 def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
-    from common.training import check_zero3
+    from common.training import check_fp8_all_gather
     check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
     check(cfg.dtype in ("auto", "float32", "bfloat16", "float64"),
           f"train_zero.py supports --dtype float32, bfloat16 (autocast over fp32 parameters) or float64, got "
           f"{cfg.dtype} (fp16 needs a GradScaler whose overflow check spans the gradient shards)")
-    check_zero3(cfg)
+    check_fp8_all_gather(cfg)
 
 
 def main(argv=None):

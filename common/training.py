@@ -182,17 +182,11 @@ def check_moe(cfg):
           f"on, an expert has room for every routed token (use 0 for dropless)")
 
 
-def check_zero3(cfg):
-    """ZeRO-3's own rules, in any layout (train_zero.py, train_5d.py): the fused modules, --compile and every FP8
-    recipe compose with its gather hooks (docs/kernels.md), under every pipeline schedule; what is left:
-    --fp8_all_gather's rules."""
-    check_fp8_all_gather(cfg)
-
-
 def check_fp8_all_gather(cfg):
-    """--fp8_all_gather: ZeRO-3's gather of FP8 weights already quantized (kernels/fp8_gather.py), for the recipes
-    whose weight scales are maxes of its shards' amaxes (per tensor or per 128 x 128 block) and that quantize W
-    once for both its GEMMs."""
+    """ZeRO-3's one rule left (its hooks compose with the fused modules, --compile, every FP8 recipe and every
+    pipeline schedule: docs/kernels.md). --fp8_all_gather: its gather of FP8 weights already quantized
+    (kernels/fp8_gather.py), for the recipes whose weight scales are maxes of its shards' amaxes (per tensor or per
+    128 x 128 block) and that quantize W once for both its GEMMs."""
     if not getattr(cfg, "fp8_all_gather", False):
         return
     check(cfg.zero_stage == 3 and cfg.fp8 != "none", "--fp8_all_gather needs --zero_stage 3 and --fp8 (it gathers "
