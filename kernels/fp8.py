@@ -202,14 +202,6 @@ def _apply(function, *args):
     return function.apply(*args)
 
 
-@torch.compiler.disable
-def _outside_compile(function, *args):
-    """The delayed recipe's GEMMs run eagerly under torch.compile: its amax history is updated in place by every
-    forward and backward, and a compiled graph saves that buffer for its backward, so a second micro-batch's
-    forward before the first one's backward (any pipeline schedule) fails autograd's version check."""
-    return function.apply(*args)
-
-
 class Float8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run in FP8; parameters (names, values, dtype) are the Linear's own."""
 
@@ -219,6 +211,12 @@ class Float8Linear(nn.Linear):
         if recipe not in RECIPES:
             raise ValueError(f"unknown FP8 recipe {recipe!r}; expected one of {RECIPES}")
         self.recipe = recipe
+        # how matmul applies its Function. The delayed recipe's GEMMs stay eager under torch.compile: its amax
+        # history is updated in place by every forward and backward, and a compiled graph saves that buffer for its
+        # backward, so a second micro-batch's forward before the first one's backward (any pipeline schedule) fails
+        # autograd's version check. Wrapped here, not at import: torch.compiler.disable imports torch._dynamo, 1.3 s
+        # of every script's start.
+        self.run = torch.compiler.disable(_apply) if recipe == "delayed" else _apply
         self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline_weight_grads.py)
         # amax histories of x, W, dy for delayed scaling (unused by the dynamic recipes)
         self.register_buffer("amax_history", torch.zeros(3, history_len, device=device), persistent=False)
@@ -235,11 +233,10 @@ class Float8Linear(nn.Linear):
     def matmul(self, x):
         """x W^T in FP8, without the bias: for a fused kernel that adds the bias itself (kernels/apply.py's
         FusedBlock), so FP8 and the fused kernels compose."""
-        run = _outside_compile if self.recipe == "delayed" else _apply
         if self.weight_grad_store is not None:
-            return run(_Float8LinearInputGradOnly, x, self.weight, self.recipe, self.amax_history,
-                       self.gathered_weight, self.weight_grad_store)
-        return run(_Float8LinearFunction, x, self.weight, self.recipe, self.amax_history, self.gathered_weight)
+            return self.run(_Float8LinearInputGradOnly, x, self.weight, self.recipe, self.amax_history,
+                            self.gathered_weight, self.weight_grad_store)
+        return self.run(_Float8LinearFunction, x, self.weight, self.recipe, self.amax_history, self.gathered_weight)
 
     def forward(self, x):
         y = self.matmul(x)

@@ -7,7 +7,7 @@ import pytest
 
 from distributed_helper import recorded_runs, run_workers
 from common.metrics import read_metrics
-from train_helpers import MODELS, assert_exact, curves, losses, run_single, text_argv, tiny_argv
+from train_helpers import MODELS, TRITON_TWO_STEPS, assert_exact, curves, losses, run_single, text_argv, tiny_argv
 
 H, T, HEADS, VOCAB = 32, 32, 4, 256        # the exactness checks' model (train_helpers.SPIKY, MODELS["L2"])
 
@@ -221,19 +221,19 @@ def test_evaluation_matches_single(text_data, tmp_path):
     assert len(val[0]) == 2 and val[1] == pytest.approx(val[0], rel=1e-9)
 
 
-def test_kernels_and_fp8_apply_in_stages(text_data, tmp_path):
+def test_kernels_and_fp8_apply_in_stages(text_data, text_reference_triton, tmp_path):
     """With tp 1, the rungs' fused kernels (Triton, here interpreted on CPU) and FP8 GEMMs run inside pipeline
     stages as in train_single: the same curve as train_single with the same flags, and FP8 really on. FP8 runs in
     float64 (the GEMMs still take e4m3 / e5m2 operands): in fp32 the pipeline's other summation order of the tied
     embedding's gradient (1e-7) flips a quantization step within a few steps and is amplified to 1e-4, hiding a
     real difference; in float64 the two runs quantize alike."""
-    runs = dict(triton=dict(kernels="triton", max_steps=2), fp8=dict(fp8="tensorwise", max_steps=6))
-    argvs = [text_argv(text_data, str(tmp_path / name), pp=2, micro_batch_size=2, **o) for name, o in runs.items()]
+    fp8 = dict(fp8="tensorwise", micro_batch_size=2, max_steps=6)
+    runs = dict(triton=dict(kernels="triton", **TRITON_TWO_STEPS), fp8=fp8)
+    argvs = [text_argv(text_data, str(tmp_path / name), pp=2, **o) for name, o in runs.items()]
     run_workers(_resume_runs, 2, args=(argvs,), timeout=600)
-    for name, opts in runs.items():
-        ref = run_single(text_argv(text_data, str(tmp_path / f"single_{name}"), micro_batch_size=2, **opts),
-                         both_curves=True)[0]
-        assert_exact(ref, curves(str(tmp_path / name)), rtol=1e-12 if name == "triton" else 1e-9)
+    assert_exact(text_reference_triton, curves(str(tmp_path / "triton")), rtol=1e-12)   # train_single's, the same flags
+    ref = run_single(text_argv(text_data, str(tmp_path / "single_fp8"), **fp8), both_curves=True)[0]
+    assert_exact(ref, curves(str(tmp_path / "fp8")))
     plain = run_single(text_argv(text_data, str(tmp_path / "plain"), micro_batch_size=2, max_steps=6))[0]
     assert abs(plain[-1] - losses(str(tmp_path / "fp8"))[-1]) > 1e-4, "FP8 must change the numbers"
 

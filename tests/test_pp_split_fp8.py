@@ -64,16 +64,21 @@ def test_5d_zb1_fp8_equals_1f1b(tiny_data, tmp_path):
     assert_exact(got["1f1b"], got["zb1"])
 
 
-def _block_grads(store):
-    """Weight gradients of one model.py block under --kernels compile (the FusedBlock compiled whole) with FP8,
-    over two micro-batches; with a store, each B leaves dW to W, run after it."""
+def _block_grads(store, compiled=True):
+    """Weight gradients of one model.py block under --kernels compile (the FusedBlock compiled whole; with
+    compiled=False the same FusedBlock run eagerly) with FP8, over two micro-batches; with a store, each B leaves
+    dW to W, run after it."""
     import torch
     from common.pipeline_weight_grads import defer_weight_grads
     from kernels import apply_kernels, convert_to_float8
+    from kernels.apply import FusedBlock
     from model import Block, GPTConfig, rope_cache
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList([Block(GPTConfig(n_embd=32, n_head=2, block_size=8, vocab_size=64))])
-    apply_kernels(blocks, "compile")
+    if compiled:
+        apply_kernels(blocks, "compile")
+    else:
+        blocks[0] = FusedBlock(blocks[0], "torch")
     convert_to_float8(blocks, "tensorwise")
     if store is not None:
         defer_weight_grads(blocks, store)
@@ -90,8 +95,13 @@ def _block_grads(store):
 
 def test_compiled_fused_block_keeps_fp8_dw_for_w():
     """--kernels compile: the FP8 layers inside a compiled FusedBlock still hand their dW to the store (the
-    compiled graph does not swallow B's stash), and W's gradients are the unsplit backward's bit for bit."""
+    compiled graph does not swallow B's stash: no dW after the first B), and W's gradients are the unsplit
+    backward's. The reference is the same FusedBlock uncompiled: compiling only the split block halves the test's
+    cold compile time (its many small graphs are the store's graph breaks); the compiled bias+GeLU rounds apart
+    from the eager one by float32 ulps (3e-7 here), while a swallowed, doubled or missing micro-batch's dW is a
+    difference of order one."""
     import torch
     from common.pipeline_weight_grads import WeightGradStore
-    plain, split = _block_grads(None), _block_grads(WeightGradStore())
-    assert all(torch.equal(plain[n], split[n]) for n in plain)
+    plain, split = _block_grads(None, compiled=False), _block_grads(WeightGradStore())
+    for n in plain:
+        torch.testing.assert_close(split[n], plain[n], rtol=1e-5, atol=1e-5 * plain[n].abs().max().item(), msg=n)
