@@ -214,8 +214,8 @@ class Float8Linear(nn.Linear):
         # how matmul applies its Function. The delayed recipe's GEMMs stay eager under torch.compile: its amax
         # history is updated in place by every forward and backward, and a compiled graph saves that buffer for its
         # backward, so a second micro-batch's forward before the first one's backward (any pipeline schedule) fails
-        # autograd's version check. Wrapped here, not at import: torch.compiler.disable imports torch._dynamo, 1.3 s
-        # of every script's start.
+        # autograd's version check. Wrapped here, not at import: torch.compiler.disable imports torch._dynamo (1.3 s),
+        # which a run refused for bad input never needs (a training run imports it with torch.optim's optimizer).
         self.run = torch.compiler.disable(_apply) if recipe == "delayed" else _apply
         self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline_weight_grads.py)
         # amax histories of x, W, dy for delayed scaling (unused by the dynamic recipes)

@@ -59,7 +59,7 @@ class Float8ParallelGemms:
         self.recipe, self.group, self.split = recipe, group, split
         self.amax_history = torch.zeros(3, history_len, device=device)    # x, W, dy (delayed)
         # collectives (the amax reductions) run eagerly under torch.compile, as train_tp's do; wrapped here, not at
-        # import, where torch.compiler.disable would import torch._dynamo (1.3 s of every script's start)
+        # import, where torch.compiler.disable would import torch._dynamo (1.3 s) into every script, a refused one too
         self.linear = torch.compiler.disable(self.linear)
 
     def whole_amax(self, t, split_here, slot):
