@@ -96,8 +96,8 @@ def _block_grads(store, compiled=True):
 def test_compiled_fused_block_keeps_fp8_dw_for_w():
     """--kernels compile: the FP8 layers inside a compiled FusedBlock still hand their dW to the store (the
     compiled graph does not swallow B's stash: no dW after the first B), and W's gradients are the unsplit
-    backward's. The reference is the same FusedBlock uncompiled: compiling only the split block halves the test's
-    cold compile time (its many small graphs are the store's graph breaks); the compiled bias+GeLU rounds apart
+    backward's. The reference is the same FusedBlock uncompiled, which spares the suite a second cold compile of
+    the block (inductor's C++ kernels take seconds each on CPU); the compiled bias+GeLU rounds apart
     from the eager one by float32 ulps (3e-7 here), while a swallowed, doubled or missing micro-batch's dW is a
     difference of order one."""
     import torch
