@@ -40,7 +40,7 @@ from model import GPTConfig
 from common.pipeline_schedules import theory_idle_fraction
 from common.plan_cli import build_job, parse_args, parse_layout
 from common.plan_inputs import GIB, HARDWARE, RECOMPUTE, Job, Layout, as_run, validate
-from common import plan_shape
+from common import plan_elementwise, plan_shape
 from common import plan_time as time_model
 from common.plan_comm import (axis_group, comm_bytes, comm_latency, exposed_dp_time, exposed_tp_time,  # noqa: F401
                               link_bandwidth, tied_sync_time)
@@ -76,7 +76,8 @@ def step_time(job, lay, mem):
     f_hw, f_attn = time_model.hardware_flops_per_token(job, lay.recompute)
     imbalance = max(layers_per_rank(job, lay)) * lay.pp / cfg.n_layer
     tokens = imbalance * job.global_seqs * cfg.block_size / job.gpus
-    compute = tokens * time_model.compute_time(f_hw, f_attn, job, time_model.gemm_rows_factor(job, lay.tp, rows))
+    compute = tokens * time_model.compute_time(f_hw, f_attn, job, time_model.gemm_rows_factor(job, lay.tp, rows),
+                                               plan_elementwise.bytes_per_token(job, lay))
     idle = theory_idle_fraction(lay.schedule, lay.pp, m, lay.v) if lay.pp > 1 else 0.0
     attn_hbm = time_model.eager_attention_time(job, lay)
     bubble = (compute + attn_hbm) * idle / (1 - idle)

@@ -108,7 +108,7 @@ def korthikanti(name, L, h, a, dp, pp, gbs, mbs, v, seconds, mfu):
     gpus = 8 * pp * dp
     return Setup(name, KORTHIKANTI, dict(n_layer=L, n_embd=h, n_head=a, vocab=51200, dropout=0.1), gpus, "a100",
                  2048, gbs, lay, mfu, f"{seconds} s/iteration, {100 * mfu:.1f}% MFU", "megatron-2022",
-                 dict(attn="eager", dp_overlap=False, pp_scatter_gather=True))
+                 dict(attn="eager", dp_overlap=False, pp_scatter_gather=True, fused_bias_dropout_add=True))
 
 
 KORTHIKANTI_RUNS = [korthikanti("22B", 48, 6144, 64, 1, 1, 4, 4, 1, 1.10, 0.415),

@@ -32,6 +32,8 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
           "llm-foundry's default): the logits and their gradient only, no fp32 copies"),
          ("inplace_loss", bool, False, "the loss's softmax and gradient computed in place on the fp32 logits "
           "(Megatron's vocab-parallel cross-entropy): no fp32 gradients of the logits beside the softmax"),
+         ("fused_bias_dropout_add", bool, False, "dropout and the residual add in one kernel (Megatron-LM's "
+          "--bias-dropout-fusion): fewer element-wise bytes (plan_elementwise.py)"),
          ("loss_parallel", bool, False, "with tp > 1 the loss runs through torch's loss_parallel (torchtitan): "
           "12 bytes per logit in its backward beside the saved log-softmax, not 8"),
          ("pp_outputs_kept", str, "none", "stage outputs a pipeline runtime keeps until the step ends: none | last "
@@ -182,7 +184,8 @@ def build_job(a):
                net_gbps=a.net_gbps or 0.0, bucket_mb_per_dp=a.bucket_mb_per_dp, dp_overlap_style=a.dp_overlap_style,
                grad_dtype=a.grad_dtype, inplace_loss=a.inplace_loss, fp32_residual=a.fp32_residual,
                grads_freed=a.grads_freed, loss_parallel=a.loss_parallel, pp_outputs_kept=a.pp_outputs_kept,
-               pp_recv_per_micro_batch=a.pp_recv_per_micro_batch)
+               pp_recv_per_micro_batch=a.pp_recv_per_micro_batch,
+               fused_bias_dropout_add=a.fused_bias_dropout_add)
 
 
 BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused

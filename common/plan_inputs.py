@@ -143,6 +143,8 @@ class Job:
     attn_eff: float = 0.0     # flash attention's share of peak; 0: plan_time.ATTN_EFF (FlashAttention-2's)
     causal: bool = True       # flash attention skips the masked half of the scores (time only; MFU counts all)
     moments: str = "fp32"     # AdamW m and v precision (bf16: 2 + 2 bytes instead of 4 + 4)
+    fused_bias_dropout_add: bool = False   # dropout fused with the residual add in one kernel (Megatron-LM's
+                                           # --bias-dropout-fusion, on by default): plan_elementwise.py
     rope: bool = True         # rotary positions: q and k kept again after the rotation (model.py, Llama); False:
                               # learned or ALiBi positions (GPT-2, MPT, BLOOM), nothing rotated kept
     net_gbps: float = 0.0     # the cluster's network per GPU, Gb/s per direction (0: the GPU row's, a DGX's NICs)

@@ -4,10 +4,12 @@ time from FLOPs at an efficiency made of hardware measurements, and the alpha-be
 latency model + bandwidth). plan.py's step_time adds the parts up.
 
     compute   = (matmul FLOPs / GEMM_EFF + attention FLOPs executed / ATTN_EFF) / peak      the kernels
-                + MEMORY_BOUND x (the same on A100) x A100's HBM bandwidth / this GPU's   the memory-bound rest
+                + element-wise bytes / this GPU's HBM bandwidth                  norms, activations, residual adds
+                + MEMORY_BOUND x (the same on A100) x A100's HBM bandwidth / this GPU's   the rest of the rest
                 GEMM_EFF: measured maximum achievable matmul FLOP/s / peak, per GPU; ATTN_EFF: the flash kernel's
-                published utilization; MEMORY_BOUND: the rest of one measured A100 training step per second of its
-                kernels at the ceilings (1/KERNEL_SHARE - 1, x its GEMMs' shape factor)
+                published utilization; element-wise bytes: plan_elementwise.py, from the model's operations;
+                MEMORY_BOUND: the rest of one measured A100 training step per second of its kernels at the ceilings
+                (1/KERNEL_SHARE - 1, x its GEMMs' shape factor), less what its element-wise bytes take
                 attention executed: half of 12 L h s with a causal flash kernel (it skips the masked blocks), all of
                 it eager (scores computed, then masked); the MFU convention keeps counting 12 L h s either way
     collective = latency + bytes / bandwidth, latency = NCCL's ring model: base + (steps - inter-node steps) *
@@ -17,7 +19,9 @@ latency model + bandwidth). plan.py's step_time adds the parts up.
 import math
 from functools import lru_cache
 
-from common import plan_shape
+from common import plan_elementwise, plan_shape
+from common.plan_inputs import Job, Layout
+from model import GPTConfig
 
 # Maximum achievable matmul FLOP/s (bf16, dense, best shape of a sweep) / datasheet peak, measured with
 # mamf-finder.py: S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable
@@ -86,9 +90,13 @@ ATTN_EFF = {gpu: u * 3 / 3.5 for gpu, u in FLASH_UTILIZATION.items()}
 # residual adds, casts, the optimizer's element-wise update) and the gaps between launches. Measured once, on A100,
 # by MosaicML llm-foundry (scripts/train/benchmarking/README.md: MPT-7B, seq 2048, 8 x A100-80GB, no activation
 # checkpointing: 64.23% MFU = HFU): the time its kernels would take at the A100's ceilings above is KERNEL_SHARE of
-# the time it took. The rest is priced as memory-bound work: the same bytes per FLOP of the model, moved at each
-# GPU's own HBM bandwidth (a roofline split: on H100 the GEMMs run 2.96x faster than on A100, HBM 1.64x). No run
-# plan.py is compared with went into it (llm-foundry's H100 row of the same model is one of the comparisons).
+# the time it took. Of the rest, the element-wise kernels' bytes (plan_elementwise.bytes_per_token) are priced at
+# each GPU's datasheet HBM bandwidth (an upper bound on their speed: nothing fitted); at that price they are 11.6% of
+# MPT-7B's rest. What remains (launch gaps, casts, the kernels' shortfall from the bandwidth, what the ceilings miss)
+# is priced per FLOP: the same bytes per FLOP of the model, moved at each GPU's own HBM bandwidth (a roofline split:
+# on H100 the GEMMs run 2.96x faster than on A100, HBM 1.64x). Pricing all of the rest per element-wise byte instead
+# (one effective bandwidth, 11.6% of the datasheet's) was tried and fails: docs/plan.md. No run plan.py is compared
+# with went into it (llm-foundry's H100 row of the same model is one of the comparisons).
 MPT7B = dict(n_layer=32, n_embd=4096, vocab=50432, seq=2048, micro_batch=6, mfu=0.6423)
 A100_HBM = 2.039e12          # plan_inputs.HARDWARE["a100"]["hbm"], the bandwidth of that measurement
 
@@ -100,29 +108,42 @@ def kernel_time(matmul_flops, attention_flops, gpu, peak, attn_eff=0.0):
 
 def mpt7b_kernel_share():
     """(kernel time at the A100 ceilings) / (measured time) for the MPT-7B row, N = 12 L h^2 + V h, causal flash, its
-    GEMMs at their shapes (micro-batch 6 of 2,048 tokens: linear_factor); and the GEMM shape factor used."""
+    GEMMs at their shapes (micro-batch 6 of 2,048 tokens: linear_factor); the GEMM shape factor used; and the
+    measured seconds per token and GPU at 312 TFLOP/s."""
     L, h, s, V = MPT7B["n_layer"], MPT7B["n_embd"], MPT7B["seq"], MPT7B["vocab"]
     matmul, attention = 6 * (12 * L * h * h + V * h), 12 * L * h * s
     rows = MPT7B["micro_batch"] * s
     shapes = [(h, 3 * h, 3 * L * h * h), (h, h, L * h * h), (h, 4 * h, 4 * L * h * h), (4 * h, h, 4 * L * h * h),
               (h, V, V * h)]
     factor = sum(w * linear_factor(rows, n_in, n_out) for n_in, n_out, w in shapes) / sum(w for *_, w in shapes)
-    return kernel_time(matmul * factor, attention / 2, "a100", 1.0) / ((matmul + attention) / MPT7B["mfu"]), factor
+    measured = (matmul + attention) / MPT7B["mfu"]
+    return kernel_time(matmul * factor, attention / 2, "a100", 1.0) / measured, factor, measured / A100_PEAK
 
 
-KERNEL_SHARE, MPT7B_GEMM_FACTOR = mpt7b_kernel_share()
-# the memory-bound rest of a step per second of kernel time at the ceilings (shape factor 1), as MPT-7B measured it
-MEMORY_BOUND = (1 / KERNEL_SHARE - 1) * MPT7B_GEMM_FACTOR
+def mpt7b_elementwise_seconds():
+    """Seconds per token and GPU MPT-7B's element-wise kernels take at A100's datasheet HBM bandwidth
+    (plan_elementwise.bytes_per_token: GeLU MLP, learned positions, no dropout, fused loss, no recompute, tp 1)."""
+    job = Job(GPTConfig(vocab_size=MPT7B["vocab"], block_size=MPT7B["seq"], n_layer=MPT7B["n_layer"], n_head=32,
+                        n_embd=MPT7B["n_embd"]), 8, 8, "a100", 8 * MPT7B["micro_batch"], rope=False, fused_loss=True)
+    return plan_elementwise.bytes_per_token(job, Layout(dp=8)) / A100_HBM
+
+
 A100_PEAK = 312e12
+KERNEL_SHARE, MPT7B_GEMM_FACTOR, MPT7B_SECONDS = mpt7b_kernel_share()
+# the share of MPT-7B's memory-bound rest its element-wise bytes take at HBM's datasheet bandwidth (0.116), and what
+# remains per second of kernel time at the ceilings (shape factor 1): what its kernels and those bytes leave
+ELEMENTWISE_SHARE = mpt7b_elementwise_seconds() / ((1 - KERNEL_SHARE) * MPT7B_SECONDS)
+MEMORY_BOUND = (1 / KERNEL_SHARE - 1) * MPT7B_GEMM_FACTOR * (1 - ELEMENTWISE_SHARE)
 
 
-def compute_time(flops, attention_flops, job, gemm_factor=1.0):
+def compute_time(flops, attention_flops, job, gemm_factor=1.0, elementwise_bytes=0.0):
     """Seconds of the FLOPs of one token (model count + recompute, `attention_flops` of them QK^T / AV) on job's GPU:
     matmuls at peak * GEMM_EFF, slower by gemm_factor (gemm_rows_factor of the GEMMs' shapes), a flash kernel's
     attention at peak * ATTN_EFF, half of it when causal (Dao 2023, FlashAttention-2 Sec. 3.1.1: blocks above the
     diagonal are skipped), eager attention as batched matmuls, all of it (the scores are computed, then masked); plus
-    the memory-bound rest: MEMORY_BOUND x the same kernels' time on A100 at the ceiling, x A100's HBM bandwidth /
-    this GPU's. job.eff (--eff): one efficiency for every executed FLOP."""
+    the memory-bound rest: `elementwise_bytes` (plan_elementwise.bytes_per_token) at this GPU's HBM bandwidth, and
+    MEMORY_BOUND x the same kernels' time on A100 at the ceiling, x A100's HBM bandwidth / this GPU's. job.eff
+    (--eff): one efficiency for every executed FLOP."""
     flash = job.attn == "flash"
     attention = attention_flops / (2 if flash and job.causal else 1)
     matmul = flops - attention_flops + (0 if flash else attention)
@@ -131,7 +152,7 @@ def compute_time(flops, attention_flops, job, gemm_factor=1.0):
         return (matmul + attention) / (job.peak * job.eff)
     kernels = kernel_time(matmul * gemm_factor, attention, job.gpu, job.peak, job.attn_eff)
     on_a100 = kernel_time(matmul, attention, "a100", A100_PEAK)
-    return kernels + MEMORY_BOUND * on_a100 * A100_HBM / job.hw["hbm"]
+    return kernels + (MEMORY_BOUND * on_a100 * A100_HBM + elementwise_bytes) / job.hw["hbm"]
 
 
 # NCCL's latency model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel; ring algorithm, Simple protocol, the
@@ -220,7 +241,7 @@ SOFTWARE = {
     # Its optimizer keeps fp32 main gradients beside the fp16 parameters (Float16OptimizerWithFloat16Params); its
     # vocab-parallel cross-entropy works in place on the fp32 logits (inplace_loss; so do its descendants below).
     "megatron-2021": dict(attn="eager", dp_overlap=False, pp_scatter_gather=True, tp_overlap=0.0, pp_overlap=False,
-                          grad_dtype="fp32", inplace_loss=True),
+                          grad_dtype="fp32", inplace_loss=True, fused_bias_dropout_add=True),
     # torchtitan (pytorch/torchtitan, 2024): flash attention through SDPA, FSDP2 prefetching its all-gathers and
     # reducing under the backward, tensor-parallel collectives in the open (its async TP is an opt-in compile pass),
     # pipeline sends blocking (torch.distributed.pipelining). Under TP its loss runs through torch's loss_parallel
@@ -236,12 +257,12 @@ SOFTWARE = {
     # fp32 main gradients beside bf16 parameters (Megatron-LM README: "bf16 param, fp32 grads: 18 bytes").
     "megatron-core": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=TP_OVERLAP["nemo-te"],
                           pp_overlap=True, dp_overlap_style="mcore", grad_dtype="fp32", inplace_loss=True,
-                          **MCORE_BUCKET),
+                          fused_bias_dropout_add=True, **MCORE_BUCKET),
     # Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused softmax, DeepSpeed's pipeline engine reducing the gradients
     # after the last micro-batch, its BF16_Optimizer's fp32 gradient buffer beside the bf16 gradients ("4 bytes *
     # params", bigscience tr11-176B-ml README).
     "megatron-deepspeed": dict(attn="eager", dp_overlap=False, pp_scatter_gather=False, tp_overlap=0.0,
-                               pp_overlap=False, grad_dtype="both", inplace_loss=True),
+                               pp_overlap=False, grad_dtype="both", inplace_loss=True, fused_bias_dropout_add=True),
     # Llama 3's stack (Dubey et al. 2024, Sec. 3.3.2): FSDP "asynchronously prefetching sharded model weights and
     # reducing gradients", "asynchronous point-to-point communication in PP"; TP overlap is not stated (none here).
     "llama3": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=True),

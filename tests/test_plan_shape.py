@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 import plan
-from common import plan_memory, plan_shape, plan_time
+from common import plan_elementwise, plan_memory, plan_shape, plan_time
 from common.plan_cli import build_job, parse_args
 from common.plan_inputs import MODELS, Job, Layout
 from model import GPT, GPTConfig, flops_per_token, num_params
@@ -106,10 +106,11 @@ def test_causal_flash_time_and_overlaps():
     f_all, f_attn = plan.hardware_flops_per_token(base, "none")
     rest = plan_time.MEMORY_BOUND * plan_time.A100_HBM / base.hw["hbm"]
     shape = plan_time.gemm_rows_factor(base, 2, 4096)       # the GEMMs at 4,096 rows on a tp rank of 2
+    elementwise = plan_elementwise.bytes_per_token(base, lay) / base.hw["hbm"]
 
     def per_token(attention):
         return (plan_time.kernel_time((f_all - f_attn) * shape, attention, "h100", base.peak)
-                + rest * plan_time.kernel_time(f_all - f_attn, attention, "a100", 312e12))
+                + rest * plan_time.kernel_time(f_all - f_attn, attention, "a100", 312e12) + elementwise)
     expect = per_token(f_attn / 2) / per_token(f_attn)
     assert parts["base"]["compute"] / parts["full"]["compute"] == pytest.approx(expect)
     assert 0 < parts["tp"]["tp"] < parts["base"]["tp"]
@@ -119,10 +120,28 @@ def test_causal_flash_time_and_overlaps():
     assert e1 > e2                                          # same FLOPs counted, less time
 
 
+def test_elementwise_bytes_are_the_op_list():
+    """plan_elementwise.bytes_per_token is its docstring's op list: per block and token 32h replicated elements (norms,
+    residual adds, unfused dropouts: forward 15h, backward 17h), 12h + 5f sharded (attention output copy, rotary,
+    GeLU), 18 per logit for the unfused loss; the replicated ones once per tp rank without SP, once in all with it."""
+    cfg = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
+    job = job_for(cfg, gpus=2)
+    h, f, L, V = 64, 256, 2, cfg.padded_vocab_size
+
+    def expect(copies):
+        return 2 * (L * (12 * h + 5 * f + copies * 32 * h) + 18 * V)
+    assert plan_elementwise.bytes_per_token(job, Layout(dp=1, tp=2)) == expect(2)         # replicated over tp
+    assert plan_elementwise.bytes_per_token(job, Layout(dp=1, tp=2, sp=True)) == expect(1)
+    assert plan_elementwise.bytes_per_token(job, Layout(dp=2)) == expect(1)
+    fused = replace(job, fused_bias_dropout_add=True)        # the dropout's forward folded into the add: 2h less each
+    assert plan_elementwise.bytes_per_token(fused, Layout(dp=2)) == expect(1) - 2 * L * 2 * 2 * h
+
+
 def test_default_efficiency_is_cited_measurements():
     """Compute time = matmuls at the GPU's measured GEMM ceiling, slower at their shapes (plan_time.gemm_rows_factor)
-    + causal flash attention at FlashAttention-2's published utilization + the memory-bound rest measured once on A100
-    (llm-foundry's MPT-7B row, micro-batch 6) at the GPU's HBM bandwidth: on A100 that row's own shape comes back at
+    + causal flash attention at FlashAttention-2's published utilization + its element-wise bytes and the memory-bound
+    rest measured once on A100 (llm-foundry's MPT-7B row, micro-batch 6) at the GPU's HBM bandwidth: on A100 that
+    row's own shape comes back at
     its 64.23% MFU; on H100 within 15% of its H100 row (micro-batch 6 too)."""
     assert plan_time.GEMM_EFF["a100"] == pytest.approx(0.859, abs=1e-3)
     assert plan_time.GEMM_EFF["h100"] == pytest.approx(0.801, abs=1e-3)
@@ -133,7 +152,8 @@ def test_default_efficiency_is_cited_measurements():
         job = job_for(cfg, gpu=gpu)
         f_all, f_attn = plan.hardware_flops_per_token(job, "none")
         shape = plan_time.gemm_rows_factor(job, 1, 6 * 2048)
-        mfu[gpu] = flops_per_token(cfg) / plan_time.compute_time(f_all, f_attn, job, shape) / job.peak
+        nbytes = plan_elementwise.bytes_per_token(replace(job, rope=False, fused_loss=True), Layout(dp=8))
+        mfu[gpu] = flops_per_token(cfg) / plan_time.compute_time(f_all, f_attn, job, shape, nbytes) / job.peak
     assert mfu["a100"] == pytest.approx(0.6423, rel=1e-3)
     assert abs(mfu["h100"] / 0.4644 - 1) < 0.15     # llm-foundry's H100 row of the same model, not used above
     assert plan_time.compute_time(f_all, f_attn, replace(job, eff=0.5)) == (f_all - f_attn / 2) / (job.peak * 0.5)
