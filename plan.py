@@ -56,8 +56,9 @@ def step_time(job, lay, mem):
         compute    tokens / world x plan_time.compute_time(hardware_flops_per_token): matmuls at the GPU's measured
                    GEMM ceiling, slower for GEMMs of few rows (plan_time.gemm_rows_factor, rows = b x s / cp: fitted to
                    matmul measurements), the
-                   attention scores at the flash kernel's (half of them causal), both x the software share; x the
-                   busiest pipeline rank's share of the blocks (uneven stages)
+                   attention scores at the flash kernel's (half of them causal), both x the software share, and the
+                   element-wise kernels' bytes at HBM bandwidth (plan_elementwise); x the busiest pipeline rank's
+                   share of the blocks (uneven stages)
         attn_hbm   eager_attention_time (0 with flash attention)
         bubble     (compute + attn_hbm) * f/(1-f), f = pipeline_schedules.theory_idle_fraction ((p-1)/(m+p-1), /v interleaved,
                    zb1 (p-1)/(3m+p-1), zbv and dualpipev (p-1)/(6m+p-1) in chunk units, zbv with m < 2p-1

@@ -151,23 +151,24 @@ NOTES = """
 ## What the errors show
 
 - **Too fast where a step has one micro-batch per replica.** The 8 cells without gradient accumulation (dp 32-128
-  with TP, 16-64 nodes) are predicted +37% at the median, 7 of 8 too high, and worst where the tokens per GPU are
-  fewest: the 1.34B on 64 nodes (2,048 tokens per GPU and step) +164%, the 3.57B there +53%, the 1.34B on 32 nodes
-  +47%. The 18 cells with 8-256 micro-batches per step are +6% at the median, 13 within 15%. The table of parts
-  above says what is missing: the worst cell's predicted step is 237 ms short of the 381 ms its MFU implies, and
-  all of its data-parallel time, none of it hidden, is 68 ms of which 40 ms is already counted. Of the six ZeRO-0
+  with TP, 16-64 nodes) are predicted +29% at the median, 7 of 8 too high, and worst where the tokens per GPU are
+  fewest: the 1.34B on 64 nodes (2,048 tokens per GPU and step) +153%, the 3.57B there +52%, the 1.34B on 32 nodes
+  +39%. The 18 cells with 8-256 micro-batches per step are +0.4% at the median, 14 within 15%. The table of parts
+  above says what is missing: the worst cell's predicted step is 231 ms short of the 381 ms its MFU implies, and
+  all of its data-parallel time, none of it hidden, is 68 ms of which 37 ms is already counted. Of the six ZeRO-0
   cells, hiding none of it would match two (the 1.34B on 16 and 32 nodes) and overshoot the other four. nanotron's
   DDP does overlap the reduction with the last backward (its fp32 accumulation hook launches each bucket's
   collective asynchronously; the trainer waits after the backward), so no overlap rule was changed for this class:
   what it lacks is not found in the source. Held out from the table and from every constant, but not unseen.
-- **Pipeline-only layouts are near** (the 11 cells with tp 1: 10 within 15%, +5% at the median, 10 of 11 over): no
-  class of error beyond a few per cent too fast. The 1.34B's and 3.57B's tied embedding has its gradient summed
+- **Pipeline-only layouts are near** (the 11 cells with tp 1: 11 within 15%, -1% at the median, 5 of 11 over; 10 within,
+  +5% and 10 over before the element-wise kernels were priced by their bytes, plan_elementwise.py): no class of
+  error. The 1.34B's and 3.57B's tied embedding has its gradient summed
   over the two stages after the backward (plan_comm.tied_sync_time), on the step's path.
 - **Too fast even against a best-of-sweep figure.** A maximum over runs would read plan.py's errors negative; the
   median is positive, so plan.py is too fast on this stack's typical run by more than the median says.
 - **One cell looks like an outlier of the sweep itself:** the 80B on 4 nodes (tp 8 x pp 4, 256 micro-batches)
   reached 14.8% where the same model reached 30.7% and 34.3% on 8 and 16 nodes; its 66 GB of 80 is the fullest of
-  the 80B cells. plan.py predicts 37.5% (+154%); nothing in the figure says what held it back.
+  the 80B cells. plan.py predicts 37.8% (+156%); nothing in the figure says what held it back.
 """
 
 

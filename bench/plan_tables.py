@@ -273,7 +273,13 @@ the best micro-batch size (its efficiency does not depend on the GEMM's shape) a
 
 ## Changes from the previous version of this table
 
-This version: compute time from measured kernel ceilings and the memory-bound rest at each GPU's HBM bandwidth
+This version: the element-wise kernels (norms, residual adds, dropouts, activations, the loss) priced by the bytes
+the model's operations move (plan_elementwise.py; without SP the norms, dropouts and residual adds run on every TP
+rank), the rest of the memory-bound time still per FLOP: 8 of 8 within 15% (1.7B +17% -> +13%, 18.4B +12% -> +5%,
+torchtitan's H100 rows +4% / +7% -> +0% / +3%). The published torchtitan H100 layouts fall from rank 1 to 10 and 8
+among the layouts with their recompute mode (op recompute now also runs the element-wise forward again).
+
+Before: compute time from measured kernel ceilings and the memory-bound rest at each GPU's HBM bandwidth
 instead of one efficiency per GPU (H100's was 0.464, llm-foundry's MPT-7B H100 row itself), causal flash attention
 charged half its score FLOPs in time, NCCL's latency per collective, and Llama 3's own shapes for the torchtitan
 rows, with torchtitan's op recompute policy for its 2024-12 H100 rows (and, later, its A100 8B row). Still 7 of 8 within 15%; the torchtitan H100
