@@ -1,8 +1,8 @@
 """
 plan_elementwise.py: the bytes a training step's memory-bound (element-wise) kernels move through HBM, per token, as
-the model's operations read and write them. plan_time.compute_time prices them at an effective bandwidth measured
-once (plan_time.ELEMENTWISE_BW, from llm-foundry's MPT-7B row): this replaces a price per FLOP, which makes narrow
-models too fast (their element-wise bytes per token grow with h, their FLOPs with h^2).
+the model's operations read and write them. plan_time.compute_time prices them at the GPU's datasheet HBM bandwidth
+(an upper bound on their speed), which a price per FLOP gets wrong for narrow models: their element-wise bytes per
+token grow with h, their FLOPs with h^2. The rest of a step's memory-bound time stays priced per FLOP (plan_time).
 
 Per block and token, in 16-bit elements of width h (f = MLP width, kv = key/value width, p = dropout > 0), each
 kernel reading its inputs and writing its output once (bias adds ride in the GEMMs' epilogues: torch's addmm,
