@@ -136,7 +136,7 @@ ELEMENTWISE_SHARE = mpt7b_elementwise_seconds() / ((1 - KERNEL_SHARE) * MPT7B_SE
 MEMORY_BOUND = (1 / KERNEL_SHARE - 1) * MPT7B_GEMM_FACTOR * (1 - ELEMENTWISE_SHARE)
 
 
-def compute_time(flops, attention_flops, job, gemm_factor=1.0, elementwise_bytes=0.0):
+def compute_time(flops, attention_flops, job, gemm_factor, elementwise_bytes):
     """Seconds of the FLOPs of one token (model count + recompute, `attention_flops` of them QK^T / AV) on job's GPU:
     matmuls at peak * GEMM_EFF, slower by gemm_factor (gemm_rows_factor of the GEMMs' shapes), a flash kernel's
     attention at peak * ATTN_EFF, half of it when causal (Dao 2023, FlashAttention-2 Sec. 3.1.1: blocks above the

@@ -58,9 +58,12 @@ class Float8ParallelGemms:
             raise ValueError(f"FP8 recipe {recipe!r} / split {split!r}: expected one of {RECIPES} / out, in")
         self.recipe, self.group, self.split = recipe, group, split
         self.amax_history = torch.zeros(3, history_len, device=device)    # x, W, dy (delayed)
-        # collectives (the amax reductions) run eagerly under torch.compile, as train_tp's do; wrapped here, not at
-        # import, where torch.compiler.disable would import torch._dynamo (1.3 s) into every script, a refused one too
-        self.linear = torch.compiler.disable(self.linear)
+        # linear(x, weight, store=None): x W^T with autograd, no communication of its own (a row-parallel layer's
+        # partial product); store: a zero-bubble pipeline's WeightGradStore (common/pipeline_weight_grads.py), which
+        # runs the dW GEMM in W. Its collectives (the amax reductions) run eagerly under torch.compile, as train_tp's
+        # do. Wrapped here, not by a decorator at import, where torch.compiler.disable would import torch._dynamo
+        # (1.3 s) into every script, a refused one too; a partial, not a bound method, so a deepcopy's points at it.
+        self.linear = functools.partial(torch.compiler.disable(_parallel_linear), self)
 
     def whole_amax(self, t, split_here, slot):
         """Tensorwise: the amax of the whole tensor (t's, maxed over tp where t is this rank's slice: split_here).
@@ -121,10 +124,11 @@ class Float8ParallelGemms:
         (common/pipeline_weight_grads.WeightGradStore.stash), the same GEMM on the same operands and amaxes."""
         return functools.partial(self.grad_weight, ctx, weight=weight)
 
-    def linear(self, x, weight, store=None):
-        """x W^T with autograd, no communication of its own (a row-parallel layer's partial product). store: a
-        zero-bubble pipeline's WeightGradStore (common/pipeline_weight_grads.py), which runs the dW GEMM in W."""
-        return _ParallelFloat8Linear.apply(x, weight, self, store)
+
+
+def _parallel_linear(gemms, x, weight, store=None):
+    """Float8ParallelGemms.linear (its __init__ says what and why)."""
+    return _ParallelFloat8Linear.apply(x, weight, gemms, store)
 
 
 class _ParallelFloat8Linear(torch.autograd.Function):

@@ -156,7 +156,7 @@ def test_default_efficiency_is_cited_measurements():
         mfu[gpu] = flops_per_token(cfg) / plan_time.compute_time(f_all, f_attn, job, shape, nbytes) / job.peak
     assert mfu["a100"] == pytest.approx(0.6423, rel=1e-3)
     assert abs(mfu["h100"] / 0.4644 - 1) < 0.15     # llm-foundry's H100 row of the same model, not used above
-    assert plan_time.compute_time(f_all, f_attn, replace(job, eff=0.5)) == (f_all - f_attn / 2) / (job.peak * 0.5)
+    assert plan_time.compute_time(f_all, f_attn, replace(job, eff=0.5), shape, nbytes) == (f_all - f_attn / 2) / (job.peak * 0.5)
 
 
 def test_moments_and_dropout():
