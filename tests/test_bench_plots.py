@@ -121,7 +121,10 @@ def test_bubbles_where_the_simulator_says(tmp_path, tiny_data):
     """2-rank train_pp runs under --profile (1f1b, zb1, interleaved; m = 4), read from their traces: in each
     recorded step every rank runs its schedule's actions in order; no action starts before the action whose message
     it receives has ended (the ranks' clocks agree with the schedule's messages); and at every slot where the
-    simulator (F = B = W) has a rank idle, the trace shows that rank idle (a gap over a tenth of a forward). The
+    simulator (F = B = W) has a rank idle, the trace shows that rank idle (a gap over a tenth of a forward) in at
+    least one of the recorded steps. Not in each: a gap is a race between two ranks, and a rank that the OS
+    deschedules for one action arrives after the message it waits for, so its gap closes (seen once in a CI run on a
+    loaded 2-core machine); the exact claim, that it never starts before the message, is early_starts'. The
     converse, no idle where the simulator has none, is not asserted: on a shared 2-core machine other processes
     open gaps anywhere (bench/results/bubble.md measures how much)."""
     names, m = ("1f1b", "zb1", "interleaved"), 4
@@ -136,12 +139,13 @@ def test_bubbles_where_the_simulator_says(tmp_path, tiny_data):
         steps = bubble_chart.measured_steps(out)
         forward = bubble_chart.action_costs(steps)["F"]
         assert len(steps) == 2 and idle_slots
+        measured = set()
         for step in steps:
             for rank, acts in step.items():
                 assert [(k, mb, c) for _, _, k, mb, c in acts] == [tuple(a) for a in schedule[rank]], (name, rank)
             assert bubble_chart.early_starts(step, name, 2, 0.0) == [], name
-            measured = bubble_chart.bubble_slots(step, 0.1 * forward)
-            assert set(idle_slots) <= set(measured), (name, sorted(idle_slots), sorted(measured))
+            measured |= set(bubble_chart.bubble_slots(step, 0.1 * forward))
+        assert set(idle_slots) <= measured, (name, sorted(idle_slots), sorted(measured))
 
     rows = [bubble_chart.row_for(name, 2, m, out, [0.1, 0.2]) for name, out in runs.items()]
     rows.append(bubble_chart.row_for("1f1b", 4, 8))
