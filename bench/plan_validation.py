@@ -428,17 +428,19 @@ NOTES = """
   published 35% of the H100's peak (its A100 twin is +7%, the 13B at 32K -4% and +11%). Priced by their bytes, the
   element-wise kernels no longer grow with the attention's FLOPs, so these rows moved 1.5-3 points faster.
 
-- **torchtitan's async TP benchmark, held out (Llama 3.1 70B with plain TP -17%).** The four bf16 rows (FSDP x
-  TP 8, torch.compile, 500 W H100) are added in bench/plan_mfu_runs.py. plan.py predicts async TP 1.19x (70B) and
-  1.23x (8B) faster than plain TP where the page measured 1.09x and 1.10x: TP overlap over-credited (torch's
-  micro-pipelined TP priced as Transformer Engine's chunked overlap), a known open class. The 70B's plain TP is
-  predicted too slow, the 8B's within 1% and its async TP +12%; what torch.compile changes is not modelled.
+- **torchtitan's async TP benchmark, held out (all four within 15%; the 70B with plain TP -15%).** The four bf16
+  rows (FSDP x TP 8, torch.compile, 500 W H100) are added in bench/plan_mfu_runs.py. plan.py predicts async TP
+  1.13x faster than plain TP (70B and 8B) where the page measured 1.09x and 1.10x. It predicted 1.19x and 1.23x
+  (plain 70B -17%, async 8B +12%) before two rules read from torch's source (plan_comm.sp_collectives): DTensor's
+  autograd keeps each all-gathered input, so the backward gathers nothing again (8 collectives per block, 12 with
+  full recompute, where Megatron's count is 10 and 14); and torch's micro-pipeline pass fuses a collective only with
+  one matmul, leaving the backward's reduce-scatters (each a sum over wq/wk/wv or w1/w3) and, under op recompute,
+  the gathers again in the open. What torch.compile changes otherwise is not modelled.
 
-By class: seven of the eight misses are predictions too high; the held-out 70B with plain TP is too low. By
-software: Megatron-DeepSpeed (MT-NLG's three), FSDP in llm-foundry with small GEMMs, one micro-batch or 64K tokens
-(four), torchtitan's 2025 TP rows (one of four); Megatron-LM 2021 and 2022, Megatron-Core (Nemotron-4 340B, -2%),
-torchtitan's 2024 rows and Llama 3's stack have none. By GPU: 4 of the 16 H100 rows, 4 of the 35 A100 rows. By
-context: one of the 5 rows beyond 8K (MPT 7B at 64K on H100).
+By class: the seven misses are predictions too high. By software: Megatron-DeepSpeed (MT-NLG's three), FSDP in
+llm-foundry with small GEMMs, one micro-batch or 64K tokens (four); Megatron-LM 2021 and 2022, Megatron-Core
+(Nemotron-4 340B, -2%), torchtitan's 2024 and 2025 rows and Llama 3's stack have none. By GPU: 3 of the 16 H100
+rows, 4 of the 35 A100 rows. By context: one of the 5 rows beyond 8K (MPT 7B at 64K on H100).
 
 Element-wise bytes (plan_elementwise.py): pricing the norms, residual adds, dropouts, activations and the loss by
 the bytes the model's operations move, at the datasheet HBM bandwidth, with the per-FLOP rest calibrated on MPT-7B
@@ -462,14 +464,15 @@ loss_parallel, whose backward keeps 12 bytes per logit of fp32 working set besid
 F.cross_entropy keeps 8 (tests/test_plan_memory.py measures it; the 70B at 2.1e9 logits per GPU: 0.82 -> 0.95,
 0.87 -> 1.01); (3) torch's 2024 pipeline stages keep every micro-batch's output until the step ends, on the last
 stage its logits (the interleaved 405B 0.94 -> 1.03, the others +0.01-0.02), and (4) a receive buffer per
-micro-batch for activations and for gradients (the 405B runs +0.01-0.03: 1F1B 0.86, interleaved 1.06, with CP
-0.83-0.94). Each is a --software torchtitan rule
-(plan_time.SOFTWARE), none a fit. What torch.compile and Float8 change was not modelled and would lower these
+micro-batch for activations and for gradients (the 405B runs +0.01-0.03). Each is a --software torchtitan rule
+(plan_time.SOFTWARE), none a fit. A fifth, DTensor's autograd keeping each all-gathered input (plan_comm.
+sp_collectives), adds the gathered inputs of the block whose recompute runs at the peak: 405B 1F1B 0.86 -> 0.88,
+with CP 0.83-0.94 -> 0.86-0.97, interleaved 1.06. What torch.compile and Float8 change was not modelled and would lower these
 predictions: FSDP's float8 all-gather (llama3_405b.toml sets it) keeps the 405B runs' gathered weights in 1 byte
 instead of 2 (about 6 GiB per GPU, where PP keeps them gathered through the step), and compiled blocks recompute
 what they fuse. The 405B
 with 1F1B at 8K (82.5 GiB) and at 32K with CP 1 (75.3 GiB) ran the same layout with the same tokens per
-micro-batch: 10% apart, where plan.py predicts both alike (0.86, 0.94). The two H200 runs of 2025 (Trainy,
+micro-batch: 10% apart, where plan.py predicts both alike (0.88, 0.97). The two H200 runs of 2025 (Trainy,
 torch.compile and Float8) are predicted 1.20-1.21: torchtitan compiled the loss by then (fused_loss), and the
 blocks' compilation, not modelled, is what remains.
 """

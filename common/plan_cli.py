@@ -13,7 +13,8 @@ from dataclasses import fields
 
 from common.errors import check, fail
 from common.pipeline_schedules import V_SHAPED
-from common.plan_inputs import GRAD_DTYPES, HARDWARE, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE, Job, Layout
+from common.plan_inputs import (GRAD_DTYPES, HARDWARE, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE, TP_OVERLAP_STYLES, Job,
+                                 Layout)
 from common.plan_time import MCORE_BUCKET, SOFTWARE
 from model import GPTConfig
 
@@ -73,6 +74,11 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
           "BF16_Optimizer)"),
          ("tp_overlap", float, 0.0, "share of tp communication hidden under its GEMMs, 0-1 (Megatron-LM 2021, "
           "torchtitan: 0; NeMo/Transformer Engine --tp-comm-overlap: 1)"),
+         ("tp_overlap_style", str, "chunked", "which SP collectives --tp_overlap pipelines: chunked (all: Transformer "
+          "Engine's userbuffers) | torch (those torch's micro-pipeline pass fuses with one matmul: "
+          "plan_comm.sp_collectives)"),
+         ("tp_saves_gathered", bool, False, "autograd keeps each TP linear's all-gathered input (torch DTensor, "
+          "torchtitan): no all-gather again in the backward, a whole input kept (--no-: Megatron, nanotron, train_tp)"),
          ("pp_overlap", bool, False, "pipeline sends overlap compute (Megatron-Core --overlap-p2p-communication)"),
          ("pp_scatter_gather", bool, False, "pipeline messages as 1/tp per rank, all-gathered over tp (Megatron)"),
          ("software", str, None, f"the attention and overlap defaults of one stack: {', '.join(SOFTWARE)} "
@@ -114,6 +120,7 @@ def parse_args(argv, description):
         ap.add_argument(f"--{name}", type=finite(kind) if kind in (int, float) else kind, default=default, help=text,
                         choices=dict(precision=list(PRECISION), attn=["flash", "eager"], software=list(SOFTWARE),
                                      moments=["fp32", "bf16"], dp_overlap_style=["ddp", "mcore"],
+                                     tp_overlap_style=list(TP_OVERLAP_STYLES),
                                      grad_dtype=list(GRAD_DTYPES), pp_outputs_kept=list(PP_OUTPUTS_KEPT)).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
     return ap.parse_args(argv)
@@ -185,7 +192,8 @@ def build_job(a):
                grad_dtype=a.grad_dtype, inplace_loss=a.inplace_loss, fp32_residual=a.fp32_residual,
                grads_freed=a.grads_freed, loss_parallel=a.loss_parallel, pp_outputs_kept=a.pp_outputs_kept,
                pp_recv_per_micro_batch=a.pp_recv_per_micro_batch,
-               fused_bias_dropout_add=a.fused_bias_dropout_add)
+               fused_bias_dropout_add=a.fused_bias_dropout_add, tp_overlap_style=a.tp_overlap_style,
+               tp_saves_gathered=a.tp_saves_gathered)
 
 
 BOOLEAN = {"true": True, "1": True, "false": False, "0": False}   # anything else (yes, on, y) is refused

@@ -31,11 +31,29 @@ def link_bandwidth(job, lay, axis):
     return min(job.hw["nvlink"], nics * job.hw["net"]) * LINK_EFF
 
 
+def sp_collectives(job, recompute):
+    """(collectives, of them in the open under torch's async TP) per block and micro-batch with sequence parallelism,
+    each an all-gather or reduce-scatter of one micro-batch's [s, h] activations. The forward gathers the input of
+    the attention's and the MLP's column-parallel matmuls and reduce-scatters the output of their row-parallel ones
+    (2 + 2); the backward gathers the gradients arriving at the row-parallel outputs and reduce-scatters the input
+    gradients (2 + 2), and gathers each column-parallel input again for the weight gradient unless autograd kept the
+    gathered copy (job.tp_saves_gathered: torch DTensor keeps it, Megatron-LM, nanotron and train_tp keep the shard;
+    under op recompute the gather is not kept and runs again either way). Full recompute runs the forward's four
+    again. Megatron's count: 10, 14 with full recompute (megatron/core/tensor_parallel/layers.py,
+    LinearWithGradAccumulationAndAsyncCommunication: the backward all-gathers the saved shard); DTensor's: 8, 12.
+    In the open under job.tp_overlap_style "torch" (torch/_inductor/fx_passes/micro_pipeline_tp.py, which fuses an
+    all-gather with the matmuls it feeds as their left operand and a reduce-scatter with the one matmul that produces
+    its input): the backward's reduce-scatters, whose input is the sum of a group's matmuls (Llama's separate wq, wk,
+    wv and w1, w3), and the gathers again, whose tensor a weight gradient reads as its right operand."""
+    again = not job.tp_saves_gathered or recompute == "op"
+    return 8 + 2 * again + 4 * (recompute == "full"), 2 + 2 * again
+
+
 def comm_bytes(job, lay, padded):
     """Bytes this rank sends per step on each axis (comm.py's ring convention, part = (n-1)/n), m micro-batches,
     S = b*s*h*bpv of one micro-batch's activations (s = seq/cp), L_r blocks on the busiest pipeline rank:
-        tp  m*L_r * part_t * S * (8 TP: 2 all-reduces fwd + 2 bwd | 10 SP: 2 AG + 2 RS fwd, 4 AG + 2 RS bwd) + 4 more
-            per block under full recompute (test_tp.py counts these)
+        tp  m*L_r * part_t * S * (8 TP: 2 all-reduces fwd + 2 bwd, + 4 under full recompute | SP: sp_collectives,
+            10 as train_tp runs it: 2 AG + 2 RS fwd, 4 AG + 2 RS bwd, + 4 under full recompute; test_tp.py counts them)
         cp  m*L_r * ((cp-1)*2 KV + cp * dKV), + (cp-1) KV with full recompute, KV = 2b*s*kv/t*bpv, kv the
             key/value width (h without GQA); train_cp's ring sends dK/dV in K/V's dtype (bf16 under autocast), so
             dKV = KV
@@ -52,7 +70,7 @@ def comm_bytes(job, lay, padded):
     full = lay.recompute == "full"
     out = dict(tp=0.0, cp=0.0, dp=0.0, dp_reduce=0.0, pp=0.0, ep=0.0)
     if t > 1:
-        out["tp"] = m * blocks * (t - 1) / t * S * ((10 if lay.sp else 8) + 4 * full)
+        out["tp"] = m * blocks * (t - 1) / t * S * (sp_collectives(job, lay.recompute)[0] if lay.sp else 8 + 4 * full)
     if lay.cp > 1:
         kv = 2 * b * s * plan_shape.kv_dim(job) / t * bpv
         out["cp"] = m * blocks * ((lay.cp - 1) * kv * (2 + full) + lay.cp * kv)
@@ -90,8 +108,8 @@ def axis_group(job, lay, axis):
 
 def comm_latency(job, lay, groups):
     """Seconds of NCCL latency (plan_time.latency) per step on each axis: the number of collectives each runs
-    times the fixed cost of one. Per block and micro-batch: tp 4 all-reduces (TP; 6 with full recompute) or 6
-    all-gathers + 4 reduce-scatters (SP; 14 with full recompute), as comm_bytes counts them, + the all-gather of
+    times the fixed cost of one. Per block and micro-batch: tp 4 all-reduces (TP; 6 with full recompute) or
+    sp_collectives' all-gathers and reduce-scatters (SP), as comm_bytes counts them, + the all-gather of
     every pipeline message Megatron's scatter/gather splits; cp one send per KV hop
     (2(cp-1) + cp, + cp-1 with full recompute); ep 4 all-to-alls per MoE block. dp: one collective per bucket
     (ZeRO 0-2: all-reduce, or reduce-scatter + all-gather, stage 2's reduce-scatter every micro-batch) or per unit
@@ -102,7 +120,7 @@ def comm_latency(job, lay, groups):
         n, nodes, _ = axis_group(job, lay, axis)
         lat = {kind: time_model.latency(kind, n, nodes) for kind in time_model.COLLECTIVES}
         if axis == "tp":
-            per = (10 + 4 * full) * lat["all_gather"] if lay.sp else (4 + 2 * full) * lat["all_reduce"]
+            per = sp_collectives(job, lay.recompute)[0] * lat["all_gather"] if lay.sp else (4 + 2 * full) * lat["all_reduce"]
             gathers = 2 * m * lay.v if lay.pp > 1 and job.pp_scatter_gather and not lay.sp else 0
             out[axis] = m * blocks * per + gathers * lat["all_gather"]
         elif axis == "cp":
@@ -179,11 +197,18 @@ def exposed_tp_time(job, lay, comm, gemm_time, rows):
     of the bytes beside it; the first of its tp chunks cannot hide, the rest hide up to the GEMM's time:
         exposed_i = c_i / t + max(0, c_i (t-1)/t - g_i)
     and the GEMMs run as t chunks of rows/t rows each, slower by plan_time.gemm_rows_factor at rows/t over rows.
-    The share not pipelined stays exposed."""
+    The share not pipelined stays exposed. Under job.tp_overlap_style "torch" only the collectives torch's pass fuses
+    are pipelined (sp_collectives: the rest are in the open, and so is all of it without SP), and their GEMMs'
+    slowdown is charged in the same share."""
     x, t = job.tp_overlap, lay.tp
     if not x or t == 1 or not comm:
         return comm
+    fused = 1.0
+    if job.tp_overlap_style == "torch":
+        total, in_open = sp_collectives(job, lay.recompute) if lay.sp else (1, 1)
+        fused = 1 - in_open / total
     flops = [n_in * n_out for n_in, n_out in plan_shape.block_linears(job, t)]
-    pipelined = sum(comm / 4 / t + max(0.0, comm / 4 * (t - 1) / t - gemm_time * f / sum(flops)) for f in flops)
+    c = comm * fused
+    pipelined = sum(c / 4 / t + max(0.0, c / 4 * (t - 1) / t - gemm_time * f / sum(flops)) for f in flops)
     slower = time_model.gemm_rows_factor(job, t, rows / t) / time_model.gemm_rows_factor(job, t, rows) - 1
-    return x * (pipelined + gemm_time * slower) + (1 - x) * comm
+    return x * (pipelined + comm - c + gemm_time * slower * fused) + (1 - x) * comm

@@ -66,6 +66,7 @@ MODELS = {
 
 GRAD_DTYPES = ("param", "fp32", "both")    # model_state_bytes_per_param's gradient buffers
 PP_OUTPUTS_KEPT = ("none", "last", "all")  # the stage outputs a pipeline runtime keeps (plan_runtime_memory.py)
+TP_OVERLAP_STYLES = ("chunked", "torch")   # which SP collectives --tp_overlap pipelines (plan_comm.sp_collectives)
 
 
 def model_state_bytes_per_param(recipe="fp32", moments="fp32", grad_dtype="param"):
@@ -138,6 +139,12 @@ class Job:
     ends_as_layers: bool = False  # embedding and loss each take a layer's place in the pipeline split (Llama 3)
     # software behaviour (plan_time.py)
     tp_overlap: float = 0.0   # share of tp's communication hidden under GEMMs (plan_time.TP_OVERLAP for published)
+    tp_overlap_style: str = "chunked"   # which SP collectives are pipelined (plan_comm.sp_collectives): chunked, all
+                                        # (Transformer Engine's userbuffers); torch, those torch's micro-pipeline pass
+                                        # fuses with one matmul
+    tp_saves_gathered: bool = False   # autograd keeps a TP linear's all-gathered input (torch DTensor, torchtitan), so
+                                      # the backward does not gather it again; False: the shard is kept and gathered
+                                      # again (Megatron-LM, nanotron, train_tp)
     pp_overlap: bool = False  # pipeline sends overlap the next micro-batch's compute (Megatron-Core
                               # --overlap-p2p-communication): only the fill and drain transfers stay exposed
     attn_eff: float = 0.0     # flash attention's share of peak; 0: plan_time.ATTN_EFF (FlashAttention-2's)

@@ -213,11 +213,12 @@ def moe_extra_bytes(job, lay):
 
 def layer_activation_bytes(job, lay, moe=False, extras=True):
     """Bytes one block keeps for backward for one micro-batch of b sequences of s = seq/cp tokens:
-    tp_activation_bytes_per_layer (Korthikanti eq. 2 with TP: sbh(10 + 24/t + 5as/(ht)), TP+SP: /t; with
-    flash attention the 5as/h scores term is not stored, as with selective recompute), plus what this model keeps
-    beyond the paper's count: q and k before and after RoPE (+2sbh/t values; none without RoPE, job.rope False:
-    learned or ALiBi positions), the fp32 log-sum-exp of the fused attention (a*s*b*4/t bytes, gone with selective
-    recompute), two LayerNorms' mean and rstd (16sb bytes, /t under SP), and an MoE block's moe_extra_bytes
+    tp_activation_bytes_per_layer (Korthikanti eq. 2 with TP: sbh(10 + 24/t + 5as/(ht)), TP+SP: /t; with flash
+    attention the 5as/h scores term is not stored, as with selective recompute), plus what this model keeps beyond
+    the paper's count: q and k before and after RoPE (+2sbh/t values; none without RoPE, job.rope False: learned or
+    ALiBi positions), the fp32 log-sum-exp of the fused attention (a*s*b*4/t bytes, gone with selective recompute),
+    two LayerNorms' mean and rstd (16sb bytes, /t under SP), c_attn's and c_fc's inputs whole where autograd keeps
+    them gathered under SP (job.tp_saves_gathered: +2sbh(1 - 1/t) values), an MoE block's moe_extra_bytes
     (extras=False: the paper's count alone), and residual_extra_bytes (the fp32 residual stream under amp).
     train_cp's attention output is laid out as SDPA's, so c_proj's input is a view of the one saved copy under cp."""
     cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
@@ -234,9 +235,9 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
     if lay.recompute == "full":
         return base + residual_extra_bytes(job, lay, 1)
     lse = cfg.n_head * s * b * 4 / t if (lay.recompute == "none" and job.attn == "flash") else 0
-    extra = 2 * s * b * h * bpv / t + lse + 16 * s * b / (t if lay.sp else 1)
-    extra += s * b * activation_delta_values(job) * bpv / t
-    extra -= 0 if job.rope else s * b * (h + kv_dim(job)) * bpv / t    # no rotated q (h) and k (kv) copies
+    rotated = 2 * h if job.rope else h - kv_dim(job)        # without RoPE no rotated q (h) and k (kv) copies
+    extra = s * b * bpv * (rotated + activation_delta_values(job)) / t + lse + 16 * s * b / (t if lay.sp else 1)
+    extra += 2 * s * b * h * bpv * (1 - 1 / t) if lay.sp and job.tp_saves_gathered else 0
     if moe:
         extra += moe_extra_bytes(job, lay)
     return base + extra + residual_extra_bytes(job, lay, 2)

@@ -247,9 +247,11 @@ SOFTWARE = {
     # pipeline sends blocking (torch.distributed.pipelining). Under TP its loss runs through torch's loss_parallel
     # (torchtitan/parallelisms/parallel_dims.py, loss_parallel_enabled: tp > 1 unless disabled), and torch's pipeline
     # stages of 2024 keep every micro-batch's output until the step ends and a receive buffer per micro-batch
-    # (plan_runtime_memory.py says which versions).
+    # (plan_runtime_memory.py says which versions). Its TP is DTensor's: autograd keeps each all-gathered input, and
+    # its async TP is torch's micro-pipeline pass (plan_comm.sp_collectives says what each changes).
     "torchtitan": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=False,
-                       loss_parallel=True, pp_outputs_kept="all", pp_recv_per_micro_batch=True),
+                       loss_parallel=True, pp_outputs_kept="all", pp_recv_per_micro_batch=True,
+                       tp_overlap_style="torch", tp_saves_gathered=True),
     # Megatron-Core / NeMo with Transformer Engine as NeMo's performance recipes run it (NeMo Framework user guide,
     # "Communication Overlap"): data-parallel reduce-scatters per bucket under the backward and the parameter
     # all-gathers under the next forward (--overlap-grad-reduce --overlap-param-gather), TP all-gathers and
