@@ -42,8 +42,8 @@ from common.plan_cli import build_job, parse_args, parse_layout
 from common.plan_inputs import GIB, HARDWARE, RECOMPUTE, Job, Layout, as_run, validate
 from common import plan_elementwise, plan_shape
 from common import plan_time as time_model
-from common.plan_comm import (axis_group, comm_bytes, comm_latency, exposed_dp_time, exposed_tp_time,  # noqa: F401
-                              link_bandwidth, tied_sync_time)
+from common.plan_comm import (axis_group, comm_bytes, comm_latency, dp_seconds, exposed_dp_time,  # noqa: F401
+                              exposed_tp_time, link_bandwidth, tied_sync_time)
 from common.plan_memory import DEVICE_SHARE, MEM_PARTS, bucket_mb, communicators, layers_per_rank, memory, usable_bytes
 from common.plan_time import eager_attention_time, hardware_flops_per_token  # noqa: F401
 
@@ -67,7 +67,8 @@ def step_time(job, lay, mem):
         tp         plan_comm.exposed_tp_time: all of it, or with job.tp_overlap what the GEMMs beside it cannot hide
         pp         exposed; with job.pp_overlap only the 2(p-1) transfers of the fill and drain stay on the path
         cp         exposed beyond the attention compute it overlaps (ring hops run under the block attention)
-        dp         plan_comm.exposed_dp_time, as the stack overlaps it (job.dp_overlap, job.dp_overlap_style)
+        dp         plan_comm.dp_seconds (ZeRO-0's all-reduce as NCCL's model times it), then plan_comm.exposed_dp_time,
+                   as the stack overlaps it (job.dp_overlap, job.dp_overlap_style)
         tied       plan_comm.tied_sync_time: the tied embedding's gradient summed over the first and last stage,
                    after the backward (exposed)
         optimizer  read + write of the rank's model states at HBM bandwidth"""
@@ -91,10 +92,7 @@ def step_time(job, lay, mem):
     if job.pp_overlap and lay.pp > 1:
         t["pp"] = t["pp"] * 2 * (lay.pp - 1) / (2 * m * lay.v)
     t["cp"] = max(0.0, t["cp"] - f_attn / f_hw * compute)
-    bw = link_bandwidth(job, lay, "dp")
-    share = nbytes["dp_reduce"] / max(nbytes["dp"], 1)
-    reduce = nbytes["dp_reduce"] / bw + alpha["dp"] * share
-    gather = (nbytes["dp"] - nbytes["dp_reduce"]) / bw + alpha["dp"] * (1 - share)
+    reduce, gather = dp_seconds(job, lay, nbytes, alpha["dp"], mem["groups"])
     t["dp"] = exposed_dp_time(job, lay, reduce, gather, mem["groups"], compute, bubble)
     parts = dict(compute=compute, attn_hbm=attn_hbm, bubble=bubble, **t, tied=tied_sync_time(job, lay),
                  optimizer=2 * (mem["params"] + mem["grads"] + mem["optimizer"]) / hw["hbm"])

@@ -13,8 +13,8 @@ from dataclasses import fields
 
 from common.errors import check, fail
 from common.pipeline_schedules import V_SHAPED
-from common.plan_inputs import (GRAD_DTYPES, HARDWARE, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE, TP_OVERLAP_STYLES, Job,
-                                 Layout)
+from common.plan_inputs import (GRAD_DTYPES, HARDWARE, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE, TP_OVERLAP_STYLES,
+                                 Job, Layout)
 from common.plan_time import MCORE_BUCKET, SOFTWARE
 from model import GPTConfig
 

@@ -120,7 +120,8 @@ def comm_latency(job, lay, groups):
         n, nodes, _ = axis_group(job, lay, axis)
         lat = {kind: time_model.latency(kind, n, nodes) for kind in time_model.COLLECTIVES}
         if axis == "tp":
-            per = sp_collectives(job, lay.recompute)[0] * lat["all_gather"] if lay.sp else (4 + 2 * full) * lat["all_reduce"]
+            sp_count = sp_collectives(job, lay.recompute)[0]
+            per = sp_count * lat["all_gather"] if lay.sp else (4 + 2 * full) * lat["all_reduce"]
             gathers = 2 * m * lay.v if lay.pp > 1 and job.pp_scatter_gather and not lay.sp else 0
             out[axis] = m * blocks * per + gathers * lat["all_gather"]
         elif axis == "cp":
@@ -138,21 +139,37 @@ def comm_latency(job, lay, groups):
     return out
 
 
+def dp_seconds(job, lay, nbytes, alpha, groups):
+    """(reduce, gather) seconds of the data-parallel collectives before any overlap: their bytes over the dp link
+    plus their share of `alpha`, NCCL's latency (comm_latency); ZeRO-0's all-reduce instead bucket by bucket (`groups`
+    of them) as NCCL's model times one (plan_time.all_reduce_seconds: across nodes, the ring's latency for large
+    messages and the tree's lower bandwidth)."""
+    bw = link_bandwidth(job, lay, "dp")
+    n, nodes, _ = axis_group(job, lay, "dp")
+    if lay.zero_stage == 0 and n > 1:
+        message = nbytes["dp_reduce"] * n / (2 * (n - 1)) / groups
+        return groups * time_model.all_reduce_seconds(message, n, nodes, bw), 0.0
+    share = nbytes["dp_reduce"] / max(nbytes["dp"], 1)
+    reduce = nbytes["dp_reduce"] / bw + alpha * share
+    return reduce, (nbytes["dp"] - nbytes["dp_reduce"]) / bw + alpha * (1 - share)
+
+
 def tied_sync_time(job, lay):
     """Seconds of the tied embedding's gradient all-reduce between the first and the last pipeline stage, each rank's
-    vocab-parallel shard (V/t x h elements, in the dtype the data-parallel reduction uses), a 2-rank ring over pp's
-    link: it runs after the backward and before the optimizer step, with nothing left to hide it. So train_5d.py
-    (pipeline_tied.tied_grads_sync at its gradients' finish), nanotron (trainer.py sync_tied_weights_gradients after
-    the data-parallel wait, "TODO ... Put this in hooks so we can overlap communication with gradient computation")
-    and Megatron-Core (distributed/finalize_model_grads.py _allreduce_word_embedding_grads, after finish_grad_sync).
-    0 untied, without pp, or where one rank holds both ends (the V-shaped schedules)."""
+    vocab-parallel shard (V/t x h elements, in the dtype the data-parallel reduction uses), a 2-rank all-reduce over
+    pp's link (plan_time.all_reduce_seconds): it runs after the backward and before the optimizer step, with nothing
+    left to hide it. So train_5d.py (pipeline_tied.tied_grads_sync at its gradients' finish), nanotron (trainer.py
+    sync_tied_weights_gradients after the data-parallel wait, "TODO ... Put this in hooks so we can overlap
+    communication with gradient computation") and Megatron-Core (distributed/finalize_model_grads.py
+    _allreduce_word_embedding_grads, after finish_grad_sync). 0 untied, without pp, or where one rank holds both
+    ends (the V-shaped schedules)."""
     if not job.tied or lay.pp == 1 or placement_of(lay.schedule) == "v":
         return 0.0
     recipe = PRECISION[job.precision][0]
     grad = min(model_state_bytes_per_param(recipe, job.moments, job.grad_dtype)["grads"], 4)
-    nbytes = 2 * (2 - 1) / 2 * job.cfg.padded_vocab_size * job.cfg.n_embd / lay.tp * grad
+    message = job.cfg.padded_vocab_size * job.cfg.n_embd / lay.tp * grad
     nodes = 1 if axis_group(job, lay, "pp")[2] == "nvlink" else 2
-    return nbytes / link_bandwidth(job, lay, "pp") + time_model.latency("all_reduce", 2, nodes)
+    return time_model.all_reduce_seconds(message, 2, nodes, link_bandwidth(job, lay, "pp"))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ latency model + bandwidth). plan.py's step_time adds the parts up.
                 it eager (scores computed, then masked); the MFU convention keeps counting 12 L h s either way
     collective = latency + bytes / bandwidth, latency = NCCL's ring model: base + (steps - inter-node steps) *
                  intra-node hop + inter-node steps * network hop; steps 2(n-1) all-reduce, n-1 reduce-scatter /
-                 all-gather / all-to-all, 1 send
+                 all-gather / all-to-all, 1 send; an all-reduce across nodes the faster of that ring (its latency x
+                 1.9 for large messages) and the tree at its own bandwidth (all_reduce_seconds)
 """
 import math
 from functools import lru_cache
@@ -175,19 +176,55 @@ def ring_steps(kind, n):
     return 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
+def ring_latency(kind, n, nodes):
+    """Seconds of NCCL's ring latency for one collective: base + intra-node steps x NVLink hop + inter-node steps x
+    network hop."""
+    steps = ring_steps(kind, n)
+    inter = min(steps, ring_steps(kind, nodes) if nodes > 1 else 0)
+    return NCCL_BASE_S + (steps - inter) * NCCL_HOP_S["nvlink"] + inter * NCCL_HOP_S["net"]
+
+
+def tree_latency(n, nodes):
+    """Seconds of NCCL's tree all-reduce latency: up and down the n/nodes ranks of a node and log2(nodes) levels."""
+    per_node = max(1, n // max(nodes, 1))
+    return 2 * ((per_node - 1) * NCCL_TREE_HOP_S["nvlink"] + math.log2(max(nodes, 1)) * NCCL_TREE_HOP_S["net"])
+
+
 @lru_cache(maxsize=None)
 def latency(kind, n, nodes):
     """Seconds of fixed cost of one collective `kind` over n ranks spread over `nodes` nodes (NCCL's model)."""
     if n <= 1:
         return 0.0
-    steps = ring_steps(kind, n)
-    inter = min(steps, ring_steps(kind, nodes) if nodes > 1 else 0)
-    ring = NCCL_BASE_S + (steps - inter) * NCCL_HOP_S["nvlink"] + inter * NCCL_HOP_S["net"]
-    if kind != "all_reduce":
+    ring = ring_latency(kind, n, nodes)
+    if kind != "all_reduce" or nodes <= 1:
         return ring
-    per_node = max(1, n // max(nodes, 1))
-    tree = 2 * ((per_node - 1) * NCCL_TREE_HOP_S["nvlink"] + math.log2(max(nodes, 1)) * NCCL_TREE_HOP_S["net"])
-    return min(ring, tree) if nodes > 1 else ring
+    return min(ring, tree_latency(n, nodes))
+
+
+# What the same model adds to an all-reduce across nodes (tuning.cc at those releases): the ring's latency x 1.9 once
+# a message reaches n/16 x 64 KiB (ncclTopoGetAlgoTime: "Plateau effect of ring"), and the tree's bandwidth, half of
+# min(0.9 x the bus bandwidth, 80 GB/s beyond 2 nodes, 110 GB/s on 2) (ncclTopoTuneModel), x treeCorrectionFactor
+# for its size (Simple protocol, by log2(bytes / 64): "Trees are not perfectly sticking to the model for medium
+# sizes"). NCCL runs the faster of the two, each at its latency + bytes / bandwidth.
+RING_PLATEAU = 1.9
+TREE_MAX_BUS_BW = 80e9, 110e9
+TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .5, .5, .6, .6, .7, .8, .9)
+
+
+def all_reduce_seconds(message, n, nodes, bus_bw):
+    """Seconds of one all-reduce of `message` bytes over n ranks on `nodes` nodes at bus bandwidth bus_bw (bytes/s):
+    within a node the ring, 2(n-1)/n x message over the bus after its latency; across nodes the faster of that ring
+    (its latency x RING_PLATEAU for large messages) and the tree."""
+    if n <= 1:
+        return 0.0
+    plateau = RING_PLATEAU if nodes > 1 and message >= n / 16 * 65536 else 1.0
+    ring = ring_latency("all_reduce", n, nodes) * plateau + message * 2 * (n - 1) / n / bus_bw
+    if nodes <= 1:
+        return ring
+    size_class = int(math.log2(max(message / 64, 1)))
+    correction = TREE_CORRECTION[size_class] if size_class < len(TREE_CORRECTION) else 1.0
+    tree_bw = 0.5 * min(0.9 * bus_bw, TREE_MAX_BUS_BW[nodes <= 2]) * correction
+    return min(ring, tree_latency(n, nodes) + message / tree_bw)
 
 
 # Tensor-parallel communication pipelined with the GEMMs it feeds, as the software modelled does it by default:

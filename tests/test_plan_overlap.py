@@ -98,7 +98,8 @@ def test_torch_async_tp_pipelines_what_its_pass_fuses():
     slow = plan_time.gemm_rows_factor(chunked, 8, 1024) / plan_time.gemm_rows_factor(chunked, 8, 8192) - 1
     # chunked: every collective hidden but its first chunk; torch: 2 of 8 in the open, 6 of 8 so, and their GEMMs' share
     assert plan_comm.exposed_tp_time(chunked, lay, 1.0, 1e9, 8192) == pytest.approx(1 / 8 + 1e9 * slow)
-    assert plan_comm.exposed_tp_time(torch_style, lay, 1.0, 1e9, 8192) == pytest.approx(0.25 + 0.75 * (1 / 8 + 1e9 * slow))
+    torch_exposed = plan_comm.exposed_tp_time(torch_style, lay, 1.0, 1e9, 8192)
+    assert torch_exposed == pytest.approx(0.25 + 0.75 * (1 / 8 + 1e9 * slow))
     assert plan_comm.exposed_tp_time(torch_style, Layout(dp=1, tp=8), 1.0, 1e9, 8192) == 1.0   # all-reduces: none
     plain_bytes = plan_comm.comm_bytes(titan, lay, 0)["tp"]
     assert plain_bytes == pytest.approx(plan_comm.comm_bytes(mega, lay, 0)["tp"] * 8 / 10)
@@ -113,6 +114,37 @@ def test_torch_async_tp_pipelines_what_its_pass_fuses():
         gain = plan.evaluate(replace(job, tp_overlap=1.0), lay)["tokens_per_s"] / plain
         te_gain = plan.evaluate(replace(job, tp_overlap=1.0, tp_overlap_style="chunked"), lay)["tokens_per_s"] / plain
         assert 1.05 < gain < 1.15 < te_gain, (model, gain, te_gain)
+
+
+def test_all_reduce_across_nodes_is_timed_as_nccl_times_it():
+    """Within a node an all-reduce is the ring: latency + 2(n-1)/n x bytes over the bus. Across nodes NCCL's tuning
+    model runs the faster of the ring, its latency x 1.9 once a message reaches n/16 x 64 KiB, and the tree at half of
+    min(0.9 x bus, 80 GB/s) x the medium-size correction: never faster than latency + bytes / ring bandwidth. ZeRO-0's
+    data-parallel reduction is timed bucket by bucket so: at dp 64 over 32 nodes a 50 MiB bucket on the tree."""
+    bw, mib = 80e9, 2 ** 20
+    ring = plan_time.ring_latency("all_reduce", 8, 1) + 50 * mib * 2 * 7 / 8 / bw
+    assert plan_time.all_reduce_seconds(50 * mib, 8, 1, bw) == pytest.approx(ring)
+    tree = plan_time.tree_latency(64, 32) + 50 * mib / (0.5 * 0.9 * bw * 0.7)          # 50 MiB / 64 = 2^19.6: 0.7
+    plateau = 1.9 * plan_time.ring_latency("all_reduce", 64, 32) + 50 * mib * 2 * 63 / 64 / bw
+    assert plan_time.all_reduce_seconds(50 * mib, 64, 32, bw) == pytest.approx(tree)
+    assert tree < plateau
+    for message in (2 ** 10, 2 ** 16, 2 ** 22, 2 ** 26, 2 ** 30):
+        old = plan_time.latency("all_reduce", 64, 32) + message * 2 * 63 / 64 / bw
+        assert plan_time.all_reduce_seconds(message, 64, 32, bw) >= old
+    ring_2 = plan_time.ring_latency("all_reduce", 16, 2)             # 2 nodes: the ring's latency is the lower
+    assert ring_2 < plan_time.tree_latency(16, 2)
+    assert plan_time.all_reduce_seconds(65535, 16, 2, 1e15) == pytest.approx(ring_2, rel=1e-5)   # < 16/16 x 64 KiB
+    assert plan_time.all_reduce_seconds(65536, 16, 2, 1e15) == pytest.approx(1.9 * ring_2)
+    job = job_for(gpus=512, global_seqs=512, grad_dtype="fp32")
+    lay = Layout(dp=64, tp=8, zero_stage=0)
+    nbytes = plan_comm.comm_bytes(job, lay, 0)
+    groups = plan_memory.memory(job, lay)["groups"]
+    n, nodes, _ = plan_comm.axis_group(job, lay, "dp")
+    message = nbytes["dp_reduce"] * 64 / (2 * 63) / groups
+    reduce, gather = plan_comm.dp_seconds(job, lay, nbytes, 0.0, groups)
+    assert (n, nodes, gather) == (64, 64, 0.0)
+    assert reduce == pytest.approx(groups * plan_time.all_reduce_seconds(message, 64, 64, plan_comm.link_bandwidth(
+        job, lay, "dp")))
 
 
 def test_dtensor_keeps_the_gathered_inputs():
@@ -178,11 +210,11 @@ def test_tied_embedding_sync_is_exposed_once_per_step():
     lay = Layout(dp=4, tp=2, pp=2, micro_batch_size=1)
     shard = CFG.padded_vocab_size * CFG.n_embd / 2
     across = plan.evaluate(job, lay)["time_s"]
-    expect = shard * 2 / (job.hw["net"] * 0.8) + plan_time.latency("all_reduce", 2, 2)
+    ring = 1.9 * plan_time.ring_latency("all_reduce", 2, 2)          # a large message: the ring's plateau latency
+    expect = shard * 2 / (job.hw["net"] * 0.8) + ring
     assert across["tied"] == pytest.approx(expect, rel=1e-12)
     fp32 = plan.evaluate(replace(job, grad_dtype="fp32"), lay)["time_s"]["tied"]
-    assert fp32 - plan_time.latency("all_reduce", 2, 2) == pytest.approx(2 * (expect - plan_time.latency(
-        "all_reduce", 2, 2)), rel=1e-12)
+    assert fp32 - ring == pytest.approx(2 * (expect - ring), rel=1e-12)
     within = plan.evaluate(job_for(global_seqs=16), Layout(dp=2, tp=2, pp=2, micro_batch_size=1))["time_s"]["tied"]
     assert within == pytest.approx(shard * 2 / (job.hw["nvlink"] * 0.8) + plan_time.latency("all_reduce", 2, 1))
     assert across["total"] == pytest.approx(sum(v for k, v in across.items() if k != "total"), rel=1e-12)
