@@ -73,7 +73,8 @@ def megatron(name, L, h, a, gpus, tp, pp, mbs, gbs, tflops, v=1, overlap=False):
                  schedule="interleaved" if v > 1 else "1f1b", v=v)
     return Setup(name, MEGATRON, dict(n_layer=L, n_embd=h, n_head=a, vocab=51200, dropout=0.1), gpus, "a100", 2048,
                  gbs, lay, megatron_mfu(tflops, L, h, 2048, 51200), f"{tflops} TFLOP/s/GPU (with recompute)",
-                 "megatron-2021", dict(attn="eager", dp_overlap=overlap, pp_scatter_gather=True, fused_bias_dropout_add=True))
+                 "megatron-2021", dict(attn="eager", dp_overlap=overlap, pp_scatter_gather=True,
+                                       fused_bias_dropout_add=True))
 
 
 SETUPS = [

@@ -220,9 +220,11 @@ def exposed_tp_time(job, lay, comm, gemm_time, rows):
     x, t = job.tp_overlap, lay.tp
     if not x or t == 1 or not comm:
         return comm
-    fused = 1.0
-    if job.tp_overlap_style == "torch":
-        total, in_open = sp_collectives(job, lay.recompute) if lay.sp else (1, 1)
+    fused = 1.0                                      # the share of the bytes pipelined
+    if job.tp_overlap_style == "torch" and not lay.sp:
+        fused = 0.0                                  # torch's pass fuses all-gathers and reduce-scatters only
+    elif job.tp_overlap_style == "torch":
+        total, in_open = sp_collectives(job, lay.recompute)
         fused = 1 - in_open / total
     flops = [n_in * n_out for n_in, n_out in plan_shape.block_linears(job, t)]
     c = comm * fused

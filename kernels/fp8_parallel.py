@@ -125,7 +125,6 @@ class Float8ParallelGemms:
         return functools.partial(self.grad_weight, ctx, weight=weight)
 
 
-
 def _parallel_linear(gemms, x, weight, store=None):
     """Float8ParallelGemms.linear (its __init__ says what and why)."""
     return _ParallelFloat8Linear.apply(x, weight, gemms, store)
