@@ -17,13 +17,13 @@ consecutive ranks of a dp x cp group (grid.expert_partition).
                    + activations (Korthikanti et al. 2022 with TP/SP at s/cp tokens, x the schedule's in-flight
                                   micro-batches) + other (logits, buffers, cuBLAS workspaces)   = allocated
                    reserved: + the caching allocator's reserve; OOM where it exceeds the usable memory (the GPU's
-                   capacity less the CUDA context and NCCL's buffers; plan_memory.py)
+                   capacity less the CUDA context and NCCL's buffers; planner/memory.py)
     step time      = compute / (peak * eff) + eager attention's score tensors through HBM (0 with flash attention)
                    + bubble + exposed comm of each axis + optimizer step
-What is planned (the GPU table, model presets, Job, Layout and their checks) is plan_inputs.py, the command-line
-flags that build them plan_cli.py; the memory formulas are plan_memory.py; compute time and the published
-measurements under it plan_time.py; each axis's bytes, link, latency and overlap plan_comm.py; model shapes
-plan_shape.py. This file adds up the step time, searches the layouts and prints the table.
+What is planned (the GPU table, model presets, Job, Layout and their checks) is planner/inputs.py, the command-line
+flags that build them planner/cli.py; the memory formulas are planner/memory.py; compute time and the published
+measurements under it planner/timing.py; each axis's bytes, link, latency and overlap planner/comm.py; model shapes
+planner/shape.py. This file adds up the step time, searches the layouts and prints the table.
 """
 import copy
 import json
@@ -37,15 +37,16 @@ import torch
 from common.config import Config, ConfigError, check, fail
 from common.peaks import gpu_chip_and_board
 from model import GPTConfig
-from common.pipeline_schedules import theory_idle_fraction
-from common.plan_cli import build_job, parse_args, parse_layout
-from common.plan_inputs import GIB, HARDWARE, RECOMPUTE, Job, Layout, as_run, validate
-from common import plan_elementwise, plan_shape
-from common import plan_time as time_model
-from common.plan_comm import (axis_group, comm_bytes, comm_latency, dp_seconds, exposed_dp_time,  # noqa: F401
+from pipeline.schedules import theory_idle_fraction
+from planner.cli import build_job, parse_args, parse_layout
+from planner.inputs import GIB, HARDWARE, RECOMPUTE, Job, Layout, as_run, validate
+from planner import elementwise as plan_elementwise
+from planner import shape as plan_shape
+from planner import timing as time_model
+from planner.comm import (axis_group, comm_bytes, comm_latency, dp_seconds, exposed_dp_time,  # noqa: F401
                               exposed_tp_time, link_bandwidth, tied_sync_time)
-from common.plan_memory import DEVICE_SHARE, MEM_PARTS, bucket_mb, communicators, layers_per_rank, memory, usable_bytes
-from common.plan_time import eager_attention_time, hardware_flops_per_token  # noqa: F401
+from planner.memory import DEVICE_SHARE, MEM_PARTS, bucket_mb, communicators, layers_per_rank, memory, usable_bytes
+from planner.timing import eager_attention_time, hardware_flops_per_token  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------

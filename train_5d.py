@@ -28,7 +28,7 @@ What each axis does in one optimizer step (each from its rung):
         point to point
     dp  train_ddp: each (dp, cp) pair of coordinates holds its slice of the batch / sequence; gradients are
         averaged over the dp x cp group in flat buckets, each launched once the schedule's last backward writing
-        it ends (pipeline_grad_ready.py), or train_zero's ZeRO-1/2 shards over it, or ZeRO-3's units: each
+        it ends (compose/grad_ready.py), or train_zero's ZeRO-1/2 shards over it, or ZeRO-3's units: each
         chunk's blocks gathered block by block in every F and B action, reduce-scattered as each block's
         backward ends (experts, with ep > 1, sharded over their edp group instead; ZeRO-3: a unit per MoE block)
     ep  train_ep: with --n_experts, each MoE block's experts are shared out over ep consecutive ranks of the
@@ -49,7 +49,7 @@ rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/
 (N: dp x cp, or edp for an experts unit; gathers: 2m when resharding after forward, none for a W action).
 Checkpoints are one file in train_single's layout: any layout, or train_single, resumes any other. --kernels and
 --fp8 apply inside the stages as in train_single, inside the parallel layers with tp > 1 (FP8 adds tp's amax
-all-reduces: kernels/fp8_parallel.py), gathered by ZeRO-3 in fp32 or with --fp8_all_gather in FP8 (fp8_gather.py);
+all-reduces: compose/fp8_tp.py), gathered by ZeRO-3 in fp32 or with --fp8_all_gather in FP8 (fp8_gather.py);
 zb1, zbv and dualpipev defer the dW of nn.Linear, FP8, train_tp's layers and the fused LM head (docs/pipelines.md).
 """
 import argparse
@@ -67,20 +67,20 @@ from common.distributed import destroy, init_distributed, world_size_from_env
 from common.config import ConfigError, check, fail, parse_config
 from common.grid import build_grid, bytes_by_axis, print_grid
 from plan import apply_auto_layout
-from common.plan_inputs import HARDWARE
+from planner.inputs import HARDWARE
 from common.metrics import MetricsLogger
 from model import GPT, flops_per_token, num_params
-from common.partition_activations import add_partition_args, apply_partition_flags, check_partition_args
+from compose.partition_activations import add_partition_args, apply_partition_flags, check_partition_args
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from common.pipeline_schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
+from pipeline.schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
 from train_cp import (ContextParallelAttentionCore, block_attention_kernel, check_cp, local_positions,
                       swap_attention_cores)
 from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, check_pp, stage_views
-from common.pipeline_grad_ready import GradsReadyBySchedule
-from common.pipeline_tied import tied_copy, tied_grads_sync, tied_weight
-from common.pipeline_kept_units import free_after_w
-from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
+from compose.grad_ready import GradsReadyBySchedule
+from pipeline.tied import tied_copy, tied_grads_sync, tied_weight
+from compose.kept_units import free_after_w
+from pipeline.weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
 from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_fp8_all_gather, check_moe,
@@ -150,9 +150,9 @@ class DataParallelAxis:
     def follow(self, runner, store, actions):
         """Hook the reductions to the runner (after each B) and the WeightGradStore (W): ZeRO-2/3 reduce per backward;
         replicas and ZeRO-1 launch each bucket after the last action of `actions` (this rank's schedule) writing it,
-        SP's norms summed over tp first (pipeline_grad_ready.py), ZeRO-1's tied bucket at finish, after its sum."""
+        SP's norms summed over tp first (compose/grad_ready.py), ZeRO-1's tied bucket at finish, after its sum."""
         hooks = self
-        self.store = store                          # ZeRO-3: which units a W reads (pipeline_kept_units.py)
+        self.store = store                          # ZeRO-3: which units a W reads (compose/kept_units.py)
         if not self.reduce_per_backward:
             copy = tied_copy(self.chunks, self.grid.groups.tied) if self.shards else None     # ZeRO-1's
             hooks = GradsReadyBySchedule(self.chunks, actions, self.reductions(), self.grid.groups.tp, hold=copy)
@@ -308,7 +308,7 @@ class ZeroUnits(ZeroShards):
     prefetches) its chunk's units block by block, and reduce-scatters their gradients as each block's backward
     ends. Under zb1, zbv and dualpipev, B gathers a block for its input gradients and frees it when the gradient
     reaches the block below (dW = gy^T x needs no weights; a unit whose weight a W reads, the fused LM head's, is
-    kept until that W: pipeline_kept_units.py); the gradients are ZeRO-2's, reduce-scattered after W. The sums are
+    kept until that W: compose/kept_units.py); the gradients are ZeRO-2's, reduce-scattered after W. The sums are
     then taken on the shards, as for ZeRO-2."""
 
     def shard(self, chunk, cfg, grid, dtype, device, names):
@@ -340,7 +340,7 @@ class ZeroUnits(ZeroShards):
                 install_zero3_hooks(chunk, modules, units, None if self.after_w else grads,
                                     reshard_after_forward=cfg.reshard_after_forward)
                 self.units_of[-1] += units
-        gather_fp8_units(chunks, self.shards, cfg)   # FP8 GEMMs' weights: in fp32, or FP8 (kernels/fp8_gather.py)
+        gather_fp8_units(chunks, self.shards, cfg)   # FP8 GEMMs' weights: in fp32, or FP8 (compose/fp8_gather.py)
 
     def after_backward(self, action):
         super().after_backward(action)
@@ -366,7 +366,7 @@ def moe_metrics(chunks, grid, cfg):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# checkpoints: common/checkpoint.py's one format, so any layout (or train_single) resumes any other. Each whole
+# checkpoints: common/checkpoint/__init__.py's one format, so any layout (or train_single) resumes any other. Each whole
 # tensor is written by one of the ranks holding it: a dense one by the ranks of its stage's dp x cp x tp slab
 # once gathered, an expert by the tp x edp ranks holding it.
 
@@ -425,7 +425,7 @@ def sample_on_rank0(cfg, held, grid, gcfg, loader, env):
 
 def extra_args(parser):
     parser.set_defaults(tp=0, cp=0, pp=0)      # 0: chosen by default_layout when no degree is given
-    add_partition_args(parser)                 # ZeRO-R's Pa on the tp axis (common/partition_activations.py)
+    add_partition_args(parser)                 # ZeRO-R's Pa on the tp axis (compose/partition_activations.py)
     parser.add_argument("--layout", default="", choices=["", "auto"],
                         help="auto: the layout plan.py ranks best for this model, world and GPU (plan.py); "
                              "it replaces the degree, schedule, micro-batch, ZeRO and recompute flags")

@@ -160,7 +160,7 @@ class DataParallelGrads:
     def grads_ready(self, params):
         """Count the gradients of those of `params` in this object's buckets as final now, as their hooks would:
         for a caller that knows when they are, with the hooks off (require_sync(False)) while gradients still
-        accumulate: a pipeline schedule's last backward of a stage (common/pipeline_grad_ready.py). Complete
+        accumulate: a pipeline schedule's last backward of a stage (compose/grad_ready.py). Complete
         buckets launch at once, in index order."""
         sync, self.sync = self.sync, True
         for p in params:

@@ -6,16 +6,16 @@ flow back, activations and gradients crossing stage boundaries by point-to-point
     torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule 1f1b --n_microbatches 8
     torchrun --nproc_per_node 2 train_pp.py --pp 2 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
     torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule dualpipev --pp_virtual 2 --n_microbatches 8
-    python -m common.pipeline_schedules --pp 4 --n_microbatches 8 --schedule zb1     # just print a schedule
+    python -m pipeline.schedules --pp 4 --n_microbatches 8 --schedule zb1     # just print a schedule
 
 Stage s of S = p*V holds blocks [s*L/S, (s+1)*L/S); stage 0 also embeds, stage S-1 also applies ln_f and
 the LM head with its loss. Stage s is chunk s // p of rank s % p, or in a V (zbv, dualpipev: 2 chunks, rank r
 holds stages r and 2p-1-r) pipeline_schedules.rank_of(s). The tied embedding weight is a copy on the first and
 on the last stage, kept equal by all-reducing its gradient between the two; one Parameter when one rank
-holds both (the V: rank 0). pipeline_tied.py has that handling.
+holds both (the V: rank 0). pipeline/tied.py has that handling.
 
-Schedules (pipeline_schedules.py has the action lists, the simulator and the pictures;
-pipeline_weight_grads.py the split backward of zb1, zbv and dualpipev), idle share of a step with F = B = W:
+Schedules (pipeline/schedules.py has the action lists, the simulator and the pictures;
+pipeline/weight_grads.py the split backward of zb1, zbv and dualpipev), idle share of a step with F = B = W:
 afab (GPipe) and 1f1b (p-1)/(m+p-1); interleaved (p-1)/(V*m+p-1); zb1 (ZB-H1, backward split into
 input-gradient B and weight-gradient W, the Ws filling the bubbles) bubble (p-1)(F+B-W); zbv (ZB-V) and
 dualpipev (DeepSeek-V3's DualPipe, V form) (p-1)/(6m+p-1) in chunk units, zbv's a gapless parallelogram.
@@ -28,7 +28,7 @@ Loss scaling: the last stage backpropagates loss / m, so gradients equal train_s
 batch. Tokens are read by the first and last stage from the deterministic loader, never sent.
 Dropout draws from each rank's own RNG stream, so runs with --dropout > 0 do not match train_single bit for bit.
 Any model (docs/copy_out.md): PipelineRunner runs any stage modules (its docstring: what a stage receives and
-returns); common/pipeline_stages.py cuts a model that is a chain of modules; stage_views cuts model.py's GPT.
+returns); pipeline/stages.py cuts a model that is a chain of modules; stage_views cuts model.py's GPT.
 """
 import contextlib
 import time
@@ -40,9 +40,9 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from common import comm
 from common.comm import COMM, label
-from common.pipeline_schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, make_schedule, placement_of,
+from pipeline.schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, make_schedule, placement_of,
                                        rank_of, recvs_of, render, schedule_placement, sends_of, simulate)
-from common.pipeline_stages import SequentialStage, layer_split, pipeline_stages, stages_of_rank   # noqa: F401
+from pipeline.stages import SequentialStage, layer_split, pipeline_stages, stages_of_rank   # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ class PipelineRunner:
         self.action_hook = None                  # a context around each action's compute when set (a timer)
         if store is None and any(getattr(a, "kind", None) == "W" for a in self.plan):
             raise ValueError("this schedule has W actions (weight gradients computed later): pass store="
-                             "WeightGradStore() and defer_weight_grads(stages, store) (pipeline_weight_grads.py)")
+                             "WeightGradStore() and defer_weight_grads(stages, store) (pipeline/weight_grads.py)")
 
     # ---- messages: (what, micro-batch, receiving stage), see pipeline_schedules.sends_of
     def _launch(self, exchange):
@@ -258,7 +258,7 @@ class PipelineStage(nn.Module):
 
     @property
     def tied(self):
-        """The tied embedding / LM-head weight where this stage holds it (pipeline_tied.py)."""
+        """The tied embedding / LM-head weight where this stage holds it (pipeline/tied.py)."""
         return [self.transformer["wte"].weight] if "wte" in self.transformer else []
 
     def body(self, x):
@@ -384,8 +384,8 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import ActionTimer, MetricsLogger
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
-    from common.pipeline_tied import clip_stage_grads, tied_grads_sync, tied_pair_group
-    from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
+    from pipeline.tied import clip_stage_grads, tied_grads_sync, tied_pair_group
+    from pipeline.weight_grads import WeightGradStore, defer_weight_grads
     from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
                                  param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
     from common import checkpoint

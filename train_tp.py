@@ -21,7 +21,7 @@ T/tp of the sequence. f becomes an all-gather along the sequence and g a reduce-
 reduce-scatter then an all-gather, so the forward moves the same bytes. The column layers keep only their input
 shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
---partition_activations (ZeRO-R's Pa, common/partition_activations.py), with --recompute full and without SP: a
+--partition_activations (ZeRO-R's Pa, compose/partition_activations.py), with --recompute full and without SP: a
 block then keeps only its input for backward, and TP leaves that input replicated. Pa keeps 1/tp of it per rank:
     forward  block i    rank r: x (all of it) -> block -> keeps x_r (1/tp of x, flattened)
     backward block i    all-gather x_0 .. x_tp-1 -> x -> recompute block i -> its backward -> free x
@@ -31,7 +31,7 @@ SP makes Pa unnecessary: between blocks the activations are already cut by seque
 is kept split at no cost, and its all-gather is the one SP's f does anyway.
 Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the layers a plan names; apply_tp is
 that plan for model.py's GPT. --kernels and --fp8 run inside these layers, keeping their collectives (a layer's
-`gemm`, `matmul`: kernels/fp8_parallel.py, kernels/apply.py).
+`gemm`, `matmul`: compose/fp8_tp.py, kernels/apply.py).
 """
 import argparse
 import math
@@ -150,7 +150,7 @@ class ColumnLinearFn(torch.autograd.Function):
     Overlap: launch the input-gradient all-reduce (or reduce-scatter) async, compute dW while it travels. A split
     backward (zero-bubble pipelines): with a `store` (pipeline_weight_grads.WeightGradStore), backward returns dx
     with its communication and stashes (W, b, x, dy) for the pipeline's W action. Other GEMMs: with a `gemm`
-    (kernels/fp8_parallel.py's FP8 GEMMs) its forward / grad_input / grad_weight replace torch's three matmuls."""
+    (compose/fp8_tp.py's FP8 GEMMs) its forward / grad_input / grad_weight replace torch's three matmuls."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sp, overlap, store=None, gemm=None):
@@ -236,8 +236,8 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sp, self.overlap = group, sp, overlap
         self.weight = shard_param((out_features, in_features), 0, parts, group, device, dtype)
         self.bias = shard_param((out_features,), 0, parts, group, device, dtype) if bias else None
-        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline_weight_grads.py)
-        self.gemm = None                         # torch's matmuls, or FP8's (kernels/fp8_parallel.py)
+        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline/weight_grads.py)
+        self.gemm = None                         # torch's matmuls, or FP8's (compose/fp8_tp.py)
         self.gathered = False                    # inside an sp_gather module: its input is whole, f is done
 
     def forward(self, x):
@@ -262,7 +262,7 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
             self.bias.sequence_parallel = sp       # under SP each rank sees a sequence chunk: partial grad
         self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (dx needs no communication)
-        self.gemm = None                         # torch's matmuls, or FP8's (kernels/fp8_parallel.py)
+        self.gemm = None                         # torch's matmuls, or FP8's (compose/fp8_tp.py)
 
     def forward(self, x):
         y = self.matmul(x)
@@ -474,7 +474,7 @@ def build_tp_model(cfg, vocab_size, group, device, dtype=torch.float32):
 
 
 def extra_args(parser):
-    from common.partition_activations import add_partition_args
+    from compose.partition_activations import add_partition_args
     add_partition_args(parser)
     parser.add_argument("--tp_overlap", action=argparse.BooleanOptionalAction, default=False,
                         help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
@@ -484,7 +484,7 @@ def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
     from common.tp_setup import check_tp
-    from common.partition_activations import check_partition_args
+    from compose.partition_activations import check_partition_args
     world = world_size_from_env()
     check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
                            f"combine with data parallelism in train_5d.py")
@@ -501,7 +501,7 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import MetricsLogger, SavedActivationBytes
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
-    from common.partition_activations import apply_partition_flags
+    from compose.partition_activations import apply_partition_flags
     from common.training import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, param_dtype, \
         prepare_data, print_sample, resolve_dtype, should_save
     from common import checkpoint

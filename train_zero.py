@@ -20,7 +20,7 @@ Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (docs
     stage 1  reduce-scatter + all-gather          2 (N-1)/N P' b        (= one all-reduce)
     stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay whole)
     stage 3  all-gather fwd + bwd + reduce-scatter g (N-1)/N P' (2 b16 + b), b16 = b (2 under bf16 autocast;
-             b for a block of FP8 GEMMs, about 1 with --fp8_all_gather: kernels/fp8_gather.py)
+             b for a block of FP8 GEMMs, about 1 with --fp8_all_gather: compose/fp8_gather.py)
     stages 1-3 also all-reduce one fp32 scalar (the squared gradient norm): + 2 (N-1)/N * 4 bytes.
 ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre-backward: gather (prefetch
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
@@ -75,7 +75,7 @@ class Shard:
                            for p, off in zip(params, self.offsets)
                            if p.dim() >= 2 and off < self.hi and off + p.numel() > self.lo]
         self.handle, self.in_backward, self.wire_dtype = None, False, None
-        self.all_gather = all_gather_as                 # how gather() fills `full` (FP8 units: kernels/fp8_gather.py)
+        self.all_gather = all_gather_as                 # how gather() fills `full` (FP8 units: compose/fp8_gather.py)
         if stage == 3:
             self.full.untyped_storage().resize_(0)      # at rest: only the shard
 

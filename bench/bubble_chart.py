@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from common.pipeline_schedules import (Action, make_schedule, placement_of, recvs_of, simulate, stage_of,  # noqa: E402
+from pipeline.schedules import (Action, make_schedule, placement_of, recvs_of, simulate, stage_of,  # noqa: E402
                                 theory_idle_fraction)
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb1", "zbv", "dualpipev")

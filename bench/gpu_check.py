@@ -295,8 +295,8 @@ def plan_sweep_main(args):
     """--plan_sweep: on min(N, 8) CUDA GPUs (a power of two), or with --dry as if on --plan_gpus x --plan_gpu.
     Writes OUT/plan_sweep.md; the default corpus is byte-level, so the vocabulary is 256 without reading it."""
     from plan import gpu_kind
-    from common.plan_inputs import HARDWARE
-    from common.plan_memory import DEVICE_SHARE
+    from planner.inputs import HARDWARE
+    from planner.memory import DEVICE_SHARE
     from plan_sweep import plan_sweep
     N = torch.cuda.device_count()
     if N == 0 and not args.dry:

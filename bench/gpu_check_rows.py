@@ -184,7 +184,7 @@ def predicted_single_gpu_peak(flags, vocab_size, gpu):
 
 def print_plan_peaks(gpu):
     """The plan-memory row's predictions, without a GPU: each 1-GPU train row with plan_flags, on plan_inputs' `gpu`."""
-    from common.plan_inputs import GIB
+    from planner.inputs import GIB
     for row in one_gpu_rows("/tmp", 6, (9, 0), 0.02, 0.05):
         if row.plan_flags is not None:
             allocated, reserved = predicted_single_gpu_peak(row.plan_flags, GPT2_VOCAB, gpu)

@@ -133,7 +133,7 @@ def measure_layouts(labels, data_dir, out_root):
 
 def plan_layout(flags):
     """plan_inputs.Layout of train_5d's flags (schedule 1f1b without pp, as train_5d's default)."""
-    from common.plan_inputs import Layout
+    from planner.inputs import Layout
     return Layout(dp=flags.get("dp", 1), tp=flags.get("tp", 1), cp=flags.get("cp", 1), pp=flags.get("pp", 1),
                   ep=flags.get("ep", 1), sp=flags.get("sp", False), zero_stage=flags.get("zero_stage", 0),
                   schedule=flags.get("pp_schedule", "1f1b"), v=flags.get("pp_virtual", 1),
@@ -143,9 +143,9 @@ def plan_layout(flags):
 def predicted(label, vocab_size, pp_rank):
     """plan.py's bytes by part for one layout's pipeline rank."""
     import plan
-    from common import plan_memory
+    from planner import memory as plan_memory
     from model import GPTConfig
-    from common.plan_inputs import Job
+    from planner.inputs import Job
     flags = LAYOUTS[label]
     cfg = GPTConfig(vocab_size=vocab_size, block_size=MODEL["block_size"], n_layer=MODEL["n_layer"],
                     n_head=MODEL["n_head"], n_embd=MODEL["n_embd"], n_experts=flags.get("n_experts", 0),

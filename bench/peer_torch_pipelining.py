@@ -31,8 +31,8 @@ from common.config import check, parse_config                                # n
 from common.metrics import MetricsLogger                                     # noqa: E402
 from model import flops_per_token                                     # noqa: E402
 from common.optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
-from common.pipeline_schedules import V_SHAPED, placement_of, rank_of, stage_of   # noqa: E402
-from common.pipeline_tied import clip_stage_grads, tied_grads_sync, tied_pair_group  # noqa: E402
+from pipeline.schedules import V_SHAPED, placement_of, rank_of, stage_of   # noqa: E402
+from pipeline.tied import clip_stage_grads, tied_grads_sync, tied_pair_group  # noqa: E402
 from train_pp import build_stages, extra_args, n_microbatches, validate        # noqa: E402
 from common.training import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
 

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from model import GPTConfig  # noqa: E402
 from plan import evaluate  # noqa: E402
-from common.plan_inputs import GIB, Job, Layout  # noqa: E402
+from planner.inputs import GIB, Job, Layout  # noqa: E402
 from plan_tables import write_report  # noqa: E402
 
 SEQ, VOCAB = 2048, 51200

@@ -9,8 +9,8 @@ prediction of the same quantity is compared (plan_memory.memory: "reserved", "de
 """
 import dataclasses
 
-from common.plan_inputs import MODELS, Layout
-from common.plan_time import SOFTWARE
+from planner.inputs import MODELS, Layout
+from planner.timing import SOFTWARE
 from plan_tables import SETUPS, TITAN_A100, TITAN_H100, Setup
 
 LLAMA3_8B, LLAMA3_70B = MODELS["llama3-8b"], MODELS["llama3-70b"]

@@ -21,8 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from common.plan_inputs import Layout  # noqa: E402
-from common.plan_time import SOFTWARE, TP_OVERLAP  # noqa: E402
+from planner.inputs import Layout  # noqa: E402
+from planner.timing import SOFTWARE, TP_OVERLAP  # noqa: E402
 from plan_tables import H100_SXM, LLAMA3_8B, LLAMA3_70B, Setup, titan_mfu  # noqa: E402
 
 TITAN_ASYNC_TP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from common.plan_inputs import GIB, Layout  # noqa: E402
+from planner.inputs import GIB, Layout  # noqa: E402
 from plan_tables import Setup, describe, write_report  # noqa: E402
 from plan_validation import median, predict  # noqa: E402
 
@@ -165,7 +165,7 @@ NOTES = """
   overlap the reduction with the last backward (its fp32 accumulation hook launches each bucket's collective
   asynchronously; the trainer waits after the backward). Held out from the table and every constant, not unseen.
 - **Pipeline-only layouts are near** (the 11 cells with tp 1: 11 within 15%, -1% at the median, 5 of 11 over; 10 within,
-  +5% and 10 over before the element-wise kernels were priced by their bytes, plan_elementwise.py): no class of
+  +5% and 10 over before the element-wise kernels were priced by their bytes, planner/elementwise.py): no class of
   error. The 1.34B's and 3.57B's tied embedding has its gradient summed
   over the two stages after the backward (plan_comm.tied_sync_time), on the step's path.
 - **Too fast even against a best-of-sweep figure.** A maximum over runs would read plan.py's errors negative; the

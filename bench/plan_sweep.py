@@ -25,8 +25,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.plan_inputs import GIB  # noqa: E402
-from common.plan_memory import communicators, usable_bytes  # noqa: E402
+from planner.inputs import GIB  # noqa: E402
+from planner.memory import communicators, usable_bytes  # noqa: E402
 
 RUNS, STEPS = 12, 3
 KEYS = ("dp", "tp", "cp", "pp", "ep", "sp", "zero_stage", "schedule", "v", "micro_batch_size", "recompute")

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common import plan_shape  # noqa: E402
-from common.plan_inputs import MODELS  # noqa: E402
+from planner import shape as plan_shape  # noqa: E402
+from planner.inputs import MODELS  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from plan import evaluate, rank_layouts  # noqa: E402
-from common.plan_inputs import GIB, Job, Layout  # noqa: E402
+from planner.inputs import GIB, Job, Layout  # noqa: E402
 
 A100, H100_SXM = 312e12, 989.5e12        # peaks.GPU_PEAK_TFLOPS: the peaks the publications' MFU used
 MEGATRON = "Narayanan et al. 2021 (SC'21, arXiv 2104.04473) Table 1"
@@ -196,14 +196,14 @@ HEAD = """# plan.py against published tables
 
 Produced by `python bench/plan_tables.py` with plan.py's defaults: compute time from measured kernel ceilings
 (maximum achievable matmul FLOP/s per GPU, FlashAttention-2's published utilization) plus the memory-bound rest of a
-step measured once on A100 (MosaicML llm-foundry's MPT-7B row) at each GPU's HBM bandwidth (common/plan_time.py),
+step measured once on A100 (MosaicML llm-foundry's MPT-7B row) at each GPU's HBM bandwidth (planner/timing.py),
 NCCL's latency model per collective, LINK_EFF 0.8, datasheet HBM bandwidth, bf16 states 2 + 2 + 12 bytes. Nothing
 was tuned to these rows. Each published run is described to plan.py as it ran.
 Megatron-LM (Narayanan et al. 2021): eager attention (fused scale-mask-softmax, dropout 0.1), fp16, full recompute
 of every layer, micro-batch and global batch from Megatron-LM's `examples/sc21/run_table_1.sh`, gradients reduced
 after the backward (`--DDP-impl local`) except for the two smallest (torch DDP, overlapped), pipeline messages
 scattered over tp. torchtitan: flash attention, FSDP (ZeRO-3), its local batch and sequence, Llama 3's published
-shapes (8 key/value heads, SwiGLU of width 14,336 / 28,672, untied embeddings: plan_shape.py).
+shapes (8 key/value heads, SwiGLU of width 14,336 / 28,672, untied embeddings: planner/shape.py).
 
 MFU = model FLOPs (6N + 12·L·h·s; N counts every matmul weight, not the input-embedding lookup) / the peak the
 publication used (A100 312, H100 SXM 989.5 TFLOP/s). Megatron's hardware TFLOP/s (recompute included) are converted
@@ -275,7 +275,7 @@ the best micro-batch size (its efficiency does not depend on the GEMM's shape) a
 ## Changes from the previous version of this table
 
 This version: the element-wise kernels (norms, residual adds, dropouts, activations, the loss) priced by the bytes
-the model's operations move (plan_elementwise.py; without SP the norms, dropouts and residual adds run on every TP
+the model's operations move (planner/elementwise.py; without SP the norms, dropouts and residual adds run on every TP
 rank), the rest of the memory-bound time still per FLOP: 8 of 8 within 15% (1.7B +17% -> +13%, 18.4B +12% -> +5%,
 torchtitan's H100 rows +4% / +7% -> +0% / +3%). The published torchtitan H100 layouts fall from rank 1 to 10 and 8
 among the layouts with their recompute mode (op recompute now also runs the element-wise forward again).
@@ -293,7 +293,7 @@ torchtitan H100 +21% / +24%) and no published layout in the top 3. With the publ
 (micro-batch and global batch from run_table_1.sh, 145.6B interleaved with v = 2, torchtitan's MFU convention) but
 that plan.py it is still 4 of 8 (1.7B +45%, 18.4B +21%, H100 +27% / +31%), top 3: 0 among all layouts, 1 among the
 software's options. This version adds eager attention's HBM traffic, unoverlapped DDP, Megatron's pipeline
-scatter/gather and torchtitan's H100 as a GPU row (plan.py and plan_inputs.py), with no efficiency changed; and
+scatter/gather and torchtitan's H100 as a GPU row (plan.py and planner/inputs.py), with no efficiency changed; and
 (bench/plan_layouts.md) ring collectives across nodes at the NICs of the group's members on a node, which moves no
 published layout's predicted MFU, only the ranks (18.4B #28 -> #31 among its software's options and recompute mode).
 

@@ -16,7 +16,7 @@ MPT rows on 64 and 128 GPUs (A100 80GB and 40GB, H100; FSDP) and four of its lon
 bench/plan_mfu_runs.py (torchtitan's 2025 async TP benchmark, bf16 rows). Each row's docstring says
 where each input comes from and which were assumed. Nothing in plan.py was fitted to any of them: its compute
 efficiency is measured GEMM and attention ceilings x one software share from MosaicML's MPT-7B / 8-GPU A100 row
-(common/plan_time.py), its latencies NCCL's. Every run in the table ran, so the right OOM verdict for each is
+(planner/timing.py), its latencies NCCL's. Every run in the table ran, so the right OOM verdict for each is
 "fits"; one published configuration that did not fit (torchtitan's Llama 2 70B at local batch 2 with selective op
 checkpointing) is checked for the verdict OOM. Left out for want of a figure that can be checked: OPT-175B's 147
 TFLOP/s (Zhang et al. 2022: its FLOP count, with or without the recompute, is not stated), MegaScale's 175B rows
@@ -39,9 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from common import plan_shape  # noqa: E402
-from common.plan_inputs import GIB, HARDWARE, MODELS, Layout  # noqa: E402
-from common.plan_time import SOFTWARE  # noqa: E402
+from planner import shape as plan_shape  # noqa: E402
+from planner.inputs import GIB, HARDWARE, MODELS, Layout  # noqa: E402
+from planner.timing import SOFTWARE  # noqa: E402
 from plan import evaluate  # noqa: E402
 from plan_memory_runs import MEASURED, PUBLISHED_OOM  # noqa: E402
 from plan_mfu_runs import HELD_OUT  # noqa: E402
@@ -417,7 +417,7 @@ NOTES = """
 - **MPT 13B and 3B on H100 (+24%, +17%).** llm-foundry's H100 rows with small micro-batches (13B: 4,096 tokens)
   or small widths (3B, 1B: h = 2560, 2048) reach 40-41% MFU where its 7B row reaches 46%. GEMM efficiency by shape
   (fitted to OpenXLA's H100 matmul table: 4-7% slower at a depth of 2,048 than at 4,096) explains a little of it,
-  the element-wise kernels' bytes (plan_elementwise.py: per token they grow with h, the FLOPs with h²) a little more:
+  the element-wise kernels' bytes (planner/elementwise.py: per token they grow with h, the FLOPs with h²) a little more:
   3B +19% -> +17%, 1B +19% -> +15% (within), 13B +23% -> +24%.
 - **MPT 70B on 64 A100 40GB (+27%).** Two sequences per GPU and step, one micro-batch: plan.py hides ZeRO-3's
   gathers and reductions (about 2.5 s of the 12 s step) under the compute, as FSDP's prefetch does, leaving each
@@ -442,7 +442,7 @@ llm-foundry with small GEMMs, one micro-batch or 64K tokens (four); Megatron-LM 
 (Nemotron-4 340B, -2%), torchtitan's 2024 and 2025 rows and Llama 3's stack have none. By GPU: 3 of the 16 H100
 rows, 4 of the 35 A100 rows. By context: one of the 5 rows beyond 8K (MPT 7B at 64K on H100).
 
-Element-wise bytes (plan_elementwise.py): pricing the norms, residual adds, dropouts, activations and the loss by
+Element-wise bytes (planner/elementwise.py): pricing the norms, residual adds, dropouts, activations and the loss by
 the bytes the model's operations move, at the datasheet HBM bandwidth, with the per-FLOP rest calibrated on MPT-7B
 less those bytes, moved this table from 39 to 43 of 51: Megatron's 1.7B and 3.6B from +17% and +15% to +13% and
 +11%, its 7.5B-39B with TP 4-8 and no SP from +4..+12% to -1..+6% (the norms, dropouts and residual adds run on

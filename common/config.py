@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from common.errors import ConfigError, check, fail  # noqa: F401 (the checks every script makes come from here)
-from common.checkpoint_files import CKPT_DIR, LATEST, LOCK, resolve_resume
+from common.checkpoint.files import CKPT_DIR, LATEST, LOCK, resolve_resume
 
 
 @dataclass
@@ -211,7 +211,7 @@ def parse_config(argv=None, techniques=(), description=None, extra_args=None, va
             validate(cfg)
         cfg.resume = resolve_resume(cfg.resume, cfg.out_dir)
         if cfg.init_from and not cfg.resume:     # (a resume continues from its checkpoint, not from these weights)
-            from common.hf import check_init_from
+            from common.hf.interop import check_init_from
             check_init_from(cfg)
     except ValueError as e:                     # a ConfigError, or resolve_resume's
         fail(str(e))

@@ -56,7 +56,7 @@ def encode(text_bytes, tokenizer):
         enc = gpt2_encoding()
         ids = enc.encode_ordinary(text_bytes.decode("utf-8", errors="replace"))
         return np.array(ids, dtype=np.uint16), enc.n_vocab          # 50257 < 2^16
-    from common.hf_tokenizer import encode_with                     # a Hugging Face tokenizer.json
+    from common.hf.tokenizer import encode_with                     # a Hugging Face tokenizer.json
     ids, vocab = encode_with(tokenizer, text_bytes)
     return np.array(ids, dtype=np.uint16), vocab
 
@@ -73,7 +73,7 @@ def gpt2_encoding():
 def write_tokenizer_files(out_dir, tokenizer):
     """The tokenizer goes with the corpus (its samples decode with it, python -m common.hf export carries it): a
     gpt2 corpus keeps GPT-2's BPE ranks (gpt2.tiktoken), a Hugging Face one its tokenizer files."""
-    from common.hf_tokenizer import RANKS_FILE, copy_tokenizer, write_ranks
+    from common.hf.tokenizer import RANKS_FILE, copy_tokenizer, write_ranks
     if tokenizer == "gpt2":
         write_ranks(os.path.join(out_dir, RANKS_FILE), gpt2_encoding()._mergeable_ranks)   # token bytes -> id
     elif tokenizer != "byte":
@@ -344,7 +344,7 @@ def main(argv=None):
     try:
         check_out_dir_arg(a.out_dir)
         if a.tokenizer not in ("byte", "gpt2"):
-            from common.hf_tokenizer import hf_tokenizer
+            from common.hf.tokenizer import hf_tokenizer
             hf_tokenizer(a.tokenizer)               # a readable tokenizer.json there, before any work
         if a.shakespeare and a.input:
             raise ValueError("--shakespeare and --input both name the text: pick one")

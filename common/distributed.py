@@ -276,7 +276,7 @@ def destroy():
     dist.barrier()
     dist.destroy_process_group()
     if several:
-        from common.checkpoint_files import release_out_dir_locks
+        from common.checkpoint.files import release_out_dir_locks
         release_out_dir_locks()
         sys.stdout.flush()
         sys.stderr.flush()

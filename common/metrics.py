@@ -138,7 +138,7 @@ class LiveSavedActivationBytes:
     step, several micro-batches in flight): a saved tensor counts from its forward until autograd frees it after
     its backward, each storage once, parameters excluded. SavedActivationBytes counts one forward; this is the
     activation memory a schedule reaches. Tensors kept outside autograd (a split backward's stash for its W pass,
-    pipeline_weight_grads.py) are not seen."""
+    pipeline/weight_grads.py) are not seen."""
 
     def __init__(self, params):
         self.skip = {p.untyped_storage().data_ptr() for p in params}

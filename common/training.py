@@ -10,7 +10,7 @@ import os
 import torch
 import torch.nn as nn
 
-from common.checkpoint_files import lock_out_dir, remove_stale_temp_files
+from common.checkpoint.files import lock_out_dir, remove_stale_temp_files
 from common.errors import check, fail
 from common.distributed import fail_together
 from common.data import GlobalBatchLoader, ensure_dataset
@@ -18,8 +18,8 @@ from common.data_mix import MixtureLoader, parse_data_mix, source_val_losses
 from kernels import apply_kernels, convert_to_float8
 from kernels.apply import compile_block
 from kernels.fp8 import check_fp8_support
-from kernels.fp8_gather import attach_fp8_gathers
-from kernels.fp8_parallel import convert_parallel_to_float8
+from compose.fp8_gather import attach_fp8_gathers
+from compose.fp8_tp import convert_parallel_to_float8
 from model import GPTConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -56,7 +56,7 @@ def apply_kernels_and_fp8(model, cfg, device, units=None):
     """--kernels (fused modules) and --fp8 (Float8Linear GEMMs; FP8 GEMMs inside tensor-parallel layers) swapped
     into a model or a pipeline stage in place, parameters unchanged; one clear error line when the device cannot
     run them. units: ZeRO-3's (train_zero's Shards) of this model, whose FP8 weights are then gathered as
-    kernels/fp8_gather.py says (in fp32, or with --fp8_all_gather quantized). Returns the kernel mode."""
+    compose/fp8_gather.py says (in fp32, or with --fp8_all_gather quantized). Returns the kernel mode."""
     try:
         mode = apply_kernels(model, cfg.kernels)
         if getattr(cfg, "fp8", "none") != "none":
@@ -85,7 +85,7 @@ def compiled(model, cfg, blocks=()):
 
 def gather_fp8_units(model, units, cfg):
     """ZeRO-3's units of `model` (train_zero's Shards) holding FP8 GEMMs' weights gather them as
-    kernels/fp8_gather.py says: in fp32, or with --fp8_all_gather quantized; one clear error line where the
+    compose/fp8_gather.py says: in fp32, or with --fp8_all_gather quantized; one clear error line where the
     recipe or the device's GEMM cannot take a gathered FP8 weight."""
     try:
         attach_fp8_gathers(model, units, getattr(cfg, "fp8_all_gather", False))
@@ -185,7 +185,7 @@ def check_moe(cfg):
 def check_fp8_all_gather(cfg):
     """ZeRO-3's one rule left (its hooks compose with the fused modules, --compile, every FP8 recipe and every
     pipeline schedule: docs/kernels.md). --fp8_all_gather: its gather of FP8 weights already quantized
-    (kernels/fp8_gather.py), for the recipes whose weight scales are maxes of its shards' amaxes (per tensor or per
+    (compose/fp8_gather.py), for the recipes whose weight scales are maxes of its shards' amaxes (per tensor or per
     128 x 128 block) and that quantize W once for both its GEMMs."""
     if not getattr(cfg, "fp8_all_gather", False):
         return
@@ -195,7 +195,7 @@ def check_fp8_all_gather(cfg):
           "dgrad GEMM per column, two FP8 encodings of W (2 bytes a value, bf16's): use tensorwise, delayed or "
           "blockwise")
     check(getattr(cfg, "tp", 1) == 1, "--fp8_all_gather with --tp > 1: the tensor-parallel layers quantize their "
-          "weight shard inside each GEMM (kernels/fp8_parallel.py), not from a gathered FP8 weight")
+          "weight shard inside each GEMM (compose/fp8_tp.py), not from a gathered FP8 weight")
 
 
 class ValLoss(float):
@@ -220,7 +220,7 @@ def decode(tokens, meta, data_dir=None):
     a list in meta.json), or the corpus's Hugging Face tokenizer.json. Any other tokenizer has no decoder here:
     ValueError, and the sample says so."""
     if meta.get("tokenizer") == "hf":
-        from common.hf_tokenizer import decode_with
+        from common.hf.tokenizer import decode_with
         return decode_with(data_dir, tokens)
     if meta.get("tokenizer") == "gpt2":
         import tiktoken

@@ -113,7 +113,7 @@ class FusedLMHead(nn.Module):
     def __init__(self, head, backend):
         super().__init__()
         self.weight, self.backend = head.weight, backend
-        self.weight_grad_store = None            # zero-bubble pipelines: dW in W (pipeline_weight_grads.py)
+        self.weight_grad_store = None            # zero-bubble pipelines: dW in W (pipeline/weight_grads.py)
 
     def forward(self, x, targets=None):
         if targets is None:

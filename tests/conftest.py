@@ -68,5 +68,5 @@ def release_out_dir_locks():
     """A run's main() called in this process holds its out_dir lock until the process ends; a test's runs end
     with the test, so a later test's subprocess may write the same directory."""
     yield
-    from common.checkpoint_files import release_out_dir_locks
+    from common.checkpoint.files import release_out_dir_locks
     release_out_dir_locks()

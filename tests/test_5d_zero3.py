@@ -8,7 +8,7 @@ import pytest
 
 from distributed_helper import run_workers
 from common.metrics import read_metrics
-from common.pipeline_schedules import make_schedule
+from pipeline.schedules import make_schedule
 from test_5d import HEADS, H, T, VOCAB, expected_bytes_by_axis
 from train_helpers import MODELS, assert_exact, curves, losses, run_single, text_argv
 
@@ -48,9 +48,9 @@ def gathers_per_step(schedule, pp, m, v, chunks, reshard):
 def predicted_states(n_layer, v, schedule, dp, tp, cp, pp):
     """plan.py's model-state bytes of pipeline rank 0 (its units: a block each, the embedding and final norm), in
     float64: twice its fp32 recipe's 4 + 4 + 8 bytes per parameter, all three sharded over dp x cp."""
-    from common import plan_memory
-    from common.pipeline_schedules import placement_of
-    from common.plan_inputs import Job
+    from planner import memory as plan_memory
+    from pipeline.schedules import placement_of
+    from planner.inputs import Job
     from model import GPTConfig
     cfg = GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=n_layer, n_head=HEADS, n_embd=H)
     job = Job(cfg, dp * tp * cp * pp, 8, "h100", 8, precision="fp32")

@@ -54,8 +54,8 @@ def _zero3_runs(rank, world, argvs):
 def plan_states(layout):
     """plan.py's model-state bytes of pipeline rank 0 in float64 (twice its fp32 recipe): dense units over dp x cp,
     each MoE block's experts over edp."""
-    from common.plan_inputs import Job, Layout
-    from common.plan_memory import model_state
+    from planner.inputs import Job, Layout
+    from planner.memory import model_state
     from model import GPTConfig
     from test_5d import HEADS, H, T, VOCAB
     cfg = GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=HEADS, n_embd=H, top_k=2, **MOE)

@@ -1,4 +1,4 @@
-"""Checkpoints (common/checkpoint.py): one format for every script, so any layout resumes any other
+"""Checkpoints (common/checkpoint/__init__.py): one format for every script, so any layout resumes any other
 with the unbroken run's losses; step directories committed last (a crash leaves the previous one as latest),
 the newest --keep_checkpoints kept; --resume auto; a job killed mid-run restarts under torchrun by itself."""
 import errno
@@ -190,7 +190,7 @@ def test_only_the_current_gpus_rng_state_is_saved_and_restored(monkeypatch):
     one: the current device's state is set, never an index the node lacks; this version saves one state. A rank
     that computes on the CPU of a GPU machine (CUDA never initialised) neither saves nor sets a GPU's state: that
     would open a context on GPU 0."""
-    from common import rank_states
+    from common.checkpoint import rank_states
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)      # --device cpu on a GPU machine
@@ -218,7 +218,7 @@ def test_only_the_current_gpus_rng_state_is_saved_and_restored(monkeypatch):
 
 def _disk_full_after(monkeypatch, nbytes):
     """Every checkpoint file write fails with ENOSPC after nbytes bytes, as a full disk does."""
-    from common import checkpoint_files
+    from common.checkpoint import files as checkpoint_files
     real_open = open
 
     class Full:

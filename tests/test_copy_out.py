@@ -51,18 +51,18 @@ COPY_TABLE = {
                 "heads and KV heads divisible by tp; a tied head planned as its embedding is (`column`, logits split "
                 "by vocabulary) or a ValueError; under SP a sequence divisible by tp, every norm named, an attention "
                 "that reads T off its input planned `sp_gather`, whole-sequence positions (and mask, if any)"),
-    "CP": (["train_cp.py", "common/comm.py", "common/hf_attention.py"],
+    "CP": (["train_cp.py", "common/comm.py", "common/hf/attention.py"],
            "`swap_modules(model, names, lambda: ContextParallelAttentionCore(group, layout))` or transformers' "
            "`AttentionInterface.register(name, hf_attention.attention_function(core, pos))`; `local_positions`, "
            "`allreduce_grads`",
            "causal attention without a mask or dropout (else a ValueError), in a module called on q, k, v [B, H, T, "
            "D] (K/V may have fewer heads; `scale=`) or chosen by name; the forward takes the chunk's global "
            "positions (RoPE); a per-token loss"),
-    "PP": (["train_pp.py", "common/comm.py", "common/pipeline_schedules.py", "common/pipeline_stages.py",
-            "common/pipeline_tied.py"],
+    "PP": (["train_pp.py", "common/comm.py", "pipeline/schedules.py", "pipeline/stages.py",
+            "pipeline/tied.py"],
            "`pipeline_stages(before, blocks, after, rank, p, loss_fn=, block_kwargs=)`, `make_schedule`, "
            "`PipelineRunner`; `tied_pair_group`, `tied_grads_sync`, `clip_stage_grads`; zb1, zbv, dualpipev also "
-           "`common/pipeline_weight_grads.py`",
+           "`pipeline/weight_grads.py`",
            "a forward that is a chain of modules (embedding, blocks, norm, head); blocks take the activations and "
            "the keywords block_kwargs(x) gives (a transformers layer's rotary cos/sin and mask), return a tensor or "
            "a tuple; a tied weight is one Parameter in before and after; a loss_fn(output, targets) -> mean loss"),
@@ -457,7 +457,7 @@ def cp(layout):
 
 def pp_1f1b():
     from common.comm import broadcast, clip_grad_norm
-    from common.pipeline_schedules import make_schedule
+    from pipeline.schedules import make_schedule
     from train_pp import PipelineRunner, pipeline_stages
     model, losses, norms, m = build(), [], [], 4
     micro = GLOBAL // m
@@ -633,7 +633,7 @@ def tp_sp(tied, attn):
 def cp(layout, tied, attn):
     from transformers import AttentionInterface
     from common.comm import all_reduce, clip_grad_norm
-    from common.hf_attention import attention_function
+    from common.hf.attention import attention_function
     from train_cp import ContextParallelAttentionCore, allreduce_grads, local_positions
     core = ContextParallelAttentionCore(WORLD, layout)
     pos = local_positions(layout, T, world, rank)
@@ -679,8 +679,8 @@ def cp(layout, tied, attn):
 def pp_1f1b(tied, attn):
     from transformers.masking_utils import create_causal_mask
     from common.comm import broadcast
-    from common.pipeline_schedules import make_schedule
-    from common.pipeline_tied import clip_stage_grads, tied_grads_sync, tied_pair_group
+    from pipeline.schedules import make_schedule
+    from pipeline.tied import clip_stage_grads, tied_grads_sync, tied_pair_group
     from train_pp import PipelineRunner, pipeline_stages
     model, losses, norms, m = build(tied, attn), [], [], 4
     inner, size = model.model, GLOBAL // m

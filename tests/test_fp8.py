@@ -176,10 +176,10 @@ def test_every_selected_linear_runs_fp8_under_each_kernels_mode(mode, fp8, monke
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_float8_linear_defers_dw_to_a_zero_bubble_w_step(recipe):
-    """Under zb1 / zbv / dualpipev (common/pipeline_weight_grads.py) B returns dx and W runs the dW GEMM on the dy
+    """Under zb1 / zbv / dualpipev (pipeline/weight_grads.py) B returns dx and W runs the dW GEMM on the dy
     B quantized and the x F quantized: the unsplit backward's dx and dW bit for bit, over two micro-batches
     (delayed: its histories); the bias, added after the GEMM, keeps its gradient in B."""
-    from common.pipeline_weight_grads import WeightGradStore, defer_weight_grads
+    from pipeline.weight_grads import WeightGradStore, defer_weight_grads
     out = []
     for deferred in (False, True):
         torch.manual_seed(4)

@@ -1,4 +1,4 @@
-"""Hugging Face export and import (common/hf.py, docs/huggingface.md), checked against transformers'
+"""Hugging Face export and import (common/hf/interop.py, docs/huggingface.md), checked against transformers'
 GPTNeoXForCausalLM in float64: an export's logits equal model.py's to 1e-12 and its 32 greedy tokens are the same
 (a train_single run, a (tp 2, pp 2) run, a ZeRO-3 run); an imported random GPTNeoXForCausalLM gives train_single's
 step-0 loss to 1e-12 and trains in (dp 2, tp 2) and ZeRO-3 as train_single does (1e-9 per step); export then
@@ -17,11 +17,11 @@ import pytest
 import torch
 import transformers
 
-from common import hf
+from common.hf.interop import interop as hf
 from common.checkpoint import ModuleState, replicated, save, start_from
-from common.checkpoint_files import load_latest
+from common.checkpoint.files import load_latest
 from common.config import parse_config
-from common.hf_tokenizer import RANKS_FILE, read_ranks
+from common.hf.tokenizer import RANKS_FILE, read_ranks
 from common.optim import configure_optimizer
 from distributed_helper import run_workers
 from model import GPT, GPTConfig
@@ -131,7 +131,7 @@ def test_export_gives_model_pys_logits_and_greedy_tokens(trained, tmp_path, layo
 def test_a_missing_rotary_permutation_loads_but_gives_a_worse_finite_loss(text_data, tmp_path, monkeypatch):
     """Why the permutation is tested and not trusted: without it a model that learned to use positions (200 fp32
     steps here) loads and runs, and its loss is finite but clearly worse."""
-    from common import hf_convert
+    from common.hf.interop import convert as hf_convert
     out = str(tmp_path / "run")
     run_single(tiny_argv(text_data, out, max_steps=200, block_size=BLOCK, lr=1e-2, warmup_steps=10))
     hf.main(["export", out, str(tmp_path / "right")])
@@ -329,7 +329,7 @@ def test_data_with_a_hugging_face_tokenizer_trains_and_exports_it(trained, tmp_p
     """python -m common.data --tokenizer HF_DIR: AutoTokenizer's ids, meta.json names the tokenizer, the sample
     decodes with it, and an export carries the same tokenizer.json."""
     from common import data
-    from common.hf_tokenizer import byte_tokenizer
+    from common.hf.tokenizer import byte_tokenizer
     source = str(tmp_path / "tok")
     hf.main(["export", trained("single"), source])     # any tokenizer.json: the byte one
     text = tmp_path / "text.txt"

@@ -133,9 +133,9 @@ def test_linear_cross_entropy_float64_end_to_end():
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_linear_cross_entropy_defers_dw_to_a_zero_bubble_w_step(backend):
-    """Under zb1 / zbv / dualpipev the fused head leaves dW to W (common/pipeline_weight_grads.py), which computes
+    """Under zb1 / zbv / dualpipev the fused head leaves dW to W (pipeline/weight_grads.py), which computes
     the logits again: the loss, dh and dW equal the undeferred head's bit for bit (same ops, same order)."""
-    from common.pipeline_weight_grads import WeightGradStore
+    from pipeline.weight_grads import WeightGradStore
     torch.manual_seed(6)
     h, w, t = randn(45, 19), randn(101, 19), torch.randint(0, 101, (45,), device=DEVICE)
     t[7] = -100

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig, activation_bytes_per_layer, flops_per_token, init_parameter, num_params
-from common.plan_inputs import model_state_bytes_per_param
+from planner.inputs import model_state_bytes_per_param
 
 
 @pytest.mark.parametrize("L,H,h,vocab", [(1, 1, 8, 10), (2, 4, 32, 64), (3, 6, 48, 256), (4, 2, 64, 50257)])

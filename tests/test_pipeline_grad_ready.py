@@ -1,4 +1,4 @@
-"""train_5d's data-parallel reduction hidden behind the pipeline (common/pipeline_grad_ready.py): at pp 2 x dp 2 each
+"""train_5d's data-parallel reduction hidden behind the pipeline (compose/grad_ready.py): at pp 2 x dp 2 each
 rank's record of its schedule's actions and its launches shows every gradient bucket launched right after the action
 that completes it (the chunk's last B; under zb1 its last W, where dW comes), inside the schedule, not after it; only
 ZeRO-1's tied bucket waits for the step's end, where its two copies are summed first. The launches stay NCCL-safe."""
@@ -20,7 +20,7 @@ def _recorded(rank, world, argvs):
     import train_5d
     import train_pp
     from common import comm
-    from common.pipeline_weight_grads import WeightGradStore
+    from pipeline.weight_grads import WeightGradStore
     runner, store = train_pp.PipelineRunner, WeightGradStore
     forward, backward, compute, step = runner._forward, runner._backward, store.compute, runner.step
 
@@ -92,8 +92,8 @@ def test_buckets_launch_after_the_backward_that_completes_them(tiny_data, tmp_pa
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("zb1", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2)])
 def test_last_grad_writers(name, v):
     """Each chunk's gradients are final after its last B, or its last W under a split backward."""
-    from common.pipeline_grad_ready import last_grad_writers
-    from common.pipeline_schedules import SPLIT_BACKWARD, make_schedule
+    from compose.grad_ready import last_grad_writers
+    from pipeline.schedules import SPLIT_BACKWARD, make_schedule
     for actions in make_schedule(name, 2, 4, v):
         last = last_grad_writers(actions)
         kind = "W" if name in SPLIT_BACKWARD else "B"

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import plan
-from common import plan_memory
+from planner import memory as plan_memory
 from common.config import ConfigError
-from common.plan_inputs import LINK_EFF, Job
+from planner.inputs import LINK_EFF, Job
 from distributed_helper import run_workers
 from model import GPT, GPTConfig, num_params
 from train_ddp import assign_buckets
@@ -185,7 +185,7 @@ def test_korthikanti_cases():
 def simulated_schedules(schedule):
     """(p, m, v, pipeline_schedules.simulate's result) for p = 2..6 and every m the schedule takes (train_5d's
     validate: m >= p except afab and zbv, m % p == 0 interleaved, m >= 2p dualpipev)."""
-    from common.pipeline_schedules import make_schedule, simulate
+    from pipeline.schedules import make_schedule, simulate
     v = dict(interleaved=2, zbv=2, dualpipev=2).get(schedule, 1)
     for p in range(2, 7):
         for m in range(1, 4 * p + 2):
@@ -200,7 +200,7 @@ def test_pipeline_in_flight_and_bubble_equal_the_simulator(schedule):
     """plan's closed forms against pipeline_schedules.simulate (F = B = W), every rank, p = 2..6, every valid m up to
     4p+1: the micro-batch-chunks each rank holds at its peak are equal, and the bubble plan adds is the simulated
     idle share: bubble / compute = idle / (makespan - idle) on every rank."""
-    from common.plan_inputs import Layout
+    from planner.inputs import Layout
     cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=24, n_head=4, n_embd=64)
     for p, m, v, sim in simulated_schedules(schedule):
         assert [plan_memory.in_flight(schedule, p, m, v, r) for r in range(p)] == sim["peak_in_flight"], (p, m)
@@ -215,7 +215,7 @@ def test_pipeline_in_flight_and_bubble_equal_the_simulator(schedule):
 def test_v_placement_states_match_the_stages(schedule):
     """In a V rank r holds stages r and 2p-1-r (train_pp.stage_views): plan's parameter count per rank equals the
     views' (rank 0 holds the embedding once, tied, with ln_f), and the ranks together hold the model once."""
-    from common.pipeline_schedules import placement_of
+    from pipeline.schedules import placement_of
     from train_pp import stage_views
     cfg = GPTConfig(vocab_size=100, n_layer=8, n_head=4, n_embd=32)
     with torch.device("meta"):
@@ -235,7 +235,7 @@ def test_plan_and_train_5d_accept_the_same_layouts(monkeypatch):
     1f1b with m < p is afab (plan_inputs.as_run), and train_5d is asked for the layout as it runs."""
     import train_5d
     from common.config import Config
-    from common.plan_inputs import Layout, as_run, validate
+    from planner.inputs import Layout, as_run, validate
     monkeypatch.setenv("WORLD_SIZE", "8")
     schedules = [("afab", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2), ("zbv", 1)]
     verdicts = []
@@ -263,7 +263,7 @@ def test_plan_and_train_5d_accept_the_same_tp_layouts(monkeypatch):
     and train_5d's accept exactly the same layouts (heads by tp, the sequence by 2cp, under SP its cp chunk by tp)."""
     import train_5d
     from common.config import Config
-    from common.plan_inputs import Layout, validate
+    from planner.inputs import Layout, validate
     monkeypatch.setenv("WORLD_SIZE", "8")
     verdicts = []
     for vocab, tp, sp, cp, seq, heads, zero in product([64, 65], [1, 2, 4, 8], [False, True], [1, 2, 4], [8, 12, 16],
@@ -471,7 +471,7 @@ def auto_cfg(**shape):
 def test_auto_layout_is_the_fastest_runnable_layout_that_fits(monkeypatch):
     import train_5d
     from plan import accepted_by, choose_layout, fits_in
-    from common.plan_inputs import GIB
+    from planner.inputs import GIB
     monkeypatch.setenv("WORLD_SIZE", "8")
     job = job_for(GPTConfig(vocab_size=50257, block_size=2048, n_layer=24, n_head=16, n_embd=2048), gpus=8,
                   global_seqs=64, precision="amp")
@@ -502,7 +502,7 @@ def test_train_5d_layout_auto_runs_plans_choice(tiny_data, tmp_path, monkeypatch
     """On CPU with --plan_gpu: train_5d runs the layout plan.py chooses for the same job."""
     import train_5d
     from plan import accepted_by, choose_layout, plan_job
-    from common.plan_inputs import HARDWARE
+    from planner.inputs import HARDWARE
     argv = tiny_argv(tiny_data, str(tmp_path), max_steps=2, layout="auto", plan_gpu="h100", n_layer=4)
     got = run_workers(_auto_run, 4, args=(argv,), timeout=600)[0]
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import plan
-from common.plan_cli import build_job, parse_args, parse_layout
+from planner.cli import build_job, parse_args, parse_layout
 
 BASE = ["--model", "gpt2", "--gpus", "8", "--seq", "1024", "--global_batch_tokens", "64K"]
 
@@ -165,7 +165,7 @@ def test_partial_interleaved_layout_searches_deep_interleaving():
 def test_software_sets_its_stack_unless_a_flag_says_otherwise():
     """--software fills the Job fields of plan_time.SOFTWARE's entry; a flag given beside it with another value wins."""
     from dataclasses import fields
-    from common.plan_time import SOFTWARE
+    from planner.timing import SOFTWARE
     assert all(set(entry) <= {f.name for f in fields(plan.Job)} for entry in SOFTWARE.values())
     job = build_job(parse_args(BASE + ["--software", "megatron-2021"], ""))
     assert (job.attn, job.dp_overlap, job.pp_scatter_gather, job.tp_overlap) == ("eager", False, True, 0.0)

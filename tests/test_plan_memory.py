@@ -1,15 +1,16 @@
 """plan.py's memory as a GPU reports it: gradient buffers per --grad_dtype, allocated / reserved / device / usable, the
 OOM verdict on reserved memory, the block recomputed under full recompute, and the peak of train_single's step as
-torch's MemTracker counts it under autocast (common/plan_memory.py)."""
+torch's MemTracker counts it under autocast (planner/memory.py)."""
 from dataclasses import replace
 
 import pytest
 
 import plan
-from common import plan_memory, plan_runtime_memory
-from common.plan_cli import build_job, parse_args
-from common.plan_inputs import GIB, Job, Layout, model_state_bytes_per_param
-from common.plan_memory import ALLOCATOR_RESERVE, CUBLAS_WORKSPACE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES
+from planner import memory as plan_memory
+from planner import runtime_memory as plan_runtime_memory
+from planner.cli import build_job, parse_args
+from planner.inputs import GIB, Job, Layout, model_state_bytes_per_param
+from planner.memory import ALLOCATOR_RESERVE, CUBLAS_WORKSPACE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES
 from model import GPTConfig
 
 CFG = GPTConfig(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048)

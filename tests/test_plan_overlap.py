@@ -7,9 +7,11 @@ from dataclasses import replace
 import pytest
 
 import plan
-from common import plan_comm, plan_memory, plan_time
-from common.plan_cli import build_job, parse_args, parse_layout
-from common.plan_inputs import Job, Layout, validate
+from planner import comm as plan_comm
+from planner import memory as plan_memory
+from planner import timing as plan_time
+from planner.cli import build_job, parse_args, parse_layout
+from planner.inputs import Job, Layout, validate
 from model import GPTConfig
 
 CFG = GPTConfig(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048)

@@ -1,4 +1,4 @@
-"""plan.py's model shapes beyond model.py's GPT (plan_shape.py) and its time model (plan_time.py): the GPT case is
+"""plan.py's model shapes beyond model.py's GPT (planner/shape.py) and its time model (planner/timing.py): the GPT case is
 model.py's own count, GQA / SwiGLU / untied / uneven stages change exactly the terms they should, published
 parameter counts come out, and NCCL's latency model, the causal-attention time and the overlap options hold."""
 import re
@@ -7,9 +7,12 @@ from dataclasses import replace
 import pytest
 
 import plan
-from common import plan_elementwise, plan_memory, plan_shape, plan_time
-from common.plan_cli import build_job, parse_args
-from common.plan_inputs import MODELS, Job, Layout
+from planner import elementwise as plan_elementwise
+from planner import memory as plan_memory
+from planner import shape as plan_shape
+from planner import timing as plan_time
+from planner.cli import build_job, parse_args
+from planner.inputs import MODELS, Job, Layout
 from model import GPT, GPTConfig, flops_per_token, num_params
 
 

@@ -9,7 +9,7 @@ import torch
 
 from distributed_helper import run_workers
 from common.metrics import read_metrics
-from common.pipeline_schedules import V_SHAPED, placement_of, rank_of
+from pipeline.schedules import V_SHAPED, placement_of, rank_of
 from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, run_single,
                            text_argv, tiny_argv)
 

@@ -8,7 +8,7 @@ import pytest
 
 from distributed_helper import recorded_runs, run_workers
 from common.nccl_check import check, first_ops, replay
-from common.pipeline_schedules import (SCHEDULES, V_SHAPED, Exchange, comm_plan, make_schedule, message_order,
+from pipeline.schedules import (SCHEDULES, V_SHAPED, Exchange, comm_plan, make_schedule, message_order,
                                 recvs_of, sends_of)
 from train_helpers import tiny_argv
 

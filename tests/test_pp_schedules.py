@@ -1,4 +1,4 @@
-"""pipeline_schedules.py without processes: each schedule is complete and deadlock-free, its simulated bubble
+"""pipeline/schedules.py without processes: each schedule is complete and deadlock-free, its simulated bubble
 equals the textbook formula, its peak in-flight micro-batches equal theory, and every stage boundary carries
 exactly m activations forward and m gradients back. ZB-V and DualPipeV: the V placement, their orders equal
 torch.distributed.pipelining's, their bubbles and peaks equal the papers' counts."""
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.pipeline_schedules import (SCHEDULES, SPLIT_BACKWARD, V_SHAPED, Action, make_schedule, message_order,
+from pipeline.schedules import (SCHEDULES, SPLIT_BACKWARD, V_SHAPED, Action, make_schedule, message_order,
                                 peak_in_flight, rank_of, render, sends_of, simulate, stage_of,
                                 theory_idle_fraction)
 

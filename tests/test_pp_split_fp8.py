@@ -1,5 +1,5 @@
 """Zero-bubble schedules (zb1, zbv, dualpipev) with FP8 and the fused kernels: their W step computes what the
-unsplit backward would (common/pipeline_weight_grads.py).
+unsplit backward would (pipeline/weight_grads.py).
 
 FP8 has no float64 parity with train_single; the reference is the same run with 1f1b and the same recipe.
   - zb1 runs the same GEMMs on the same quantized operands as 1f1b, only later, and adds each micro-batch's
@@ -69,7 +69,7 @@ def _block_grads(store, compiled=True):
     compiled=False the same FusedBlock run eagerly) with FP8, over two micro-batches; with a store, each B leaves
     dW to W, run after it."""
     import torch
-    from common.pipeline_weight_grads import defer_weight_grads
+    from pipeline.weight_grads import defer_weight_grads
     from kernels import apply_kernels, convert_to_float8
     from kernels.apply import FusedBlock
     from model import Block, GPTConfig, rope_cache
@@ -101,7 +101,7 @@ def test_compiled_fused_block_keeps_fp8_dw_for_w():
     from the eager one by float32 ulps (3e-7 here), while a swallowed, doubled or missing micro-batch's dW is a
     difference of order one."""
     import torch
-    from common.pipeline_weight_grads import WeightGradStore
+    from pipeline.weight_grads import WeightGradStore
     plain, split = _block_grads(None, compiled=False), _block_grads(WeightGradStore())
     for n in plain:
         torch.testing.assert_close(split[n], plain[n], rtol=1e-5, atol=1e-5 * plain[n].abs().max().item(), msg=n)

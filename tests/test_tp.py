@@ -295,7 +295,7 @@ def test_comm_bytes_and_params_per_rank_equal_theory(tp_runs):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_block_collectives_and_activation_memory(tp_runs, n):
-    from common.plan_memory import tp_activation_bytes_per_layer
+    from planner.memory import tp_activation_bytes_per_layer
     from model import activation_bytes_per_layer
     rep = tp_runs[n]["block"]
     S, part = 2 * 32 * 64 * 4, (n - 1) / n

@@ -4,7 +4,7 @@
 (dp 2, pp 2): the gather hooks work on FusedBlock (fused LayerNorms, bias+GeLU, flash attention) and on the fused
 LM head, which computes the tied weight's gradient in its forward from the root unit gathered then; that gradient
 lands with the embedding's and is reduce-scattered with it. Under zb1 and zbv the head's dW waits for W, which
-computes the logits again: its unit stays gathered from B until that W (common/pipeline_kept_units.py).
+computes the logits again: its unit stays gathered from B until that W (compose/kept_units.py).
 --compile with ZeRO-3 compiles each block's forward inside the hooks (kernels/apply.compile_block): no graph
 break, the same all-gathers, frees and reduce-scatters per step as the eager hooks make, and train_single's curve
 in float64 at 1e-9 (the float64 contract's reference itself: inductor reorders float64 sums only, ~1e-16 here,
@@ -13,7 +13,7 @@ step are ZeRO-3's formula (train_zero), or the unfused layout's (train_5d, whose
 asserts)."""
 from distributed_helper import run_workers
 from common.metrics import read_metrics
-from common.pipeline_schedules import make_schedule
+from pipeline.schedules import make_schedule
 from train_helpers import MODELS, TRITON_TWO_STEPS, assert_exact, curves, text_argv
 
 

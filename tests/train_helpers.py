@@ -113,7 +113,7 @@ def run_single(argv, both_curves=False):
     """Run train_single.main in this process; returns (losses, {name: final parameter}), or with both_curves
     ((losses, grad norms), {name: final parameter})."""
     import train_single
-    from common.checkpoint_files import release_out_dir_locks
+    from common.checkpoint.files import release_out_dir_locks
     torch.set_num_threads(1)
     result = train_single.main(argv)
     release_out_dir_locks()         # the run is over: a later run (another process too) may write its out_dir

@@ -3,7 +3,7 @@
 # ScheduleDualPipeV for zbv and dualpipev), 2 ranks x 1 thread, m = 8; then
 # zb1 vs 1f1b (ours). Below each table: the median share of its pipeline schedule that rank 0 spent waiting for
 # messages (idle_frac in metrics.jsonl; optimizer step excluded)
-# next to the simulator's bubble for F = B = W (pipeline_schedules.py).
+# next to the simulator's bubble for F = B = W (pipeline/schedules.py).
 # Sourced by bench.sh (harness, STEPS, WARMUP, PYTHON are set there).
 PP_RUN="OMP_NUM_THREADS=1 $PYTHON -m torch.distributed.run --standalone --nproc_per_node 2"
 PP_COMMON="--pp 2 --n_layer 4 --n_head 4 --n_embd 256 --block_size 128 --global_batch_size 16 --micro_batch_size 2 --max_steps $STEPS --warmup_steps 2 --eval_interval 0 --sample_tokens 0 --log_interval 1000 --device cpu --dtype float32 --out_dir {out}"

@@ -24,7 +24,7 @@ harness --name tp_memory --repeats 1 --warmup 1 \
 $PYTHON - <<'PY'
 import json
 from model import GPTConfig, activation_bytes_per_layer
-from common.plan_memory import tp_activation_bytes_per_layer
+from planner.memory import tp_activation_bytes_per_layer
 cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 kw = dict(bytes_per_value=4, recompute="selective", dropout=False)   # fp32; CPU sdpa keeps no T x T scores
 rows = {}

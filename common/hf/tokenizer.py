@@ -1,5 +1,5 @@
 """
-hf_tokenizer.py: the tokenizer a run trained with, as files `transformers.AutoTokenizer` loads (hf.py's export),
+common/hf/tokenizer.py: the tokenizer a run trained with, as files `transformers.AutoTokenizer` loads (hf.py's export),
 and Hugging Face tokenizers for corpus preparation (python -m common.data --tokenizer HF_DIR). Built with the
 `tokenizers` library (Rust; offline), never with transformers. docs/huggingface.md.
 

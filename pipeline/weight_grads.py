@@ -1,5 +1,5 @@
 """
-pipeline_weight_grads.py: the backward split of the zb1 schedule (pipeline_schedules.py), for train_pp.py.
+pipeline/weight_grads.py: the backward split of the zb1 schedule (pipeline/schedules.py), for train_pp.py.
 
 A Linear layer's backward computes two things: dx = gy W (the input gradient the previous stage is waiting
 for) and dW = gy^T x (the weight gradient nothing downstream needs until the optimizer step). zb1's B action
@@ -18,7 +18,7 @@ nn.LayerNorm's do. docs/pipelines.md ("The W step") says why for each.
 
 A W that reads a parameter's value (the fused LM head's, for the logits; dW = gy^T x reads none) says so when it is
 deferred (`reads`): under ZeRO-3 the unit holding that parameter then stays gathered until the W has run
-(common/pipeline_kept_units.py), where any other unit is freed as B ends.
+(compose/kept_units.py), where any other unit is freed as B ends.
 """
 import functools
 

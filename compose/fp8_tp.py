@@ -1,8 +1,8 @@
 """
-kernels/fp8_parallel.py: the FP8 GEMMs of kernels/fp8.py inside tensor-parallel layers, each operand quantized as
+compose/fp8_tp.py: the FP8 GEMMs of kernels/fp8.py inside tensor-parallel layers, each operand quantized as
 one device holding the whole layer would quantize it, while the layer keeps its own TP / SP communication.
 
-    from kernels.fp8_parallel import convert_parallel_to_float8
+    from compose.fp8_tp import convert_parallel_to_float8
     convert_parallel_to_float8(model, "tensorwise")   # every column / row-parallel layer (train_tp) runs FP8 GEMMs
 
 A layer of train_tp.py takes a `gemm` (None: torch's): ColumnLinearFn calls forward / grad_input / grad_weight
@@ -59,7 +59,7 @@ class Float8ParallelGemms:
         self.recipe, self.group, self.split = recipe, group, split
         self.amax_history = torch.zeros(3, history_len, device=device)    # x, W, dy (delayed)
         # linear(x, weight, store=None): x W^T with autograd, no communication of its own (a row-parallel layer's
-        # partial product); store: a zero-bubble pipeline's WeightGradStore (common/pipeline_weight_grads.py), which
+        # partial product); store: a zero-bubble pipeline's WeightGradStore (pipeline/weight_grads.py), which
         # runs the dW GEMM in W. Its collectives (the amax reductions) run eagerly under torch.compile, as train_tp's
         # do. Wrapped here, not by a decorator at import, where torch.compiler.disable would import torch._dynamo
         # (1.3 s) into every script, a refused one too; a partial, not a bound method, so a deepcopy's points at it.

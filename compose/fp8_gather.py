@@ -1,6 +1,6 @@
 """
-kernels/fp8_gather.py: ZeRO-3's all-gather of a unit (train_zero.py's Shard) whose block runs FP8 GEMMs
-(kernels/fp8.py's Float8Linear, kernels/fp8_parallel.py's tensor-parallel layers).
+compose/fp8_gather.py: ZeRO-3's all-gather of a unit (train_zero.py's Shard) whose block runs FP8 GEMMs
+(kernels/fp8.py's Float8Linear, compose/fp8_tp.py's tensor-parallel layers).
 
     attach_fp8_gathers(model, units, fp8_all_gather=False)     # after shard_model and apply_kernels_and_fp8
 
@@ -32,7 +32,7 @@ import kernels.fp8 as fp8
 from kernels.fp8 import E4M3, Float8Linear
 from kernels.fp8_cast import GRANULARITY, GROUPS, Fp8Cast, _inv_layout, delayed_source
 from kernels.fp8_gemm import BLOCK
-from kernels.fp8_parallel import Float8ParallelGemms
+from compose.fp8_tp import Float8ParallelGemms
 from kernels.fp8_quant import amax, quantize, scale_of
 
 GATHERED_RECIPES = ("tensorwise", "delayed", "blockwise")

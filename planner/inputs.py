@@ -1,5 +1,5 @@
 """
-plan_inputs.py: what plan.py predicts for, as plain data: the GPU (datasheet numbers and a published efficiency per
+planner/inputs.py: what plan.py predicts for, as plain data: the GPU (datasheet numbers and a published efficiency per
 row), the model shape (presets or any), the precision recipe, the cluster and batch (Job), and one split of it
 (Layout), with the checks that the split divides them.
 Nothing here predicts anything; plan.py's formulas read these fields.
@@ -8,7 +8,7 @@ Nothing here predicts anything; plan.py's formulas read these fields.
     lay = Layout(dp=16, tp=4, zero_stage=1)
     validate(job, lay)                             # ConfigError (one line) unless the layout divides the job
 
-plan.py's command line, which builds both from flags, is plan_cli.py.
+plan.py's command line, which builds both from flags, is planner/cli.py.
 
 A layout is valid when
     dp * tp * cp * pp = gpus,   global_seqs = dp * micro_batch_size * grad_acc,   ep | dp*cp and ep | n_experts,
@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from common.errors import check
 from common.peaks import GPU_PEAK_TFLOPS
 from model import GPTConfig
-from common.pipeline_schedules import SCHEDULES, V_SHAPED
-from common.plan_shape import SHAPE_OPTIONS, stage_layer_counts
+from pipeline.schedules import SCHEDULES, V_SHAPED
+from planner.shape import SHAPE_OPTIONS, stage_layer_counts
 
 GIB = 2 ** 30
 # Per GPU. peak: peaks.GPU_PEAK_TFLOPS (dense bf16). mem, hbm (bytes/s), nvlink (per direction), net (per GPU, per
@@ -65,7 +65,7 @@ MODELS = {
 
 
 GRAD_DTYPES = ("param", "fp32", "both")    # model_state_bytes_per_param's gradient buffers
-PP_OUTPUTS_KEPT = ("none", "last", "all")  # the stage outputs a pipeline runtime keeps (plan_runtime_memory.py)
+PP_OUTPUTS_KEPT = ("none", "last", "all")  # the stage outputs a pipeline runtime keeps (planner/runtime_memory.py)
 TP_OVERLAP_STYLES = ("chunked", "torch")   # which SP collectives --tp_overlap pipelines (plan_comm.sp_collectives)
 
 
@@ -129,7 +129,7 @@ class Job:
                                     # both, beside them (model_state_bytes_per_param)
     pp_scatter_gather: bool = False   # a pipeline message leaves as 1/t per tp rank and is all-gathered over tp
                                       # on arrival (Megatron-LM, Narayanan et al. 2021 Sec. 4.1); SP does so anyway
-    # model shapes beyond model.py's GPT (plan_shape.py): 0 / the defaults are model.py's own
+    # model shapes beyond model.py's GPT (planner/shape.py): 0 / the defaults are model.py's own
     n_kv_head: int = 0        # key/value heads (GQA); 0: n_head
     ffn_hidden: int = 0       # MLP width; 0: 4 * n_embd
     gated: bool = False       # SwiGLU-style MLP: gate, up and down matrices
@@ -137,7 +137,7 @@ class Job:
     first_stage_layers: int = 0   # layers of the first / last pipeline stage (0: an even share), as Megatron-LM's
     last_stage_layers: int = 0    # --decoder-first/last-pipeline-num-layers
     ends_as_layers: bool = False  # embedding and loss each take a layer's place in the pipeline split (Llama 3)
-    # software behaviour (plan_time.py)
+    # software behaviour (planner/timing.py)
     tp_overlap: float = 0.0   # share of tp's communication hidden under GEMMs (plan_time.TP_OVERLAP for published)
     tp_overlap_style: str = "chunked"   # which SP collectives are pipelined (plan_comm.sp_collectives): chunked, all
                                         # (Transformer Engine's userbuffers); torch, those torch's micro-pipeline pass
@@ -151,7 +151,7 @@ class Job:
     causal: bool = True       # flash attention skips the masked half of the scores (time only; MFU counts all)
     moments: str = "fp32"     # AdamW m and v precision (bf16: 2 + 2 bytes instead of 4 + 4)
     fused_bias_dropout_add: bool = False   # dropout fused with the residual add in one kernel (Megatron-LM's
-                                           # --bias-dropout-fusion, on by default): plan_elementwise.py
+                                           # --bias-dropout-fusion, on by default): planner/elementwise.py
     rope: bool = True         # rotary positions: q and k kept again after the rotation (model.py, Llama); False:
                               # learned or ALiBi positions (GPT-2, MPT, BLOOM), nothing rotated kept
     net_gbps: float = 0.0     # the cluster's network per GPU, Gb/s per direction (0: the GPU row's, a DGX's NICs)
@@ -160,7 +160,7 @@ class Job:
     inplace_loss: bool = False  # Megatron's vocab-parallel cross-entropy: softmax in place on the fp32 logits, its
                                 # gradient in place on the saved softmax (no fp32 gradients beside it)
     loss_parallel: bool = False  # with tp > 1 the loss runs through torch's loss_parallel (DTensor's vocab-parallel
-                                 # cross-entropy: 12 bytes per logit in its backward, plan_runtime_memory.py)
+                                 # cross-entropy: 12 bytes per logit in its backward, planner/runtime_memory.py)
     pp_outputs_kept: str = "none"   # a PP_OUTPUTS_KEPT entry: the stage outputs of every micro-batch a pipeline
                                     # runtime keeps until the step ends (torch.distributed.pipelining before 2025: all)
     pp_recv_per_micro_batch: bool = False   # a pipeline receive buffer per micro-batch, for activations and for

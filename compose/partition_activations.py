@@ -1,5 +1,5 @@
 """
-partition_activations.py: ZeRO-R's partitioned activation checkpointing, Pa (Rajbhandari et al. 2020, section 6.1;
+compose/partition_activations.py: ZeRO-R's partitioned activation checkpointing, Pa (Rajbhandari et al. 2020, section 6.1;
 DeepSpeed's activation checkpointing with partition_activations), for tensor parallelism without SP.
 
     torchrun --nproc_per_node 2 train_tp.py --tp 2 --recompute full --partition_activations
@@ -151,7 +151,7 @@ def apply_partition_flags(cfg, model_cfg, blocks, group):
 def add_partition_args(parser):
     parser.add_argument("--partition_activations", action="store_true",
                         help="ZeRO-R's Pa with --recompute full under TP without SP: keep 1/tp of each block's input, "
-                             "all-gather it before the recompute (common/partition_activations.py)")
+                             "all-gather it before the recompute (compose/partition_activations.py)")
     parser.add_argument("--offload_activations", action="store_true",
                         help="with --partition_activations: keep the 1/tp part in (pinned) host memory")
 
@@ -159,7 +159,7 @@ def add_partition_args(parser):
 def check_partition_args(cfg, tp):
     """The layouts Pa is for (and was checked in), as one error line each."""
     from common.errors import check
-    from common.pipeline_schedules import SPLIT_BACKWARD
+    from pipeline.schedules import SPLIT_BACKWARD
     partition = getattr(cfg, "partition_activations", False)     # a Config made in code has neither flag
     check(partition or not getattr(cfg, "offload_activations", False),
           "--offload_activations offloads the parts --partition_activations keeps: give both")

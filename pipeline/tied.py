@@ -1,6 +1,6 @@
 """
-pipeline_tied.py: a tied weight (an embedding and LM head, one Parameter) of a model cut into pipeline stages
-(train_pp.py, and train_5d.py through it). A stage lists what it shares in `tied`: pipeline_stages.py's
+pipeline/tied.py: a tied weight (an embedding and LM head, one Parameter) of a model cut into pipeline stages
+(train_pp.py, and train_5d.py through it). A stage lists what it shares in `tied`: pipeline/stages.py's
 SequentialStage finds it by identity (what `before` and `after` both hold), train_pp's PipelineStage is model.py's
 GPT's wte.
 
@@ -16,7 +16,7 @@ autograd sums its gradient: no copy, no communication.
 """
 from common import comm
 from common.comm import clip_grad_norm
-from common.pipeline_schedules import rank_of
+from pipeline.schedules import rank_of
 
 
 def tied_ranks(p, v, placement="loop"):

@@ -1,16 +1,16 @@
 """
-plan_comm.py: the bytes and seconds of plan.py's communication, per axis of a layout: the link each axis crosses,
+planner/comm.py: the bytes and seconds of plan.py's communication, per axis of a layout: the link each axis crosses,
 the bytes each rank sends per step (comm.py's ring convention, exact against the rungs' counters) and NCCL's
 latency per collective (plan_time.latency). plan.py's step_time subtracts what overlaps.
 
 Rank order as train_5d.py builds its groups: tp innermost, then cp, dp, pp outermost; an axis whose group spans
 <= gpus_per_node consecutive ranks runs on NVLink, else on the network.
 """
-from common import plan_shape
-from common import plan_time as time_model
-from common.pipeline_schedules import placement_of
-from common.plan_inputs import LINK_EFF, PRECISION, model_state_bytes_per_param
-from common.plan_memory import layers_per_rank, stage_blocks
+from planner import shape as plan_shape
+from planner import timing as time_model
+from pipeline.schedules import placement_of
+from planner.inputs import LINK_EFF, PRECISION, model_state_bytes_per_param
+from planner.memory import layers_per_rank, stage_blocks
 
 
 def link_bandwidth(job, lay, axis):

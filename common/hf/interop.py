@@ -1,6 +1,6 @@
 """
 hf.py: a run's model out to a Hugging Face checkpoint, and a Hugging Face checkpoint in as a run's first weights
-(docs/huggingface.md). Names, permutations and the config are hf_convert.py's; tokenizer files hf_tokenizer.py's.
+(docs/huggingface.md). Names, permutations and the config are common/hf/convert.py's; tokenizer files common/hf/tokenizer.py's.
 transformers is never imported: files are read with safetensors (and written by hand, below).
 
     python -m common.hf export OUT_DIR HF_DIR [--dtype float32] [--data_dir DIR] [--no_tokenizer]
@@ -25,14 +25,14 @@ import sys
 
 import torch
 
-from common.checkpoint_compat import saved_model_config
-from common.checkpoint_files import latest_checkpoint, load_checkpoint
+from common.checkpoint.compat import saved_model_config
+from common.checkpoint.files import latest_checkpoint, load_checkpoint
 from common.data import read_meta
 from common.distributed import fail_together
 from common.errors import ConfigError, check, fail, require
-from common.hf_convert import (HF_WTE, WTE, architecture_problem, from_hf, hf_name, neox_config, shape_problem,
+from common.hf.convert import (HF_WTE, WTE, architecture_problem, from_hf, hf_name, neox_config, shape_problem,
                                to_hf)
-from common.hf_tokenizer import KINDS, export_tokenizer, tokenizers_module
+from common.hf.tokenizer import KINDS, export_tokenizer, tokenizers_module
 from model import GPT, GPTConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,5 +1,5 @@
 """
-hf_convert.py: model.py's GPT as transformers' GPTNeoXForCausalLM and back: the config, the parameter names and
+common/hf/convert.py: model.py's GPT as transformers' GPTNeoXForCausalLM and back: the config, the parameter names and
 the two permutations between them (docs/huggingface.md). Pure functions of dicts and tensors: no file is read here
 and transformers is never imported (hf.py does the files; only the tests load transformers).
 

@@ -1,8 +1,8 @@
 """
-pipeline_schedules.py: the pipeline schedules of train_pp.py as plain action lists, and a simulator that
+pipeline/schedules.py: the pipeline schedules of train_pp.py as plain action lists, and a simulator that
 replays them to count bubbles and in-flight micro-batches. Needs only the standard library.
 
-    python -m common.pipeline_schedules --pp 4 --n_microbatches 8 --schedule 1f1b     # print the timeline
+    python -m pipeline.schedules --pp 4 --n_microbatches 8 --schedule 1f1b     # print the timeline
 
 A schedule is, for every pipeline rank, the ordered list of what it does in one optimizer step:
 Action(kind, mb, chunk) with kind F (forward), B (backward) or W (weight gradient). Schedules without W
@@ -46,7 +46,7 @@ Action = namedtuple("Action", "kind mb chunk")
 Exchange = namedtuple("Exchange", "ops")     # one batch of point-to-point ops: ((kind, peer rank, message), ...)
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb1", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")                  # 2 chunks per rank, placed in a V (stage_of)
-SPLIT_BACKWARD = ("zb1", "zbv", "dualpipev")     # with W actions: pipeline_weight_grads.py's deferred dW
+SPLIT_BACKWARD = ("zb1", "zbv", "dualpipev")     # with W actions: pipeline/weight_grads.py's deferred dW
 
 
 class Schedule(list):

@@ -1,7 +1,7 @@
 """
-rank_states.py: what each rank of a run keeps for itself and a checkpoint keeps for every rank (rank 0 writes the
+common/checkpoint/rank_states.py: what each rank of a run keeps for itself and a checkpoint keeps for every rank (rank 0 writes the
 metadata): the RNG streams (each rank draws its own dropout stream, seed + rank) and, through `by_rank`, FP8's
-amax histories (fp8_state.py). checkpoint.py saves and restores them with the model.
+amax histories (common/checkpoint/fp8_state.py). checkpoint.py saves and restores them with the model.
 """
 import torch
 import torch.distributed as dist

@@ -1,5 +1,5 @@
 """
-plan_runtime_memory.py: what the loss and a pipeline runtime keep beside a stage's activations, for plan_memory.py.
+planner/runtime_memory.py: what the loss and a pipeline runtime keep beside a stage's activations, for planner/memory.py.
 Formulas only; each term says which software keeps it (a Job field that --software sets) and the source line.
 
     loss's backward (last stage)     per logit of one micro-batch (s/cp x b x V/t):
@@ -17,7 +17,7 @@ Formulas only; each term says which software keeps it (a Job field that --softwa
                buffers per stage but the last, less the activation buffers in flight (their first block's input)
         otherwise   2 messages in flight
 """
-from common.plan_inputs import PRECISION
+from planner.inputs import PRECISION
 
 
 def logits_per_micro_batch(job, lay):

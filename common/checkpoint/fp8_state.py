@@ -1,5 +1,5 @@
 """
-fp8_state.py: delayed scaling's amax histories (kernels/fp8.py) in a checkpoint, so that an FP8 run resumes with
+common/checkpoint/fp8_state.py: delayed scaling's amax histories (kernels/fp8.py) in a checkpoint, so that an FP8 run resumes with
 the scales it had.
 
     histories(modules)              {FP8 layer name: its [x, W, dy] x history_len amaxes}, this rank's
@@ -17,7 +17,7 @@ import torch
 
 def fp8_layers(modules):
     """(name, amax history tensor) of every FP8 layer of `modules`: Float8Linear's buffer, or the history of a
-    tensor-parallel layer's FP8 gemms (kernels/fp8_parallel.py), named by the layer (one device's name)."""
+    tensor-parallel layer's FP8 gemms (compose/fp8_tp.py), named by the layer (one device's name)."""
     for module in modules:
         for name, m in module.named_modules():
             history = getattr(getattr(m, "gemm", None), "amax_history", None)

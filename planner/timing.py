@@ -1,5 +1,5 @@
 """
-plan_time.py: the published measurements plan.py's step time rests on, and the two formulas that use them: compute
+planner/timing.py: the published measurements plan.py's step time rests on, and the two formulas that use them: compute
 time from FLOPs at an efficiency made of hardware measurements, and the alpha-beta time of a collective (NCCL's
 latency model + bandwidth). plan.py's step_time adds the parts up.
 
@@ -7,7 +7,7 @@ latency model + bandwidth). plan.py's step_time adds the parts up.
                 + element-wise bytes / this GPU's HBM bandwidth                  norms, activations, residual adds
                 + MEMORY_BOUND x (the same on A100) x A100's HBM bandwidth / this GPU's   the rest of the rest
                 GEMM_EFF: measured maximum achievable matmul FLOP/s / peak, per GPU; ATTN_EFF: the flash kernel's
-                published utilization; element-wise bytes: plan_elementwise.py, from the model's operations;
+                published utilization; element-wise bytes: planner/elementwise.py, from the model's operations;
                 MEMORY_BOUND: the rest of one measured A100 training step per second of its kernels at the ceilings
                 (1/KERNEL_SHARE - 1, x its GEMMs' shape factor), less what its element-wise bytes take
                 attention executed: half of 12 L h s with a causal flash kernel (it skips the masked blocks), all of
@@ -20,8 +20,9 @@ latency model + bandwidth). plan.py's step_time adds the parts up.
 import math
 from functools import lru_cache
 
-from common import plan_elementwise, plan_shape
-from common.plan_inputs import Job, Layout
+from planner import elementwise as plan_elementwise
+from planner import shape as plan_shape
+from planner.inputs import Job, Layout
 from model import GPTConfig
 
 # Maximum achievable matmul FLOP/s (bf16, dense, best shape of a sweep) / datasheet peak, measured with
@@ -286,7 +287,7 @@ SOFTWARE = {
     # pipeline sends blocking (torch.distributed.pipelining). Under TP its loss runs through torch's loss_parallel
     # (torchtitan/parallelisms/parallel_dims.py, loss_parallel_enabled: tp > 1 unless disabled), and torch's pipeline
     # stages of 2024 keep every micro-batch's output until the step ends and a receive buffer per micro-batch
-    # (plan_runtime_memory.py says which versions). Its TP is DTensor's: autograd keeps each all-gathered input, and
+    # (planner/runtime_memory.py says which versions). Its TP is DTensor's: autograd keeps each all-gathered input, and
     # its async TP is torch's micro-pipeline pass (plan_comm.sp_collectives says what each changes).
     "torchtitan": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=False,
                        loss_parallel=True, pp_outputs_kept="all", pp_recv_per_micro_batch=True,

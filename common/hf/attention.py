@@ -1,5 +1,5 @@
 """
-hf_attention.py: a drop-in attention core (train_cp.ContextParallelAttentionCore, or any module called as
+common/hf/attention.py: a drop-in attention core (train_cp.ContextParallelAttentionCore, or any module called as
 core(q, k, v, attn_mask=, dropout_p=, is_causal=, scale=) like F.scaled_dot_product_attention) as a function of
 Hugging Face transformers' attention registry, where a model's attention is a function chosen by name, not a
 module to swap (docs/copy_out.md). Torch only: transformers is the caller's.

@@ -1,6 +1,6 @@
 """
-plan_cli.py: plan.py's command line: its flags (FLAGS, each with its help; --software's stack defaults where a flag
-keeps its own), their range checks, and the Job and Layout they build (plan_inputs.py holds both). Every bad value is
+planner/cli.py: plan.py's command line: its flags (FLAGS, each with its help; --software's stack defaults where a flag
+keeps its own), their range checks, and the Job and Layout they build (planner/inputs.py holds both). Every bad value is
 one `error:` line and exit 2, before any work (tests/test_plan_inputs.py).
 
     args = parse_args(argv, "...")                 # plan.py's flags (--help lists them)
@@ -12,10 +12,10 @@ import math
 from dataclasses import fields
 
 from common.errors import check, fail
-from common.pipeline_schedules import V_SHAPED
-from common.plan_inputs import (GRAD_DTYPES, HARDWARE, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE, TP_OVERLAP_STYLES,
+from pipeline.schedules import V_SHAPED
+from planner.inputs import (GRAD_DTYPES, HARDWARE, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE, TP_OVERLAP_STYLES,
                                  Job, Layout)
-from common.plan_time import MCORE_BUCKET, SOFTWARE
+from planner.timing import MCORE_BUCKET, SOFTWARE
 from model import GPTConfig
 
 FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; default n_head)"),
@@ -34,7 +34,7 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("inplace_loss", bool, False, "the loss's softmax and gradient computed in place on the fp32 logits "
           "(Megatron's vocab-parallel cross-entropy): no fp32 gradients of the logits beside the softmax"),
          ("fused_bias_dropout_add", bool, False, "dropout and the residual add in one kernel (Megatron-LM's "
-          "--bias-dropout-fusion): fewer element-wise bytes (plan_elementwise.py)"),
+          "--bias-dropout-fusion): fewer element-wise bytes (planner/elementwise.py)"),
          ("loss_parallel", bool, False, "with tp > 1 the loss runs through torch's loss_parallel (torchtitan): "
           "12 bytes per logit in its backward beside the saved log-softmax, not 8"),
          ("pp_outputs_kept", str, "none", "stage outputs a pipeline runtime keeps until the step ends: none | last "

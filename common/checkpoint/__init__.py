@@ -22,23 +22,22 @@ slice. After publishing, all but the newest --keep_checkpoints step directories 
 weights_only=True (no pickled code is executed). Data position needs no state: the batch of step s is a pure
 function of (seed, s) (data.py), so the step number *is* the data position.
 
-The files themselves (paths, atomic writes, a full disk, the out_dir lock) are checkpoint_files.py's; whether a
+The files themselves (paths, atomic writes, a full disk, the out_dir lock) are common/checkpoint/files.py's; whether a
 checkpoint fits this run (the model-defining fields, the entries, AdamW state by name, inf/NaN) is
-checkpoint_compat.py's.
+common/checkpoint/compat.py's.
 """
 import torch
 import torch.distributed as dist
 
-from common.checkpoint_files import (CKPT_DIR, FILE, LATEST, PART, SaveError, latest_checkpoint,  # noqa: F401
+from common.checkpoint.files import (CKPT_DIR, FILE, LATEST, PART, SaveError, latest_checkpoint,  # noqa: F401
                                      load_checkpoint, load_latest, publish, remove_stale_temp_files, remove_step_dir,
                                      resolve_resume, step_dir, write_file)
-from common.checkpoint_compat import compatibility_problem, model_config, rank_problem
+from common.checkpoint.compat import compatibility_problem, model_config, rank_problem
 from common.comm import all_gather
 from common.distributed import agree, fail_together
 from common.errors import fail
-from common import fp8_state
-from common.rank_states import by_rank, own_rng_state, rng_state, set_rng_state
-from common.hf import init_from
+from common.checkpoint import fp8_state
+from common.checkpoint.rank_states import by_rank, own_rng_state, rng_state, set_rng_state
 from common.optim import configure_optimizer
 from common.tp_shards import full_shape, tp_gather, tp_slice
 from model import GPT
@@ -210,6 +209,7 @@ def start_from(cfg, env, gcfg, held):
     if cfg.resume:
         return load(cfg, env, gcfg, held)
     if cfg.init_from:
+        from common.hf.interop import init_from     # here: interop reads checkpoint files (common.checkpoint.files)
         with torch.no_grad():
             init_from(cfg, env, gcfg, held)
     return 0
@@ -233,7 +233,7 @@ def load(cfg, env, gcfg, held):
 
 def saved_buffers(module):
     """(name, buffer) of the buffers a checkpoint keeps by name: the persistent ones (an MoE block's load); not
-    FP8's amax histories (per rank: fp8_state.py)."""
+    FP8's amax histories (per rank: common/checkpoint/fp8_state.py)."""
     for prefix, m in module.named_modules():
         for name, b in m._buffers.items():
             if b is not None and name not in m._non_persistent_buffers_set:

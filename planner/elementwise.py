@@ -1,5 +1,5 @@
 """
-plan_elementwise.py: the bytes a training step's memory-bound (element-wise) kernels move through HBM, per token, as
+planner/elementwise.py: the bytes a training step's memory-bound (element-wise) kernels move through HBM, per token, as
 the model's operations read and write them. plan_time.compute_time prices them at the GPU's datasheet HBM bandwidth
 (an upper bound on their speed), which a price per FLOP gets wrong for narrow models: their element-wise bytes per
 token grow with h, their FLOPs with h^2. The rest of a step's memory-bound time stays priced per FLOP (plan_time).
@@ -30,8 +30,7 @@ The loss, per token and logit (V / tp per rank, vocab-parallel): fused (flash-at
 forward and reads them and writes their gradient backward, 3 elements; otherwise an fp32 copy, its log-softmax and
 their gradients: 2 + 4 + 4 + 4 bytes forward, 4 + 4 + 4 + 4 + 4 + 2 backward, 18 elements.
 """
-from common import plan_shape
-
+from planner import shape as plan_shape
 ELEMENT = 2                 # bytes of a 16-bit activation
 
 

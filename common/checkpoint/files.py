@@ -1,5 +1,5 @@
 """
-checkpoint_files.py: the files under OUT_DIR that checkpoint.py reads and writes, and the lock that makes one run
+common/checkpoint/files.py: the files under OUT_DIR that checkpoint.py reads and writes, and the lock that makes one run
 their only writer. Where the files are, how a save lands atomically, how a full disk is reported, and which
 temporary files a killed save leaves:
 

@@ -1,10 +1,10 @@
 """
-pipeline_grad_ready.py: the data-parallel reduction of a pipelined step started where the schedule is done with a
+compose/grad_ready.py: the data-parallel reduction of a pipelined step started where the schedule is done with a
 gradient, not after the whole schedule (train_5d.py's replicas and ZeRO-1, with train_ddp's buckets).
 
 With gradient accumulation a parameter's gradient is final only after the last micro-batch's backward, and
 autograd's hooks cannot tell that backward from the others. A pipeline schedule can: it is a plain list of actions
-(pipeline_schedules.py), so each chunk's last action that writes gradients is known before the step starts: its
+(pipeline/schedules.py), so each chunk's last action that writes gradients is known before the step starts: its
 last B, or where the schedule splits the backward (zb1, zbv, dualpipev) its last W, since dW comes in W. After that
 action the chunk's gradients are told final to the reductions (train_ddp.DataParallelGrads.grads_ready, its
 hooks' bookkeeping), which launch every bucket they complete, async; the step waits for them after the schedule.
@@ -24,7 +24,7 @@ action list, so all launch the same buckets in the same order.
 """
 from collections import defaultdict
 
-from common.pipeline_schedules import Action
+from pipeline.schedules import Action
 from common.tp_grads import sum_sequence_parallel_grads
 
 

@@ -1,5 +1,5 @@
 """
-plan_memory.py: plan.py's memory per GPU of a layout, by part. Formulas only; each part is a function with its
+planner/memory.py: plan.py's memory per GPU of a layout, by part. Formulas only; each part is a function with its
 formula in the docstring, and the tests hold each against what the rungs count (tests/test_plan.py).
 
     memory per GPU = params + grads + optimizer   zero_state_bytes over train_zero's flat groups (padding included)
@@ -7,7 +7,7 @@ formula in the docstring, and the tests hold each against what the rungs count (
                                                   layer_activation_bytes (Korthikanti et al. 2022 with TP/SP at
                                                   s/cp tokens) + head_activation_bytes on the last stage
                    + other                        the loss's working set, ZeRO buffers, p2p and CP buffers, cuBLAS
-                                                  workspaces, pipeline outputs kept (plan_runtime_memory.py)
+                                                  workspaces, pipeline outputs kept (planner/runtime_memory.py)
                    = allocated (torch.cuda.max_memory_allocated)
     reserved       = allocated + ALLOCATOR_RESERVE x (activations + other), at most usable_bytes where the allocated fit
                                                  (torch.cuda.max_memory_reserved: the caching allocator's blocks; states
@@ -28,10 +28,10 @@ from dataclasses import replace
 from functools import lru_cache
 
 from model import activation_bytes_per_layer
-from common.pipeline_schedules import placement_of, rank_of, stage_of
-from common.plan_inputs import PRECISION, model_state_bytes_per_param
-from common.plan_runtime_memory import loss_backward_bytes, pipeline_buffers_bytes, pipeline_outputs_bytes
-from common.plan_shape import (activation_delta_values, block_numels, embedding_numels, held_layers, job_of_shape,
+from pipeline.schedules import placement_of, rank_of, stage_of
+from planner.inputs import PRECISION, model_state_bytes_per_param
+from planner.runtime_memory import loss_backward_bytes, pipeline_buffers_bytes, pipeline_outputs_bytes
+from planner.shape import (activation_delta_values, block_numels, embedding_numels, held_layers, job_of_shape,
                                kv_dim, op_recompute_values, stage_layer_counts)
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "reserved")

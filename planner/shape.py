@@ -1,5 +1,5 @@
 """
-plan_shape.py: the model shapes plan.py predicts for beyond model.py's GPT, as formulas: grouped-query attention
+planner/shape.py: the model shapes plan.py predicts for beyond model.py's GPT, as formulas: grouped-query attention
 (n_kv_head key/value heads shared by n_head query heads), any MLP width (ffn_hidden) with a plain or gated (SwiGLU:
 three matrices) MLP, tied or untied embeddings, and pipeline stages of uneven size (first and last stages cut
 shorter, or a layer count that pp x v does not divide). model.py stays the GPT it is; with the defaults
@@ -23,7 +23,7 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 from common.errors import check
-from common.pipeline_schedules import (afab, dualpipe_v, interleaved, one_f_one_b, placement_of, stage_of, zb_h1,
+from pipeline.schedules import (afab, dualpipe_v, interleaved, one_f_one_b, placement_of, stage_of, zb_h1,
                                        zb_v)
 from model import GPTConfig
 
@@ -183,7 +183,7 @@ def held_layers(job, lay, rank, m):
     """The most layers x micro-batches whose activations pipeline rank `rank` holds at once: its in-flight
     micro-batch-chunks (plan_memory.in_flight), each weighted by its chunk's layers. Even chunks: in_flight x
     layers per chunk; uneven ones (cut ends, an empty embedding or loss chunk): the rank's action list
-    (common/pipeline_schedules.py) replayed, a forward adding its chunk's layers, the backward (W when split)
+    (pipeline/schedules.py) replayed, a forward adding its chunk's layers, the backward (W when split)
     releasing them."""
     counts, place = stage_layer_counts(job, lay.pp * lay.v), placement_of(lay.schedule)
     weights = tuple(counts[stage_of(rank, c, lay.pp, place)] for c in range(lay.v))

@@ -1,5 +1,5 @@
 """
-pipeline_kept_units.py: ZeRO-3 units kept gathered from a zero-bubble pipeline's B until the W that reads their
+compose/kept_units.py: ZeRO-3 units kept gathered from a zero-bubble pipeline's B until the W that reads their
 weights, for train_5d.py's ZeroUnits.
 
 Under zb1, zbv and dualpipev, B needs a unit's weights for the input gradient only, and W's dW = gy^T x needs none,

@@ -1,5 +1,5 @@
 """
-checkpoint_compat.py: whether a checkpoint can be resumed by this run, checked once for every script and layout
+common/checkpoint/compat.py: whether a checkpoint can be resumed by this run, checked once for every script and layout
 (checkpoint.load calls it on every rank). What defines the model must match the checkpoint; how it is trained may
 change:
 

@@ -1,5 +1,5 @@
 """
-pipeline_stages.py: a model cut into pipeline stages, contiguous runs of its blocks (train_pp.py's building blocks,
+pipeline/stages.py: a model cut into pipeline stages, contiguous runs of its blocks (train_pp.py's building blocks,
 split out so the rung reads as its schedule interpreter; docs/copy_out.md). A stage module is what
 train_pp.PipelineRunner runs: stage(input, targets) -> the activations, on the last stage the mean loss.
 
@@ -7,12 +7,12 @@ train_pp.PipelineRunner runs: stage(input, targets) -> the activations, on the l
 
 Stage s of S = p*V holds blocks layer_split(L, S)[s]; stage s is chunk s // p of rank s % p, or in a V (zbv,
 dualpipev) pipeline_schedules.rank_of(s). A weight that the first and the last stage share (a tied embedding
-and LM head) is found by identity and listed in each holder's `tied` (pipeline_tied.py keeps its copies equal).
+and LM head) is found by identity and listed in each holder's `tied` (pipeline/tied.py keeps its copies equal).
 """
 import torch
 import torch.nn as nn
 
-from common.pipeline_schedules import stage_of
+from pipeline.schedules import stage_of
 
 
 
