@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from common.hf.interop import interop as hf
+from common.hf import interop as hf
 from common.checkpoint import ModuleState, replicated, save, start_from
 from common.checkpoint.files import load_latest
 from common.config import parse_config
@@ -131,7 +131,7 @@ def test_export_gives_model_pys_logits_and_greedy_tokens(trained, tmp_path, layo
 def test_a_missing_rotary_permutation_loads_but_gives_a_worse_finite_loss(text_data, tmp_path, monkeypatch):
     """Why the permutation is tested and not trusted: without it a model that learned to use positions (200 fp32
     steps here) loads and runs, and its loss is finite but clearly worse."""
-    from common.hf.interop import convert as hf_convert
+    from common.hf import convert as hf_convert
     out = str(tmp_path / "run")
     run_single(tiny_argv(text_data, out, max_steps=200, block_size=BLOCK, lr=1e-2, warmup_steps=10))
     hf.main(["export", out, str(tmp_path / "right")])
