@@ -30,7 +30,7 @@ forward, and by then the first micro-batches' backward has run (1F1B, or any acc
 every micro-batch's graph (the whole batch's activations) or a second forward pass could use it. So `global`
 takes f from the previous step's global batch. f enters without gradient, so d objective / d p_t[e] =
 coef * E * f_e / N for every token t of the N in the global batch: one constant vector per block, which
-BalanceGradient adds to the router probabilities' gradient in every micro-batch (exact under any split). The
+model.BalanceGradient adds to the router probabilities' gradient in every micro-batch (exact under any split). The
 first step has no previous f: its balancing gradient is 0, as for a uniform f (sum_e P_e = 1 has no gradient).
 The logged `aux_loss` is E * sum_e f_e P_e of the step's own global batch.
 """
