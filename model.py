@@ -9,12 +9,11 @@ A GPT-2-style pre-LayerNorm decoder in plain single-device PyTorch:
   no learned position table and a sequence chunk only needs its global positions (context parallelism);
 - MLP: Linear(h, 4h) -> exact erf GeLU -> Linear(4h, h), all linears with biases;
 - input and output embeddings tied; the vocabulary is padded up to a multiple of 64;
-- optional mixture of experts (n_experts > 0) in every moe_every-th block: E GeLU MLPs, each token sent to
-  its top_k by a softmax router, y = sum_k p_k(x) expert_k(x); Switch load-balancing loss E * sum_e f_e P_e
-  (f_e: share of assignments to e, P_e: mean router probability; 1 if balanced) times aux_loss_coef, over
-  the global batch or each micro-batch (routing.py). The returned loss is the cross-entropy; balancing
-  reaches the router through its gradient. Dropless unless capacity_factor > 0: then an expert keeps
-  ceil(cf * tokens * top_k / E), first choices first.
+- optional mixture of experts (n_experts > 0) in every moe_every-th block: E GeLU MLPs, each token sent to its
+  top_k by a softmax router, y = sum_k p_k(x) expert_k(x); dropless unless capacity_factor > 0 (an expert then
+  keeps ceil(cf * tokens * top_k / E), first choices first). The Switch loss aux_loss_coef * E * sum_e f_e P_e
+  (f_e: share of assignments to e, P_e: mean router probability) balances them through the router's gradient
+  only; the `global` scope takes f from the previous step's global batch (why: common/routing.py, docs/moe.md).
 
 Parallelism is applied *to* this model by the train_*.py scripts (module swaps, sharding, wrapping), never
 written into it. To make those swaps one-liners, the pieces a technique replaces are modules of their own:
@@ -31,13 +30,12 @@ Parameter count (the Ultra-Scale Playbook's formula, exact for this model, v = p
 import math
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
-from common.routing import combine, count_per_expert, route
 
 
 @dataclass
@@ -54,7 +52,7 @@ class GPTConfig:
     top_k: int = 2                # experts each token is sent to
     moe_every: int = 1            # MoE in blocks moe_every-1, 2*moe_every-1, ... (2: every other block)
     aux_loss_coef: float = 0.01   # weight of the load-balancing loss
-    aux_loss_scope: str = "global"  # its statistics over the global batch, or each micro-batch (routing.py)
+    aux_loss_scope: str = "global"  # its f over the previous step's global batch, or each micro-batch
     capacity_factor: float = 0.0  # 0: dropless (every routed token computed)
 
     def is_moe_block(self, i):
@@ -91,7 +89,7 @@ def apply_rope(x, rope):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the blocks
+# the blocks: attention, MLP, the mixture of experts (routing, experts, MoE), Block, LM head, GPT
 
 class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask: the part context parallelism and kernels replace."""
@@ -145,14 +143,74 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+class Routing(NamedTuple):
+    token: torch.Tensor      # [N*k] token index of each assignment (token-major: token t's slots together)
+    expert: torch.Tensor     # [N*k] its expert, or E where the expert's capacity dropped it
+    gate: torch.Tensor       # [N*k] its router probability (fp32, or fp64 for an fp64 model)
+    counts: torch.Tensor     # [E] assignments routed to each expert, before any dropping
+    prob_sum: torch.Tensor   # [E] router probabilities summed over the tokens (no gradient)
+    n_tokens: int            # tokens routed
+
+    def stats(self):
+        """[assignments per expert (E), probability sums (E), dropped, tokens]: summed over a step's forwards."""
+        dropped = (self.expert == len(self.counts)).sum()
+        extra = torch.stack([dropped, torch.full_like(dropped, self.n_tokens)])
+        return torch.cat([self.counts.double(), self.prob_sum.double(), extra.double()])
+
+
+class BalanceGradient(torch.autograd.Function):
+    """Identity on the router probabilities [N, E]; backward adds `per_token` [E] (MoE.balance_gradient) to each row."""
+
+    @staticmethod
+    def forward(ctx, probs, per_token):
+        ctx.save_for_backward(per_token)
+        return probs.view_as(probs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (per_token,) = ctx.saved_tensors
+        return grad + per_token.to(grad.dtype), None
+
+
+def count_per_expert(expert, n_bins):
+    """[n_bins] how many entries of `expert` name each bin: a scatter-add, where torch.bincount would sync."""
+    return torch.zeros(n_bins, dtype=torch.long, device=expert.device).scatter_add_(0, expert, torch.ones_like(expert))
+
+
+def route(logits, top_k, capacity_factor=0.0, balance=None):
+    """Top-k softmax routing of N tokens ([N, E] router logits); balance(counts) -> [E]: the balancing gradient
+    per token (BalanceGradient), or None. Over capacity, an assignment goes to expert E, which no expert runs."""
+    N, E = logits.shape
+    probs = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    expert = probs.topk(top_k, dim=-1).indices                    # [N, k], best first
+    counts = count_per_expert(expert.reshape(-1), E)
+    if balance is not None and probs.requires_grad:
+        probs = BalanceGradient.apply(probs, balance(counts))
+    gate = probs.gather(1, expert)
+    token = torch.arange(N, device=logits.device)[:, None].expand(N, top_k).reshape(-1)
+    expert, gate = expert.reshape(-1), gate.reshape(-1)
+    if capacity_factor > 0:
+        capacity = math.ceil(capacity_factor * N * top_k / E)
+        # queue position of each assignment at its expert, all first choices ahead of all second choices
+        slot_major = F.one_hot(expert.view(N, top_k).t().reshape(-1), E)
+        position = ((slot_major.cumsum(0) - 1) * slot_major).sum(-1)
+        keep = (position < capacity).view(top_k, N).t().reshape(-1)
+        expert = torch.where(keep, expert, E)
+    return Routing(token, expert, gate, counts, probs.detach().sum(0), N)
+
+
+def combine(n_tokens, token, gate, expert_out):
+    """y[t] = sum of gate * expert output over token t's assignments (a dropped one's output is 0)."""
+    y = expert_out.new_zeros(n_tokens, expert_out.shape[-1])
+    return y.index_add_(0, token, expert_out * gate[:, None].to(expert_out.dtype))
+
+
 class Experts(nn.ModuleList):
-    """The E expert MLPs, called on all routed rows at once: the part expert parallelism replaces
-    (train_ep.ExpertParallelExperts runs the same rows on the ranks that own their experts)."""
+    """The E expert MLPs, called on all routed rows at once: the part expert parallelism replaces (train_ep)."""
 
     def forward(self, rows, expert):
         """rows [A, h] grouped by expert (expert 0's, then 1's, ..., then E's: dropped by capacity), expert [A]
-        their experts -> [A, h], zeros for the dropped. The rows per expert are read to the host once per block
-        (an expert's GEMM needs its row count), counted by a scatter-add (bincount would read twice more)."""
+        their experts -> [A, h], zeros for the dropped. Reads the rows per expert to the host: each GEMM's size."""
         sizes = count_per_expert(expert, len(self) + 1).tolist()
         out = torch.cat([mlp(chunk) for mlp, chunk in zip(self, rows.split(sizes))])
         return torch.cat([out, out.new_zeros(sizes[-1], out.shape[1])]) if sizes[-1] else out
@@ -160,8 +218,7 @@ class Experts(nn.ModuleList):
 
 class MoE(nn.Module):
     """The reference mixture of experts: route, group the assignments by expert, run each expert on its
-    rows, scatter back weighted by the gates. train_ep.py passes experts that run on the ranks owning them. Load
-    balancing (routing.py) acts on the router's gradient only: the loss the model returns is the cross-entropy."""
+    rows, scatter back weighted by the gates. train_ep.py passes experts that run on the ranks owning them."""
 
     def __init__(self, cfg, experts=None):
         super().__init__()
@@ -175,30 +232,25 @@ class MoE(nn.Module):
         self.routing, self.stats = None, None        # the last forward's Routing; per-step sums (GPT.forward)
 
     def balance_gradient(self, counts):
-        """d(aux_loss_coef * aux) / d p_t[e] for each token: coef * E * f_e / tokens (routing.py)."""
+        """d(aux_loss_coef * aux) / d p_t[e] for each token: coef * E * f_e / tokens (BalanceGradient)."""
         dtype = self.router.weight.dtype
         share = counts.to(dtype) / counts.sum() if self.aux_loss_scope == "micro" else self.load.to(dtype)
         tokens = self.tokens_per_step or int(counts.sum()) // self.top_k
         return self.aux_loss_coef * len(share) * share / tokens
 
-    def route(self, x):
-        return route(self.router(x), self.top_k, self.capacity_factor, self.balance_gradient)
-
     def forward(self, x):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        r = self.routing = self.route(x)
+        tokens = x.reshape(-1, x.shape[-1])                          # [N, h]
+        r = self.routing = route(self.router(tokens), self.top_k, self.capacity_factor, self.balance_gradient)
         order = torch.argsort(r.expert, stable=True)                 # rows of expert 0, then 1, ..., dropped
-        out = self.experts(x[r.token[order]], r.expert[order])
-        return combine(x.shape[0], r.token[order], r.gate[order], out).view(shape)
+        out = self.experts(tokens[r.token[order]], r.expert[order])
+        return combine(tokens.shape[0], r.token[order], r.gate[order], out).view(x.shape)
 
 
 def collect_routing_stats(blocks):
     """Add each MoE block's last routing to its step sums. Called once per forward of the whole model (or
     pipeline stage), not in MoE.forward: a block recomputed in backward (--recompute full) counts once."""
-    for block in blocks:
-        if getattr(block.mlp, "routing", None) is not None:
-            m = block.mlp
+    for m in (block.mlp for block in blocks):
+        if getattr(m, "routing", None) is not None:
             m.stats = m.routing.stats() + (0 if m.stats is None else m.stats)
 
 

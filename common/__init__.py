@@ -16,7 +16,7 @@ detail is done.
     peaks.py         the peak FLOP/s MFU divides by: GPU datasheets, a CPU's measured matmul
     profiling.py     --profile: torch profiler traces and labels
     grid.py          train_5d's rank grid and its process groups
-    routing.py       mixture-of-experts routing (model.MoE and train_ep's experts)
+    routing.py       mixture-of-experts load balancing over a step (model.MoE's load) and the router metrics
     tp_shards.py     how a tensor-parallel slice maps to the full parameter
     tp_setup.py      what applying TP needs besides its layers: a degree's shape checks, per-rank random streams
     tp_grads.py      a tensor-parallel model's gradients: SP's partial sums, each value counted once in the norm

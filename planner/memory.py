@@ -179,7 +179,7 @@ def moe_routed_rows(job, lay):
     k = top_k, cf = capacity_factor):
         dropless (cf = 0)   R = K = N*k: the even share, ASSUMED, not a bound; a rank whose experts the router
                             favours computes more (bench/results/memory.md: the busier of two ranks)
-        capacity (cf > 0)   R <= E * ceil(cf*N*k/E), K <= min(N*k, E * ceil(cf*N*k/E)), UPPER BOUNDS: routing.route
+        capacity (cf > 0)   R <= E * ceil(cf*N*k/E), K <= min(N*k, E * ceil(cf*N*k/E)), UPPER BOUNDS: model.route
                             keeps at most ceil(cf*N*k/E) rows per expert from each rank, and a rank's E/ep experts
                             hear from the ep ranks of its group (ep * E/ep * ceil(...))"""
     cfg = job.cfg
