@@ -183,7 +183,7 @@ def float8_backward_split(ctx, dy):
 
 class _Float8LinearInputGradOnly(torch.autograd.Function):
     """_Float8LinearFunction whose backward returns only dx and defers dW to a zero-bubble pipeline's W step:
-    `store` is common/pipeline_weight_grads.WeightGradStore (Float8Linear.weight_grad_store)."""
+    `store` is pipeline/weight_grads.WeightGradStore (Float8Linear.weight_grad_store)."""
 
     @staticmethod
     def forward(ctx, x, weight, recipe, history, gathered, store):

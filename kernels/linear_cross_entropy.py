@@ -177,7 +177,7 @@ def linear_cross_entropy(h, weight, targets, ignore_index=-100, chunk=None, back
     """mean over tokens of cross_entropy(h @ weight^T, targets), never materialising all the logits.
     h [..., C], targets [...]; backend 'torch' / 'compile' chunk the same way with torch ops per chunk.
     defer: (store, parameter) under a zero-bubble pipeline: the forward computes no dW; backward hands the store
-    (common/pipeline_weight_grads.WeightGradStore) a function that computes it, for the parameter, in W."""
+    (pipeline/weight_grads.WeightGradStore) a function that computes it, for the parameter, in W."""
     h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     chunk = chunk or default_chunk(h2.shape[0], weight.shape[0], weight.shape[1])
     backend = "triton" if use_triton(h2, backend) else ("torch" if backend == "auto" else backend)
