@@ -51,6 +51,10 @@ Checkpoints are one file in train_single's layout: any layout, or train_single, 
 --fp8 apply inside the stages as in train_single, inside the parallel layers with tp > 1 (FP8 adds tp's amax
 all-reduces: compose/fp8_tp.py), gathered by ZeRO-3 in fp32 or with --fp8_all_gather in FP8 (fp8_gather.py);
 zb1, zbv and dualpipev defer the dW of nn.Linear, FP8, train_tp's layers and the fused LM head (docs/pipelines.md).
+
+What exists only because two axes meet is in compose/: the dp x cp axis as one object in its three modes
+(dp_axis.py: replicas; zero_pipeline.py: ZeRO-1/2 shards and ZeRO-3 units inside the pipeline), experts on the
+grid (ep_grid.py: router metrics, checkpoint writers), the whole model gathered for the sample (whole_model.py).
 """
 import argparse
 import functools
