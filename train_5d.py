@@ -241,6 +241,7 @@ def main(argv=None):
                             autocast_context(dtype, env.device), param_dtype(dtype))
     dp_axis = data_parallel_axis(chunks, cfg, grid, param_dtype(dtype), env.device)     # replicas or ZeRO-1/2/3
     dp_axis.follow(runner, store, schedules[grid.coords["pp"]])
+
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
     start = checkpoint.start_from(cfg, env, gcfg, dp_axis.held)
