@@ -51,6 +51,10 @@ Checkpoints are one file in train_single's layout: any layout, or train_single, 
 --fp8 apply inside the stages as in train_single, inside the parallel layers with tp > 1 (FP8 adds tp's amax
 all-reduces: compose/fp8_tp.py), gathered by ZeRO-3 in fp32 or with --fp8_all_gather in FP8 (fp8_gather.py);
 zb1, zbv and dualpipev defer the dW of nn.Linear, FP8, train_tp's layers and the fused LM head (docs/pipelines.md).
+
+What exists only because two axes meet is in compose/: the dp x cp axis as one object in its three modes
+(dp_axis.py: replicas; zero_pipeline.py: ZeRO-1/2 shards and ZeRO-3 units inside the pipeline), experts on the
+grid (ep_grid.py: router metrics, checkpoint writers), the whole model gathered for the sample (whole_model.py).
 """
 import argparse
 import functools
@@ -61,7 +65,6 @@ import torch.distributed as dist
 
 from common import comm
 from common import checkpoint
-from common.checkpoint import ModuleState, ShardState, named_parameters
 from common.comm import COMM
 from common.distributed import destroy, init_distributed, world_size_from_env
 from common.config import ConfigError, check, fail, parse_config
@@ -69,28 +72,26 @@ from common.grid import build_grid, bytes_by_axis, print_grid
 from plan import apply_auto_layout
 from planner.inputs import HARDWARE
 from common.metrics import MetricsLogger
-from model import GPT, flops_per_token, num_params
+from model import GPT, flops_per_token
 from compose.partition_activations import add_partition_args, apply_partition_flags, check_partition_args
-from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
+from common.optim import NonFiniteGuard, lr_at
 from pipeline.schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
 from train_cp import (ContextParallelAttentionCore, block_attention_kernel, check_cp, local_positions,
                       swap_attention_cores)
-from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, check_pp, stage_views
-from compose.grad_ready import GradsReadyBySchedule
-from pipeline.tied import tied_copy, tied_grads_sync, tied_weight
-from compose.kept_units import free_after_w
 from pipeline.weight_grads import WeightGradStore, defer_weight_grads
-from common.routing import end_moe_step, router_metrics, start_moe_training
-from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
+from common.routing import start_moe_training
+from train_ep import swap_in_expert_parallel
 from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_fp8_all_gather, check_moe,
-                             compiled, enable_tf32, evaluate, fits_on_device, gather_fp8_units, gpt_config,
-                             materialize, param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
-from common.tp_grads import sum_in_place
+                             compiled, enable_tf32, evaluate, gpt_config, materialize, param_dtype, prepare_data,
+                             resolve_dtype, should_save)
 from common.tp_shards import init_tp_weights
 from common.tp_setup import check_tp
-from train_tp import apply_tp, tp_counts
-from train_zero import ShardedAdamW, ShardedGrads, install_zero3_hooks, shard_model
+from train_tp import apply_tp
+from compose.dp_axis import Replicas
+from compose.zero_pipeline import ZeroShards, ZeroUnits
+from compose.ep_grid import checkpoint_holder, moe_metrics
+from compose.whole_model import sample_on_rank0
 
 # ----------------------------------------------------------------------------------------------------------
 # the model: model.py's GPT on the meta device, TP layers swapped in, CP attention, cut into this rank's
@@ -118,306 +119,15 @@ def build_chunks(cfg, vocab_size, grid, device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the dp x cp axis, one object whatever its mode, so the step below has no branch on it:
-#     follow(runner, ...)   hooked to the pipeline: ZeRO-2/3 reduce after each backward of a chunk; replicas and ZeRO-1
-#                           each bucket after the schedule's last backward writing it (SP's norms summed over tp first)
-#     start(), finish()     around it: the mean over dp x cp (ZeRO: into my shard of each bucket) waited for, the tied
-#                           copies summed (ZeRO-1 before the mean, replicas on the means, ZeRO-2/3 on shards, SP's too)
-#     clip(max_norm)        the global grad norm, each value counted once over the grid, gradients scaled
-#     step(lr), zero_grad(), held (what this rank holds, for checkpoint.save / load)
+# the dp x cp axis: one object whatever its mode (compose/dp_axis.py), so the step below has no branch on it
 
-class DataParallelAxis:
-    """What every mode shares: the reductions hooked to the pipeline, and counting each value once in the norm (TP
-    replicas by TP rank 0, the tied weight by the first stage)."""
-    reduce_per_backward, after_w = False, False
-    shards = ()                                      # ZeRO's flat buckets (none when every rank holds all)
-
-    def __init__(self, chunks, grid):
-        self.chunks, self.grid = chunks, grid
-
-    def counted(self, p):
-        copy = tied_weight(self.chunks) if not any(c.first for c in self.chunks) else None   # the last stage's
-        return p is not copy and tp_counts(p, self.grid.groups.tp)
-
-    def reductions(self):
-        """Every gradient reduction: `grads_of` lists them per chunk (ZeRO-2/3) or for all chunks at once."""
-        return [grads for part in self.grads_of for grads in part]
-
-    def start(self):
-        for grads in self.reductions():
-            grads.require_sync(self.reduce_per_backward and not self.after_w)
-
-    def follow(self, runner, store, actions):
-        """Hook the reductions to the runner (after each B) and the WeightGradStore (W): ZeRO-2/3 reduce per backward;
-        replicas and ZeRO-1 launch each bucket after the last action of `actions` (this rank's schedule) writing it,
-        SP's norms summed over tp first (compose/grad_ready.py), ZeRO-1's tied bucket at finish, after its sum."""
-        hooks = self
-        self.store = store                          # ZeRO-3: which units a W reads (compose/kept_units.py)
-        if not self.reduce_per_backward:
-            copy = tied_copy(self.chunks, self.grid.groups.tied) if self.shards else None     # ZeRO-1's
-            hooks = GradsReadyBySchedule(self.chunks, actions, self.reductions(), self.grid.groups.tp, hold=copy)
-        runner.after_backward = hooks.after_backward
-        if store is not None:
-            store.after_compute = hooks.after_weight_grads
-
-    def after_backward(self, action):          # ZeRO-2/3: this chunk's buckets (the other chunk has none now)
-        if self.reduce_per_backward and not self.after_w:
-            for grads in self.grads_of[action.chunk]:
-                grads.finish()
-
-    def finish(self):            # what the schedule left launched, every reduction waited for
-        for grads in self.reductions():
-            grads.require_sync(True)
-            grads.finish()
-
-    def clip(self, max_norm):
-        owned, replicas = self.owned_grads()
-        any_grad = (owned + replicas)[0]             # (with ep a rank may count none of its own)
-        return clip_grad_norm(owned, max_norm, group=self.norm_group, device=any_grad.device,
-                              dtype=any_grad.dtype, replicas=replicas)
-
-    def zero_grad(self):
-        for grads in self.reductions():
-            grads.zero_grad()
-
-
-class Replicas(DataParallelAxis):
-    """train_ddp's buckets (train_ep's with experts: averaged over their replicas only); every rank a full AdamW.
-    The dp x cp replicas agree after averaging, so the norm is reduced over tp x pp (all ranks with ep > 1)."""
-
-    def __init__(self, chunks, cfg, grid, device, holder):
-        super().__init__(chunks, grid)
-        self.optimizer = configure_optimizer(chunks.named_parameters(), cfg, device.type)
-        if grid.ep > 1:
-            named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
-            self.grads = ExpertDataParallelGrads(named, grid.groups.dp_cp, grid.groups.edp, grid.ep,
-                                                 cfg.bucket_mb, is_expert_param)
-        else:
-            self.grads = DataParallelGrads(list(chunks.parameters()), grid.groups.dp_cp, "bucket", cfg.bucket_mb)
-        self.grads_of = [[self.grads]]
-        self.norm_group = grid.groups.mp if grid.ep == 1 else dist.group.WORLD
-        self.held = ModuleState(chunks, self.optimizer, holder, grid.groups.tp)
-
-    def owned_grads(self):
-        """(gradients this rank counts in the norm, replicas it only scales); with ep > 1 experts differ over
-        ep: the first dp x cp replica of each dense value and the first EDP replica of each expert's."""
-        groups = self.grid.groups
-
-        def first(name):
-            return self.grid.ep == 1 or dist.get_rank(groups.edp if is_expert_param(name) else groups.dp_cp) == 0
-        pieces = [(p.grad, self.counted(p) and first(n)) for n, p in named_parameters(self.chunks)]   # tied: once
-        return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
-
-    def finish(self):            # sum and mean are linear: the tied copies' sum taken on their means is alike
-        super().finish()
-        tied_grads_sync(self.chunks, self.grid.groups.tied)
-
-    def step(self, lr):
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-
-
-class ZeroShards(DataParallelAxis):
-    """train_zero's ZeRO-1/2 shards over dp x cp (with ep > 1 each expert's over its edp group, divided by ep as
-    train_ep's ExpertDataParallelGrads does). The tied weight gets a bucket of its own, laid out alike on the first
-    and last stage, so their shards can be summed. ZeRO-1 reduces once, after the pipeline. ZeRO-2 keeps no full
-    gradients: each chunk's buckets are reduce-scattered after each backward of that chunk (interleaved chunks
-    apart), and the two sums are taken on the shards (every TP rank's buckets have the same layout)."""
-
-    def __init__(self, chunks, cfg, grid, dtype, device, holder):
-        super().__init__(chunks, grid)
-        names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}     # the GPT's names
-        self.shards, self.grads_of, self.expert_shards = [], [], []
-        self.after_w = cfg.pp_schedule in SPLIT_BACKWARD     # ZeRO-2/3: reduce after W, when dW has come
-        grad_stage = min(cfg.zero_stage, 2) if self.after_w else cfg.zero_stage    # ZeRO-3 under W: ZeRO-2's grads
-        for part in ([chunks] if cfg.zero_stage == 1 else chunks):   # ZeRO-1: one set over all chunks
-            self.grads_of.append([])
-            for group, shards in self.shard(part, cfg, grid, dtype, device, names):
-                self.grads_of[-1].append(ShardedGrads(shards, group, grad_stage))
-                self.shards += shards
-                self.expert_shards += shards if group is not grid.groups.dp_cp else []
-        self.optimizer = ShardedAdamW(self.shards, cfg.weight_decay)
-        self.reduce_per_backward, self.norm_group = cfg.zero_stage >= 2, dist.group.WORLD
-        self.held = ShardState(self.shards, self.optimizer, chunks, holder, grid.groups.tp)
-
-    def shard(self, part, cfg, grid, dtype, device, names):
-        """[(group, its shards)] of `part`: dense buckets over dp x cp, with ep > 1 the experts' over edp. In a V
-        the tied weight is one Parameter in both chunks: the first chunk's buckets hold it."""
-        tied = tied_weight(part if isinstance(part, torch.nn.ModuleList) else [part])
-        params = [p for p in reversed(list(part.parameters())) if p is not tied]
-        if any(tied is q for s in self.shards for q in s.params):
-            tied = None
-        experts = [p for p in params if grid.ep > 1 and is_expert_param(names[p])]
-        dense = [p for p in params if not (grid.ep > 1 and is_expert_param(names[p]))]
-        out = []
-        for group, these, extra in ((grid.groups.dp_cp, dense, [[tied]] if tied is not None else []),
-                                    (getattr(grid.groups, "edp", None), experts, [])):
-            buckets = assign_buckets(these, cfg.bucket_mb * 2 ** 20) + extra
-            if buckets:
-                out.append((group, shard_model(self.chunks, cfg.zero_stage, group, dtype, device, buckets=buckets,
-                                               names=names)))     # (every chunk's modules: a V's LM head too)
-        return out
-
-    def after_weight_grads(self, key):
-        """ZeRO-2 under zb1, zbv, dualpipev, after W (micro-batch, chunk): reduce-scatter what the chunk holds
-        (this W's weight gradients and what B left since; sums, so their order does not matter)."""
-        for grads in self.grads_of[key[1]]:
-            grads.reduce_held()
-
-    def my_slices(self):
-        """(parameter, its part inside this rank's slice [lo, hi) of its bucket's gradient)."""
-        out = []
-        for s in self.shards:
-            for p, off in zip(s.params, s.offsets):
-                lo, hi = max(off, s.lo), min(off + p.numel(), s.hi)
-                if lo < hi:
-                    out.append((p, s.grad[lo - s.lo: hi - s.lo]))
-        return out
-
-    def finish(self):
-        if not self.reduce_per_backward:             # ZeRO-1: the tied copies summed before their reduce-scatter
-            tied_grads_sync(self.chunks, self.grid.groups.tied)
-            super().finish()
-        else:                                        # ZeRO-2/3: the sums on the shards
-            for grads in self.reductions() if self.after_w else ():
-                grads.reduce_held()                  # a V's tied weight: B of the other chunk may come last
-            tied = tied_weight(self.chunks)
-            if tied is not None and self.grid.groups.tied is not None:
-                shard = next(s for s in self.shards if s.params[0] is tied)
-                comm.all_reduce(shard.grad, group=self.grid.groups.tied)
-            partial = [g for p, g in self.my_slices() if getattr(p, "sequence_parallel", False)]
-            sum_in_place(partial, self.grid.groups.tp)
-        if self.expert_shards:                       # an expert's gradient sums its EP group's tokens already
-            torch._foreach_div_([s.grad for s in self.expert_shards], self.grid.ep)
-
-    def owned_grads(self):
-        pieces = [(g, self.counted(p)) for p, g in self.my_slices()]
-        return [g for g, mine in pieces if mine], [g for g, mine in pieces if not mine]
-
-    def step(self, lr):
-        self.optimizer.step(lr, [s.grad for s in self.shards])   # my slice of every bucket
-        for s in self.shards:
-            s.publish()                                          # all-gather the updated slices (not ZeRO-3)
-
-
-class ZeroUnits(ZeroShards):
-    """train_zero's ZeRO-3 over dp x cp: each chunk's blocks one unit each, its other parameters a root unit (the
-    tied weight alone where its copy is on another stage, so the two copies' shards line up; in a V one unit that
-    both chunks gather). With ep > 1 each MoE block's experts are a unit of their own over edp, gathered by hooks
-    on the experts module. Each chunk has its own hooks and reduction: a micro-batch's F or B action gathers (and
-    prefetches) its chunk's units block by block, and reduce-scatters their gradients as each block's backward
-    ends. Under zb1, zbv and dualpipev, B gathers a block for its input gradients and frees it when the gradient
-    reaches the block below (dW = gy^T x needs no weights; a unit whose weight a W reads, the fused LM head's, is
-    kept until that W: compose/kept_units.py); the gradients are ZeRO-2's, reduce-scattered after W. The sums are
-    then taken on the shards, as for ZeRO-2."""
-
-    def shard(self, chunk, cfg, grid, dtype, device, names):
-        tied = tied_weight([chunk]) if grid.groups.tied is not None else None
-        blocks, done = list(chunk.transformer["h"]), {id(q) for s in self.shards for q in s.params}
-
-        def expert(p):
-            return grid.ep > 1 and is_expert_param(names[p])
-        units = [[p for p in b.parameters() if not expert(p)] for b in reversed(blocks)]
-        experts = [u for u in ([p for p in b.parameters() if expert(p)] for b in reversed(blocks)) if u]
-        done |= {id(p) for block in blocks for p in block.parameters()}
-        rest = [p for p in chunk.parameters() if id(p) not in done]     # (a V's tied weight: in chunk 0's unit)
-        roots = [g for g in ([p for p in rest if p is tied], [p for p in rest if p is not tied]) if g]
-        out = [(grid.groups.dp_cp, units + roots)] + ([(grid.groups.edp, experts)] if experts else [])
-        return [(group, shard_model(self.chunks, 3, group, dtype, device, blocks=[], buckets=groups, names=names))
-                for group, groups in out]      # (every chunk's modules: a V's LM head holds the tied weight too)
-
-    def __init__(self, chunks, cfg, grid, dtype, device, holder):
-        super().__init__(chunks, cfg, grid, dtype, device, holder)
-        tied, self.units_of = tied_weight(chunks), []
-        for chunk, reductions in zip(chunks, self.grads_of):   # gather, free and reduce-scatter unit by unit
-            blocks = list(chunk.transformer["h"])
-            experts = [b.mlp.experts for b in blocks if hasattr(b.mlp, "experts")]
-            self.units_of.append([])
-            for grads, modules in zip(reductions, (blocks, experts)):
-                units = [b.shard for b in grads.buckets]
-                if modules is blocks and "wte" in chunk.transformer and all(s.params[0] is not tied for s in units):
-                    units.append(next(s for s in self.shards if s.params[0] is tied))   # a V: chunk 0's unit
-                install_zero3_hooks(chunk, modules, units, None if self.after_w else grads,
-                                    reshard_after_forward=cfg.reshard_after_forward)
-                self.units_of[-1] += units
-        gather_fp8_units(chunks, self.shards, cfg)   # FP8 GEMMs' weights: in fp32, or FP8 (compose/fp8_gather.py)
-
-    def after_backward(self, action):
-        super().after_backward(action)
-        if self.after_w:           # the lowest block's unit and the roots (the hooks freed the others), or after W
-            free_after_w(self.store, (action.mb, action.chunk), self.units_of[action.chunk])
-
-
-def moe_metrics(chunks, grid, cfg):
-    """The step's router metrics: each MoE block's statistics summed over the ranks that routed the other tokens
-    of the global batch (dp x cp; tp too under SP, where each TP rank routes its sequence chunk), which also
-    sets every block's load for the next step (routing.end_moe_step); every stage's blocks then meet on rank 0."""
-    def reduce(stats):
-        comm.all_reduce(stats, group=grid.groups.dp_cp)
-        if cfg.sp:
-            comm.all_reduce(stats, group=grid.groups.tp)
-
-    stats = end_moe_step(chunks, reduce)
-    if grid.sizes["pp"] > 1:
-        stages = [None] * grid.sizes["pp"]
-        dist.all_gather_object(stages, stats.cpu(), group=grid.groups.pp)
-        stats = torch.cat([s for s in stages if s.numel()])
-    return router_metrics(stats, cfg.top_k)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# checkpoints: common/checkpoint/__init__.py's one format, so any layout (or train_single) resumes any other. Each whole
-# tensor is written by one of the ranks holding it: a dense one by the ranks of its stage's dp x cp x tp slab
-# once gathered, an expert by the tp x edp ranks holding it.
-
-def checkpoint_holder(name, grid):
-    """(key, holders, my index) of a whole tensor of my stages, for checkpoint.save."""
-    data_index, tp, tp_index = dist.get_rank(grid.groups.dp_cp), grid.sizes["tp"], grid.coords["tp"]
-    slab = grid.sizes["dp"] * grid.sizes["cp"]
-    if is_expert_param(name):
-        return "experts", slab // grid.ep * tp, data_index // grid.ep * tp + tp_index
-    return "dense", slab * tp, data_index * tp + tp_index
-
-
-def gather_to_first(obj, group):
-    """[obj of every rank of `group`] on the group's first rank, None on the others."""
-    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-    dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0), group=group)
-    return out
-
-
-def gather_whole(held, grid):
-    """{name: whole weight} of the model (buffers too) on global rank 0 (None elsewhere), for the sample:
-    experts gathered over ep, the stages' parts over pp."""
-    parts = {name: values[0].cpu() for name, values, _ in held.whole(moments=False)}
-    if grid.ep > 1:
-        gathered = gather_to_first(parts, grid.groups.ep)
-        if gathered is None:
-            return None
-        parts = {k: v for part in gathered for k, v in part.items()}
-    if grid.coords["tp"] or grid.coords["cp"] or grid.coords["dp"]:
-        return None
-    gathered = gather_to_first(parts, grid.groups.pp)
-    return None if gathered is None else {k: v for part in gathered for k, v in part.items()}
-
-
-def sample_on_rank0(cfg, held, grid, gcfg, loader, env):
-    """The whole trained model on global rank 0, for the eyeball test that training worked; skipped with one line
-    when it would not fit beside what rank 0 holds: twice the fp32 model's bytes, the gathered weights (which NCCL's
-    gather_object stages on the device, each stage's padded to the largest's) then the model built from them."""
-    need = 2 * num_params(gcfg) * 4
-    fits = torch.tensor(float(env.rank != 0 or fits_on_device(need, env.device)), device=env.device)
-    comm.broadcast(fits, src=0)                  # rank 0's answer: every rank skips the gather, or none
-    if not fits:
-        if env.is_main:
-            print(f"sample: skipped: the whole model needs {need / 2**30:.1f} GiB free on rank 0's {env.device} "
-                  f"(twice its fp32 weights), more than it has", flush=True)
-        return
-    whole = gather_whole(held, grid)
-    if whole is not None:
-        model = GPT(gcfg).to(env.device)
-        model.load_state_dict({**whole, "lm_head.weight": whole["transformer.wte.weight"]})
-        print_sample(model, loader, cfg, env)
+def data_parallel_axis(chunks, cfg, grid, dtype, device):
+    """The mode --zero_stage names: train_ddp's replicas, or ZeRO inside the pipeline (compose/zero_pipeline.py):
+    ZeRO-1/2 shards or ZeRO-3 units. Each whole tensor is checkpointed by one of its holders (compose/ep_grid.py)."""
+    holder = functools.partial(checkpoint_holder, grid=grid)
+    if not cfg.zero_stage:
+        return Replicas(chunks, cfg, grid, device, holder)
+    return (ZeroUnits if cfg.zero_stage == 3 else ZeroShards)(chunks, cfg, grid, dtype, device, holder)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -513,6 +223,8 @@ def main(argv=None):
     dtype = resolve_dtype(cfg, env.device)
     enable_tf32(env.device)
 
+    # the techniques in the order they apply, one call each: the model (EP's experts, TP, CP attention, stages),
+    # ZeRO-R's Pa, MoE's balancing, kernels and FP8, zero-bubble's deferred dW, compile, the pipeline, the dp x cp axis
     chunks, gcfg, pos = build_chunks(cfg, loader.vocab_size, grid, env.device, param_dtype(dtype))
     apply_partition_flags(cfg, gcfg, [b for c in chunks for b in c.transformer["h"]], grid.groups.tp)   # ZeRO-R's Pa
     start_moe_training(chunks, cfg.global_batch_size * cfg.block_size // (dp * cfg.cp))   # my step's tokens
@@ -527,13 +239,9 @@ def main(argv=None):
     sim = simulate(schedules, cfg.pp, cfg.pp_virtual)
     runner = PipelineRunner(chunks, grid.groups.pp, schedules, m, act_shape, env.device, store,
                             autocast_context(dtype, env.device), param_dtype(dtype))
-    holder = functools.partial(checkpoint_holder, grid=grid)
-    if cfg.zero_stage:
-        dp_axis = (ZeroUnits if cfg.zero_stage == 3 else ZeroShards)(chunks, cfg, grid, param_dtype(dtype),
-                                                                     env.device, holder)
-    else:
-        dp_axis = Replicas(chunks, cfg, grid, env.device, holder)
+    dp_axis = data_parallel_axis(chunks, cfg, grid, param_dtype(dtype), env.device)     # replicas or ZeRO-1/2/3
     dp_axis.follow(runner, store, schedules[grid.coords["pp"]])
+
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
     start = checkpoint.start_from(cfg, env, gcfg, dp_axis.held)

@@ -7,4 +7,8 @@ train_5d.py imports it, and no rung's building blocks do.
     partition_activations.py   ZeRO-R's Pa under TP: 1/tp of each recomputed block's input kept, gathered back
     fp8_tp.py                  FP8 GEMMs inside tensor-parallel layers (amax reductions over tp)
     fp8_gather.py              ZeRO-3's all-gather in FP8
+    dp_axis.py                 the dp x cp axis of a pipelined step, one object whatever its mode (replicas here)
+    zero_pipeline.py           ZeRO-1/2 shards and ZeRO-3 units inside a pipeline (the tied weight's copies lined up)
+    ep_grid.py                 experts on the grid: router metrics summed over the right ranks, checkpoint writers
+    whole_model.py             the whole model gathered over ep and pp for the end-of-run sample
 """

@@ -1,6 +1,6 @@
 """
 compose/kept_units.py: ZeRO-3 units kept gathered from a zero-bubble pipeline's B until the W that reads their
-weights, for train_5d.py's ZeroUnits.
+weights, for compose/zero_pipeline.py's ZeroUnits.
 
 Under zb1, zbv and dualpipev, B needs a unit's weights for the input gradient only, and W's dW = gy^T x needs none,
 so ZeRO-3 frees every unit of a chunk as its B ends (train_zero.install_zero3_hooks with grads=None frees the

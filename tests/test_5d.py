@@ -15,13 +15,14 @@ H, T, HEADS, VOCAB = 32, 32, 4, 256        # the exactness checks' model (train_
 def _runs(rank, world, argvs):
     """train_5d.main for each argv in one process group; rank 0 returns its parameter count per run."""
     import train_5d
+    from pipeline.tied import tied_weight
     out = []
     for argv in argvs:
         result = train_5d.main(argv)
         shards = result["dp_axis"].shards
         sp_slices = [g.numel() for p, g in result["dp_axis"].my_slices()
                      if getattr(p, "sequence_parallel", False)] if shards else []
-        tied = [s.padded for s in shards if s.params[0] is train_5d.tied_weight(result["chunks"])] if shards else []
+        tied = [s.padded for s in shards if s.params[0] is tied_weight(result["chunks"])] if shards else []
         out.append(dict(n_params=sum(p.numel() for p in result["chunks"].parameters()),
                         n_padded=sum(s.padded for s in shards) if shards else None, sizes=result["grid"].sizes,
                         n_sp_shard=sum(sp_slices) if shards else 0, tied_padded=sum(tied)))
@@ -302,9 +303,10 @@ def _sample_when_too_large(rank, world, argv):
     import contextlib
     import io
     import train_5d
-    gathers, real_gather = [], train_5d.gather_whole
-    train_5d.fits_on_device = lambda n_bytes, device: False
-    train_5d.gather_whole = lambda held, grid: gathers.append(1) or real_gather(held, grid)
+    from compose import whole_model
+    gathers, real_gather = [], whole_model.gather_whole
+    whole_model.fits_on_device = lambda n_bytes, device: False
+    whole_model.gather_whole = lambda held, grid: gathers.append(1) or real_gather(held, grid)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         train_5d.main(argv)

@@ -18,11 +18,12 @@ def _runs(rank, world, argvs):
     what the byte formulas need."""
     import train_5d
     from common.metrics import model_state_bytes
+    from pipeline.tied import tied_weight
     out = []
     for argv in argvs:
         result = train_5d.main(argv)
         axis = result["dp_axis"]
-        tied = train_5d.tied_weight(result["chunks"])
+        tied = tied_weight(result["chunks"])
         buckets = [b for grads in axis.reductions() for b in grads.buckets]     # in the shards' order
         out.append(dict(sizes=result["grid"].sizes, states=model_state_bytes(result["chunks"], axis.shards, buckets),
                         padded_by_chunk=[sum(b.shard.padded for g in part for b in g.buckets)
