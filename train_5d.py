@@ -77,7 +77,7 @@ from train_cp import (ContextParallelAttentionCore, block_attention_kernel, chec
                       swap_attention_cores)
 from train_ddp import DataParallelGrads, assign_buckets
 from train_pp import PipelineRunner, check_pp, stage_views
-from compose.grad_ready import GradsReadyBySchedule
+from compose.grad_ready import GradsReadyBySchedule, reduce_held
 from pipeline.tied import tied_copy, tied_grads_sync, tied_weight
 from compose.kept_units import free_after_w
 from pipeline.weight_grads import WeightGradStore, defer_weight_grads
@@ -262,7 +262,7 @@ class ZeroShards(DataParallelAxis):
         """ZeRO-2 under zb1, zbv, dualpipev, after W (micro-batch, chunk): reduce-scatter what the chunk holds
         (this W's weight gradients and what B left since; sums, so their order does not matter)."""
         for grads in self.grads_of[key[1]]:
-            grads.reduce_held()
+            reduce_held(grads)
 
     def my_slices(self):
         """(parameter, its part inside this rank's slice [lo, hi) of its bucket's gradient)."""
@@ -280,7 +280,7 @@ class ZeroShards(DataParallelAxis):
             super().finish()
         else:                                        # ZeRO-2/3: the sums on the shards
             for grads in self.reductions() if self.after_w else ():
-                grads.reduce_held()                  # a V's tied weight: B of the other chunk may come last
+                reduce_held(grads)                   # a V's tied weight: B of the other chunk may come last
             tied = tied_weight(self.chunks)
             if tied is not None and self.grid.groups.tied is not None:
                 shard = next(s for s in self.shards if s.params[0] is tied)

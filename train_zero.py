@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from common.comm import COMM, CastsFreedWithParams, all_gather_as, clip_grad_norm, compute_dtype, reduce_scatter
-from train_ddp import DataParallelGrads, ReducedTwice, assign_buckets, mean_over_group
+from train_ddp import DataParallelGrads, GradBucket, assign_buckets, mean_over_group
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -137,6 +137,24 @@ class ShardedAdamW:
                             weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False)
 
 
+class ReducedTwice(RuntimeError):
+    """A bucket reduced in place (ZeRO-1's reduce-scatter) asked to reduce again before zero_grad(): its other
+    slices still hold this rank's earlier micro-batches, which would be counted twice."""
+
+
+class ShardBucket(GradBucket):
+    """train_ddp's bucket over one Shard's parameters, its buffer as long as the Shard's padded flat buffer (N equal
+    slices to reduce-scatter); `reduced`: stage 1 reduced it in place this step."""
+
+    def __init__(self, shard):
+        super().__init__(shard.params)
+        self.shard, self.reduced = shard, False
+
+    def allocate(self):
+        if self.buffer is None:
+            self.buffer = self.shard.full.new_zeros(self.shard.padded)    # the parameters' dtype and device
+
+
 class ShardedGrads(DataParallelGrads):
     """train_ddp's buckets and hooks with ZeRO's action for a ready bucket: reduce-scatter it into this rank's
     gradient shard. Stage 1 keeps DDP's bucket buffers (no_sync accumulation) and reduces once a step, in place
@@ -144,14 +162,21 @@ class ShardedGrads(DataParallelGrads):
     buffer, stage 3 attaches param.grad to one; either lives until its reduce-scatter, summed into the shard."""
 
     def __init__(self, shards, group, stage):
-        n = 1 if stage == 0 else dist.get_world_size(group)
-        super().__init__([p for s in shards for p in s.params], group, "bucket", pad_to=n,
-                         attach=stage <= 1, groups=[s.params for s in shards])
-        self.stage, self.communicate, self.in_flight = stage, True, []
-        for b, s in zip(self.buckets, shards):
-            b.shard, b.reduced = s, False
-            # stage 0 all-reduces the whole buffer; stage 1 reduce-scatters it in place into its own slice
-            s.grad = b.buffer[s.lo: s.hi] if stage <= 1 else torch.zeros_like(s.shard)
+        self.shards, self.stage = shards, stage         # for make_buckets: one bucket per shard
+        super().__init__([p for s in shards for p in s.params], group, "bucket")
+        self.communicate, self.in_flight = True, []
+
+    def make_buckets(self, bucket_mb):
+        """A bucket per shard (a unit at stage 3), in the shards' order. Stage 0 all-reduces DDP's persistent
+        buffer, stage 1 reduce-scatters it in place into its own slice; stage 2 makes one as the first gradient
+        lands, stage 3 as a unit's backward starts (prepare), each reduce-scattered into a gradient shard."""
+        buckets = [ShardBucket(s) for s in self.shards]
+        for b, s in zip(buckets, self.shards):
+            if self.stage <= 1:
+                b.allocate()
+                b.attach_grads()
+            s.grad = b.buffer[s.lo: s.hi] if self.stage <= 1 else torch.zeros_like(s.shard)
+        return buckets
 
     def prepare(self, shard):
         """Stage 3, as a unit's backward starts: a fresh buffer whose views are its param.grad (no copy)."""
@@ -160,7 +185,9 @@ class ShardedGrads(DataParallelGrads):
         bucket.attach_grads()
 
     def grad_landed(self, bucket, i, p):
-        if self.stage == 2:
+        if self.stage <= 1:
+            super().grad_landed(bucket, i, p)           # DDP's buffers: the gradient sits in them
+        elif self.stage == 2:
             bucket.allocate()                           # on the bucket's first gradient
             bucket.view(i).copy_(p.grad)
             p.grad = None                               # the full-size gradient is freed at once
@@ -194,18 +221,6 @@ class ShardedGrads(DataParallelGrads):
             bucket.shard.grad.add_(bucket.out)
             bucket.buffer = None                       # the non-owned part of the gradients is gone
         bucket.out = None
-
-    def reduce_held(self):
-        """Stage 2: reduce-scatter the gradients the parameters hold now and drop them, for gradients written
-        outside autograd's hooks (a zero-bubble pipeline's W action sets .grad itself; its B ran without sync)."""
-        held = [p for b in self.buckets for p in b.params if p.grad is not None]
-        if not held:
-            return
-        self.require_sync(True)
-        for p in held:
-            self._grad_ready(p)
-        self.finish()
-        self.require_sync(False)
 
     def grads(self):
         return [b.shard.grad for b in self.buckets]
