@@ -83,7 +83,9 @@ class GradBucket:
         return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
 
     def attach_grads(self):
-        """Make every param.grad a view into the buffer: autograd then accumulates straight into it."""
+        """Make every param.grad a view into the buffer (allocated if need be): autograd then accumulates straight
+        into it."""
+        self.allocate()
         for i, p in enumerate(self.params):
             p.grad = self.view(i)
 
@@ -124,7 +126,6 @@ class DataParallelGrads:
         # backward produces gradients roughly in reverse order of use: last layers' buckets fill first
         buckets = [GradBucket(ps) for ps in assign_buckets(list(reversed(self.params)), bucket_mb * 2 ** 20)]
         for b in buckets:
-            b.allocate()
             b.attach_grads()
         return buckets
 

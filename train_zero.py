@@ -143,12 +143,8 @@ class ReducedTwice(RuntimeError):
 
 
 class ShardBucket(GradBucket):
-    """train_ddp's bucket over one Shard's parameters, its buffer as long as the Shard's padded flat buffer (N equal
-    slices to reduce-scatter); `reduced`: stage 1 reduced it in place this step."""
-
-    def __init__(self, shard):
-        super().__init__(shard.params)
-        self.shard, self.reduced = shard, False
+    """train_ddp's bucket over a Shard's parameters, its buffer padded as the Shard's (N equal slices to
+    reduce-scatter). ShardedGrads sets `shard` and `reduced` (stage 1 reduced it in place this step)."""
 
     def allocate(self):
         if self.buffer is None:
@@ -167,22 +163,18 @@ class ShardedGrads(DataParallelGrads):
         self.communicate, self.in_flight = True, []
 
     def make_buckets(self, bucket_mb):
-        """A bucket per shard (a unit at stage 3), in the shards' order. Stage 0 all-reduces DDP's persistent
-        buffer, stage 1 reduce-scatters it in place into its own slice; stage 2 makes one as the first gradient
-        lands, stage 3 as a unit's backward starts (prepare), each reduce-scattered into a gradient shard."""
-        buckets = [ShardBucket(s) for s in self.shards]
+        """A bucket per shard, in the shards' order; each shard's gradient (stages 0-1: a slice of the bucket)."""
+        buckets = [ShardBucket(s.params) for s in self.shards]
         for b, s in zip(buckets, self.shards):
+            b.shard, b.reduced = s, False
             if self.stage <= 1:
-                b.allocate()
-                b.attach_grads()
+                b.attach_grads()                        # DDP's persistent buffer
             s.grad = b.buffer[s.lo: s.hi] if self.stage <= 1 else torch.zeros_like(s.shard)
         return buckets
 
     def prepare(self, shard):
         """Stage 3, as a unit's backward starts: a fresh buffer whose views are its param.grad (no copy)."""
-        bucket = self.bucket_of[id(shard.params[0])][0]
-        bucket.allocate()
-        bucket.attach_grads()
+        self.bucket_of[id(shard.params[0])][0].attach_grads()
 
     def grad_landed(self, bucket, i, p):
         if self.stage <= 1:
@@ -262,19 +254,13 @@ def shard_model(model, stage, group, dtype, device, blocks=None, buckets=None, b
     return shards
 
 
-def output_tensors(out):
-    """The tensors of a module's output: a tensor, or tensors inside tuples, lists and dicts (logits, loss)."""
-    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-
-
 def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=None, reshard_after_forward=True):
     """Gather a block's parameters just before its forward and its backward, free them right after; with
     prefetch, start the all-gather of the block that runs next while this one computes. `blocks` and `shards`:
     as given to and returned by shard_model. The root units are gathered around the model's forward and from the
     first gradient reaching any of its outputs (whatever they are: logits, a loss, a tuple) until backward ends.
     reshard_after_forward=False (FSDP2's name) keeps a unit gathered from its forward until its backward is
-    over: one all-gather fewer per use, the whole unit held in between. Called per module (a pipeline chunk),
-    each forward and backward of the module gathers its own units: a chunk's units per micro-batch action.
+    over: one all-gather fewer per use, the whole unit held in between.
     on_gather(): called after each all-gather is started (a memory probe: train_zero's peak gathered bytes).
     grads=None: the gradients are the caller's to reduce (a zero-bubble pipeline's W writes the weights' later);
     a block's unit is then freed once the gradient reaches the block below, the lowest by the caller."""
@@ -324,7 +310,7 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
             if units[i].in_backward:
                 return
             release(units[i])
-            first = next((t for t in output_tensors(out) if t.requires_grad), None)
+            first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
             if first is not None:
                 first.register_hook(pre_backward(i))
         return hook
@@ -338,8 +324,8 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
     def root_post_forward(module, args, out):
         for unit in roots:
             release(unit)
-        for t in output_tensors(out):
-            if t.requires_grad:
+        for t in tree_leaves(out):                     # tensors inside tuples, lists and dicts too
+            if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(pre_backward(None))
 
     for i, block in enumerate(blocks):

@@ -74,8 +74,8 @@ def reduce_held(grads):
 
 
 class GradsReadyBySchedule:
-    """Tells `reductions` (DataParallelGrads and the like: grads_ready above) which parameters of `chunks` (this rank's stage
-    modules, indexed by Action.chunk) are final after each action of `actions` (this rank's list of one step).
+    """Tells `reductions` (those grads_ready above takes) which parameters of `chunks` (this rank's stage modules,
+    indexed by Action.chunk) are final after each action of `actions` (this rank's list of one step).
     tp_group: sequence-parallel gradients are summed over it first; hold: a parameter not told (or None)."""
 
     def __init__(self, chunks, actions, reductions, tp_group=None, hold=None):
