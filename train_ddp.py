@@ -58,17 +58,16 @@ def assign_buckets(params, bucket_bytes):
 
 
 class GradBucket:
-    """Consecutive parameters whose gradients live in one flat buffer, padded to a multiple of `pad_to`
-    (ZeRO shards a bucket n ways). `pending` counts gradients not yet final in this backward."""
+    """Consecutive parameters whose gradients live in one flat buffer. `pending` counts gradients not yet final
+    in this backward."""
 
-    def __init__(self, params, pad_to=1):
+    def __init__(self, params):
         self.params = params
         self.offsets, total = [], 0
         for p in params:
             self.offsets.append(total)
             total += p.numel()
         self.numel = total
-        self.padded_numel = -(-total // pad_to) * pad_to
         self.buffer = None
         self.work = None
         self.pending = len(params)
@@ -76,7 +75,7 @@ class GradBucket:
     def allocate(self):
         if self.buffer is None:
             p = self.params[0]
-            self.buffer = torch.zeros(self.padded_numel, dtype=p.dtype, device=p.device)
+            self.buffer = torch.zeros(self.numel, dtype=p.dtype, device=p.device)
 
     def view(self, i):
         """The slice of the flat buffer that holds parameter i's gradient, shaped like the parameter."""
@@ -84,18 +83,15 @@ class GradBucket:
         return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
 
     def attach_grads(self):
-        """Make every param.grad a view into the buffer: autograd then accumulates straight into it."""
+        """Make every param.grad a view into the buffer (allocated if need be): autograd then accumulates straight
+        into it."""
+        self.allocate()
         for i, p in enumerate(self.params):
             p.grad = self.view(i)
 
 
 class GradNotInBucket(RuntimeError):
     """A parameter's .grad is no longer the view of its bucket that DataParallelGrads attached."""
-
-
-class ReducedTwice(RuntimeError):
-    """A bucket reduced in place (ZeRO-1's reduce-scatter) asked to reduce again before zero_grad(): its other
-    slices still hold this rank's earlier micro-batches, which would be counted twice."""
 
 
 class DataParallelGrads:
@@ -105,34 +101,33 @@ class DataParallelGrads:
     for the in-flight reductions and averages), then the optimizer step, then `zero_grad()` of this object,
     never the optimizer's own: in bucket mode every param.grad is a view of a flat buffer, and torch's
     zero_grad() (set_to_none=True) would replace it by a fresh tensor the buckets never see (a GradNotInBucket
-    error says so at the next backward). Subclasses (ZeRO) change what a ready bucket does by overriding
-    `launch` and `complete`."""
+    error says so at the next backward). Subclasses (ZeRO) change how the buckets are laid out by overriding
+    `make_buckets`, and what a ready bucket does by overriding `grad_landed`, `launch` and `complete`."""
 
-    def __init__(self, params, group, mode="bucket", bucket_mb=25.0, pad_to=1, attach=True, groups=None):
-        """groups: explicit parameter groups as buckets, in launch order (ZeRO-3 passes its units);
-        attach=False: no persistent buffers, a subclass copies gradients in `grad_landed` instead."""
+    def __init__(self, params, group, mode="bucket", bucket_mb=25.0):
         assert mode in MODES, mode
         self.params = [p for p in params if p.requires_grad]
         self.group, self.mode = group, mode
         self.n = dist.get_world_size(group)
         self.communicate = self.n > 1       # a one-rank group has nothing to average
         self.sync = True
-        self.buckets, self.attached, self.bucket_of = [], mode == "bucket" and attach, {}
+        self.buckets, self.bucket_of = [], {}
         if mode == "bucket":
-            # backward produces gradients roughly in reverse order of use: last layers' buckets fill first
-            if groups is None:
-                groups = assign_buckets(list(reversed(self.params)), bucket_mb * 2 ** 20)
-            self.buckets = [GradBucket(ps, pad_to) for ps in groups]
+            self.buckets = self.make_buckets(bucket_mb)
             self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-            if attach:
-                for b in self.buckets:
-                    b.allocate()
-                    b.attach_grads()
         self.next_bucket = 0             # buckets launch in index order: the same order on every rank
         self.param_works = []
         if mode in ("overlap", "bucket"):
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def make_buckets(self, bucket_mb):
+        """The buckets of self.params in launch order, each buffer allocated once and attached as the grads."""
+        # backward produces gradients roughly in reverse order of use: last layers' buckets fill first
+        buckets = [GradBucket(ps) for ps in assign_buckets(list(reversed(self.params)), bucket_mb * 2 ** 20)]
+        for b in buckets:
+            b.attach_grads()
+        return buckets
 
     def require_sync(self, flag):
         """Decide, before a micro-step's forward, whether its backward communicates (False = no_sync)."""
@@ -146,30 +141,20 @@ class DataParallelGrads:
             self.param_works.append(all_reduce(p.grad, group=self.group, async_op=True))
             return
         bucket, i = self.bucket_of[id(p)]
-        if self.attached and p.grad.untyped_storage().data_ptr() != bucket.buffer.untyped_storage().data_ptr():
-            raise GradNotInBucket(
-                f"a parameter of shape {tuple(p.shape)} got a gradient outside its bucket, so the all-reduce would "
-                f"skip it: its .grad, a view of the bucket, was replaced (the optimizer's own zero_grad(), which "
-                f"sets grads to None, or a `p.grad = ...`); call DataParallelGrads.zero_grad() instead")
         self.grad_landed(bucket, i, p)
         bucket.pending -= 1
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             self.launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
 
-    def grads_ready(self, params):
-        """Count the gradients of those of `params` in this object's buckets as final now, as their hooks would:
-        for a caller that knows when they are, with the hooks off (require_sync(False)) while gradients still
-        accumulate: a pipeline schedule's last backward of a stage (compose/grad_ready.py). Complete
-        buckets launch at once, in index order."""
-        sync, self.sync = self.sync, True
-        for p in params:
-            if id(p) in self.bucket_of:
-                self._grad_ready(p)
-        self.sync = sync
-
     def grad_landed(self, bucket, i, p):
-        """Hook for subclasses: p's gradient is final (DDP: it already sits in the bucket)."""
+        """p's gradient is final: it already sits in the bucket, unless its view was replaced (subclasses that
+        lay gradients out otherwise override this)."""
+        if p.grad.untyped_storage().data_ptr() != bucket.buffer.untyped_storage().data_ptr():
+            raise GradNotInBucket(
+                f"a parameter of shape {tuple(p.shape)} got a gradient outside its bucket, so the all-reduce would "
+                f"skip it: its .grad, a view of the bucket, was replaced (the optimizer's own zero_grad(), which "
+                f"sets grads to None, or a `p.grad = ...`); call DataParallelGrads.zero_grad() instead")
 
     def launch(self, bucket):
         bucket.work = all_reduce(bucket.buffer, group=self.group, async_op=True)

@@ -216,10 +216,6 @@ class ExpertDataParallelGrads:
         self.dense.require_sync(sync)
         self.experts.require_sync(sync)
 
-    def grads_ready(self, params):
-        self.dense.grads_ready(params)            # (each reduces only its own of them)
-        self.experts.grads_ready(params)
-
     def finish(self):
         self.dense.finish()
         self.experts.finish()

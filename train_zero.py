@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from common.comm import COMM, CastsFreedWithParams, all_gather_as, clip_grad_norm, compute_dtype, reduce_scatter
-from train_ddp import DataParallelGrads, ReducedTwice, assign_buckets, mean_over_group
+from train_ddp import DataParallelGrads, GradBucket, assign_buckets, mean_over_group
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -137,6 +137,20 @@ class ShardedAdamW:
                             weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False)
 
 
+class ReducedTwice(RuntimeError):
+    """A bucket reduced in place (ZeRO-1's reduce-scatter) asked to reduce again before zero_grad(): its other
+    slices still hold this rank's earlier micro-batches, which would be counted twice."""
+
+
+class ShardBucket(GradBucket):
+    """train_ddp's bucket over a Shard's parameters, its buffer padded as the Shard's (N equal slices to
+    reduce-scatter). ShardedGrads sets `shard` and `reduced` (stage 1 reduced it in place this step)."""
+
+    def allocate(self):
+        if self.buffer is None:
+            self.buffer = self.shard.full.new_zeros(self.shard.padded)    # the parameters' dtype and device
+
+
 class ShardedGrads(DataParallelGrads):
     """train_ddp's buckets and hooks with ZeRO's action for a ready bucket: reduce-scatter it into this rank's
     gradient shard. Stage 1 keeps DDP's bucket buffers (no_sync accumulation) and reduces once a step, in place
@@ -144,23 +158,28 @@ class ShardedGrads(DataParallelGrads):
     buffer, stage 3 attaches param.grad to one; either lives until its reduce-scatter, summed into the shard."""
 
     def __init__(self, shards, group, stage):
-        n = 1 if stage == 0 else dist.get_world_size(group)
-        super().__init__([p for s in shards for p in s.params], group, "bucket", pad_to=n,
-                         attach=stage <= 1, groups=[s.params for s in shards])
-        self.stage, self.communicate, self.in_flight = stage, True, []
-        for b, s in zip(self.buckets, shards):
+        self.shards, self.stage = shards, stage         # for make_buckets: one bucket per shard
+        super().__init__([p for s in shards for p in s.params], group, "bucket")
+        self.communicate, self.in_flight = True, []
+
+    def make_buckets(self, bucket_mb):
+        """A bucket per shard, in the shards' order; each shard's gradient (stages 0-1: a slice of the bucket)."""
+        buckets = [ShardBucket(s.params) for s in self.shards]
+        for b, s in zip(buckets, self.shards):
             b.shard, b.reduced = s, False
-            # stage 0 all-reduces the whole buffer; stage 1 reduce-scatters it in place into its own slice
-            s.grad = b.buffer[s.lo: s.hi] if stage <= 1 else torch.zeros_like(s.shard)
+            if self.stage <= 1:
+                b.attach_grads()                        # DDP's persistent buffer
+            s.grad = b.buffer[s.lo: s.hi] if self.stage <= 1 else torch.zeros_like(s.shard)
+        return buckets
 
     def prepare(self, shard):
         """Stage 3, as a unit's backward starts: a fresh buffer whose views are its param.grad (no copy)."""
-        bucket = self.bucket_of[id(shard.params[0])][0]
-        bucket.allocate()
-        bucket.attach_grads()
+        self.bucket_of[id(shard.params[0])][0].attach_grads()
 
     def grad_landed(self, bucket, i, p):
-        if self.stage == 2:
+        if self.stage <= 1:
+            super().grad_landed(bucket, i, p)           # DDP's buffers: the gradient sits in them
+        elif self.stage == 2:
             bucket.allocate()                           # on the bucket's first gradient
             bucket.view(i).copy_(p.grad)
             p.grad = None                               # the full-size gradient is freed at once
@@ -194,18 +213,6 @@ class ShardedGrads(DataParallelGrads):
             bucket.shard.grad.add_(bucket.out)
             bucket.buffer = None                       # the non-owned part of the gradients is gone
         bucket.out = None
-
-    def reduce_held(self):
-        """Stage 2: reduce-scatter the gradients the parameters hold now and drop them, for gradients written
-        outside autograd's hooks (a zero-bubble pipeline's W action sets .grad itself; its B ran without sync)."""
-        held = [p for b in self.buckets for p in b.params if p.grad is not None]
-        if not held:
-            return
-        self.require_sync(True)
-        for p in held:
-            self._grad_ready(p)
-        self.finish()
-        self.require_sync(False)
 
     def grads(self):
         return [b.shard.grad for b in self.buckets]
@@ -247,19 +254,13 @@ def shard_model(model, stage, group, dtype, device, blocks=None, buckets=None, b
     return shards
 
 
-def output_tensors(out):
-    """The tensors of a module's output: a tensor, or tensors inside tuples, lists and dicts (logits, loss)."""
-    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-
-
 def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=None, reshard_after_forward=True):
     """Gather a block's parameters just before its forward and its backward, free them right after; with
     prefetch, start the all-gather of the block that runs next while this one computes. `blocks` and `shards`:
     as given to and returned by shard_model. The root units are gathered around the model's forward and from the
     first gradient reaching any of its outputs (whatever they are: logits, a loss, a tuple) until backward ends.
     reshard_after_forward=False (FSDP2's name) keeps a unit gathered from its forward until its backward is
-    over: one all-gather fewer per use, the whole unit held in between. Called per module (a pipeline chunk),
-    each forward and backward of the module gathers its own units: a chunk's units per micro-batch action.
+    over: one all-gather fewer per use, the whole unit held in between.
     on_gather(): called after each all-gather is started (a memory probe: train_zero's peak gathered bytes).
     grads=None: the gradients are the caller's to reduce (a zero-bubble pipeline's W writes the weights' later);
     a block's unit is then freed once the gradient reaches the block below, the lowest by the caller."""
@@ -309,7 +310,7 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
             if units[i].in_backward:
                 return
             release(units[i])
-            first = next((t for t in output_tensors(out) if t.requires_grad), None)
+            first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
             if first is not None:
                 first.register_hook(pre_backward(i))
         return hook
@@ -323,8 +324,8 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
     def root_post_forward(module, args, out):
         for unit in roots:
             release(unit)
-        for t in output_tensors(out):
-            if t.requires_grad:
+        for t in tree_leaves(out):                     # tensors inside tuples, lists and dicts too
+            if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(pre_backward(None))
 
     for i, block in enumerate(blocks):

@@ -22,6 +22,7 @@ from common.checkpoint import ShardState
 from common.tp_grads import sum_in_place
 from common.training import gather_fp8_units
 from compose.dp_axis import DataParallelAxis
+from compose.grad_ready import reduce_held
 from compose.kept_units import free_after_w
 from pipeline.schedules import SPLIT_BACKWARD
 from pipeline.tied import tied_grads_sync, tied_weight
@@ -75,7 +76,7 @@ class ZeroShards(DataParallelAxis):
         """ZeRO-2 under zb1, zbv, dualpipev, after W (micro-batch, chunk): reduce-scatter what the chunk holds
         (this W's weight gradients and what B left since; sums, so their order does not matter)."""
         for grads in self.grads_of[key[1]]:
-            grads.reduce_held()
+            reduce_held(grads)
 
     def my_slices(self):
         """(parameter, its part inside this rank's slice [lo, hi) of its bucket's gradient)."""
@@ -93,7 +94,7 @@ class ZeroShards(DataParallelAxis):
             super().finish()
         else:                                        # ZeRO-2/3: the sums on the shards
             for grads in self.reductions() if self.after_w else ():
-                grads.reduce_held()                  # a V's tied weight: B of the other chunk may come last
+                reduce_held(grads)                   # a V's tied weight: B of the other chunk may come last
             tied = tied_weight(self.chunks)
             if tied is not None and self.grid.groups.tied is not None:
                 shard = next(s for s in self.shards if s.params[0] is tied)

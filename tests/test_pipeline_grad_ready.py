@@ -40,7 +40,7 @@ def _recorded(rank, world, argvs):
         comm.LAUNCH_LOG = []
         result = train_5d.main(argv)
         chunks = list(result["chunks"])
-        buckets = [(b.padded_numel * b.params[0].element_size(),
+        buckets = [(b.buffer.numel() * b.buffer.element_size(),
                     sorted({i for i, c in enumerate(chunks) for p in b.params if any(p is q for q in c.parameters())}))
                    for grads in result["dp_axis"].reductions() for b in grads.buckets]
         out.append(dict(log=comm.LAUNCH_LOG, buckets=buckets,
