@@ -72,11 +72,12 @@ from common.metrics import MetricsLogger
 from model import GPT, flops_per_token, num_params
 from compose.partition_activations import add_partition_args, apply_partition_flags, check_partition_args
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
-from pipeline.schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
+from pipeline.gpt_stages import stage_views
+from pipeline.schedules import SPLIT_BACKWARD, V_SHAPED, placement_of, simulate
 from train_cp import (ContextParallelAttentionCore, block_attention_kernel, check_cp, local_positions,
                       swap_attention_cores)
 from train_ddp import DataParallelGrads, assign_buckets
-from train_pp import PipelineRunner, check_pp, stage_views
+from train_pp import PipelineRunner, check_pp, make_schedule
 from compose.grad_ready import GradsReadyBySchedule
 from pipeline.tied import tied_copy, tied_grads_sync, tied_weight
 from compose.kept_units import free_after_w

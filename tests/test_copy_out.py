@@ -457,8 +457,7 @@ def cp(layout):
 
 def pp_1f1b():
     from common.comm import broadcast, clip_grad_norm
-    from pipeline.schedules import make_schedule
-    from train_pp import PipelineRunner, pipeline_stages
+    from train_pp import PipelineRunner, make_schedule, pipeline_stages
     model, losses, norms, m = build(), [], [], 4
     micro = GLOBAL // m
     stages = pipeline_stages([model.tok_embeddings], list(model.layers), [model.norm, model.output], rank, world,
@@ -679,9 +678,8 @@ def cp(layout, tied, attn):
 def pp_1f1b(tied, attn):
     from transformers.masking_utils import create_causal_mask
     from common.comm import broadcast
-    from pipeline.schedules import make_schedule
     from pipeline.tied import clip_stage_grads, tied_grads_sync, tied_pair_group
-    from train_pp import PipelineRunner, pipeline_stages
+    from train_pp import PipelineRunner, make_schedule, pipeline_stages
     model, losses, norms, m = build(tied, attn), [], [], 4
     inner, size = model.model, GLOBAL // m
 
