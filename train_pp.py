@@ -29,7 +29,8 @@ B(mb) runs its backward. Simulated for p = 4, m = 4 with F = 1 and B = 2 ('.' = 
 
 Both leave each rank idle (p-1)(F+B) per step, the time the pipe takes to fill and drain: the bubble is
 (p-1)/(m+p-1) of a step, so more micro-batches shrink it. AFAB holds the activations of all m micro-batches until
-its backwards start; 1F1B starts backwards as soon as the last stage has a loss and holds at most p - rank.
+its backwards start; 1F1B starts backwards as soon as the last stage has a loss and holds at most p - rank
+micro-batches.
 
 The other schedules live in pipeline/ (make_schedule below picks one by name): interleaved 1F1B (V stages per rank,
 round-robin: bubble (p-1)/(V*m+p-1)), zb1 (ZB-H1: the backward split into the input gradient B and the weight
@@ -41,11 +42,12 @@ stages; pipeline/tied.py the embedding shared by the first and the last stage.
 Details. Stage s of S = p*V holds blocks [s*L/S, (s+1)*L/S); it is chunk s // p of rank s % p, or in a V rank
 pipeline.schedules.rank_of(s). The tied embedding weight is a copy on the first and on the last stage whose two
 gradients are summed (one Parameter when one rank holds both ends). A rank sends m * b*T*h * c bytes per step
-across each of its stage boundaries, activations forward and gradients back (c = 2 under bf16 autocast, else 4, 8
-in float64). The last stage backpropagates loss / m, so gradients equal train_single's for the same global batch.
-Tokens are read by the first and last stage from the deterministic loader, never sent. Dropout draws from each
-rank's own RNG stream, so runs with --dropout > 0 do not match train_single bit for bit. Any model
-(docs/copy_out.md): PipelineRunner runs any stage modules; pipeline/stages.py cuts a chain of modules.
+over each boundary between one of its stages and another rank's, activations forward or gradients back (c = 2
+under bf16 autocast, else 4, 8 in float64). The last stage backpropagates loss / m, so gradients equal
+train_single's for the same global batch. Tokens are read by the first and last stage from the deterministic
+loader, never sent. Dropout draws from each rank's own RNG stream, so runs with --dropout > 0 do not match
+train_single bit for bit. Any model (docs/copy_out.md): PipelineRunner runs any stage modules; pipeline/stages.py
+cuts a chain of modules.
 """
 import contextlib
 import time
@@ -258,7 +260,7 @@ class PipelineRunner:
     def forward_only(self, x, y, out_shape, act_shape=None):
         """What the last stage returns for one batch through all stages in order, shaped out_shape, on every rank:
         the mean loss (y given), or without targets what the stage returns then (the next token's logits, for
-        sampling: PipelineStage). act_shape: of the activations between stages, when not the training ones'."""
+        sampling: pipeline/gpt_stages.PipelineStage). act_shape: of the activations between stages, when not the training ones'."""
         S, loss = self.p * self.v, torch.zeros(out_shape, device=self.device, dtype=self.act_dtype)
         owner = [rank_of(s, self.p, self.placement) for s in range(S)]
         for s in (s for s in range(S) if owner[s] == self.rank):    # this rank's stages, in pipeline order
