@@ -260,7 +260,8 @@ class PipelineRunner:
     def forward_only(self, x, y, out_shape, act_shape=None):
         """What the last stage returns for one batch through all stages in order, shaped out_shape, on every rank:
         the mean loss (y given), or without targets what the stage returns then (the next token's logits, for
-        sampling: pipeline/gpt_stages.PipelineStage). act_shape: of the activations between stages, when not the training ones'."""
+        sampling: pipeline/gpt_stages.py's PipelineStage). act_shape: of the activations between stages, when not
+        the training ones'."""
         S, loss = self.p * self.v, torch.zeros(out_shape, device=self.device, dtype=self.act_dtype)
         owner = [rank_of(s, self.p, self.placement) for s in range(S)]
         for s in (s for s in range(S) if owner[s] == self.rank):    # this rank's stages, in pipeline order
