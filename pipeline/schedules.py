@@ -65,7 +65,7 @@ def schedule_placement(schedules):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the generators: one ordered action list per rank
+# the generators beyond AFAB and 1F1B (train_pp.py): one ordered action list per rank
 
 def interleaved(p, m, rank, v):
     """1F1B over V chunks per rank (Megatron's order): micro-batches go through a chunk in groups of p,

@@ -333,7 +333,7 @@ def run_on_gloo(rank, world, port, out, work, one_process):
     got = work()
     dist.barrier()                                 # both ranks done before either leaves the group
     dist.destroy_process_group()
-    copied = sorted(m for m in sys.modules if m.split(".")[0] in ("common", "model", "config", "data")
+    copied = sorted(m for m in sys.modules if m.split(".")[0] in ("common", "pipeline", "model", "config", "data")
                     or m.startswith("train_"))
     if rank == 0:
         with open(out, "w") as f:
