@@ -788,6 +788,12 @@ def run_user_project(path, run, world=2, timeout=300, script="train.py"):
         return json.load(f)
 
 
+def copied_modules(files):
+    """The modules a copy of `files` holds: each file's, and the folders above it (packages without __init__.py)."""
+    names = {f[:-3].replace("/", ".") for f in files}
+    return names | {n.rsplit(".", k)[0] for n in names for k in range(1, n.count(".") + 1)}
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_copied_blocks_train_a_foreign_model_like_one_process(tmp_path, name):
     row, run = RUNS[name]
@@ -797,7 +803,7 @@ def test_copied_blocks_train_a_foreign_model_like_one_process(tmp_path, name):
         assert len(got) == len(ref) == 5
         for step, (a, b) in enumerate(zip(ref, got)):
             assert abs(a - b) <= EXACT * abs(a), f"{name}, step {step}: {what} {b!r} vs one process {a!r}"
-    copied = {f[:-3].replace("/", ".") for f in files} | {"common"}
+    copied = copied_modules(files) | {"common"}
     assert set(result["modules"]) <= copied | {"model", "data"}, result["modules"]   # nothing that was not copied
 
 
@@ -815,5 +821,5 @@ def test_copied_blocks_train_transformers_models_like_one_process(tmp_path, name
             assert len(got) == len(ref) == 4
             for step, (a, b) in enumerate(zip(ref, got)):
                 assert abs(a - b) <= EXACT * abs(a), f"{name} #{variant}, step {step}: {what} {b!r} vs {a!r}"
-    copied = {f[:-3].replace("/", ".") for f in files} | {"common"}
+    copied = copied_modules(files) | {"common"}
     assert set(result["modules"]) == copied | {"data"}, result["modules"]   # the row's files, all of them used
