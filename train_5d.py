@@ -75,10 +75,11 @@ from common.metrics import MetricsLogger
 from model import GPT, flops_per_token
 from compose.partition_activations import add_partition_args, apply_partition_flags, check_partition_args
 from common.optim import NonFiniteGuard, lr_at
-from pipeline.schedules import SPLIT_BACKWARD, V_SHAPED, make_schedule, placement_of, simulate
+from pipeline.gpt_stages import stage_views
+from pipeline.schedules import SPLIT_BACKWARD, V_SHAPED, placement_of, simulate
 from train_cp import (ContextParallelAttentionCore, block_attention_kernel, check_cp, local_positions,
                       swap_attention_cores)
-from train_pp import PipelineRunner, check_pp, stage_views
+from train_pp import PipelineRunner, check_pp, make_schedule
 from pipeline.weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import start_moe_training
 from train_ep import swap_in_expert_parallel

@@ -1,64 +1,115 @@
 """
-train_pp.py: pipeline parallelism over train_single.py. The GPT is cut into contiguous stages of blocks, one
-per rank (or V per rank, interleaved); micro-batches flow forward through the stages and their gradients
-flow back, activations and gradients crossing stage boundaries by point-to-point send/recv.
+train_pp.py: pipeline parallelism over train_single.py. The GPT is cut into p stages of consecutive blocks, one
+per rank: stage 0 also embeds the tokens, stage p-1 also applies ln_f, the LM head and the loss. A step's global
+batch is split into m micro-batches; each flows forward through the stages and its gradient flows back, the
+activations and gradients crossing every stage boundary by point-to-point send/recv.
 
     torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule 1f1b --n_microbatches 8
+    torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule afab --n_microbatches 8
     torchrun --nproc_per_node 2 train_pp.py --pp 2 --pp_schedule interleaved --pp_virtual 2 --n_layer 8
     torchrun --nproc_per_node 4 train_pp.py --pp 4 --pp_schedule dualpipev --pp_virtual 2 --n_microbatches 8
-    python -m pipeline.schedules --pp 4 --n_microbatches 8 --schedule zb1     # just print a schedule
+    python bench/print_schedule.py --pp 4 --n_microbatches 8 --schedule zb1     # just print a schedule
 
-Stage s of S = p*V holds blocks [s*L/S, (s+1)*L/S); stage 0 also embeds, stage S-1 also applies ln_f and
-the LM head with its loss. Stage s is chunk s // p of rank s % p, or in a V (zbv, dualpipev: 2 chunks, rank r
-holds stages r and 2p-1-r) pipeline_schedules.rank_of(s). The tied embedding weight is a copy on the first and
-on the last stage, kept equal by all-reducing its gradient between the two; one Parameter when one rank
-holds both (the V: rank 0). pipeline/tied.py has that handling.
+    rank 0: embed + blocks 0..L/p  --act-->  rank 1  --act-->  ...  rank p-1: blocks .. L, ln_f, head, loss
+                                   <-grad--          <-grad--
 
-Schedules (pipeline/schedules.py has the action lists, the simulator and the pictures;
-pipeline/weight_grads.py the split backward of zb1, zbv and dualpipev), idle share of a step with F = B = W:
-afab (GPipe) and 1f1b (p-1)/(m+p-1); interleaved (p-1)/(V*m+p-1); zb1 (ZB-H1, backward split into
-input-gradient B and weight-gradient W, the Ws filling the bubbles) bubble (p-1)(F+B-W); zbv (ZB-V) and
-dualpipev (DeepSeek-V3's DualPipe, V form) (p-1)/(6m+p-1) in chunk units, zbv's a gapless parallelogram.
-Each stage boundary carries m activations forward and m gradients back per step: a rank sends
-m * b*T*h * c bytes * (2V - [first rank] - [last rank]) (a V: 2m on ranks 0 and p-1, whose p-1 -> p stays
-local, 4m elsewhere; c = 2 under bf16 autocast, else 4, 8 in float64), in the batches of pipeline_schedules.comm_plan:
-NCCL-safe for every schedule (nccl_check.py replays the launches under NCCL's rules; gloo alone cannot tell).
+A schedule is each rank's ordered list of actions: F(mb) runs micro-batch mb forward through the rank's stage,
+B(mb) runs its backward. Simulated for p = 4, m = 4 with F = 1 and B = 2 ('.' = the rank waits):
 
-Loss scaling: the last stage backpropagates loss / m, so gradients equal train_single's for the same global
-batch. Tokens are read by the first and last stage from the deterministic loader, never sent.
-Dropout draws from each rank's own RNG stream, so runs with --dropout > 0 do not match train_single bit for bit.
-Any model (docs/copy_out.md): PipelineRunner runs any stage modules (its docstring: what a stage receives and
-returns); pipeline/stages.py cuts a model that is a chain of modules; stage_views cuts model.py's GPT.
+    afab (GPipe): all forwards, then all backwards
+    rank 0: F0 F1 F2 F3 .  .  .  .  .  .  .  .  .  B0 B0 B1 B1 B2 B2 B3 B3
+    rank 1: .  F0 F1 F2 F3 .  .  .  .  .  .  B0 B0 B1 B1 B2 B2 B3 B3 .  .
+    rank 2: .  .  F0 F1 F2 F3 .  .  .  B0 B0 B1 B1 B2 B2 B3 B3 .  .  .  .
+    rank 3: .  .  .  F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 .  .  .  .  .  .
+    1f1b: warm-up forwards, then one forward / one backward, then cool-down backwards
+    rank 0: F0 F1 F2 F3 .  .  .  .  .  .  B0 B0 .  B1 B1 .  B2 B2 .  B3 B3
+    rank 1: .  F0 F1 F2 .  .  .  .  B0 B0 F3 B1 B1 .  B2 B2 .  B3 B3 .  .
+    rank 2: .  .  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3 .  .  .  .
+    rank 3: .  .  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  .  .  .  .  .
+
+Both leave each rank idle (p-1)(F+B) per step, the time the pipe takes to fill and drain: the bubble is
+(p-1)/(m+p-1) of a step, so more micro-batches shrink it. AFAB holds the activations of all m micro-batches until
+its backwards start; 1F1B starts backwards as soon as the last stage has a loss and holds at most p - rank
+micro-batches.
+
+The other schedules live in pipeline/ (make_schedule below picks one by name): interleaved 1F1B (V stages per rank,
+round-robin: bubble (p-1)/(V*m+p-1)), zb1 (ZB-H1: the backward split into the input gradient B and the weight
+gradient W, the Ws filling the bubbles: (p-1)(F+B-W)), zbv (ZB-V) and dualpipev (DeepSeek-V3's DualPipe, V form):
+2 stages per rank placed in a V, (p-1)/(6m+p-1) in chunk units. pipeline/schedules.py has their action lists,
+the simulator and the pictures; pipeline/weight_grads.py the split backward; pipeline/gpt_stages.py the GPT's
+stages; pipeline/tied.py the embedding shared by the first and the last stage.
+
+Details. Stage s of S = p*V holds blocks [s*L/S, (s+1)*L/S); it is chunk s // p of rank s % p, or in a V rank
+pipeline.schedules.rank_of(s). The tied embedding weight is a copy on the first and on the last stage whose two
+gradients are summed (one Parameter when one rank holds both ends). A rank sends m * b*T*h * c bytes per step
+over each boundary between one of its stages and another rank's, activations forward or gradients back (c = 2
+under bf16 autocast, else 4, 8 in float64). The last stage backpropagates loss / m, so gradients equal
+train_single's for the same global batch. Tokens are read by the first and last stage from the deterministic
+loader, never sent. Dropout draws from each rank's own RNG stream, so runs with --dropout > 0 do not match
+train_single bit for bit. Any model (docs/copy_out.md): PipelineRunner runs any stage modules; pipeline/stages.py
+cuts a chain of modules.
 """
 import contextlib
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.utils.checkpoint import checkpoint as recompute
 
 from common import comm
 from common.comm import COMM, label
-from pipeline.schedules import (SPLIT_BACKWARD, V_SHAPED, Exchange, comm_plan, make_schedule, placement_of,
-                                       rank_of, recvs_of, render, schedule_placement, sends_of, simulate)
+from pipeline.schedules import (SPLIT_BACKWARD, V_SHAPED, Action, Exchange, Schedule, comm_plan, dualpipe_v,
+                                interleaved, placement_of, rank_of, recvs_of, render, schedule_placement, sends_of,
+                                simulate, zb_h1, zb_v)
 from pipeline.stages import SequentialStage, layer_split, pipeline_stages, stages_of_rank   # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the interpreter: runs this rank's action list with its point-to-point traffic
+# the schedules this file teaches: one ordered action list per rank
+
+def afab(p, m, rank):
+    """All forward, all backward (GPipe): every micro-batch's forward, then every backward in the same order (so
+    the gradients add up in train_single's order). Every rank holds all m micro-batches' activations at once."""
+    forwards = [Action("F", mb, 0) for mb in range(m)]
+    backwards = [Action("B", mb, 0) for mb in range(m)]
+    return forwards + backwards
+
+
+def one_f_one_b(p, m, rank):
+    """One forward, one backward: rank r fills the pipe with p-r-1 forwards (warm-up), then runs a forward and the
+    backward of its oldest micro-batch in turn (steady state), then the backwards still owed (cool-down). At most
+    p - r micro-batches are in flight on rank r instead of m; the bubble is AFAB's."""
+    n_warmup = min(p - rank - 1, m)
+    n_steady = m - n_warmup
+    actions = []
+    for mb in range(n_warmup):                   # warm-up: forwards only
+        actions.append(Action("F", mb, 0))
+    for i in range(n_steady):                    # steady state: a new forward, then the oldest backward
+        actions.append(Action("F", n_warmup + i, 0))
+        actions.append(Action("B", i, 0))
+    for mb in range(n_steady, m):                # cool-down: the backwards of the warm-up's micro-batches
+        actions.append(Action("B", mb, 0))
+    return actions
+
+
+def make_schedule(name, p, m, v=1):
+    """Action lists of all p ranks for schedule `name` (pipeline.schedules.SCHEDULES), as a Schedule that knows
+    where its stages sit (round-robin, or a V)."""
+    if name == "interleaved":
+        return Schedule([interleaved(p, m, r, v) for r in range(p)])
+    if v != (2 if name in V_SHAPED else 1):
+        raise ValueError(f"{name} runs {2 if name in V_SHAPED else 1} chunk(s) per rank, not v={v}")
+    gen = {"afab": afab, "1f1b": one_f_one_b, "zb1": zb_h1, "zbv": zb_v, "dualpipev": dualpipe_v}[name]
+    return Schedule([gen(p, m, r) for r in range(p)], placement_of(name))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the stage runner: runs this rank's action list with its point-to-point traffic
 
 class PipelineRunner:
-    """Runs one rank's actions of a schedule over `group` (the pipeline ranks, in stage order).
-
-    The point-to-point traffic follows pipeline_schedules.comm_plan, which every rank derives from every
-    rank's action list: each message goes out in one batch with the receives of its round, and its receiver
-    posts the receive in its batch of the same round (Megatron's send_forward_recv_backward pairing, made
-    general), so under NCCL's one-group-at-a-time rule no batch ever waits on a batch its partner has not
-    reached (nccl_check.py replays the launches to prove it). A batch goes out right after the action that
-    produced its sends and runs while the next actions compute; an action waits only for its own receives. A
-    sent activation's storage is freed once its send completes: backward needs only its autograd graph (the
-    last op, an add, saves nothing).
+    """Runs one rank's actions of a schedule over `group` (the pipeline ranks, in stage order). F receives the
+    previous stage's activations, runs the stage and sends its output on; B receives the gradient of that output,
+    backpropagates it and sends the gradient of the stage's input back. A stage's input and output are held from
+    its F to its B: the in-flight memory the schedule bounds.
 
     The stages (`chunks`: this rank's v stage modules, in chunk order) are called stage(input, targets):
     input is get_batch(mb)'s x on the first stage and the previous stage's output elsewhere; targets is
@@ -67,7 +118,14 @@ class PipelineRunner:
     widened to act_dtype), or on the last stage the mean loss (a scalar). A stage has `first` and `last`. `store`: a
     WeightGradStore, for the schedules with W actions (zb1, zbv, dualpipev); `amp`: a context for each stage call
     (autocast; default none); `action_hook(action)`, when set, a context manager around each action's compute
-    (metrics.ActionTimer times the pipeline's idle share)."""
+    (metrics.ActionTimer times the pipeline's idle share).
+
+    Sends and receives go out in the batches of pipeline.schedules.comm_plan: a message's sender and receiver put
+    it in their batch of the same round, so NCCL, which runs a rank's batches one after another and pairs the k-th
+    send a->b with the k-th receive on b, never waits on a batch its partner has not reached (nccl_check.py
+    replays the launches). A batch goes out right after the action that produced its sends; an action waits only
+    for its own receives. A sent activation's storage is freed once its send completes: backward needs only its
+    autograd graph."""
 
     def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None, act_dtype=None):
         self.chunks, self.group, self.schedules, self.n_micro = chunks, group, schedules, n_micro
@@ -87,7 +145,7 @@ class PipelineRunner:
             raise ValueError("this schedule has W actions (weight gradients computed later): pass store="
                              "WeightGradStore() and defer_weight_grads(stages, store) (pipeline/weight_grads.py)")
 
-    # ---- messages: (what, micro-batch, receiving stage), see pipeline_schedules.sends_of
+    # ---- messages: (what, micro-batch, receiving stage), see pipeline.schedules.sends_of
     def _launch(self, exchange):
         """One batch (one NCCL group): this round's sends, and receives posted for later actions."""
         ops = []
@@ -139,8 +197,7 @@ class PipelineRunner:
         stage = self.chunks[a.chunk]
         x, y = get_batch(a.mb) if (stage.first or stage.last) else (None, None)
         inp = x if stage.first else received[0].requires_grad_()   # a leaf: B sends back its .grad
-        # the stage gets a view: autocast caches its casts of leaves for the whole step (_one_cast_per_step), which
-        # is meant for the weights, not for a micro-batch's input
+        # a view, not the leaf itself: autocast's cache (kept for the whole step) is meant for weights, not inputs
         with self.amp:
             out = stage(inp if stage.first else inp.view_as(inp).to(self.act_dtype), y if stage.last else None)
         if stage.last:
@@ -160,10 +217,9 @@ class PipelineRunner:
             self._send(a, inp.grad)
 
     def _one_cast_per_step(self):
-        """Autocast casts each weight once and caches the copy until its outermost region exits: with a region
-        per forward action, every micro-batch in flight would hold its own 16-bit copy of the stage's weights
-        (m under AFAB). A disabled region around the whole step keeps one cache (one copy per weight, freed at
-        the end of the step) while backward stays outside autocast, as before."""
+        """One 16-bit copy of each weight per step: autocast caches its casts until its outermost region exits, so
+        with a region per forward every micro-batch in flight would hold its own copy (m under AFAB). A disabled
+        region around the whole step keeps one cache while backward stays outside autocast."""
         if isinstance(self.amp, torch.autocast):
             return torch.autocast(self.amp.device, enabled=False)
         return contextlib.nullcontext()
@@ -204,7 +260,8 @@ class PipelineRunner:
     def forward_only(self, x, y, out_shape, act_shape=None):
         """What the last stage returns for one batch through all stages in order, shaped out_shape, on every rank:
         the mean loss (y given), or without targets what the stage returns then (the next token's logits, for
-        sampling: PipelineStage). act_shape: of the activations between stages, when not the training ones'."""
+        sampling: pipeline/gpt_stages.py's PipelineStage). act_shape: of the activations between stages, when not
+        the training ones'."""
         S, loss = self.p * self.v, torch.zeros(out_shape, device=self.device, dtype=self.act_dtype)
         owner = [rank_of(s, self.p, self.placement) for s in range(S)]
         for s in (s for s in range(S) if owner[s] == self.rank):    # this rank's stages, in pipeline order
@@ -222,107 +279,6 @@ class PipelineRunner:
                 comm.send(h.contiguous(), self.peer[owner[s + 1]], group=self.group)
         comm.broadcast(loss, self.peer[self.last_stage_rank], group=self.group)
         return loss
-
-
-# ----------------------------------------------------------------------------------------------------------
-# model.py's GPT cut into stages (this script and train_5d.py): views with the GPT's parameter names
-
-class StageBlocks(nn.ModuleDict):
-    """A stage's blocks keyed by their index in the whole model (parameter names stay transformer.h.5.attn...),
-    iterated in order like GPT's ModuleList: code written for a GPT's blocks (train_tp.apply_tp, train_cp's
-    attention swap, kernels) runs on a stage unchanged."""
-
-    def __iter__(self):
-        return iter(self.values())
-
-
-class PipelineStage(nn.Module):
-    """A view of blocks `layers` of a GPT (its own modules, not copies); the first stage embeds tokens, the
-    last one applies ln_f and the LM head and returns the mean loss. Parameter names are the GPT's. The last
-    stage holds the tied embedding too (as transformer.wte): on another rank than the first stage it is a
-    copy, kept equal by tied_grads_sync."""
-
-    def __init__(self, gpt, layers, first, last):
-        super().__init__()
-        self.cfg, self.first, self.last = gpt.cfg, first, last
-        self.pos = None                          # global positions of this rank's tokens (CP); None: 0..T-1
-        self.transformer = nn.ModuleDict()
-        if first or last:
-            self.transformer["wte"] = gpt.transformer.wte
-        if first:
-            self.transformer["drop"] = gpt.transformer.drop
-        self.transformer["h"] = StageBlocks({str(i): gpt.transformer.h[i] for i in layers})
-        if last:
-            self.transformer["ln_f"] = gpt.transformer.ln_f
-            self.lm_head = gpt.lm_head
-
-    @property
-    def tied(self):
-        """The tied embedding / LM-head weight where this stage holds it (pipeline/tied.py)."""
-        return [self.transformer["wte"].weight] if "wte" in self.transformer else []
-
-    def body(self, x):
-        """Token ids [b, T] (first stage) or the previous stage's activations [b, T, h] -> [b, T, h]."""
-        from model import collect_routing_stats, rope_cache
-        # RoPE needs only global positions: every stage rebuilds the same small table
-        pos = torch.arange(x.shape[1], device=x.device) if self.pos is None else self.pos
-        rope = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base, next(self.parameters()).dtype)
-        if self.first:
-            x = self.transformer["drop"](self.transformer["wte"](x))
-        for block in self.transformer["h"]:
-            full = self.cfg.recompute == "full" and self.training
-            x = recompute(block, x, rope, use_reentrant=False) if full else block(x, rope)
-        if self.training:
-            collect_routing_stats(self.transformer["h"])     # MoE blocks: this forward's routing, counted once
-        return x
-
-    def forward(self, x, targets=None):
-        """The activations for the next stage, or on the last stage the mean loss over the micro-batch (without
-        targets: the logits of the last position, [b, padded vocab], what sampling needs)."""
-        x = self.body(x)
-        if not self.last:
-            return x
-        if targets is None:
-            return self.lm_head(self.transformer["ln_f"](x[:, -1]))[0]
-        return self.lm_head(self.transformer["ln_f"](x), targets)[1]
-
-
-def stage_views(gpt, rank, p, v, placement="loop"):
-    """This rank's V chunks (stages rank, rank+p, ...; in a V rank and 2p-1-rank) of `gpt`: PipelineStage views."""
-    return nn.ModuleList([PipelineStage(gpt, layers, first, last)
-                          for _, layers, first, last in stages_of_rank(gpt.cfg.n_layer, rank, p, v, placement)])
-
-
-def build_stages(gcfg, rank, p, v, seed, device, dtype=torch.float32, placement="loop"):
-    """This rank's V chunks of a GPT built on the meta device: only their parameters get memory, each filled
-    from model.init_parameter (the same values as train_single's), in dtype."""
-    from common.training import materialize
-    from model import GPT, init_weights
-    with torch.device("meta"):
-        gpt = GPT(gcfg, seed=seed)
-    chunks = materialize(stage_views(gpt, rank, p, v, placement), device, dtype)
-    for chunk in chunks:
-        init_weights(chunk, seed)                # by name: a stage's names are the GPT's
-    return chunks
-
-
-class PipelineSampler:
-    """model.py's generate through the pipeline: every token is one forward of all stages in order, its logits
-    broadcast from the last stage, so that every rank draws the same token with the same seed."""
-
-    def __init__(self, runner, chunks, gcfg):
-        self.runner, self.chunks, self.cfg = runner, chunks, gcfg
-
-    def eval(self):
-        self.chunks.eval()
-
-    def next_logits(self, ids):
-        b, t = ids.shape
-        return self.runner.forward_only(ids, None, (b, self.cfg.padded_vocab_size), (b, t, self.cfg.n_embd))
-
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        from model import generate
-        return generate(self.next_logits, idx, max_new_tokens, self.cfg, temperature, top_k)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -379,11 +335,13 @@ def extra_args(parser):
 
 
 def main(argv=None):
-    # the script's plumbing, imported here: the building blocks above need only torch, comm.py, pipeline_schedules
+    # the script's plumbing and the GPT's stages, imported here: the building blocks above need only torch,
+    # comm.py and pipeline/'s schedules.py and stages.py
     from common.config import parse_config
     from common.distributed import init_distributed
     from common.metrics import ActionTimer, MetricsLogger
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
+    from pipeline.gpt_stages import PipelineSampler, build_stages
     from pipeline.tied import clip_stage_grads, tied_grads_sync, tied_pair_group
     from pipeline.weight_grads import WeightGradStore, defer_weight_grads
     from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,

@@ -27,8 +27,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from pipeline.schedules import (Action, make_schedule, placement_of, recvs_of, simulate, stage_of,  # noqa: E402
+from pipeline.schedules import (Action, placement_of, recvs_of, simulate, stage_of,  # noqa: E402
                                 theory_idle_fraction)
+from train_pp import make_schedule                                                 # noqa: E402
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb1", "zbv", "dualpipev")
 CONFIGS = ((2, 4), (2, 8), (4, 8), (4, 16))        # (p, m)

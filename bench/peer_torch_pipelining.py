@@ -1,5 +1,5 @@
 """
-bench/peer_torch_pipelining.py: the peer of train_pp.py. The same stages (train_pp.build_stages: same split,
+bench/peer_torch_pipelining.py: the peer of train_pp.py. The same stages (pipeline/gpt_stages.build_stages: same split,
 same initial weights, same tied-embedding gradient sync), data, optimizer and loop, with the schedule run by
 torch.distributed.pipelining (ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B / ScheduleZBVZeroBubble /
 ScheduleDualPipeV, the last two on train_pp's V placement) instead of by our action-list interpreter; writes
@@ -33,7 +33,8 @@ from model import flops_per_token                                     # noqa: E4
 from common.optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
 from pipeline.schedules import V_SHAPED, placement_of, rank_of, stage_of   # noqa: E402
 from pipeline.tied import clip_stage_grads, tied_grads_sync, tied_pair_group  # noqa: E402
-from train_pp import build_stages, extra_args, n_microbatches, validate        # noqa: E402
+from pipeline.gpt_stages import build_stages                                   # noqa: E402
+from train_pp import extra_args, n_microbatches, validate                      # noqa: E402
 from common.training import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
 
 SCHEDULES = {"afab": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,

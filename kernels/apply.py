@@ -159,7 +159,7 @@ def apply_kernels(model, mode="auto"):
                     print(f"kernels: {name}.{child_name} keeps sdpa (attention dropout is not in the kernel)")
                 else:
                     setattr(module, child_name, FlashAttentionCore(mode))
-    # the blocks: a GPT's ModuleList, or a pipeline stage's blocks (train_pp.StageBlocks, a ModuleDict)
+    # the blocks: a GPT's ModuleList, or a pipeline stage's blocks (pipeline.gpt_stages.StageBlocks, a ModuleDict)
     for blocks in [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]:
         for key, block in list(blocks._modules.items()):
             if type(block) is not Block or not _plain_mlp(block.mlp, MLP):

@@ -1,24 +1,23 @@
 """
-pipeline/schedules.py: the pipeline schedules of train_pp.py as plain action lists, and a simulator that
-replays them to count bubbles and in-flight micro-batches. Needs only the standard library.
+pipeline/schedules.py: the pipeline schedules beyond train_pp.py's AFAB and 1F1B (interleaved, zb1, zbv,
+dualpipev) as plain action lists, what every schedule's ranks send each other (comm_plan), and a simulator that
+replays the lists to count bubbles and in-flight micro-batches. Needs only the standard library.
 
-    python -m pipeline.schedules --pp 4 --n_microbatches 8 --schedule 1f1b     # print the timeline
+    python bench/print_schedule.py --pp 4 --n_microbatches 8 --schedule zb1     # print the timeline
 
 A schedule is, for every pipeline rank, the ordered list of what it does in one optimizer step:
 Action(kind, mb, chunk) with kind F (forward), B (backward) or W (weight gradient). Schedules without W
 actions do the whole backward in B; zb1 splits it into B (input gradient, on the critical path) and W
-(weight gradient, which nothing downstream waits for, so it can fill the bubbles).
+(weight gradient, which nothing downstream waits for, so it can fill the bubbles). train_pp.make_schedule
+builds any of them by name.
 With V chunks per rank the model is cut into p*V stages; stage_of says which: dealt out round-robin
 (placement "loop", virtual stage s = chunk * p + rank: stage 0 on rank 0, stage p on rank 0 again, ...), or
 in a V for zbv and dualpipev (below).
 comm_plan turns the action lists into what each rank launches: its actions with batches of sends and
 receives between them, ordered so that NCCL's one-group-at-a-time rule can never deadlock.
 
-    1f1b, p=4, m=8, F=B=W=1 (a full backward lasts 2):     bubble = (p-1)(F+B+W) per rank
-    rank 0: F0 F1 F2 F3 .  .  .  .  .  .  B0 B0 F4 B1 B1 F5 ...
-    rank 3: .  .  .  F0 B0 B0 F1 B1 B1 F2 ...
-Idle fraction of a step: (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(V*m+p-1) interleaved (bubble / V);
-zb1's bubble is (p-1)(F+B-W), with at most p micro-batches in flight per rank like 1f1b.
+Idle fraction of a step with F = B = W: (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(V*m+p-1) interleaved
+(bubble / V); zb1's bubble is (p-1)(F+B-W), with at most p micro-batches in flight per rank like 1f1b.
 
 zbv and dualpipev place 2 chunks per rank in a V (placement "v"): rank r holds stages r and 2p-1-r, so the
 activations run down the ranks and back up, stage p-1 -> p stays on rank p-1, and the first and last stage
@@ -39,12 +38,11 @@ activations run down the ranks and back up, stage p-1 -> p stays on rank p-1, an
     rank 0: F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 F3.0 B0.0 W0.0 ... W3.0 .
     rank 1: .    F0.0 F0.1 F1.0 F1.1 B0.1 W0.1 F2.0 B0.0 W0.0 F2.1 B1.1 ... W3.0
 """
-import argparse
 from collections import Counter, defaultdict, namedtuple
 
 Action = namedtuple("Action", "kind mb chunk")
 Exchange = namedtuple("Exchange", "ops")     # one batch of point-to-point ops: ((kind, peer rank, message), ...)
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb1", "zbv", "dualpipev")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb1", "zbv", "dualpipev")   # by name: train_pp.make_schedule
 V_SHAPED = ("zbv", "dualpipev")                  # 2 chunks per rank, placed in a V (stage_of)
 SPLIT_BACKWARD = ("zb1", "zbv", "dualpipev")     # with W actions: pipeline/weight_grads.py's deferred dW
 
@@ -67,22 +65,7 @@ def schedule_placement(schedules):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the generators: one ordered action list per rank
-
-def afab(p, m, rank):
-    """GPipe: all forwards, then all backwards (in the same micro-batch order, so grads sum in order)."""
-    return [Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
-
-
-def one_f_one_b(p, m, rank):
-    """Warm-up of p-rank-1 forwards, then one forward / one backward, then the remaining backwards.
-    At most p-rank micro-batches are in flight instead of m."""
-    warmup = min(p - rank - 1, m)
-    acts = [Action("F", i, 0) for i in range(warmup)]
-    for i in range(m - warmup):
-        acts += [Action("F", warmup + i, 0), Action("B", i, 0)]
-    return acts + [Action("B", i, 0) for i in range(m - warmup, m)]
-
+# the generators beyond AFAB and 1F1B (train_pp.py): one ordered action list per rank
 
 def interleaved(p, m, rank, v):
     """1F1B over V chunks per rank (Megatron's order): micro-batches go through a chunk in groups of p,
@@ -194,16 +177,6 @@ def dualpipe_v(p, m, rank):
     while late:
         late_w()
     return s.actions
-
-
-def make_schedule(name, p, m, v=1):
-    """Action lists of all p ranks, as a Schedule that knows its placement."""
-    if name == "interleaved":
-        return Schedule([interleaved(p, m, r, v) for r in range(p)])
-    if v != (2 if name in V_SHAPED else 1):
-        raise ValueError(f"{name} runs {2 if name in V_SHAPED else 1} chunk(s) per rank, not v={v}")
-    gen = {"afab": afab, "1f1b": one_f_one_b, "zb1": zb_h1, "zbv": zb_v, "dualpipev": dualpipe_v}[name]
-    return Schedule([gen(p, m, r) for r in range(p)], placement_of(name))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -354,22 +327,3 @@ def render(sim, v=1):
         cells.append(row)
     width = max(len(c) for row in cells for c in row)
     return "\n".join(f"rank {r}: " + " ".join(c.ljust(width) for c in row) for r, row in enumerate(cells))
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description="Print a pipeline schedule and its simulated bubble.")
-    ap.add_argument("--pp", type=int, default=4)
-    ap.add_argument("--n_microbatches", type=int, default=8)
-    ap.add_argument("--pp_virtual", type=int, default=2)
-    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    a = ap.parse_args(argv)
-    v = a.pp_virtual if a.schedule == "interleaved" else 2 if a.schedule in V_SHAPED else 1
-    sim = simulate(make_schedule(a.schedule, a.pp, a.n_microbatches, v), a.pp, v)
-    print(render(sim, v))
-    print(f"idle fraction {sim['idle'][0] / sim['makespan']:.3f} (theory "
-          f"{theory_idle_fraction(a.schedule, a.pp, a.n_microbatches, v):.3f}), "
-          f"peak in flight per rank {sim['peak_in_flight']}")
-
-
-if __name__ == "__main__":
-    main()

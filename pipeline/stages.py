@@ -6,7 +6,7 @@ train_pp.PipelineRunner runs: stage(input, targets) -> the activations, on the l
     stages = pipeline_stages([embed], blocks, [norm, head], rank, p, loss_fn=loss_fn)   # this rank's stages
 
 Stage s of S = p*V holds blocks layer_split(L, S)[s]; stage s is chunk s // p of rank s % p, or in a V (zbv,
-dualpipev) pipeline_schedules.rank_of(s). A weight that the first and the last stage share (a tied embedding
+dualpipev) pipeline.schedules.rank_of(s). A weight that the first and the last stage share (a tied embedding
 and LM head) is found by identity and listed in each holder's `tied` (pipeline/tied.py keeps its copies equal).
 """
 import torch

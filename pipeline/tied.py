@@ -1,8 +1,8 @@
 """
 pipeline/tied.py: a tied weight (an embedding and LM head, one Parameter) of a model cut into pipeline stages
 (train_pp.py, and train_5d.py through it). A stage lists what it shares in `tied`: pipeline/stages.py's
-SequentialStage finds it by identity (what `before` and `after` both hold), train_pp's PipelineStage is model.py's
-GPT's wte.
+SequentialStage finds it by identity (what `before` and `after` both hold), pipeline/gpt_stages.py's PipelineStage is
+model.py's GPT's wte.
 
 The tie joins the first stage to the last. Where the two stages sit on different ranks (round-robin placement,
 p > 1), each rank holds a copy; summing the two gradients keeps the copies equal (identical grads + identical

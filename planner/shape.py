@@ -23,9 +23,9 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 from common.errors import check
-from pipeline.schedules import (afab, dualpipe_v, interleaved, one_f_one_b, placement_of, stage_of, zb_h1,
-                                       zb_v)
+from pipeline.schedules import dualpipe_v, interleaved, placement_of, stage_of, zb_h1, zb_v
 from model import GPTConfig
+from train_pp import afab, one_f_one_b
 
 
 def kv_dim(job):

@@ -8,7 +8,7 @@ import pytest
 
 from distributed_helper import run_workers
 from common.metrics import read_metrics
-from pipeline.schedules import make_schedule
+from train_pp import make_schedule
 from test_5d import HEADS, H, T, VOCAB, expected_bytes_by_axis
 from train_helpers import MODELS, assert_exact, curves, losses, run_single, text_argv
 

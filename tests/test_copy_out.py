@@ -333,7 +333,7 @@ def run_on_gloo(rank, world, port, out, work, one_process):
     got = work()
     dist.barrier()                                 # both ranks done before either leaves the group
     dist.destroy_process_group()
-    copied = sorted(m for m in sys.modules if m.split(".")[0] in ("common", "model", "config", "data")
+    copied = sorted(m for m in sys.modules if m.split(".")[0] in ("common", "pipeline", "model", "config", "data")
                     or m.startswith("train_"))
     if rank == 0:
         with open(out, "w") as f:
@@ -457,8 +457,7 @@ def cp(layout):
 
 def pp_1f1b():
     from common.comm import broadcast, clip_grad_norm
-    from pipeline.schedules import make_schedule
-    from train_pp import PipelineRunner, pipeline_stages
+    from train_pp import PipelineRunner, make_schedule, pipeline_stages
     model, losses, norms, m = build(), [], [], 4
     micro = GLOBAL // m
     stages = pipeline_stages([model.tok_embeddings], list(model.layers), [model.norm, model.output], rank, world,
@@ -679,9 +678,8 @@ def cp(layout, tied, attn):
 def pp_1f1b(tied, attn):
     from transformers.masking_utils import create_causal_mask
     from common.comm import broadcast
-    from pipeline.schedules import make_schedule
     from pipeline.tied import clip_stage_grads, tied_grads_sync, tied_pair_group
-    from train_pp import PipelineRunner, pipeline_stages
+    from train_pp import PipelineRunner, make_schedule, pipeline_stages
     model, losses, norms, m = build(tied, attn), [], [], 4
     inner, size = model.model, GLOBAL // m
 
@@ -790,6 +788,12 @@ def run_user_project(path, run, world=2, timeout=300, script="train.py"):
         return json.load(f)
 
 
+def copied_modules(files):
+    """The modules a copy of `files` holds: each file's, and the folders above it (packages without __init__.py)."""
+    names = {f[:-3].replace("/", ".") for f in files}
+    return names | {n.rsplit(".", k)[0] for n in names for k in range(1, n.count(".") + 1)}
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_copied_blocks_train_a_foreign_model_like_one_process(tmp_path, name):
     row, run = RUNS[name]
@@ -799,7 +803,7 @@ def test_copied_blocks_train_a_foreign_model_like_one_process(tmp_path, name):
         assert len(got) == len(ref) == 5
         for step, (a, b) in enumerate(zip(ref, got)):
             assert abs(a - b) <= EXACT * abs(a), f"{name}, step {step}: {what} {b!r} vs one process {a!r}"
-    copied = {f[:-3].replace("/", ".") for f in files} | {"common"}
+    copied = copied_modules(files) | {"common"}
     assert set(result["modules"]) <= copied | {"model", "data"}, result["modules"]   # nothing that was not copied
 
 
@@ -817,5 +821,5 @@ def test_copied_blocks_train_transformers_models_like_one_process(tmp_path, name
             assert len(got) == len(ref) == 4
             for step, (a, b) in enumerate(zip(ref, got)):
                 assert abs(a - b) <= EXACT * abs(a), f"{name} #{variant}, step {step}: {what} {b!r} vs {a!r}"
-    copied = {f[:-3].replace("/", ".") for f in files} | {"common"}
+    copied = copied_modules(files) | {"common"}
     assert set(result["modules"]) == copied | {"data"}, result["modules"]   # the row's files, all of them used

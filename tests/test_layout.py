@@ -41,14 +41,32 @@ def test_root_is_the_ladder():
     assert len(root_py) <= 11, sorted(root_py)
 
 
+def rung_names_imported(path):
+    """(rung, name) for each name a file imports from a train_* rung; (rung, None) for a whole-module import."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            found.update((a.name, None) for a in node.names if a.name.startswith("train_"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("train_"):
+            found.update((node.module, a.name) for a in node.names)
+    return found
+
+
 def test_the_package_imports_no_lesson():
+    """common/, kernels/ and pipeline/ import no lesson; planner/ (plan.py's model) imports only a rung's building
+    blocks (train_pp.py's schedules), by name: never a rung's main, nor plan.py or collectives.py."""
     modules = project_modules()
     lessons = {m for m in modules if "." not in m and m != "kernels" and (m.startswith("train_") or m in LESSONS)}
     lessons.discard("model")                      # the one GPT: plumbing may build it (checkpoints, planner)
     for module, path in modules.items():
-        if module.startswith(("common", "kernels", "planner", "pipeline")):
+        if module.startswith(("common", "kernels", "pipeline")):
             bad = imports_of(path, modules) & lessons
             assert not bad, f"{module} imports {sorted(bad)}"
+        elif module.startswith("planner"):
+            bad = {m for m in imports_of(path, modules) & lessons if not m.startswith("train_")}
+            assert not bad, f"{module} imports {sorted(bad)}"
+            mains = {(rung, name) for rung, name in rung_names_imported(path) if name in (None, "main", "*")}
+            assert not mains, f"{module} imports more of a rung than its building blocks: {sorted(mains, key=str)}"
 
 
 def test_comm_imports_only_torch_and_the_stdlib():

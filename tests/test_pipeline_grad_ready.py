@@ -93,7 +93,8 @@ def test_buckets_launch_after_the_backward_that_completes_them(tiny_data, tmp_pa
 def test_last_grad_writers(name, v):
     """Each chunk's gradients are final after its last B, or its last W under a split backward."""
     from compose.grad_ready import last_grad_writers
-    from pipeline.schedules import SPLIT_BACKWARD, make_schedule
+    from pipeline.schedules import SPLIT_BACKWARD
+    from train_pp import make_schedule
     for actions in make_schedule(name, 2, 4, v):
         last = last_grad_writers(actions)
         kind = "W" if name in SPLIT_BACKWARD else "B"

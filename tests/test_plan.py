@@ -185,7 +185,8 @@ def test_korthikanti_cases():
 def simulated_schedules(schedule):
     """(p, m, v, pipeline_schedules.simulate's result) for p = 2..6 and every m the schedule takes (train_5d's
     validate: m >= p except afab and zbv, m % p == 0 interleaved, m >= 2p dualpipev)."""
-    from pipeline.schedules import make_schedule, simulate
+    from pipeline.schedules import simulate
+    from train_pp import make_schedule
     v = dict(interleaved=2, zbv=2, dualpipev=2).get(schedule, 1)
     for p in range(2, 7):
         for m in range(1, 4 * p + 2):
@@ -213,10 +214,10 @@ def test_pipeline_in_flight_and_bubble_equal_the_simulator(schedule):
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_v_placement_states_match_the_stages(schedule):
-    """In a V rank r holds stages r and 2p-1-r (train_pp.stage_views): plan's parameter count per rank equals the
+    """In a V rank r holds stages r and 2p-1-r (pipeline.gpt_stages.stage_views): plan's parameter count per rank equals the
     views' (rank 0 holds the embedding once, tied, with ln_f), and the ranks together hold the model once."""
     from pipeline.schedules import placement_of
-    from train_pp import stage_views
+    from pipeline.gpt_stages import stage_views
     cfg = GPTConfig(vocab_size=100, n_layer=8, n_head=4, n_embd=32)
     with torch.device("meta"):
         gpt = GPT(cfg)

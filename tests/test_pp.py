@@ -22,7 +22,8 @@ def gather_full_state(chunks, gcfg, group, v, device, placement="loop"):
     import torch.distributed as dist
     from common import comm
     from model import GPT
-    from train_pp import PipelineStage, layer_split
+    from pipeline.gpt_stages import PipelineStage
+    from pipeline.stages import layer_split
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     ranges, full = layer_split(gcfg.n_layer, p * v), {}
     with torch.device("meta"):

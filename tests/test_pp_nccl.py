@@ -8,8 +8,8 @@ import pytest
 
 from distributed_helper import recorded_runs, run_workers
 from common.nccl_check import check, first_ops, replay
-from pipeline.schedules import (SCHEDULES, V_SHAPED, Exchange, comm_plan, make_schedule, message_order,
-                                recvs_of, sends_of)
+from pipeline.schedules import SCHEDULES, V_SHAPED, Exchange, comm_plan, message_order, recvs_of, sends_of
+from train_pp import make_schedule
 from train_helpers import tiny_argv
 
 H, T = 32, 16                                   # tiny_argv's n_embd and block_size

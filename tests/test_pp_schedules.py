@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.schedules import (SCHEDULES, SPLIT_BACKWARD, V_SHAPED, Action, make_schedule, message_order,
-                                peak_in_flight, rank_of, render, sends_of, simulate, stage_of,
-                                theory_idle_fraction)
+from pipeline.schedules import (SCHEDULES, SPLIT_BACKWARD, V_SHAPED, Action, message_order, peak_in_flight,
+                                rank_of, render, sends_of, simulate, stage_of, theory_idle_fraction)
+from train_pp import make_schedule
 
 
 def configs(name):

@@ -13,7 +13,7 @@ step are ZeRO-3's formula (train_zero), or the unfused layout's (train_5d, whose
 asserts)."""
 from distributed_helper import run_workers
 from common.metrics import read_metrics
-from pipeline.schedules import make_schedule
+from train_pp import make_schedule
 from train_helpers import MODELS, TRITON_TWO_STEPS, assert_exact, curves, text_argv
 
 
