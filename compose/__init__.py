@@ -1,10 +1,11 @@
 """
 compose/: the composition wing. What exists only because two techniques meet lives here, not in either rung:
-train_5d.py imports it, and no rung's building blocks do.
+train_5d.py imports it (a rung's script part may too), and no rung's building blocks do.
 
     grad_ready.py              DP's buckets launched by the pipeline schedule's last backward writing them
     kept_units.py              ZeRO-3 units kept gathered from a zero-bubble B until the W that reads them
     partition_activations.py   ZeRO-R's Pa under TP: 1/tp of each recomputed block's input kept, gathered back
     fp8_tp.py                  FP8 GEMMs inside tensor-parallel layers (amax reductions over tp)
     fp8_gather.py              ZeRO-3's all-gather in FP8
+    cp_kernels.py              CP's block attention on the fused kernels (aten's flash pair, Triton's, the CPU's)
 """
