@@ -20,9 +20,9 @@ each rank) and take one last hop home. allgather (Llama 3): K/V all-gathered, lo
 can see, dK/dV reduce-scattered in fp32. Bytes sent per layer and micro-batch (KV = this rank's K and V, in the
 compute dtype, dKV = the same in fp32): ring and zigzag (cp-1)*KV forward, (cp-1)*KV + cp*KV backward;
 allgather (cp-1)*(2*KV + dKV). Plus the all-reduce of every gradient over CP, 2(cp-1)/cp * 4N bytes.
-Block attention: any (forward, backward) pair of PLAIN_TORCH's signatures, PLAIN_TORCH by default; --kernels picks
-a fused one (compose/cp_kernels.py). K/V may have fewer heads than Q (grouped-query attention): they travel with
-their own heads. Any model (docs/copy_out.md): swap_modules puts the core in place of the modules named.
+Block attention: any (forward, backward) pair of PLAIN_TORCH's signatures (--kernels picks a fused one in
+compose/cp_kernels.py). K/V may have fewer heads than Q (grouped-query attention): they travel with their own
+heads. Any model (docs/copy_out.md): swap_modules puts the core in place of the modules named.
 """
 import functools
 import time
