@@ -20,11 +20,9 @@ each rank) and take one last hop home. allgather (Llama 3): K/V all-gathered, lo
 can see, dK/dV reduce-scattered in fp32. Bytes sent per layer and micro-batch (KV = this rank's K and V, in the
 compute dtype, dKV = the same in fp32): ring and zigzag (cp-1)*KV forward, (cp-1)*KV + cp*KV backward;
 allgather (cp-1)*(2*KV + dKV). Plus the all-reduce of every gradient over CP, 2(cp-1)/cp * 4N bytes.
-Block attention: the plain-torch reference pair below, torch's fused CPU kernel on CPU, aten's flash or
-memory-efficient kernels on CUDA (kernels/attention_lse.py; --kernels torch: the reference), or with --kernels
-triton kernels/flash_attention.py's pair (same signatures). K/V may have fewer heads than Q (grouped-query
-attention): they travel with their own heads. Any model (docs/copy_out.md): swap_modules puts the core in place
-of the modules named; swap_attention_cores names model.py's.
+Block attention: any (forward, backward) pair of PLAIN_TORCH's signatures (--kernels picks a fused one in
+compose/cp_kernels.py). K/V may have fewer heads than Q (grouped-query attention): they travel with their own
+heads. Any model (docs/copy_out.md): swap_modules puts the core in place of the modules named.
 """
 import functools
 import time
@@ -69,11 +67,7 @@ def attention_backward(dout, q, k, v, out, lse, causal):
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
 
 
-PLAIN_TORCH = (attention_forward, attention_backward)   # kernels/flash_attention.py has the same pair
-# torch's fused CPU attention exposes the same pair as (private) aten ops: ~9x faster than PLAIN_TORCH on CPU
-SDPA_CPU = (lambda q, k, v, causal: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal),
-            lambda do, q, k, v, o, lse, causal: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                do, q, k, v, o, lse, 0.0, causal))
+PLAIN_TORCH = (attention_forward, attention_backward)   # the seam: any pair of these signatures can run instead
 
 
 def merge_partial(out, lse, block_out, block_lse):
@@ -369,18 +363,10 @@ def allreduce_grads(params, group):
 # the script
 
 def block_attention_kernel(kernels, device, dtype, head_dim):
-    """The (forward, backward) pair the block attention runs, for --kernels `kernels` (this script and
-    train_5d.py): triton, the Triton flash kernel; on CPU, torch's fused CPU kernel; on CUDA, aten's flash /
-    memory-efficient pair (kernels/attention_lse.py), which never holds a [Tq, Tk] score matrix, unless --kernels
-    torch asks for the plain-torch reference (or none applies: float64)."""
-    from kernels.attention_lse import fused_block_attention
-    from kernels.flash_attention import flash_attention_backward, flash_attention_forward
-    if kernels == "triton":
-        return flash_attention_forward, flash_attention_backward
-    if device.type == "cpu":
-        return SDPA_CPU
-    fused = None if kernels == "torch" else fused_block_attention(device, dtype, head_dim)
-    return fused or PLAIN_TORCH
+    """The (forward, backward) pair the block attention runs for --kernels `kernels` (this script and train_5d.py):
+    the fused pair compose/cp_kernels.py picks, else the plain-torch reference."""
+    from compose.cp_kernels import fused_block_kernel
+    return fused_block_kernel(kernels, device, dtype, head_dim) or PLAIN_TORCH
 
 
 def validate(cfg):

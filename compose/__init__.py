@@ -1,6 +1,6 @@
 """
 compose/: the composition wing. What exists only because two techniques meet lives here, not in either rung:
-train_5d.py imports it, and no rung's building blocks do.
+train_5d.py imports it (a rung's script part may too), and no rung's building blocks do.
 
     grad_ready.py              DP's buckets launched by the pipeline schedule's last backward writing them
     kept_units.py              ZeRO-3 units kept gathered from a zero-bubble B until the W that reads them
@@ -11,4 +11,5 @@ train_5d.py imports it, and no rung's building blocks do.
     zero_pipeline.py           ZeRO-1/2 shards and ZeRO-3 units inside a pipeline (the tied weight's copies lined up)
     ep_grid.py                 experts on the grid: router metrics summed over the right ranks, checkpoint writers
     whole_model.py             the whole model gathered over ep and pp for the end-of-run sample
+    cp_kernels.py              CP's block attention on the fused kernels (aten's flash pair, Triton's, the CPU's)
 """
