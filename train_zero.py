@@ -75,7 +75,7 @@ class Shard:
                            for p, off in zip(params, self.offsets)
                            if p.dim() >= 2 and off < self.hi and off + p.numel() > self.lo]
         self.handle, self.in_backward, self.wire_dtype = None, False, None
-        self.all_gather = all_gather_as                 # how gather() fills `full` (FP8 units: compose/fp8_gather.py)
+        self.all_gather = all_gather_as                 # how gather() fills `full` (a wrapper may gather otherwise)
         if stage == 3:
             self.full.untyped_storage().resize_(0)      # at rest: only the shard
 

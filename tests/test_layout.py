@@ -1,8 +1,10 @@
 """The shape a reader meets: the root is the ladder (model.py, the train_*.py rungs, plan.py, collectives.py), the
-shared plumbing sits in common/ and never imports a rung, and no module imports itself back through others.
+shared plumbing sits in common/ and never imports a rung, no module imports itself back through others, a rung's
+building blocks teach its own technique only (later ones live in compose/), and every file keeps its budget.
 Read from the source (every module's import statements), nothing is run."""
 import ast
 import os
+import re
 
 from conftest import ROOT
 
@@ -93,3 +95,60 @@ def test_no_import_cycle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+RUNGS = ("train_ddp", "train_zero", "train_tp", "train_cp", "train_pp", "train_ep")
+LATER = ("kernels", "compose")                 # what a rung's building blocks never import
+PLUMBING = ("common", "planner", "pipeline", "compose")
+
+
+def building_blocks(rung):
+    """A rung's building blocks: its source below the module docstring and above the script part (the line
+    `# ... the script`), where main, its flags and its checks begin."""
+    source = open(os.path.join(ROOT, f"{rung}.py")).read()
+    body = source[len(ast.get_docstring(ast.parse(source), clean=False) or "") + 6:]
+    lines = body.splitlines()
+    end = next(i for i, line in enumerate(lines) if re.fullmatch(r"# [- ]*the script", line.strip()))
+    return "\n".join(lines[:end])
+
+
+def test_building_blocks_import_no_kernels_or_wing():
+    """A later technique extends a rung from its own file: the rung's blocks never reach into kernels/ or compose/."""
+    for rung in RUNGS:
+        imported = set()
+        for node in ast.walk(ast.parse(building_blocks(rung))):
+            if isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+        bad = sorted(m for m in imported if m.split(".")[0] in LATER)
+        assert not bad, f"{rung}'s building blocks import {bad}"
+
+
+def test_building_blocks_mention_no_later_chapter():
+    """No slot, argument or comment for FP8, the zero-bubble weight store or partitioned activations in a rung's
+    blocks: those live where the techniques meet (compose/)."""
+    later = re.compile(r"fp8|float8|weight_grad|partition_activations|partitioned activations", re.IGNORECASE)
+    for rung in RUNGS:
+        text = building_blocks(rung)
+        if rung == "train_pp":                 # zero bubble is a pipeline schedule: its runner runs W actions
+            text = re.sub(r"WeightGradStore|weight_grads", "", text)
+        found = sorted(set(later.findall(text)))
+        assert not found, f"{rung}'s building blocks mention {found}"
+
+
+def test_files_within_budget():
+    """Rungs <= 450 lines, train_5d.py <= 350 (its main is the order of apply calls), every other module <= 400."""
+    for module, path in project_modules().items():
+        limit = 350 if module == "train_5d" else 450 if module.startswith("train_") else 400
+        n = len(open(path).read().splitlines())
+        assert n <= limit, f"{path}: {n} lines, budget {limit}"
+
+
+def test_model_and_kernels_import_no_plumbing():
+    """The floors below the plumbing: model.py (plain torch) and kernels/ (which imports only model.py)."""
+    modules = project_modules()
+    for module, path in modules.items():
+        if module == "model" or module.split(".")[0] == "kernels":
+            bad = sorted(m for m in imports_of(path, modules) if m.split(".")[0] in PLUMBING)
+            assert not bad, f"{module} imports {bad}"
