@@ -80,6 +80,7 @@ from train_pp import PipelineRunner, check_pp, stage_views
 from compose.grad_ready import GradsReadyBySchedule
 from pipeline.tied import tied_copy, tied_grads_sync, tied_weight
 from compose.kept_units import free_after_w
+from compose.tp_gemms import with_gemm_slots
 from pipeline.weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import end_moe_step, router_metrics, start_moe_training
 from train_ep import ExpertDataParallelGrads, is_expert_param, swap_in_expert_parallel
@@ -520,6 +521,7 @@ def main(argv=None):
         apply_kernels_and_fp8(chunk, cfg, env.device)
     store = WeightGradStore() if cfg.pp_schedule in SPLIT_BACKWARD else None
     if store is not None:
+        with_gemm_slots(chunks)       # train_tp's layers take the store too (compose/tp_gemms.py)
         defer_weight_grads(chunks, store)
     compiled(chunks, cfg, [b for chunk in chunks for b in chunk.transformer["h"]])   # by block, in ZeRO-3's hooks
     act_shape = (micro, len(pos) // (cfg.tp if cfg.sp else 1), cfg.n_embd)

@@ -4,7 +4,6 @@ train_tp.py: tensor parallelism (Megatron-LM) and sequence parallelism, over tra
     torchrun --nproc_per_node 2 train_tp.py --tp 2                  # heads and MLP columns split over 2 ranks
     torchrun --nproc_per_node 4 train_tp.py --tp 4 --sp             # + LayerNorm/dropout regions split by sequence
     torchrun --nproc_per_node 2 train_tp.py --tp 2 --tp_overlap     # grad all-reduce overlaps the grad-weight matmul
-    torchrun --nproc_per_node 2 train_tp.py --tp 2 --sp --fp8 rowwise --kernels triton   # FP8 GEMMs, fused kernels
 
 Every weight matrix is split over the tp ranks so that one block needs two all-reduces forward, two backward:
 
@@ -21,17 +20,9 @@ T/tp of the sequence. f becomes an all-gather along the sequence and g a reduce-
 reduce-scatter then an all-gather, so the forward moves the same bytes. The column layers keep only their input
 shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
---partition_activations (ZeRO-R's Pa, compose/partition_activations.py), with --recompute full and without SP: a
-block then keeps only its input for backward, and TP leaves that input replicated. Pa keeps 1/tp of it per rank:
-    forward  block i    rank r: x (all of it) -> block -> keeps x_r (1/tp of x, flattened)
-    backward block i    all-gather x_0 .. x_tp-1 -> x -> recompute block i -> its backward -> free x
-One all-gather of the input per block and micro-batch, 1/12 of TP's own 6 all-reduces there (2 forward, 2
-recomputed, 2 backward). --offload_activations parks x_r in host memory, copied back during block i+1's recompute.
-SP makes Pa unnecessary: between blocks the activations are already cut by sequence (T/tp each), so the block input
-is kept split at no cost, and its all-gather is the one SP's f does anyway.
 Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the layers a plan names; apply_tp is
-that plan for model.py's GPT. --kernels and --fp8 run inside these layers, keeping their collectives (a layer's
-`gemm`, `matmul`: compose/fp8_tp.py, kernels/apply.py).
+that plan for model.py's GPT. The script's --kernels and --fp8 (common/training.py, compose/fp8_tp.py) and
+--partition_activations (compose/partition_activations.py) extend these layers from their own files.
 """
 import argparse
 import math
@@ -147,55 +138,36 @@ class GatherFromSP(torch.autograd.Function):
 class ColumnLinearFn(torch.autograd.Function):
     """f fused with the column-parallel matmul, for what autograd's composition cannot do. SP: keep only the
     input's sequence shard for backward and all-gather it again there, so every activation is 1/tp-sized.
-    Overlap: launch the input-gradient all-reduce (or reduce-scatter) async, compute dW while it travels. A split
-    backward (zero-bubble pipelines): with a `store` (pipeline_weight_grads.WeightGradStore), backward returns dx
-    with its communication and stashes (W, b, x, dy) for the pipeline's W action. Other GEMMs: with a `gemm`
-    (compose/fp8_tp.py's FP8 GEMMs) its forward / grad_input / grad_weight replace torch's three matmuls."""
+    Overlap: launch the input-gradient all-reduce (or reduce-scatter) async, compute dW while it travels."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sp, overlap, store=None, gemm=None):
+    def forward(ctx, x, weight, bias, group, sp, overlap):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.sp, ctx.overlap, ctx.has_bias, ctx.gemm = group, sp, overlap, bias is not None, gemm
-        ctx.store, ctx.params = store, (weight, bias)          # the Parameters themselves, for W
-        full = gather_seq(x, group)[0] if sp else x
-        if gemm is None:
-            return F.linear(full, weight, bias)
-        y = gemm.forward(ctx, full, weight)
-        return y if bias is None else y + bias.to(y.dtype)
+        ctx.group, ctx.sp, ctx.overlap, ctx.has_bias = group, sp, overlap, bias is not None
+        return F.linear(gather_seq(x, group)[0] if sp else x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         x = gather_seq(x, ctx.group)[0] if ctx.sp else x      # SP: the full sequence again
-        if ctx.gemm is None:
-            grad_in = grad_out @ weight.to(grad_out.dtype)      # my columns' share of dL/dx
-        else:
-            grad_in = ctx.gemm.grad_input(ctx, grad_out, weight)
+        grad_in = grad_out @ weight.to(grad_out.dtype)          # my columns' share of dL/dx
         if ctx.sp:
             grad_in, work = reduce_scatter_seq(grad_in, ctx.group, async_op=ctx.overlap)
         else:
             work = all_reduce(grad_in, group=ctx.group, async_op=ctx.overlap)
-        if ctx.store is not None:                                # dW and db wait for the W action (FP8: its GEMM)
-            ctx.store.stash(*ctx.params, x, grad_out, None if ctx.gemm is None else ctx.gemm.weight_grad(ctx, weight))
-            if work is not None:
-                work.wait()
-            return grad_in, None, None, None, None, None, None, None
         g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])   # (overlap: runs while
-        if ctx.gemm is None:                                                            # the sum travels)
-            grad_w = (g2.t() @ x2.to(g2.dtype)).to(weight.dtype)
-        else:
-            grad_w = ctx.gemm.grad_weight(ctx, g2, x2, weight)
+        grad_w = (g2.t() @ x2.to(g2.dtype)).to(weight.dtype)                            # the sum travels)
         grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
         if work is not None:
             work.wait()
-        return grad_in, grad_w, grad_b, None, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None
 
 
 @torch.compiler.disable      # collectives (and comm.py's byte counters) run eagerly: a graph break under --compile
-def column_parallel(x, weight, bias, group, sp, overlap, store=None, gemm=None):
+def column_parallel(x, weight, bias, group, sp, overlap):
     x = in_compute_dtype(x)      # under autocast f communicates x in 16 bits, as the matmul would cast it anyway
-    if sp or overlap or store is not None or gemm is not None:
-        return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap, store, gemm)
+    if sp or overlap:
+        return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap)
     return F.linear(CopyToTP.apply(x, group), weight, bias)      # the textbook form: f, then a local matmul
 
 
@@ -236,18 +208,17 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sp, self.overlap = group, sp, overlap
         self.weight = shard_param((out_features, in_features), 0, parts, group, device, dtype)
         self.bias = shard_param((out_features,), 0, parts, group, device, dtype) if bias else None
-        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline/weight_grads.py)
-        self.gemm = None                         # torch's matmuls, or FP8's (compose/fp8_tp.py)
         self.gathered = False                    # inside an sp_gather module: its input is whole, f is done
 
     def forward(self, x):
         return self.matmul(x, self.bias)
 
-    def matmul(self, x, bias=None):              # (without the bias: for a fused bias kernel, kernels/apply.py)
+    def matmul(self, x, bias=None):
+        # each layer's product with its collectives, in one method: a fused kernel adds the bias after it
+        # (kernels/apply.py), and a layer with other GEMMs overrides only this (compose/tp_gemms.py)
         if self.gathered:                        # an sp_gather module took f at its input: a local matmul
             return F.linear(in_compute_dtype(x), self.weight, bias)
-        return column_parallel(x, self.weight, bias, self.group, self.sp, self.overlap, self.weight_grad_store,
-                               self.gemm)
+        return column_parallel(x, self.weight, bias, self.group, self.sp, self.overlap)
 
 
 class RowParallelLinear(nn.Module):
@@ -261,20 +232,13 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
             self.bias.sequence_parallel = sp       # under SP each rank sees a sequence chunk: partial grad
-        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (dx needs no communication)
-        self.gemm = None                         # torch's matmuls, or FP8's (compose/fp8_tp.py)
 
     def forward(self, x):
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias      # the bias's gradient: autograd's, in B
 
-    def matmul(self, x):                         # the summed product, bias left out (for a fused bias kernel)
-        store, gemm = self.weight_grad_store, self.gemm
-        if gemm is not None:
-            partial = gemm.linear(x, self.weight, store)
-        else:
-            partial = F.linear(x, self.weight) if store is None else store.linear(x, self.weight)
-        return leave_tp_region(partial, self.group, self.sp)
+    def matmul(self, x):                         # the summed product, bias left out (ColumnParallelLinear's)
+        return leave_tp_region(F.linear(x, self.weight), self.group, self.sp)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -337,12 +301,13 @@ class VocabParallelLMHead(nn.Module):
         super().__init__()
         self.weight, self.vocab_start, self.n_valid = wte.weight, wte.vocab_start, wte.n_valid
         self.group, self.sp, self.overlap = group, sp, overlap
-        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred
+
+    def matmul(self, x):                         # logits [B, T, V/tp] (ColumnParallelLinear's)
+        return column_parallel(x, self.weight, None, self.group, self.sp, self.overlap)
 
     @torch.compiler.disable
     def forward(self, x, targets=None):
-        logits = column_parallel(x, self.weight, None, self.group, self.sp, self.overlap,
-                                 self.weight_grad_store)                                   # [B, T, V/tp]
+        logits = self.matmul(x)
         if self.n_valid < logits.shape[-1]:        # padding rows: probability 0, gradient 0
             logits = logits.masked_fill(torch.arange(logits.shape[-1], device=x.device) >= self.n_valid, -math.inf)
         if targets is None:          # generation: gather the vocabulary (the only place full logits exist)
