@@ -12,8 +12,9 @@ Every weight matrix is split over the tp ranks so that one block needs two all-r
     f: identity forward, all-reduce backward          g: all-reduce forward, identity backward
 
 The tied embedding / LM head weight is split by vocabulary rows (zero rows pad it to a multiple of tp). The
-lookup zeroes ids outside my rows, then g sums; the cross-entropy all-reduces the max, the target logit and the
-sum of exponentials (a number per token each): no rank holds [tokens, vocab] logits, the backward sends nothing.
+lookup zeroes ids outside my rows, then g sums; the cross-entropy (common/tp_grads.py) all-reduces the max, the
+target logit and the sum of exponentials (a number per token each): no rank holds [tokens, vocab] logits, the
+backward sends nothing.
 
 --sp (Korthikanti et al. 2022): outside the TP regions (LayerNorm, dropout, the residual stream) each rank keeps
 T/tp of the sequence. f becomes an all-gather along the sequence and g a reduce-scatter: an all-reduce *is* a
@@ -33,30 +34,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.comm import COMM, all_gather, all_reduce, in_compute_dtype, reduce_scatter
-from common.module_io import on_first_input, on_first_output, swap_keeping_ties
+from common.comm import COMM, all_reduce, gather_seq, in_compute_dtype, reduce_scatter_seq
+from common.module_io import EDGES, sequence_parallel_edge, swap_keeping_ties
 from common.tp_grads import (all_reduce_sequence_parallel_grads, clip_tp_grads, mark_sequence_parallel,  # noqa: F401
-                             tp_counts)   # (tp_counts: train_5d's, through this rung)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# collectives along the sequence: SP splits T of [B, T, h] but the flat collectives split dim 0, hence the
-# transposes. Each returns (result, work); the result is valid after work.wait() (or at once when not async).
-
-def gather_seq(x, group, async_op=False, dim=1):
-    """[B, T/n, ...] on each rank -> [B, T, ...] on every rank (or along another dim: vocabulary, shards)."""
-    xt = x.transpose(0, dim).contiguous()
-    out = xt.new_empty((dist.get_world_size(group) * xt.shape[0],) + xt.shape[1:])
-    work = all_gather(out, xt, group=group, async_op=async_op)
-    return out.transpose(0, dim), work
-
-
-def reduce_scatter_seq(x, group, async_op=False):
-    """[B, T, ...] partial sums on each rank -> [B, T/n, ...]: the sum over ranks of my chunk of the sequence."""
-    xt = x.transpose(0, 1).contiguous()
-    out = xt.new_empty((xt.shape[0] // dist.get_world_size(group),) + xt.shape[1:])
-    work = reduce_scatter(out, xt, group=group, async_op=async_op)
-    return out.transpose(0, 1), work
+                             tp_counts, vocab_parallel_loss)   # (tp_counts: train_5d's, through this rung)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -102,37 +83,6 @@ class ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return gather_seq(grad, ctx.group)[0], None
-
-
-class ScatterToSP(torch.autograd.Function):
-    """Enter SP from a replicated region (a replicated embedding's output): keep my sequence chunk. Backward:
-    every rank's chunk gradient, all-gathered, is the gradient of the replicated input on every rank."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_seq(grad, ctx.group)[0], None
-
-
-class GatherFromSP(torch.autograd.Function):
-    """Leave SP for the whole sequence: all-gather it. Backward: into a replicated region (a replicated final
-    layer or head) every rank computed the same gradient, so my chunk of it is mine (no sum); summed=True, as TP's
-    f (sp_gather), each rank's covers only its own columns: the chunks are reduce-scattered."""
-
-    @staticmethod
-    def forward(ctx, x, group, summed=False):
-        ctx.group, ctx.summed = group, summed
-        return gather_seq(x, group)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.summed:
-            return reduce_scatter_seq(grad, ctx.group)[0], None, None
-        return grad.chunk(dist.get_world_size(ctx.group), dim=1)[dist.get_rank(ctx.group)], None, None
 
 
 class ColumnLinearFn(torch.autograd.Function):
@@ -260,40 +210,6 @@ class VocabParallelEmbedding(nn.Module):
         return leave_tp_region(x, self.group, self.sp)
 
 
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy from vocabulary-split logits [N, V/tp]: loss = log(sum_v e^(z_v - m)) - (z_target - m)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, vocab_start, group):
-        m = logits.max(dim=-1).values                            # max for a stable exp
-        all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        z = logits - m[:, None]
-        local = targets - vocab_start
-        mine = (local >= 0) & (local < z.shape[-1])              # the target id is in my rows
-        local = local.clamp(0, z.shape[-1] - 1)
-        target_z = torch.where(mine, z.gather(1, local[:, None]).squeeze(1), 0.0)   # only the owner's counts
-        all_reduce(target_z, group=group)
-        exp = z.exp()                                            # (out of place: torch.compile traces this)
-        sum_exp = exp.sum(dim=-1)
-        all_reduce(sum_exp, group=group)
-        ctx.save_for_backward(exp / sum_exp[:, None], local, mine)       # my slice of the softmax
-        return (sum_exp.log() - target_z).mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local, mine = ctx.saved_tensors                 # dL/dz = (softmax - onehot(target)) / N
-        grad_z = softmax.scatter_add(1, local[:, None], -mine[:, None].to(softmax.dtype))
-        return grad_z * (grad / softmax.shape[0]), None, None, None
-
-
-def vocab_parallel_loss(logits, targets, group):
-    """Mean cross-entropy from a vocabulary-parallel head's logits [..., V/tp] (a "column" head tied to an
-    "embedding" in tensor_parallel's plan, or VocabParallelLMHead): rank r holds rows [r*V/tp, (r+1)*V/tp)."""
-    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, float64 stays
-    return VocabParallelCrossEntropy.apply(wide.flatten(0, -2), targets.reshape(-1),
-                                           dist.get_rank(group) * logits.shape[-1], group)
-
-
 class VocabParallelLMHead(nn.Module):
     """logits[:, my vocab rows] with the tied embedding shard, and the vocab-parallel cross-entropy."""
 
@@ -374,18 +290,6 @@ def parallel_layer(module, style, group, sp, overlap, device=None, gathered=Fals
         for key, p in new.named_parameters():
             load_shard(p, getattr(module, key).detach().to(p.device), group)
     return new
-
-
-EDGES = ("sp_begin", "sp_end", "sp_gather")     # styles that hook a module and swap nothing
-
-
-def sequence_parallel_edge(module, style, group):
-    """Hooks that cut a replicated module's output to my sequence chunk (sp_begin) or gather its input whole
-    (sp_end; sp_gather as TP's f, its gradient summed); its parameters and their names stay as they are."""
-    if style == "sp_begin":
-        on_first_output(module, lambda out: ScatterToSP.apply(out, group))
-    else:
-        on_first_input(module, lambda x: GatherFromSP.apply(x, group, style == "sp_gather"))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ through a slot the layer's matmul reads:
     from compose.tp_gemms import with_gemm_slots
     with_gemm_slots(model)       # train_tp's layers in `model` get the slots (the same objects, parameters, names)
 
+convert_parallel_to_float8 calls it before it fills `gemm`; train_5d.py calls it before defer_weight_grads, which
+hands the store to every module with a `weight_grad_store` attribute. Each layer's class becomes itself with a
+small class in front (ColumnGemmSlots, RowGemmSlots, LMHeadGemmSlots) that overrides only its `matmul`.
+
 A column layer's backward then does what train_tp's ColumnLinearFn does (dx with its all-reduce, or SP's
 reduce-scatter, overlapped or not) and, with a store, stashes (W, b, x, dy) for W instead of computing dW and db:
 B keeps the layer's communication, W runs the same dW GEMM (FP8: on the operands F and B quantized, bit for bit
@@ -21,8 +25,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from common.comm import all_reduce, in_compute_dtype
-from train_tp import gather_seq, leave_tp_region, reduce_scatter_seq
+from common.comm import all_reduce, gather_seq, in_compute_dtype, reduce_scatter_seq
+from train_tp import leave_tp_region
 
 
 class ColumnLinearGemmsFn(torch.autograd.Function):
