@@ -187,7 +187,7 @@ class RowParallelLinear(nn.Module):
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias      # the bias's gradient: autograd's, in B
 
-    def matmul(self, x):                         # the summed product, bias left out (ColumnParallelLinear's)
+    def matmul(self, x):                         # the summed product, bias left out (as ColumnParallelLinear's)
         return leave_tp_region(F.linear(x, self.weight), self.group, self.sp)
 
 
@@ -218,7 +218,7 @@ class VocabParallelLMHead(nn.Module):
         self.weight, self.vocab_start, self.n_valid = wte.weight, wte.vocab_start, wte.n_valid
         self.group, self.sp, self.overlap = group, sp, overlap
 
-    def matmul(self, x):                         # logits [B, T, V/tp] (ColumnParallelLinear's)
+    def matmul(self, x):                         # logits [B, T, V/tp] (a matmul as ColumnParallelLinear's)
         return column_parallel(x, self.weight, None, self.group, self.sp, self.overlap)
 
     @torch.compiler.disable
