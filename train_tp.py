@@ -188,7 +188,10 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias      # the bias's gradient: autograd's, in B
 
     def matmul(self, x):                         # the summed product, bias left out (as ColumnParallelLinear's)
-        return leave_tp_region(F.linear(x, self.weight), self.group, self.sp)
+        return leave_tp_region(self.partial(x), self.group, self.sp)
+
+    def partial(self, x):                        # my term of the sum (what a layer with other GEMMs overrides)
+        return F.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):

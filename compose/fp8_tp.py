@@ -6,8 +6,8 @@ one device holding the whole layer would quantize it, while the layer keeps its 
     convert_parallel_to_float8(model, "tensorwise")   # every column / row-parallel layer (train_tp) runs FP8 GEMMs
 
 train_tp's layers get a `gemm` slot from compose/tp_gemms.py (None: torch's): a column layer's backward calls its
-forward / grad_input / grad_weight around the collectives, a row layer's matmul calls its linear. A TP layer holds
-a slice of W, and each of its three GEMMs contracts over one dimension, whole on every rank or split over tp:
+forward / grad_input / grad_weight around the collectives, a row layer's partial product is its linear. A TP layer
+holds a slice of W, and each of its three GEMMs contracts over one dimension, whole on every rank or split over tp:
 
                     contracts over    column-parallel (W's rows split)      row-parallel (W's columns split)
     y  = x W^T      K (in features)   whole                                 split: partial sums, then g sums
@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 import kernels.fp8 as fp8
 from common.comm import all_reduce
+from compose.tp_gemms import with_gemm_slots
 from kernels.fp8 import BLOCK, E4M3, E5M2, RECIPES, check_fp8_support, delayed_amax, fp8_matmul
 from kernels.fp8_cast import fp8_amax
 
@@ -152,8 +153,7 @@ def convert_parallel_to_float8(model, recipe="tensorwise", skip=("lm_head", "wte
     """Give every tensor-parallel linear layer (a module with a `gemm` slot and a weight tagged `tp_split`: train_tp's
     column / row-parallel layers, given the slot here) FP8 GEMMs, in place; returns their names. The split comes
     from the weight's tag: dim 0 (out features) is column-parallel, dim 1 row-parallel."""
-    from compose.tp_gemms import with_gemm_slots     # imported here: common/training.py imports this module, and
-    with_gemm_slots(model)                           # the package imports no rung (tp_gemms imports train_tp)
+    with_gemm_slots(model)
     converted = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)

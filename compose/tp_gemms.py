@@ -12,13 +12,14 @@ through a slot the layer's matmul reads:
 
 convert_parallel_to_float8 calls it before it fills `gemm`; train_5d.py calls it before defer_weight_grads, which
 hands the store to every module with a `weight_grad_store` attribute. Each layer's class becomes itself with a
-small class in front (ColumnGemmSlots, RowGemmSlots, LMHeadGemmSlots) that overrides only its `matmul`.
+small class in front (ColumnGemmSlots, RowGemmSlots, LMHeadGemmSlots) that overrides only its `matmul` (a row
+layer's `partial`, the term g sums). Imports no rung, whose scripts reach this module through their --fp8.
 
 A column layer's backward then does what train_tp's ColumnLinearFn does (dx with its all-reduce, or SP's
 reduce-scatter, overlapped or not) and, with a store, stashes (W, b, x, dy) for W instead of computing dW and db:
 B keeps the layer's communication, W runs the same dW GEMM (FP8: on the operands F and B quantized, bit for bit
 the unsplit backward's). A row layer's dx needs no communication, so its product is the store's or the FP8 GEMMs'
-own linear, followed by train_tp's g. docs/pipelines.md ("The W step") says what each layer defers.
+own linear, summed by train_tp's g as before. docs/pipelines.md ("The W step") says what each layer defers.
 """
 import functools
 
@@ -26,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from common.comm import all_reduce, gather_seq, in_compute_dtype, reduce_scatter_seq
-from train_tp import leave_tp_region
 
 
 class ColumnLinearGemmsFn(torch.autograd.Function):
@@ -91,20 +91,18 @@ class ColumnGemmSlots:
 
 
 class RowGemmSlots:
-    """On train_tp's RowParallelLinear: its partial product is `gemm`'s and / or leaves dW to `weight_grad_store`
-    (dx needs no communication here, so the FP8 GEMMs' or the store's own linear is the whole change)."""
+    """On train_tp's RowParallelLinear: its partial product (before g sums it) is `gemm`'s and / or leaves dW to
+    `weight_grad_store` (dx needs no communication here, so the FP8 GEMMs' or the store's own linear is the whole
+    change)."""
     weight_grad_store = None
     gemm = None
 
-    def matmul(self, x):
-        store, gemm = self.weight_grad_store, self.gemm
-        if gemm is not None:
-            partial = gemm.linear(x, self.weight, store)
-        elif store is not None:
-            partial = store.linear(x, self.weight)
-        else:
-            return super().matmul(x)
-        return leave_tp_region(partial, self.group, self.sp)
+    def partial(self, x):
+        if self.gemm is not None:
+            return self.gemm.linear(x, self.weight, self.weight_grad_store)
+        if self.weight_grad_store is not None:
+            return self.weight_grad_store.linear(x, self.weight)
+        return super().partial(x)
 
 
 class LMHeadGemmSlots:
