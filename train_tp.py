@@ -22,8 +22,8 @@ reduce-scatter then an all-gather, so the forward moves the same bytes. The colu
 shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
 Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the layers a plan names; apply_tp is
-that plan for model.py's GPT. The script's --kernels and --fp8 (common/training.py, compose/fp8_tp.py) and
---partition_activations (compose/partition_activations.py) extend these layers from their own files.
+that plan for model.py's GPT. Later chapters extend these layers from their own files (kernels/apply.py,
+compose/), and main() applies them where their flags ask.
 """
 import argparse
 import math
@@ -389,7 +389,7 @@ def main(argv=None):
     dtype = resolve_dtype(cfg, env.device)
     model = build_tp_model(cfg, loader.vocab_size, group, env.device, param_dtype(dtype))
     apply_kernels_and_fp8(model, cfg, env.device)      # fused LayerNorm, bias-GeLU; FP8 GEMMs in the TP layers
-    apply_partition_flags(cfg, model.cfg, model.transformer.h, group)   # ZeRO-R's Pa recomputes (docstring)
+    apply_partition_flags(cfg, model.cfg, model.transformer.h, group)   # ZeRO-R's Pa (compose/partition_activations.py)
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank
