@@ -80,6 +80,7 @@ from pipeline.schedules import SPLIT_BACKWARD, V_SHAPED, placement_of, simulate
 from train_cp import (ContextParallelAttentionCore, block_attention_kernel, check_cp, local_positions,
                       swap_attention_cores)
 from train_pp import PipelineRunner, check_pp, make_schedule
+from compose.tp_gemms import with_gemm_slots
 from pipeline.weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import start_moe_training
 from train_ep import swap_in_expert_parallel
@@ -233,6 +234,7 @@ def main(argv=None):
         apply_kernels_and_fp8(chunk, cfg, env.device)
     store = WeightGradStore() if cfg.pp_schedule in SPLIT_BACKWARD else None
     if store is not None:
+        with_gemm_slots(chunks)       # train_tp's layers take the store too (compose/tp_gemms.py)
         defer_weight_grads(chunks, store)
     compiled(chunks, cfg, [b for chunk in chunks for b in chunk.transformer["h"]])   # by block, in ZeRO-3's hooks
     act_shape = (micro, len(pos) // (cfg.tp if cfg.sp else 1), cfg.n_embd)

@@ -4,7 +4,6 @@ train_tp.py: tensor parallelism (Megatron-LM) and sequence parallelism, over tra
     torchrun --nproc_per_node 2 train_tp.py --tp 2                  # heads and MLP columns split over 2 ranks
     torchrun --nproc_per_node 4 train_tp.py --tp 4 --sp             # + LayerNorm/dropout regions split by sequence
     torchrun --nproc_per_node 2 train_tp.py --tp 2 --tp_overlap     # grad all-reduce overlaps the grad-weight matmul
-    torchrun --nproc_per_node 2 train_tp.py --tp 2 --sp --fp8 rowwise --kernels triton   # FP8 GEMMs, fused kernels
 
 Every weight matrix is split over the tp ranks so that one block needs two all-reduces forward, two backward:
 
@@ -13,25 +12,18 @@ Every weight matrix is split over the tp ranks so that one block needs two all-r
     f: identity forward, all-reduce backward          g: all-reduce forward, identity backward
 
 The tied embedding / LM head weight is split by vocabulary rows (zero rows pad it to a multiple of tp). The
-lookup zeroes ids outside my rows, then g sums; the cross-entropy all-reduces the max, the target logit and the
-sum of exponentials (a number per token each): no rank holds [tokens, vocab] logits, the backward sends nothing.
+lookup zeroes ids outside my rows, then g sums; the cross-entropy (common/tp_grads.py) all-reduces the max, the
+target logit and the sum of exponentials (a number per token each): no rank holds [tokens, vocab] logits, the
+backward sends nothing.
 
 --sp (Korthikanti et al. 2022): outside the TP regions (LayerNorm, dropout, the residual stream) each rank keeps
 T/tp of the sequence. f becomes an all-gather along the sequence and g a reduce-scatter: an all-reduce *is* a
 reduce-scatter then an all-gather, so the forward moves the same bytes. The column layers keep only their input
 shard for backward and gather it again there (2 extra all-gathers per block). Activations per layer, 16-bit:
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
---partition_activations (ZeRO-R's Pa, compose/partition_activations.py), with --recompute full and without SP: a
-block then keeps only its input for backward, and TP leaves that input replicated. Pa keeps 1/tp of it per rank:
-    forward  block i    rank r: x (all of it) -> block -> keeps x_r (1/tp of x, flattened)
-    backward block i    all-gather x_0 .. x_tp-1 -> x -> recompute block i -> its backward -> free x
-One all-gather of the input per block and micro-batch, 1/12 of TP's own 6 all-reduces there (2 forward, 2
-recomputed, 2 backward). --offload_activations parks x_r in host memory, copied back during block i+1's recompute.
-SP makes Pa unnecessary: between blocks the activations are already cut by sequence (T/tp each), so the block input
-is kept split at no cost, and its all-gather is the one SP's f does anyway.
 Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the layers a plan names; apply_tp is
-that plan for model.py's GPT. --kernels and --fp8 run inside these layers, keeping their collectives (a layer's
-`gemm`, `matmul`: compose/fp8_tp.py, kernels/apply.py).
+that plan for model.py's GPT. Later chapters extend these layers from their own files (kernels/apply.py,
+compose/), and main() applies them where their flags ask.
 """
 import argparse
 import math
@@ -42,30 +34,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.comm import COMM, all_gather, all_reduce, in_compute_dtype, reduce_scatter
-from common.module_io import on_first_input, on_first_output, swap_keeping_ties
+from common.comm import COMM, all_reduce, gather_seq, in_compute_dtype, reduce_scatter_seq
+from common.module_io import EDGES, sequence_parallel_edge, swap_keeping_ties
 from common.tp_grads import (all_reduce_sequence_parallel_grads, clip_tp_grads, mark_sequence_parallel,  # noqa: F401
-                             tp_counts)   # (tp_counts: train_5d's, through this rung)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# collectives along the sequence: SP splits T of [B, T, h] but the flat collectives split dim 0, hence the
-# transposes. Each returns (result, work); the result is valid after work.wait() (or at once when not async).
-
-def gather_seq(x, group, async_op=False, dim=1):
-    """[B, T/n, ...] on each rank -> [B, T, ...] on every rank (or along another dim: vocabulary, shards)."""
-    xt = x.transpose(0, dim).contiguous()
-    out = xt.new_empty((dist.get_world_size(group) * xt.shape[0],) + xt.shape[1:])
-    work = all_gather(out, xt, group=group, async_op=async_op)
-    return out.transpose(0, dim), work
-
-
-def reduce_scatter_seq(x, group, async_op=False):
-    """[B, T, ...] partial sums on each rank -> [B, T/n, ...]: the sum over ranks of my chunk of the sequence."""
-    xt = x.transpose(0, 1).contiguous()
-    out = xt.new_empty((xt.shape[0] // dist.get_world_size(group),) + xt.shape[1:])
-    work = reduce_scatter(out, xt, group=group, async_op=async_op)
-    return out.transpose(0, 1), work
+                             tp_counts, vocab_parallel_loss)   # (tp_counts: train_5d's, through this rung)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -113,89 +85,39 @@ class ReduceScatterToSP(torch.autograd.Function):
         return gather_seq(grad, ctx.group)[0], None
 
 
-class ScatterToSP(torch.autograd.Function):
-    """Enter SP from a replicated region (a replicated embedding's output): keep my sequence chunk. Backward:
-    every rank's chunk gradient, all-gathered, is the gradient of the replicated input on every rank."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_seq(grad, ctx.group)[0], None
-
-
-class GatherFromSP(torch.autograd.Function):
-    """Leave SP for the whole sequence: all-gather it. Backward: into a replicated region (a replicated final
-    layer or head) every rank computed the same gradient, so my chunk of it is mine (no sum); summed=True, as TP's
-    f (sp_gather), each rank's covers only its own columns: the chunks are reduce-scattered."""
-
-    @staticmethod
-    def forward(ctx, x, group, summed=False):
-        ctx.group, ctx.summed = group, summed
-        return gather_seq(x, group)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.summed:
-            return reduce_scatter_seq(grad, ctx.group)[0], None, None
-        return grad.chunk(dist.get_world_size(ctx.group), dim=1)[dist.get_rank(ctx.group)], None, None
-
-
 class ColumnLinearFn(torch.autograd.Function):
     """f fused with the column-parallel matmul, for what autograd's composition cannot do. SP: keep only the
     input's sequence shard for backward and all-gather it again there, so every activation is 1/tp-sized.
-    Overlap: launch the input-gradient all-reduce (or reduce-scatter) async, compute dW while it travels. A split
-    backward (zero-bubble pipelines): with a `store` (pipeline_weight_grads.WeightGradStore), backward returns dx
-    with its communication and stashes (W, b, x, dy) for the pipeline's W action. Other GEMMs: with a `gemm`
-    (compose/fp8_tp.py's FP8 GEMMs) its forward / grad_input / grad_weight replace torch's three matmuls."""
+    Overlap: launch the input-gradient all-reduce (or reduce-scatter) async, compute dW while it travels."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sp, overlap, store=None, gemm=None):
+    def forward(ctx, x, weight, bias, group, sp, overlap):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.sp, ctx.overlap, ctx.has_bias, ctx.gemm = group, sp, overlap, bias is not None, gemm
-        ctx.store, ctx.params = store, (weight, bias)          # the Parameters themselves, for W
-        full = gather_seq(x, group)[0] if sp else x
-        if gemm is None:
-            return F.linear(full, weight, bias)
-        y = gemm.forward(ctx, full, weight)
-        return y if bias is None else y + bias.to(y.dtype)
+        ctx.group, ctx.sp, ctx.overlap, ctx.has_bias = group, sp, overlap, bias is not None
+        return F.linear(gather_seq(x, group)[0] if sp else x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         x = gather_seq(x, ctx.group)[0] if ctx.sp else x      # SP: the full sequence again
-        if ctx.gemm is None:
-            grad_in = grad_out @ weight.to(grad_out.dtype)      # my columns' share of dL/dx
-        else:
-            grad_in = ctx.gemm.grad_input(ctx, grad_out, weight)
+        grad_in = grad_out @ weight.to(grad_out.dtype)          # my columns' share of dL/dx
         if ctx.sp:
             grad_in, work = reduce_scatter_seq(grad_in, ctx.group, async_op=ctx.overlap)
         else:
             work = all_reduce(grad_in, group=ctx.group, async_op=ctx.overlap)
-        if ctx.store is not None:                                # dW and db wait for the W action (FP8: its GEMM)
-            ctx.store.stash(*ctx.params, x, grad_out, None if ctx.gemm is None else ctx.gemm.weight_grad(ctx, weight))
-            if work is not None:
-                work.wait()
-            return grad_in, None, None, None, None, None, None, None
         g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])   # (overlap: runs while
-        if ctx.gemm is None:                                                            # the sum travels)
-            grad_w = (g2.t() @ x2.to(g2.dtype)).to(weight.dtype)
-        else:
-            grad_w = ctx.gemm.grad_weight(ctx, g2, x2, weight)
+        grad_w = (g2.t() @ x2.to(g2.dtype)).to(weight.dtype)                            # the sum travels)
         grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
         if work is not None:
             work.wait()
-        return grad_in, grad_w, grad_b, None, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None
 
 
 @torch.compiler.disable      # collectives (and comm.py's byte counters) run eagerly: a graph break under --compile
-def column_parallel(x, weight, bias, group, sp, overlap, store=None, gemm=None):
+def column_parallel(x, weight, bias, group, sp, overlap):
     x = in_compute_dtype(x)      # under autocast f communicates x in 16 bits, as the matmul would cast it anyway
-    if sp or overlap or store is not None or gemm is not None:
-        return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap, store, gemm)
+    if sp or overlap:
+        return ColumnLinearFn.apply(x, weight, bias, group, sp, overlap)
     return F.linear(CopyToTP.apply(x, group), weight, bias)      # the textbook form: f, then a local matmul
 
 
@@ -236,18 +158,17 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sp, self.overlap = group, sp, overlap
         self.weight = shard_param((out_features, in_features), 0, parts, group, device, dtype)
         self.bias = shard_param((out_features,), 0, parts, group, device, dtype) if bias else None
-        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline/weight_grads.py)
-        self.gemm = None                         # torch's matmuls, or FP8's (compose/fp8_tp.py)
         self.gathered = False                    # inside an sp_gather module: its input is whole, f is done
 
     def forward(self, x):
         return self.matmul(x, self.bias)
 
-    def matmul(self, x, bias=None):              # (without the bias: for a fused bias kernel, kernels/apply.py)
+    def matmul(self, x, bias=None):
+        # each layer's product with its collectives, in one method: a fused kernel adds the bias after it
+        # (kernels/apply.py), and a layer with other GEMMs overrides only this (compose/tp_gemms.py)
         if self.gathered:                        # an sp_gather module took f at its input: a local matmul
             return F.linear(in_compute_dtype(x), self.weight, bias)
-        return column_parallel(x, self.weight, bias, self.group, self.sp, self.overlap, self.weight_grad_store,
-                               self.gemm)
+        return column_parallel(x, self.weight, bias, self.group, self.sp, self.overlap)
 
 
 class RowParallelLinear(nn.Module):
@@ -261,20 +182,16 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
             self.bias.sequence_parallel = sp       # under SP each rank sees a sequence chunk: partial grad
-        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (dx needs no communication)
-        self.gemm = None                         # torch's matmuls, or FP8's (compose/fp8_tp.py)
 
     def forward(self, x):
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias      # the bias's gradient: autograd's, in B
 
-    def matmul(self, x):                         # the summed product, bias left out (for a fused bias kernel)
-        store, gemm = self.weight_grad_store, self.gemm
-        if gemm is not None:
-            partial = gemm.linear(x, self.weight, store)
-        else:
-            partial = F.linear(x, self.weight) if store is None else store.linear(x, self.weight)
-        return leave_tp_region(partial, self.group, self.sp)
+    def matmul(self, x):                         # the summed product, bias left out (as ColumnParallelLinear's)
+        return leave_tp_region(self.partial(x), self.group, self.sp)
+
+    def partial(self, x):                        # my term of the sum (what a layer with other GEMMs overrides)
+        return F.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -296,40 +213,6 @@ class VocabParallelEmbedding(nn.Module):
         return leave_tp_region(x, self.group, self.sp)
 
 
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy from vocabulary-split logits [N, V/tp]: loss = log(sum_v e^(z_v - m)) - (z_target - m)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, vocab_start, group):
-        m = logits.max(dim=-1).values                            # max for a stable exp
-        all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        z = logits - m[:, None]
-        local = targets - vocab_start
-        mine = (local >= 0) & (local < z.shape[-1])              # the target id is in my rows
-        local = local.clamp(0, z.shape[-1] - 1)
-        target_z = torch.where(mine, z.gather(1, local[:, None]).squeeze(1), 0.0)   # only the owner's counts
-        all_reduce(target_z, group=group)
-        exp = z.exp()                                            # (out of place: torch.compile traces this)
-        sum_exp = exp.sum(dim=-1)
-        all_reduce(sum_exp, group=group)
-        ctx.save_for_backward(exp / sum_exp[:, None], local, mine)       # my slice of the softmax
-        return (sum_exp.log() - target_z).mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local, mine = ctx.saved_tensors                 # dL/dz = (softmax - onehot(target)) / N
-        grad_z = softmax.scatter_add(1, local[:, None], -mine[:, None].to(softmax.dtype))
-        return grad_z * (grad / softmax.shape[0]), None, None, None
-
-
-def vocab_parallel_loss(logits, targets, group):
-    """Mean cross-entropy from a vocabulary-parallel head's logits [..., V/tp] (a "column" head tied to an
-    "embedding" in tensor_parallel's plan, or VocabParallelLMHead): rank r holds rows [r*V/tp, (r+1)*V/tp)."""
-    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, float64 stays
-    return VocabParallelCrossEntropy.apply(wide.flatten(0, -2), targets.reshape(-1),
-                                           dist.get_rank(group) * logits.shape[-1], group)
-
-
 class VocabParallelLMHead(nn.Module):
     """logits[:, my vocab rows] with the tied embedding shard, and the vocab-parallel cross-entropy."""
 
@@ -337,12 +220,13 @@ class VocabParallelLMHead(nn.Module):
         super().__init__()
         self.weight, self.vocab_start, self.n_valid = wte.weight, wte.vocab_start, wte.n_valid
         self.group, self.sp, self.overlap = group, sp, overlap
-        self.weight_grad_store = None            # zero-bubble pipelines: dW deferred
+
+    def matmul(self, x):                         # logits [B, T, V/tp] (a matmul as ColumnParallelLinear's)
+        return column_parallel(x, self.weight, None, self.group, self.sp, self.overlap)
 
     @torch.compiler.disable
     def forward(self, x, targets=None):
-        logits = column_parallel(x, self.weight, None, self.group, self.sp, self.overlap,
-                                 self.weight_grad_store)                                   # [B, T, V/tp]
+        logits = self.matmul(x)
         if self.n_valid < logits.shape[-1]:        # padding rows: probability 0, gradient 0
             logits = logits.masked_fill(torch.arange(logits.shape[-1], device=x.device) >= self.n_valid, -math.inf)
         if targets is None:          # generation: gather the vocabulary (the only place full logits exist)
@@ -409,18 +293,6 @@ def parallel_layer(module, style, group, sp, overlap, device=None, gathered=Fals
         for key, p in new.named_parameters():
             load_shard(p, getattr(module, key).detach().to(p.device), group)
     return new
-
-
-EDGES = ("sp_begin", "sp_end", "sp_gather")     # styles that hook a module and swap nothing
-
-
-def sequence_parallel_edge(module, style, group):
-    """Hooks that cut a replicated module's output to my sequence chunk (sp_begin) or gather its input whole
-    (sp_end; sp_gather as TP's f, its gradient summed); its parameters and their names stay as they are."""
-    if style == "sp_begin":
-        on_first_output(module, lambda out: ScatterToSP.apply(out, group))
-    else:
-        on_first_input(module, lambda x: GatherFromSP.apply(x, group, style == "sp_gather"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -517,7 +389,7 @@ def main(argv=None):
     dtype = resolve_dtype(cfg, env.device)
     model = build_tp_model(cfg, loader.vocab_size, group, env.device, param_dtype(dtype))
     apply_kernels_and_fp8(model, cfg, env.device)      # fused LayerNorm, bias-GeLU; FP8 GEMMs in the TP layers
-    apply_partition_flags(cfg, model.cfg, model.transformer.h, group)   # ZeRO-R's Pa recomputes (docstring)
+    apply_partition_flags(cfg, model.cfg, model.transformer.h, group)   # ZeRO-R's Pa (compose/partition_activations.py)
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank

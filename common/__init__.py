@@ -19,9 +19,10 @@ detail is done.
     routing.py       mixture-of-experts load balancing over a step (model.MoE's load) and the router metrics
     tp_shards.py     how a tensor-parallel slice maps to the full parameter
     tp_setup.py      what applying TP needs besides its layers: a degree's shape checks, per-rank random streams
-    tp_grads.py      a tensor-parallel model's gradients: SP's partial sums, each value counted once in the norm
+    tp_grads.py      a tensor-parallel model's loss and gradients: the vocabulary-parallel cross-entropy, SP's
+                     partial sums, each value counted once in the norm
     module_io.py     what a technique needs of a foreign model: tied parameters by identity, a module's input by
-                     keyword and output in a tuple (train_tp's swaps and hooks)
+                     keyword and output in a tuple, SP's edges on them (train_tp's swaps and hooks)
     nccl_check.py    replays each rank's p2p launches under NCCL's grouping rules (tests)
 
     checkpoint/      the one save and load of every layout (its __init__): train_single's format, written in

@@ -6,6 +6,7 @@ stdlib, so a technique copied out of this project takes this file with it and no
 common/distributed.py starts the process group).
 
     all_reduce(grad, group=dp_group) # the same call as torch.distributed, plus bytes accounting
+    gather_seq(x, tp_group)          # [B, T/n, h] -> [B, T, h] (reduce_scatter_seq: back, summed)
     COMM.bytes_sent                  # bytes this rank sent since the last COMM.reset()
     comm.LAUNCH_LOG = []             # record every launch in NCCL's groups, for nccl_check.py (default off)
     clip_grad_norm(grads, 1.0, group=tp_group)   # the global grad norm of gradients spread over a group
@@ -157,6 +158,26 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
     _log([("coll", None, input, group)])
     return _launch("reduce_scatter", group, _reduce_scatter_flat, output, input, op=op, group=group,
                    async_op=async_op)
+
+
+# all_gather and reduce_scatter along the sequence (train_tp's SP): SP splits T of [B, T, h] but the flat
+# collectives split dim 0, hence the transposes. Each returns (result, work); the result is valid after
+# work.wait() (or at once when not async).
+
+def gather_seq(x, group, async_op=False, dim=1):
+    """[B, T/n, ...] on each rank -> [B, T, ...] on every rank (or along another dim: vocabulary, shards)."""
+    xt = x.transpose(0, dim).contiguous()
+    out = xt.new_empty((dist.get_world_size(group) * xt.shape[0],) + xt.shape[1:])
+    work = all_gather(out, xt, group=group, async_op=async_op)
+    return out.transpose(0, dim), work
+
+
+def reduce_scatter_seq(x, group, async_op=False):
+    """[B, T, ...] partial sums on each rank -> [B, T/n, ...]: the sum over ranks of my chunk of the sequence."""
+    xt = x.transpose(0, 1).contiguous()
+    out = xt.new_empty((xt.shape[0] // dist.get_world_size(group),) + xt.shape[1:])
+    work = reduce_scatter(out, xt, group=group, async_op=async_op)
+    return out.transpose(0, 1), work
 
 
 def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):

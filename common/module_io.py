@@ -2,17 +2,23 @@
 module_io.py: what a technique needs to know of a model it did not write, found without a model's attribute paths:
 which parameters several modules share (a tied embedding and LM head), how a module takes its main input (by
 position or by keyword, as Hugging Face's layers are called: `self_attn(hidden_states=h, ...)`) and where its main
-output is (a tensor, or the first item of a tuple: `(attn_output, attn_weights)`). Torch and the stdlib only: the
-rungs that swap or hook modules (train_tp.py, train_pp.py) take it along when copied out (docs/copy_out.md).
+output is (a tensor, or the first item of a tuple: `(attn_output, attn_weights)`); and, on such hooks, where
+sequence parallelism starts and ends around a module that tensor parallelism leaves replicated. Torch, the stdlib
+and comm.py only: train_tp.py, which swaps and hooks a foreign model's modules by name, takes it along when copied
+out (docs/copy_out.md).
 
     shared_parameters(model)              {parameter: [(module name, key), ...]} for those held twice or more
     swap_keeping_ties(model, new)         swap modules by name; tied weights stay one Parameter, or a ValueError
     on_first_input(module, fn)            a pre-hook: the module's first input x becomes fn(x), however passed
     on_first_output(module, fn)           a hook: its first output y becomes fn(y), a tuple keeping the rest
+    sequence_parallel_edge(module, style, group)   SP: cut its output to my sequence chunk, or gather its input whole
 """
 import inspect
 
 import torch
+import torch.distributed as dist
+
+from common.comm import gather_seq, reduce_scatter_seq
 
 
 def shared_parameters(model):
@@ -91,3 +97,49 @@ def first_output(out, fn=None):
 def on_first_output(module, fn):
     """Register a forward hook that replaces the module's main output y (first_output) by fn(y)."""
     return module.register_forward_hook(lambda mod, args, out: first_output(out, fn))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the edges of sequence parallelism on a module TP leaves replicated (train_tp's tensor_parallel plans)
+
+class ScatterToSP(torch.autograd.Function):
+    """Enter SP from a replicated region (a replicated embedding's output): keep my sequence chunk. Backward:
+    every rank's chunk gradient, all-gathered, is the gradient of the replicated input on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_seq(grad, ctx.group)[0], None
+
+
+class GatherFromSP(torch.autograd.Function):
+    """Leave SP for the whole sequence: all-gather it. Backward: into a replicated region (a replicated final
+    layer or head) every rank computed the same gradient, so my chunk of it is mine (no sum); summed=True, as TP's
+    f (sp_gather), each rank's covers only its own columns: the chunks are reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, x, group, summed=False):
+        ctx.group, ctx.summed = group, summed
+        return gather_seq(x, group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.summed:
+            return reduce_scatter_seq(grad, ctx.group)[0], None, None
+        return grad.chunk(dist.get_world_size(ctx.group), dim=1)[dist.get_rank(ctx.group)], None, None
+
+
+EDGES = ("sp_begin", "sp_end", "sp_gather")     # styles that hook a module and swap nothing
+
+
+def sequence_parallel_edge(module, style, group):
+    """Hooks that cut a replicated module's output to my sequence chunk (sp_begin) or gather its input whole
+    (sp_end; sp_gather as TP's f, its gradient summed); its parameters and their names stay as they are."""
+    if style == "sp_begin":
+        on_first_output(module, lambda out: ScatterToSP.apply(out, group))
+    else:
+        on_first_input(module, lambda x: GatherFromSP.apply(x, group, style == "sp_gather"))

@@ -1,10 +1,13 @@
 """
-tp_grads.py: the gradients of a tensor-parallel model after backward (train_tp.py's building blocks, split out so
-the rung reads as its layers; docs/copy_out.md). Under sequence parallelism a replicated parameter inside the SP
-region (a norm, a row bias) saw only this rank's sequence chunk: its gradient is a partial sum, summed over tp. In
-the global gradient norm every value counts once: each rank its shards (tagged `tp_split` by train_tp's layers),
-TP rank 0 the replicated parameters.
+tp_grads.py: the loss and the gradients of a tensor-parallel model outside its layers (train_tp.py's building
+blocks, split out so the rung reads as its layers; docs/copy_out.md). The cross-entropy of vocabulary-split logits
+all-reduces three numbers per token (train_tp.py's docstring) and writes its gradient by hand: softmax - onehot,
+each rank its own columns. Under sequence parallelism a replicated parameter inside the SP region (a norm, a row
+bias) saw only this rank's sequence chunk: its gradient is a partial sum, summed over tp. In the global gradient
+norm every value counts once: each rank its shards (tagged `tp_split` by train_tp's layers), TP rank 0 the
+replicated parameters.
 
+    vocab_parallel_loss(logits, targets, group)      # logits [..., V/tp]: rank r holds vocabulary rows r*V/tp...
     mark_sequence_parallel(model, norms)             # tensor_parallel does it under SP; refuses a norm left out
     all_reduce_sequence_parallel_grads(model, group)
     clip_tp_grads(model, max_norm, group)            # the global norm, every gradient scaled to at most max_norm
@@ -34,6 +37,40 @@ def mark_sequence_parallel(model, names, replicated=()):
                          f"sequence_parallel: under SP a norm sees this rank's sequence chunk, so its gradient must "
                          f"be summed over tp (name it in sequence_parallel), or, if it runs on the whole sequence "
                          f"outside the SP region, name it in replicated")
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from vocabulary-split logits [N, V/tp]: loss = log(sum_v e^(z_v - m)) - (z_target - m)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        m = logits.max(dim=-1).values                            # max for a stable exp
+        all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        z = logits - m[:, None]
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < z.shape[-1])              # the target id is in my rows
+        local = local.clamp(0, z.shape[-1] - 1)
+        target_z = torch.where(mine, z.gather(1, local[:, None]).squeeze(1), 0.0)   # only the owner's counts
+        all_reduce(target_z, group=group)
+        exp = z.exp()                                            # (out of place: torch.compile traces this)
+        sum_exp = exp.sum(dim=-1)
+        all_reduce(sum_exp, group=group)
+        ctx.save_for_backward(exp / sum_exp[:, None], local, mine)       # my slice of the softmax
+        return (sum_exp.log() - target_z).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors                 # dL/dz = (softmax - onehot(target)) / N
+        grad_z = softmax.scatter_add(1, local[:, None], -mine[:, None].to(softmax.dtype))
+        return grad_z * (grad / softmax.shape[0]), None, None, None
+
+
+def vocab_parallel_loss(logits, targets, group):
+    """Mean cross-entropy from a vocabulary-parallel head's logits [..., V/tp] (a "column" head tied to an
+    "embedding" in tensor_parallel's plan, or VocabParallelLMHead): rank r holds rows [r*V/tp, (r+1)*V/tp)."""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, float64 stays
+    return VocabParallelCrossEntropy.apply(wide.flatten(0, -2), targets.reshape(-1),
+                                           dist.get_rank(group) * logits.shape[-1], group)
 
 
 def all_reduce_sequence_parallel_grads(model, group):

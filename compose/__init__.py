@@ -5,6 +5,7 @@ train_5d.py imports it (a rung's script part may too), and no rung's building bl
     grad_ready.py              DP's buckets launched by the pipeline schedule's last backward writing them
     kept_units.py              ZeRO-3 units kept gathered from a zero-bubble B until the W that reads them
     partition_activations.py   ZeRO-R's Pa under TP: 1/tp of each recomputed block's input kept, gathered back
+    tp_gemms.py                train_tp's layers given slots for other GEMMs (FP8) and a deferred dW (zero-bubble)
     fp8_tp.py                  FP8 GEMMs inside tensor-parallel layers (amax reductions over tp)
     fp8_gather.py              ZeRO-3's all-gather in FP8
     dp_axis.py                 the dp x cp axis of a pipelined step, one object whatever its mode (replicas here)

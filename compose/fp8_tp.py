@@ -5,9 +5,9 @@ one device holding the whole layer would quantize it, while the layer keeps its 
     from compose.fp8_tp import convert_parallel_to_float8
     convert_parallel_to_float8(model, "tensorwise")   # every column / row-parallel layer (train_tp) runs FP8 GEMMs
 
-A layer of train_tp.py takes a `gemm` (None: torch's): ColumnLinearFn calls forward / grad_input / grad_weight
-around its collectives, RowParallelLinear calls linear. A TP layer holds a slice of W, and each of its three GEMMs
-contracts over one dimension, whole on every rank or split over tp:
+train_tp's layers get a `gemm` slot from compose/tp_gemms.py (None: torch's): a column layer's backward calls its
+forward / grad_input / grad_weight around the collectives, a row layer's partial product is its linear. A TP layer
+holds a slice of W, and each of its three GEMMs contracts over one dimension, whole on every rank or split over tp:
 
                     contracts over    column-parallel (W's rows split)      row-parallel (W's columns split)
     y  = x W^T      K (in features)   whole                                 split: partial sums, then g sums
@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 import kernels.fp8 as fp8
 from common.comm import all_reduce
+from compose.tp_gemms import with_gemm_slots
 from kernels.fp8 import BLOCK, E4M3, E5M2, RECIPES, check_fp8_support, delayed_amax, fp8_matmul
 from kernels.fp8_cast import fp8_amax
 
@@ -121,7 +122,7 @@ class Float8ParallelGemms:
 
     def weight_grad(self, ctx, weight):
         """grad_weight as a function of (dy2, x2): what a zero-bubble pipeline's W step calls
-        (common/pipeline_weight_grads.WeightGradStore.stash), the same GEMM on the same operands and amaxes."""
+        (pipeline/weight_grads.WeightGradStore.stash), the same GEMM on the same operands and amaxes."""
         return functools.partial(self.grad_weight, ctx, weight=weight)
 
 
@@ -149,9 +150,10 @@ class _ParallelFloat8Linear(torch.autograd.Function):
 
 
 def convert_parallel_to_float8(model, recipe="tensorwise", skip=("lm_head", "wte", "router", "gate")):
-    """Give every tensor-parallel linear layer (a module with a `gemm` slot and a weight tagged `tp_split`, as
-    train_tp's column / row-parallel layers) FP8 GEMMs, in place; returns their names. The split comes from the
-    weight's tag: dim 0 (out features) is column-parallel, dim 1 row-parallel."""
+    """Give every tensor-parallel linear layer (a module with a `gemm` slot and a weight tagged `tp_split`: train_tp's
+    column / row-parallel layers, given the slot here) FP8 GEMMs, in place; returns their names. The split comes
+    from the weight's tag: dim 0 (out features) is column-parallel, dim 1 row-parallel."""
+    with_gemm_slots(model)
     converted = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)

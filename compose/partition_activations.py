@@ -1,13 +1,13 @@
 """
-compose/partition_activations.py: ZeRO-R's partitioned activation checkpointing, Pa (Rajbhandari et al. 2020, section 6.1;
-DeepSpeed's activation checkpointing with partition_activations), for tensor parallelism without SP.
+compose/partition_activations.py: ZeRO-R's partitioned activation checkpointing, Pa (Rajbhandari et al. 2020,
+section 6.1; DeepSpeed's activation checkpointing with partition_activations), for tensor parallelism without SP.
 
     torchrun --nproc_per_node 2 train_tp.py --tp 2 --recompute full --partition_activations
     torchrun --nproc_per_node 2 train_tp.py --tp 2 --recompute full --partition_activations --offload_activations
 
 With --recompute full a block keeps only its input x [b, s, h] for backward. Under TP without SP that input is
 replicated: every TP rank keeps the same b*s*h values. Pa keeps this rank's 1/t of them (x flattened, cut in t
-equal parts) and all-gathers the t parts just before the block is recomputed in backward (train_tp.py draws it):
+equal parts) and all-gathers the t parts just before the block is recomputed in backward:
 
     forward   block i: x (whole, every rank) -> run the block without keeping anything -> keep my part x_r (1/t)
     backward  block i: all-gather x_0..x_t-1 -> x -> recompute the block -> its backward -> drop x
@@ -18,6 +18,8 @@ input, (t-1)/t * b*s*h*bytes, against TP's own six all-reduces per block with re
 recompute before the block's last all-reduce, whose output backward does not need). --offload_activations moves
 the part to host memory as it is made (Pa+cpu) and copies it back on a side stream: the recompute of block i starts
 the copy of the block before it (block i-1's part), so it travels while block i recomputes and runs its backward.
+SP makes Pa unnecessary: between blocks the activations are already cut by sequence (T/t each), so the block input
+is kept split at no cost, and its all-gather is the one SP's f does anyway.
 
 Each block runs under torch.utils.checkpoint (non-reentrant: it restores the random state and autocast for the
 recompute), which reaches the input only through a HeldInput, so it keeps nothing of it; the part is kept for

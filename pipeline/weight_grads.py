@@ -9,12 +9,12 @@ DeferredWeightGradLinear: its backward returns dx and stashes (layer, x, gy) in 
 W(micro-batch) turns the stash into gradients. Parameters and their names are unchanged.
 
 Any layer that runs its own GEMMs takes the store itself (a `weight_grad_store` attribute) and stashes what its W
-needs: train_tp's tensor-parallel layers (B keeps the input gradient's all-reduce, or SP's reduce-scatter);
-kernels/fp8.py's Float8Linear and the FP8 GEMMs inside the tensor-parallel layers (W runs the FP8 dW GEMM on the
-dy that B quantized and the x that F quantized: the unsplit backward's numbers, bit for bit); kernels/apply.py's
-fused LM head (W recomputes the logits its forward did not keep). Gradients that are a reduction inside a fused
-kernel's one pass over dy (the fused LayerNorm's dgamma, dbeta, the fused bias adds' db) stay in B, as
-nn.LayerNorm's do. docs/pipelines.md ("The W step") says why for each.
+needs: train_tp's tensor-parallel layers, given the attribute by compose/tp_gemms.py (B keeps the input gradient's
+all-reduce, or SP's reduce-scatter); kernels/fp8.py's Float8Linear and the FP8 GEMMs inside the tensor-parallel
+layers (W runs the FP8 dW GEMM on the dy that B quantized and the x that F quantized: the unsplit backward's
+numbers, bit for bit); kernels/apply.py's fused LM head (W recomputes the logits its forward did not keep).
+Gradients that are a reduction inside a fused kernel's one pass over dy (the fused LayerNorm's dgamma, dbeta, the
+fused bias adds' db) stay in B, as nn.LayerNorm's do. docs/pipelines.md ("The W step") says why for each.
 
 A W that reads a parameter's value (the fused LM head's, for the logits; dW = gy^T x reads none) says so when it is
 deferred (`reads`): under ZeRO-3 the unit holding that parameter then stays gathered until the W has run
@@ -49,7 +49,7 @@ class WeightGradStore:
 
     def linear(self, x, weight, bias=None):
         """y = x W^T + b whose backward returns only dx and stashes the rest here: for layers that own their
-        forward (train_tp's parallel layers read it from their `weight_grad_store`)."""
+        forward (compose/tp_gemms.py's parallel layers read it from their `weight_grad_store`)."""
         return _LinearInputGradOnly.apply(x, weight, bias, self)
 
     def close(self, key):
@@ -118,8 +118,8 @@ class DeferredWeightGradLinear(nn.Module):
 
 def defer_weight_grads(module, store):
     """Swap every nn.Linear inside `module` (the blocks' four matmuls) for DeferredWeightGradLinear; a layer that
-    runs its own GEMMs (a `weight_grad_store` attribute: train_tp's column- and row-parallel layers, FP8 layers,
-    the fused LM head) is handed the store and defers its own dW, keeping its communication in B."""
+    runs its own GEMMs (a `weight_grad_store` attribute: compose/tp_gemms.py's tensor-parallel layers, FP8
+    layers, the fused LM head) is handed the store and defers its own dW, keeping its communication in B."""
     for parent in list(module.modules()):
         if hasattr(parent, "weight_grad_store"):
             parent.weight_grad_store = store

@@ -15,6 +15,7 @@ def _split_equals_plain(rank, world, sp, recipe=None):
     from common.comm import COMM
     from pipeline.weight_grads import WeightGradStore, defer_weight_grads
     from compose.fp8_tp import Float8ParallelGemms
+    from compose.tp_gemms import with_gemm_slots
     from train_tp import ColumnParallelLinear, RowParallelLinear
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -28,6 +29,7 @@ def _split_equals_plain(rank, world, sp, recipe=None):
         torch.manual_seed(0)
         layers = torch.nn.Sequential(ColumnParallelLinear(h, f, group, sp=sp, dtype=torch.float64),
                                      RowParallelLinear(f, h, group, sp=sp, dtype=torch.float64))
+        with_gemm_slots(layers)
         for p in layers.parameters():
             torch.nn.init.normal_(p)
         if recipe is not None:

@@ -32,6 +32,7 @@ def _layers_worker(rank, n, argv):
     import train_tp as tp
     from common.tp_setup import RankRNG
     from common.comm import all_reduce
+    from common.tp_grads import VocabParallelCrossEntropy
     dist.init_process_group("gloo")
     g, errs = dist.group.WORLD, {}
 
@@ -98,7 +99,7 @@ def _layers_worker(rank, n, argv):
         loss_ref = F.cross_entropy(lr_, targets)
         (2.5 * loss_ref).backward()
         local = shard_of(logits, 1, 1, rank, n).requires_grad_()
-        loss = tp.VocabParallelCrossEntropy.apply(local, targets, rank * V // n, g)
+        loss = VocabParallelCrossEntropy.apply(local, targets, rank * V // n, g)
         (2.5 * loss).backward()
         record(f"{dtype}/cross_entropy/loss", loss, loss_ref)
         record(f"{dtype}/cross_entropy/grad", local.grad, shard_of(lr_.grad, 1, 1, rank, n))

@@ -28,6 +28,7 @@ def _layer_errors(rank, world, cases):
     import kernels.fp8 as fp8
     import train_tp as tp
     from compose.fp8_tp import Float8ParallelGemms
+    from compose.tp_gemms import with_gemm_slots
     dist.init_process_group("gloo")
     group, out = dist.group.WORLD, {}
     real = (fp8.gemm_kind, torch._scaled_mm)
@@ -42,8 +43,8 @@ def _layer_errors(rank, world, cases):
             torch.manual_seed(0)
             dense = nn.Linear(K, N).double()
             ref = fp8.Float8Linear.from_float(dense, recipe)
-            layer = (tp.ColumnParallelLinear(K, N, group, sp) if kind == "column" else
-                     tp.RowParallelLinear(K, N, group, sp)).double()
+            layer = with_gemm_slots(tp.ColumnParallelLinear(K, N, group, sp) if kind == "column" else
+                                    tp.RowParallelLinear(K, N, group, sp)).double()
             for p, full in zip(layer.parameters(), (dense.weight, dense.bias)):
                 tp.load_shard(p, full.detach(), group)
             layer.gemm = Float8ParallelGemms(recipe, group, "out" if kind == "column" else "in")
