@@ -84,9 +84,12 @@ from compose.tp_gemms import with_gemm_slots
 from pipeline.weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import start_moe_training
 from train_ep import swap_in_expert_parallel
-from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_fp8_all_gather, check_moe,
-                             compiled, enable_tf32, evaluate, gpt_config, materialize, param_dtype, prepare_data,
-                             resolve_dtype, should_save)
+from common.checkpoint import should_save
+from common.evaluation import evaluate
+from common.model_setup import MOE_FLAGS, check_moe, gpt_config, materialize
+from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
+from common.startup import prepare_data
+from compose.converters import apply_kernels_and_fp8, check_fp8_all_gather, compiled
 from common.tp_shards import init_tp_weights
 from common.tp_setup import check_tp
 from train_tp import apply_tp

@@ -256,8 +256,12 @@ def main(argv=None):
     from common.distributed import init_distributed, wait_for_main_rank
     from common.metrics import MetricsLogger
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
-    from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
-                                 prepare_data, param_dtype, print_sample, resolve_dtype, should_save)
+    from common.checkpoint import should_save
+    from common.evaluation import evaluate, print_sample
+    from common.model_setup import gpt_config
+    from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
+    from common.startup import prepare_data
+    from compose.converters import apply_kernels_and_fp8
     from model import GPT, flops_per_token
     cfg = parse_config(argv, techniques=("bucket_mb", "fp8"), description=__doc__.split("\n\n")[0],
                        extra_args=add_args, validate=validate)

@@ -260,7 +260,7 @@ def expert_parallel_moe(cfg, group):
 def expert_parallel_gpt(gcfg, seed, ep_group):
     """model.GPT with each MoE block's experts replaced by its ExpertParallelExperts. The GPT is built on the
     meta device and only then materialised, so no rank ever allocates all E experts."""
-    from common.training import materialize
+    from common.model_setup import materialize
     from model import GPT, init_weights
     with torch.device("meta"):
         model = GPT(gcfg, seed=seed)
@@ -276,7 +276,7 @@ def expert_parallel_gpt(gcfg, seed, ep_group):
 def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
-    from common.training import check_moe
+    from common.model_setup import check_moe
     world = world_size_from_env()
     check_moe(cfg)
     check(cfg.n_experts > 0, "expert parallelism needs --n_experts > 0")
@@ -299,8 +299,12 @@ def main(argv=None):
     from common.metrics import MetricsLogger
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
     from common.routing import end_moe_step, router_metrics, start_moe_training
-    from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate,
-                                 gpt_config, param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
+    from common.checkpoint import should_save
+    from common.evaluation import evaluate, print_sample
+    from common.model_setup import MOE_FLAGS, gpt_config
+    from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
+    from common.startup import prepare_data
+    from compose.converters import apply_kernels_and_fp8
     from common import checkpoint
     from common.checkpoint import ModuleState
     from model import flops_per_token

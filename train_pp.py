@@ -344,8 +344,12 @@ def main(argv=None):
     from pipeline.gpt_stages import PipelineSampler, build_stages
     from pipeline.tied import clip_stage_grads, tied_grads_sync, tied_pair_group
     from pipeline.weight_grads import WeightGradStore, defer_weight_grads
-    from common.training import (apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, gpt_config,
-                                 param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
+    from common.checkpoint import should_save
+    from common.evaluation import evaluate, print_sample
+    from common.model_setup import gpt_config
+    from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
+    from common.startup import prepare_data
+    from compose.converters import apply_kernels_and_fp8
     from common import checkpoint
     from common.checkpoint import ModuleState, only_mine
     from model import flops_per_token

@@ -30,9 +30,12 @@ from common.distributed import init_distributed
 from common.metrics import MetricsLogger
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from common.routing import end_moe_step, router_metrics, start_moe_training
-from common.training import (MOE_FLAGS, apply_kernels_and_fp8, autocast_context, check_moe, enable_tf32, evaluate,
-                             gpt_config, param_dtype, prepare_data, print_sample, resolve_dtype,
-                             should_save)
+from common.checkpoint import should_save
+from common.evaluation import evaluate, print_sample
+from common.model_setup import MOE_FLAGS, check_moe, gpt_config
+from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
+from common.startup import prepare_data
+from compose.converters import apply_kernels_and_fp8
 from model import GPT, flops_per_token
 
 

@@ -304,7 +304,7 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
     meta device: new parameters are allocated here, empty, on `device` (which may be "meta" too); fill them
     with init_tp_weights."""
     from common.tp_setup import RankRNG
-    from common.training import materialize
+    from common.model_setup import materialize
     from model import MoE
     rng = (lambda mod: RankRNG(mod, group)) if model.cfg.dropout > 0 else (lambda mod: mod)
     plan, partial = {"transformer.wte": "embedding"}, []
@@ -336,7 +336,7 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
 def build_tp_model(cfg, vocab_size, group, device, dtype=torch.float32):
     """The GPT with TP layers, this rank's shards only, parameters in `dtype` (fp32, or float64)."""
     from common.tp_shards import init_tp_weights
-    from common.training import gpt_config
+    from common.model_setup import gpt_config
     from model import GPT
     with torch.device("meta"):
         model = GPT(gpt_config(cfg, vocab_size), seed=cfg.seed)
@@ -374,8 +374,11 @@ def main(argv=None):
     from common.metrics import MetricsLogger, SavedActivationBytes
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
     from compose.partition_activations import apply_partition_flags
-    from common.training import apply_kernels_and_fp8, autocast_context, enable_tf32, evaluate, param_dtype, \
-        prepare_data, print_sample, resolve_dtype, should_save
+    from common.checkpoint import should_save
+    from common.evaluation import evaluate, print_sample
+    from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
+    from common.startup import prepare_data
+    from compose.converters import apply_kernels_and_fp8
     from common import checkpoint
     from common.checkpoint import ModuleState, replicated
     from model import flops_per_token

@@ -357,7 +357,7 @@ def add_args(parser):
 def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
-    from common.training import check_fp8_all_gather
+    from compose.converters import check_fp8_all_gather
     check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
     check(cfg.dtype in ("auto", "float32", "bfloat16", "float64"),
@@ -372,8 +372,12 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import GatheredBytes, MetricsLogger, model_state_bytes
     from common.optim import BETAS, EPS, NonFiniteGuard, lr_at
-    from common.training import (apply_kernels_and_fp8, autocast_context, compiled, enable_tf32, evaluate, gpt_config,
-                                 param_dtype, prepare_data, print_sample, resolve_dtype, should_save)
+    from common.checkpoint import should_save
+    from common.evaluation import evaluate, print_sample
+    from common.model_setup import gpt_config
+    from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
+    from common.startup import prepare_data
+    from compose.converters import apply_kernels_and_fp8, compiled
     from common import checkpoint
     from common.checkpoint import ShardState, replicated
     from model import GPT, flops_per_token

@@ -30,7 +30,9 @@ from common.metrics import MetricsLogger                                     # n
 from model import GPT, flops_per_token, init_parameter                # noqa: E402
 from common.optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
 from train_ddp import mean_over_group                                 # noqa: E402
-from common.training import gpt_config, prepare_data, resolve_dtype  # noqa: E402
+from common.model_setup import gpt_config
+from common.precision import resolve_dtype
+from common.startup import prepare_data  # noqa: E402
 from train_zero import validate                                       # noqa: E402
 
 

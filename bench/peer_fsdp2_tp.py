@@ -39,7 +39,9 @@ from common.metrics import MetricsLogger                                     # n
 from model import GPT, flops_per_token, init_parameter                # noqa: E402
 from common.optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
 from train_ddp import mean_over_group                                 # noqa: E402
-from common.training import gpt_config, prepare_data, resolve_dtype  # noqa: E402
+from common.model_setup import gpt_config
+from common.precision import resolve_dtype
+from common.startup import prepare_data  # noqa: E402
 from common.tp_shards import shard_of                                        # noqa: E402
 from peer_tp_dtensor import apply_dtensor_tp, plan_comm_bytes         # noqa: E402
 

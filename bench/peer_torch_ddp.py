@@ -25,7 +25,9 @@ from common.metrics import MetricsLogger                                     # n
 from model import GPT, flops_per_token                                # noqa: E402
 from common.optim import clip_grad_norm, configure_optimizer, lr_at, set_lr  # noqa: E402
 from train_ddp import mean_over_group, validate                       # noqa: E402
-from common.training import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
+from common.model_setup import gpt_config
+from common.precision import autocast_context, resolve_dtype
+from common.startup import prepare_data  # noqa: E402
 
 
 def main(argv=None):

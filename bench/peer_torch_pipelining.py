@@ -35,7 +35,9 @@ from pipeline.schedules import V_SHAPED, placement_of, rank_of, stage_of   # noq
 from pipeline.tied import clip_stage_grads, tied_grads_sync, tied_pair_group  # noqa: E402
 from pipeline.gpt_stages import build_stages                                   # noqa: E402
 from train_pp import extra_args, n_microbatches, validate                      # noqa: E402
-from common.training import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
+from common.model_setup import gpt_config
+from common.precision import autocast_context, resolve_dtype
+from common.startup import prepare_data  # noqa: E402
 
 SCHEDULES = {"afab": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zbv": getattr(torch_schedules, "ScheduleZBVZeroBubble", None),    # older torch: not there

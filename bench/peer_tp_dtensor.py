@@ -34,7 +34,9 @@ from common.config import check, grad_accum_steps, parse_config              # n
 from common.metrics import MetricsLogger                                     # noqa: E402
 from model import GPT, flops_per_token                                # noqa: E402
 from common.optim import configure_optimizer, lr_at, set_lr                  # noqa: E402
-from common.training import autocast_context, gpt_config, prepare_data, resolve_dtype  # noqa: E402
+from common.model_setup import gpt_config
+from common.precision import autocast_context, resolve_dtype
+from common.startup import prepare_data  # noqa: E402
 from common.tp_shards import shard_of                                        # noqa: E402
 from train_tp import extra_args, validate as validate_tp              # noqa: E402
 

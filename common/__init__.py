@@ -11,7 +11,10 @@ detail is done.
     data.py          corpus preparation (python -m common.data) and deterministic global batches
     data_mix.py      --data_mix: weighted corpora in one deterministic batch, per-source metrics, offline corpora
     optim.py         AdamW groups, warmup + cosine, the non-finite guard
-    training.py      what every training loop shares: dtype, autocast, kernels / FP8, data setup, eval, sample
+    precision.py     --dtype made concrete: compute and parameter dtypes, autocast, TF32
+    model_setup.py   the GPT a run's flags build (the MoE flags and their checks), memory for a meta-built model
+    startup.py       before the first step: the out_dir lock, the corpus, the loader, whether the model can fit
+    evaluation.py    the validation loss and the end-of-run sample
     metrics.py       MFU, peak memory, metrics.jsonl and the progress line
     peaks.py         the peak FLOP/s MFU divides by: GPU datasheets, a CPU's measured matmul
     profiling.py     --profile: torch profiler traces and labels

@@ -1,7 +1,8 @@
 """
 compose/: the composition wing. What exists only because two techniques meet lives here, not in either rung:
-train_5d.py imports it (a rung's script part may too), and no rung's building blocks do.
+train_5d.py imports it, a rung's main may apply its converters in one call, and no rung's building blocks do.
 
+    converters.py              --kernels, --fp8 and --compile applied to a model in one call, inside TP's layers too
     grad_ready.py              DP's buckets launched by the pipeline schedule's last backward writing them
     kept_units.py              ZeRO-3 units kept gathered from a zero-bubble B until the W that reads them
     partition_activations.py   ZeRO-R's Pa under TP: 1/tp of each recomputed block's input kept, gathered back

@@ -21,7 +21,7 @@ every rank's packing. Bytes sent per gather of a unit, N ranks, packed(r) = FP8 
 r's shard (8 in float64):  (N-1) max_r packed(r)  +  the amax all-reduce 2 (N-1)/N x 4 x (amaxes: one per FP8
 weight, blockwise one per block). Recipes: tensorwise, delayed and blockwise (whose 128 x 128 blocks quantize W and
 W^T alike). Rowwise scales W per row for the forward GEMM and per column for dgrad, two encodings (2 bytes a value,
-bf16's): refused (common/training.py); so is blockwise on a GPU with native block scales where a weight is not
+bf16's): refused (compose/converters.py); so is blockwise on a GPU with native block scales where a weight is not
 whole 128-blocks (its GEMM pads W to them).
 """
 import torch

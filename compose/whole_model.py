@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from common import comm
-from common.training import fits_on_device, print_sample
+from common.evaluation import print_sample
+from common.startup import fits_on_device
 from model import GPT, num_params
 
 

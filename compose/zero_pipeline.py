@@ -20,7 +20,7 @@ import torch.distributed as dist
 from common import comm
 from common.checkpoint import ShardState
 from common.tp_grads import sum_in_place
-from common.training import gather_fp8_units
+from compose.converters import gather_fp8_units
 from compose.dp_axis import DataParallelAxis
 from compose.grad_ready import reduce_held
 from compose.kept_units import free_after_w

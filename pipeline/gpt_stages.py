@@ -85,7 +85,7 @@ def stage_views(gpt, rank, p, v, placement="loop"):
 def build_stages(gcfg, rank, p, v, seed, device, dtype=torch.float32, placement="loop"):
     """This rank's V chunks of a GPT built on the meta device: only their parameters get memory, each filled
     from model.init_parameter (the same values as train_single's), in dtype."""
-    from common.training import materialize
+    from common.model_setup import materialize
     from model import GPT, init_weights
     with torch.device("meta"):
         gpt = GPT(gcfg, seed=seed)

@@ -286,10 +286,10 @@ def test_sample_gathers_weights_not_adam_moments(tiny_data, tmp_path):
 
 
 def test_whole_model_fits_counts_free_and_cached_device_memory(monkeypatch):
-    """The sample's check (training.fits_on_device) on a GPU, faked: the driver's free bytes plus the allocator's
+    """The sample's check (startup.fits_on_device) on a GPU, faked: the driver's free bytes plus the allocator's
     reserved-but-unused bytes; host memory is not checked."""
     import torch
-    from common.training import fits_on_device
+    from common.startup import fits_on_device
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100, 1000))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 300)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 250)

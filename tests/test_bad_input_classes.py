@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import plan
-from common import data, training
+from common import data, model_setup, startup
 from common.config import ConfigError, parse_collectives_args, parse_config
 from common.distributed import DistEnv, launch_env
 from test_failures import one_error_line
@@ -69,8 +69,8 @@ def test_plan_reads_no_prefix(capsys):
 ])
 def test_integers_no_run_can_use(tiny_data, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as e:       # parsing only: were it accepted, no model of 10**30 layers is built
-        parse_config(tiny_argv(tiny_data, str(tmp_path / "out"), **flags), training.MOE_FLAGS,
-                     validate=training.check_moe)
+        parse_config(tiny_argv(tiny_data, str(tmp_path / "out"), **flags), model_setup.MOE_FLAGS,
+                     validate=model_setup.check_moe)
     line = capsys.readouterr().err.strip()
     assert e.value.code == 2 and line.startswith("error: ") and message in line, line
 
@@ -80,29 +80,29 @@ def test_integers_no_run_can_use(tiny_data, tmp_path, capsys, flags, message):
 
 def test_least_memory_counts_the_model_and_a_micro_batch(tiny_data, tmp_path):
     cfg = parse_config(tiny_argv(tiny_data, str(tmp_path)))
-    need, what = training.least_memory(cfg, 64, torch.float32)
+    need, what = startup.least_memory(cfg, 64, torch.float32)
     h, layers = cfg.n_embd, cfg.n_layer
     params = 64 * h + 12 * layers * h * h
     tokens = cfg.micro_batch_size * cfg.block_size
     assert need == 16 * params + tokens * (14 * layers * h + 128) * 4 + 8 * cfg.global_batch_size
     assert f"{params:,} parameters" in what
-    moe = parse_config(tiny_argv(tiny_data, str(tmp_path), n_experts=4, moe_every=2), training.MOE_FLAGS)  # 1 of 2
-    assert training.least_memory(moe, 64, torch.float32)[0] - need == 16 * 3 * 8 * h * h
+    moe = parse_config(tiny_argv(tiny_data, str(tmp_path), n_experts=4, moe_every=2), model_setup.MOE_FLAGS)  # 1 of 2
+    assert startup.least_memory(moe, 64, torch.float32)[0] - need == 16 * 3 * 8 * h * h
 
 
 def test_a_run_past_this_hosts_memory_is_refused_naming_its_sizes(tiny_data, tmp_path, monkeypatch):
     cfg = parse_config(tiny_argv(tiny_data, str(tmp_path), n_embd=16384, n_layer=64))
     env = DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
-    monkeypatch.setattr(training, "host_available", lambda: 64 * 2 ** 30)
-    message = training.memory_problem(cfg, env, 64)
+    monkeypatch.setattr(startup, "host_available", lambda: 64 * 2 ** 30)
+    message = startup.memory_problem(cfg, env, 64)
     assert "need at least 3,0" in message and "206,159,478,784 parameters" in message and "64.0 GiB" in message
     small = parse_config(tiny_argv(tiny_data, str(tmp_path)))
-    assert training.memory_problem(small, env, 64) is None
+    assert startup.memory_problem(small, env, 64) is None
     two = DistEnv(0, 2, 0, torch.device("cpu"), "gloo")            # two ranks of one host share its memory
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    need = training.least_memory(cfg, 64, torch.float32)[0]
-    monkeypatch.setattr(training, "host_available", lambda: need - 1)
-    assert training.memory_problem(cfg, two, 64) is not None
+    need = startup.least_memory(cfg, 64, torch.float32)[0]
+    monkeypatch.setattr(startup, "host_available", lambda: need - 1)
+    assert startup.memory_problem(cfg, two, 64) is not None
 
 
 def test_a_model_past_memory_stops_before_it_is_built(tiny_data, tmp_path):

@@ -54,7 +54,7 @@ def _two_node_worker(rank, world, root, data_dir):
     import contextlib
     import io
     from common import data
-    from common import training
+    from common import startup
     from common.distributed import init_distributed
     from common.config import Config
     os.environ["LOCAL_RANK"] = str(rank % 2)
@@ -66,7 +66,7 @@ def _two_node_worker(rank, world, root, data_dir):
     err, code = io.StringIO(), 0
     with contextlib.redirect_stderr(err):
         try:
-            loader = training.prepare_data(cfg, env)
+            loader = startup.prepare_data(cfg, env)
             assert loader.vocab_size == 256
         except SystemExit as e:
             code = e.code
@@ -79,7 +79,7 @@ def test_every_node_prepares_its_own_data(tmp_path):
     file only another node has, no half-written temporary file stays); a dataset missing on one node makes
     that node's preparer print its own error (rank 0 only could not) and every rank exit with code 2."""
     from common.distributed import DistEnv
-    from common.training import prepares_data
+    from common.startup import prepares_data
     assert [prepares_data(DistEnv(r, 4, r % 2, torch.device("cpu"), "gloo")) for r in range(4)] == [True, False] * 2
     for node in ("node0", "node1"):
         os.makedirs(tmp_path / node)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train_single
-from common import training
+from common import evaluation
 from common.checkpoint import latest_checkpoint, load_checkpoint
 from common.distributed import collective_failure
 from distributed_helper import exit_code_and_stderr, free_port, recorded_runs, run_workers
@@ -414,9 +414,9 @@ def test_character_level_samples_are_decoded(tmp_path, capsys):
     run_single(tiny_argv(data, str(tmp_path / "out"), max_steps=2, sample_tokens=20))
     sample = capsys.readouterr().out.split("---- sample ----\n")[1].split("\n----------------")[0]
     assert sample[:16] in val_text and set(sample) <= set(text), repr(sample)       # the prompt, then text
-    assert training.decode([0, 1, 2], {"vocab_size": 3, "itos": ["a", "b", "c"]}) == "abc"   # meta.json's list
+    assert evaluation.decode([0, 1, 2], {"vocab_size": 3, "itos": ["a", "b", "c"]}) == "abc"   # meta.json's list
     with pytest.raises(ValueError, match="tokenizer 'synthetic' is unknown"):
-        training.decode([1, 2], {"vocab_size": 64, "tokenizer": "synthetic"})
+        evaluation.decode([1, 2], {"vocab_size": 64, "tokenizer": "synthetic"})
 
 
 def test_nccl_collectives_stay_asynchronous_and_the_watchdog_aborts_without_killing(monkeypatch):

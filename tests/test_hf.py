@@ -246,7 +246,7 @@ def test_import_then_export_is_bitwise(neox, text_data, tmp_path):
 
 def test_the_byte_tokenizer_gives_the_trained_ids(trained, tmp_path):
     """Any text -> its UTF-8 bytes as ids; any ids (invalid UTF-8 too) -> the text the run's samples show."""
-    from common.training import decode
+    from common.evaluation import decode
     hf_dir = str(tmp_path / "hf")
     hf.main(["export", trained("single"), hf_dir])
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)

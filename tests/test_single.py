@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_single
-from common import training
+from common import precision
 from common.checkpoint import latest_checkpoint, load_checkpoint
 from common.metrics import read_metrics
 from train_helpers import (MODELS, assert_exact, assert_same_losses, assert_same_weights, losses, run_single,
@@ -212,9 +212,9 @@ def test_tf32_enabled_in_every_script():
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
-        training.enable_tf32(torch.device("cpu"))
+        precision.enable_tf32(torch.device("cpu"))
         assert not torch.backends.cuda.matmul.allow_tf32
-        training.enable_tf32(torch.device("cuda"))          # a device object: no GPU needed to set the flag
+        precision.enable_tf32(torch.device("cuda"))          # a device object: no GPU needed to set the flag
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -378,3 +378,8 @@ class ShardState(ModuleState):
         for m in self.modules:
             for name, b in saved_buffers(m):
                 b.copy_(saved[name][0])
+
+
+def should_save(cfg, step, last_step):
+    """Whether a checkpoint is written after `step`: every --save_interval steps, and after the run's last step."""
+    return step == last_step - 1 or (cfg.save_interval > 0 and (step + 1) % cfg.save_interval == 0)
