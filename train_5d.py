@@ -84,7 +84,6 @@ from compose.tp_gemms import with_gemm_slots
 from pipeline.weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import start_moe_training
 from train_ep import swap_in_expert_parallel
-from common.checkpoint import should_save
 from common.evaluation import evaluate
 from common.model_setup import MOE_FLAGS, check_moe, gpt_config, materialize
 from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
@@ -300,7 +299,7 @@ def main(argv=None):
             val = evaluate(eval_loss, loader, cfg)
             chunks.train()
             logger.log_eval(step, val)
-        if should_save(cfg, step, last_step):
+        if checkpoint.should_save(cfg, step, last_step):
             checkpoint.save(cfg, gcfg, step + 1, dp_axis.held)
     logger.close()
     if cfg.sample_tokens > 0 and last_step > start:     # (AdamW's state exists once a step has run)

@@ -24,7 +24,6 @@ Block attention: any (forward, backward) pair of PLAIN_TORCH's signatures (--ker
 compose/cp_kernels.py). K/V may have fewer heads than Q (grouped-query attention): they travel with their own
 heads. Any model (docs/copy_out.md): swap_modules puts the core in place of the modules named.
 """
-import functools
 import time
 
 import torch
@@ -33,6 +32,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from common.comm import COMM, all_gather, all_reduce, batch_isend_irecv, clip_grad_norm, label, p2p_op, reduce_scatter
+from common.cp_layout import allgather_blocks, global_order, local_positions, ring_step_blocks, score_elements
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -113,57 +113,6 @@ def attend_backward(dout, q, k, v, out, lse, blocks, kernel, dq):
 def add_kv_grads(dkv, grads):
     for cols, dk, dv in grads:
         dkv[:, ..., cols, :] += torch.stack([dk, dv])
-
-
-# ----------------------------------------------------------------------------------------------------------
-# sequence layouts and which blocks each rank computes
-
-def chunk_runs(layout, seq_len, cp, rank):
-    """(global start, length) of each contiguous run of positions `rank` holds, in local order."""
-    if layout == "ring":                       # one contiguous chunk per rank
-        return [(rank * (seq_len // cp), seq_len // cp)]
-    c = seq_len // (2 * cp)                    # zigzag and allgather: chunks rank and 2cp-1-rank
-    return [(rank * c, c), ((2 * cp - 1 - rank) * c, c)]
-
-
-def local_positions(layout, seq_len, cp, rank, device="cpu"):
-    return torch.cat([torch.arange(s, s + n, device=device) for s, n in chunk_runs(layout, seq_len, cp, rank)])
-
-
-def ring_step_blocks(layout, rank, src, local_len):
-    """[(query rows, key rows, causal)] of this rank's queries against rank src's K/V that are not fully
-    masked. Local positions increase with the local index in both layouts, so the diagonal is plain causal."""
-    full, half = slice(0, local_len), local_len // 2
-    if src == rank:
-        return [(full, full, True)]
-    if layout == "ring":
-        return [(full, full, False)] if src < rank else []     # later chunks are entirely in the future
-    if src < rank:           # zigzag: both my chunks come after src's early chunk, before its late one
-        return [(full, slice(0, half), False)]
-    return [(slice(half, local_len), full, False)]             # only my late chunk sees src's two chunks
-
-
-def score_elements(layout, seq_len, cp, rank):
-    """Attention score elements (unmasked query-key pairs) this rank computes per sequence and head: the blocks
-    its attention runs (the metric attn_score_elements multiplies it by batch x heads x layers x forwards)."""
-    if layout == "allgather":
-        blocks = allgather_blocks(layout, seq_len, cp, rank)
-    else:
-        blocks = [b for s in range(cp) for b in ring_step_blocks(layout, rank, (rank - s) % cp, seq_len // cp)]
-    return sum((r.stop - r.start) * (r.stop - r.start + 1) // 2 if causal else (r.stop - r.start) * (c.stop - c.start)
-               for r, c, causal in blocks)
-
-
-def allgather_blocks(layout, seq_len, cp, rank):
-    """Each local run against the gathered sequence: its own positions (causal) and everything before."""
-    blocks, local = [], 0
-    for start, length in chunk_runs(layout, seq_len, cp, rank):
-        rows = slice(local, local + length)
-        blocks.append((rows, slice(start, start + length), True))    # first: every row gets a finite lse
-        if start > 0:
-            blocks.append((rows, slice(0, start), False))
-        local += length
-    return blocks
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -249,13 +198,6 @@ class RingAttention(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------------------------------------
 # all-gather KV attention (Llama 3), on the zigzag layout so that the work is balanced
-
-@functools.lru_cache(maxsize=None)
-def global_order(layout, seq_len, cp, device):
-    """Index that sorts the rank-major concatenation of all local chunks into global position order. Built once
-    on the device (every layer uses it three times a micro-batch: a host-built index is a copy and a sync each)."""
-    return torch.cat([local_positions(layout, seq_len, cp, i, device) for i in range(cp)]).argsort()
-
 
 def gather_sequence(local, group, layout, seq_len):
     """[..., T_local, D] of every rank -> [..., T, D] in global position order."""
@@ -398,7 +340,6 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import MetricsLogger, SavedActivationBytes
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
-    from common.checkpoint import should_save
     from common.evaluation import evaluate, print_sample
     from common.model_setup import gpt_config
     from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
@@ -481,7 +422,7 @@ def main(argv=None):
                 val = evaluate(eval_loss, loader, cfg)
             model.train()
             logger.log_eval(step, val)
-        if should_save(cfg, step, last_step):           # the CP ranks hold the same weights: rank 0 saves
+        if checkpoint.should_save(cfg, step, last_step):           # the CP ranks hold the same weights: rank 0 saves
             checkpoint.save(cfg, model.cfg, step + 1, held)
     logger.close()
     cores = iter(local_cores)                  # sample on one device with the plain cores

@@ -256,7 +256,6 @@ def main(argv=None):
     from common.distributed import init_distributed, wait_for_main_rank
     from common.metrics import MetricsLogger
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
-    from common.checkpoint import should_save
     from common.evaluation import evaluate, print_sample
     from common.model_setup import gpt_config
     from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
@@ -330,7 +329,7 @@ def main(argv=None):
                 model.train()
                 logger.log_eval(step, val)
             wait_for_main_rank(group, cfg, "evaluation")
-        if should_save(cfg, step, last_step):              # replicas agree: rank 0 writes, with each
+        if checkpoint.should_save(cfg, step, last_step):              # replicas agree: rank 0 writes, with each
             checkpoint.save(cfg, model.cfg, step + 1, held)   # rank's own dropout stream
     logger.close()
     print_sample(model, loader, cfg, env)

@@ -344,7 +344,6 @@ def main(argv=None):
     from pipeline.gpt_stages import PipelineSampler, build_stages
     from pipeline.tied import clip_stage_grads, tied_grads_sync, tied_pair_group
     from pipeline.weight_grads import WeightGradStore, defer_weight_grads
-    from common.checkpoint import should_save
     from common.evaluation import evaluate, print_sample
     from common.model_setup import gpt_config
     from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
@@ -423,7 +422,7 @@ def main(argv=None):
             val = evaluate(runner.forward_only_loss, loader, cfg)
             chunks.train()
             logger.log_eval(step, val)
-        if should_save(cfg, step, last_step):
+        if checkpoint.should_save(cfg, step, last_step):
             checkpoint.save(cfg, gcfg, step + 1, held)   # the stages' parts, written in parallel
     logger.close()
 

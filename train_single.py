@@ -30,7 +30,6 @@ from common.distributed import init_distributed
 from common.metrics import MetricsLogger
 from common.optim import NonFiniteGuard, clip_grad_norm, configure_optimizer, lr_at, set_lr
 from common.routing import end_moe_step, router_metrics, start_moe_training
-from common.checkpoint import should_save
 from common.evaluation import evaluate, print_sample
 from common.model_setup import MOE_FLAGS, check_moe, gpt_config
 from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
@@ -92,7 +91,7 @@ def main(argv=None):
                 val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
             model.train()
             logger.log_eval(step, val)
-        if should_save(cfg, step, last_step):
+        if checkpoint.should_save(cfg, step, last_step):
             checkpoint.save(cfg, model.cfg, step + 1, held)
     logger.close()
     print_sample(model, loader, cfg, env)

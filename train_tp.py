@@ -374,7 +374,6 @@ def main(argv=None):
     from common.metrics import MetricsLogger, SavedActivationBytes
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
     from compose.partition_activations import apply_partition_flags
-    from common.checkpoint import should_save
     from common.evaluation import evaluate, print_sample
     from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
     from common.startup import prepare_data
@@ -437,7 +436,7 @@ def main(argv=None):
                 val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
             model.train()
             logger.log_eval(step, val)
-        if should_save(cfg, step, last_step):
+        if checkpoint.should_save(cfg, step, last_step):
             checkpoint.save(cfg, model.cfg, step + 1, held)   # each gathered tensor written by one rank
     logger.close()
     if cfg.sample_tokens > 0 and not cfg.sp:     # every rank runs the forward (collectives), rank 0 prints

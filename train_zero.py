@@ -372,7 +372,6 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import GatheredBytes, MetricsLogger, model_state_bytes
     from common.optim import BETAS, EPS, NonFiniteGuard, lr_at
-    from common.checkpoint import should_save
     from common.evaluation import evaluate, print_sample
     from common.model_setup import gpt_config
     from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
@@ -450,7 +449,7 @@ def main(argv=None):
                 val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
             model.train()
             logger.log_eval(step, val)
-        if should_save(cfg, step, last_step):
+        if checkpoint.should_save(cfg, step, last_step):
             checkpoint.save(cfg, model.cfg, step + 1, held)   # each bucket gathered, written by one rank
     logger.close()
     print_sample(model, loader, cfg, env, collective=stage == 3)

@@ -20,6 +20,7 @@ detail is done.
     profiling.py     --profile: torch profiler traces and labels
     grid.py          train_5d's rank grid and its process groups
     routing.py       mixture-of-experts load balancing over a step (model.MoE's load) and the router metrics
+    cp_layout.py     context parallelism's layouts: the positions each rank holds, the blocks it computes
     tp_shards.py     how a tensor-parallel slice maps to the full parameter
     tp_setup.py      what applying TP needs besides its layers: a degree's shape checks, per-rank random streams
     tp_grads.py      a tensor-parallel model's loss and gradients: the vocabulary-parallel cross-entropy, SP's

@@ -29,6 +29,9 @@ from distributed_helper import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXACT = 1e-9
 
+# what a row's text says to copy besides its files for a transformers model (an attention chosen by name)
+HF_ALSO = {"CP": ["common/hf/attention.py"]}
+
 # technique -> (what to copy, the building blocks to use, what they expect of the model): docs/copy_out.md's table
 COPY_TABLE = {
     "DDP": (["train_ddp.py", "common/comm.py"],
@@ -51,10 +54,10 @@ COPY_TABLE = {
                 "heads and KV heads divisible by tp; a tied head planned as its embedding is (`column`, logits split "
                 "by vocabulary) or a ValueError; under SP a sequence divisible by tp, every norm named, an attention "
                 "that reads T off its input planned `sp_gather`, whole-sequence positions (and mask, if any)"),
-    "CP": (["train_cp.py", "common/comm.py", "common/hf/attention.py"],
-           "`swap_modules(model, names, lambda: ContextParallelAttentionCore(group, layout))` or transformers' "
-           "`AttentionInterface.register(name, hf_attention.attention_function(core, pos))`; `local_positions`, "
-           "`allreduce_grads`",
+    "CP": (["train_cp.py", "common/comm.py", "common/cp_layout.py"],
+           "`swap_modules(model, names, lambda: ContextParallelAttentionCore(group, layout))`; `local_positions`, "
+           "`allreduce_grads`; an attention chosen by name (transformers' `AttentionInterface.register(name, "
+           "hf_attention.attention_function(core, pos))`) also `common/hf/attention.py`",
            "causal attention without a mask or dropout (else a ValueError), in a module called on q, k, v [B, H, T, "
            "D] (K/V may have fewer heads; `scale=`) or chosen by name; the forward takes the chunk's global "
            "positions (RoPE); a per-token loss"),
@@ -813,7 +816,7 @@ def test_copied_blocks_train_transformers_models_like_one_process(tmp_path, name
     tied and untied, eager and sdpa: every step's loss and grad norm as one process's, each former trap refused."""
     pytest.importorskip("transformers")
     row, run = HF_RUNS[name]
-    files = COPY_TABLE[row][0]
+    files = COPY_TABLE[row][0] + HF_ALSO.get(row, [])
     result = run_user_project(user_project(str(tmp_path / "project"), files), run, script="train_hf.py")
     assert len(result["got"]) == len(result["one_process"]) >= 2
     for variant, (got_run, ref_run) in enumerate(zip(result["got"], result["one_process"])):
