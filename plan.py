@@ -54,8 +54,8 @@ from planner.timing import eager_attention_time, hardware_flops_per_token  # noq
 
 def step_time(job, lay, mem):
     """Seconds per optimizer step by part:
-        compute    tokens / world x plan_time.compute_time(hardware_flops_per_token): matmuls at the GPU's measured
-                   GEMM ceiling, slower for GEMMs of few rows (plan_time.gemm_rows_factor, rows = b x s / cp: fitted to
+        compute    tokens / world x timing.compute_time(hardware_flops_per_token): matmuls at the GPU's measured
+                   GEMM ceiling, slower for GEMMs of few rows (timing.gemm_rows_factor, rows = b x s / cp: fitted to
                    matmul measurements), the
                    attention scores at the flash kernel's (half of them causal), both x the software share, and the
                    element-wise kernels' bytes at HBM bandwidth (plan_elementwise); x the busiest pipeline rank's
@@ -65,12 +65,12 @@ def step_time(job, lay, mem):
                    zb1 (p-1)/(3m+p-1), zbv and dualpipev (p-1)/(6m+p-1) in chunk units, zbv with m < 2p-1
                    2(2p-1-m)/(6m+2(2p-1-m)); equal to pipeline_schedules.simulate's idle share, F = B = W)
         each axis  comm bytes / link bandwidth + comm_latency (NCCL's alpha per collective), then what overlaps:
-        tp         plan_comm.exposed_tp_time: all of it, or with job.tp_overlap what the GEMMs beside it cannot hide
+        tp         comm.exposed_tp_time: all of it, or with job.tp_overlap what the GEMMs beside it cannot hide
         pp         exposed; with job.pp_overlap only the 2(p-1) transfers of the fill and drain stay on the path
         cp         exposed beyond the attention compute it overlaps (ring hops run under the block attention)
-        dp         plan_comm.dp_seconds (ZeRO-0's all-reduce as NCCL's model times it), then plan_comm.exposed_dp_time,
+        dp         comm.dp_seconds (ZeRO-0's all-reduce as NCCL's model times it), then comm.exposed_dp_time,
                    as the stack overlaps it (job.dp_overlap, job.dp_overlap_style)
-        tied       plan_comm.tied_sync_time: the tied embedding's gradient summed over the first and last stage,
+        tied       comm.tied_sync_time: the tied embedding's gradient summed over the first and last stage,
                    after the backward (exposed)
         optimizer  read + write of the rank's model states at HBM bandwidth"""
     cfg, hw = job.cfg, job.hw
@@ -244,7 +244,7 @@ def launch_command(job, row):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# printed table and main (the flags are plan_cli.parse_args)
+# printed table and main (the flags are cli.parse_args)
 
 HEADER = ("  #   dp tp cp  pp ep sp zero    schedule v mbs recompute | "
           "params  grads  optim   acts other  alloc  resvd GiB | "
@@ -294,7 +294,7 @@ def print_table(job, rows, top):
 # recompute replace the flags'; rank 0 prints why.
 
 def gpu_kind(device_name):
-    """plan_inputs.HARDWARE's key for a CUDA device name ('NVIDIA H100 80GB HBM3' -> 'h100'), or None."""
+    """inputs.HARDWARE's key for a CUDA device name ('NVIDIA H100 80GB HBM3' -> 'h100'), or None."""
     chip = gpu_chip_and_board(device_name)[0].lower()
     return chip if chip in HARDWARE else None
 
@@ -327,7 +327,7 @@ def plan_job(cfg, vocab_size, world, gpus_per_node, gpu, precision):
 
 def fits_in(row, capacity):
     """Whether a row's reserved memory fits a GPU of `capacity` bytes (torch's total_memory) less the CUDA context and
-    NCCL's buffers (plan_memory.usable_bytes)."""
+    NCCL's buffers (memory.usable_bytes)."""
     n = communicators(row["dp"], row["tp"], row["cp"], row["pp"], row["ep"])
     return row["mem_bytes"]["reserved"] <= usable_bytes(capacity, n)
 

@@ -10,7 +10,7 @@ flat buffer padded to a multiple of N ranks; rank r owns elements [r*s, (r+1)*s)
 Precision (train_single's recipe): the parameters are fp32 and are their own master copy; --dtype bfloat16
 runs the forward and backward under bf16 autocast (each matmul casts its weight on the fly; ZeRO-3 gathers the
 shards in bf16, FSDP2's param_dtype, widened into the fp32 buffer), and gradients are accumulated and
-reduce-scattered in fp32. Bytes per parameter (plan_inputs.model_state_bytes_per_param("fp32")): params 4,
+reduce-scattered in fp32. Bytes per parameter (planner/inputs.model_state_bytes_per_param("fp32")): params 4,
 grads 4, AdamW m + v 8 (float32 and bfloat16 alike; float64 doubles each). bf16 saves activation memory, matmul
 time and ZeRO-3's gather bytes, not model-state bytes (bf16 parameter copies would need a second, fp32 master).
 Model-state bytes per rank (P parameters, padded to P' with P' - P < N * buckets, N ranks):

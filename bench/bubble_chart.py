@@ -4,9 +4,9 @@ bench/bubble_chart.py: the pipeline bubble by schedule: the textbook formula, th
     python bench/bubble_chart.py          # -> bench/results/bubble.md and bubble.png (./bench.sh bubble runs it)
 
 For afab, 1f1b, interleaved (v = 2), zb1, zbv and dualpipev at each (p, m) of CONFIGS, the idle share of a step:
-    formula        pipeline_schedules.theory_idle_fraction: (p-1)/(m+p-1) afab and 1f1b, (p-1)/(v*m+p-1)
+    formula        pipeline/schedules.theory_idle_fraction: (p-1)/(m+p-1) afab and 1f1b, (p-1)/(v*m+p-1)
                    interleaved, (p-1)/(3m+p-1) zb1, (p-1)/(6m+p-1) zbv and dualpipev (chunk units)
-    simulated      pipeline_schedules.simulate with F = B = W, idle / makespan averaged over the ranks
+    simulated      pipeline/schedules.simulate with F = B = W, idle / makespan averaged over the ranks
     run's costs    the simulator again with the median F, B, W durations of the measured run (messages still free)
     measured       train_pp.py on CPU with --profile (p = 2 only: 2 ranks on this machine's 2 cores): each rank's
                    idle share of each recorded step, from the runner's action ranges in the traces

@@ -9,14 +9,14 @@ The measurements: OpenXLA's default matmul performance table for H100 (sm_90), t
 third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h (kDefaultMatmulPTable, bf16 x bf16 -> bf16 FLOP/s
 of b x (m x k) x (k x n) GEMMs); the b = 1 entries with k = 4096 (m, n from 256 to 4096: the output's size) and
 with m = n = 4096 (k from 256 to 4096: the reduction's depth). Two curves, each one constant, fitted by least squares
-on log FLOP/s against the measured ceiling (plan_time.GEMM_EFF's 792.1 TFLOP/s), two constants each:
+on log FLOP/s against the measured ceiling (planner/timing.GEMM_EFF's 792.1 TFLOP/s), two constants each:
     FLOP/s = ceiling / ((1 + (E0 / (m n))^a) (1 + (K0 / k)^b))
 Nothing else goes into them: no training run.
 """
 import argparse
 import math
 
-CEILING = 792.1e12       # H100 SXM, bf16: plan_time.GEMM_EFF["h100"] x 989 TFLOP/s (S. Bekman's MAMF table)
+CEILING = 792.1e12       # H100 SXM, bf16: planner/timing.GEMM_EFF["h100"] x 989 TFLOP/s (S. Bekman's MAMF table)
 # (m, n, k, TFLOP/s) from the table above, b = 1
 OUTPUT = [(256, 4096, 4096, 412.0), (512, 2048, 4096, 430.5), (1024, 1024, 4096, 470.1), (2048, 512, 4096, 451.2),
           (4096, 256, 4096, 376.2), (512, 4096, 4096, 644.1), (1024, 2048, 4096, 653.5), (2048, 1024, 4096, 653.1),

@@ -187,7 +187,7 @@ def main(argv=None):
                    "memory and OOM vs torch.cuda.max_memory_allocated and max_memory_reserved over train_5d layouts "
                    "(bench/plan_sweep.py)")
     p.add_argument("--plan_gpus", type=int, default=8, help="with --plan_sweep --dry and no GPU: GPUs to plan for")
-    p.add_argument("--plan_gpu", default="h100", help="with --plan_sweep --dry and no GPU: plan_inputs.HARDWARE's GPU")
+    p.add_argument("--plan_gpu", default="h100", help="with --plan_sweep --dry and no GPU: inputs.HARDWARE's GPU")
     args = p.parse_args(argv)
     if args.budget_s <= 0 or args.steps <= TIMED_FROM or args.timeout <= 0:
         p.error(f"--budget_s and --timeout must be positive and --steps > {TIMED_FROM} (the untimed steps)")

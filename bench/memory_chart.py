@@ -12,8 +12,8 @@ size in one torchrun launch. Every rank counts, exactly:
                   shards as metrics.model_state_bytes counts them
     activations   the peak, over a step, of the bytes autograd holds for backward: metrics.LiveSavedActivationBytes
                   around the pipeline runner's step, so the micro-batches a schedule keeps in flight all count
-plan.py predicts the same parts for the same plan_inputs.Layout and pipeline rank: plan_memory.model_state
-(states), plan_memory.activation_bytes (activations). Its other parts (logits, p2p buffers, the CUDA
+plan.py predicts the same parts for the same planner/inputs.Layout and pipeline rank: planner/memory.model_state
+(states), planner/memory.activation_bytes (activations). Its other parts (logits, p2p buffers, the CUDA
 context) have no exact count on CPU and are left out. Counted bytes do not depend on the machine's load.
 Split-backward schedules (zb1, zbv, dualpipev) are not among the layouts: their W passes keep inputs outside
 autograd, which the counter cannot see.
@@ -55,7 +55,7 @@ LAYOUTS = {
 }
 
 NOTE = ("Model states are plan.py's formulas exactly where the ratio reads '='. Activations: an expert rank holds "
-        "what the router sent it. Dropless, plan.py assumes an even share (plan_memory.moe_routed_rows), so the "
+        "what the router sent it. Dropless, plan.py assumes an even share (planner/memory.moe_routed_rows), so the "
         "busier rank reads above 1 by the routing imbalance, which plan.py does not model; with a capacity factor it "
         "counts the capacity, an upper bound (ratio <= 1). The split-backward schedules' deferred inputs are left "
         "out (not measured here).")
@@ -132,7 +132,7 @@ def measure_layouts(labels, data_dir, out_root):
 # predicting, and the table and chart
 
 def plan_layout(flags):
-    """plan_inputs.Layout of train_5d's flags (schedule 1f1b without pp, as train_5d's default)."""
+    """planner/inputs.Layout of train_5d's flags (schedule 1f1b without pp, as train_5d's default)."""
     from planner.inputs import Layout
     return Layout(dp=flags.get("dp", 1), tp=flags.get("tp", 1), cp=flags.get("cp", 1), pp=flags.get("pp", 1),
                   ep=flags.get("ep", 1), sp=flags.get("sp", False), zero_stage=flags.get("zero_stage", 0),

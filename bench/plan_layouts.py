@@ -280,7 +280,7 @@ NOTES = """## Where plan.py disagrees, and why
 
 - **Fig. 16, micro-batch size (half of it now).** A larger micro-batch lengthens the bubble ((p-1)/(m+p-1), m =
   B/b) and, the paper's other factor, "increasing the microbatch size can also improve GPU utilization by increasing
-  the arithmetic intensity of executed kernels" (Sec. 5.5). plan.py's GEMM efficiency by shape (plan_time.GEMM_SHAPE,
+  the arithmetic intensity of executed kernels" (Sec. 5.5). plan.py's GEMM efficiency by shape (timing.GEMM_SHAPE,
   fitted to OpenXLA's H100 matmul table, not to this figure) now charges the smaller GEMMs: at B = 512 the best
   micro-batch is 2, the paper's; at B = 128, where the bubble weighs more, it stays 1.
 - **Fig. 15 at B = 32, t = 4 vs 2 (the same gap, a near tie).** The paper's second reason, "smaller matrix

@@ -5,7 +5,7 @@ bench/plan_validation.py's memory section (predicted / measured memory and the O
 Each run is described as published; the docstring of the function that builds it says where each input comes from
 and what was assumed. What was measured is named per run: torch.cuda.max_memory_reserved ("reserved": torchtitan
 logs it as "memory: ... GiB", torchtitan/components/metrics.py, max_reserved_gib) or nvidia-smi ("device"). plan.py's
-prediction of the same quantity is compared (plan_memory.memory: "reserved", "device").
+prediction of the same quantity is compared (planner/memory.memory: "reserved", "device").
 """
 import dataclasses
 
@@ -31,7 +31,7 @@ def titan_h100(name, shape, gpus, seq, global_seqs, layout, gib, modelled=False,
     """A row of torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100, 96 GB HBM2e: plan.py's
     h100-hbm2e; "Memory(GiB)" is the logged max_reserved_gib, the maximum over all GPUs, footnote 1). Tables 2, 4, 5
     and 6 ran torch.compile and Float8 (plan.py models neither: modelled False); Tables 1 and 3's first rows ran
-    neither. Software: plan_time.SOFTWARE["torchtitan"] (its loss_parallel under TP, torch's pipeline stages keeping
+    neither. Software: timing.SOFTWARE["torchtitan"] (its loss_parallel under TP, torch's pipeline stages keeping
     every micro-batch's output and a receive buffer per micro-batch), the benchmark's torchtitan commit 9dec370
     (2024-12-26) and torch's of 2024-12-23."""
     setup = Setup(name, TITAN_H100, shape, gpus, "h100-hbm2e", seq, global_seqs, layout, 0.0, f"{gib} GiB",

@@ -3,7 +3,7 @@ bench/plan_mfu_runs.py: published runs added to plan.py's MFU validation after i
 nothing in plan.py was built or checked against them before they were added, and each was added whatever plan.py's
 error on it turned out to be). bench/plan_validation.py puts them in its table and counts them apart. Held out
 from the table and from every constant, not necessarily unseen: async TP speed-ups of about 1.1x, the size this
-benchmark reports, were known when plan.py's TP overlap was derived; and the rules of plan_comm.sp_collectives
+benchmark reports, were known when plan.py's TP overlap was derived; and the rules of planner/comm.sp_collectives
 (DTensor keeps the gathered inputs; what torch's async-TP pass fuses) were read from torch's source after these rows'
 errors were seen, so for them the four rows are a check, not held out.
 
@@ -36,10 +36,10 @@ def titan_async_tp(name, shape, fsdp, local_batch, recompute, tps, async_tp, n_p
     --training.local-batch-size per data-parallel rank, no gradient accumulation (micro-batch = local batch),
     torch.compile, the row's activation checkpointing (70B: full; 8B: selective "op", plan.py's op policy),
     seq_len 8192 (the llama3_8b.toml / llama3_70b.toml of the benchmark's torchtitan commit 820504e), the 8B / 70B
-    shapes of Llama 3.1 (untied, vocabulary 128,256). Software: plan_time.SOFTWARE["torchtitan"], the states in
+    shapes of Llama 3.1 (untied, vocabulary 128,256). Software: planner/timing.SOFTWARE["torchtitan"], the states in
     job_of's bf16 recipe as the table's other torchtitan rows; async TP (--parallelism.enable_async_tensor_parallel:
     torch's micro-pipelined TP, an SP all-gather or reduce-scatter split into tp chunks run beside its matmul's
-    chunks) is --tp_overlap 1 under the torchtitan entry's tp_overlap_style "torch" (plan_comm.sp_collectives: the
+    chunks) is --tp_overlap 1 under the torchtitan entry's tp_overlap_style "torch" (planner/comm.sp_collectives: the
     collectives torch's pass fuses), vanilla TP 0. The page's
     column "tokens/sec" is read as torchtitan's logged tps, per GPU (the metric of its 2024-12 benchmark's
     "TPS/GPU"; the page does not say): assumed. MFU as the 2024-12 rows' (plan_tables.titan_mfu) over H100 SXM's

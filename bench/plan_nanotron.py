@@ -154,7 +154,7 @@ NOTES = """
   accumulation (dp 32-128 with TP, 16-64 nodes) are predicted +10% at the median, 4 of 8 within 15%, worst where the
   tokens per GPU are fewest: the 1.34B and the 3.57B on 64 nodes (2,048 and 4,096 tokens per GPU and step, both
   ZeRO-1) +153% and +52%. They were +29% and 2 of 8 before ZeRO-0's all-reduce was timed as NCCL's tuning model
-  times it (plan_time.all_reduce_seconds: across nodes the ring's latency x 1.9 for large messages, and the tree's
+  times it (planner/timing.all_reduce_seconds: across nodes the ring's latency x 1.9 for large messages, and the tree's
   bandwidth, half of 0.9 x the bus x a correction for medium sizes): at dp 64-128 one 50 MB bucket takes about 1.4x
   what latency + bytes / ring bandwidth said, so the reduction no longer fits under the last backward (the 8.86B on
   64 nodes +24% -> -2%, the 3.57B on 32 +29% -> +4%, the 1.34B on 32 +39% -> +15%). That rule was added with these
@@ -167,7 +167,7 @@ NOTES = """
 - **Pipeline-only layouts are near** (the 11 cells with tp 1: 11 within 15%, -1% at the median, 5 of 11 over; 10 within,
   +5% and 10 over before the element-wise kernels were priced by their bytes, planner/elementwise.py): no class of
   error. The 1.34B's and 3.57B's tied embedding has its gradient summed
-  over the two stages after the backward (plan_comm.tied_sync_time), on the step's path.
+  over the two stages after the backward (planner/comm.tied_sync_time), on the step's path.
 - **Too fast even against a best-of-sweep figure.** A maximum over runs would read plan.py's errors negative; the
   median is positive, so plan.py is too fast on this stack's typical run by more than the median says.
 - **One cell looks like an outlier of the sweep itself:** the 80B on 4 nodes (tp 8 x pp 4, 256 micro-batches)

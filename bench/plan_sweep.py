@@ -14,7 +14,7 @@ STEPS steps under torchrun; every rank writes its torch.cuda.max_memory_allocate
 --worker mode), and a run that dies of CUDA OOM counts as OOM. Compared: plan.py's allocated ("total": the tensors
 and cuBLAS's workspaces) against the largest rank's max_memory_allocated, its reserved against the largest
 max_memory_reserved (neither holds the CUDA context or NCCL's buffers), and plan.py's OOM verdict (reserved above
-plan_memory.usable_bytes of the GPU's total_memory) against the run's. Goals: OOM right for >= 95% of the layouts,
+planner/memory.usable_bytes of the GPU's total_memory) against the run's. Goals: OOM right for >= 95% of the layouts,
 the reserved ratio's median within 0.9-1.1.
 """
 import json
@@ -99,7 +99,7 @@ def run_layout(row, world, steps, out_dir, timeout_s):
 
 def verdict(row, memory_bytes):
     """plan.py's verdict for a row on a GPU of memory_bytes (torch's total_memory): OOM when its reserved memory is
-    above what the allocator can have (plan_memory.usable_bytes)."""
+    above what the allocator can have (planner/memory.usable_bytes)."""
     n = communicators(row["dp"], row["tp"], row["cp"], row["pp"], row["ep"])
     return "OOM" if row["mem_bytes"]["reserved"] > usable_bytes(memory_bytes, n) else "fits"
 

@@ -223,7 +223,7 @@ torchtitan: FSDP or pipeline stages, SP with TP, CP from 2024-12); and among tho
 | activation bytes vs `metrics.SavedActivationBytes` (fp32 CPU, recompute none/selective/full) | within 8 bytes (< 0.01%) |
 | Korthikanti et al. 2022 per-layer cases, GPT-3 175B shape, t=8 (none, TP, TP+SP, TP+selective, TP+SP+selective, full) | equal to the paper's formulas; TP -> TP+SP+selective = 5.41x |
 | TP / SP / ring-CP bytes per block vs the counts tests/test_tp.py and tests/test_cp.py assert | equal |
-| in-flight micro-batch-chunks and bubble of afab, 1f1b, zb1, interleaved, zbv, dualpipev vs `pipeline_schedules.simulate`, every rank, p = 2..6, every valid m up to 4p+1 | equal |
+| in-flight micro-batch-chunks and bubble of afab, 1f1b, zb1, interleaved, zbv, dualpipev vs `pipeline/schedules.simulate`, every rank, p = 2..6, every valid m up to 4p+1 | equal |
 | zbv / dualpipev parameters per rank (V placement) vs `pipeline.gpt_stages.stage_views` | equal |
 | layouts plan.py's validate accepts vs train_5d.py's validate (8 ranks: dp x cp x pp, ep, schedule, micro-batches) | the same |
 """

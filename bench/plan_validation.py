@@ -75,7 +75,7 @@ def llama3_405b(name, gpus, cp, seq, tflops):
     the embedding, and the last model chunk on the last stage has only output projection and loss"): chunks of one
     layer, so (126 + 2) / 16 = 8 chunks per rank. The paper's schedule groups N micro-batches per chunk, N between
     PP (Megatron's depth-first order, what plan.py models) and M; the in-flight count is Megatron's at N = PP, the
-    fewest of that range. Software: plan_time.SOFTWARE["llama3"] (FSDP prefetching, asynchronous pipeline sends).
+    fewest of that range. Software: planner/timing.SOFTWARE["llama3"] (FSDP prefetching, asynchronous pipeline sends).
     Its MFU is over H100 SXM's 989 TFLOP/s; the paper does not state its FLOP count (plan.py's
     counts the attention scores unmasked: at 131,072 tokens that is 1.4x what a causal count gives)."""
     dp = gpus // (8 * cp * 16)
@@ -158,7 +158,7 @@ def bloom():
     Dropout 0.1 on attention and hidden ("the default Megatron-LM dropout settings are inherited", the README). MFU
     from the README's logged iteration time at the full batch (BLOOM_STEP): 2048 x 2048 x (6N + 12Lhs) / (time x
     384 x 312T); its "TFLOPs" count the recompute (the README's "4*2 co-efficient"). Software:
-    plan_time.SOFTWARE["megatron-deepspeed"] (Megatron's fused softmax, DeepSpeed's 1F1B pipeline, gradients reduced
+    timing.SOFTWARE["megatron-deepspeed"] (Megatron's fused softmax, DeepSpeed's 1F1B pipeline, gradients reduced
     after the last micro-batch, the BF16_Optimizer's unsharded fp32 gradient buffer, "4 bytes * params", the README,
     beside the bf16 gradients: --grad_dtype both). Not modelled: CUDA_LAUNCH_BLOCKING=1 (set against a hang; "a tiny
     impact or no impact at all to the throughput", the README)."""
@@ -233,7 +233,7 @@ def nemotron_340b():
     notes in public repositories for TP 8 / PP 12 on 768 nodes). Shape (Table 1, checked against NVIDIA's NeMo
     launcher config and the model's config.json): 96 layers, h 18,432, 96 heads, 8 KV heads (GQA), squared-ReLU
     MLP of 4h = 73,728 (not gated), untied embeddings, vocabulary 256,000, no dropout, RoPE. Software: Megatron-Core
-    in NeMo (plan_time.SOFTWARE["megatron-core"]: TP overlap, p2p overlap, distributed optimizer as ZeRO-1, SP);
+    in NeMo (planner/timing.SOFTWARE["megatron-core"]: TP overlap, p2p overlap, distributed optimizer as ZeRO-1, SP);
     the launcher's config (same model, same 768 nodes) runs no recompute and micro-batch 1. Assumed: the interleaved
     schedule with one-layer chunks (v = 8 at PP 12; the paper says interleaving without v, the launcher's
     layout, PP 8 x VP 12, is one-layer chunks too). The batch ramp's two smaller stages (1,536 and 3,072 GPUs) are
@@ -283,7 +283,7 @@ def nemotron_15b(dp, global_seqs, seconds, mbs, mcore_bucket):
     non-embedding parameters), untied, no dropout. Not stated, so the stages stay out of the table: the micro-batch
     (1, 2 or 4 at 4 sequences per replica), SP and recompute (Megatron-Core's SP, none assumed) and the gradient
     bucket of the distributed optimizer, which sets how many NCCL calls the dp reductions make (Megatron-Core's
-    default of max(4e7, 1e6 x dp) parameters, plan_time.MCORE_BUCKET, which --software megatron-core takes; or
+    default of max(4e7, 1e6 x dp) parameters, planner/timing.MCORE_BUCKET, which --software megatron-core takes; or
     PyTorch DDP's 25 MiB, plan.py's default without it)."""
     shape = dict(n_layer=32, n_embd=6144, n_head=48, vocab=256000, n_kv_head=8, ffn_hidden=24576, tied=False)
     lay = Layout(dp=dp, tp=8, sp=True, zero_stage=1, micro_batch_size=mbs)
@@ -299,7 +299,7 @@ RUNS = (sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + LLAMA
         + MTNLG_RUNS + [bloom()] + FOUNDRY_RUNS + FOUNDRY_LONG + LLAMA3_405B + [nemotron_340b()] + HELD_OUT)
 
 
-# the --software entry (plan_time.SOFTWARE) each publication's stack is; its row's Job fields are that entry's, but
+# the --software entry (planner/timing.SOFTWARE) each publication's stack is; its row's Job fields are that entry's, but
 # for Megatron's two smallest rows, which ran torch DDP (overlapped) instead of its local DDP (run_table_1.sh)
 SOFTWARE_OF = {"megatron-2021": "megatron-2021", "megatron-2022": "megatron-2021 + SP",
                "megatron-deepspeed": "megatron-deepspeed",
@@ -431,7 +431,7 @@ NOTES = """
 - **torchtitan's async TP benchmark, held out (all four within 15%; the 70B with plain TP -15%).** The four bf16
   rows (FSDP x TP 8, torch.compile, 500 W H100) are added in bench/plan_mfu_runs.py. plan.py predicts async TP
   1.13x faster than plain TP (70B and 8B) where the page measured 1.09x and 1.10x. It predicted 1.19x and 1.23x
-  (plain 70B -17%, async 8B +12%) before two rules read from torch's source (plan_comm.sp_collectives): DTensor's
+  (plain 70B -17%, async 8B +12%) before two rules read from torch's source (planner/comm.sp_collectives): DTensor's
   autograd keeps each all-gathered input, so the backward gathers nothing again (8 collectives per block, 12 with
   full recompute, where Megatron's count is 10 and 14); and torch's micro-pipeline pass fuses a collective only with
   one matmul, leaving the backward's reduce-scatters (each a sum over wq/wk/wv or w1/w3) and, under op recompute,
@@ -465,7 +465,7 @@ F.cross_entropy keeps 8 (tests/test_plan_memory.py measures it; the 70B at 2.1e9
 0.87 -> 1.01); (3) torch's 2024 pipeline stages keep every micro-batch's output until the step ends, on the last
 stage its logits (the interleaved 405B 0.94 -> 1.03, the others +0.01-0.02), and (4) a receive buffer per
 micro-batch for activations and for gradients (the 405B runs +0.01-0.03). Each is a --software torchtitan rule
-(plan_time.SOFTWARE), none a fit. A fifth, DTensor's autograd keeping each all-gathered input (plan_comm.
+(planner/timing.SOFTWARE), none a fit. A fifth, DTensor's autograd keeping each all-gathered input (plan_comm.
 sp_collectives), adds the gathered inputs of the block whose recompute runs at the peak: 405B 1F1B 0.86 -> 0.88,
 with CP 0.83-0.94 -> 0.86-0.97, interleaved 1.06. What torch.compile and Float8 change was not modelled and would lower these
 predictions: FSDP's float8 all-gather (llama3_405b.toml sets it) keeps the 405B runs' gathered weights in 1 byte

@@ -6,7 +6,7 @@ Under zb1, zbv and dualpipev, B needs a unit's weights for the input gradient on
 so ZeRO-3 frees every unit of a chunk as its B ends (train_zero.install_zero3_hooks with grads=None frees the
 blocks on the way down, ZeroUnits the rest). One W does read a weight: the fused LM head's
 (kernels/linear_cross_entropy.py) computes the logits h W^T again, from the tied embedding in the chunk's root
-unit. The store says which parameters each W reads (pipeline_weight_grads.WeightGradStore.reads_of), and a unit
+unit. The store says which parameters each W reads (pipeline/weight_grads.WeightGradStore.reads_of), and a unit
 holding one stays gathered, a hold per W still to come:
 
     B (mb, chunk) ends   free_after_w: the chunk's units freed, but a unit holding what W (mb, chunk) reads held

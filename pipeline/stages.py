@@ -64,7 +64,7 @@ def pipeline_stages(before, blocks, after, rank, p, v=1, placement="loop", loss_
     """This rank's stages of any model as SequentialStages (its own modules, not copies): the blocks cut by
     layer_split, `before` (embedding) on the first stage, `after` (final norm, LM head) and loss_fn on the last;
     block_kwargs: see SequentialStage. Parameters that `before` and `after` share (a tied embedding and head,
-    found by identity) are each stage's `tied`: on two ranks, pipeline_tied.tied_grads_sync keeps them equal."""
+    found by identity) are each stage's `tied`: on two ranks, pipeline/tied.tied_grads_sync keeps them equal."""
     def params(modules):
         return [q for m in modules for q in m.parameters()]
     tied = [q for q in params(before) if any(q is r for r in params(after))]

@@ -4,7 +4,7 @@ keeps its own), their range checks, and the Job and Layout they build (planner/i
 one `error:` line and exit 2, before any work (tests/test_plan_inputs.py).
 
     args = parse_args(argv, "...")                 # plan.py's flags (--help lists them)
-    job = build_job(args)                          # -> plan_inputs.Job
+    job = build_job(args)                          # -> inputs.Job
     lay = parse_layout("tp=4,zero_stage=1", job)   # dp defaults to gpus / (tp*cp*pp)
 """
 import argparse
@@ -65,7 +65,7 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
          ("eff", float, None, "one compute efficiency in (0, 1] for every FLOP (default: plan_time's measured GEMM "
           "and attention ceilings x the software share)"),
          ("attn_eff", float, None, "flash attention's fraction of peak, forward + backward (default: FlashAttention-2's "
-          "published, plan_time.ATTN_EFF)"),
+          "published, timing.ATTN_EFF)"),
          ("dp_overlap", bool, True, "gradient reductions overlap the backward (--no-dp_overlap: after it)"),
          ("dp_overlap_style", str, "ddp", "ddp (the last micro-batch's backward hides the reductions; ZeRO-1/2's "
           "gather exposed) | mcore (Megatron-Core's --overlap-grad-reduce --overlap-param-gather)"),
@@ -76,13 +76,13 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
           "torchtitan: 0; NeMo/Transformer Engine --tp-comm-overlap: 1)"),
          ("tp_overlap_style", str, "chunked", "which SP collectives --tp_overlap pipelines: chunked (all: Transformer "
           "Engine's userbuffers) | torch (those torch's micro-pipeline pass fuses with one matmul: "
-          "plan_comm.sp_collectives)"),
+          "comm.sp_collectives)"),
          ("tp_saves_gathered", bool, False, "autograd keeps each TP linear's all-gathered input (torch DTensor, "
           "torchtitan): no all-gather again in the backward, a whole input kept (--no-: Megatron, nanotron, train_tp)"),
          ("pp_overlap", bool, False, "pipeline sends overlap compute (Megatron-Core --overlap-p2p-communication)"),
          ("pp_scatter_gather", bool, False, "pipeline messages as 1/tp per rank, all-gathered over tp (Megatron)"),
          ("software", str, None, f"the attention and overlap defaults of one stack: {', '.join(SOFTWARE)} "
-          "(plan_time.SOFTWARE; a flag given beside it wins)"),
+          "(timing.SOFTWARE; a flag given beside it wins)"),
          ("layout", str, None, "evaluate one layout, e.g. tp=8,zero_stage=1,micro_batch_size=2"),
          ("top", int, 10, "rows printed")]
 

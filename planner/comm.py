@@ -1,7 +1,7 @@
 """
 planner/comm.py: the bytes and seconds of plan.py's communication, per axis of a layout: the link each axis crosses,
 the bytes each rank sends per step (comm.py's ring convention, exact against the rungs' counters) and NCCL's
-latency per collective (plan_time.latency). plan.py's step_time subtracts what overlaps.
+latency per collective (timing.latency). plan.py's step_time subtracts what overlaps.
 
 Rank order as train_5d.py builds its groups: tp innermost, then cp, dp, pp outermost; an axis whose group spans
 <= gpus_per_node consecutive ranks runs on NVLink, else on the network.
@@ -107,7 +107,7 @@ def axis_group(job, lay, axis):
 
 
 def comm_latency(job, lay, groups):
-    """Seconds of NCCL latency (plan_time.latency) per step on each axis: the number of collectives each runs
+    """Seconds of NCCL latency (timing.latency) per step on each axis: the number of collectives each runs
     times the fixed cost of one. Per block and micro-batch: tp 4 all-reduces (TP; 6 with full recompute) or
     sp_collectives' all-gathers and reduce-scatters (SP), as comm_bytes counts them, + the all-gather of
     every pipeline message Megatron's scatter/gather splits; cp one send per KV hop
@@ -142,7 +142,7 @@ def comm_latency(job, lay, groups):
 def dp_seconds(job, lay, nbytes, alpha, groups):
     """(reduce, gather) seconds of the data-parallel collectives before any overlap: their bytes over the dp link
     plus their share of `alpha`, NCCL's latency (comm_latency); ZeRO-0's all-reduce instead bucket by bucket (`groups`
-    of them) as NCCL's model times one (plan_time.all_reduce_seconds: across nodes, the ring's latency for large
+    of them) as NCCL's model times one (timing.all_reduce_seconds: across nodes, the ring's latency for large
     messages and the tree's lower bandwidth)."""
     bw = link_bandwidth(job, lay, "dp")
     n, nodes, _ = axis_group(job, lay, "dp")
@@ -157,7 +157,7 @@ def dp_seconds(job, lay, nbytes, alpha, groups):
 def tied_sync_time(job, lay):
     """Seconds of the tied embedding's gradient all-reduce between the first and the last pipeline stage, each rank's
     vocab-parallel shard (V/t x h elements, in the dtype the data-parallel reduction uses), a 2-rank all-reduce over
-    pp's link (plan_time.all_reduce_seconds): it runs after the backward and before the optimizer step, with nothing
+    pp's link (timing.all_reduce_seconds): it runs after the backward and before the optimizer step, with nothing
     left to hide it. So train_5d.py (pipeline_tied.tied_grads_sync at its gradients' finish), nanotron (trainer.py
     sync_tied_weights_gradients after the data-parallel wait, "TODO ... Put this in hooks so we can overlap
     communication with gradient computation") and Megatron-Core (distributed/finalize_model_grads.py
@@ -210,10 +210,10 @@ def exposed_tp_time(job, lay, comm, gemm_time, rows):
     """Seconds of tp communication (`comm`) left exposed when a share job.tp_overlap of it is pipelined with the GEMMs
     beside it (Transformer Engine's userbuffers: each all-gather / reduce-scatter in tp chunks, chunk k's transfer
     under chunk k-1's GEMM). Derived from the times that overlap, not a constant: each of the four GEMM groups of a
-    block (plan_shape.block_linears; `gemm_time` the rank's block GEMM seconds, split by their FLOPs) has a quarter
+    block (shape.block_linears; `gemm_time` the rank's block GEMM seconds, split by their FLOPs) has a quarter
     of the bytes beside it; the first of its tp chunks cannot hide, the rest hide up to the GEMM's time:
         exposed_i = c_i / t + max(0, c_i (t-1)/t - g_i)
-    and the GEMMs run as t chunks of rows/t rows each, slower by plan_time.gemm_rows_factor at rows/t over rows.
+    and the GEMMs run as t chunks of rows/t rows each, slower by timing.gemm_rows_factor at rows/t over rows.
     The share not pipelined stays exposed. Under job.tp_overlap_style "torch" only the collectives torch's pass fuses
     are pipelined (sp_collectives: the rest are in the open, and so is all of it without SP), and their GEMMs'
     slowdown is charged in the same share."""

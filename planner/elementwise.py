@@ -1,13 +1,13 @@
 """
 planner/elementwise.py: the bytes a training step's memory-bound (element-wise) kernels move through HBM, per token, as
-the model's operations read and write them. plan_time.compute_time prices them at the GPU's datasheet HBM bandwidth
+the model's operations read and write them. timing.compute_time prices them at the GPU's datasheet HBM bandwidth
 (an upper bound on their speed), which a price per FLOP gets wrong for narrow models: their element-wise bytes per
 token grow with h, their FLOPs with h^2. The rest of a step's memory-bound time stays priced per FLOP (plan_time).
 
 Per block and token, in 16-bit elements of width h (f = MLP width, kv = key/value width, p = dropout > 0), each
 kernel reading its inputs and writing its output once (bias adds ride in the GEMMs' epilogues: torch's addmm,
 Megatron's fused bias-GeLU and bias-dropout-add; the attention kernel's own reads and writes are its time, ATTN_EFF,
-and eager attention's s x s scores are plan_time.eager_attention_time):
+and eager attention's s x s scores are timing.eager_attention_time):
 
     on [s, h], replicated on every tp rank without sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198,
     Sec. 4.2.2: "the layer-norms as well as the dropouts after attention and MLP blocks are not parallelized"):

@@ -4,7 +4,7 @@ row), the model shape (presets or any), the precision recipe, the cluster and ba
 (Layout), with the checks that the split divides them.
 Nothing here predicts anything; plan.py's formulas read these fields.
 
-    job = Job(GPTConfig(...), gpus=64, gpus_per_node=8, gpu="h100", global_seqs=512)   # or plan_cli.build_job
+    job = Job(GPTConfig(...), gpus=64, gpus_per_node=8, gpu="h100", global_seqs=512)   # or cli.build_job
     lay = Layout(dp=16, tp=4, zero_stage=1)
     validate(job, lay)                             # ConfigError (one line) unless the layout divides the job
 
@@ -47,7 +47,7 @@ LINK_EFF = 0.8          # NCCL bus bandwidth / link rate (nccl-tests all_reduce 
 # Presets. gpt2*: model.py's GPT (Radford et al. 2019). llama3-*: Llama 3 as published (Dubey et al. 2024, "The Llama 3
 # Herd of Models", arXiv 2407.21783, Table 3: layers, model dimension, FFN dimension, attention heads, 8 key/value
 # heads, vocabulary 128K = 128,256 tokens; SwiGLU, untied embeddings); 405B's pipeline split as Sec. 3.3.2 gives it
-# (the embedding and the loss each in a layer's place: plan_shape.even_split). gpt3-175b: Brown et al. 2020, Table 2.1
+# (the embedding and the loss each in a layer's place: shape.even_split). gpt3-175b: Brown et al. 2020, Table 2.1
 # (GeLU MLP of 4h, full multi-head attention). A plain GPT of Llama's depth and width: --model llama3-8b-gpt.
 MODELS = {
     "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab=50257),
@@ -66,7 +66,7 @@ MODELS = {
 
 GRAD_DTYPES = ("param", "fp32", "both")    # model_state_bytes_per_param's gradient buffers
 PP_OUTPUTS_KEPT = ("none", "last", "all")  # the stage outputs a pipeline runtime keeps (planner/runtime_memory.py)
-TP_OVERLAP_STYLES = ("chunked", "torch")   # which SP collectives --tp_overlap pipelines (plan_comm.sp_collectives)
+TP_OVERLAP_STYLES = ("chunked", "torch")   # which SP collectives --tp_overlap pipelines (comm.sp_collectives)
 
 
 def model_state_bytes_per_param(recipe="fp32", moments="fp32", grad_dtype="param"):
@@ -101,7 +101,7 @@ PRECISION = {   # model-state recipe of model_state_bytes_per_param, bytes per a
     "fp32": ("fp32", 4),
 }
 RECOMPUTE = ("none", "selective", "full")   # what the search ranks (train_5d's modes)
-# and for --layout only: torchtitan's selective op policy (plan_shape.op_recompute_values), which train_5d lacks
+# and for --layout only: torchtitan's selective op policy (shape.op_recompute_values), which train_5d lacks
 LAYOUT_RECOMPUTE = RECOMPUTE + ("op",)
 SHAPE = ("n_layer", "n_embd", "n_head", "vocab")   # a MODELS entry; each also a command-line flag
 
@@ -122,7 +122,7 @@ class Job:
     eff: float = 0.0          # one efficiency for every executed FLOP; 0: plan_time's measured kernel ceilings
     dp_overlap: bool = True   # gradient reductions overlap the backward (DDP buckets); False: after it, as
                               # Megatron-LM's 2021 "local" DDP (megatron/training.py train_step)
-    dp_overlap_style: str = "ddp"   # how (plan_comm.exposed_dp_time): ddp, the last micro-batch's backward hides the
+    dp_overlap_style: str = "ddp"   # how (comm.exposed_dp_time): ddp, the last micro-batch's backward hides the
                                     # reductions, ZeRO-1/2's gather after the step; mcore, Megatron-Core's
                                     # --overlap-grad-reduce --overlap-param-gather
     grad_dtype: str = "param"       # a GRAD_DTYPES entry: fp32, a 4-byte gradient buffer instead of 16-bit gradients;
@@ -138,8 +138,8 @@ class Job:
     last_stage_layers: int = 0    # --decoder-first/last-pipeline-num-layers
     ends_as_layers: bool = False  # embedding and loss each take a layer's place in the pipeline split (Llama 3)
     # software behaviour (planner/timing.py)
-    tp_overlap: float = 0.0   # share of tp's communication hidden under GEMMs (plan_time.TP_OVERLAP for published)
-    tp_overlap_style: str = "chunked"   # which SP collectives are pipelined (plan_comm.sp_collectives): chunked, all
+    tp_overlap: float = 0.0   # share of tp's communication hidden under GEMMs (timing.TP_OVERLAP for published)
+    tp_overlap_style: str = "chunked"   # which SP collectives are pipelined (comm.sp_collectives): chunked, all
                                         # (Transformer Engine's userbuffers); torch, those torch's micro-pipeline pass
                                         # fuses with one matmul
     tp_saves_gathered: bool = False   # autograd keeps a TP linear's all-gathered input (torch DTensor, torchtitan), so
@@ -147,7 +147,7 @@ class Job:
                                       # again (Megatron-LM, nanotron, train_tp)
     pp_overlap: bool = False  # pipeline sends overlap the next micro-batch's compute (Megatron-Core
                               # --overlap-p2p-communication): only the fill and drain transfers stay exposed
-    attn_eff: float = 0.0     # flash attention's share of peak; 0: plan_time.ATTN_EFF (FlashAttention-2's)
+    attn_eff: float = 0.0     # flash attention's share of peak; 0: timing.ATTN_EFF (FlashAttention-2's)
     causal: bool = True       # flash attention skips the masked half of the scores (time only; MFU counts all)
     moments: str = "fp32"     # AdamW m and v precision (bf16: 2 + 2 bytes instead of 4 + 4)
     fused_bias_dropout_add: bool = False   # dropout fused with the residual add in one kernel (Megatron-LM's
@@ -165,7 +165,7 @@ class Job:
                                     # runtime keeps until the step ends (torch.distributed.pipelining before 2025: all)
     pp_recv_per_micro_batch: bool = False   # a pipeline receive buffer per micro-batch, for activations and for
                                             # gradients, kept (torch.distributed.pipelining's PipelineStage)
-    # what the training loop keeps at the start of the backward (plan_memory.memory, other_bytes)
+    # what the training loop keeps at the start of the backward (memory.memory, other_bytes)
     logits_held: bool = False   # the caller holds the logits through the backward (train_single, train_tp, train_ddp,
                                 # train_zero: `_, loss = model(x, y)`); train_5d's stages return the loss alone and
                                 # torchtitan deletes them ("del pred ... to avoid peaking memory")

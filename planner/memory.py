@@ -20,7 +20,7 @@ formula in the docstring, and the tests hold each against what the rungs count (
 
 Stages are placed as pipeline_schedules.stage_of places them: round-robin (stage c*p + rank is chunk c of rank),
 or in a V for zbv and dualpipev (rank r holds stages r and 2p-1-r, so rank 0 holds both ends and the tied
-embedding once); stage k holds plan_shape.stage_layer_counts' k-th share of the layers (L/(p*v) unless the ends are
+embedding once); stage k holds shape.stage_layer_counts' k-th share of the layers (L/(p*v) unless the ends are
 cut or p*v does not divide L). The model's shape (GQA, MLP width, gated, untied) comes from plan_shape.
 """
 import math
@@ -64,7 +64,7 @@ ALLOCATOR_RESERVE = 16 / 77
 
 def stage_blocks(job, pp, v, rank, placement="loop"):
     """Global block indices on pipeline rank `rank`: its v chunks (stages stage_of(rank, c): rank, rank+p, ...
-    round-robin; rank and 2p-1-rank in a V), stage k holding plan_shape.stage_layer_counts' k-th share (L/(p*v)
+    round-robin; rank and 2p-1-rank in a V), stage k holding shape.stage_layer_counts' k-th share (L/(p*v)
     each when they divide and no end is cut), chunk 0 first."""
     counts = stage_layer_counts(job, pp * v)
     starts = [sum(counts[:k]) for k in range(pp * v)]
@@ -130,7 +130,7 @@ def model_state(job, lay, rank):
 
 def bucket_mb(job, group):
     """The gradient bucket (MiB of fp32) over a reduction group of `group` ranks (dp x cp): job.bucket_mb, grown to
-    job.bucket_mb_per_dp x group where that is larger (Megatron-Core's rule: plan_time.MCORE_BUCKET)."""
+    job.bucket_mb_per_dp x group where that is larger (Megatron-Core's rule: timing.MCORE_BUCKET)."""
     return max(job.bucket_mb, job.bucket_mb_per_dp * group)
 
 
@@ -160,7 +160,7 @@ def tp_activation_bytes_per_layer(seq_len, batch, cfg, tp, sp=False, **kw):
 
 def zero_state_bytes(groups, n, stage, recipe, moments="fp32", grad_dtype="param"):
     """Model-state bytes per rank, groups padded to a multiple of n ranks (P' = sum ceil(g/n)*n; P' = P at stage 0),
-    bytes per parameter (p, g, o) from plan_inputs.model_state_bytes_per_param (bf16: 2, 2, 12; fp32: 4, 4, 8):
+    bytes per parameter (p, g, o) from inputs.model_state_bytes_per_param (bf16: 2, 2, 12; fp32: 4, 4, 8):
         stage 0: (p + g + o) P      stage 1: (p + g) P' + o P'/n      stage 2: p P' + (g + o) P'/n
         stage 3: (p + g + o) P'/n   (ZeRO paper, 7.5B on 64 GPUs, bf16: 120 / 31.4 / 16.6 / 1.9 GB)"""
     padded = sum(groups) if stage == 0 else sum(-(-g // n) * n for g in groups)
@@ -284,7 +284,7 @@ def in_flight(schedule, p, m, v, rank):
 
 
 def activation_bytes(job, lay, rank):
-    """plan_shape.held_layers (in_flight(rank) x L/(p*v) blocks when the chunks are even) x layer_activation_bytes
+    """shape.held_layers (in_flight(rank) x L/(p*v) blocks when the chunks are even) x layer_activation_bytes
     + head_activation_bytes on the last stage's rank (x m for afab, else 1: every other schedule runs a
     micro-batch's last-stage backward right after its forward)."""
     blocks = stage_blocks(job, lay.pp, lay.v, rank, placement_of(lay.schedule))
@@ -298,7 +298,7 @@ def activation_bytes(job, lay, rank):
 
 def other_bytes(job, lay, rank, groups):
     """Working sets beside states and activations at the start of the backward: the loss's (plan_runtime_memory, last
-    stage) and the stage outputs a pipeline runtime keeps (plan_runtime_memory.pipeline_outputs_bytes); ZeRO-2's two
+    stage) and the stage outputs a pipeline runtime keeps (runtime_memory.pipeline_outputs_bytes); ZeRO-2's two
     gradient buffers in flight (2 * largest bucket * g); ZeRO-3's gathered current + prefetched unit and the unit's
     full gradient ((2p + g) * largest unit); amp's bf16 copies of the weights (2 bytes per rank parameter, which the
     matmuls save for their backward; under ZeRO-3 only those of the two gathered units; under full recompute none of

@@ -29,7 +29,7 @@ def logits_per_micro_batch(job, lay):
 
 def loss_backward_bytes(job, lay):
     """What the loss adds at the start of the backward, where the last stage's memory peaks (beside its saved softmax,
-    plan_memory.head_activation_bytes): F.cross_entropy is log_softmax then nll_loss (torch.nn.functional); nll_loss's
+    memory.head_activation_bytes): F.cross_entropy is log_softmax then nll_loss (torch.nn.functional); nll_loss's
     backward returns a dense gradient of the log-probabilities' shape (aten nll_loss_backward: zeros, then -1/N at
     each target) and log_softmax's backward allocates its own output (aten _log_softmax_backward_data: grad -
     exp(out) * sum(grad)), both fp32 while the saved output is alive: 8 bytes per logit. torch's loss_parallel

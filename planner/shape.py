@@ -181,7 +181,7 @@ GENERATORS = dict(afab=afab, zb1=zb_h1, zbv=zb_v, dualpipev=dualpipe_v)
 
 def held_layers(job, lay, rank, m):
     """The most layers x micro-batches whose activations pipeline rank `rank` holds at once: its in-flight
-    micro-batch-chunks (plan_memory.in_flight), each weighted by its chunk's layers. Even chunks: in_flight x
+    micro-batch-chunks (memory.in_flight), each weighted by its chunk's layers. Even chunks: in_flight x
     layers per chunk; uneven ones (cut ends, an empty embedding or loss chunk): the rank's action list
     (pipeline/schedules.py) replayed, a forward adding its chunk's layers, the backward (W when split)
     releasing them."""

@@ -58,7 +58,7 @@ def linear_factor(rows, n_in, n_out):
 
 
 def gemm_rows_factor(job, tp, rows):
-    """The FLOP-weighted linear_factor of a tp rank's GEMMs (a block's four, plan_shape.block_linears, and the LM
+    """The FLOP-weighted linear_factor of a tp rank's GEMMs (a block's four, shape.block_linears, and the LM
     head's h x V/tp) at `rows` rows (micro-batch x seq / cp; / tp per chunk where a collective is pipelined with it):
     how much longer its matmuls take than at the ceiling. 1 with job.eff (one efficiency for everything)."""
     if job.eff:
@@ -92,7 +92,7 @@ ATTN_EFF = {gpu: u * 3 / 3.5 for gpu, u in FLASH_UTILIZATION.items()}
 # residual adds, casts, the optimizer's element-wise update) and the gaps between launches. Measured once, on A100,
 # by MosaicML llm-foundry (scripts/train/benchmarking/README.md: MPT-7B, seq 2048, 8 x A100-80GB, no activation
 # checkpointing: 64.23% MFU = HFU): the time its kernels would take at the A100's ceilings above is KERNEL_SHARE of
-# the time it took. Of the rest, the element-wise kernels' bytes (plan_elementwise.bytes_per_token) are priced at
+# the time it took. Of the rest, the element-wise kernels' bytes (elementwise.bytes_per_token) are priced at
 # each GPU's datasheet HBM bandwidth (an upper bound on their speed: nothing fitted); at that price they are 11.6% of
 # MPT-7B's rest. What remains (launch gaps, casts, the kernels' shortfall from the bandwidth, what the ceilings miss)
 # is priced per FLOP: the same bytes per FLOP of the model, moved at each GPU's own HBM bandwidth (a roofline split:
@@ -100,7 +100,7 @@ ATTN_EFF = {gpu: u * 3 / 3.5 for gpu, u in FLASH_UTILIZATION.items()}
 # (one effective bandwidth, 11.6% of the datasheet's) was tried and fails: docs/plan.md. No run plan.py is compared
 # with went into it (llm-foundry's H100 row of the same model is one of the comparisons).
 MPT7B = dict(n_layer=32, n_embd=4096, vocab=50432, seq=2048, micro_batch=6, mfu=0.6423)
-A100_HBM = 2.039e12          # plan_inputs.HARDWARE["a100"]["hbm"], the bandwidth of that measurement
+A100_HBM = 2.039e12          # inputs.HARDWARE["a100"]["hbm"], the bandwidth of that measurement
 
 
 def kernel_time(matmul_flops, attention_flops, gpu, peak, attn_eff=0.0):
@@ -124,7 +124,7 @@ def mpt7b_kernel_share():
 
 def mpt7b_elementwise_seconds():
     """Seconds per token and GPU MPT-7B's element-wise kernels take at A100's datasheet HBM bandwidth
-    (plan_elementwise.bytes_per_token: GeLU MLP, learned positions, no dropout, fused loss, no recompute, tp 1)."""
+    (elementwise.bytes_per_token: GeLU MLP, learned positions, no dropout, fused loss, no recompute, tp 1)."""
     job = Job(GPTConfig(vocab_size=MPT7B["vocab"], block_size=MPT7B["seq"], n_layer=MPT7B["n_layer"], n_head=32,
                         n_embd=MPT7B["n_embd"]), 8, 8, "a100", 8 * MPT7B["micro_batch"], rope=False, fused_loss=True)
     return plan_elementwise.bytes_per_token(job, Layout(dp=8)) / A100_HBM
@@ -143,7 +143,7 @@ def compute_time(flops, attention_flops, job, gemm_factor, elementwise_bytes):
     matmuls at peak * GEMM_EFF, slower by gemm_factor (gemm_rows_factor of the GEMMs' shapes), a flash kernel's
     attention at peak * ATTN_EFF, half of it when causal (Dao 2023, FlashAttention-2 Sec. 3.1.1: blocks above the
     diagonal are skipped), eager attention as batched matmuls, all of it (the scores are computed, then masked); plus
-    the memory-bound rest: `elementwise_bytes` (plan_elementwise.bytes_per_token) at this GPU's HBM bandwidth, and
+    the memory-bound rest: `elementwise_bytes` (elementwise.bytes_per_token) at this GPU's HBM bandwidth, and
     MEMORY_BOUND x the same kernels' time on A100 at the ceiling, x A100's HBM bandwidth / this GPU's. job.eff
     (--eff): one efficiency for every executed FLOP."""
     flash = job.attn == "flash"
@@ -234,14 +234,14 @@ def all_reduce_seconds(message, n, nodes, bus_bw):
 # Megatron-LM 2021 and torchtitan's TP (DTensor) run it in the open (0); NeMo / Megatron-Core with Transformer
 # Engine's userbuffers (--tp-comm-overlap, "TP communication overlap" in the NeMo performance guide) split each
 # SP all-gather / reduce-scatter into tp chunks that run beside the GEMM's chunks (1: every collective so). What that
-# hides is derived, not a constant: plan_comm.exposed_tp_time.
+# hides is derived, not a constant: comm.exposed_tp_time.
 TP_OVERLAP = {"megatron-2021": 0.0, "torchtitan": 0.0, "nemo-te": 1.0}
 
 
 def hardware_flops_per_token(job, recompute):
-    """plan_shape.flops_per_token (6N + 12*L*h*T) plus what recompute adds: full a second forward of every block
+    """shape.flops_per_token (6N + 12*L*h*T) plus what recompute adds: full a second forward of every block
     (2 N_blocks + 4*L*h*T), selective the attention scores' forward (4*L*h*T), op (torchtitan's policy) the
-    forward of the matmuls it does not keep (plan_shape.op_recompute_values). Returns (all, attention's part)."""
+    forward of the matmuls it does not keep (shape.op_recompute_values). Returns (all, attention's part)."""
     cfg = job.cfg
     attn = plan_shape.attention_flops_per_token(job) * (1 + (recompute in ("selective", "full")) / 3)
     extra = 2 * plan_shape.block_params(job) if recompute == "full" else 0
@@ -288,7 +288,7 @@ SOFTWARE = {
     # (torchtitan/parallelisms/parallel_dims.py, loss_parallel_enabled: tp > 1 unless disabled), and torch's pipeline
     # stages of 2024 keep every micro-batch's output until the step ends and a receive buffer per micro-batch
     # (planner/runtime_memory.py says which versions). Its TP is DTensor's: autograd keeps each all-gathered input, and
-    # its async TP is torch's micro-pipeline pass (plan_comm.sp_collectives says what each changes).
+    # its async TP is torch's micro-pipeline pass (comm.sp_collectives says what each changes).
     "torchtitan": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=0.0, pp_overlap=False,
                        loss_parallel=True, pp_outputs_kept="all", pp_recv_per_micro_batch=True,
                        tp_overlap_style="torch", tp_saves_gathered=True),

@@ -183,7 +183,7 @@ def test_korthikanti_cases():
 # time and schedules
 
 def simulated_schedules(schedule):
-    """(p, m, v, pipeline_schedules.simulate's result) for p = 2..6 and every m the schedule takes (train_5d's
+    """(p, m, v, pipeline/schedules.simulate's result) for p = 2..6 and every m the schedule takes (train_5d's
     validate: m >= p except afab and zbv, m % p == 0 interleaved, m >= 2p dualpipev)."""
     from pipeline.schedules import simulate
     from train_pp import make_schedule
@@ -198,7 +198,7 @@ def simulated_schedules(schedule):
 
 @pytest.mark.parametrize("schedule", ["afab", "1f1b", "zb1", "interleaved", "zbv", "dualpipev"])
 def test_pipeline_in_flight_and_bubble_equal_the_simulator(schedule):
-    """plan's closed forms against pipeline_schedules.simulate (F = B = W), every rank, p = 2..6, every valid m up to
+    """plan's closed forms against pipeline/schedules.simulate (F = B = W), every rank, p = 2..6, every valid m up to
     4p+1: the micro-batch-chunks each rank holds at its peak are equal, and the bubble plan adds is the simulated
     idle share: bubble / compute = idle / (makespan - idle) on every rank."""
     from planner.inputs import Layout
@@ -233,7 +233,7 @@ def test_plan_and_train_5d_accept_the_same_layouts(monkeypatch):
     micro-batches per step and ZeRO stage (ZeRO-3 with and without resharding after forward, which plan.py does not
     tell apart): plan's validate and train_5d's accept exactly the same layouts (V schedules need v = 2, dualpipev
     m >= 2p, others but afab, zbv and 1f1b m >= p, interleaved m % p == 0; ZeRO-3 dp*cp > 1 and, interleaved, p > 1).
-    1f1b with m < p is afab (plan_inputs.as_run), and train_5d is asked for the layout as it runs."""
+    1f1b with m < p is afab (planner/inputs.as_run), and train_5d is asked for the layout as it runs."""
     import train_5d
     from common.config import Config
     from planner.inputs import Layout, as_run, validate

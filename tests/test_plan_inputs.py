@@ -163,7 +163,7 @@ def test_partial_interleaved_layout_searches_deep_interleaving():
 
 
 def test_software_sets_its_stack_unless_a_flag_says_otherwise():
-    """--software fills the Job fields of plan_time.SOFTWARE's entry; a flag given beside it with another value wins."""
+    """--software fills the Job fields of timing.SOFTWARE's entry; a flag given beside it with another value wins."""
     from dataclasses import fields
     from planner.timing import SOFTWARE
     assert all(set(entry) <= {f.name for f in fields(plan.Job)} for entry in SOFTWARE.values())

@@ -154,7 +154,7 @@ def _loss_parallel_peak_per_logit(rank, world):
 def test_loss_parallel_backward_measured():
     """torch's loss_parallel (torchtitan's loss under TP) on a 1-rank mesh under torch's MemTracker: its backward's
     peak per logit is the 16-bit logits, the saved fp32 log-softmax and 12 bytes of fp32 working set (zeros, exp of
-    the log-softmax, their sum / product), where F.cross_entropy's is 8; plan_runtime_memory.loss_backward_bytes counts
+    the log-softmax, their sum / product), where F.cross_entropy's is 8; runtime_memory.loss_backward_bytes counts
     those 12 with --loss_parallel and tp > 1, the 8 otherwise."""
     from distributed_helper import run_workers
     per_logit = run_workers(_loss_parallel_peak_per_logit, 1)[0]

@@ -161,7 +161,7 @@ def test_dtensor_keeps_the_gathered_inputs():
 
 
 def test_gemm_efficiency_by_shape_is_the_matmul_fit():
-    """plan_time.GEMM_SHAPE is bench/gemm_rows.py's fit of OpenXLA's H100 matmul table (no training run); the factor
+    """timing.GEMM_SHAPE is bench/gemm_rows.py's fit of OpenXLA's H100 matmul table (no training run); the factor
     falls with the rows, so a larger micro-batch runs its GEMMs faster (without a pipeline whose bubble would say
     the opposite)."""
     spec = importlib.util.spec_from_file_location("gemm_rows", "bench/gemm_rows.py")

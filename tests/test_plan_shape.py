@@ -1,4 +1,4 @@
-"""plan.py's model shapes beyond model.py's GPT (planner/shape.py) and its time model (planner/timing.py): the GPT case is
+"""plan.py's model shapes beyond model.py's GPT (shape.py) and its time model (timing.py): the GPT case is
 model.py's own count, GQA / SwiGLU / untied / uneven stages change exactly the terms they should, published
 parameter counts come out, and NCCL's latency model, the causal-attention time and the overlap options hold."""
 import re
@@ -124,7 +124,7 @@ def test_causal_flash_time_and_overlaps():
 
 
 def test_elementwise_bytes_are_the_op_list():
-    """plan_elementwise.bytes_per_token is its docstring's op list: per block and token 32h replicated elements (norms,
+    """elementwise.bytes_per_token is its docstring's op list: per block and token 32h replicated elements (norms,
     residual adds, unfused dropouts: forward 15h, backward 17h), 12h + 5f sharded (attention output copy, rotary,
     GeLU), 18 per logit for the unfused loss; the replicated ones once per tp rank without SP, once in all with it."""
     cfg = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
@@ -141,7 +141,7 @@ def test_elementwise_bytes_are_the_op_list():
 
 
 def test_default_efficiency_is_cited_measurements():
-    """Compute time = matmuls at the GPU's measured GEMM ceiling, slower at their shapes (plan_time.gemm_rows_factor)
+    """Compute time = matmuls at the GPU's measured GEMM ceiling, slower at their shapes (timing.gemm_rows_factor)
     + causal flash attention at FlashAttention-2's published utilization + its element-wise bytes and the memory-bound
     rest measured once on A100 (llm-foundry's MPT-7B row, micro-batch 6) at the GPU's HBM bandwidth: on A100 that
     row's own shape comes back at its 64.23% MFU; on H100 within 15% of its H100 row (micro-batch 6 too)."""
@@ -245,7 +245,7 @@ def test_ends_as_layers_split_and_empty_chunks_hold_nothing():
 @pytest.mark.parametrize("schedule,v", [("afab", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2), ("interleaved", 3),
                                         ("zbv", 2), ("dualpipev", 2)])
 def test_held_layers_of_even_chunks_is_in_flight_times_chunk(schedule, v):
-    """With even chunks the replayed peak is plan_memory.in_flight x layers per chunk, on every rank."""
+    """With even chunks the replayed peak is planner/memory.in_flight x layers per chunk, on every rank."""
     cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=72, n_head=4, n_embd=64)
     for p in (2, 3, 4):
         for m in range(2 * p if schedule == "dualpipev" else p, 4 * p + 1):

@@ -12,7 +12,7 @@ safetensors' format is a JSON header of every tensor's dtype, shape and byte ran
 needs only shapes, so the file is written one converted tensor at a time, never the whole model in memory.
 
 Import: --init_from is checked against the run's flags when the command line is parsed (one line naming the
-field and its value for a model model.py cannot represent, hf_convert.architecture_problem); then each rank reads
+field and its value for a model model.py cannot represent, hf/convert.architecture_problem); then each rank reads
 exactly the tensors it holds, as a --resume does (checkpoint.start_from -> held.restore: TP slices, pipeline
 stages, ZeRO shards), memory-mapped, converted one at a time. AdamW starts fresh, the step at 0.
 """
