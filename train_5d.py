@@ -49,7 +49,7 @@ rank (and the all_gather of the row counts); ZeRO-3's dp is (gathers + m) (N-1)/
 (N: dp x cp, or edp for an experts unit; gathers: 2m when resharding after forward, none for a W action).
 Checkpoints are one file in train_single's layout: any layout, or train_single, resumes any other. --kernels and
 --fp8 apply inside the stages as in train_single, inside the parallel layers with tp > 1 (FP8 adds tp's amax
-all-reduces: compose/fp8_tp.py), gathered by ZeRO-3 in fp32 or with --fp8_all_gather in FP8 (fp8_gather.py);
+all-reduces: converters/fp8_tp.py), gathered by ZeRO-3 in fp32 or with --fp8_all_gather in FP8 (fp8_gather.py);
 zb1, zbv and dualpipev defer the dW of nn.Linear, FP8, train_tp's layers and the fused LM head (docs/pipelines.md).
 
 What exists only because two axes meet is in compose/: the dp x cp axis as one object in its three modes
@@ -73,14 +73,14 @@ from plan import apply_auto_layout
 from planner.inputs import HARDWARE
 from common.metrics import MetricsLogger
 from model import GPT, flops_per_token
-from compose.partition_activations import add_partition_args, apply_partition_flags, check_partition_args
+from converters.partition_activations import add_partition_args, apply_partition_flags, check_partition_args
 from common.optim import NonFiniteGuard, lr_at
 from pipeline.gpt_stages import stage_views
 from pipeline.schedules import SPLIT_BACKWARD, V_SHAPED, placement_of, simulate
 from train_cp import (ContextParallelAttentionCore, block_attention_kernel, check_cp, local_positions,
                       swap_attention_cores)
 from train_pp import PipelineRunner, check_pp, make_schedule
-from compose.tp_gemms import with_gemm_slots
+from converters.tp_gemms import with_gemm_slots
 from pipeline.weight_grads import WeightGradStore, defer_weight_grads
 from common.routing import start_moe_training
 from train_ep import swap_in_expert_parallel
@@ -88,7 +88,7 @@ from common.evaluation import evaluate
 from common.model_setup import MOE_FLAGS, check_moe, gpt_config, materialize
 from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
 from common.startup import prepare_data
-from compose.converters import apply_kernels_and_fp8, check_fp8_all_gather, compiled
+from converters.apply import apply_kernels_and_fp8, check_fp8_all_gather, compiled
 from common.tp_shards import init_tp_weights
 from common.tp_setup import check_tp
 from train_tp import apply_tp
@@ -139,7 +139,7 @@ def data_parallel_axis(chunks, cfg, grid, dtype, device):
 
 def extra_args(parser):
     parser.set_defaults(tp=0, cp=0, pp=0)      # 0: chosen by default_layout when no degree is given
-    add_partition_args(parser)                 # ZeRO-R's Pa on the tp axis (compose/partition_activations.py)
+    add_partition_args(parser)                 # ZeRO-R's Pa on the tp axis (converters/partition_activations.py)
     parser.add_argument("--layout", default="", choices=["", "auto"],
                         help="auto: the layout plan.py ranks best for this model, world and GPU (plan.py); "
                              "it replaces the degree, schedule, micro-batch, ZeRO and recompute flags")
@@ -236,7 +236,7 @@ def main(argv=None):
         apply_kernels_and_fp8(chunk, cfg, env.device)
     store = WeightGradStore() if cfg.pp_schedule in SPLIT_BACKWARD else None
     if store is not None:
-        with_gemm_slots(chunks)       # train_tp's layers take the store too (compose/tp_gemms.py)
+        with_gemm_slots(chunks)       # train_tp's layers take the store too (converters/tp_gemms.py)
         defer_weight_grads(chunks, store)
     compiled(chunks, cfg, [b for chunk in chunks for b in chunk.transformer["h"]])   # by block, in ZeRO-3's hooks
     act_shape = (micro, len(pos) // (cfg.tp if cfg.sp else 1), cfg.n_embd)

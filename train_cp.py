@@ -21,7 +21,7 @@ can see, dK/dV reduce-scattered in fp32. Bytes sent per layer and micro-batch (K
 compute dtype, dKV = the same in fp32): ring and zigzag (cp-1)*KV forward, (cp-1)*KV + cp*KV backward;
 allgather (cp-1)*(2*KV + dKV). Plus the all-reduce of every gradient over CP, 2(cp-1)/cp * 4N bytes.
 Block attention: any (forward, backward) pair of PLAIN_TORCH's signatures (--kernels picks a fused one in
-compose/cp_kernels.py). K/V may have fewer heads than Q (grouped-query attention): they travel with their own
+converters/cp_kernels.py). K/V may have fewer heads than Q (grouped-query attention): they travel with their own
 heads. Any model (docs/copy_out.md): swap_modules puts the core in place of the modules named.
 """
 import time
@@ -306,8 +306,8 @@ def allreduce_grads(params, group):
 
 def block_attention_kernel(kernels, device, dtype, head_dim):
     """The (forward, backward) pair the block attention runs for --kernels `kernels` (this script and train_5d.py):
-    the fused pair compose/cp_kernels.py picks, else the plain-torch reference."""
-    from compose.cp_kernels import fused_block_kernel
+    the fused pair converters/cp_kernels.py picks, else the plain-torch reference."""
+    from converters.cp_kernels import fused_block_kernel
     return fused_block_kernel(kernels, device, dtype, head_dim) or PLAIN_TORCH
 
 
@@ -344,7 +344,7 @@ def main(argv=None):
     from common.model_setup import gpt_config
     from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
     from common.startup import prepare_data
-    from compose.converters import apply_kernels_and_fp8
+    from converters.apply import apply_kernels_and_fp8
     from model import GPT, flops_per_token
     cfg = parse_config(argv, techniques=("cp", "cp_layout", "fp8"), description=__doc__.split("\n\n")[0],
                        validate=validate)

@@ -260,7 +260,7 @@ def main(argv=None):
     from common.model_setup import gpt_config
     from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
     from common.startup import prepare_data
-    from compose.converters import apply_kernels_and_fp8
+    from converters.apply import apply_kernels_and_fp8
     from model import GPT, flops_per_token
     cfg = parse_config(argv, techniques=("bucket_mb", "fp8"), description=__doc__.split("\n\n")[0],
                        extra_args=add_args, validate=validate)

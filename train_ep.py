@@ -303,7 +303,7 @@ def main(argv=None):
     from common.model_setup import MOE_FLAGS, gpt_config
     from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
     from common.startup import prepare_data
-    from compose.converters import apply_kernels_and_fp8
+    from converters.apply import apply_kernels_and_fp8
     from common import checkpoint
     from common.checkpoint import ModuleState
     from model import flops_per_token

@@ -34,7 +34,7 @@ from common.evaluation import evaluate, print_sample
 from common.model_setup import MOE_FLAGS, check_moe, gpt_config
 from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
 from common.startup import prepare_data
-from compose.converters import apply_kernels_and_fp8
+from converters.apply import apply_kernels_and_fp8
 from model import GPT, flops_per_token
 
 

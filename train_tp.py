@@ -23,7 +23,7 @@ shard for backward and gather it again there (2 extra all-gathers per block). Ac
     single: sbh(34 + 5as/h)        TP: sbh(10 + 24/t + 5as/(ht))        TP+SP: sbh(34 + 5as/h) / t
 Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the layers a plan names; apply_tp is
 that plan for model.py's GPT. Later chapters extend these layers from their own files (kernels/apply.py,
-compose/), and main() applies them where their flags ask.
+converters/), and main() applies them where their flags ask.
 """
 import argparse
 import math
@@ -165,7 +165,7 @@ class ColumnParallelLinear(nn.Module):
 
     def matmul(self, x, bias=None):
         # each layer's product with its collectives, in one method: a fused kernel adds the bias after it
-        # (kernels/apply.py), and a layer with other GEMMs overrides only this (compose/tp_gemms.py)
+        # (kernels/apply.py), and a layer with other GEMMs overrides only this (converters/tp_gemms.py)
         if self.gathered:                        # an sp_gather module took f at its input: a local matmul
             return F.linear(in_compute_dtype(x), self.weight, bias)
         return column_parallel(x, self.weight, bias, self.group, self.sp, self.overlap)
@@ -346,7 +346,7 @@ def build_tp_model(cfg, vocab_size, group, device, dtype=torch.float32):
 
 
 def extra_args(parser):
-    from compose.partition_activations import add_partition_args
+    from converters.partition_activations import add_partition_args
     add_partition_args(parser)
     parser.add_argument("--tp_overlap", action=argparse.BooleanOptionalAction, default=False,
                         help="overlap the input-gradient all-reduce with the weight-gradient matmul in backward")
@@ -356,7 +356,7 @@ def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
     from common.tp_setup import check_tp
-    from compose.partition_activations import check_partition_args
+    from converters.partition_activations import check_partition_args
     world = world_size_from_env()
     check(cfg.tp == world, f"--tp {cfg.tp} must equal the number of processes ({world}); "
                            f"combine with data parallelism in train_5d.py")
@@ -373,11 +373,11 @@ def main(argv=None):
     from common.distributed import init_distributed
     from common.metrics import MetricsLogger, SavedActivationBytes
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
-    from compose.partition_activations import apply_partition_flags
+    from converters.partition_activations import apply_partition_flags
     from common.evaluation import evaluate, print_sample
     from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
     from common.startup import prepare_data
-    from compose.converters import apply_kernels_and_fp8
+    from converters.apply import apply_kernels_and_fp8
     from common import checkpoint
     from common.checkpoint import ModuleState, replicated
     from model import flops_per_token
@@ -391,7 +391,7 @@ def main(argv=None):
     dtype = resolve_dtype(cfg, env.device)
     model = build_tp_model(cfg, loader.vocab_size, group, env.device, param_dtype(dtype))
     apply_kernels_and_fp8(model, cfg, env.device)      # fused LayerNorm, bias-GeLU; FP8 GEMMs in the TP layers
-    apply_partition_flags(cfg, model.cfg, model.transformer.h, group)   # ZeRO-R's Pa (compose/partition_activations.py)
+    apply_partition_flags(cfg, model.cfg, model.transformer.h, group)   # ZeRO-R's Pa (converters/partition_activations.py)
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed)                  # the shared dropout stream: the same on every TP rank

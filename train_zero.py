@@ -20,7 +20,7 @@ Communication per step, b = 4 bytes per value (8 in float64), g = grad_acc (docs
     stage 1  reduce-scatter + all-gather          2 (N-1)/N P' b        (= one all-reduce)
     stage 2  a reduce-scatter per micro-step     (g + 1) (N-1)/N P' b   (gradients never stay whole)
     stage 3  all-gather fwd + bwd + reduce-scatter g (N-1)/N P' (2 b16 + b), b16 = b (2 under bf16 autocast;
-             b for a block of FP8 GEMMs, about 1 with --fp8_all_gather: compose/fp8_gather.py)
+             b for a block of FP8 GEMMs, about 1 with --fp8_all_gather: converters/fp8_gather.py)
     stages 1-3 also all-reduce one fp32 scalar (the squared gradient norm): + 2 (N-1)/N * 4 bytes.
 ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre-backward: gather (prefetch
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
@@ -357,7 +357,7 @@ def add_args(parser):
 def validate(cfg):
     from common.config import check, grad_accum_steps
     from common.distributed import world_size_from_env
-    from compose.converters import check_fp8_all_gather
+    from converters.apply import check_fp8_all_gather
     check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
     check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
     check(cfg.dtype in ("auto", "float32", "bfloat16", "float64"),
@@ -376,7 +376,7 @@ def main(argv=None):
     from common.model_setup import gpt_config
     from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
     from common.startup import prepare_data
-    from compose.converters import apply_kernels_and_fp8, compiled
+    from converters.apply import apply_kernels_and_fp8, compiled
     from common import checkpoint
     from common.checkpoint import ShardState, replicated
     from model import GPT, flops_per_token

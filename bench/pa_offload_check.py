@@ -1,5 +1,5 @@
 """
-bench/pa_offload_check.py: --offload_activations on one GPU (compose/partition_activations.py): the kept parts leave
+bench/pa_offload_check.py: --offload_activations on one GPU (converters/partition_activations.py): the kept parts leave
 the device and come back in time, and the gradients do not change.
 
     python bench/pa_offload_check.py                 # on a GPU: one rank, NCCL (a TP group of 1: the part is all)
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import model as M  # noqa: E402
-from compose.partition_activations import partition_activations  # noqa: E402
+from converters.partition_activations import partition_activations  # noqa: E402
 
 
 def run(mode, device, n_layer, h, b, s):

@@ -37,6 +37,6 @@ detail is done.
                      in transformers' attention registry: train_cp's, copied out)
 
 Beside common/, one folder down from the root: planner/ (plan.py's model), pipeline/ (the schedules, stages and
-split backward train_pp runs), compose/ (what exists only because two techniques meet: train_5d's wing),
-kernels/ (fused Triton kernels and FP8).
+split backward train_pp runs), converters/ and compose/ (the composition wing: what a main applies by flag, and
+train_5d's glue where two rungs meet), kernels/ (fused Triton kernels and FP8).
 """

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from common import comm
 from common.checkpoint import ShardState
 from common.tp_grads import sum_in_place
-from compose.converters import gather_fp8_units
+from converters.apply import gather_fp8_units
 from compose.dp_axis import DataParallelAxis
 from compose.grad_ready import reduce_held
 from compose.kept_units import free_after_w
@@ -154,7 +154,7 @@ class ZeroUnits(ZeroShards):
                 install_zero3_hooks(chunk, modules, units, None if self.after_w else grads,
                                     reshard_after_forward=cfg.reshard_after_forward)
                 self.units_of[-1] += units
-        gather_fp8_units(chunks, self.shards, cfg)   # FP8 GEMMs' weights: in fp32, or FP8 (compose/fp8_gather.py)
+        gather_fp8_units(chunks, self.shards, cfg)   # FP8 GEMMs' weights: in fp32, or FP8 (converters/fp8_gather.py)
 
     def after_backward(self, action):
         super().after_backward(action)

@@ -14,7 +14,7 @@ identity train_cp.attention_backward writes out). No [Tq, Tk] score matrix is ev
                                                                            compute capability >= 8.0
     EFFICIENT_CUDA  CUDA    fp16, bf16, fp32        multiple of 16 bytes   aten memory-efficient attention (xFormers'
                                                                            cutlass kernel); lse padded to 32 rows
-    compose/cp_kernels.SDPA_CPU, train_cp.PLAIN_TORCH: the CPU's fused kernel, the plain-torch reference (float64 too).
+    converters/cp_kernels.SDPA_CPU, train_cp.PLAIN_TORCH: the CPU's fused kernel, the plain-torch reference (float64 too).
 
 Causal masks only ever apply to diagonal blocks (Tq == Tk, the same positions), where top-left and bottom-right
 alignment agree. Checked here without a GPU: the CUDA ops' schemas and output shapes on the meta device in the

@@ -91,7 +91,7 @@ def cast(t, dtype, recipe, role, amax=None, transposed=True):
 
 def fp8_matmul(a, b, a_dtype, b_dtype, recipe, a_amax=None, b_amax=None, b_is_weight=True, k_reduce=None):
     """a [M, K] @ b [N, K]^T in fp32 with both operands quantized to FP8 along K, the recipe's way: one GEMM of
-    its own operands (compose/fp8_tp.py; Float8Linear shares quantized operands between its GEMMs).
+    its own operands (converters/fp8_tp.py; Float8Linear shares quantized operands between its GEMMs).
     k_reduce: K is split over ranks (tensor parallelism), a function maxing the rowwise amaxes of both operands
     over them (tensorwise amaxes come whole as a_amax / b_amax; blockwise tiles lie in one rank)."""
     if recipe not in RECIPES:
@@ -131,7 +131,7 @@ class _Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, recipe, history, gathered=None):
-        """gathered: (W's Fp8Cast, W's amax) quantized already (ZeRO-3's FP8 all-gather, compose/fp8_gather.py)."""
+        """gathered: (W's Fp8Cast, W's amax) quantized already (ZeRO-3's FP8 all-gather, converters/fp8_gather.py)."""
         x2 = x.reshape(-1, x.shape[-1])
         M, N, kind = x2.shape[0], weight.shape[0], gemm_kind(x2)
         x_amax = w_amax = None
@@ -220,7 +220,7 @@ class Float8Linear(nn.Linear):
         self.weight_grad_store = None            # zero-bubble pipelines: dW deferred (pipeline/weight_grads.py)
         # amax histories of x, W, dy for delayed scaling (unused by the dynamic recipes)
         self.register_buffer("amax_history", torch.zeros(3, history_len, device=device), persistent=False)
-        self.gathered_weight = None     # set while ZeRO-3 holds this W gathered in FP8 (compose/fp8_gather.py)
+        self.gathered_weight = None     # set while ZeRO-3 holds this W gathered in FP8 (converters/fp8_gather.py)
 
     @classmethod
     def from_float(cls, linear, recipe="tensorwise", history_len=16):

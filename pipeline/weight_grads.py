@@ -9,7 +9,7 @@ DeferredWeightGradLinear: its backward returns dx and stashes (layer, x, gy) in 
 W(micro-batch) turns the stash into gradients. Parameters and their names are unchanged.
 
 Any layer that runs its own GEMMs takes the store itself (a `weight_grad_store` attribute) and stashes what its W
-needs: train_tp's tensor-parallel layers, given the attribute by compose/tp_gemms.py (B keeps the input gradient's
+needs: train_tp's tensor-parallel layers, given the attribute by converters/tp_gemms.py (B keeps the input gradient's
 all-reduce, or SP's reduce-scatter); kernels/fp8.py's Float8Linear and the FP8 GEMMs inside the tensor-parallel
 layers (W runs the FP8 dW GEMM on the dy that B quantized and the x that F quantized: the unsplit backward's
 numbers, bit for bit); kernels/apply.py's fused LM head (W recomputes the logits its forward did not keep).
@@ -49,7 +49,7 @@ class WeightGradStore:
 
     def linear(self, x, weight, bias=None):
         """y = x W^T + b whose backward returns only dx and stashes the rest here: for layers that own their
-        forward (compose/tp_gemms.py's parallel layers read it from their `weight_grad_store`)."""
+        forward (converters/tp_gemms.py's parallel layers read it from their `weight_grad_store`)."""
         return _LinearInputGradOnly.apply(x, weight, bias, self)
 
     def close(self, key):
@@ -118,7 +118,7 @@ class DeferredWeightGradLinear(nn.Module):
 
 def defer_weight_grads(module, store):
     """Swap every nn.Linear inside `module` (the blocks' four matmuls) for DeferredWeightGradLinear; a layer that
-    runs its own GEMMs (a `weight_grad_store` attribute: compose/tp_gemms.py's tensor-parallel layers, FP8
+    runs its own GEMMs (a `weight_grad_store` attribute: converters/tp_gemms.py's tensor-parallel layers, FP8
     layers, the fused LM head) is handed the store and defers its own dW, keeping its communication in B."""
     for parent in list(module.modules()):
         if hasattr(parent, "weight_grad_store"):

@@ -1,7 +1,7 @@
 """Split backward under tensor parallelism (zb1, zbv, dualpipev in train_5d with --tp): the column- and row-parallel
 layers and the vocab-parallel LM head, handed a WeightGradStore, return the input gradient in B with its TP
 communication and leave the weight gradients for W, which then equal the plain backward's (float64). With FP8 GEMMs
-(compose/fp8_tp.py) W runs the layer's own FP8 dW GEMM on the operands F and B quantized: the unsplit
+(converters/fp8_tp.py) W runs the layer's own FP8 dW GEMM on the operands F and B quantized: the unsplit
 backward's gradients bit for bit, on a simulated H100 whose every _scaled_mm obeys CUDA's rules."""
 import torch
 
@@ -14,8 +14,8 @@ def _split_equals_plain(rank, world, sp, recipe=None):
     import kernels.fp8 as fp8
     from common.comm import COMM
     from pipeline.weight_grads import WeightGradStore, defer_weight_grads
-    from compose.fp8_tp import Float8ParallelGemms
-    from compose.tp_gemms import with_gemm_slots
+    from converters.fp8_tp import Float8ParallelGemms
+    from converters.tp_gemms import with_gemm_slots
     from train_tp import ColumnParallelLinear, RowParallelLinear
     if not dist.is_initialized():
         dist.init_process_group("gloo")

@@ -40,7 +40,7 @@ def reference_attention(q, k, v):
 
 def kernel_name(kernel):
     import train_cp
-    from compose.cp_kernels import SDPA_CPU
+    from converters.cp_kernels import SDPA_CPU
     return {train_cp.PLAIN_TORCH: "plain torch", SDPA_CPU: "sdpa cpu"}.get(kernel, "triton flash")
 
 
@@ -48,7 +48,7 @@ def cases(cp):
     """(dtype, tolerance, block kernel): the plain-torch and torch's fused CPU blocks everywhere, the Triton
     flash kernel (CPU interpreter here, slow) at cp = 2 only."""
     import train_cp
-    from compose.cp_kernels import SDPA_CPU
+    from converters.cp_kernels import SDPA_CPU
     plain = [(torch.float64, 1e-10, train_cp.PLAIN_TORCH), (torch.float32, 1e-5, train_cp.PLAIN_TORCH),
              (torch.float64, 1e-10, SDPA_CPU)]
     if cp != 2 or not HAS_TRITON:
@@ -300,7 +300,7 @@ def test_block_attention_kernel_by_flag_device_and_dtype(monkeypatch):
     """train_cp.block_attention_kernel, which train_cp and train_5d both call: on a GPU (its capability faked: none
     here) the fused aten pair unless --kernels torch; float64 falls back to the reference; the CPU's fused pair on CPU."""
     import train_cp
-    from compose.cp_kernels import SDPA_CPU
+    from converters.cp_kernels import SDPA_CPU
     from kernels.attention_lse import EFFICIENT_CUDA, FLASH_CUDA
     from kernels.flash_attention import flash_attention_forward
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

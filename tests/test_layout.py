@@ -1,6 +1,7 @@
 """The shape a reader meets: the root is the ladder (model.py, the train_*.py rungs, plan.py, collectives.py), the
 shared plumbing sits in common/ and never imports a rung, no module imports itself back through others, a rung's
-building blocks teach its own technique only (later ones live in compose/), and every file keeps its budget.
+building blocks teach its own technique only (later ones live in converters/ and compose/), and every file keeps
+its budget.
 Read from the source (every module's import statements), nothing is run."""
 import ast
 import os
@@ -9,7 +10,7 @@ import re
 from conftest import ROOT
 
 LESSONS = {"model", "plan", "collectives"}      # with the train_* rungs: what the root holds
-PACKAGES = ("common", "common/checkpoint", "common/hf", "planner", "pipeline", "compose", "kernels")
+PACKAGES = ("common", "common/checkpoint", "common/hf", "planner", "pipeline", "converters", "compose", "kernels")
 
 
 def project_modules():
@@ -55,13 +56,13 @@ def rung_names_imported(path):
 
 
 def test_the_package_imports_no_lesson():
-    """common/, kernels/ and pipeline/ import no lesson; planner/ (plan.py's model) imports only a rung's building
+    """common/, kernels/, pipeline/ and converters/ import no lesson; planner/ (plan.py's model) imports only a rung's building
     blocks (train_pp.py's schedules), by name: never a rung's main, nor plan.py or collectives.py."""
     modules = project_modules()
     lessons = {m for m in modules if "." not in m and m != "kernels" and (m.startswith("train_") or m in LESSONS)}
     lessons.discard("model")                      # the one GPT: plumbing may build it (checkpoints, planner)
     for module, path in modules.items():
-        if module.startswith(("common", "kernels", "pipeline")):
+        if module.startswith(("common", "kernels", "pipeline", "converters")):
             bad = imports_of(path, modules) & lessons
             assert not bad, f"{module} imports {sorted(bad)}"
         elif module.startswith("planner"):
@@ -98,8 +99,8 @@ def test_no_import_cycle():
 
 
 RUNGS = ("train_ddp", "train_zero", "train_tp", "train_cp", "train_pp", "train_ep")
-LATER = ("kernels", "compose")                 # what a rung's building blocks never import
-PLUMBING = ("common", "planner", "pipeline", "compose")
+LATER = ("kernels", "converters", "compose")   # what a rung's building blocks never import
+PLUMBING = ("common", "planner", "pipeline", "converters", "compose")
 
 
 def building_blocks(rung):
@@ -127,7 +128,7 @@ def test_building_blocks_import_no_kernels_or_wing():
 
 def test_building_blocks_mention_no_later_chapter():
     """No slot, argument or comment for FP8, the zero-bubble weight store or partitioned activations in a rung's
-    blocks: those live where the techniques meet (compose/)."""
+    blocks: those live where the techniques meet (converters/, compose/)."""
     later = re.compile(r"fp8|float8|weight_grad|partition_activations|partitioned activations", re.IGNORECASE)
     for rung in RUNGS:
         text = building_blocks(rung)

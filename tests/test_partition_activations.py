@@ -1,4 +1,4 @@
-"""ZeRO-R's Pa (compose/partition_activations.py): train_tp and train_5d with --partition_activations (and
+"""ZeRO-R's Pa (converters/partition_activations.py): train_tp and train_5d with --partition_activations (and
 --offload_activations) equal train_single in float64 at 1e-9; one block keeps exactly 1/t of what the unpartitioned
 recompute keeps and sends one all-gather of its input, 1/12 of TP's own traffic; the steps' counted bytes grow by
 exactly that; bad combinations are one error line. One spawn of 2 ranks runs every configuration."""
@@ -27,7 +27,7 @@ def _block_report(t):
     from torch.utils.checkpoint import checkpoint
     from common.comm import COMM
     from common.metrics import SavedActivationBytes
-    from compose.partition_activations import partition_activations
+    from converters.partition_activations import partition_activations
     g, b, s, h = dist.group.WORLD, 2, 32, 64
     cfg = M.GPTConfig(vocab_size=64, block_size=s, n_layer=1, n_head=8, n_embd=h)
     rope = M.rope_cache(h // 8, torch.arange(s))

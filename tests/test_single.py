@@ -185,7 +185,7 @@ def test_kernels_and_fp8_applied_like_single(script, flags, tiny_data, tmp_path,
     with the same flags on the same micro-batches."""
     from kernels.apply import FusedLayerNorm
     from kernels.fp8 import Float8Linear
-    from compose.fp8_tp import Float8ParallelGemms
+    from converters.fp8_tp import Float8ParallelGemms
     moe = {k: v for k, v in flags.items() if k != "ep"} if script == "train_ep" else {}
     ref = fast_single(**moe)
     result = _run_main(script, tiny_argv(tiny_data, str(tmp_path / script), **FAST_PATHS, **flags))

@@ -1,4 +1,4 @@
-"""FP8 and fused kernels inside tensor-parallel layers (compose/fp8_tp.py, kernels/apply.py, train_tp's layers).
+"""FP8 and fused kernels inside tensor-parallel layers (converters/fp8_tp.py, kernels/apply.py, train_tp's layers).
 
 Layers: a column / row-parallel layer with FP8 GEMMs quantizes every operand as one device would (the amaxes maxed
 over tp where a scale spans a split tensor or contraction), so every GEMM that contracts over a whole dimension is
@@ -27,8 +27,8 @@ def _layer_errors(rank, world, cases):
     import cuda_scaled_mm
     import kernels.fp8 as fp8
     import train_tp as tp
-    from compose.fp8_tp import Float8ParallelGemms
-    from compose.tp_gemms import with_gemm_slots
+    from converters.fp8_tp import Float8ParallelGemms
+    from converters.tp_gemms import with_gemm_slots
     dist.init_process_group("gloo")
     group, out = dist.group.WORLD, {}
     real = (fp8.gemm_kind, torch._scaled_mm)
@@ -90,7 +90,7 @@ def test_parallel_fp8_layers_quantize_as_one_device():
 def _runs(rank, world, jobs):
     """(script, argv) each; rank 0 returns, per run, the kinds of modules in its model and how many layers run FP8."""
     import importlib
-    from compose.fp8_tp import Float8ParallelGemms
+    from converters.fp8_tp import Float8ParallelGemms
     out = []
     for script, argv in jobs:
         result = importlib.import_module(script).main(argv)

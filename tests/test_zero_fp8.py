@@ -1,4 +1,4 @@
-"""ZeRO-3 with FP8 GEMMs (train_zero.py, compose/fp8_gather.py): every recipe at dp 2 against the same recipe in one
+"""ZeRO-3 with FP8 GEMMs (train_zero.py, converters/fp8_gather.py): every recipe at dp 2 against the same recipe in one
 process, --fp8_all_gather against FP8 ZeRO-3 without it, delayed scaling's histories across a resume.
 
 FP8 has no float64 parity with train_single's high-precision run; the reference is train_single with the same

@@ -17,7 +17,7 @@ import torch
 
 def fp8_layers(modules):
     """(name, amax history tensor) of every FP8 layer of `modules`: Float8Linear's buffer, or the history of a
-    tensor-parallel layer's FP8 gemms (compose/fp8_tp.py), named by the layer (one device's name)."""
+    tensor-parallel layer's FP8 gemms (converters/fp8_tp.py), named by the layer (one device's name)."""
     for module in modules:
         for name, m in module.named_modules():
             history = getattr(getattr(m, "gemm", None), "amax_history", None)

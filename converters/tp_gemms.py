@@ -1,13 +1,13 @@
 """
-compose/tp_gemms.py: train_tp's tensor-parallel layers with their GEMMs open to two later techniques, each
+converters/tp_gemms.py: train_tp's tensor-parallel layers with their GEMMs open to two later techniques, each
 through a slot the layer's matmul reads:
 
-    gemm                which GEMMs run: None (torch's) or FP8's (compose/fp8_tp.py's Float8ParallelGemms, set by
+    gemm                which GEMMs run: None (torch's) or FP8's (converters/fp8_tp.py's Float8ParallelGemms, set by
                         convert_parallel_to_float8)
     weight_grad_store   when dW runs: None (in backward) or in a zero-bubble pipeline's W action (pipeline/
                         weight_grads.py's WeightGradStore, handed over by defer_weight_grads)
 
-    from compose.tp_gemms import with_gemm_slots
+    from converters.tp_gemms import with_gemm_slots
     with_gemm_slots(model)       # train_tp's layers in `model` get the slots (the same objects, parameters, names)
 
 convert_parallel_to_float8 calls it before it fills `gemm`; train_5d.py calls it before defer_weight_grads, which

@@ -1,5 +1,5 @@
 """
-compose/partition_activations.py: ZeRO-R's partitioned activation checkpointing, Pa (Rajbhandari et al. 2020,
+converters/partition_activations.py: ZeRO-R's partitioned activation checkpointing, Pa (Rajbhandari et al. 2020,
 section 6.1; DeepSpeed's activation checkpointing with partition_activations), for tensor parallelism without SP.
 
     torchrun --nproc_per_node 2 train_tp.py --tp 2 --recompute full --partition_activations
@@ -153,7 +153,7 @@ def apply_partition_flags(cfg, model_cfg, blocks, group):
 def add_partition_args(parser):
     parser.add_argument("--partition_activations", action="store_true",
                         help="ZeRO-R's Pa with --recompute full under TP without SP: keep 1/tp of each block's input, "
-                             "all-gather it before the recompute (compose/partition_activations.py)")
+                             "all-gather it before the recompute (converters/partition_activations.py)")
     parser.add_argument("--offload_activations", action="store_true",
                         help="with --partition_activations: keep the 1/tp part in (pinned) host memory")
 

@@ -1,6 +1,6 @@
 """
-compose/fp8_gather.py: ZeRO-3's all-gather of a unit (train_zero.py's Shard) whose block runs FP8 GEMMs
-(kernels/fp8.py's Float8Linear, compose/fp8_tp.py's tensor-parallel layers).
+converters/fp8_gather.py: ZeRO-3's all-gather of a unit (train_zero.py's Shard) whose block runs FP8 GEMMs
+(kernels/fp8.py's Float8Linear, converters/fp8_tp.py's tensor-parallel layers).
 
     attach_fp8_gathers(model, units, fp8_all_gather=False)     # after shard_model and apply_kernels_and_fp8
 
@@ -21,7 +21,7 @@ every rank's packing. Bytes sent per gather of a unit, N ranks, packed(r) = FP8 
 r's shard (8 in float64):  (N-1) max_r packed(r)  +  the amax all-reduce 2 (N-1)/N x 4 x (amaxes: one per FP8
 weight, blockwise one per block). Recipes: tensorwise, delayed and blockwise (whose 128 x 128 blocks quantize W and
 W^T alike). Rowwise scales W per row for the forward GEMM and per column for dgrad, two encodings (2 bytes a value,
-bf16's): refused (compose/converters.py); so is blockwise on a GPU with native block scales where a weight is not
+bf16's): refused (converters/apply.py); so is blockwise on a GPU with native block scales where a weight is not
 whole 128-blocks (its GEMM pads W to them).
 """
 import torch
@@ -32,7 +32,7 @@ import kernels.fp8 as fp8
 from kernels.fp8 import E4M3, Float8Linear
 from kernels.fp8_cast import GRANULARITY, GROUPS, Fp8Cast, _inv_layout, delayed_source
 from kernels.fp8_gemm import BLOCK
-from compose.fp8_tp import Float8ParallelGemms
+from converters.fp8_tp import Float8ParallelGemms
 from kernels.fp8_quant import amax, quantize, scale_of
 
 GATHERED_RECIPES = ("tensorwise", "delayed", "blockwise")

@@ -1,14 +1,14 @@
 """
-compose/converters.py: what a script's main applies to its model before training, in one call: the fused kernels
+converters/apply.py: what a script's main applies to its model before training, in one call: the fused kernels
 (--kernels), FP8 GEMMs (--fp8) in model.py's Linear layers and, through the wing, inside train_tp's layers
-(compose/fp8_tp.py), ZeRO-3's units gathering FP8 weights (compose/fp8_gather.py), and --compile (whole, or block by
+(converters/fp8_tp.py), ZeRO-3's units gathering FP8 weights (converters/fp8_gather.py), and --compile (whole, or block by
 block inside hooks). It lives in the wing because it reaches the techniques' layers; no rung's building blocks use it.
 """
 import torch
 
 from common.errors import check, fail
-from compose.fp8_gather import attach_fp8_gathers
-from compose.fp8_tp import convert_parallel_to_float8
+from converters.fp8_gather import attach_fp8_gathers
+from converters.fp8_tp import convert_parallel_to_float8
 from kernels import apply_kernels, convert_to_float8
 from kernels.apply import compile_block
 from kernels.fp8 import check_fp8_support
@@ -17,7 +17,7 @@ def apply_kernels_and_fp8(model, cfg, device, units=None):
     """--kernels (fused modules) and --fp8 (Float8Linear GEMMs; FP8 GEMMs inside tensor-parallel layers) swapped
     into a model or a pipeline stage in place, parameters unchanged; one clear error line when the device cannot
     run them. units: ZeRO-3's (train_zero's Shards) of this model, whose FP8 weights are then gathered as
-    compose/fp8_gather.py says (in fp32, or with --fp8_all_gather quantized). Returns the kernel mode."""
+    converters/fp8_gather.py says (in fp32, or with --fp8_all_gather quantized). Returns the kernel mode."""
     try:
         mode = apply_kernels(model, cfg.kernels)
         if getattr(cfg, "fp8", "none") != "none":
@@ -46,7 +46,7 @@ def compiled(model, cfg, blocks=()):
 
 def gather_fp8_units(model, units, cfg):
     """ZeRO-3's units of `model` (train_zero's Shards) holding FP8 GEMMs' weights gather them as
-    compose/fp8_gather.py says: in fp32, or with --fp8_all_gather quantized; one clear error line where the
+    converters/fp8_gather.py says: in fp32, or with --fp8_all_gather quantized; one clear error line where the
     recipe or the device's GEMM cannot take a gathered FP8 weight."""
     try:
         attach_fp8_gathers(model, units, getattr(cfg, "fp8_all_gather", False))
@@ -57,7 +57,7 @@ def gather_fp8_units(model, units, cfg):
 def check_fp8_all_gather(cfg):
     """ZeRO-3's one rule left (its hooks compose with the fused modules, --compile, every FP8 recipe and every
     pipeline schedule: docs/kernels.md). --fp8_all_gather: its gather of FP8 weights already quantized
-    (compose/fp8_gather.py), for the recipes whose weight scales are maxes of its shards' amaxes (per tensor or per
+    (converters/fp8_gather.py), for the recipes whose weight scales are maxes of its shards' amaxes (per tensor or per
     128 x 128 block) and that quantize W once for both its GEMMs."""
     if not getattr(cfg, "fp8_all_gather", False):
         return
@@ -67,4 +67,4 @@ def check_fp8_all_gather(cfg):
           "dgrad GEMM per column, two FP8 encodings of W (2 bytes a value, bf16's): use tensorwise, delayed or "
           "blockwise")
     check(getattr(cfg, "tp", 1) == 1, "--fp8_all_gather with --tp > 1: the tensor-parallel layers quantize their "
-          "weight shard inside each GEMM (compose/fp8_tp.py), not from a gathered FP8 weight")
+          "weight shard inside each GEMM (converters/fp8_tp.py), not from a gathered FP8 weight")

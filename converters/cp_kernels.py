@@ -1,5 +1,5 @@
 """
-compose/cp_kernels.py: context parallelism's block attention (train_cp.py) meets the fused kernels here. The ring
+converters/cp_kernels.py: context parallelism's block attention (train_cp.py) meets the fused kernels here. The ring
 and all-gather attentions run any (forward, backward) pair of train_cp.PLAIN_TORCH's signatures; this picks a
 fused one for --kernels (train_cp.block_attention_kernel asks, for train_cp and train_5d alike):
 

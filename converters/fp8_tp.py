@@ -1,11 +1,11 @@
 """
-compose/fp8_tp.py: the FP8 GEMMs of kernels/fp8.py inside tensor-parallel layers, each operand quantized as
+converters/fp8_tp.py: the FP8 GEMMs of kernels/fp8.py inside tensor-parallel layers, each operand quantized as
 one device holding the whole layer would quantize it, while the layer keeps its own TP / SP communication.
 
-    from compose.fp8_tp import convert_parallel_to_float8
+    from converters.fp8_tp import convert_parallel_to_float8
     convert_parallel_to_float8(model, "tensorwise")   # every column / row-parallel layer (train_tp) runs FP8 GEMMs
 
-train_tp's layers get a `gemm` slot from compose/tp_gemms.py (None: torch's): a column layer's backward calls its
+train_tp's layers get a `gemm` slot from converters/tp_gemms.py (None: torch's): a column layer's backward calls its
 forward / grad_input / grad_weight around the collectives, a row layer's partial product is its linear. A TP layer
 holds a slice of W, and each of its three GEMMs contracts over one dimension, whole on every rank or split over tp:
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 import kernels.fp8 as fp8
 from common.comm import all_reduce
-from compose.tp_gemms import with_gemm_slots
+from converters.tp_gemms import with_gemm_slots
 from kernels.fp8 import BLOCK, E4M3, E5M2, RECIPES, check_fp8_support, delayed_amax, fp8_matmul
 from kernels.fp8_cast import fp8_amax
 
