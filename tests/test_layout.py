@@ -56,8 +56,8 @@ def rung_names_imported(path):
 
 
 def test_the_package_imports_no_lesson():
-    """common/, kernels/, pipeline/ and converters/ import no lesson; planner/ (plan.py's model) imports only a rung's building
-    blocks (train_pp.py's schedules), by name: never a rung's main, nor plan.py or collectives.py."""
+    """common/, kernels/, pipeline/ and converters/ import no lesson; planner/ (plan.py's model) imports only a rung's
+    building blocks (train_pp.py's schedules), by name: never a rung's main, nor plan.py or collectives.py."""
     modules = project_modules()
     lessons = {m for m in modules if "." not in m and m != "kernels" and (m.startswith("train_") or m in LESSONS)}
     lessons.discard("model")                      # the one GPT: plumbing may build it (checkpoints, planner)
