@@ -254,14 +254,13 @@ def shard_model(model, stage, group, dtype, device, blocks=None, buckets=None, b
     return shards
 
 
-def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=None, reshard_after_forward=True):
+def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, reshard_after_forward=True):
     """Gather a block's parameters just before its forward and its backward, free them right after; with
     prefetch, start the all-gather of the block that runs next while this one computes. `blocks` and `shards`:
     as given to and returned by shard_model. The root units are gathered around the model's forward and from the
     first gradient reaching any of its outputs (whatever they are: logits, a loss, a tuple) until backward ends.
     reshard_after_forward=False (FSDP2's name) keeps a unit gathered from its forward until its backward is
     over: one all-gather fewer per use, the whole unit held in between.
-    on_gather(): called after each all-gather is started (a memory probe: train_zero's peak gathered bytes).
     grads=None: the gradients are the caller's to reduce (a zero-bubble pipeline's W writes the weights' later);
     a block's unit is then freed once the gradient reaches the block below, the lowest by the caller."""
     units, roots = list(reversed(shards[:len(blocks)])), shards[len(blocks):]    # blocks' units in forward order
@@ -269,8 +268,6 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
     def fetch(unit, forward=False):  # in autocast's dtype, read in a forward: a backward runs outside autocast
         unit.wire_dtype = compute_dtype(unit.master_dtype, unit.shard.device.type) if forward else unit.wire_dtype
         unit.gather(unit.wire_dtype)
-        if on_gather is not None:
-            on_gather()
 
     def release(unit):               # after a forward; kept for its backward when not resharding (training only)
         if reshard_after_forward or not torch.is_grad_enabled():
@@ -398,7 +395,7 @@ def main(argv=None):
     apply_kernels_and_fp8(model, cfg, env.device, units=shards if stage == 3 else None)   # the same parameters
     grads, gathered = ShardedGrads(shards, group, stage), GatheredBytes(shards)
     if stage == 3:
-        install_zero3_hooks(model, list(model.transformer.h), shards, grads, cfg.prefetch, on_gather=gathered)
+        install_zero3_hooks(model, list(model.transformer.h), shards, grads, cfg.prefetch)
     optimizer = ShardedAdamW(shards, cfg.weight_decay, BETAS, EPS)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + env.rank)              # dropout: each rank masks its own sequences
