@@ -26,10 +26,9 @@ ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
 ZeRO-R's CB and MD are train_ddp's (its docstring): fixed --bucket_mb buffers, and flat buffers made once whose
 views are the parameters and gradients; a ZeRO-3 unit is gathered as one contiguous allocation, not one per tensor.
-Any model (docs/copy_out.md): shard_model(..., blocks=) and install_zero3_hooks take the blocks; shard_gpt: GPT.
+Any model (docs/copy_out.md): shard_model(..., blocks=) and install_zero3_hooks take the blocks (main's: GPT's).
 """
 import argparse
-import sys
 import time
 from itertools import accumulate
 
@@ -336,16 +335,6 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, reshard_aft
 # ----------------------------------------------------------------------------------------------------------
 # the script
 
-def shard_gpt(model, cfg, stage, group, dtype, device):
-    """shard_model for model.py's GPT built on the meta device: blocks transformer.h, values from init_parameter."""
-    from model import init_parameter
-
-    def initial_value(name, p):
-        return init_parameter(name, p.shape, cfg.n_layer, cfg.seed)
-    return shard_model(model, stage, group, dtype, device, blocks=list(model.transformer.h),
-                       bucket_mb=cfg.bucket_mb, initial_value=initial_value)
-
-
 def add_args(parser):
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="ZeRO-3: start the next block's all-gather while the current block computes")
@@ -366,7 +355,7 @@ def validate(cfg):
 def main(argv=None):
     # the script's plumbing, imported here: the building blocks above need only torch, comm.py and train_ddp.py
     from common.config import grad_accum_steps, parse_config
-    from common.distributed import init_distributed
+    from common.distributed import init_distributed, warn_single_rank
     from common.metrics import GatheredBytes, MetricsLogger, model_state_bytes
     from common.optim import BETAS, EPS, NonFiniteGuard, lr_at
     from common.evaluation import evaluate, print_sample
@@ -376,22 +365,23 @@ def main(argv=None):
     from compose.converters import apply_kernels_and_fp8, compiled
     from common import checkpoint
     from common.checkpoint import ShardState, replicated
-    from model import GPT, flops_per_token
+    from model import GPT, flops_per_token, init_parameter
     cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb", "fp8", "fp8_all_gather"), extra_args=add_args,
                        description=__doc__.split("\n\n")[0], validate=validate)
     env = init_distributed(cfg)
     group, dp, stage = dist.group.WORLD, env.world_size, cfg.zero_stage
     grad_acc = grad_accum_steps(cfg, dp)
-    if dp == 1 and env.is_main:
-        print(f"warning: world size 1: ZeRO-{stage} has nothing to shard (torchrun --nproc_per_node N)",
-              file=sys.stderr, flush=True)
+    warn_single_rank(env, f"ZeRO-{stage} has nothing to shard (torchrun --nproc_per_node N)")
     loader = prepare_data(cfg, env)
     enable_tf32(env.device)
     dtype = resolve_dtype(cfg, env.device)                # compute: bf16 autocast, or fp32 / float64 throughout
 
     with torch.device("meta"):                          # shapes only: each Shard builds its own values
         model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed)
-    shards = shard_gpt(model, cfg, stage, group, param_dtype(dtype), env.device)
+    # ZeRO-3's units: GPT's blocks; every Shard filled from init_parameter (train_single's values, by name)
+    shards = shard_model(model, stage, group, param_dtype(dtype), env.device, blocks=list(model.transformer.h),
+                         bucket_mb=cfg.bucket_mb,
+                         initial_value=lambda name, p: init_parameter(name, p.shape, cfg.n_layer, cfg.seed))
     apply_kernels_and_fp8(model, cfg, env.device, units=shards if stage == 3 else None)   # the same parameters
     grads, gathered = ShardedGrads(shards, group, stage), GatheredBytes(shards)
     if stage == 3:
