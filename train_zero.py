@@ -259,9 +259,8 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, reshard_aft
     as given to and returned by shard_model. The root units are gathered around the model's forward and from the
     first gradient reaching any of its outputs (whatever they are: logits, a loss, a tuple) until backward ends.
     reshard_after_forward=False (FSDP2's name) keeps a unit gathered from its forward until its backward is
-    over: one all-gather fewer per use, the whole unit held in between.
-    grads=None: the gradients are the caller's to reduce (a zero-bubble pipeline's W writes the weights' later);
-    a block's unit is then freed once the gradient reaches the block below, the lowest by the caller."""
+    over: one all-gather fewer per use, the whole unit held in between. grads: ShardedGrads, its prepare(unit)
+    called as a unit's backward starts."""
     units, roots = list(reversed(shards[:len(blocks)])), shards[len(blocks):]    # blocks' units in forward order
 
     def fetch(unit, forward=False):  # in autocast's dtype, read in a forward: a backward runs outside autocast
@@ -277,15 +276,12 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, reshard_aft
             mine = roots if i is None else [units[i]]
             if any(unit.in_backward for unit in mine):   # the roots hook every output: the first one acts
                 return
-            if grads is None and i is not None and i + 1 < len(units):
-                units[i + 1].free()                    # its backward is over: dW = gy^T x needs no weights
             for unit in mine:
                 unit.in_backward = True
                 fetch(unit)
             for unit in mine:
                 unit.wait()
-                if grads is not None:
-                    grads.prepare(unit)
+                grads.prepare(unit)
             nxt = len(units) - 1 if i is None else i - 1
             if prefetch and nxt >= 0:
                 fetch(units[nxt])
