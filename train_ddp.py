@@ -26,7 +26,6 @@ Two of ZeRO-R's memory lessons (Rajbhandari et al. 2020, section 6) are already 
        view of one; backward writes gradients into them instead of allocating a tensor each between its short-lived
        temporaries, the holes that fragment a caching allocator (bench/fragmentation.py measures both).
 """
-import sys
 import time
 
 import torch
@@ -253,7 +252,7 @@ def main(argv=None):
     from common import checkpoint
     from common.checkpoint import ModuleState, replicated
     from common.config import fail, grad_accum_steps, parse_config
-    from common.distributed import init_distributed, wait_for_main_rank
+    from common.distributed import init_distributed, wait_for_main_rank, warn_single_rank
     from common.metrics import MetricsLogger
     from common.optim import NonFiniteGuard, configure_optimizer, lr_at, set_lr
     from common.evaluation import evaluate, print_sample
@@ -267,9 +266,8 @@ def main(argv=None):
     env = init_distributed(cfg)
     group, dp = dist.group.WORLD, env.world_size
     grad_acc = grad_accum_steps(cfg, dp)
-    if dp == 1 and env.is_main:
-        print("warning: world size 1: there is nothing to average; this is train_single.py with extra "
-              "steps (launch with torchrun --nproc_per_node N)", file=sys.stderr, flush=True)
+    warn_single_rank(env, "there is nothing to average; this is train_single.py with extra steps (launch with "
+                          "torchrun --nproc_per_node N)")
     loader = prepare_data(cfg, env)
     enable_tf32(env.device)
     dtype = resolve_dtype(cfg, env.device)

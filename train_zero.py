@@ -26,10 +26,9 @@ ZeRO-3 per block:  pre-forward: gather (prefetch next) -> forward -> free -> pre
 previous) -> backward -> grads land -> reduce-scatter, free. Embedding + final LayerNorm form the root unit.
 ZeRO-R's CB and MD are train_ddp's (its docstring): fixed --bucket_mb buffers, and flat buffers made once whose
 views are the parameters and gradients; a ZeRO-3 unit is gathered as one contiguous allocation, not one per tensor.
-Any model (docs/copy_out.md): shard_model(..., blocks=) and install_zero3_hooks take the blocks; shard_gpt: GPT.
+Any model (docs/copy_out.md): shard_model(..., blocks=) and install_zero3_hooks take the blocks (main's: GPT's).
 """
 import argparse
-import sys
 import time
 from itertools import accumulate
 
@@ -254,23 +253,19 @@ def shard_model(model, stage, group, dtype, device, blocks=None, buckets=None, b
     return shards
 
 
-def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=None, reshard_after_forward=True):
+def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, reshard_after_forward=True):
     """Gather a block's parameters just before its forward and its backward, free them right after; with
     prefetch, start the all-gather of the block that runs next while this one computes. `blocks` and `shards`:
     as given to and returned by shard_model. The root units are gathered around the model's forward and from the
     first gradient reaching any of its outputs (whatever they are: logits, a loss, a tuple) until backward ends.
     reshard_after_forward=False (FSDP2's name) keeps a unit gathered from its forward until its backward is
-    over: one all-gather fewer per use, the whole unit held in between.
-    on_gather(): called after each all-gather is started (a memory probe: train_zero's peak gathered bytes).
-    grads=None: the gradients are the caller's to reduce (a zero-bubble pipeline's W writes the weights' later);
-    a block's unit is then freed once the gradient reaches the block below, the lowest by the caller."""
+    over: one all-gather fewer per use, the whole unit held in between. grads: ShardedGrads, its prepare(unit)
+    called as a unit's backward starts."""
     units, roots = list(reversed(shards[:len(blocks)])), shards[len(blocks):]    # blocks' units in forward order
 
     def fetch(unit, forward=False):  # in autocast's dtype, read in a forward: a backward runs outside autocast
         unit.wire_dtype = compute_dtype(unit.master_dtype, unit.shard.device.type) if forward else unit.wire_dtype
         unit.gather(unit.wire_dtype)
-        if on_gather is not None:
-            on_gather()
 
     def release(unit):               # after a forward; kept for its backward when not resharding (training only)
         if reshard_after_forward or not torch.is_grad_enabled():
@@ -281,15 +276,12 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
             mine = roots if i is None else [units[i]]
             if any(unit.in_backward for unit in mine):   # the roots hook every output: the first one acts
                 return
-            if grads is None and i is not None and i + 1 < len(units):
-                units[i + 1].free()                    # its backward is over: dW = gy^T x needs no weights
             for unit in mine:
                 unit.in_backward = True
                 fetch(unit)
             for unit in mine:
                 unit.wait()
-                if grads is not None:
-                    grads.prepare(unit)
+                grads.prepare(unit)
             nxt = len(units) - 1 if i is None else i - 1
             if prefetch and nxt >= 0:
                 fetch(units[nxt])
@@ -339,16 +331,6 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, on_gather=N
 # ----------------------------------------------------------------------------------------------------------
 # the script
 
-def shard_gpt(model, cfg, stage, group, dtype, device):
-    """shard_model for model.py's GPT built on the meta device: blocks transformer.h, values from init_parameter."""
-    from model import init_parameter
-
-    def initial_value(name, p):
-        return init_parameter(name, p.shape, cfg.n_layer, cfg.seed)
-    return shard_model(model, stage, group, dtype, device, blocks=list(model.transformer.h),
-                       bucket_mb=cfg.bucket_mb, initial_value=initial_value)
-
-
 def add_args(parser):
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="ZeRO-3: start the next block's all-gather while the current block computes")
@@ -369,7 +351,7 @@ def validate(cfg):
 def main(argv=None):
     # the script's plumbing, imported here: the building blocks above need only torch, comm.py and train_ddp.py
     from common.config import grad_accum_steps, parse_config
-    from common.distributed import init_distributed
+    from common.distributed import init_distributed, warn_single_rank
     from common.metrics import GatheredBytes, MetricsLogger, model_state_bytes
     from common.optim import BETAS, EPS, NonFiniteGuard, lr_at
     from common.evaluation import evaluate, print_sample
@@ -379,26 +361,27 @@ def main(argv=None):
     from converters.apply import apply_kernels_and_fp8, compiled
     from common import checkpoint
     from common.checkpoint import ShardState, replicated
-    from model import GPT, flops_per_token
+    from model import GPT, flops_per_token, init_parameter
     cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb", "fp8", "fp8_all_gather"), extra_args=add_args,
                        description=__doc__.split("\n\n")[0], validate=validate)
     env = init_distributed(cfg)
     group, dp, stage = dist.group.WORLD, env.world_size, cfg.zero_stage
     grad_acc = grad_accum_steps(cfg, dp)
-    if dp == 1 and env.is_main:
-        print(f"warning: world size 1: ZeRO-{stage} has nothing to shard (torchrun --nproc_per_node N)",
-              file=sys.stderr, flush=True)
+    warn_single_rank(env, f"ZeRO-{stage} has nothing to shard (torchrun --nproc_per_node N)")
     loader = prepare_data(cfg, env)
     enable_tf32(env.device)
     dtype = resolve_dtype(cfg, env.device)                # compute: bf16 autocast, or fp32 / float64 throughout
 
     with torch.device("meta"):                          # shapes only: each Shard builds its own values
         model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed)
-    shards = shard_gpt(model, cfg, stage, group, param_dtype(dtype), env.device)
+    # ZeRO-3's units: GPT's blocks; every Shard filled from init_parameter (train_single's values, by name)
+    shards = shard_model(model, stage, group, param_dtype(dtype), env.device, blocks=list(model.transformer.h),
+                         bucket_mb=cfg.bucket_mb,
+                         initial_value=lambda name, p: init_parameter(name, p.shape, cfg.n_layer, cfg.seed))
     apply_kernels_and_fp8(model, cfg, env.device, units=shards if stage == 3 else None)   # the same parameters
     grads, gathered = ShardedGrads(shards, group, stage), GatheredBytes(shards)
     if stage == 3:
-        install_zero3_hooks(model, list(model.transformer.h), shards, grads, cfg.prefetch, on_gather=gathered)
+        install_zero3_hooks(model, list(model.transformer.h), shards, grads, cfg.prefetch)
     optimizer = ShardedAdamW(shards, cfg.weight_decay, BETAS, EPS)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + env.rank)              # dropout: each rank masks its own sequences

@@ -34,6 +34,12 @@ class DistEnv:
         return self.rank == 0
 
 
+def warn_single_rank(env, why):
+    """A data-parallel rung launched on one rank: one warning line (rank 0, stderr) saying `why` it is pointless."""
+    if env.world_size == 1 and env.is_main:
+        print(f"warning: world size 1: {why}", file=sys.stderr, flush=True)
+
+
 def world_size_from_env():
     """WORLD_SIZE as torchrun sets it (1 when launched with plain python); usable before init, to validate a
     layout (init_distributed refuses a WORLD_SIZE that came without RANK, i.e. not from a launcher)."""

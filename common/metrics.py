@@ -299,11 +299,18 @@ def model_state_bytes(model, shards, buckets):
 
 
 class GatheredBytes:
-    """ZeRO-3's gathered parameters: the bytes of whole units alive, at their peak (install_zero3_hooks's
-    on_gather; memory only grows at a gather, so sampling there finds the peak)."""
+    """ZeRO-3's gathered parameters: the bytes of whole units alive, at their peak. Wraps each shard's all_gather
+    (whatever gathers it at construction, an FP8 unit's own too) to sample right after each gather is launched:
+    memory only grows at a gather, so sampling there finds the peak."""
 
     def __init__(self, shards):
         self.shards, self.peak = shards, 0
+        for s in shards:
+            s.all_gather = self.sampled(s.all_gather)
 
-    def __call__(self):
-        self.peak = max(self.peak, sum(s.full.untyped_storage().nbytes() for s in self.shards))
+    def sampled(self, all_gather):
+        def gather(*args, **kwargs):
+            handle = all_gather(*args, **kwargs)
+            self.peak = max(self.peak, sum(s.full.untyped_storage().nbytes() for s in self.shards))
+            return handle
+        return gather

@@ -23,7 +23,7 @@ from common.tp_grads import sum_in_place
 from converters.apply import gather_fp8_units
 from compose.dp_axis import DataParallelAxis
 from compose.grad_ready import reduce_held
-from compose.kept_units import free_after_w
+from compose.kept_units import FreedOnTheWayDown, free_after_w
 from pipeline.schedules import SPLIT_BACKWARD
 from pipeline.tied import tied_grads_sync, tied_weight
 from train_ddp import assign_buckets
@@ -151,8 +151,9 @@ class ZeroUnits(ZeroShards):
                 units = [b.shard for b in grads.buckets]
                 if modules is blocks and "wte" in chunk.transformer and all(s.params[0] is not tied for s in units):
                     units.append(next(s for s in self.shards if s.params[0] is tied))   # a V: chunk 0's unit
-                install_zero3_hooks(chunk, modules, units, None if self.after_w else grads,
-                                    reshard_after_forward=cfg.reshard_after_forward)
+                # reduced after W: B frees the units above on the way down (hooked first: freed before a gather)
+                reduction = FreedOnTheWayDown(modules, units) if self.after_w else grads
+                install_zero3_hooks(chunk, modules, units, reduction, reshard_after_forward=cfg.reshard_after_forward)
                 self.units_of[-1] += units
         gather_fp8_units(chunks, self.shards, cfg)   # FP8 GEMMs' weights: in fp32, or FP8 (converters/fp8_gather.py)
 
