@@ -66,9 +66,8 @@ def reduce_held(grads):
     held = [p for b in grads.buckets for p in b.params if p.grad is not None]
     if not held:
         return
-    grads.require_sync(True)
-    for p in held:
-        grads._grad_ready(p)
+    grads_ready(grads, held)             # every bucket they complete launched, as their hooks would
+    grads.require_sync(True)             # (finish waits only for a step that syncs)
     grads.finish()
     grads.require_sync(False)
 
