@@ -1,13 +1,9 @@
 """Checkpoints (common/checkpoint/__init__.py): one format for every script, so any layout resumes any other
 with the unbroken run's losses; step directories committed last (a crash leaves the previous one as latest),
-the newest --keep_checkpoints kept; --resume auto; a job killed mid-run restarts under torchrun by itself."""
+the newest --keep_checkpoints kept; --resume auto (a node killed mid-run restarting under torchrun: test_multinode)."""
 import errno
-import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -18,8 +14,6 @@ from common.checkpoint import CKPT_DIR, FILE, latest_checkpoint, load_checkpoint
 from distributed_helper import exit_code_and_stderr, recorded_runs, run_workers
 from common.metrics import read_metrics
 from train_helpers import assert_exact, curves, losses, run_single, text_argv, tiny_argv
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_every_layout_resumes_every_other(text_reference, text_data, tmp_path):
@@ -351,54 +345,3 @@ def test_per_rank_files_of_an_earlier_version_are_one_clear_line(tiny_data, tmp_
             train_single.main(tiny_argv(tiny_data, str(out), resume=resume))
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and "per-rank checkpoints of an earlier version" in err[0], err
-
-
-CRASHING = """
-import os, sys
-sys.path.insert(0, {root!r})
-import train_ddp
-from common import comm, distributed, optim
-
-real_lr_at = optim.lr_at
-
-
-def lr_at(step, cfg):   # rank 1 dies at step {step}, on the first attempt only
-    if step == {step} and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-        os._exit(13)
-    return real_lr_at(step, cfg)
-
-
-optim.lr_at = lr_at     # train_ddp.main imports its plumbing when it runs: it gets this one
-train_ddp.main(sys.argv[1:])
-distributed.destroy()
-"""
-
-
-def test_a_killed_rank_restarts_under_torchrun_with_the_same_losses(text_data, tmp_path):
-    """train_ddp under torchrun --max-restarts 2 with --resume auto: rank 1 exits abnormally at step 7 (after the
-    checkpoint of step 6); torchrun restarts both ranks, they resume from step 6 and finish with the unbroken
-    run's losses (float64). Steps 6 appear twice in metrics.jsonl; the later row is the truth."""
-    opts = dict(max_steps=10, save_interval=3, micro_batch_size=4)
-    straight = str(tmp_path / "straight")
-    run_workers(recorded_runs, 2, args=("train_ddp", [text_argv(text_data, straight, **opts)]), timeout=300)
-    out = str(tmp_path / "crashed")
-    script = tmp_path / "crash_once.py"
-    script.write_text(CRASHING.format(root=ROOT, step=7))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", "2", "--monitor-interval", "0.2", str(script)]
-    cmd += text_argv(text_data, out, resume="auto", dist_timeout=60, **opts)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)                   # its own process group: the workers too
-    try:
-        output = job.communicate(timeout=300)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        output = job.communicate()[0]
-    assert job.returncode == 0, output[-6000:]
-    assert "steps 6..9" in output, output[-6000:]                     # the restart resumed from step 6
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        steps = [row["step"] for row in map(json.loads, f) if "loss" in row]
-    assert steps == list(range(7)) + list(range(6, 10)), steps       # step 6 ran before the crash and again
-    assert_exact(curves(straight), curves(out))
-    assert [r["step"] for r in read_metrics(out)] == list(range(10))
