@@ -345,3 +345,27 @@ def test_per_rank_files_of_an_earlier_version_are_one_clear_line(tiny_data, tmp_
             train_single.main(tiny_argv(tiny_data, str(out), resume=resume))
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and "per-rank checkpoints of an earlier version" in err[0], err
+
+
+@pytest.mark.parametrize("left", ["checkpoint", "metrics"])
+def test_a_fresh_run_never_overwrites_what_another_run_published(tiny_data, tmp_path, capsys, left):
+    """A run started without --resume in an out_dir that holds another run's checkpoint or metrics rows stops in one
+    line before any work (it would truncate the metrics and prune the checkpoints); --resume auto continues there,
+    and a directory holding anything else is used as it is."""
+    out = tmp_path / "run"
+    run_single(tiny_argv(tiny_data, str(out), max_steps=2, save_interval=2 if left == "checkpoint" else 0))
+    published = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.suffix in (".pt", ".jsonl")}
+    assert published and capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_single.main(tiny_argv(tiny_data, str(out), max_steps=4))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert f"--out_dir {out} holds" in err[0] and "--resume auto continues that run" in err[0], err
+    assert {p: p.read_bytes() for p in published} == published                 # nothing touched
+    resumed = run_single(tiny_argv(tiny_data, str(out), max_steps=4, resume="auto"))[0]
+    assert len(resumed) == 4
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("kept")
+    run_single(tiny_argv(tiny_data, str(other), max_steps=1))
+    assert (other / "notes.txt").read_text() == "kept"

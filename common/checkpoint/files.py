@@ -58,6 +58,18 @@ def latest_checkpoint(out_dir):
     return legacy if os.path.isfile(legacy) else None
 
 
+def published_by_a_run(out_dir):
+    """What a run left in out_dir that a fresh run would destroy: its checkpoint, its metrics rows; '' if none."""
+    found = []
+    checkpoint = latest_checkpoint(out_dir)
+    if checkpoint is not None:
+        found.append(f"a checkpoint ({os.path.relpath(checkpoint, out_dir)})")
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append("metrics.jsonl")
+    return " and ".join(found)
+
+
 def per_rank_files(out_dir):
     """ckpt_rank{r}.pt files of earlier versions' tp / pp / ep runs (this version cannot read them)."""
     names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
@@ -75,9 +87,17 @@ def missing_checkpoint_message(out_dir):
 
 def resolve_resume(value, out_dir):
     """--resume (yes), --resume auto (yes if a complete checkpoint exists, else start fresh), or no: a bool.
-    ValueError where auto would silently drop an earlier version's per-rank checkpoints."""
+    ValueError where auto would silently drop an earlier version's per-rank checkpoints, and where a fresh run would
+    overwrite what an earlier run published there (its metrics.jsonl truncated, its checkpoints pruned away)."""
+    if value == "yes":
+        return True
     if value != "auto":
-        return value == "yes"
+        published = published_by_a_run(out_dir)
+        if published:
+            raise ValueError(f"--out_dir {out_dir} holds {published} of an earlier run, which a new run would overwrite: "
+                             f"--resume auto continues that run; to start another, choose a new --out_dir (or remove "
+                             f"the old one yourself)")
+        return False
     if latest_checkpoint(out_dir) is not None:
         return True
     if per_rank_files(out_dir):
