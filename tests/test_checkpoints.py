@@ -369,3 +369,28 @@ def test_a_fresh_run_never_overwrites_what_another_run_published(tiny_data, tmp_
     (other / "notes.txt").write_text("kept")
     run_single(tiny_argv(tiny_data, str(other), max_steps=1))
     assert (other / "notes.txt").read_text() == "kept"
+
+
+def resumed_at_the_end(rank, world_size, runs):
+    """A worker: each (script, argv) of runs in turn, on these ranks; the steps each one logged."""
+    import importlib
+    steps = []
+    for script, argv in runs:
+        importlib.import_module(script).main(argv)
+        steps.append(len(read_metrics(argv[argv.index("--out_dir") + 1])))
+    return steps
+
+
+def test_a_resume_at_the_last_step_ends_cleanly_in_every_script(tiny_data, tmp_path):
+    """A checkpoint written at --max_steps, resumed by every script (--resume, the same --max_steps): no step runs,
+    no script fails on what its loop never set (train_pp returned its last step's bytes), metrics stay as they were."""
+    runs, layouts = [], [("train_ddp", {}), ("train_zero", dict(zero_stage=3)), ("train_tp", dict(tp=2)),
+                         ("train_cp", dict(cp=2)), ("train_pp", dict(pp=2)), ("train_5d", dict(pp=2))]
+    for script, flags in layouts:
+        out = str(tmp_path / script)
+        run_single(tiny_argv(tiny_data, out, max_steps=2, save_interval=2))
+        runs.append((script, tiny_argv(tiny_data, out, max_steps=2, resume="yes", **flags)))
+    moe = str(tmp_path / "train_ep")
+    run_single(tiny_argv(tiny_data, moe, max_steps=2, save_interval=2, n_experts=2))
+    runs.append(("train_ep", tiny_argv(tiny_data, moe, max_steps=2, resume="yes", n_experts=2, ep=2)))
+    assert run_workers(resumed_at_the_end, 2, args=(runs,))[0] == [2] * len(runs)
