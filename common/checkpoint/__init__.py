@@ -26,6 +26,8 @@ The files themselves (paths, atomic writes, a full disk, the out_dir lock) are c
 checkpoint fits this run (the model-defining fields, the entries, AdamW state by name, inf/NaN) is
 common/checkpoint/compat.py's.
 """
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,7 @@ from common.errors import fail
 from common.checkpoint import fp8_state
 from common.checkpoint.rank_states import by_rank, own_rng_state, rng_state, set_rng_state
 from common.optim import configure_optimizer
+from common.run_identity import corpus_of
 from common.tp_shards import full_shape, tp_gather, tp_slice
 from model import GPT
 
@@ -175,8 +178,9 @@ def save(cfg, gcfg, next_step, held):
     meta = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         meta = dict(model={}, optimizer=dict(state={}, param_groups=param_groups, names=order), step=next_step,
-                    rng=rng_state(), rng_by_rank=rngs, fp8_by_rank=fp8, config=dict(vars(cfg)),
-                    model_config=model_config(gcfg))
+                    rng=rng_state(), rng_by_rank=rngs, fp8_by_rank=fp8, model_config=model_config(gcfg),
+                    config=dict(vars(cfg), data_dir=os.path.abspath(cfg.data_dir)),   # the same from anywhere
+                    corpus=corpus_of(cfg))
     if not dist.is_initialized() or dist.get_world_size() == 1:
         meta["model"], meta["optimizer"]["state"] = part["model"], part["optimizer"]["state"]
         save_step(cfg, meta, next_step)

@@ -1,0 +1,89 @@
+"""What defines a run besides its model (common/run_identity.py): a resume reads the corpus it was trained on, known by
+content wherever it lies, and every rank of a run shares its flags and its corpus, or all stop naming the first
+difference."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import train_single
+from common.checkpoint import load_checkpoint, latest_checkpoint
+from common.data import DEFAULT_DATA_DIR            # (--data_mix replaces --data_dir: left at its default)
+from common.run_identity import corpus_fingerprint
+from distributed_helper import exit_code_and_stderr, run_workers
+from train_helpers import make_tiny_dataset, run_single, tiny_argv
+
+
+def copy_with_one_token_changed(src, dst, where):
+    shutil.copytree(src, dst)
+    tokens = np.fromfile(os.path.join(dst, "train.bin"), dtype=np.uint16)
+    tokens[where] = (tokens[where] + 1) % 64
+    tokens.tofile(os.path.join(dst, "train.bin"))
+    return str(dst)
+
+
+def test_the_fingerprint_knows_a_corpus_by_content(tiny_data, tmp_path):
+    shutil.copytree(tiny_data, tmp_path / "copy")
+    assert corpus_fingerprint(str(tmp_path / "copy")) == corpus_fingerprint(tiny_data)
+    for where in (0, -1):                                           # the first and the last MiB are read
+        assert corpus_fingerprint(copy_with_one_token_changed(tiny_data, tmp_path / f"e{where}", where)) != \
+            corpus_fingerprint(tiny_data)
+    other_meta = make_tiny_dataset(str(tmp_path / "vocab"), vocab_size=65)
+    assert corpus_fingerprint(other_meta) != corpus_fingerprint(tiny_data)
+
+
+def test_a_resume_reads_the_corpus_it_was_trained_on_wherever_it_lies(tiny_data, tmp_path, capsys, monkeypatch):
+    """Resumed on a copy at another path, or with a relative --data_dir from another directory: the run goes on.
+    Resumed on another corpus (one token differs), or on a mixture with other weights: one line, before any step."""
+    out = str(tmp_path / "run")
+    shutil.copytree(tiny_data, tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    run_single(tiny_argv("data", out, max_steps=2, save_interval=2))
+    state = load_checkpoint(latest_checkpoint(out))
+    assert state["config"]["data_dir"] == str(tmp_path / "data")                   # recorded absolute
+    monkeypatch.chdir(tmp_path / "run")
+    assert len(run_single(tiny_argv("../data", out, max_steps=3, save_interval=3, resume="yes"))[0]) == 3
+    moved = shutil.copytree(tmp_path / "data", tmp_path / "moved")
+    assert len(run_single(tiny_argv(str(moved), out, max_steps=4, save_interval=4, resume="yes"))[0]) == 4
+    other = copy_with_one_token_changed(tiny_data, tmp_path / "other", 5)
+    for argv in (tiny_argv(other, out, max_steps=5, resume="yes"),
+                 tiny_argv(DEFAULT_DATA_DIR, out, max_steps=5, resume="yes", data_mix=f"{tiny_data}:1,{other}:1")):
+        with pytest.raises(SystemExit) as e:
+            train_single.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1, err
+        assert "the checkpoint was trained on" in err[0] and "another corpus by content or weight" in err[0], err
+        assert "Resume with the corpus it was trained on" in err[0], err
+
+
+@pytest.mark.parametrize("rank1_flags, named", [
+    (dict(lr=2e-3), "--lr"),
+    (dict(n_layer=3), "--n_layer"),
+    (dict(data_dir="OTHER"), "the corpus (by content)"),
+])
+def test_ranks_launched_differently_stop_naming_the_first_difference(tiny_data, tmp_path, rank1_flags, named):
+    """Two nodes started with different command lines, or each with a corpus of its own: every rank stops at start
+    with one line naming the flag (or the corpus) where rank 1 differs from rank 0. A corpus at another path with
+    the same content is no difference."""
+    other = copy_with_one_token_changed(tiny_data, tmp_path / "other", 7)
+    run = str(tmp_path / "run")
+    rank1 = {k: (other if v == "OTHER" else v) for k, v in rank1_flags.items()}
+    argvs = [tiny_argv(tiny_data, run, max_steps=1), tiny_argv(rank1.pop("data_dir", tiny_data), run, max_steps=1, **rank1)]
+    results = run_workers(exit_code_and_stderr_of_rank, 2, args=("train_ddp", argvs))
+    for code, err in results:
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and f"rank 1 differs from rank 0 in {named}" in lines[0], err
+        assert "every rank must run the same command on the same corpus" in lines[0], err
+
+
+def exit_code_and_stderr_of_rank(rank, world_size, script, argvs):
+    """exit_code_and_stderr with each rank's own argv."""
+    return exit_code_and_stderr(rank, world_size, script, argvs[rank])
+
+
+def test_the_same_corpus_at_another_path_on_another_node_agrees(tiny_data, tmp_path):
+    copy = str(shutil.copytree(tiny_data, tmp_path / "node1_copy"))
+    argvs = [tiny_argv(tiny_data, str(tmp_path / "run"), max_steps=1), tiny_argv(copy, str(tmp_path / "run"),
+                                                                                max_steps=1)]
+    assert [code for code, _ in run_workers(exit_code_and_stderr_of_rank, 2, args=("train_ddp", argvs))] == [0, 0]
