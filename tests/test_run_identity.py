@@ -87,3 +87,24 @@ def test_the_same_corpus_at_another_path_on_another_node_agrees(tiny_data, tmp_p
     argvs = [tiny_argv(tiny_data, str(tmp_path / "run"), max_steps=1), tiny_argv(copy, str(tmp_path / "run"),
                                                                                 max_steps=1)]
     assert [code for code, _ in run_workers(exit_code_and_stderr_of_rank, 2, args=("train_ddp", argvs))] == [0, 0]
+
+
+def test_a_mixture_knows_its_sources_by_what_they_are(tiny_data, tmp_path, monkeypatch):
+    """One directory under two spellings (a trailing slash, ./, a symlink) is one source, named twice; two corpora
+    whose tokenizer files differ in content do not mix, though meta.json calls both 'hf' with one vocab size."""
+    from common.config import ConfigError
+    from common.data_mix import check_tokenizers_agree, parse_data_mix
+    os.symlink(tiny_data, tmp_path / "link")
+    monkeypatch.chdir(os.path.dirname(tiny_data))
+    name = os.path.basename(tiny_data)
+    for twin in (f"{tiny_data}/", f"./{name}", str(tmp_path / "link")):
+        with pytest.raises(ConfigError, match=f"--data_mix names {twin} twice \\(as {tiny_data}\\)"):
+            parse_data_mix(f"{tiny_data}:1,{twin}:2")
+    a, b = (shutil.copytree(tiny_data, tmp_path / n) for n in ("a", "b"))
+    (a / "tokenizer.json").write_text('{"model": {"vocab": {"x": 0}}}')
+    (b / "tokenizer.json").write_text('{"model": {"vocab": {"y": 0}}}')
+    meta = dict(tokenizer="hf", vocab_size=64)
+    with pytest.raises(ValueError, match="disagree on tokenizer files \\(another tokenizer.json by content\\)"):
+        check_tokenizers_agree([str(a), str(b)], [meta, meta])
+    (b / "tokenizer.json").write_text((a / "tokenizer.json").read_text())
+    check_tokenizers_agree([str(a), str(b)], [meta, meta])
