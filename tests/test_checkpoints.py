@@ -394,3 +394,18 @@ def test_a_resume_at_the_last_step_ends_cleanly_in_every_script(tiny_data, tmp_p
     run_single(tiny_argv(tiny_data, moe, max_steps=2, save_interval=2, n_experts=2))
     runs.append(("train_ep", tiny_argv(tiny_data, moe, max_steps=2, resume="yes", n_experts=2, ep=2)))
     assert run_workers(resumed_at_the_end, 2, args=(runs,))[0] == [2] * len(runs)
+
+
+def test_fp16_loss_scale_goes_on_from_the_checkpoint(tiny_data, tmp_path):
+    """--dtype float16's GradScaler state (its scale, lowered by overflows, and its growth count) is in the
+    checkpoint and goes on from there: a resume that restarted it at 65536 would train on other gradients."""
+    out = str(tmp_path / "run")
+    run_single(tiny_argv(tiny_data, out, max_steps=2, save_interval=2, dtype="float16"))
+    path = latest_checkpoint(out)
+    state = load_checkpoint(path)
+    assert state["scaler"]["scale"] == 65536.0 and state["scaler"]["_growth_tracker"] == 2, state["scaler"]
+    state["scaler"].update(scale=1024.0, _growth_tracker=7)     # as if overflows had lowered it
+    torch.save(state, path)
+    run_single(tiny_argv(tiny_data, out, max_steps=3, save_interval=3, dtype="float16", resume="yes"))
+    after = load_checkpoint(latest_checkpoint(out))["scaler"]
+    assert (after["scale"], after["_growth_tracker"]) == (1024.0, 8), after      # one more step from there
