@@ -107,7 +107,7 @@ class MixtureLoader:
         which, offsets = self.global_batch(step, split)
         mine = rank_slice(self.global_batch_size, micro_step, micro_batch_size, dp_rank, dp_size)
         arrays = [self.sources[k].data[split] for k in which[mine]]
-        return inputs_and_targets(arrays, offsets[mine], self.block_size, self.device)
+        return inputs_and_targets(arrays, offsets[mine], self.block_size, self.device, self.vocab_size)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "gpt2.tiktoken")     # what data.py writes beside a corpus of those tokenizers

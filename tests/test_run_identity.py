@@ -108,3 +108,27 @@ def test_a_mixture_knows_its_sources_by_what_they_are(tiny_data, tmp_path, monke
         check_tokenizers_agree([str(a), str(b)], [meta, meta])
     (b / "tokenizer.json").write_text((a / "tokenizer.json").read_text())
     check_tokenizers_agree([str(a), str(b)], [meta, meta])
+
+
+def test_a_corpus_changed_under_a_running_job_stops_it_naming_the_file(tiny_data, tmp_path, capsys):
+    """A token file cut short while the run reads it (a memory-mapped read past its new end is SIGBUS, the process
+    gone without a word) and an id past the vocabulary anywhere in it (opening samples a large file) stop the run at
+    the next batch that would read them, in one line naming the file."""
+    from common.data import GlobalBatchLoader
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    loader = GlobalBatchLoader(str(data), block_size=16, global_batch_size=8, seed=0)
+    path = data / "train.bin"
+    offsets = loader.global_batch_offsets(3)
+    tokens = np.memmap(path, dtype=np.uint16, mode="r+")
+    tokens[offsets[0] + 5] = 64                                  # vocab_size is 64: ids 0..63
+    tokens.flush()
+    with pytest.raises(SystemExit):
+        loader.micro_batch(3, 0, 8)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{path} holds token id 64 in tokens {offsets[0]:,}.." in err[0], err
+    del tokens
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(SystemExit):
+        loader.micro_batch(3, 0, 8)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{path} is now" in err[0] and "the corpus changed under the run" in err[0], err
