@@ -409,3 +409,22 @@ def test_fp16_loss_scale_goes_on_from_the_checkpoint(tiny_data, tmp_path):
     run_single(tiny_argv(tiny_data, out, max_steps=3, save_interval=3, dtype="float16", resume="yes"))
     after = load_checkpoint(latest_checkpoint(out))["scaler"]
     assert (after["scale"], after["_growth_tracker"]) == (1024.0, 8), after      # one more step from there
+
+
+def test_an_out_dir_the_filesystem_cannot_hold_is_one_line_at_start(tiny_data, tmp_path, capsys, monkeypatch):
+    """An --out_dir whose checkpoint files would pass the filesystem's path limit is refused before any work (not at
+    the first save, hours in); a filesystem that refuses flock is named as such, not as a run holding the lock."""
+    import fcntl
+
+    def no_locks(f, operation):                                      # as NFS without its lock daemon answers
+        raise OSError(errno.ENOLCK, "No locks available")
+    deep = str(tmp_path / "/".join(["d" * 200] * 21))               # > 4096 bytes with the checkpoint's names
+    for out, message in ((deep, "its checkpoint files would have paths of"), (str(tmp_path / "nolock"),
+                                                                           "its filesystem refuses file locks")):
+        if out != deep:
+            monkeypatch.setattr(fcntl, "flock", no_locks)
+        with pytest.raises(SystemExit) as e:
+            train_single.main(tiny_argv(tiny_data, out, max_steps=1))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert not os.path.exists(tmp_path / ("d" * 200))                # refused before anything was created
