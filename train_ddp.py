@@ -31,6 +31,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from common.comm import COMM, all_reduce, clip_grad_norm
 
@@ -141,7 +142,7 @@ class DataParallelGrads:
         if self.communicate:
             self.check_replicas()
             if not REFUSING["hook"]:
-                REFUSING["hook"] = torch.optim.optimizer.register_optimizer_step_pre_hook(refuse_unfinished_step)
+                REFUSING["hook"] = register_optimizer_step_pre_hook(refuse_unfinished_step)
         for p in self.params:        # every mode: a landed gradient is unfinished until finish()
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
