@@ -21,7 +21,7 @@ from test_copy_out import COPY_TABLE, DATA, run_user_project
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXACT = 1e-12
-TIMEOUT_S = 3           # the user's process-group timeout in the evaluation-on-rank-0 run
+TIMEOUT_S = 2           # the user's process-group timeout in the evaluation-on-rank-0 run
 
 MODEL = r'''
 """A nanoGPT-shaped model of the user's own: fused c_attn, learned positions, tied head, ignore_index=-1."""
@@ -287,12 +287,13 @@ def sharded_models():
     """A ZeRO-3 and a TP model of the user's, each on a group of its own with the user's short timeout."""
     from train_tp import tensor_parallel
     from train_zero import ShardedGrads, install_zero3_hooks, shard_model
+    zero3, tp = build(), build()
+    dist.barrier()                                 # (both ranks here: a slow start is no timeout below)
     groups = [dist.new_group([0, 1], timeout=timedelta(seconds=TIMEOUT_S)) for _ in range(2)]
-    zero3 = build()
     blocks = list(zero3.transformer.h)
     shards = shard_model(zero3, 3, groups[0], torch.float64, "cpu", blocks=blocks)
     install_zero3_hooks(zero3, blocks, shards, ShardedGrads(shards, groups[0], 3))
-    return dict(zero3=zero3, tp=tensor_parallel(build(), tp_plan(sp=False), groups[1]))
+    return dict(zero3=zero3, tp=tensor_parallel(tp, tp_plan(sp=False), groups[1]))
 
 
 def only_rank_0_evaluates(model):
@@ -311,7 +312,7 @@ def work():
         return dict(reference=one_process(), got=tp())
     models = sharded_models()
     if rank != 0:
-        time.sleep(2 * TIMEOUT_S + 2)              # busy elsewhere (nanoGPT: the next training step) meanwhile
+        time.sleep(2 * TIMEOUT_S + 1)              # busy elsewhere (nanoGPT: the next training step) meanwhile
         return None
     return dict(got={name: only_rank_0_evaluates(model) for name, model in models.items()})
 
