@@ -27,13 +27,16 @@ Two of ZeRO-R's memory lessons (Rajbhandari et al. 2020, section 6) are already 
        temporaries, the holes that fragment a caching allocator (bench/fragmentation.py measures both).
 """
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from common.comm import COMM, all_reduce, clip_grad_norm
 
 MODES = ("naive", "overlap", "bucket")
+REFUSING = dict(hook=None)          # refuse_unfinished_step's handle, registered once per process
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -93,6 +96,24 @@ class GradNotInBucket(RuntimeError):
     """A parameter's .grad is no longer the view of its bucket that DataParallelGrads attached."""
 
 
+class GradsNotFinished(RuntimeError):
+    """An optimizer was asked to step on gradients that DataParallelGrads has not averaged yet (no finish())."""
+
+
+UNFINISHED = weakref.WeakSet()      # the DataParallelGrads whose last synced backward awaits finish()
+
+
+def refuse_unfinished_step(optimizer, args, kwargs):
+    """A step pre-hook on every torch optimizer (registered with the first DataParallelGrads): a step over
+    parameters whose gradients a backward produced but finish() has not averaged is refused. Nothing to check
+    (an empty set) on every correct step."""
+    for grads in UNFINISHED:
+        if any(p is q for group in optimizer.param_groups for p in group["params"] for q in grads.params[:1]):
+            raise GradsNotFinished("the optimizer would step on this rank's own, unaveraged gradients: call "
+                                   "DataParallelGrads.finish() after the last micro-batch's backward, before "
+                                   "clipping and optimizer.step()")
+
+
 class DataParallelGrads:
     """Averages the gradients of `params` over `group` (the building block; not a module wrapper).
 
@@ -100,8 +121,10 @@ class DataParallelGrads:
     for the in-flight reductions and averages), then the optimizer step, then `zero_grad()` of this object,
     never the optimizer's own: in bucket mode every param.grad is a view of a flat buffer, and torch's
     zero_grad() (set_to_none=True) would replace it by a fresh tensor the buckets never see (a GradNotInBucket
-    error says so at the next backward). Subclasses (ZeRO) change how the buckets are laid out by overriding
-    `make_buckets`, and what a ready bucket does by overriding `grad_landed`, `launch` and `complete`."""
+    error says so at the next backward; a torch optimizer's step before finish() raises GradsNotFinished). At
+    construction the ranks' initial weights are compared once (check_replicas_agree). Subclasses (ZeRO) change
+    how the buckets are laid out by overriding `make_buckets`, and what a ready bucket does by overriding
+    `grad_landed`, `launch` and `complete`."""
 
     def __init__(self, params, group, mode="bucket", bucket_mb=25.0):
         assert mode in MODES, mode
@@ -116,9 +139,19 @@ class DataParallelGrads:
             self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.next_bucket = 0             # buckets launch in index order: the same order on every rank
         self.param_works = []
-        if mode in ("overlap", "bucket"):
-            for p in self.params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+        if self.communicate:
+            self.check_replicas()
+            if not REFUSING["hook"]:
+                REFUSING["hook"] = register_optimizer_step_pre_hook(refuse_unfinished_step)
+        for p in self.params:        # every mode: a landed gradient is unfinished until finish()
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def check_replicas(self):
+        """Once, at construction: every rank must start from the same weights (not a per-rank seed's). Parameters
+        holding no memory are left out: ZeRO-3's, whose Shards compared their values as they were built."""
+        held = [p for p in self.params if p.untyped_storage().nbytes() > 0]
+        if held:                    # (the same on every rank: ZeRO-3's ranks all hold none)
+            check_replicas_agree(held, self.group)
 
     def make_buckets(self, bucket_mb):
         """The buckets of self.params in launch order, each buffer allocated once and attached as the grads."""
@@ -135,6 +168,9 @@ class DataParallelGrads:
     def _grad_ready(self, p):
         """Called by autograd the moment p.grad holds this backward's full gradient."""
         if not self.sync or not self.communicate:
+            return
+        UNFINISHED.add(self)
+        if self.mode == "naive":
             return
         if self.mode == "overlap":
             self.param_works.append(all_reduce(p.grad, group=self.group, async_op=True))
@@ -170,6 +206,7 @@ class DataParallelGrads:
         A no-op after a no_sync micro-step."""
         if not self.sync or not self.communicate:
             return
+        UNFINISHED.discard(self)
         if self.mode == "naive":
             for p in self.params:
                 all_reduce(p.grad, group=self.group)
@@ -212,15 +249,29 @@ class ReplicaMismatch(ValueError):
 def check_replicas_agree(params, group):
     """Cheap start-up check that every rank built the same weights: an exact integer checksum of the bits
     of every parameter, compared across `group` with one all-reduce of [c, -c] under MAX."""
+    compare_checksums(weights_checksum(params), group, params[0].device)
+
+
+def weights_checksum(tensors):
+    """An exact integer checksum of the bits of `tensors` (the i-th weighted by i + 1): integer sums are exact in
+    any order, so equal tensors give equal checksums on every rank and device."""
     checksum = torch.zeros((), dtype=torch.int64)
-    for i, p in enumerate(params):
-        bits = p.detach().reshape(-1).view({8: torch.int64, 4: torch.int32, 2: torch.int16}[p.element_size()])
-        checksum += (i + 1) * bits.to(torch.int64).sum().cpu()   # integer sums: exact in any order
-    t = torch.stack([checksum, -checksum]).to(params[0].device)
-    all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    for i, t in enumerate(tensors):
+        ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()]
+        checksum += (i + 1) * t.detach().reshape(-1).view(ints).to(torch.int64).sum().cpu()
+    return checksum
+
+
+def compare_checksums(checksum, group, device):
+    """Raise ReplicaMismatch unless every rank of `group` has the same checksum (one all-reduce of [c, -c])."""
+    t = torch.stack([checksum, -checksum]).to(device)
+    with COMM.uncounted():                  # a start-up check, not a technique's traffic
+        all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if int(t[0]) != -int(t[1]):
         raise ReplicaMismatch(f"model replicas differ across ranks at start-up (weight checksums range "
-                              f"{-int(t[1])}..{int(t[0])}): same --seed and code on every rank?")
+                              f"{-int(t[1])}..{int(t[0])}): build the model after the same torch.manual_seed (or "
+                              f"--seed) on every rank, from the same code; seed per rank (as 1337 + rank) only "
+                              f"after building it, for dropout and data")
 
 
 def mean_over_group(value, group):
@@ -274,17 +325,16 @@ def main(argv=None):
 
     model = GPT(gpt_config(cfg, loader.vocab_size), seed=cfg.seed).to(env.device, param_dtype(dtype))
     apply_kernels_and_fp8(model, cfg, env.device)    # as train_single: fused modules, FP8 GEMMs, same parameters
-    try:
-        check_replicas_agree(list(model.parameters()), group)
-    except ReplicaMismatch as e:
-        fail(str(e))
     optimizer = configure_optimizer(model.named_parameters(), cfg, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
     held = ModuleState([model], optimizer, replicated, scaler=scaler)   # what this rank holds, for checkpoints
     start = checkpoint.start_from(cfg, env, model.cfg, held)   # each rank its own RNG state
-    grads = DataParallelGrads(model.parameters(), group, cfg.ddp_mode, cfg.bucket_mb)
+    try:                                             # compares the ranks' initial weights once
+        grads = DataParallelGrads(model.parameters(), group, cfg.ddp_mode, cfg.bucket_mb)
+    except ReplicaMismatch as e:
+        fail(str(e))
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps

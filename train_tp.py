@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.comm import COMM, all_reduce, gather_seq, in_compute_dtype, reduce_scatter_seq
-from common.module_io import EDGES, sequence_parallel_edge, swap_keeping_ties
+from common.module_io import EDGES, check_tp_plan, sequence_parallel_edge, swap_keeping_ties
 from common.tp_grads import (all_reduce_sequence_parallel_grads, clip_tp_grads, mark_sequence_parallel,  # noqa: F401
                              tp_counts, vocab_parallel_loss)   # (tp_counts: train_5d's, through this rung)
 
@@ -245,7 +245,8 @@ def tensor_parallel(model, plan, group, sp=False, overlap=False, sequence_parall
         "row"               an nn.Linear whose input features are split (attention's output, the MLP's down)
         "embedding"         an nn.Embedding split by vocabulary rows (under SP its output is my sequence chunk)
         "sp_begin"/"sp_end" under SP, a replicated module whose output is cut to my sequence chunk (a replicated
-                            embedding) / whose input is gathered whole first (a replicated LM head); else nothing
+                            embedding; a learned position table's [T, h]) / whose input is gathered whole first (a
+                            replicated LM head); else nothing
         "sp_gather"         under SP, a module that reads the sequence length off its input (Hugging Face's
                             attention): its input is gathered whole as TP's f, its column layers just multiply
     A first input may come by keyword, an output be a tuple (module_io.py). Tied parameters stay one Parameter
@@ -255,7 +256,9 @@ def tensor_parallel(model, plan, group, sp=False, overlap=False, sequence_parall
     sees my sequence chunk, so the gradients of its replicated parameters are partial sums: name those modules
     in `sequence_parallel` (their parameters get all_reduce_sequence_parallel_grads; row biases are marked
     already). A norm-like module with parameters named in neither `sequence_parallel` nor `replicated` (a norm
-    outside the SP region) is a ValueError: its gradient would silently be 1/tp of it."""
+    outside the SP region) is a ValueError: its gradient would silently be 1/tp of it. So is a fused q|k|v planned
+    "column" without its parts, and a split tp does not divide (module_io.check_tp_plan, before any swap)."""
+    check_tp_plan(model, plan, dist.get_world_size(group))
     gathered = [name for name, style in plan.items() if style == "sp_gather"]
     new = {}
     for name, style in plan.items():
@@ -284,11 +287,8 @@ def parallel_layer(module, style, group, sp, overlap, device=None, gathered=Fals
         new.gathered = gathered
     elif kind == "row":
         new = RowParallelLinear(module.in_features, module.out_features, group, sp, module.bias is not None, **kwargs)
-    elif kind == "embedding":
+    else:                        # "embedding" (check_tp_plan refused any other style)
         new = VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, group, sp, **kwargs)
-    else:
-        raise ValueError(f"unknown tensor-parallel style {style!r}: column, row, embedding, sp_begin, sp_end or "
-                         f"sp_gather")
     if not w.is_meta:
         for key, p in new.named_parameters():
             load_shard(p, getattr(module, key).detach().to(p.device), group)

@@ -36,8 +36,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from common.comm import COMM, CastsFreedWithParams, all_gather_as, clip_grad_norm, compute_dtype, reduce_scatter
-from train_ddp import DataParallelGrads, GradBucket, assign_buckets, mean_over_group
+from common.comm import (COMM, CastsFreedWithParams, all_gather_as, clip_grad_norm, compute_dtype, reduce_scatter,
+                         refuse_empty_state_dict, wait_for)
+from train_ddp import (DataParallelGrads, GradBucket, assign_buckets, compare_checksums, mean_over_group,
+                       weights_checksum)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -61,6 +63,7 @@ class Shard:
         self.padded = -(-total // n) * n
         self.lo, self.hi = rank * (self.padded // n), (rank + 1) * (self.padded // n)
         self.master_dtype = dtype
+        compare_checksums(weights_checksum(initial.values()), group, device)   # not a per-rank seed's: once
         self.full = self.flatten(initial).to(device)    # the full initial values of this bucket / unit only
         self.params = [torch.nn.Parameter(self.full[off: off + p.numel()].view(p.shape))
                        for p, off in zip(params, self.offsets)]
@@ -98,7 +101,7 @@ class Shard:
     def wait(self):
         self.gather()
         if self.handle is not None:
-            self.handle.wait()
+            wait_for(self.handle, "ZeRO-3's all_gather", self.group)    # a rank left out of a forward: says so
             self.handle = None
 
     def free(self):
@@ -326,6 +329,8 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, reshard_aft
         CastsFreedWithParams(units[i].params).register(block)     # autocast: 16-bit casts freed with the unit
     model.register_forward_pre_hook(root_pre_forward)
     model.register_forward_hook(root_post_forward)
+    refuse_empty_state_dict(model, "ZeRO-3 keeps no whole weights between forwards: on every rank gather them "
+                                   "(each shard's wait()), then state_dict(), then free(); or save each rank's shards")
 
 
 # ----------------------------------------------------------------------------------------------------------

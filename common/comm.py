@@ -110,9 +110,35 @@ class LabelledWork:
         return getattr(self.work, attr)
 
 
+def collective_failed(op, group, error):
+    """The error to raise from `error`, a failed `op` on `group` (timed out, or a peer made another call: most
+    often one rank ran a forward the others did not, an evaluation on rank 0 alone), its usual cause named; the
+    same class (torch's DistError stays one) and first words, the original chained."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    cls = type(error) if isinstance(error, dist.DistError) else RuntimeError
+    return cls(f"{op} over ranks {list(_ranks(group))} failed ({first_line}): every rank must run every forward of "
+               f"a sharded model (ZeRO-3, TP) and every collective, in the same order: evaluate (estimate_loss), "
+               f"generate and sample on every rank of the group, not on rank 0 alone")
+
+
+def wait_for(work, op, group):
+    """work.wait() of an async `op` on `group`, its failure raised as collective_failed's error."""
+    try:
+        return work.wait()
+    except RuntimeError as e:
+        raise collective_failed(op, group, e) from e
+
+
 def _launch(op, group, fn, /, *args, peer=None, **kwargs):
     """fn(*args, **kwargs), the torch.distributed call; labelled (module docstring) only while a torch profiler
-    records, so nothing is added when profiling is off."""
+    records, so nothing is added when profiling is off. A failing call says its usual cause (collective_failed)."""
+    try:
+        return _labelled(op, group, fn, *args, peer=peer, **kwargs)
+    except RuntimeError as e:
+        raise collective_failed(op, group, e) from e
+
+
+def _labelled(op, group, fn, /, *args, peer=None, **kwargs):
     if not torch.autograd._profiler_enabled():
         return fn(*args, **kwargs)
     name = f"{op} {list(_ranks(group))}" + ("" if peer is None else f" -> {peer}")
@@ -337,6 +363,15 @@ class CastsFreedWithParams:
         param, dtype, size, stride, offset = saved
         assert param.untyped_storage().nbytes() > 0, "a saved cast is needed while its parameter is not gathered"
         return param.detach().to(dtype).as_strided(size, stride, offset)
+
+
+def refuse_empty_state_dict(module, why):
+    """module.state_dict() raises ValueError(why) while a parameter of it holds no memory (ZeRO-3's between gathers):
+    torch.save would write a checkpoint without weights, whose load fails far from here."""
+    def hook(mod, state_dict, prefix, local_metadata):
+        if any(p.untyped_storage().nbytes() == 0 for p in mod.parameters()):
+            raise ValueError(why)
+    module.register_state_dict_post_hook(hook)
 
 
 @torch.no_grad()

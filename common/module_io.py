@@ -12,6 +12,7 @@ out (docs/copy_out.md).
     on_first_input(module, fn)            a pre-hook: the module's first input x becomes fn(x), however passed
     on_first_output(module, fn)           a hook: its first output y becomes fn(y), a tuple keeping the rest
     sequence_parallel_edge(module, style, group)   SP: cut its output to my sequence chunk, or gather its input whole
+    check_tp_plan(model, plan, n)         refuse a plan that tensor parallelism over n ranks would apply wrong
 """
 import inspect
 
@@ -108,12 +109,12 @@ class ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
-        return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)]
+        ctx.group, ctx.dim = group, 0 if x.dim() == 2 else 1     # [B, T, h], or a position table's [T, h]
+        return x.chunk(dist.get_world_size(group), dim=ctx.dim)[dist.get_rank(group)]
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_seq(grad, ctx.group)[0], None
+        return gather_seq(grad, ctx.group, dim=ctx.dim)[0], None
 
 
 class GatherFromSP(torch.autograd.Function):
@@ -143,3 +144,35 @@ def sequence_parallel_edge(module, style, group):
         on_first_output(module, lambda out: ScatterToSP.apply(out, group))
     else:
         on_first_input(module, lambda x: GatherFromSP.apply(x, group, style == "sp_gather"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a plan checked before any swap (train_tp's tensor_parallel): what would otherwise run and train wrong, or fail on
+# one rank with a bare shape error while another rank fails elsewhere
+
+STYLES = ("column", "row", "embedding") + EDGES
+FUSED = ("c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "in_proj", "gate_up_proj", "w13")   # common names
+
+
+def check_tp_plan(model, plan, n):
+    """Raise ValueError, alike on every rank and before any swap, for a plan entry tensor parallelism over n ranks
+    would apply wrong: an unknown style; an nn.Linear planned "column" that looks like fused projections (a known
+    fused name, or out_features = 3 in_features: q|k|v), whose rank slices would be all of q and part of k, unless
+    its parts are given (("column", 3), or ("column", 1) for one projection); features a split does not divide."""
+    for name, style in plan.items():
+        kind, parts = style if isinstance(style, tuple) else (style, None)
+        if kind not in STYLES:
+            raise ValueError(f"{name}: unknown tensor-parallel style {style!r}: column, row, embedding, sp_begin, "
+                             f"sp_end or sp_gather")
+        module = model.get_submodule(name)
+        if kind == "column" and parts is None and (name.rsplit(".", 1)[-1] in FUSED
+                                                   or module.out_features == 3 * module.in_features):
+            raise ValueError(f"{name}: an nn.Linear {module.in_features} -> {module.out_features} planned \"column\" "
+                             f"looks like fused projections (q|k|v): split as one, each rank would get all of q and "
+                             f"part of k; plan (\"column\", 3) (its number of fused parts), or (\"column\", 1) if "
+                             f"it is one projection")
+        split = {"column": ("out_features", n * (parts or 1)), "row": ("in_features", n)}.get(kind)
+        if split is not None and getattr(module, split[0]) % split[1]:
+            raise ValueError(f"{name}: its {getattr(module, split[0])} {split[0]} do not split into {split[1]} "
+                             f"equal parts (tp {n}): pad them to a multiple (a tied head's vocabulary too, as "
+                             f"nanoGPT's 50304 for GPT-2's 50257)")

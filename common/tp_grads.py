@@ -8,6 +8,7 @@ norm every value counts once: each rank its shards (tagged `tp_split` by train_t
 replicated parameters.
 
     vocab_parallel_loss(logits, targets, group)      # logits [..., V/tp]: rank r holds vocabulary rows r*V/tp...
+                                                     # (ignore_index= as F.cross_entropy's: -100, nanoGPT's -1)
     mark_sequence_parallel(model, norms)             # tensor_parallel does it under SP; refuses a norm left out
     all_reduce_sequence_parallel_grads(model, group)
     clip_tp_grads(model, max_norm, group)            # the global norm, every gradient scaled to at most max_norm
@@ -40,37 +41,40 @@ def mark_sequence_parallel(model, names, replicated=()):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy from vocabulary-split logits [N, V/tp]: loss = log(sum_v e^(z_v - m)) - (z_target - m)."""
+    """Mean cross-entropy from vocabulary-split logits [N, V/tp]: loss = log(sum_v e^(z_v - m)) - (z_target - m),
+    averaged over the targets that are not ignore_index (F.cross_entropy's mean)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, group):
+    def forward(ctx, logits, targets, vocab_start, group, ignore_index):
         m = logits.max(dim=-1).values                            # max for a stable exp
         all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         z = logits - m[:, None]
         local = targets - vocab_start
-        mine = (local >= 0) & (local < z.shape[-1])              # the target id is in my rows
+        counted = targets != ignore_index                        # (nanoGPT's -1, torch's default -100)
+        mine = (local >= 0) & (local < z.shape[-1]) & counted    # the target id is in my rows
         local = local.clamp(0, z.shape[-1] - 1)
         target_z = torch.where(mine, z.gather(1, local[:, None]).squeeze(1), 0.0)   # only the owner's counts
         all_reduce(target_z, group=group)
         exp = z.exp()                                            # (out of place: torch.compile traces this)
         sum_exp = exp.sum(dim=-1)
         all_reduce(sum_exp, group=group)
-        ctx.save_for_backward(exp / sum_exp[:, None], local, mine)       # my slice of the softmax
-        return (sum_exp.log() - target_z).mean()
+        ctx.save_for_backward(exp / sum_exp[:, None], local, mine, counted)   # my slice of the softmax
+        return torch.where(counted, sum_exp.log() - target_z, 0.0).sum() / counted.sum()
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local, mine = ctx.saved_tensors                 # dL/dz = (softmax - onehot(target)) / N
+        softmax, local, mine, counted = ctx.saved_tensors        # dL/dz = (softmax - onehot(target)) / N counted
         grad_z = softmax.scatter_add(1, local[:, None], -mine[:, None].to(softmax.dtype))
-        return grad_z * (grad / softmax.shape[0]), None, None, None
+        return grad_z * (counted[:, None] * (grad / counted.sum())), None, None, None, None
 
 
-def vocab_parallel_loss(logits, targets, group):
+def vocab_parallel_loss(logits, targets, group, ignore_index=-100):
     """Mean cross-entropy from a vocabulary-parallel head's logits [..., V/tp] (a "column" head tied to an
-    "embedding" in tensor_parallel's plan, or VocabParallelLMHead): rank r holds rows [r*V/tp, (r+1)*V/tp)."""
+    "embedding" in tensor_parallel's plan, or VocabParallelLMHead): rank r holds rows [r*V/tp, (r+1)*V/tp).
+    Targets equal to ignore_index count for nothing, as in F.cross_entropy (nanoGPT's padding: -1)."""
     wide = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, float64 stays
     return VocabParallelCrossEntropy.apply(wide.flatten(0, -2), targets.reshape(-1),
-                                           dist.get_rank(group) * logits.shape[-1], group)
+                                           dist.get_rank(group) * logits.shape[-1], group, ignore_index)
 
 
 def all_reduce_sequence_parallel_grads(model, group):

@@ -58,7 +58,9 @@ def launch_order(run, zero_stage):
     for i, e in enumerate(log[:end]):
         if e[0] == "action" and e[1] != "F":
             last[e[3]] = i
-    dp = [i for i, e in enumerate(log) if isinstance(e, list) and e[0][0] == "coll" and e[0][3] == run["dp"]]
+    start = next(i for i, e in enumerate(log) if e[0] == "action")   # (before it: start-up checks, the replicas')
+    dp = [i for i, e in enumerate(log) if i > start and isinstance(e, list) and e[0][0] == "coll"
+          and e[0][3] == run["dp"]]
     held = int(zero_stage == 1)                  # pp 2: every rank holds a copy of the tied weight
     early = [i for i in dp if i < end]
     assert len(early) == len(run["buckets"]) - held, "buckets launched after the schedule"
