@@ -93,7 +93,7 @@ def resolve_resume(value, out_dir):
         return True
     if value != "auto":
         published = published_by_a_run(out_dir)
-        if published:
+        if published and not held_by_another_run(out_dir):     # (if it runs, lock_out_dir names it instead)
             raise ValueError(f"--out_dir {out_dir} holds {published} of an earlier run, which a new run would overwrite: "
                              f"--resume auto continues that run; to start another, choose a new --out_dir (or remove "
                              f"the old one yourself)")
@@ -244,6 +244,21 @@ def path_problem(out_dir):
         return (f"--out_dir {out_dir}: the name {name[:40]}... has {len(name.encode())} bytes, past this "
                 f"filesystem's limit of {limits['PC_NAME_MAX']} for one name: choose a shorter --out_dir")
     return None
+
+
+def held_by_another_run(out_dir):
+    """Whether another process holds out_dir's run.lock now (a look: taken and at once released)."""
+    import fcntl
+    path = os.path.realpath(os.path.join(out_dir, LOCK))
+    if path in HELD or not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
 
 
 def lock_out_dir(out_dir):
