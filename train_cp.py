@@ -365,7 +365,7 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed)                # same stream as train_single (no dropout here, though)
-    held = ModuleState([model], optimizer, replicated)   # what this rank holds, for checkpoints
+    held = ModuleState([model], optimizer, replicated, scaler=scaler)   # what this rank holds, for checkpoints
     start = checkpoint.start_from(cfg, env, model.cfg, held)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)

@@ -329,7 +329,7 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
-    held = ModuleState([model], optimizer, replicated)   # what this rank holds, for checkpoints
+    held = ModuleState([model], optimizer, replicated, scaler=scaler)   # what this rank holds, for checkpoints
     start = checkpoint.start_from(cfg, env, model.cfg, held)   # each rank its own RNG state
     try:                                             # compares the ranks' initial weights once
         grads = DataParallelGrads(model.parameters(), group, cfg.ddp_mode, cfg.bucket_mb)

@@ -327,7 +327,7 @@ def main(argv=None):
     guard = NonFiniteGuard(cfg, env.is_main, scaler)
     torch.manual_seed(cfg.seed + env.rank)           # dropout: each rank masks its own sequences
     held = ModuleState([model], optimizer,                 # experts: written by one of their replicas
-                       functools.partial(checkpoint_holder, rank=env.rank, world=world, ep=cfg.ep))
+                       functools.partial(checkpoint_holder, rank=env.rank, world=world, ep=cfg.ep), scaler=scaler)
     start = checkpoint.start_from(cfg, env, model.cfg, held)   # my experts
     grads = ExpertDataParallelGrads(named, dist.group.WORLD, replica_group, cfg.ep, cfg.bucket_mb, is_expert_param)
     train_model = torch.compile(model) if cfg.compile else model

@@ -394,6 +394,7 @@ def main(argv=None):
     dist.barrier(group=group)                    # every pipeline rank is up before the first send
     idle_fracs, timer = [], ActionTimer(env.device)   # per step: the schedule's share of time spent waiting
     runner.action_hook = timer
+    p2p_bytes, step_bytes = 0, 0                        # what a resume at the last step, which runs none, returns
 
     for step in range(start, last_step):
         COMM.reset()

@@ -54,7 +54,7 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(cfg, scaler=scaler)
     torch.manual_seed(cfg.seed)                      # dropout stream, identical in every run with this seed
-    held = ModuleState([model], optimizer, replicated)   # what this rank holds, for checkpoints
+    held = ModuleState([model], optimizer, replicated, scaler=scaler)   # what this rank holds, for checkpoints
     start = checkpoint.start_from(cfg, env, model.cfg, held)
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)

@@ -32,6 +32,8 @@ import urllib.request
 import numpy as np
 import torch
 
+from common.errors import fail
+
 DEFAULT_DATA_DIR = os.path.join("data", "stdlib")
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -312,7 +314,8 @@ class GlobalBatchLoader:
         """(x, y) int64 [micro_batch_size, block_size]: this rank's micro-step slice of step's global batch."""
         mine = rank_slice(self.global_batch_size, micro_step, micro_batch_size, dp_rank, dp_size)
         offsets = self.global_batch_offsets(step, split)[mine]
-        return inputs_and_targets([self.data[split]] * len(offsets), offsets, self.block_size, self.device)
+        return inputs_and_targets([self.data[split]] * len(offsets), offsets, self.block_size, self.device,
+                                  self.vocab_size)
 
 
 def rank_slice(global_batch_size, micro_step, micro_batch_size, dp_rank, dp_size):
@@ -321,9 +324,21 @@ def rank_slice(global_batch_size, micro_step, micro_batch_size, dp_rank, dp_size
     return slice(start, start + micro_batch_size)
 
 
-def inputs_and_targets(arrays, offsets, block_size, device):
-    """(x, y) int64 [len(offsets), block_size] from sequence i = arrays[i][offsets[i]:][:block_size + 1]."""
+def inputs_and_targets(arrays, offsets, block_size, device, vocab_size):
+    """(x, y) int64 [len(offsets), block_size] from sequence i = arrays[i][offsets[i]:][:block_size + 1]. A token
+    file cut short under the run (reading past its end would kill the process with SIGBUS) or an id >= vocab_size
+    in these tokens (check_token_ids samples a large file; the embedding would fail far from here) stops the run
+    naming the file: a stat and a max over the batch, on the host."""
+    for arr in {id(a): a for a in arrays}.values():
+        if os.stat(arr.filename).st_size < arr.nbytes:
+            fail(f"{arr.filename} is now {os.stat(arr.filename).st_size:,} bytes, shorter than the "
+                 f"{arr.nbytes:,} it had when the run opened it: the corpus changed under the run", rank_local=True)
     seqs = np.stack([arr[o:o + block_size + 1].astype(np.int64) for arr, o in zip(arrays, offsets)])
+    if seqs.size and seqs.max() >= vocab_size:
+        i = int(np.argmax(seqs.max(axis=1)))
+        fail(f"{arrays[i].filename} holds token id {int(seqs[i].max())} in tokens {int(offsets[i]):,}.."
+             f"{int(offsets[i]) + block_size:,}, but the corpus's vocab_size is {vocab_size}: the data and "
+             f"its meta come from different preparations", rank_local=True)
     seqs = torch.from_numpy(seqs)
     if device.type == "cuda":
         seqs = seqs.pin_memory().to(device, non_blocking=True)

@@ -18,6 +18,7 @@ exactly what an unbroken one does. At each eval (training.evaluate) every source
 """
 import argparse
 import ast
+import hashlib
 import math
 import os
 import re
@@ -48,7 +49,9 @@ def parse_data_mix(text):
               f"--data_mix {directory}: the weight must be a finite number >= 0 in plain decimal digits, got "
               f"{weight!r}")
         value = float(weight)
-        check(directory not in [d for d, _ in sources], f"--data_mix names {directory} twice")
+        same = [d for d, _ in sources if os.path.realpath(d) == os.path.realpath(directory)]
+        check(not same, f"--data_mix names {directory} twice" + (f" (as {same[0]})" if same and same[0] != directory
+                                                                 else ""))
         check(os.path.isdir(directory) or os.path.normpath(directory) == os.path.normpath(DEFAULT_DATA_DIR),
               f"--data_mix {directory}: no such directory (prepare it with `python -m common.data_mix` or "
               f"`python -m common.data --out_dir {directory}`)")
@@ -104,19 +107,36 @@ class MixtureLoader:
         which, offsets = self.global_batch(step, split)
         mine = rank_slice(self.global_batch_size, micro_step, micro_batch_size, dp_rank, dp_size)
         arrays = [self.sources[k].data[split] for k in which[mine]]
-        return inputs_and_targets(arrays, offsets[mine], self.block_size, self.device)
+        return inputs_and_targets(arrays, offsets[mine], self.block_size, self.device, self.vocab_size)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "gpt2.tiktoken")     # what data.py writes beside a corpus of those tokenizers
+
+
+def tokenizer_files_digest(directory):
+    """A digest of the tokenizer files a corpus keeps (two Hugging Face tokenizers are both 'hf' in meta.json)."""
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
 
 
 def check_tokenizers_agree(names, metas):
-    """Every source's tokenizer and vocabulary (and character table, nanoGPT's itos) are the first one's."""
-    keys = ("tokenizer", "vocab_size", "itos")
+    """Every source's tokenizer and vocabulary (and character table, nanoGPT's itos), and the content of its
+    tokenizer files, are the first one's."""
+    keys = ("tokenizer", "vocab_size", "itos", "files")
+    metas = [dict(meta, files=tokenizer_files_digest(name)) for name, meta in zip(names, metas)]
     first = {k: metas[0].get(k) for k in keys}
     for name, meta in zip(names[1:], metas[1:]):
         differ = [k for k in keys if meta.get(k) != first[k]]
         if differ:
             k = differ[0]
-            shown = "a different table" if k == "itos" else f"{meta.get(k)!r} vs {first[k]!r}"
-            raise ValueError(f"--data_mix: {name} and {names[0]} disagree on {k} ({shown}): the sources of a "
+            shown = {"itos": "a different table", "files": "another tokenizer.json by content"}.get(
+                k, f"{meta.get(k)!r} vs {first[k]!r}")
+            raise ValueError(f"--data_mix: {name} and {names[0]} disagree on {'tokenizer files' if k == 'files' else k} ({shown}): the sources of a "
                              f"mixture must share one tokenizer (prepare them with the same --tokenizer)")
 
 

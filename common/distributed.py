@@ -199,6 +199,9 @@ def collective_failure(exc):
     gloo = isinstance(exc, RuntimeError) and any(sign in text for sign in GLOO_FAILURES)
     if not isinstance(exc, dist.DistError) and not gloo:
         return None
+    cause = exc.__cause__                            # comm.py's launch names the usual cause of a failed call, a
+    if cause is not None and failure_kind(first_line(cause)) == "peer gone":   # forward on some ranks only: not
+        return first_line(cause)                     # the cause where a peer is plainly gone
     return first_line(exc)
 
 

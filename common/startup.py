@@ -11,6 +11,8 @@ from common.checkpoint.files import lock_out_dir, remove_stale_temp_files
 from common.data import GlobalBatchLoader, ensure_dataset
 from common.data_mix import MixtureLoader, parse_data_mix
 from common.distributed import fail_together
+from common.errors import fail
+from common.run_identity import ranks_disagree
 from common.precision import param_dtype, resolve_dtype
 
 def prepares_data(env):
@@ -45,6 +47,9 @@ def prepare_data(cfg, env):
     except (OSError, ValueError) as e:
         error = str(e)
     fail_together(error, env)
+    disagree = ranks_disagree(cfg, env)             # the same line on every rank: each says it and stops
+    if disagree is not None:
+        fail(disagree, rank_local=True)
     return loader
 
 

@@ -1,13 +1,9 @@
 """Checkpoints (common/checkpoint/__init__.py): one format for every script, so any layout resumes any other
 with the unbroken run's losses; step directories committed last (a crash leaves the previous one as latest),
-the newest --keep_checkpoints kept; --resume auto; a job killed mid-run restarts under torchrun by itself."""
+the newest --keep_checkpoints kept; --resume auto (a node killed mid-run restarting under torchrun: test_multinode)."""
 import errno
-import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -18,8 +14,6 @@ from common.checkpoint import CKPT_DIR, FILE, latest_checkpoint, load_checkpoint
 from distributed_helper import exit_code_and_stderr, recorded_runs, run_workers
 from common.metrics import read_metrics
 from train_helpers import assert_exact, curves, losses, run_single, text_argv, tiny_argv
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_every_layout_resumes_every_other(text_reference, text_data, tmp_path):
@@ -353,52 +347,84 @@ def test_per_rank_files_of_an_earlier_version_are_one_clear_line(tiny_data, tmp_
         assert e.value.code == 2 and len(err) == 1 and "per-rank checkpoints of an earlier version" in err[0], err
 
 
-CRASHING = """
-import os, sys
-sys.path.insert(0, {root!r})
-import train_ddp
-from common import comm, distributed, optim
+@pytest.mark.parametrize("left", ["checkpoint", "metrics"])
+def test_a_fresh_run_never_overwrites_what_another_run_published(tiny_data, tmp_path, capsys, left):
+    """A run started without --resume in an out_dir that holds another run's checkpoint or metrics rows stops in one
+    line before any work (it would truncate the metrics and prune the checkpoints); --resume auto continues there,
+    and a directory holding anything else is used as it is."""
+    out = tmp_path / "run"
+    run_single(tiny_argv(tiny_data, str(out), max_steps=2, save_interval=2 if left == "checkpoint" else 0))
+    published = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.suffix in (".pt", ".jsonl")}
+    assert published and capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_single.main(tiny_argv(tiny_data, str(out), max_steps=4))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert f"--out_dir {out} holds" in err[0] and "--resume auto continues that run" in err[0], err
+    assert {p: p.read_bytes() for p in published} == published                 # nothing touched
+    resumed = run_single(tiny_argv(tiny_data, str(out), max_steps=4, resume="auto"))[0]
+    assert len(resumed) == 4
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("kept")
+    run_single(tiny_argv(tiny_data, str(other), max_steps=1))
+    assert (other / "notes.txt").read_text() == "kept"
 
-real_lr_at = optim.lr_at
+
+def resumed_at_the_end(rank, world_size, runs):
+    """A worker: each (script, argv) of runs in turn, on these ranks; the steps each one logged."""
+    import importlib
+    steps = []
+    for script, argv in runs:
+        importlib.import_module(script).main(argv)
+        steps.append(len(read_metrics(argv[argv.index("--out_dir") + 1])))
+    return steps
 
 
-def lr_at(step, cfg):   # rank 1 dies at step {step}, on the first attempt only
-    if step == {step} and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-        os._exit(13)
-    return real_lr_at(step, cfg)
+def test_a_resume_at_the_last_step_ends_cleanly_in_every_script(tiny_data, tmp_path):
+    """A checkpoint written at --max_steps, resumed by every script (--resume, the same --max_steps): no step runs,
+    no script fails on what its loop never set (train_pp returned its last step's bytes), metrics stay as they were."""
+    runs, layouts = [], [("train_ddp", {}), ("train_zero", dict(zero_stage=3)), ("train_tp", dict(tp=2)),
+                         ("train_cp", dict(cp=2)), ("train_pp", dict(pp=2)), ("train_5d", dict(pp=2))]
+    for script, flags in layouts:
+        out = str(tmp_path / script)
+        run_single(tiny_argv(tiny_data, out, max_steps=2, save_interval=2))
+        runs.append((script, tiny_argv(tiny_data, out, max_steps=2, resume="yes", **flags)))
+    moe = str(tmp_path / "train_ep")
+    run_single(tiny_argv(tiny_data, moe, max_steps=2, save_interval=2, n_experts=2))
+    runs.append(("train_ep", tiny_argv(tiny_data, moe, max_steps=2, resume="yes", n_experts=2, ep=2)))
+    assert run_workers(resumed_at_the_end, 2, args=(runs,))[0] == [2] * len(runs)
 
 
-optim.lr_at = lr_at     # train_ddp.main imports its plumbing when it runs: it gets this one
-train_ddp.main(sys.argv[1:])
-distributed.destroy()
-"""
+def test_fp16_loss_scale_goes_on_from_the_checkpoint(tiny_data, tmp_path):
+    """--dtype float16's GradScaler state (its scale, lowered by overflows, and its growth count) is in the
+    checkpoint and goes on from there: a resume that restarted it at 65536 would train on other gradients."""
+    out = str(tmp_path / "run")
+    run_single(tiny_argv(tiny_data, out, max_steps=2, save_interval=2, dtype="float16"))
+    path = latest_checkpoint(out)
+    state = load_checkpoint(path)
+    assert state["scaler"]["scale"] == 65536.0 and state["scaler"]["_growth_tracker"] == 2, state["scaler"]
+    state["scaler"].update(scale=1024.0, _growth_tracker=7)     # as if overflows had lowered it
+    torch.save(state, path)
+    run_single(tiny_argv(tiny_data, out, max_steps=3, save_interval=3, dtype="float16", resume="yes"))
+    after = load_checkpoint(latest_checkpoint(out))["scaler"]
+    assert (after["scale"], after["_growth_tracker"]) == (1024.0, 8), after      # one more step from there
 
 
-def test_a_killed_rank_restarts_under_torchrun_with_the_same_losses(text_data, tmp_path):
-    """train_ddp under torchrun --max-restarts 2 with --resume auto: rank 1 exits abnormally at step 7 (after the
-    checkpoint of step 6); torchrun restarts both ranks, they resume from step 6 and finish with the unbroken
-    run's losses (float64). Steps 6 appear twice in metrics.jsonl; the later row is the truth."""
-    opts = dict(max_steps=10, save_interval=3, micro_batch_size=4)
-    straight = str(tmp_path / "straight")
-    run_workers(recorded_runs, 2, args=("train_ddp", [text_argv(text_data, straight, **opts)]), timeout=300)
-    out = str(tmp_path / "crashed")
-    script = tmp_path / "crash_once.py"
-    script.write_text(CRASHING.format(root=ROOT, step=7))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", "2", "--monitor-interval", "0.2", str(script)]
-    cmd += text_argv(text_data, out, resume="auto", dist_timeout=60, **opts)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)                   # its own process group: the workers too
-    try:
-        output = job.communicate(timeout=300)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        output = job.communicate()[0]
-    assert job.returncode == 0, output[-6000:]
-    assert "steps 6..9" in output, output[-6000:]                     # the restart resumed from step 6
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        steps = [row["step"] for row in map(json.loads, f) if "loss" in row]
-    assert steps == list(range(7)) + list(range(6, 10)), steps       # step 6 ran before the crash and again
-    assert_exact(curves(straight), curves(out))
-    assert [r["step"] for r in read_metrics(out)] == list(range(10))
+def test_an_out_dir_the_filesystem_cannot_hold_is_one_line_at_start(tiny_data, tmp_path, capsys, monkeypatch):
+    """An --out_dir whose checkpoint files would pass the filesystem's path limit is refused before any work (not at
+    the first save, hours in); a filesystem that refuses flock is named as such, not as a run holding the lock."""
+    import fcntl
+
+    def no_locks(f, operation):                                      # as NFS without its lock daemon answers
+        raise OSError(errno.ENOLCK, "No locks available")
+    deep = str(tmp_path / "/".join(["d" * 200] * 21))               # > 4096 bytes with the checkpoint's names
+    for out, message in ((deep, "its checkpoint files would have paths of"), (str(tmp_path / "nolock"),
+                                                                           "its filesystem refuses file locks")):
+        if out != deep:
+            monkeypatch.setattr(fcntl, "flock", no_locks)
+        with pytest.raises(SystemExit) as e:
+            train_single.main(tiny_argv(tiny_data, out, max_steps=1))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert not os.path.exists(tmp_path / ("d" * 200))                # refused before anything was created

@@ -5,6 +5,7 @@ dropout stream restored on resume; character-level samples decoded."""
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -326,6 +327,8 @@ def test_one_run_writes_an_out_dir_and_a_dead_ones_lock_is_taken_over(tiny_data,
         first.wait()
     rows = strict_rows(out)                         # every row whole: no second writer interleaved
     assert [r["step"] for r in rows] == list(range(len(rows)))
+    shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)      # what the killed run published goes (a new
+    os.remove(os.path.join(out, "metrics.jsonl"))                       # run would refuse it); its lock file stays
     again = subprocess.run([sys.executable, "train_single.py", *tiny_argv(tiny_data, out, max_steps=2)], cwd=ROOT,
                            text=True, capture_output=True, timeout=120)
     assert again.returncode == 0 and f"took over {os.path.realpath(out)}/run.lock from pid {first.pid}" in again.stdout

@@ -11,8 +11,8 @@ A save is a step directory whose completeness is committed last:
 
     OUT_DIR/ckpt/step_00000010/part_00000.pt ... part_00007.pt   every rank's part, written at once
     ... every rank says its part is on disk (or why not: all stop, the step directory removed) ...
-    OUT_DIR/ckpt/step_00000010/ckpt.pt   {step, rng, config, model_config, AdamW param_groups and parameter
-                                          names, parts: [...]}   by rank 0
+    OUT_DIR/ckpt/step_00000010/ckpt.pt   {step, rng, config, model_config, corpus, fp16's loss scale, AdamW
+                                          param_groups and parameter names, parts: [...]}   by rank 0
     OUT_DIR/ckpt/latest                  "step_00000010", published by rank 0 (temporary file + os.replace)
 
 so a crash at any moment leaves `latest` naming a complete checkpoint; resume reads it (or, if it was lost, the
@@ -26,6 +26,8 @@ The files themselves (paths, atomic writes, a full disk, the out_dir lock) are c
 checkpoint fits this run (the model-defining fields, the entries, AdamW state by name, inf/NaN) is
 common/checkpoint/compat.py's.
 """
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,7 @@ from common.errors import fail
 from common.checkpoint import fp8_state
 from common.checkpoint.rank_states import by_rank, own_rng_state, rng_state, set_rng_state
 from common.optim import configure_optimizer
+from common.run_identity import corpus_of
 from common.tp_shards import full_shape, tp_gather, tp_slice
 from model import GPT
 
@@ -175,8 +178,9 @@ def save(cfg, gcfg, next_step, held):
     meta = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         meta = dict(model={}, optimizer=dict(state={}, param_groups=param_groups, names=order), step=next_step,
-                    rng=rng_state(), rng_by_rank=rngs, fp8_by_rank=fp8, config=dict(vars(cfg)),
-                    model_config=model_config(gcfg))
+                    rng=rng_state(), rng_by_rank=rngs, fp8_by_rank=fp8, model_config=model_config(gcfg),
+                    config=dict(vars(cfg), data_dir=os.path.abspath(cfg.data_dir)),   # the same from anywhere
+                    corpus=corpus_of(cfg), scaler=held.scaler.state_dict() if held.scaler else None)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         meta["model"], meta["optimizer"]["state"] = part["model"], part["optimizer"]["state"]
         save_step(cfg, meta, next_step)
@@ -224,6 +228,8 @@ def load(cfg, env, gcfg, held):
     held.restore({name: (state["model"][name], moments.get(name)) for name, _ in held.shapes()})
     set_rng_state(own_rng_state(state))
     fp8_state.restore(held.modules, state.get("fp8_by_rank"), env.rank, env.world_size)
+    if held.scaler and state.get("scaler"):         # the same on every rank (the overflow decision is global);
+        held.scaler.load_state_dict(state["scaler"])    # a checkpoint of another dtype: the scaler starts afresh
     saved_seed = (state.get("config") or {}).get("seed", cfg.seed)
     if saved_seed != cfg.seed and env.rank == 0:
         print(f"warning: --seed {cfg.seed} differs from the checkpoint's {saved_seed}: from step {state['step']} "
@@ -280,8 +286,9 @@ class ModuleState:
     experts): whole tensors, or TP slices over tp_group. holder(name) -> (key, how many ranks hold that tensor
     whole, my index among them): replicated, only_mine, or a layout's own."""
 
-    def __init__(self, modules, optimizer, holder, tp_group=None):
+    def __init__(self, modules, optimizer, holder, tp_group=None, scaler=None):
         self.modules, self.optimizer, self.holder, self.tp_group = modules, optimizer, holder, tp_group
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None   # fp16's loss scale
 
     def shapes(self):
         named = named_parameters(self.modules)

@@ -5,7 +5,8 @@ change:
 
     must match      vocab_size (the dataset's), n_layer, n_head, n_embd, block_size, rope_base; and with experts
                     n_experts, top_k, moe_every. The checkpoint's entries and the model's are the same set, and
-                    AdamW's moments go to parameters by the names the checkpoint stores, never by position.
+                    AdamW's moments go to parameters by the names the checkpoint stores, never by position. The
+                    corpus, by content and weight (common/run_identity.py; its path may change).
     may change      RESUMABLE below: batch, lr schedule, layout and world size, dtype, dropout, recompute...
 
 A damaged value (inf/NaN in a weight or a moment) is found here, on load, naming the tensor.
@@ -14,6 +15,7 @@ from dataclasses import asdict
 
 import torch
 
+from common.run_identity import corpus_difference, corpus_of
 
 MODEL_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size", "rope_base")
 MOE_FIELDS = ("n_experts", "top_k", "moe_every")             # compared when either model has experts
@@ -64,6 +66,10 @@ def compatibility_problem(state, path, gcfg, cfg, order, keys):
             f"{what} {listing(found)}" for what, found in (("it has", extra), ("it lacks", missing),
                                                             ("its optimizer state names", foreign)) if found)
             + " (entries named alike in the checkpoint and the model are the only ones loaded)")
+    corpus = corpus_difference(state["corpus"], corpus_of(cfg)) if "corpus" in state else None   # (older: none)
+    if corpus is not None:
+        return (f"--resume: {path}: {corpus}. Resume with the corpus it was trained on (--data_dir / --data_mix), or "
+                f"start the other run in a new --out_dir")
     last = cfg.stop_step or cfg.max_steps
     if state["step"] > last:
         flag = "--stop_step" if cfg.stop_step else "--max_steps"

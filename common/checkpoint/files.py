@@ -58,6 +58,18 @@ def latest_checkpoint(out_dir):
     return legacy if os.path.isfile(legacy) else None
 
 
+def published_by_a_run(out_dir):
+    """What a run left in out_dir that a fresh run would destroy: its checkpoint, its metrics rows; '' if none."""
+    found = []
+    checkpoint = latest_checkpoint(out_dir)
+    if checkpoint is not None:
+        found.append(f"a checkpoint ({os.path.relpath(checkpoint, out_dir)})")
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append("metrics.jsonl")
+    return " and ".join(found)
+
+
 def per_rank_files(out_dir):
     """ckpt_rank{r}.pt files of earlier versions' tp / pp / ep runs (this version cannot read them)."""
     names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
@@ -75,9 +87,17 @@ def missing_checkpoint_message(out_dir):
 
 def resolve_resume(value, out_dir):
     """--resume (yes), --resume auto (yes if a complete checkpoint exists, else start fresh), or no: a bool.
-    ValueError where auto would silently drop an earlier version's per-rank checkpoints."""
+    ValueError where auto would silently drop an earlier version's per-rank checkpoints, and where a fresh run would
+    overwrite what an earlier run published there (its metrics.jsonl truncated, its checkpoints pruned away)."""
+    if value == "yes":
+        return True
     if value != "auto":
-        return value == "yes"
+        published = published_by_a_run(out_dir)
+        if published and not held_by_another_run(out_dir):     # (if it runs, lock_out_dir names it instead)
+            raise ValueError(f"--out_dir {out_dir} holds {published} of an earlier run, which a new run would overwrite: "
+                             f"--resume auto continues that run; to start another, choose a new --out_dir (or remove "
+                             f"the old one yourself)")
+        return False
     if latest_checkpoint(out_dir) is not None:
         return True
     if per_rank_files(out_dir):
@@ -206,10 +226,49 @@ def load_latest(out_dir, device="cpu"):
 HELD = {}        # realpath of a lock file -> its open file, for the rest of this process (several main() calls)
 
 
+def path_problem(out_dir):
+    """Whether the longest file a run writes under out_dir (a part of a sharded save, as its temporary file) fits
+    this filesystem's limits on a path and on a name; None if it does, else the line to print, at start rather than
+    at the first save."""
+    longest = os.path.join(os.path.abspath(out_dir), step_dir("", 10 ** 8 - 1),
+                           PART.format(99999) + ".tmp." + "9" * 7)
+    existing = os.path.abspath(out_dir)
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    limits = {name: os.pathconf(existing, name) for name in ("PC_PATH_MAX", "PC_NAME_MAX")}
+    if len(longest.encode()) >= limits["PC_PATH_MAX"]:
+        return (f"--out_dir {out_dir}: its checkpoint files would have paths of {len(longest.encode())} bytes, past "
+                f"this filesystem's limit of {limits['PC_PATH_MAX']}: choose a shorter --out_dir")
+    name = max(os.path.abspath(out_dir).split(os.sep), key=lambda part: len(part.encode()))
+    if len(name.encode()) > limits["PC_NAME_MAX"]:
+        return (f"--out_dir {out_dir}: the name {name[:40]}... has {len(name.encode())} bytes, past this "
+                f"filesystem's limit of {limits['PC_NAME_MAX']} for one name: choose a shorter --out_dir")
+    return None
+
+
+def held_by_another_run(out_dir):
+    """Whether another process holds out_dir's run.lock now (a look: taken and at once released)."""
+    import fcntl
+    path = os.path.realpath(os.path.join(out_dir, LOCK))
+    if path in HELD or not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
+
+
 def lock_out_dir(out_dir):
     """Take OUT_DIR/run.lock for this process, or return the one error line naming the run that holds it. A lock
-    file naming a process that is gone (killed: its flock went with it) is taken over, with a note."""
+    file naming a process that is gone (killed: its flock went with it) is taken over, with a note. A filesystem
+    that refuses locks altogether is said as such, not as a run holding the lock."""
     import fcntl
+    problem = path_problem(out_dir)
+    if problem is not None:
+        return problem
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.realpath(os.path.join(out_dir, LOCK))
     if path in HELD:
@@ -217,7 +276,12 @@ def lock_out_dir(out_dir):
     f = open(path, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):     # ENOLCK, EOPNOTSUPP...
+            f.close()
+            return (f"--out_dir {out_dir}: its filesystem refuses file locks (flock on {path}: {e.strerror}), which "
+                    f"keep two runs from writing one out_dir; choose an --out_dir on a filesystem that supports "
+                    f"them (a local disk; NFS v4)")
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()

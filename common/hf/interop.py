@@ -111,7 +111,8 @@ def export_checks(args):
     check(not os.path.isfile(args.hf_dir), f"HF_DIR {args.hf_dir} is a file, not a directory")
     if args.no_tokenizer:
         return state, mc, None, None
-    data_dir = args.data_dir or (state.get("config") or {}).get("data_dir")
+    corpus = state.get("corpus") or [dict(path=(state.get("config") or {}).get("data_dir"))]   # older: config's
+    data_dir = args.data_dir or corpus[0]["path"]       # a mixture's sources share one tokenizer (data_mix.py)
     check(data_dir is not None and os.path.isdir(data_dir),
           f"the run's corpus {data_dir} is not here (its tokenizer goes with the model): pass --data_dir DIR where "
           f"its meta.json is, or --no_tokenizer")
