@@ -292,26 +292,44 @@ def destroy():
 def fail_together(error, env):
     """Every rank passes its own error message (or None). If any rank has one, each failing rank prints its
     own and every rank exits with code 2: no rank is left waiting in a collective for one that has exited."""
-    if dist.is_initialized():
-        flag = torch.tensor([error is not None], dtype=torch.int32, device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed = bool(flag.item())
-    else:
-        failed = error is not None
+    failed = error is not None
+    if dist.is_initialized() and env.world_size > 1:
+        failed = not agree(error, comm.GROUP_TIMEOUT["s"] or DEFAULT_TIMEOUT_S, "the other ranks' checks")
     if error is not None:
         fail(error, rank_local=True)
     if failed:
         fail("another rank failed (its error line names it)")
 
 
+# Decisions every rank takes together (commit a checkpoint, stop together) run on a gloo group of the whole world,
+# whatever the training backend, because only a failure that raises can stop a commit. Under NCCL with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (nccl_error_defaults) a collective that times out or loses a peer is aborted by
+# torch's watchdog thread and does *not* raise where it was called: the kernel returns, the tensor keeps this rank's
+# own value, and a flag all-reduced there would read "no rank failed" on every rank that had none. gloo raises
+# inside the call, and its CPU flag needs no device sync either. One group, made the first time the world decides
+# (every rank reaches its decisions in the same order, so every rank makes it at the same point).
+DECISIONS = []        # [(the default group, its gloo twin)]
+DEFAULT_TIMEOUT_S = 1800       # torch's own group timeout, where a caller started the group without --dist_timeout
+
+
+def decision_group():
+    """The gloo group of the whole world that agree() all-reduces on (see above)."""
+    world = dist.group.WORLD
+    if not DECISIONS or DECISIONS[0][0] is not world:
+        DECISIONS[:] = [(world, comm.new_group(None, backend="gloo"))]
+    return DECISIONS[0][1]
+
+
 def agree(error, timeout_s, what):
-    """True if no rank has an error (each passes its own, or None). An all-reduce that is also the barrier of
-    `what`, bounded by --dist_timeout; if it fails, one line says whether a peer is gone or timed out."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    """True if no rank has an error (each passes its own, or None). An all-reduce on decision_group() that is also
+    the barrier of `what`, bounded by --dist_timeout; if it fails (it raises: gloo), one line says whether a peer is
+    gone or timed out, and this rank stops there."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error is None
+    flag = torch.tensor([error is not None], dtype=torch.int32)
     try:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    except RuntimeError as e:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=decision_group())
+    except RuntimeError as e:                        # DistError (a RuntimeError), or gloo's RuntimeError
         reason = collective_failure(e) or first_line(e)
         fail(describe_failure(reason, what, timeout_s), rank_local=True)
     return not bool(flag.item())

@@ -1,0 +1,99 @@
+"""NCCL's failures reproduced on CPU (tests/nccl_abort.py): a collective that times out returns with this rank's own
+value and the error surfaces at the next one; a checkpoint commit decided under those rules never publishes a step
+that a stalled rank did not finish, and never prunes the good checkpoint before it."""
+import contextlib
+import io
+import os
+import time
+
+import torch
+
+from distributed_helper import run_workers
+
+TIMEOUT_S = 1.0          # --dist_timeout of these runs: a rank stalls for STALL_S, past it
+STALL_S = 2.5
+
+
+def stand_in_semantics(rank, world_size):
+    """Rank 1 enters the all-reduce late: rank 0's call returns with its own value, no raise; its next collective
+    raises the aborted communicator's error naming the timeout. A gloo side group raises at once."""
+    import nccl_abort
+    nccl_abort.install()
+    import torch.distributed as dist
+    from datetime import timedelta
+    from common.distributed import collective_failure, failure_kind
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    if rank == 1:
+        time.sleep(STALL_S)
+        return None
+    x = torch.tensor([1.0])
+    dist.all_reduce(x)                               # gloo would raise here
+    try:
+        dist.barrier()
+        next_call = "returned"
+    except RuntimeError as e:
+        next_call = failure_kind(collective_failure(e))
+    try:
+        dist.all_reduce(torch.tensor([1.0]), group=side)
+        side_call = "returned"
+    except RuntimeError as e:
+        side_call = failure_kind(collective_failure(e) or str(e))
+    return x.item(), next_call, side_call
+
+
+def test_the_stand_in_fails_as_nccl_does():
+    own, next_call, side_call = run_workers(stand_in_semantics, 2, timeout=60)[0]
+    assert own == 1.0                      # this rank's own value, where the sum would be 3
+    assert next_call == "timed out"        # the abort surfaces at the next collective, with the watchdog's reason
+    assert side_call != "returned"         # the gloo side group raises itself (its peer is gone or late)
+
+
+def stalled_save(rank, world_size, out_dir):
+    """Step 1 saved by both ranks; step 2's part write stalls on rank 1 past --dist_timeout. Returns (exit code,
+    stderr) of this rank's second save."""
+    import nccl_abort
+    nccl_abort.install()
+    from common import checkpoint
+    from common.config import Config
+    from common.distributed import init_distributed
+    cfg = Config(out_dir=out_dir, keep_checkpoints=1, dist_timeout=TIMEOUT_S, device="cpu")
+    init_distributed(cfg)
+
+    def state(step):
+        return dict(model={}, optimizer=dict(state={}), step=step) if rank == 0 else None
+
+    def part(step):
+        return dict(model={f"w{rank}": torch.full((4,), float(step))}, optimizer=dict(state={}))
+
+    checkpoint.save_step(cfg, state(1), 1, part(1))
+    write = checkpoint.write_file
+
+    def slow_write(path, obj):
+        time.sleep(STALL_S)
+        write(path, obj)
+
+    if rank == 1:
+        checkpoint.write_file = slow_write
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            checkpoint.save_step(cfg, state(2), 2, part(2))
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+def test_a_save_stalled_past_dist_timeout_never_moves_latest(tmp_path):
+    """The commit waits for every part over a collective that raises: with NCCL's aborts, an all-reduce on the
+    training communicator would return rank 0's own "no error", and rank 0 would publish step 2 without rank 1's
+    part and prune step 1 (--keep_checkpoints 1): no complete checkpoint left."""
+    from common.checkpoint import latest_checkpoint, load_checkpoint
+    out = str(tmp_path / "run")
+    (code0, err0), (code1, _) = run_workers(stalled_save, 2, args=(out,), timeout=60)
+    assert code0 == 2 and code1 == 2
+    assert err0.count("error:") == 1 and "--dist_timeout" in err0, err0
+    latest = latest_checkpoint(out)
+    assert os.path.basename(os.path.dirname(latest)) == "step_00000001"
+    state = load_checkpoint(latest)                  # every part of it is there
+    assert sorted(state["model"]) == ["w0", "w1"] and float(state["model"]["w1"][0]) == 1.0
