@@ -115,6 +115,7 @@ def init_distributed(cfg, need_group=True):
     no group (train_single) refuses a world of several ranks: each would train alone, racing on one out_dir."""
     try:
         rank, world_size, local_rank = launch_env()
+        launch_order_defaults(cfg, rank)           # before pick_device creates this process's CUDA context
         if "RANK" not in os.environ and world_size > 1:     # a WORLD_SIZE left in the shell, not a launch
             check(not need_group, f"WORLD_SIZE={world_size} is set but RANK is not: this is not a launch by "
                                   f"torchrun, and one process would split the batch for {world_size - 1} rank(s) "
@@ -152,6 +153,28 @@ def init_distributed(cfg, need_group=True):
         atexit.unregister(destroy_at_exit)       # registered once, however often main() runs in one process
         atexit.register(destroy_at_exit)
     return DistEnv(rank, world_size, local_rank, device, backend)
+
+
+def launch_order_defaults(cfg, rank):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 under --tp_overlap, unless the user chose a value (a warning if it is not 1).
+
+    A GPU takes kernels from several hardware queues (8 by default); streams map onto them. --tp_overlap launches
+    the input gradient's all-reduce on NCCL's stream and then the weight-gradient matmul on the compute stream,
+    expecting the all-reduce to run beside the matmul. From separate queues the matmul may take every SM first, and
+    the all-reduce waits until it is done: no overlap. With one queue kernels are dispatched in the order the host
+    launched them, so the all-reduce gets its SMs first and the matmul fills the rest (Megatron-LM sets the same for
+    its TP overlap). No other overlap here needs an order between streams (DDP's buckets and ZeRO's reduce-scatters
+    and prefetches only need their inputs made first, which stream order gives), so other runs keep the default:
+    one queue would also hold their collectives behind every kernel queued before them. The driver reads the
+    variable when the CUDA context is made: this runs before pick_device."""
+    if not getattr(cfg, "tp_overlap", False):
+        return
+    chosen = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if chosen is None:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    elif chosen.strip() != "1" and rank == 0:
+        print(f"warning: CUDA_DEVICE_MAX_CONNECTIONS={chosen}: --tp_overlap's all-reduce may wait for the matmul it "
+              f"should overlap (1 dispatches kernels in launch order)", file=sys.stderr, flush=True)
 
 
 def nccl_error_defaults():

@@ -1,6 +1,7 @@
-"""NCCL's failures reproduced on CPU (tests/nccl_abort.py): a collective that times out returns with this rank's own
-value and the error surfaces at the next one; a checkpoint commit decided under those rules never publishes a step
-that a stalled rank did not finish, and never prunes the good checkpoint before it."""
+"""What NCCL does differently from gloo, checked on CPU. Its failures (tests/nccl_abort.py): a collective that times
+out returns with this rank's own value and the error surfaces at the next one; a checkpoint commit decided under
+those rules never publishes a step that a stalled rank did not finish, and never prunes the good checkpoint before
+it. Its launch order: --tp_overlap gets one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) before the GPU is set."""
 import contextlib
 import io
 import os
@@ -97,3 +98,29 @@ def test_a_save_stalled_past_dist_timeout_never_moves_latest(tmp_path):
     assert os.path.basename(os.path.dirname(latest)) == "step_00000001"
     state = load_checkpoint(latest)                  # every part of it is there
     assert sorted(state["model"]) == ["w0", "w1"] and float(state["model"]["w1"][0]) == 1.0
+
+
+def test_tp_overlap_sets_one_hardware_queue_before_the_device_is_picked(monkeypatch, capsys):
+    """--tp_overlap needs kernels dispatched in launch order (CUDA_DEVICE_MAX_CONNECTIONS=1), set before the CUDA
+    context exists (pick_device makes it); a user's value is kept, with a warning if it is not 1; other runs keep the
+    driver's default."""
+    from types import SimpleNamespace
+    from common import distributed
+    seen = []
+
+    def pick_device(requested, local_rank, world_size=1):
+        seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        return torch.device("cpu")
+
+    monkeypatch.setattr(distributed, "pick_device", pick_device)
+    for name in ("CUDA_DEVICE_MAX_CONNECTIONS", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "0")              # (so that monkeypatch restores what was there, or nothing)
+        monkeypatch.delenv(name)
+    cfg = SimpleNamespace(device="cpu", dist_timeout=10.0, tp_overlap=False)
+    distributed.init_distributed(cfg, need_group=False)
+    cfg.tp_overlap = True
+    distributed.init_distributed(cfg, need_group=False)
+    assert seen == [None, "1"]
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    distributed.init_distributed(cfg, need_group=False)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and "CUDA_DEVICE_MAX_CONNECTIONS=8" in capsys.readouterr().err
