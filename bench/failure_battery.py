@@ -598,17 +598,23 @@ def disk_full(layout, box, leave=24 * 1024):
 # ----------------------------------------------------------------------------------------------------------
 # cases: a peer gone during a save, a rank that never starts, collectives.py
 
-def killed_during_save(layout, box):
-    """The last rank killed (-9) while a checkpoint is being written: the survivors end within --dist_timeout with
-    one line saying a rank exited (not a timeout), and a consistent checkpoint is left."""
+def signalled_during_save(layout, box, sig):
+    """A save-heavy run whose last rank gets `sig` while a checkpoint is being written: (what the other ranks did,
+    waited for up to --dist_timeout plus a margin, the out_dir, those ranks)."""
     out = box.path("run")
     job = box.start(layout, out, dist_timeout=DIST_TIMEOUT, **SAVE_HEAVY)
     if not wait_until(lambda: temp_files(out) and latest_step_dir(out), job, box.timeout, interval=0.002):
         raise Verdict(*judge_ok(job.wait(0), out, SAVE_HEAVY["max_steps"]))
     victim = layout.world - 1
-    job.signal(victim, signal.SIGKILL)
+    job.signal(victim, sig)
     survivors = [r for r in range(layout.world) if r != victim]
-    run = job.wait(DIST_TIMEOUT + MARGIN, survivors)
+    return job.wait(DIST_TIMEOUT + MARGIN, survivors), out, survivors
+
+
+def killed_during_save(layout, box):
+    """The last rank killed (-9) while a checkpoint is being written: the survivors end within --dist_timeout with
+    one line saying a rank exited (not a timeout), and a consistent checkpoint is left."""
+    run, out, survivors = signalled_during_save(layout, box, signal.SIGKILL)
     cls, detail = judge_error(run, ranks=survivors)
     if cls == CLEAN and "raise --dist_timeout" in detail:
         return UNCLEAR, f"a killed peer reported as a timeout: {detail}"
@@ -620,14 +626,7 @@ def stopped_during_save(layout, box):
     """The last rank stopped (SIGSTOP) while a checkpoint is being written, and left stopped: the survivors end
     within --dist_timeout with one line saying they timed out, and `latest` never names the step it did not finish
     (under NCCL's aborts the commit's all-reduce would return each survivor's own "no error")."""
-    out = box.path("run")
-    job = box.start(layout, out, dist_timeout=DIST_TIMEOUT, **SAVE_HEAVY)
-    if not wait_until(lambda: temp_files(out) and latest_step_dir(out), job, box.timeout, interval=0.002):
-        raise Verdict(*judge_ok(job.wait(0), out, SAVE_HEAVY["max_steps"]))
-    victim = layout.world - 1
-    job.signal(victim, signal.SIGSTOP)
-    survivors = [r for r in range(layout.world) if r != victim]
-    run = job.wait(DIST_TIMEOUT + MARGIN, survivors)
+    run, out, survivors = signalled_during_save(layout, box, signal.SIGSTOP)
     problem = checkpoint_problem(out)
     return (LOST, problem) if problem else judge_error(run, ["--dist_timeout"], ranks=survivors)
 
