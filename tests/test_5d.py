@@ -256,6 +256,7 @@ def test_launches_are_nccl_safe(tiny_data, tmp_path):
     for i, layout in enumerate(layouts):
         launches = [logs[r][i] for r in range(8)]
         assert any(op[0] == "send" for groups in launches for g in groups for op in g), "nothing recorded"
+        assert any(op[0] == "coll" and op[2] == 0 for groups in launches for g in groups for op in g), "no barrier"
         assert check(launches) == [], layout
 
 

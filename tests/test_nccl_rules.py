@@ -7,6 +7,7 @@ import io
 import os
 import time
 
+import pytest
 import torch
 
 from distributed_helper import run_workers
@@ -124,3 +125,32 @@ def test_tp_overlap_sets_one_hardware_queue_before_the_device_is_picked(monkeypa
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
     distributed.init_distributed(cfg, need_group=False)
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and "CUDA_DEVICE_MAX_CONNECTIONS=8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sizes, ep, made, trivial", [   # made (and of size 1) before sharing: 30 (8), 48 (0), 18 (16), 40 (16)
+    (dict(tp=2, cp=1, dp=2, pp=2), 1, 22, 8),      # dp_cp is dp (cp 1), the tied pairs are the pp groups (pp 2)
+    (dict(tp=2, cp=2, dp=2, pp=2), 1, 40, 0),
+    (dict(tp=1, cp=1, dp=4, pp=1), 1, 5, 4),       # tp, cp, pp and mp of one rank each: one group per rank
+    (dict(tp=1, cp=1, dp=4, pp=2), 2, 26, 8)])     # with experts: ep and edp carved out of dp
+def test_each_layout_makes_one_communicator_per_distinct_group(monkeypatch, sizes, ep, made, trivial):
+    """The process groups the grid makes (each an NCCL communicator, each a world-wide split where the default group
+    is bound to a GPU): one per distinct (axis, ranks) of several ranks, and one per rank for every group of one
+    (which sends no bytes); size-1 groups are still made (docs/nccl.md)."""
+    import math
+    from common import grid as G
+    calls = []
+
+    def new_group(ranks, timeout_s=None):
+        calls.append(tuple(ranks))
+        return object()
+
+    monkeypatch.setattr(G, "new_group", new_group)
+    world = math.prod(sizes.values())
+    grids = [G.build_grid(sizes, rank, 10, ep) for rank in range(world)]
+    assert len(calls) == world * made and all(g.communicators == made for g in grids)
+    assert sum(len(r) == 1 for r in calls[:made]) == trivial
+    for rank, g in enumerate(grids):                  # each name's group holds exactly its members, this rank among them
+        for name, lists in g.members.items():
+            mine = [r for r in lists if rank in r]
+            assert (getattr(g.groups, name) is None) == (not mine)
+    assert grids[0].groups.dp_cp is grids[0].groups.dp if sizes["cp"] == 1 else grids[0].groups.dp_cp is not grids[0].groups.dp
