@@ -125,6 +125,7 @@ class ShardedAdamW:
     def __init__(self, shards, weight_decay, betas=(0.9, 0.95), eps=1e-8):
         (self.beta1, self.beta2), self.eps, self.wd = betas, eps, weight_decay
         self.shards, self.steps = shards, 0
+        self.step_on_device = torch.zeros((), device=shards[0].master.device)    # the kernel reads the step there
 
     @torch.no_grad()
     def step(self, lr, grads):
@@ -134,7 +135,8 @@ class ShardedAdamW:
         for s in self.shards:        # decoupled decay, only on the runs of >= 2-D parameters inside the shard
             for a, b in s.decay_runs:
                 s.master[a:b].mul_(1 - lr * self.wd)
-        steps = [torch.tensor(float(self.steps), device=masters[0].device)] * len(masters)   # read, not written
+        self.step_on_device.fill_(self.steps)     # a fill with a scalar argument: no host-to-device copy, no sync
+        steps = [self.step_on_device] * len(masters)                                           # read, not written
         torch._fused_adamw_(masters, grads, m, v, [], steps, lr=lr, beta1=self.beta1, beta2=self.beta2,
                             weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False)
 

@@ -28,6 +28,7 @@ battery; with --only, only where --results says). Exit status 1 if any case is i
 How a run is started and judged: bench/failure_runs.py.
 """
 import argparse
+import dataclasses
 import datetime
 import functools
 import os
@@ -64,11 +65,13 @@ MARGIN = 20                             # seconds past --dist_timeout before a s
 
 @dataclass
 class Layout:
-    """One script in one layout: what every per-script case runs."""
+    """One script in one layout: what every per-script case runs. nccl_aborts: launched under tests/nccl_abort.py,
+    its collectives failing as NCCL's do (they return; the next one raises)."""
     name: str
     script: str
     world: int
     flags: dict = field(default_factory=dict)
+    nccl_aborts: bool = False
 
 
 LAYOUTS = [Layout("train_single", "train_single.py", 1), Layout("train_ddp", "train_ddp.py", 2),
@@ -80,6 +83,7 @@ LAYOUTS = [Layout("train_single", "train_single.py", 1), Layout("train_ddp", "tr
            Layout("train_ep", "train_ep.py", 2, dict(ep=2, n_experts=2, top_k=1)),
            Layout("train_5d", "train_5d.py", 4, dict(tp=2, pp=2))]
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
+NCCL_ABORTS = "tests/nccl_abort.py"     # SCRIPT ARGS: SCRIPT under a process group that fails as NCCL does
 
 
 class Verdict(Exception):
@@ -116,6 +120,8 @@ class Box:
         """Launch `layout` on the tiny setup with `flags` on top; the job's logs go to the case directory."""
         self.count += 1
         argv = argv_of({**TINY, **layout.flags, "data_dir": data or self.data, "out_dir": out, **flags})
+        if layout.nccl_aborts:
+            return Job.launch(NCCL_ABORTS, layout.world, [layout.script, *argv], self.root, f"run{self.count}")
         return Job.launch(layout.script, layout.world, argv, self.root, f"run{self.count}")
 
     def run(self, layout, out, data=None, **flags):
@@ -592,22 +598,37 @@ def disk_full(layout, box, leave=24 * 1024):
 # ----------------------------------------------------------------------------------------------------------
 # cases: a peer gone during a save, a rank that never starts, collectives.py
 
-def killed_during_save(layout, box):
-    """The last rank killed (-9) while a checkpoint is being written: the survivors end within --dist_timeout with
-    one line saying a rank exited (not a timeout), and a consistent checkpoint is left."""
+def signalled_during_save(layout, box, sig):
+    """A save-heavy run whose last rank gets `sig` while a checkpoint is being written: (what the other ranks did,
+    waited for up to --dist_timeout plus a margin, the out_dir, those ranks)."""
     out = box.path("run")
     job = box.start(layout, out, dist_timeout=DIST_TIMEOUT, **SAVE_HEAVY)
     if not wait_until(lambda: temp_files(out) and latest_step_dir(out), job, box.timeout, interval=0.002):
         raise Verdict(*judge_ok(job.wait(0), out, SAVE_HEAVY["max_steps"]))
     victim = layout.world - 1
-    job.signal(victim, signal.SIGKILL)
+    job.signal(victim, sig)
     survivors = [r for r in range(layout.world) if r != victim]
-    run = job.wait(DIST_TIMEOUT + MARGIN, survivors)
+    return job.wait(DIST_TIMEOUT + MARGIN, survivors), out, survivors
+
+
+def killed_during_save(layout, box):
+    """The last rank killed (-9) while a checkpoint is being written: the survivors end within --dist_timeout with
+    one line saying a rank exited (not a timeout), and a consistent checkpoint is left."""
+    run, out, survivors = signalled_during_save(layout, box, signal.SIGKILL)
     cls, detail = judge_error(run, ranks=survivors)
     if cls == CLEAN and "raise --dist_timeout" in detail:
         return UNCLEAR, f"a killed peer reported as a timeout: {detail}"
     problem = checkpoint_problem(out)
     return (LOST, problem) if problem else (cls, detail)
+
+
+def stopped_during_save(layout, box):
+    """The last rank stopped (SIGSTOP) while a checkpoint is being written, and left stopped: the survivors end
+    within --dist_timeout with one line saying they timed out, and `latest` never names the step it did not finish
+    (under NCCL's aborts the commit's all-reduce would return each survivor's own "no error")."""
+    run, out, survivors = signalled_during_save(layout, box, signal.SIGSTOP)
+    problem = checkpoint_problem(out)
+    return (LOST, problem) if problem else judge_error(run, ["--dist_timeout"], ranks=survivors)
 
 
 def never_started(script, box, world=2):
@@ -941,6 +962,22 @@ def data_cases():
             for name in ("train_single", "train_ddp") for what, damage, names in damages]
 
 
+def nccl_abort_cases():
+    """The save and resume cases of the sharded layouts again, under tests/nccl_abort.py: a failed collective
+    returns as NCCL's do under asynchronous error handling, and only the next one raises."""
+    cases = []
+    for name in ("train_ddp", "train_zero2", "train_5d"):
+        layout = dataclasses.replace(BY_NAME[name], name=f"{name} (NCCL aborts)", nccl_aborts=True)
+        last = layout.world - 1
+        cases += [(f"{layout.name}: rank {last} killed during a save", functools.partial(killed_during_save, layout)),
+                  (f"{layout.name}: rank {last} stopped during a save", functools.partial(stopped_during_save, layout)),
+                  (f"{layout.name}: a part file missing", functools.partial(missing_part, layout)),
+                  (f"{layout.name}: resume with dropout", functools.partial(resume_with_dropout, layout)),
+                  (f"{layout.name}: kill -9 during saves, then --resume auto", functools.partial(kill_mid_save,
+                                                                                                 layout))]
+    return cases
+
+
 def crash_cases():
     cases = [(f"train_tp: both ranks killed at once, then --resume auto (#{i})",
               functools.partial(all_ranks_killed, BY_NAME["train_tp"], i)) for i in range(1, 5)]
@@ -974,7 +1011,7 @@ def selfcheck(kind, box):
 def all_cases(with_selfcheck=False):
     cases = [case for layout in LAYOUTS for case in per_layout_cases(layout)]
     cases += flag_cases() + layout_flag_cases() + data_cases() + crash_cases() + new_class_cases()
-    cases += input_class_cases()
+    cases += input_class_cases() + nccl_abort_cases()
     if with_selfcheck:
         cases += [(f"selfcheck: a script that {kind}", functools.partial(selfcheck, kind)) for kind in SELFCHECK]
     return cases

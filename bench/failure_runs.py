@@ -200,7 +200,7 @@ def non_finite(obj):
 
 def checkpoint_problem(out_dir):
     """None if OUT_DIR holds a consistent checkpoint (every *.pt of the latest step directory loads and is
-    finite), else what is wrong with it."""
+    finite, and every part its ckpt.pt names is there), else what is wrong with it."""
     import torch
     step_dir = latest_step_dir(out_dir)
     if step_dir is None:
@@ -213,6 +213,9 @@ def checkpoint_problem(out_dir):
         where = non_finite(state)
         if where is not None:
             return f"{os.path.relpath(path, out_dir)} holds inf/NaN at {where}"
+        missing = [p for p in (state.get("parts", []) if isinstance(state, dict) else []) if not os.path.isfile(os.path.join(step_dir, p))]
+        if missing:                 # a commit that went ahead without every rank's part
+            return f"{os.path.relpath(path, out_dir)} names parts that are not there: {missing[:2]}"
     return None
 
 

@@ -20,7 +20,9 @@ On 1 GPU (every row a line of the table: ok, loss vs reference or error vs bound
      plan.py's prediction for the same run;
   8. tests/test_kernels.py and tests/test_fp8.py with their tensors on the GPU.
 On N > 1 GPUs the multi-rank rows follow (every train script under torchrun with NCCL at P = the largest power of
-two <= min(N, 8) against train_single, CP at T = 8192, the fused kernels and FP8 inside TP), within the budget.
+two <= min(N, 8) against train_single, CP at T = 8192, the fused kernels and FP8 inside TP; a rank stopped inside a
+save past --dist_timeout, which must leave `latest` complete, and train_5d's start-up time: bench/gpu_multi_rows.py),
+within the budget.
 
     bash bench/gpu_check.sh --budget_s 480 --out /tmp/gpu_check    # the check a lent GPU machine runs
     python3 bench/gpu_check.py --dry --budget_s 300                 # anywhere: the rows the budget admits

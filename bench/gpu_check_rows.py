@@ -147,6 +147,12 @@ def multi_gpu_rows(P, out, steps, capability, bf16_rtol, fp8_rtol):
         **small)
     add(f"tp-triton-{P}", f"tp={P} +sp --kernels triton", "train_tp.py", P, "mg-triton", bf16_rtol, tp=P, sp=True,
         kernels="triton", **small)
+    for probe, what, est_s in (("stalled_save", f"rank {P - 1} stopped inside a save past --dist_timeout: latest "
+                                                 "stays complete", 120),
+                               ("startup", f"train_5d start-up at {P} ranks", 60)):
+        name = f"{probe.replace('_', '-')}-{P}"
+        rows.append(Row(name, what, est_s, [sys.executable, os.path.join("bench", "gpu_multi_rows.py"), probe, str(P),
+                                            os.path.join(out, f"{name}.json")], "probe"))
     if capability >= (8, 9):
         add("mg-fp8", "1 GPU --fp8 tensorwise", "train_single.py", 1, "mg-single", fp8_rtol, 30, kernels="torch",
             fp8="tensorwise", **small)

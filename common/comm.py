@@ -259,12 +259,13 @@ def batch_isend_irecv(ops):
 GROUP_TIMEOUT = dict(s=None)     # --dist_timeout, set by init_distributed for every group created after it
 
 
-def new_group(ranks, timeout_s=None):
+def new_group(ranks, timeout_s=None, backend=None):
     """A subgroup (every rank of the world must call this with the same ranks, in the same order), with the
-    run's --dist_timeout unless timeout_s says otherwise: a stuck collective on it raises, never hangs."""
+    run's --dist_timeout unless timeout_s says otherwise: a stuck collective on it raises, never hangs.
+    backend: the default group's (None), or "gloo" for a CPU side group beside NCCL."""
     timeout_s = GROUP_TIMEOUT["s"] if timeout_s is None else timeout_s
     kwargs = {} if timeout_s is None else dict(timeout=timedelta(seconds=timeout_s))
-    return dist.new_group(ranks, **kwargs)
+    return dist.new_group(ranks, backend=backend, **kwargs)
 
 
 def compute_dtype(dtype, device_type):

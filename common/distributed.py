@@ -115,6 +115,7 @@ def init_distributed(cfg, need_group=True):
     no group (train_single) refuses a world of several ranks: each would train alone, racing on one out_dir."""
     try:
         rank, world_size, local_rank = launch_env()
+        launch_order_defaults(cfg, rank)           # before pick_device creates this process's CUDA context
         if "RANK" not in os.environ and world_size > 1:     # a WORLD_SIZE left in the shell, not a launch
             check(not need_group, f"WORLD_SIZE={world_size} is set but RANK is not: this is not a launch by "
                                   f"torchrun, and one process would split the batch for {world_size - 1} rank(s) "
@@ -152,6 +153,28 @@ def init_distributed(cfg, need_group=True):
         atexit.unregister(destroy_at_exit)       # registered once, however often main() runs in one process
         atexit.register(destroy_at_exit)
     return DistEnv(rank, world_size, local_rank, device, backend)
+
+
+def launch_order_defaults(cfg, rank):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 under --tp_overlap, unless the user chose a value (a warning if it is not 1).
+
+    A GPU takes kernels from several hardware queues (8 by default); streams map onto them. --tp_overlap launches
+    the input gradient's all-reduce on NCCL's stream and then the weight-gradient matmul on the compute stream,
+    expecting the all-reduce to run beside the matmul. From separate queues the matmul may take every SM first, and
+    the all-reduce waits until it is done: no overlap. With one queue kernels are dispatched in the order the host
+    launched them, so the all-reduce gets its SMs first and the matmul fills the rest (Megatron-LM sets the same for
+    its TP overlap). No other overlap here needs an order between streams (DDP's buckets and ZeRO's reduce-scatters
+    and prefetches only need their inputs made first, which stream order gives), so other runs keep the default:
+    one queue would also hold their collectives behind every kernel queued before them. The driver reads the
+    variable when the CUDA context is made: this runs before pick_device."""
+    if not getattr(cfg, "tp_overlap", False):
+        return
+    chosen = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if chosen is None:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    elif chosen.strip() != "1" and rank == 0:
+        print(f"warning: CUDA_DEVICE_MAX_CONNECTIONS={chosen}: --tp_overlap's all-reduce may wait for the matmul it "
+              f"should overlap (1 dispatches kernels in launch order)", file=sys.stderr, flush=True)
 
 
 def nccl_error_defaults():
@@ -295,26 +318,44 @@ def destroy():
 def fail_together(error, env):
     """Every rank passes its own error message (or None). If any rank has one, each failing rank prints its
     own and every rank exits with code 2: no rank is left waiting in a collective for one that has exited."""
-    if dist.is_initialized():
-        flag = torch.tensor([error is not None], dtype=torch.int32, device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed = bool(flag.item())
-    else:
-        failed = error is not None
+    failed = error is not None
+    if dist.is_initialized() and env.world_size > 1:
+        failed = not agree(error, comm.GROUP_TIMEOUT["s"] or DEFAULT_TIMEOUT_S, "the other ranks' checks")
     if error is not None:
         fail(error, rank_local=True)
     if failed:
         fail("another rank failed (its error line names it)")
 
 
+# Decisions every rank takes together (commit a checkpoint, stop together) run on a gloo group of the whole world,
+# whatever the training backend, because only a failure that raises can stop a commit. Under NCCL with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (nccl_error_defaults) a collective that times out or loses a peer is aborted by
+# torch's watchdog thread and does *not* raise where it was called: the kernel returns, the tensor keeps this rank's
+# own value, and a flag all-reduced there would read "no rank failed" on every rank that had none. gloo raises
+# inside the call, and its CPU flag needs no device sync either. One group, made the first time the world decides
+# (every rank reaches its decisions in the same order, so every rank makes it at the same point).
+DECISIONS = []        # [(the default group, its gloo twin)]
+DEFAULT_TIMEOUT_S = 1800       # torch's own group timeout, where a caller started the group without --dist_timeout
+
+
+def decision_group():
+    """The gloo group of the whole world that agree() all-reduces on (see above)."""
+    world = dist.group.WORLD
+    if not DECISIONS or DECISIONS[0][0] is not world:
+        DECISIONS[:] = [(world, comm.new_group(None, backend="gloo"))]
+    return DECISIONS[0][1]
+
+
 def agree(error, timeout_s, what):
-    """True if no rank has an error (each passes its own, or None). An all-reduce that is also the barrier of
-    `what`, bounded by --dist_timeout; if it fails, one line says whether a peer is gone or timed out."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    """True if no rank has an error (each passes its own, or None). An all-reduce on decision_group() that is also
+    the barrier of `what`, bounded by --dist_timeout; if it fails (it raises: gloo), one line says whether a peer is
+    gone or timed out, and this rank stops there."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error is None
+    flag = torch.tensor([error is not None], dtype=torch.int32)
     try:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    except RuntimeError as e:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=decision_group())
+    except RuntimeError as e:                        # DistError (a RuntimeError), or gloo's RuntimeError
         reason = collective_failure(e) or first_line(e)
         fail(describe_failure(reason, what, timeout_s), rank_local=True)
     return not bool(flag.item())

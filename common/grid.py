@@ -17,6 +17,7 @@ AXES = ("tp", "cp", "dp", "pp")          # innermost first
 GROUPS = dict(tp=("tp",), cp=("cp",), dp=("dp",), pp=("pp",),
               dp_cp=("dp", "cp"),        # gradient averaging, loss averaging: every copy of the same weights
               mp=("tp", "pp"))           # model parallel: the ranks that together hold one copy (grad norm)
+AXIS_OF = dict(tied="pp", dp_cp="dp", edp="dp")  # the axis a group's bytes count under, where not its own name
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -55,6 +56,7 @@ class Grid:
                               # .tied (first / last stage; else None), .ep and .edp (experts)
     members: dict      # name -> every group's global ranks (for the printout)
     ep: int = 1        # expert-parallel degree: experts sharded over ep ranks of each dp x cp group
+    communicators: int = 0   # process groups made: one per distinct (axis, ranks) of size > 1, one per rank of size 1
 
 
 def expert_partition(sizes, ep):
@@ -66,8 +68,12 @@ def expert_partition(sizes, ep):
 
 
 def build_grid(sizes, rank, timeout_s, ep=1, v_shaped=False):
-    """Create every group (all ranks create all of them, in the same order) and keep this rank's."""
-    groups, members = {}, {}
+    """Create every group (all ranks create all of them, in the same order) and keep this rank's. Names whose
+    groups hold the same ranks and count under the same axis share one process group (dp_cp is dp when cp is 1; the
+    tied pair is the pp group when pp is 2), and a rank's size-1 groups are one (a degree of 1 on several axes): under
+    NCCL each group made is a communicator, and with the default group bound to a GPU its creation is a split every
+    rank of the world joins (docs/nccl.md)."""
+    groups, members, made = {}, {}, {}
     layout = {name: partition(sizes, axes) for name, axes in GROUPS.items()}
     layout["tied"] = tied_pairs(sizes, v_shaped)
     if ep > 1:
@@ -75,11 +81,13 @@ def build_grid(sizes, rank, timeout_s, ep=1, v_shaped=False):
     for name, rank_lists in layout.items():
         members[name] = rank_lists
         for ranks in rank_lists:
-            group = new_group(ranks, timeout_s)
+            key = (AXIS_OF.get(name, name) if len(ranks) > 1 else "one rank", tuple(ranks))    # (sends no bytes)
+            if key not in made:
+                made[key] = new_group(ranks, timeout_s)
             if rank in ranks:
-                groups[name] = group
+                groups[name] = made[key]
     groups.setdefault("tied", None)              # middle stages, or pp == 1
-    return Grid(sizes, coords_of(rank, sizes), SimpleNamespace(**groups), members, ep)
+    return Grid(sizes, coords_of(rank, sizes), SimpleNamespace(**groups), members, ep, len(made))
 
 
 def print_grid(grid, cfg, act_shape, n_params_local):
@@ -100,8 +108,7 @@ def print_grid(grid, cfg, act_shape, n_params_local):
 
 def bytes_by_axis(grid):
     """This step's counted bytes by grid axis (the tied-weight pair counts as pp, the norm's scalar as mp)."""
-    axis = dict(tied="pp", dp_cp="dp", edp="dp")
-    names = {group: axis.get(name, name) for name, group in vars(grid.groups).items() if group is not None}
+    names = {group: AXIS_OF.get(name, name) for name, group in vars(grid.groups).items() if group is not None}
     out = dict(dp=0.0, tp=0.0, cp=0.0, pp=0.0, ep=0.0, mp=0.0)
     for group, nbytes in COMM.by_group.items():
         out[names.get(group, "mp")] += nbytes

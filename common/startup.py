@@ -6,11 +6,12 @@ work, not an allocator's crash).
 import os
 
 import torch
+import torch.distributed as dist
 
-from common.checkpoint.files import lock_out_dir, remove_stale_temp_files
+from common.checkpoint.files import lock_holder, lock_out_dir, remove_stale_temp_files
 from common.data import GlobalBatchLoader, ensure_dataset
 from common.data_mix import MixtureLoader, parse_data_mix
-from common.distributed import fail_together
+from common.distributed import decision_group, fail_together
 from common.errors import fail
 from common.run_identity import ranks_disagree
 from common.precision import param_dtype, resolve_dtype
@@ -38,6 +39,7 @@ def prepare_data(cfg, env):
         except (OSError, ValueError) as e:          # FileNotFoundError is an OSError
             error = str(e)
     fail_together(error, env)                       # also the barrier: the node's corpus is ready
+    fail_together(not_rank0s_out_dir(cfg, env), env)
     if env.rank == 0:                               # this run holds the lock: no save of any run is under way
         remove_stale_temp_files(cfg.out_dir)
     loader = None
@@ -51,6 +53,24 @@ def prepare_data(cfg, env):
     if disagree is not None:
         fail(disagree, rank_local=True)
     return loader
+
+
+def not_rank0s_out_dir(cfg, env):
+    """Why this rank does not see the out_dir rank 0 writes (rank 0's lock file, naming its pid and host), or None.
+    On a node-local disk every rank would write its part of each checkpoint and the commit would pass, but only rank
+    0's node would get ckpt.pt, `latest` and the pruning: the other nodes' disks fill up, and a resume fails only at
+    the restart. Checked once, at start, by rank 0 sending what its lock file says (on the gloo decision group)."""
+    if env.world_size == 1:
+        return None
+    said = [lock_holder(cfg.out_dir) if env.rank == 0 else None]
+    dist.broadcast_object_list(said, src=0, group=decision_group())
+    mine = lock_holder(cfg.out_dir)
+    if mine == said[0]:
+        return None
+    here = "no run.lock" if mine is None else f"a run.lock saying {mine!r}"
+    return (f"--out_dir {cfg.out_dir} is not the directory rank 0 writes: this node sees {here} there, where rank "
+            f"0's says {said[0]!r}; every rank writes its part of each checkpoint into it and rank 0 commits them, so "
+            f"all ranks need the same directory: put --out_dir on a filesystem every node shares")
 
 
 def data_dirs(cfg):

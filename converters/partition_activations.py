@@ -16,8 +16,10 @@ Saved bytes per block and micro-batch: b*s*h*bytes/t instead of b*s*h*bytes. Tra
 input, (t-1)/t * b*s*h*bytes, against TP's own six all-reduces per block with recompute (2 forward, 2 recomputed,
 2 backward) of 2(t-1)/t each: 1/12 of it, the paper's "under 10%" (torch's checkpoint, used here, even stops its
 recompute before the block's last all-reduce, whose output backward does not need). --offload_activations moves
-the part to host memory as it is made (Pa+cpu) and copies it back on a side stream: the recompute of block i starts
-the copy of the block before it (block i-1's part), so it travels while block i recomputes and runs its backward.
+the part to host memory as it is made (Pa+cpu) and copies it back, both on a side stream ordered by one event per
+copy (HeldInput): the copy out overlaps the next block's forward, and the recompute of block i starts the copy back
+of the block before it (block i-1's part), so it travels while block i recomputes and runs its backward. Host
+buffers are reused (HostBuffers): as many as parts are in flight, not one per part ever offloaded.
 SP makes Pa unnecessary: between blocks the activations are already cut by sequence (T/t each), so the block input
 is kept split at no cost, and its all-gather is the one SP's f does anyway.
 
@@ -37,28 +39,35 @@ from common.comm import all_gather
 class HeldInput:
     """A block's input as its checkpoint sees it: the input itself during the forward, afterwards only this rank's
     1/t part, on the device or offloaded to host memory (pinned where there is a GPU). `before`: the block forwarded
-    just before this one, whose part this one's recompute starts copying back (offload only)."""
+    just before this one, whose part this one's recompute starts copying back (offload only).
+
+    On a GPU both copies run on a side stream (Copies), each ordered by events, one per copy: the copy out waits for
+    the event of the part being made, so the compute stream never waits for it; the compute stream waits only for
+    the event of its own part's copy back, not for the whole side stream (where the block before's copy, queued
+    next, is still to run)."""
 
     def __init__(self, x, group, offload, before):
         self.x, self.group, self.shape, self.offload, self.before = x, group, x.shape, offload, before
-        self.part, self.host, self.device, self.copied = my_part(x, group), None, x.device, None
+        self.part, self.host, self.device, self.back = my_part(x, group), None, x.device, None
         if offload:
-            self.host = torch.empty(self.part.shape, dtype=self.part.dtype, pin_memory=self.part.is_cuda)
-            self.host.copy_(self.part, non_blocking=self.part.is_cuda)
+            self.host = HOST_BUFFERS.take(self.part)
+            if COPIES.on_gpu(self.device):
+                COPIES.copy_out(self.host, self.part)
+            else:
+                self.host.copy_(self.part)
             self.part = None
 
     def prefetch(self):
         """Start the copy back (once; a part already used, by an earlier micro-batch, has nothing to copy). On a GPU
-        it runs on a side stream, so it overlaps the compute queued meanwhile; `copied` marks it for whole()."""
+        it runs on the side stream, so it overlaps the compute queued meanwhile; `back` is its event."""
         if self.part is not None or self.host is None:
             return
-        if self.device.type != "cuda":
-            self.part, self.host = self.host.to(self.device), None
-            return
-        self.copied = copy_stream(self.device)
-        self.copied.wait_stream(torch.cuda.current_stream(self.device))     # after the copy out, long done
-        with torch.cuda.stream(self.copied):
-            self.part, self.host = self.host.to(self.device, non_blocking=True), None
+        if COPIES.on_gpu(self.device):
+            self.part, self.back = COPIES.copy_back(self.host, self.device)
+        else:                                          # (a copy even on a CPU: the buffer goes back to the pool)
+            self.part = self.host.to(self.device, copy=True)
+        HOST_BUFFERS.give(self.host, self.back)        # reusable once the copy back has read it
+        self.host = None
 
     def whole(self):
         """The forward's input; in the recompute, the t parts all-gathered (requiring grad, as the input did, so
@@ -66,24 +75,78 @@ class HeldInput:
         if self.x is not None:
             return self.x
         self.prefetch()
+        if self.back is not None:                      # the compute stream waits for this copy only, and owns it
+            COPIES.use(self.part, self.back, self.device)
         if self.before is not None:                    # the block before: its part travels during this recompute
             self.before.prefetch()
             self.before = None                         # (no chain of old parts kept alive)
-        if self.copied is not None:                    # the compute stream waits for the copy, and owns its result
-            torch.cuda.current_stream(self.device).wait_stream(self.copied)
-            self.part.record_stream(torch.cuda.current_stream(self.device))
         part, self.part = self.part, None              # (autograd still holds it until this block's backward)
         return gather_whole(part, self.group, self.shape).requires_grad_(True)
 
 
-COPY_STREAMS = {}
+class Copies:
+    """The offload's CUDA stream work: one side stream per GPU, an event per copy. `cuda`: torch.cuda (a test
+    passes a recorder with the same calls: tests/fake_streams.py)."""
+
+    def __init__(self, cuda=torch.cuda):
+        self.cuda, self.streams = cuda, {}
+
+    def on_gpu(self, device):
+        return device.type == "cuda"
+
+    def side(self, device):
+        """One side stream per GPU for the copies (created on first use)."""
+        if device not in self.streams:
+            self.streams[device] = self.cuda.Stream(device)
+        return self.streams[device]
+
+    def copy_out(self, host, part):
+        """part -> host on the side stream, once the compute stream has made part (an event); part's memory is not
+        handed out again by the caching allocator until the side stream has read it (record_stream)."""
+        compute, side = self.cuda.current_stream(part.device), self.side(part.device)
+        made = self.cuda.Event()
+        made.record(compute)
+        side.wait_event(made)
+        with self.cuda.stream(side):
+            host.copy_(part, non_blocking=True)
+        part.record_stream(side)
+
+    def copy_back(self, host, device):
+        """(host -> a new device tensor on the side stream, the event recorded right after that copy)."""
+        side = self.side(device)
+        with self.cuda.stream(side):
+            part = host.to(device, non_blocking=True)
+        done = self.cuda.Event()
+        done.record(side)
+        return part, done
+
+    def use(self, part, done, device):
+        """The compute stream waits for the copy that made `part` (its event only), and takes over its memory."""
+        compute = self.cuda.current_stream(device)
+        compute.wait_event(done)
+        part.record_stream(compute)
 
 
-def copy_stream(device):
-    """One side stream per GPU for the copies back (created on first use)."""
-    if device not in COPY_STREAMS:
-        COPY_STREAMS[device] = torch.cuda.Stream(device)
-    return COPY_STREAMS[device]
+class HostBuffers:
+    """The host buffers parts are offloaded into (pinned where there is a GPU), reused: a buffer comes back with the
+    event of the copy that last read it (None: read already) and is handed out again once that event has passed. So
+    the pool holds at most the parts in flight at once (blocks x micro-batches between a forward and its backward),
+    not one buffer per part ever offloaded."""
+
+    def __init__(self):
+        self.free = []                                 # (buffer, event or None)
+
+    def take(self, like):
+        for i, (buffer, done) in enumerate(self.free):
+            if buffer.shape == like.shape and buffer.dtype == like.dtype and (done is None or done.query()):
+                return self.free.pop(i)[0]
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+
+    def give(self, buffer, done):
+        self.free.append((buffer, done))
+
+
+COPIES, HOST_BUFFERS = Copies(), HostBuffers()
 
 
 class KeepForBackward(torch.autograd.Function):

@@ -7,6 +7,7 @@ Each worker gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_AD
 thread, so `distributed.init_distributed` and the train scripts' main() work inside it unchanged. A worker's exception
 comes back with its traceback; a worker that hangs is killed after `timeout` seconds and the test fails.
 """
+import contextlib
 import os
 import socket
 import traceback
@@ -93,16 +94,55 @@ def run_workers(fn, world_size, args=(), timeout=300):
 
 def recorded_runs(rank, world_size, script, argvs):
     """`script`.main(argv) for each argv (a worker for run_workers), with comm.py recording every launch
-    (p2p batches and collectives): one launch log per run, for nccl_check.check."""
+    (p2p batches and collectives) and recording_direct_calls the rest: one launch log per run, for nccl_check.check."""
     import importlib
     from common import comm
     main, logs = importlib.import_module(script).main, []
-    for argv in argvs:
-        comm.LAUNCH_LOG = []
-        main(argv)
-        logs.append(comm.LAUNCH_LOG)
-        comm.LAUNCH_LOG = None
+    with recording_direct_calls():
+        for argv in argvs:
+            comm.LAUNCH_LOG = []
+            main(argv)
+            logs.append(comm.LAUNCH_LOG)
+            comm.LAUNCH_LOG = None
     return logs
+
+
+DIRECT = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+          "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "gather", "scatter", "barrier",
+          "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
+
+
+@contextlib.contextmanager
+def recording_direct_calls():
+    """Collectives called on torch.distributed directly, not through comm.py (barriers, the *_object helpers, a
+    loss's broadcast), recorded into comm.LAUNCH_LOG as comm.py records its own: one collective each, on its group's
+    communicator (an *_object helper runs its collectives on every member alike). Left out: comm.py's own calls
+    (recorded there) and the gloo group decisions run on (distributed.decision_group: not an NCCL communicator)."""
+    import inspect
+    import sys
+    import torch.distributed as dist
+    from common import comm, distributed
+    originals = {name: getattr(dist, name) for name in DIRECT if hasattr(dist, name)}
+
+    def recorded(fn):
+        signature = inspect.signature(fn)
+
+        def call(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__")
+            if comm.LAUNCH_LOG is not None and caller != "common.comm":
+                group = signature.bind(*args, **kwargs).arguments.get("group")
+                if not any(group is side for _, side in distributed.DECISIONS):
+                    comm.LAUNCH_LOG.append([("coll", None, 0, comm._ranks(group))])
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, recorded(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 def exit_code_and_stderr(rank, world_size, script, argv):

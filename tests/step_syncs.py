@@ -10,7 +10,8 @@ Every other tensor (parameters, the batch, activations, a factory with `device=x
 device. A TorchFunctionMode sees each call with the arguments as written (a TorchDispatchMode would see the
 device already filled in), tags host tensors and records:
 
-    copy   a host tensor moved to a device (.to(device), .to(tensor), .cuda(), device.copy_(host))
+    copy   a host tensor moved to a device (.to(device), .to(tensor), .cuda(), device.copy_(host)), or host data
+           made into a device tensor (torch.tensor(3.0, device=x.device): a host-to-device copy of the value)
     mixed  a host tensor of one or more dimensions in an op with a device tensor (an implicit copy, or on CUDA
            a device-mismatch error; a 0-dim host tensor is a scalar argument and fine)
     sync   .item() / float() / int() / bool() / .tolist() of a device tensor; and an op whose output's size
@@ -38,6 +39,7 @@ TESTS = os.path.join(ROOT, "tests")
 FACTORIES = {torch.arange, torch.tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.linspace,
              torch.logspace, torch.eye, torch.rand, torch.randn, torch.randint, torch.randperm, torch.scalar_tensor,
              torch.as_tensor}
+FROM_HOST_DATA = {torch.tensor, torch.as_tensor}        # their values come from Python data on the host
 SYNCS = {torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__,
          torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy}
 SIZED_BY_VALUES = {torch.bincount, torch.Tensor.bincount, torch.nonzero, torch.Tensor.nonzero, torch.argwhere,
@@ -122,6 +124,8 @@ class StepRecorder(TorchFunctionMode):
             self.record("copy", func)
             return out
         if func in FACTORIES and not (tensors and func is torch.as_tensor):
+            if func in FROM_HOST_DATA and kwargs.get("device") is not None:
+                self.record("copy", func)
             self.tag(out, kwargs.get("device") is None)
         elif host and len(host) < len(tensors):
             if any(t.dim() > 0 for t in host):

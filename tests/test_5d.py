@@ -241,20 +241,22 @@ def test_kernels_and_fp8_apply_in_stages(text_data, text_reference_triton, tmp_p
 
 def test_launches_are_nccl_safe(tiny_data, tmp_path):
     """What every rank launched in real gloo runs (ring and zigzag attention, pipeline with TP and SP inside,
-    gradient buckets, the tied pair, evaluation, expert parallelism) replayed under NCCL's rules (nccl_check.py):
-    no deadlock."""
+    gradient buckets, the tied pair, evaluation, expert parallelism, ZeRO-3 with FP8 gathers) replayed under NCCL's
+    rules (nccl_check.py), with every barrier and *_object helper recorded beside comm.py's launches: no deadlock."""
     from common.nccl_check import check
     layouts = [dict(tp=2, sp=True, cp=2, pp=2, cp_layout="ring", eval_interval=1, eval_iters=1),
                dict(dp=2, cp=2, pp=2, cp_layout="zigzag", zero_stage=1),
                dict(cp=2, pp=2, pp_schedule="interleaved", pp_virtual=2, n_layer=4, cp_layout="allgather"),
                dict(dp=2, tp=2, sp=True, pp=2, ep=2, n_experts=4),         # experts' all_to_all inside stages
-               dict(dp=2, cp=2, pp=2, pp_schedule="dualpipev", pp_virtual=2, n_layer=4, global_batch_size=16)]
+               dict(dp=2, cp=2, pp=2, pp_schedule="dualpipev", pp_virtual=2, n_layer=4, global_batch_size=16),
+               dict(dp=2, cp=2, pp=2, zero_stage=3, fp8="delayed", fp8_all_gather=True)]   # ZeRO-3's FP8 gathers
     argvs = [tiny_argv(tiny_data, str(tmp_path / f"run{i}"), max_steps=2, micro_batch_size=2, **o)
              for i, o in enumerate(layouts)]
     logs = run_workers(recorded_runs, 8, args=("train_5d", argvs), timeout=600)
     for i, layout in enumerate(layouts):
         launches = [logs[r][i] for r in range(8)]
         assert any(op[0] == "send" for groups in launches for g in groups for op in g), "nothing recorded"
+        assert any(op[0] == "coll" and op[2] == 0 for groups in launches for g in groups for op in g), "no barrier"
         assert check(launches) == [], layout
 
 

@@ -334,6 +334,28 @@ def test_one_run_writes_an_out_dir_and_a_dead_ones_lock_is_taken_over(tiny_data,
     assert again.returncode == 0 and f"took over {os.path.realpath(out)}/run.lock from pid {first.pid}" in again.stdout
 
 
+def in_own_directory(rank, world_size, where, argv):
+    """A worker: train_ddp's main(argv) from the directory where[rank] (a node with its own disk, to a relative
+    --out_dir); (exit code, this rank's stderr)."""
+    os.chdir(where[rank])
+    return exit_code_and_stderr(rank, world_size, "train_ddp", argv)
+
+
+def test_an_out_dir_only_rank_0_sees_is_one_line_at_start(tiny_data, tmp_path):
+    """--out_dir on a node-local disk (here: a relative path, rank 1 in another directory): each rank's part would
+    land on its own node and only rank 0's node would hold the checkpoint; refused at start with one line."""
+    where = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    for d in where:
+        os.makedirs(d)
+    argv = tiny_argv(tiny_data, "run", max_steps=2)
+    (code0, err0), (code1, err1) = run_workers(in_own_directory, 2, args=(where, argv), timeout=120)
+    assert code0 == 2 and code1 == 2, (err0, err1)
+    lines = err1.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 1: --out_dir run is not the directory rank 0 "
+                                                   "writes: this node sees no run.lock there"), lines
+    assert not os.path.exists(tmp_path / "node0" / "run" / "metrics.jsonl")
+
+
 @pytest.mark.parametrize("flag, value", [("seed", 2 ** 63), ("seed", -1), ("dist_timeout", 1e-9),
                                          ("dist_timeout", "nan"), ("capacity_factor", "inf"), ("aux_loss_coef", "nan"),
                                          ("n_embd", -4), ("micro_batch_size", 0), ("dropout", "nan")])

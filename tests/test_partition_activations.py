@@ -149,3 +149,59 @@ def test_5d_pipeline_with_pa_matches_single_float64(text_data, text_reference, t
     run_workers(_5d_worker, 4, args=(text_argv(text_data, out, tp=2, pp=2, micro_batch_size=2, recompute="full",
                                                partition_activations=True),), timeout=900)
     assert_exact(text_reference[0], curves(out))
+
+
+def _offload_streams(rank, n, n_layer, micro_batches):
+    """n_layer blocks under Pa with offload, the GPU path taken on a CPU with tests/fake_streams.py in place of
+    torch.cuda: (the fake's log, host buffers in the pool afterwards, max |grad difference| with plain blocks)."""
+    import contextlib
+    import copy
+    import torch.distributed as dist
+    import model as M
+    from converters import partition_activations as pa
+    from fake_streams import FakeCuda
+    dist.init_process_group("gloo")
+    cuda, pool = FakeCuda(), pa.HostBuffers()
+    pa.COPIES, pa.HOST_BUFFERS = pa.Copies(cuda), pool
+    pa.COPIES.on_gpu = lambda device: True
+    cfg = M.GPTConfig(vocab_size=64, block_size=8, n_layer=n_layer, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    plain = M.GPT(cfg).double()
+    gpt = copy.deepcopy(plain)
+    pa.partition_activations(gpt.transformer.h, dist.group.WORLD, offload=True)
+    rope = M.rope_cache(8, torch.arange(8)).double()
+    for model, record in ((plain, False), (gpt, True)):
+        for mb in range(micro_batches):
+            y = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(mb))
+            with cuda.recording() if record else contextlib.nullcontext():
+                for block in model.transformer.h:
+                    y = block(y, rope)
+                y.square().sum().backward()
+    diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(plain.parameters(), gpt.parameters())
+               if p.grad is not None)
+    return cuda.log, len(pool.free), diff
+
+
+def test_offload_copies_run_on_a_side_stream_ordered_by_one_event_each():
+    """Checked on the GPU path with a fake stream recorder: each copy out is queued on the side stream after an
+    event of the compute stream (the compute stream never waits for it); in each recompute the compute stream waits
+    for the event of its own part's copy back only, and the block before's copy back is queued right after, to travel
+    during this block's recompute and backward; the host buffers are reused (n_layer of them for two micro-batches);
+    the gradients equal the plain blocks'."""
+    n_layer, micro_batches = 3, 2
+    log, buffers, diff = run_workers(_offload_streams, 1, args=(n_layer, micro_batches), timeout=120)[0]
+    assert diff < 1e-12
+    assert buffers == n_layer                            # one per part in flight, reused by the next micro-batch
+    assert not [entry for entry in log if entry[0] == "compute" and entry[1].startswith("copy")]
+    outs = [i for i, entry in enumerate(log) if entry[1] == "copy out"]
+    assert len(outs) == n_layer * micro_batches
+    for i in outs:                                       # record on compute, side waits for that event, copy
+        assert log[i - 2][:2] == ("compute", "record") and log[i - 1] == ("side", "wait", log[i - 2][2]), log[i - 2:i]
+    backs = [i for i, entry in enumerate(log) if entry[1] == "copy back"]
+    waits = [i for i, entry in enumerate(log) if entry[:2] == ("compute", "wait")]
+    assert len(backs) == len(waits) == n_layer * micro_batches
+    for back, wait in zip(backs, waits):                 # the event recorded right after this copy, and no other
+        assert log[back + 1][:2] == ("side", "record") and log[wait][2] == log[back + 1][2], log[back:wait + 1]
+    for mb in range(micro_batches):                      # the block before's copy is queued after this block's wait
+        ours = slice(mb * n_layer, (mb + 1) * n_layer)
+        assert all(w < b for w, b in zip(waits[ours][:-1], backs[ours][1:])), (waits, backs)

@@ -31,8 +31,9 @@ def unexpected(events, allowed=ONCE_PER_STEP, step=1):
 
 
 def test_recorder_sees_what_a_gpu_would_wait_for():
-    """The recorder itself: a host-made index moved to the device is a copy, one made with device= is not; a
-    host tensor in a device op is mixed; .item() of a device value is a sync, of a host value it is not."""
+    """The recorder itself: a host-made index moved to the device is a copy, one made with device= is not (unless
+    made from Python data: a host-to-device copy of its values); a host tensor in a device op is mixed; .item() of a
+    device value is a sync, of a host value it is not."""
     x = torch.randn(4, 3)
     with StepRecorder() as rec:
         torch.arange(3).to(x.device)                       # copy
@@ -42,7 +43,9 @@ def test_recorder_sees_what_a_gpu_would_wait_for():
         float(torch.arange(3).sum())                       # fine: a host value
         x.sum().item()                                     # sync
         torch.arange(3).to(torch.float64)                  # fine: a cast stays on the host
-    assert [e.kind for e in rec.events] == ["copy", "mixed", "sync"], rec.events
+        torch.tensor(3.0, device=x.device)                 # copy: the Python value travels to the device
+        torch.full((), 3.0, device=x.device)               # fine: a fill on the device, nothing copied
+    assert [e.kind for e in rec.events] == ["copy", "mixed", "sync", "copy"], rec.events
     assert all("test_step_syncs" not in e.where for e in rec.events)   # places are repository lines, never tests
 
 

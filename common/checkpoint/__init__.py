@@ -55,12 +55,8 @@ def refuse_non_finite(cfg, state, next_step):
     """Stop every rank, keeping the checkpoints on disk, if any rank's part of this save holds inf/NaN: a diverged
     run never replaces a good checkpoint (the NaN guard, optim.NonFiniteGuard, should have stopped it before)."""
     bad = non_finite_entries(state) if state is not None else []
-    flag = torch.tensor(float(len(bad) > 0))
-    if dist.is_initialized():                        # every rank decides alike
-        on_gpu = dist.get_backend() == "nccl"        # (NCCL reduces GPU tensors only)
-        flag = flag.to(torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
+    what = f"the inf/NaN check of the save of step {next_step}"
+    if not agree("inf/NaN" if bad else None, cfg.dist_timeout, what):      # every rank decides alike
         where = f"the weights hold inf/NaN ({', '.join(bad[:3])})" if bad else "another rank's weights hold inf/NaN"
         fail(f"not saving step {next_step} to {cfg.out_dir}: {where}; the checkpoints on disk are kept",
              rank_local=bool(bad))

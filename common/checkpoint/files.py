@@ -301,6 +301,15 @@ def lock_out_dir(out_dir):
     return None
 
 
+def lock_holder(out_dir):
+    """What OUT_DIR/run.lock says as this node sees it (the pid and host of the run holding it), or None."""
+    try:
+        with open(os.path.join(out_dir, LOCK)) as f:
+            return f.read().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def release_out_dir_locks():
     """Empty and unlock every lock file this process holds (at exit: an emptied file is a lock nobody holds)."""
     for f in HELD.values():
