@@ -30,7 +30,8 @@ from functools import lru_cache
 from model import activation_bytes_per_layer
 from pipeline.schedules import placement_of, rank_of, stage_of
 from planner.inputs import PRECISION, model_state_bytes_per_param
-from planner.runtime_memory import loss_backward_bytes, pipeline_buffers_bytes, pipeline_outputs_bytes
+from planner.head import loss_of, loss_saved_bytes, loss_transient_bytes
+from planner.runtime_memory import pipeline_buffers_bytes, pipeline_outputs_bytes
 from planner.shape import (activation_delta_values, block_numels, embedding_numels, held_layers, job_of_shape,
                                kv_dim, op_recompute_values, stage_layer_counts)
 
@@ -258,16 +259,15 @@ def residual_extra_bytes(job, lay, copies):
 
 
 def head_activation_bytes(job, lay):
-    """Last stage, per micro-batch: ln_f input and LM-head input (2sbh values, /t under SP), their stats and the
-    targets (16sb bytes), the fp32 softmax of the (vocab-parallel) cross-entropy (4*s*b*V/t; a fused loss,
-    job.fused_loss, keeps the 16-bit logits and an fp32 log-sum-exp per token instead: flash-attn's
-    losses/cross_entropy.py saves logits, lse and labels for its backward) and the RoPE table."""
+    """Last stage, per micro-batch: ln_f's input and the LM head's input (2sbh values, /t under SP; the fused head,
+    which saves dh instead, the first alone), their stats and the targets (16sb bytes), what the loss saves
+    (planner/head.loss_saved_bytes, each stack's own: the fp32 softmax of most, the 16-bit logits and their
+    log-sum-exp of a fused loss, dh and dW of the fused head) and the RoPE table."""
     cfg, bpv = job.cfg, PRECISION[job.precision][1]
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
-    loss = (bpv * s * b * cfg.padded_vocab_size / lay.tp + 4 * s * b if job.fused_loss
-            else 4 * s * b * cfg.padded_vocab_size / lay.tp)
-    return (2 * s * b * h * bpv / (lay.tp if lay.sp else 1) + 16 * s * b + loss + s * (h // cfg.n_head) * 4
-            + residual_extra_bytes(job, lay, 1))
+    inputs = 1 if loss_of(job, lay) == "linear_ce" else 2
+    return (inputs * s * b * h * bpv / (lay.tp if lay.sp else 1) + 16 * s * b + loss_saved_bytes(job, lay)
+            + s * (h // cfg.n_head) * 4 + residual_extra_bytes(job, lay, 1))
 
 
 def in_flight(schedule, p, m, v, rank):
@@ -297,8 +297,8 @@ def activation_bytes(job, lay, rank):
 
 
 def other_bytes(job, lay, rank, groups):
-    """Working sets beside states and activations at the start of the backward: the loss's (plan_runtime_memory, last
-    stage) and the stage outputs a pipeline runtime keeps (runtime_memory.pipeline_outputs_bytes); ZeRO-2's two
+    """Working sets beside states and activations at the start of the backward: the loss's (head.loss_transient_bytes,
+    last stage) and the stage outputs a pipeline runtime keeps (runtime_memory.pipeline_outputs_bytes); ZeRO-2's two
     gradient buffers in flight (2 * largest bucket * g); ZeRO-3's gathered current + prefetched unit and the unit's
     full gradient ((2p + g) * largest unit); amp's bf16 copies of the weights (2 bytes per rank parameter, which the
     matmuls save for their backward; under ZeRO-3 only those of the two gathered units; under full recompute none of
@@ -310,7 +310,7 @@ def other_bytes(job, lay, rank, groups):
     s, b = cfg.block_size // lay.cp, lay.micro_batch_size
     sizes = model_state_bytes_per_param(recipe, job.moments, job.grad_dtype)
     out = CUBLAS_WORKSPACE
-    loss = loss_backward_bytes(job, lay) if rank == end_ranks(lay)[1] else 0
+    loss = loss_transient_bytes(job, lay) if rank == end_ranks(lay)[1] else 0
     if lay.zero_stage == 2:
         out += 2 * max(groups) * sizes["grads"]
     if lay.zero_stage == 3:

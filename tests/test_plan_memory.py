@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 
 import plan
+from planner import head as plan_head
 from planner import memory as plan_memory
 from planner import runtime_memory as plan_runtime_memory
 from planner.cli import build_job, parse_args
@@ -76,7 +77,7 @@ def test_full_recompute_keeps_the_block_it_recomputes():
     extra = plan_memory.layer_activation_bytes(job, none) - plan_memory.layer_activation_bytes(job, full)
     for rank in (0, 1):
         base = plan_memory.other_bytes(job, replace(full, recompute="selective"), rank, [1])
-        loss = plan_memory.loss_backward_bytes(job, full) if rank == 1 else 0
+        loss = plan_memory.loss_transient_bytes(job, full) if rank == 1 else 0
         assert plan_memory.other_bytes(job, full, rank, [1]) - base == pytest.approx(max(loss, extra) - loss)
     assert extra > 0
 
@@ -154,15 +155,15 @@ def _loss_parallel_peak_per_logit(rank, world):
 def test_loss_parallel_backward_measured():
     """torch's loss_parallel (torchtitan's loss under TP) on a 1-rank mesh under torch's MemTracker: its backward's
     peak per logit is the 16-bit logits, the saved fp32 log-softmax and 12 bytes of fp32 working set (zeros, exp of
-    the log-softmax, their sum / product), where F.cross_entropy's is 8; runtime_memory.loss_backward_bytes counts
+    the log-softmax, their sum / product), where F.cross_entropy's is 8; head.loss_transient_bytes counts
     those 12 with --loss_parallel and tp > 1, the 8 otherwise."""
     from distributed_helper import run_workers
     per_logit = run_workers(_loss_parallel_peak_per_logit, 1)[0]
     job, lay = job_for(logits_held=True, loss_parallel=True), Layout(dp=4, tp=2)
-    logits_count = plan_runtime_memory.logits_per_micro_batch(job, lay)
-    assert per_logit == pytest.approx(4 + plan_runtime_memory.loss_backward_bytes(job, lay) / logits_count, abs=0.1)
-    assert plan_runtime_memory.loss_backward_bytes(job, lay) / logits_count == 12 + 2
-    assert plan_runtime_memory.loss_backward_bytes(job, Layout(dp=8)) / (2 * logits_count) == 8 + 2   # tp 1: F's
+    logits_count = plan_head.logits_per_micro_batch(job, lay)
+    assert per_logit == pytest.approx(4 + plan_head.loss_transient_bytes(job, lay) / logits_count, abs=0.1)
+    assert plan_head.loss_transient_bytes(job, lay) / logits_count == 12 + 2
+    assert plan_head.loss_transient_bytes(job, Layout(dp=8)) / (2 * logits_count) == 8 + 2   # tp 1: F's
 
 
 def test_torchtitan_pipeline_keeps_every_output():
