@@ -114,7 +114,12 @@ def evaluate(job, lay):
     return dict(asdict(lay), mem_bytes={k: mem[k] for k in MEM_PARTS + ("device", "usable")},
                 time_s=time, step_time_s=time["total"], tokens_per_s=tps,
                 mfu=tps * plan_shape.flops_per_token(job) / (job.gpus * job.peak),
-                oom=mem["reserved"] > mem["usable"])
+                oom=mem["reserved"] > mem["usable"], priced_by=priced_by(job))
+
+
+def priced_by(job):
+    """Which rates priced the compute: --eff, or timing.rates_of's table (measured for this card, else published)."""
+    return f"--eff {job.eff}" if job.eff else time_model.rates_of(job.gpu)["source"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -269,6 +274,7 @@ def print_table(job, rows, top):
           f"{cfg.padded_vocab_size}{'' if job.tied else ' untied'}), {plan_shape.flops_per_token(job) / 1e9:.1f} "
           f"GFLOP/token; {job.gpus} x {job.gpu}, "
           f"{job.gpus_per_node}/node; seq {cfg.block_size}, {job.global_seqs} sequences/step, {job.precision}")
+    print(f"compute priced by {rows[0]['priced_by']}")
     print(HEADER)
     print("\n".join(format_row(i + 1, r) for i, r in enumerate(rows[:top])))
     gpt = (job.n_kv_head in (0, cfg.n_head) and plan_shape.ffn(job) == 4 * cfg.n_embd and not job.gated and job.tied

@@ -15,6 +15,7 @@ from common.errors import check, fail
 from pipeline.schedules import V_SHAPED
 from planner.inputs import (GRAD_DTYPES, HARDWARE, LOSS_NAMES, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE,
                             TP_OVERLAP_STYLES, Job, Layout)
+from planner.rates import measured as measured_rates
 from planner.timing import MCORE_BUCKET, SOFTWARE
 from model import GPTConfig
 
@@ -173,6 +174,7 @@ def build_job(a):
         if getattr(a, key) == defaults[key]:
             setattr(a, key, value)
     check(a.gpu in HARDWARE, f"unknown GPU {a.gpu!r}; known: {', '.join(HARDWARE)}")
+    measured_rates(a.gpu)                             # a rate table of this card that cannot be read: error here
     check(a.model is None or a.model in MODELS, f"unknown model {a.model!r}; known: {', '.join(MODELS)}")
     preset = dict(MODELS.get(a.model, {}))
     options = dict(n_kv_head=preset.pop("n_kv_head", 0), ffn_hidden=preset.pop("ffn_hidden", 0),

@@ -112,8 +112,9 @@ def test_causal_flash_time_and_overlaps():
     elementwise = plan_elementwise.bytes_per_token(base, lay) / base.hw["hbm"]
 
     def per_token(attention):
-        return (plan_time.kernel_time((f_all - f_attn) * shape, attention, "h100", base.peak)
-                + rest * plan_time.kernel_time(f_all - f_attn, attention, "a100", 312e12) + elementwise)
+        a100 = plan_time.published_rates("a100")
+        return (plan_time.kernel_time((f_all - f_attn) * shape, attention, plan_time.rates_of("h100"), base.peak)
+                + rest * plan_time.kernel_time(f_all - f_attn, attention, a100, 312e12) + elementwise)
     expect = per_token(f_attn / 2) / per_token(f_attn)
     assert parts["base"]["compute"] / parts["full"]["compute"] == pytest.approx(expect)
     assert 0 < parts["tp"]["tp"] < parts["base"]["tp"]
