@@ -16,7 +16,8 @@ formula in the docstring, and the tests hold each against what the rungs count (
     on the device  = reserved + CUDA_CONTEXT + NCCL_COMM_BYTES per communicator   (what nvidia-smi shows)
     OOM            reserved > usable_bytes = the GPU's total capacity - CUDA_CONTEXT - NCCL_COMM_BYTES per communicator
                    (with the cap: the live tensors alone do not fit)
-    of the fuller of pipeline ranks 0 and p-1. Each constant and its source: below.
+    of the fuller of pipeline ranks 0 and p-1 (peak_rank says which). Those constants, their sources and the verdict
+    (fits, close, OOM): planner/device_memory.py.
 
 Stages are placed as pipeline_schedules.stage_of places them: round-robin (stage c*p + rank is chunk c of rank),
 or in a V for zbv and dualpipev (rank r holds stages r and 2p-1-r, so rank 0 holds both ends and the tied
@@ -29,6 +30,8 @@ from functools import lru_cache
 
 from model import activation_bytes_per_layer
 from pipeline.schedules import placement_of, rank_of, stage_of
+from planner.device_memory import (ALLOCATOR_RESERVE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES,  # noqa: F401
+                                    capacity_of, communicators, usable_bytes)
 from planner.inputs import PRECISION, model_state_bytes_per_param
 from planner.head import loss_of, loss_saved_bytes, loss_transient_bytes
 from planner.runtime_memory import pipeline_buffers_bytes, pipeline_outputs_bytes
@@ -37,27 +40,10 @@ from planner.shape import (activation_delta_values, block_numels, embedding_nume
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "reserved")
 
-# What a GPU's memory holds besides the tensors (memory and usable_bytes below; docs/plan.md):
-# DEVICE_SHARE: the share of the HBM the driver hands to a process, torch's "total capacity" in every CUDA OOM message
-# ("79.15 GiB total capacity" on an A100 80GB, "31.74 GiB" on a V100 32GB: NVIDIA/Megatron-LM #525).
-# CUDA_CONTEXT: the context and the loaded kernels, outside the caching allocator: "GPU memory occupied: 1343 MB" after
-# the first tensor (Hugging Face transformers docs, "Model training anatomy": "the kernels alone take up 1.3GB").
-# NCCL_COMM_BYTES: one communicator's buffers, outside the allocator: per channel a 10 MiB and a 2 MiB buffer, 32
-# channels on 8 x H100 (NVIDIA/nccl #1685, NCCL_DEBUG_SUBSYS=ALLOC); "a Ring ... only has 2 connections regardless of
-# the scale" and "memory usage is linearly tied to the number of channels" (#986): 32 x 12 MiB per communicator.
 # CUBLAS_WORKSPACE: torch's cuBLAS and cuBLASLt workspaces, through the caching allocator (counted as allocated): 32
-# MiB each on Hopper (torch's default CUBLAS_WORKSPACE_CONFIG ":4096:8", 8 x 4 MiB).
-# ALLOCATOR_RESERVE: what the caching allocator reserves beyond the peak of live tensors, as a share of the tensors
-# that come and go each step (activations, logits, buffers; model states are allocated once and do not fragment):
-# 16 GiB stranded over 77 GiB of stashed activations at their peak (93 GiB reserved), meta-pytorch/torchrec #4584's
-# study of HBM fragmentation, a measurement of the allocator, not of a run plan.py is compared with. The reserve is
-# soft: where a cudaMalloc fails the allocator frees its cached blocks and retries (torch.cuda.memory_stats'
-# num_alloc_retries), so reserved memory stops at what is usable and only the live tensors can run a GPU out.
-DEVICE_SHARE = 79.15 / 80
-CUDA_CONTEXT = 1343e6
-NCCL_COMM_BYTES = 32 * 12 * 2 ** 20
+# MiB each on Hopper (torch's default CUBLAS_WORKSPACE_CONFIG ":4096:8", 8 x 4 MiB). What a GPU's memory holds
+# besides the tensors, and the verdict: planner/device_memory.py.
 CUBLAS_WORKSPACE = 2 * 32 * 2 ** 20
-ALLOCATOR_RESERVE = 16 / 77
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -345,27 +331,10 @@ def peak_bytes(job, lay, parts):
     return max(whole - parts["grads"], parts["params"] + parts["grads"] + parts["optimizer"] + CUBLAS_WORKSPACE)
 
 
-def communicators(dp, tp, cp, pp, ep):
-    """NCCL communicators a rank holds buffers for: one per group of more than one rank (tp, cp, dp x cp, pp, ep)."""
-    return (tp > 1) + (cp > 1) + (dp * cp > 1) + (pp > 1) + (ep > 1)
-
-
-def usable_bytes(capacity, n_communicators):
-    """What the caching allocator can reserve: the GPU's total capacity as torch reports it (HARDWARE's HBM x
-    DEVICE_SHARE; torch.cuda.get_device_properties().total_memory on a GPU) less the CUDA context and NCCL's
-    buffers, which live outside it."""
-    return capacity - CUDA_CONTEXT - NCCL_COMM_BYTES * n_communicators
-
-
-def capacity_of(job):
-    """The GPU's total capacity as torch reports it: its HBM x DEVICE_SHARE."""
-    return job.hw["mem"] * DEVICE_SHARE
-
-
 def memory(job, lay):
     """Memory parts of the fuller of pipeline ranks 0 and p-1 (bytes): the two ends (most in flight under afab,
     1f1b and interleaved on rank 0; the last stage's logits on p-1), in a V both ends and the turn (where zbv holds
-    the most with few micro-batches). total: what the tensors take at their peak (allocated); reserved: with the
+    the most with few micro-batches); peak_rank: which. total: what the tensors take at their peak (allocated); reserved: with the
     caching allocator's blocks beyond them (ALLOCATOR_RESERVE of the tensors that come and go); device: reserved +
     the CUDA context and NCCL's buffers (nvidia-smi's figure)."""
     best = None
@@ -381,7 +350,8 @@ def memory(job, lay):
             parts["reserved"] = min(parts["reserved"], usable)
         parts["padded_params"] = st["padded"]
         parts["groups"] = len(groups)        # buckets (ZeRO 0-2) or units (ZeRO-3): one collective each
-        if best is None or parts["reserved"] > best["reserved"]:
+        parts["peak_rank"] = rank
+        if best is None or (parts["reserved"], parts["total"]) > (best["reserved"], best["total"]):
             best = parts
     best["device"] = best["reserved"] + CUDA_CONTEXT + NCCL_COMM_BYTES * n
     best["usable"] = usable

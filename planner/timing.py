@@ -118,6 +118,11 @@ def rates_of(gpu):
     return plan_rates.measured(gpu) or published_rates(gpu)
 
 
+def priced_by(job):
+    """Which rates price a job's compute: --eff, or rates_of's source (a measured table, or the published rates)."""
+    return f"--eff {job.eff}" if job.eff else rates_of(job.gpu)["source"]
+
+
 def kernel_time(matmul_flops, attention_flops, rates, peak, attn_eff=0.0):
     """Seconds of the GEMM and attention kernels alone at the ceilings of `rates` (rates_of; attention_flops:
     executed)."""

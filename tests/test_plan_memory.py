@@ -92,10 +92,12 @@ def test_plan_sweep_reports_reserved(tmp_path):
     row = plan.evaluate(job_for(), Layout(dp=8))
     capacity = 80 * GIB * DEVICE_SHARE
     assert sweep.verdict(row, capacity) == ("OOM" if row["oom"] else "fits")
-    assert sweep.verdict(row, row["mem_bytes"]["reserved"]) == "OOM"            # less than the context and NCCL
+    assert sweep.verdict(row, 0.8 * row["mem_bytes"]["reserved"]) == "OOM"
+    exact = row["mem_bytes"]["total"] + CUDA_CONTEXT + NCCL_COMM_BYTES           # the tensors fill the usable memory
+    assert sweep.verdict(row, exact) == "close"
     text = "\n".join(sweep.summary([(row, dict(allocated=row["mem_bytes"]["total"],
                                                 reserved=row["mem_bytes"]["reserved"] * 1.25), "fits")], capacity))
-    assert "median: allocated 1.00, reserved 0.80" in text
+    assert "median: allocated 1.00, reserved 0.80" in text and "0 close calls apart" in text
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -191,3 +193,34 @@ def test_torchtitan_pipeline_keeps_every_output():
         (3 * m - held - 2) * hidden)
     titan = build_job(parse_args(["--model", "gpt2", "--software", "torchtitan"], ""))
     assert titan.pp_outputs_kept == "all" and titan.loss_parallel and titan.pp_recv_per_micro_batch
+
+
+def test_close_call_verdict():
+    """A prediction within device_memory.CLOSE_CALL (5%) of the usable memory either side is a close call, printed
+    with its side and counted apart; beyond it fits or OOM as the oom flag says."""
+    from planner.device_memory import CLOSE_CALL, verdict
+    usable = 70 * GIB
+    assert CLOSE_CALL == 0.05
+    assert verdict(0.96 * usable, usable) == verdict(1.04 * usable, usable) == "close"
+    assert (verdict(0.94 * usable, usable), verdict(1.06 * usable, usable)) == ("fits", "OOM")
+    said = []
+    for b, rc in ((1, "full"), (4, "none"), (8, "none")):
+        r = plan.evaluate(job_for(gpu="a100-40gb"), Layout(dp=8, micro_batch_size=b, recompute=rc))
+        said.append(r["verdict"])
+        m = r["mem_bytes"]
+        near = abs(m["total"] / m["usable"] - 1) <= CLOSE_CALL
+        assert r["verdict"] == ("close" if near else "OOM" if r["oom"] else "fits")
+        assert plan.format_row(1, dict(r, verdict="close")).endswith(f"close ({'OOM' if r['oom'] else 'fits'})")
+    assert said == ["fits", "close", "OOM"]         # 27%, 97% and 144% of a 40 GB A100's usable memory
+
+
+def test_peak_rank_names_the_fuller_end():
+    """The pipeline rank holding the peak: the last (the LM head and loss) with a large vocabulary and few micro-batches
+    in flight, the first (its in-flight micro-batches) with a small one; the printed summary says which."""
+    big = job_for(GPTConfig(vocab_size=256000, block_size=4096, n_layer=8, n_head=16, n_embd=1024), global_seqs=16)
+    small = job_for(GPTConfig(vocab_size=1024, block_size=4096, n_layer=8, n_head=16, n_embd=1024), global_seqs=16)
+    lay = Layout(dp=2, pp=4, micro_batch_size=1)
+    assert plan.evaluate(big, lay)["peak_rank"] == 3 and plan.evaluate(small, lay)["peak_rank"] == 0
+    from planner.report import peak_place
+    assert peak_place(plan.evaluate(big, lay)).endswith("the LM head and loss")
+    assert peak_place(plan.evaluate(small, lay)).endswith("micro-batches in flight")
