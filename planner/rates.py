@@ -31,11 +31,11 @@ def table_path(card, directory=None):
     return os.path.join(directory or RATES_DIR, f"{card}.json")
 
 
-def measured(card):
+def measured(card, directory=None):
     """The measured rates of `card` (dict(gemm_eff, attn_eff, gemm_shape, source)), or None where never measured.
     A table missing a field, or of another card, is refused (ConfigError naming the file; planner/cli.build_job
     reads the job's card first): a wrong table would price every run silently."""
-    return read_table(table_path(card), card)
+    return read_table(table_path(card, directory), card)
 
 
 @lru_cache(maxsize=None)

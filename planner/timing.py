@@ -115,7 +115,13 @@ def published_rates(gpu):
 def rates_of(gpu):
     """What prices `gpu`'s compute: its measured table (planner/rates.py) where the card was measured, else
     published_rates. Each carries its source, which plan.py prints."""
-    return plan_rates.measured(gpu) or published_rates(gpu)
+    return card_rates(gpu, plan_rates.RATES_DIR)
+
+
+@lru_cache(maxsize=None)
+def card_rates(gpu, directory):
+    """rates_of with the tables' folder (cached: the search prices thousands of layouts)."""
+    return plan_rates.measured(gpu, directory) or published_rates(gpu)
 
 
 def priced_by(job):

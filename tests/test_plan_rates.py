@@ -28,6 +28,7 @@ def rates_dir(tmp_path, monkeypatch):
     plan_time.shape_factor.cache_clear()
     yield tmp_path
     plan_time.shape_factor.cache_clear()
+    plan_time.card_rates.cache_clear()
 
 
 def job_on(gpu):
@@ -58,6 +59,7 @@ def test_a_measured_table_prices_its_card(rates_dir):
     assert plan.evaluate(job_on("a100"), Layout(dp=8))["priced_by"].startswith("published:")
     (rates_dir / "h100.json").unlink()
     plan_rates.read_table.cache_clear()
+    plan_time.card_rates.cache_clear()
     plan_time.shape_factor.cache_clear()
     slow = plan.evaluate(job_on("h100"), Layout(dp=8))
     assert slow["priced_by"].startswith("published:") and fast["time_s"]["compute"] > 1.4 * slow["time_s"]["compute"]
