@@ -125,6 +125,8 @@ def main(argv=None):
     p.add_argument("--measure", action="store_true", help="time the shapes on this machine's GPU and fit those")
     p.add_argument("--save", action="store_true", help="with --measure: time causal attention too and save this card's "
                    "rate table (bench/results/rates/<card>.json), which plan.py then prices this card with")
+    p.add_argument("--rates_dir", default=None, help="with --save: the folder to write it to (default "
+                   "bench/results/rates, where plan.py reads it)")
     args = p.parse_args(argv)
     if args.save and not args.measure:
         sys.exit("error: --save writes a measured table: give --measure, on a GPU")
@@ -142,7 +144,7 @@ def main(argv=None):
         device = torch.cuda.get_device_name()
         table = rate_table(points[0] + points[1], measure_attention(), device, gpu_peak_flops(device) / 1e12,
                            torch.__version__)
-        print(f"saved {save_table(table)}")
+        print(f"saved {save_table(table, args.rates_dir)}")
     print(f"\nE0 = {e0:.3g} output elements, a = {a:.1f} (rms error {100 * e_err:.1f}%); K0 = {k0:.3g}, b = {b:.1f} "
           f"(rms {100 * k_err:.1f}%)")
     return (e0, a), (k0, b)
