@@ -171,14 +171,14 @@ def top3(results, key):
 def accuracy_table(results):
     lines = ["| setup | cluster | published layout | published | published MFU | plan.py MFU (error) | predicted memory "
              "| rank: all (of) | rank: the software's options (of) | rank: those, published recompute (of) | "
-             "plan.py's best (MFU) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "plan.py's best (MFU) | rules written on it |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in results:
         s, r = c["setup"], c["row"]
         lines.append(f"| {s.name} ({s.source.split(' ')[0]}) | {s.gpus} {s.gpu} | {describe(r)} | {s.published_text} | "
                      f"{100 * s.published_mfu:.1f}% | {100 * c['mfu']:.1f}% ({100 * c['error']:+.0f}%) | "
                      f"{r['mem_bytes']['total'] / GIB:.1f} GiB{' OOM' if r['oom'] else ''} | {c['rank']} ({c['n']}) | "
                      f"{c['rank_offered']} ({c['n_offered']}) | {c['rank_same']} ({c['n_same']}) | "
-                     f"{describe(c['best'])} ({100 * c['best_mfu']:.1f}%) |")
+                     f"{describe(c['best'])} ({100 * c['best_mfu']:.1f}%) | {'; '.join(s.seen) or '-'} |")
     return "\n".join(lines)
 
 
