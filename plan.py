@@ -34,7 +34,7 @@ from itertools import product
 
 import torch
 
-from common.config import Config, ConfigError, check, fail
+from common.config import ConfigError, check, fail
 from common.peaks import gpu_chip_and_board
 from model import GPTConfig
 from pipeline.schedules import theory_idle_fraction
@@ -45,7 +45,9 @@ from planner import shape as plan_shape
 from planner import timing as time_model
 from planner.comm import (axis_group, comm_bytes, comm_latency, dp_seconds, exposed_dp_time,  # noqa: F401
                               exposed_tp_time, link_bandwidth, tied_sync_time)
-from planner.memory import DEVICE_SHARE, MEM_PARTS, bucket_mb, communicators, layers_per_rank, memory, usable_bytes
+from planner.device_memory import verdict
+from planner.report import HEADER, format_row, launch_command, print_table  # noqa: F401 (plan.launch_command)
+from planner.memory import DEVICE_SHARE, MEM_PARTS, communicators, layers_per_rank, memory, usable_bytes
 from planner.timing import eager_attention_time, hardware_flops_per_token  # noqa: F401
 
 
@@ -104,7 +106,8 @@ def step_time(job, lay, mem):
 def evaluate(job, lay):
     """The full prediction for one layout, as --json prints it: the layout as it runs (as_run: 1f1b with fewer
     micro-batches than stages is afab), memory by part (allocated "total", "reserved", "device" as nvidia-smi shows
-    it, "usable" for the allocator), time by part, tokens/s, MFU, and OOM: reserved above usable."""
+    it, "usable" for the allocator), the pipeline rank holding the peak, time by part, tokens/s, MFU, OOM (reserved
+    above usable) and the verdict (fits, close within device_memory.CLOSE_CALL, OOM), and which rates priced it."""
     validate(job, lay)
     lay = as_run(job, lay)
     mem = memory(job, lay)
@@ -114,7 +117,8 @@ def evaluate(job, lay):
     return dict(asdict(lay), mem_bytes={k: mem[k] for k in MEM_PARTS + ("device", "usable")},
                 time_s=time, step_time_s=time["total"], tokens_per_s=tps,
                 mfu=tps * plan_shape.flops_per_token(job) / (job.gpus * job.peak),
-                oom=mem["reserved"] > mem["usable"])
+                oom=mem["reserved"] > mem["usable"], verdict=verdict(mem["total"], mem["usable"]),
+                peak_rank=mem["peak_rank"], priced_by=time_model.priced_by(job))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -222,65 +226,6 @@ def complete_layout(job, text):
     return min(rows, key=ranking_key), searched
 
 
-def launch_command(job, row):
-    """The train_5d.py command line of a layout (flag names as in config.py)."""
-    cfg = job.cfg
-    flags = {k: row[k] for k in ("dp", "tp", "cp", "pp", "ep", "zero_stage", "micro_batch_size", "recompute")}
-    flags.update(pp_schedule=row["schedule"], pp_virtual=row["v"], n_layer=cfg.n_layer, n_head=cfg.n_head,
-                 n_embd=cfg.n_embd, block_size=cfg.block_size, global_batch_size=job.global_seqs,
-                 dtype="float32" if job.precision == "fp32" else "bfloat16")
-    if cfg.n_experts:
-        flags.update(n_experts=cfg.n_experts, top_k=cfg.top_k)
-    if cfg.capacity_factor:
-        flags.update(capacity_factor=cfg.capacity_factor)
-    bucket = bucket_mb(job, row["dp"] * row["cp"])
-    if bucket != Config.bucket_mb:                              # the bucket plan.py priced, where not the default
-        flags.update(bucket_mb=f"{bucket:g}")
-    uneven = cfg.n_layer % (row["pp"] * row["v"]) != 0       # train_5d's --pp_uneven: plan.py's even_split
-    args = " ".join(f"--{k} {v}" for k, v in flags.items()) + (" --sp" if row["sp"] else "") + \
-        (" --pp_uneven" if uneven else "")
-    return (f"torchrun --nnodes {max(1, job.gpus // job.gpus_per_node)} --nproc_per_node "
-            f"{min(job.gpus, job.gpus_per_node)} train_5d.py {args}")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# printed table and main (the flags are cli.parse_args)
-
-HEADER = ("  #   dp tp cp  pp ep sp zero    schedule v mbs recompute | "
-          "params  grads  optim   acts other  alloc  resvd GiB | "
-          "compute attnHBM  bubble      tp      cp      dp      pp      ep    tied (ms) |   tokens/s   MFU")
-
-
-def format_row(i, r):
-    """Row i of the table: the layout, memory parts in GiB, time parts in ms, tokens/s, MFU, fits or OOM."""
-    mem, t = r["mem_bytes"], r["time_s"]
-    return (f"{i:3d} {r['dp']:4d} {r['tp']:2d} {r['cp']:2d} {r['pp']:3d} {r['ep']:2d} {'y' if r['sp'] else '-':>2s} "
-            f"{r['zero_stage']:4d} {r['schedule'] if r['pp'] > 1 else '-':>11s} {r['v']} {r['micro_batch_size']:3d} "
-            f"{r['recompute']:>9s} | " + " ".join(f"{mem[k] / GIB:6.1f}" for k in MEM_PARTS) + " | "
-            + " ".join(f"{1e3 * t[k]:7.1f}" for k in ("compute", "attn_hbm", "bubble", "tp", "cp", "dp", "pp", "ep", "tied"))
-            + f" | {r['tokens_per_s']:10.0f} {100 * r['mfu']:5.1f}% {'OOM' if r['oom'] else 'fits'}")
-
-
-def print_table(job, rows, top):
-    """The job in one line, the first `top` rows, how many fit and the launch command of the best."""
-    cfg = job.cfg
-    print(f"{plan_shape.num_params(job) / 1e9:.2f}B params (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "
-          f"kv={job.n_kv_head or cfg.n_head}, f={plan_shape.ffn(job)}{' gated' if job.gated else ''}, V="
-          f"{cfg.padded_vocab_size}{'' if job.tied else ' untied'}), {plan_shape.flops_per_token(job) / 1e9:.1f} "
-          f"GFLOP/token; {job.gpus} x {job.gpu}, "
-          f"{job.gpus_per_node}/node; seq {cfg.block_size}, {job.global_seqs} sequences/step, {job.precision}")
-    print(HEADER)
-    print("\n".join(format_row(i + 1, r) for i, r in enumerate(rows[:top])))
-    gpt = (job.n_kv_head in (0, cfg.n_head) and plan_shape.ffn(job) == 4 * cfg.n_embd and not job.gated and job.tied
-           and not (job.first_stage_layers or job.last_stage_layers or job.ends_as_layers)
-           and rows[0]["recompute"] != "op" and job.rope and not job.fused_loss)
-    print(("OOM: no layout fits (the smallest is first). " if rows[0]["oom"] else "")
-          + f"{sum(not r['oom'] for r in rows)} of {len(rows)} layouts fit. Launch"
-          + ("" if gpt else " (model.py's GPT of this depth and width: train_5d has no GQA, SwiGLU, untied embeddings, "
-                            "stage sizes of its own, learned positions, a fused loss, nor recompute op)")
-          + f":\n{launch_command(job, rows[0])}")
-
-
 # ----------------------------------------------------------------------------------------------------------
 # --layout auto: train_5d.py asks for the layout this file ranks best for its run
 #
@@ -319,10 +264,11 @@ def accepted_by(validate, cfg):
 
 
 def plan_job(cfg, vocab_size, world, gpus_per_node, gpu, precision):
-    """plan.py's Job for this run."""
+    """plan.py's Job for this run (its loss the project's own: model.LMHead, train_tp's vocab-parallel one under TP)."""
     model = GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                       n_embd=cfg.n_embd, n_experts=cfg.n_experts, top_k=cfg.top_k, moe_every=cfg.moe_every)
-    return Job(model, world, gpus_per_node, gpu, cfg.global_batch_size, precision, "flash", cfg.bucket_mb)
+    return Job(model, world, gpus_per_node, gpu, cfg.global_batch_size, precision, "flash", cfg.bucket_mb,
+               loss="nanoscale")
 
 
 def fits_in(row, capacity):

@@ -87,6 +87,10 @@ def one_gpu_rows(out, steps, capability, bf16_rtol, fp8_rtol):
                         rtol, speed_peer, dict(flags) if plan else None))
 
     rows.append(Row("matmul", "bf16 8192^3 matmul (the measured ceiling)", 10, probe_command("matmul", out), "probe"))
+    rows.append(Row("rates", "plan.py's rate table of this card: GEMM shapes, causal attention (OUT/rates/<card>.json; "
+                    "copied to bench/results/rates/ it prices this card)", 30,
+                    [sys.executable, os.path.join("bench", "gemm_rows.py"), "--measure", "--save", "--rates_dir",
+                     os.path.join(out, "rates")], "tests"))
     train("single", "train_single GPT-2-small, eager", 20, kernels="torch", plan=True, **GPT2_SMALL)
     train("single-compile", "the same, --compile", 60, "single", bf16_rtol, "single", kernels="torch", compile=True,
           **GPT2_SMALL)

@@ -151,7 +151,8 @@ def predicted(label, vocab_size, pp_rank):
                     n_head=MODEL["n_head"], n_embd=MODEL["n_embd"], n_experts=flags.get("n_experts", 0),
                     top_k=flags.get("top_k", 2), capacity_factor=flags.get("capacity_factor", 0.0))
     world = world_of(flags)
-    job = Job(cfg, world, world, "h100", MODEL["global_batch_size"], precision="fp32", bucket_mb=MODEL["bucket_mb"])
+    job = Job(cfg, world, world, "h100", MODEL["global_batch_size"], precision="fp32", bucket_mb=MODEL["bucket_mb"],
+              loss="nanoscale")
     lay = plan_layout(flags)
     plan.validate(job, lay)
     st = plan_memory.model_state(job, lay, pp_rank)[0]     # fp32 (the Job's precision)

@@ -27,7 +27,12 @@ class MemoryRun:
     modelled: bool = True     # False: the run used something plan.py does not model (torch.compile, Float8)
 
 
-def titan_h100(name, shape, gpus, seq, global_seqs, layout, gib, modelled=False, job=None):
+# rules read from torchtitan's and torch's source after these runs' errors were seen (docs/plan.md, the memory section)
+PP_RUNTIME = ("pp micro-batches: torchtitan's default", "pp_outputs_kept", "pp_recv_per_micro_batch")
+LOSS_PARALLEL, GATHERED = "loss_parallel's backward", "tp_saves_gathered"
+
+
+def titan_h100(name, shape, gpus, seq, global_seqs, layout, gib, modelled=False, job=None, seen=()):
     """A row of torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100, 96 GB HBM2e: plan.py's
     h100-hbm2e; "Memory(GiB)" is the logged max_reserved_gib, the maximum over all GPUs, footnote 1). Tables 2, 4, 5
     and 6 ran torch.compile and Float8 (plan.py models neither: modelled False); Tables 1 and 3's first rows ran
@@ -35,7 +40,7 @@ def titan_h100(name, shape, gpus, seq, global_seqs, layout, gib, modelled=False,
     every micro-batch's output and a receive buffer per micro-batch), the benchmark's torchtitan commit 9dec370
     (2024-12-26) and torch's of 2024-12-23."""
     setup = Setup(name, TITAN_H100, shape, gpus, "h100-hbm2e", seq, global_seqs, layout, 0.0, f"{gib} GiB",
-                  "torchtitan-2024-12", dict(SOFTWARE["torchtitan"], **(job or {})))
+                  "torchtitan-2024-12", dict(SOFTWARE["torchtitan"], **(job or {})), seen=seen)
     return MemoryRun(setup, gib, "reserved", modelled)
 
 
@@ -50,7 +55,8 @@ def table4(gib, name):
     """Table 4: Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8 (torchtitan's TP is sequence-parallel), local batch 16,
     global 512, full activation checkpointing, torch.compile + Float8 (and AsyncTP in its second row)."""
     return titan_h100(name, LLAMA3_70B, 256, 8192, 512,
-                      Layout(dp=32, tp=8, sp=True, zero_stage=3, micro_batch_size=16, recompute="full"), gib)
+                      Layout(dp=32, tp=8, sp=True, zero_stage=3, micro_batch_size=16, recompute="full"), gib,
+                      seen=(LOSS_PARALLEL, GATHERED))
 
 
 def table5(schedule, v, gib):
@@ -70,7 +76,7 @@ def table5(schedule, v, gib):
     evenly as they go (generate_split_points gives the first and last stages one layer less)."""
     return titan_h100(f"Llama 3.1 405B, {schedule}", LLAMA3_405B, 512, 8192, 256,
                       Layout(dp=8, tp=8, pp=8, sp=True, zero_stage=1, schedule=schedule, v=v, micro_batch_size=4,
-                             recompute="full"), gib, job=dict(grad_dtype="fp32"))
+                             recompute="full"), gib, job=dict(grad_dtype="fp32"), seen=PP_RUNTIME + (GATHERED,))
 
 
 def table6(fsdp, cp, seq, gib):
@@ -79,7 +85,7 @@ def table6(fsdp, cp, seq, gib):
     parameters gathered and gradients whole), 8 micro-batches of 1 sequence (the pipeline degree, as in table5)."""
     return titan_h100(f"Llama 3.1 405B, CP {cp}, {seq // 1024}K", LLAMA3_405B, 512, seq, 8 * fsdp,
                       Layout(dp=fsdp, cp=cp, tp=8, pp=8, sp=True, zero_stage=1, micro_batch_size=1,
-                             recompute="full"), gib, job=dict(grad_dtype="fp32"))
+                             recompute="full"), gib, job=dict(grad_dtype="fp32"), seen=PP_RUNTIME + (GATHERED,))
 
 
 def trainy_h200(nodes, gib):
@@ -95,7 +101,7 @@ def trainy_h200(nodes, gib):
     gpus = 8 * nodes
     setup = Setup(f"Llama 3.1 8B, {gpus} H200", TRAINY_H200, LLAMA3_8B, gpus, "h200", 8192, 2 * gpus,
                   Layout(dp=gpus, zero_stage=3, micro_batch_size=2, recompute="op"), 0.0, f"{gib} GiB",
-                  "torchtitan-2024-12", dict(SOFTWARE["torchtitan"], fused_loss=True))
+                  "torchtitan-2024-12", dict(SOFTWARE["torchtitan"], fused_loss=True), seen=("fused_loss: its compiled loss",))
     return MemoryRun(setup, gib, "reserved", False)
 
 

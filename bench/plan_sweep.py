@@ -26,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from planner.inputs import GIB  # noqa: E402
-from planner.memory import communicators, usable_bytes  # noqa: E402
+from planner.device_memory import CLOSE_CALL, communicators, usable_bytes  # noqa: E402
+from planner.device_memory import verdict as device_verdict  # noqa: E402
 
 RUNS, STEPS = 12, 3
 KEYS = ("dp", "tp", "cp", "pp", "ep", "sp", "zero_stage", "schedule", "v", "micro_batch_size", "recompute")
@@ -99,9 +100,12 @@ def run_layout(row, world, steps, out_dir, timeout_s):
 
 def verdict(row, memory_bytes):
     """plan.py's verdict for a row on a GPU of memory_bytes (torch's total_memory): OOM when its reserved memory is
-    above what the allocator can have (planner/memory.usable_bytes)."""
+    above what the allocator can have (planner/device_memory.usable_bytes), 'close' when its allocated memory is
+    within device_memory.CLOSE_CALL of that (counted apart)."""
     n = communicators(row["dp"], row["tp"], row["cp"], row["pp"], row["ep"])
-    return "OOM" if row["mem_bytes"]["reserved"] > usable_bytes(memory_bytes, n) else "fits"
+    usable = usable_bytes(memory_bytes, n)
+    said = device_verdict(row["mem_bytes"]["total"], usable)
+    return said if said == "close" else "OOM" if row["mem_bytes"]["reserved"] > usable else "fits"
 
 
 def ratio(predicted, measured):
@@ -115,11 +119,13 @@ def summary(results, memory_bytes):
     'fits' | 'OOM' | other)]."""
     lines = ["| layout | allocated: predicted / measured (GiB) | ratio | reserved: predicted / measured (GiB) | ratio "
              "| predicted | measured |", "|---|---|---|---|---|---|---|"]
-    right = judged = 0
+    right = judged = close = 0
     ratios = {"allocated": [], "reserved": []}
     for row, peak, outcome in results:
         mem, said = row["mem_bytes"], verdict(row, memory_bytes)
-        if outcome in ("fits", "OOM"):
+        if outcome in ("fits", "OOM") and said == "close":
+            close += 1
+        elif outcome in ("fits", "OOM"):
             judged += 1
             right += said == outcome
         cells = []
@@ -132,7 +138,8 @@ def summary(results, memory_bytes):
                          f"{ratio(predicted, measured)}")
         layout = " ".join(f"{k}={row[k]}" for k in KEYS)
         lines.append(f"| {layout} | {cells[0]} | {cells[1]} | {said} | {outcome} |")
-    lines.append(f"\nOOM predicted right: {right} of {judged} runs that fit or died of OOM (goal >= 95%); predicted / "
+    lines.append(f"\nOOM predicted right: {right} of {judged} runs that fit or died of OOM (goal >= 95%), {close} close "
+                 f"calls apart (within {100 * CLOSE_CALL:.0f}% of the usable memory); predicted / "
                  f"measured over {len(ratios['reserved'])} runs that finished, median: allocated "
                  f"{median(ratios['allocated'])}, reserved {median(ratios['reserved'])} (goal 0.9-1.1).")
     return lines

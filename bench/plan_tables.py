@@ -49,6 +49,8 @@ class Setup:
     published_text: str       # as published
     system: str               # a SYSTEMS entry: which options the software offered (offered())
     job: dict = field(default_factory=dict)   # Job fields describing the software (attn, dp_overlap, ...)
+    seen: tuple = ()          # plan.py's rules written while looking at this run's error (docs/plan.md counts
+                              # each table with and without such runs)
 
 
 def megatron_mfu(tflops, L, h, s, V):
@@ -74,7 +76,18 @@ def megatron(name, L, h, a, gpus, tp, pp, mbs, gbs, tflops, v=1, overlap=False):
     return Setup(name, MEGATRON, dict(n_layer=L, n_embd=h, n_head=a, vocab=51200, dropout=0.1), gpus, "a100", 2048,
                  gbs, lay, megatron_mfu(tflops, L, h, 2048, 51200), f"{tflops} TFLOP/s/GPU (with recompute)",
                  "megatron-2021", dict(attn="eager", dp_overlap=overlap, pp_scatter_gather=True,
-                                       fused_bias_dropout_add=True))
+                                       fused_bias_dropout_add=True, loss="megatron"), seen=tp_rows_seen(tp, False))
+
+
+# A rule written while looking at runs of a class (bench/plan_validation.py marks each run it was written on):
+# pricing the norms, dropouts and residual adds once per TP rank without SP (planner/elementwise.py; Korthikanti et
+# al. 2022 Sec. 4.2.2) was chosen between candidates by its effect on the TP rows without SP.
+TP_REPLICATION = "elementwise: replicated over tp without SP"
+
+
+def tp_rows_seen(tp, sp):
+    """The rules written while looking at a run with this tp and SP: TP_REPLICATION on TP without SP."""
+    return (TP_REPLICATION,) if tp > 1 and not sp else ()
 
 
 SETUPS = [
@@ -158,14 +171,14 @@ def top3(results, key):
 def accuracy_table(results):
     lines = ["| setup | cluster | published layout | published | published MFU | plan.py MFU (error) | predicted memory "
              "| rank: all (of) | rank: the software's options (of) | rank: those, published recompute (of) | "
-             "plan.py's best (MFU) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "plan.py's best (MFU) | rules written on it |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in results:
         s, r = c["setup"], c["row"]
         lines.append(f"| {s.name} ({s.source.split(' ')[0]}) | {s.gpus} {s.gpu} | {describe(r)} | {s.published_text} | "
                      f"{100 * s.published_mfu:.1f}% | {100 * c['mfu']:.1f}% ({100 * c['error']:+.0f}%) | "
                      f"{r['mem_bytes']['total'] / GIB:.1f} GiB{' OOM' if r['oom'] else ''} | {c['rank']} ({c['n']}) | "
                      f"{c['rank_offered']} ({c['n_offered']}) | {c['rank_same']} ({c['n_same']}) | "
-                     f"{describe(c['best'])} ({100 * c['best_mfu']:.1f}%) |")
+                     f"{describe(c['best'])} ({100 * c['best_mfu']:.1f}%) | {'; '.join(s.seen) or '-'} |")
     return "\n".join(lines)
 
 

@@ -43,9 +43,10 @@ from planner import shape as plan_shape  # noqa: E402
 from planner.inputs import GIB, HARDWARE, MODELS, Layout  # noqa: E402
 from planner.timing import SOFTWARE  # noqa: E402
 from plan import evaluate  # noqa: E402
+from planner.report import verdict_text  # noqa: E402
 from plan_memory_runs import MEASURED, PUBLISHED_OOM  # noqa: E402
 from plan_mfu_runs import HELD_OUT  # noqa: E402
-from plan_tables import (A100, H100_SXM, SETUPS, TITAN_A100, Setup, describe, job_of, megatron,  # noqa: E402
+from plan_tables import (A100, H100_SXM, SETUPS, TITAN_A100, Setup, describe, job_of, megatron, tp_rows_seen,  # noqa: E402
                          titan_mfu, write_report)
 
 LLAMA3 = "Dubey et al. 2024 (arXiv 2407.21783) Table 4"
@@ -108,7 +109,8 @@ def korthikanti(name, L, h, a, dp, pp, gbs, mbs, v, seconds, mfu):
     gpus = 8 * pp * dp
     return Setup(name, KORTHIKANTI, dict(n_layer=L, n_embd=h, n_head=a, vocab=51200, dropout=0.1), gpus, "a100",
                  2048, gbs, lay, mfu, f"{seconds} s/iteration, {100 * mfu:.1f}% MFU", "megatron-2022",
-                 dict(attn="eager", dp_overlap=False, pp_scatter_gather=True, fused_bias_dropout_add=True))
+                 dict(attn="eager", dp_overlap=False, pp_scatter_gather=True, fused_bias_dropout_add=True,
+                      loss="megatron"))
 
 
 KORTHIKANTI_RUNS = [korthikanti("22B", 48, 6144, 64, 1, 1, 4, 4, 1, 1.10, 0.415),
@@ -138,7 +140,8 @@ def mt_nlg(nodes, seconds):
     flops = 6 * (105 * 12 * 20480 ** 2 + 50304 * 20480) + 12 * 105 * 20480 * 2048
     mfu = 1920 * 2048 * flops / (seconds * gpus * A100)
     return Setup("MT-NLG 530B", MTNLG, shape, gpus, "a100", 2048, 1920, lay, mfu, f"{seconds} s/iteration",
-                 "megatron-deepspeed", dict(attn="eager", dp_overlap=False, pp_scatter_gather=False))
+                 "megatron-deepspeed", dict(attn="eager", dp_overlap=False, pp_scatter_gather=False, loss="megatron"),
+                 seen=tp_rows_seen(8, False))
 
 
 MTNLG_RUNS = [mt_nlg(280, 60.1), mt_nlg(350, 50.2), mt_nlg(420, 44.4)]
@@ -168,7 +171,8 @@ def bloom():
     return Setup("BLOOM 176B", BLOOM, shape, 384, "a100", 2048, 2048, lay,
                  2048 * 2048 * flops / (BLOOM_STEP * 384 * A100), f"{BLOOM_STEP} s/iteration (149.77 TFLOP/s/GPU "
                  "with recompute)", "megatron-deepspeed",
-                 dict(SOFTWARE["megatron-deepspeed"], rope=False, net_gbps=50.0, ends_as_layers=True))
+                 dict(SOFTWARE["megatron-deepspeed"], rope=False, net_gbps=50.0, ends_as_layers=True),
+                 seen=tp_rows_seen(4, False))
 
 FOUNDRY = "MosaicML llm-foundry scripts/train/benchmarking/README.md"
 
@@ -202,6 +206,17 @@ def mpt(name, L, h, a, gpus, gpu, mbs, gbs, checkpointing, tps_per_gpu, mfu_text
 
 MPT = dict(m70=(80, 8192, 64), m30=(48, 7168, 56), m13=(40, 5120, 40), m7=(32, 4096, 32), m3=(32, 2560, 20),
            m1=(24, 2048, 16))
+# rules written while looking at these rows' errors (NOTES, "The misses"): GEMM efficiency by shape (fitted to
+# OpenXLA's matmul table, but added for llm-foundry's small H100 rows) and the TP overlap derived from the collectives
+# (comm.exposed_tp_time, Nemotron-4 340B +11% with all of TP hidden before it)
+GEMM_SHAPE, TP_OVERLAP_DERIVED = "timing.gemm_rows_factor: GEMM efficiency by shape", "comm.exposed_tp_time"
+
+
+def seen_on(setup, *rules):
+    """The setup marked with the rules written while looking at it."""
+    return dataclasses.replace(setup, seen=setup.seen + rules)
+
+
 FOUNDRY_RUNS = [mpt("MPT 70B", *MPT["m70"], 64, "a100", 8, 2048, True, 410, "53.33%", "PURE"),
                 mpt("MPT 70B", *MPT["m70"], 64, "a100-40gb", 2, 128, True, 276, "35.87%", "PURE"),
                 mpt("MPT 70B", *MPT["m70"], 128, "a100-40gb", 4, 512, True, 376, "48.91%", "PURE"),
@@ -211,9 +226,9 @@ FOUNDRY_RUNS = [mpt("MPT 70B", *MPT["m70"], 64, "a100", 8, 2048, True, 410, "53.
                 mpt("MPT 3B", *MPT["m3"], 128, "a100-40gb", 6, 768, False, 9538, "54.8%", "PURE"),
                 mpt("MPT 1B", *MPT["m1"], 128, "a100-40gb", 10, 1280, False, 18647, "54.41%", "PURE"),
                 mpt("MPT 70B", *MPT["m70"], 64, "h100", 8, 2048, True, 1039, "42.57%", "DEFAULT"),
-                mpt("MPT 13B", *MPT["m13"], 64, "h100", 2, 128, False, 4800, "39.86%", "DEFAULT"),
-                mpt("MPT 3B", *MPT["m3"], 64, "h100", 6, 1152, False, 22525, "40.8%", "DEFAULT"),
-                mpt("MPT 1B", *MPT["m1"], 64, "h100", 20, 1280, False, 44402, "40.85%", "DEFAULT")]
+                seen_on(mpt("MPT 13B", *MPT["m13"], 64, "h100", 2, 128, False, 4800, "39.86%", "DEFAULT"), GEMM_SHAPE),
+                seen_on(mpt("MPT 3B", *MPT["m3"], 64, "h100", 6, 1152, False, 22525, "40.8%", "DEFAULT"), GEMM_SHAPE),
+                seen_on(mpt("MPT 1B", *MPT["m1"], 64, "h100", 20, 1280, False, 44402, "40.85%", "DEFAULT"), GEMM_SHAPE)]
 # long context on one node (the attention scores are 72% of 7B's model FLOPs at 64K): the class plan_time's causal
 # flash-attention time and ATTN_EFF stand for
 FOUNDRY_LONG = [mpt("MPT 7B, 64K", *MPT["m7"], 8, "a100", 1, 16, True, 1013, "46.97%", "DEFAULT", seq=65536),
@@ -296,7 +311,7 @@ def nemotron_15b(dp, global_seqs, seconds, mbs, mcore_bucket):
 NEMOTRON_15B_STAGES = [(96, 384, 0.57), (192, 768, 0.58), (288, 1152, 0.64)]
 
 RUNS = (sorted(SETUPS + MEGATRON_MORE, key=lambda s: (s.source, s.gpus)) + LLAMA2_RUNS + KORTHIKANTI_RUNS
-        + MTNLG_RUNS + [bloom()] + FOUNDRY_RUNS + FOUNDRY_LONG + LLAMA3_405B + [nemotron_340b()] + HELD_OUT)
+        + MTNLG_RUNS + [bloom()] + FOUNDRY_RUNS + FOUNDRY_LONG + LLAMA3_405B + [seen_on(nemotron_340b(), TP_OVERLAP_DERIVED)] + HELD_OUT)
 
 
 # the --software entry (planner/timing.SOFTWARE) each publication's stack is; its row's Job fields are that entry's, but
@@ -318,22 +333,60 @@ def predict(setup):
     return dict(setup=setup, row=row, mfu=mfu, error=mfu / setup.published_mfu - 1 if setup.published_mfu else None)
 
 
+def verdict_of(row, ran):
+    """A verdict against the known outcome: 'right', 'wrong', or 'close' (a close call, counted apart)."""
+    if row["verdict"] == "close":
+        return "close"
+    return "right" if row["oom"] != ran else "wrong"
+
+
+def verdict_cell(row, ran):
+    """The table's verdict cell: plan.py's (fits, OOM, close with its side), marked wrong where it is."""
+    text = verdict_text(row)
+    return text + (" (wrong)" if verdict_of(row, ran) == "wrong" else "")
+
+
+def seen_cell(setup):
+    """The rules written while looking at this run, or '-'."""
+    return "; ".join(setup.seen) or "-"
+
+
+def counts(flags, setups):
+    """'k of n (k' of n' without the runs rules were written on)' for per-run booleans."""
+    clean = [f for f, s in zip(flags, setups) if not s.seen]
+    return f"{sum(flags)} of {len(flags)} ({sum(clean)} of {len(clean)} without the runs rules were written on)"
+
+
+def verdict_counts(verdicts, setups):
+    """Right of the verdicts that are not close calls, the close calls apart; with and without the runs rules were
+    written on."""
+    def line(pairs):
+        decided = [v for v, _ in pairs if v != "close"]
+        return (f"{decided.count('right')} of {len(decided)} right, {len(pairs) - len(decided)} close "
+                f"call{'s' if len(pairs) - len(decided) != 1 else ''}")
+    pairs = list(zip(verdicts, setups))
+    return f"{line(pairs)} ({line([p for p in pairs if not p[1].seen])} without the runs rules were written on)"
+
+
 def table(results):
-    within = sum(abs(r["error"]) <= 0.15 for r in results)
-    fits = sum(not r["row"]["oom"] for r in results)
+    setups = [r["setup"] for r in results]
+    within = counts([abs(r["error"]) <= 0.15 for r in results], setups)
+    verdicts = verdict_counts([verdict_of(r["row"], True) for r in results], setups)
     held = [abs(r["error"]) <= 0.15 for r in results if r["setup"] in HELD_OUT]
-    lines = [f"**Predicted MFU within 15% of the published: {within} of {len(results)}. OOM verdict right (the run "
-             f"fits): {fits} of {len(results)}.** Of the {len(held)} runs added as held out (bench/plan_mfu_runs.py: "
-             f"added after plan.py's constants were set, whatever their error), {sum(held)} within 15%. A sweep's best configurations, every cell of nanotron's benchmark summary: "
-             "bench/results/plan_nanotron.md (`python bench/plan_nanotron.py`).", "",
+    lines = [f"**Predicted MFU within 15% of the published: {within}. OOM verdicts (every run ran): {verdicts}.** "
+             f"Of the {len(held)} runs added as held out (bench/plan_mfu_runs.py: "
+             f"added after plan.py's constants were set, whatever their error), {sum(held)} within 15%. A sweep's best "
+             "configurations, every cell of nanotron's benchmark summary: bench/results/plan_nanotron.md (`python "
+             "bench/plan_nanotron.py`).", "",
              "| run | source | software | GPUs | seq | layout | published | published MFU | plan.py MFU (error) | "
-             "predicted memory (allocated / reserved) | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "predicted memory (allocated / reserved) | verdict | rules written on it |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s, row = r["setup"], r["row"]
         lines.append(f"| {s.name} | {s.source} | {SOFTWARE_OF[s.system]} | {s.gpus} {s.gpu} | {s.seq} | "
-                     f"{describe(row)} | {s.published_text} | {100 * s.published_mfu:.1f}% | {100 * r['mfu']:.1f}% ({100 * r['error']:+.1f}%) | "
-                     f"{row['mem_bytes']['total'] / GIB:.1f} / {row['mem_bytes']['reserved'] / GIB:.1f} GiB | "
-                     f"{'OOM (wrong)' if row['oom'] else 'fits'} |")
+                     f"{describe(row)} | {s.published_text} | {100 * s.published_mfu:.1f}% | {100 * r['mfu']:.1f}% "
+                     f"({100 * r['error']:+.1f}%) | {row['mem_bytes']['total'] / GIB:.1f} / "
+                     f"{row['mem_bytes']['reserved'] / GIB:.1f} GiB | {verdict_cell(row, True)} | {seen_cell(s)} |")
     return "\n".join(lines + beside_the_table())
 
 
@@ -359,8 +412,9 @@ def median(values):
 def memory_table(results):
     """The memory section: each run with a measured peak (plan.py's prediction of the same quantity / the measured),
     each run published to run out of memory, and the OOM verdicts over every run with a known outcome (the MFU table's
-    runs all ran)."""
-    lines = ["| run | source | GPUs | seq | layout | measured | predicted | ratio | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    runs all ran), close calls apart, with and without the runs rules were written on."""
+    lines = ["| run | source | GPUs | seq | layout | measured | predicted | ratio | verdict | rules written on it |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     ratios, modelled = [], []
     for run in MEASURED:
         r = predict(run.setup)
@@ -371,17 +425,19 @@ def memory_table(results):
         s = run.setup
         lines.append(f"| {s.name} | {s.source} | {s.gpus} {s.gpu} | {s.seq} | {describe(r['row'])} | "
                      f"{run.measured_gib} GiB {run.metric}{'' if run.modelled else ' (compile, Float8)'} | "
-                     f"{predicted:.1f} GiB | {ratios[-1]:.2f} | {'OOM (wrong)' if r['row']['oom'] else 'fits'} |")
+                     f"{predicted:.1f} GiB | {ratios[-1]:.2f} | {verdict_cell(r['row'], True)} | {seen_cell(s)} |")
     for setup in PUBLISHED_OOM:
         r = predict(setup)
         lines.append(f"| {setup.name} | {setup.source} | {setup.gpus} {setup.gpu} | {setup.seq} | {describe(r['row'])} "
                      f"| out of memory | {r['row']['mem_bytes']['total'] / GIB:.1f} GiB allocated | - | "
-                     f"{'OOM' if r['row']['oom'] else 'fits (wrong)'} |")
-    verdicts = ([not r["row"]["oom"] for r in results] + [not predict(m.setup)["row"]["oom"] for m in MEASURED]
-                + [predict(s)["row"]["oom"] for s in PUBLISHED_OOM])
+                     f"{verdict_cell(r['row'], False)} | {seen_cell(setup)} |")
+    known = ([(r["row"], True, r["setup"]) for r in results] + [(predict(m.setup)["row"], True, m.setup)
+                                                                 for m in MEASURED]
+             + [(predict(s)["row"], False, s) for s in PUBLISHED_OOM])
+    verdicts = verdict_counts([verdict_of(row, ran) for row, ran, _ in known], [s for *_, s in known])
     head = (f"**Predicted / measured memory, median: {median(ratios):.2f} over {len(ratios)} runs "
-            f"({median(modelled):.2f} over the {len(modelled)} without torch.compile or Float8). OOM verdict right: "
-            f"{sum(verdicts)} of {len(verdicts)} configurations with a known outcome.**")
+            f"({median(modelled):.2f} over the {len(modelled)} without torch.compile or Float8). OOM verdicts over "
+            f"the {len(known)} configurations with a known outcome: {verdicts}.**")
     return [head, ""] + lines
 
 

@@ -13,8 +13,9 @@ from dataclasses import fields
 
 from common.errors import check, fail
 from pipeline.schedules import V_SHAPED
-from planner.inputs import (GRAD_DTYPES, HARDWARE, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE, TP_OVERLAP_STYLES,
-                                 Job, Layout)
+from planner.inputs import (GRAD_DTYPES, HARDWARE, LOSS_NAMES, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE,
+                            TP_OVERLAP_STYLES, Job, Layout)
+from planner.rates import measured as measured_rates
 from planner.timing import MCORE_BUCKET, SOFTWARE
 from model import GPTConfig
 
@@ -31,6 +32,11 @@ FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; def
           "learned or ALiBi positions"),
          ("fused_loss", bool, False, "cross-entropy fused in one kernel on the 16-bit logits (flash-attn's xentropy, "
           "llm-foundry's default): the logits and their gradient only, no fp32 copies"),
+         ("loss", str, None, "the loss code whose memory is counted (planner/head.py): nanoscale (model.LMHead, train_tp's "
+          "vocab-parallel loss under TP) | cross_entropy | loss_parallel | vocab_parallel | megatron | nanotron | fused | "
+          "linear_ce (kernels/' fused chunked head); default: from --fused_loss / --inplace_loss / --loss_parallel"),
+         ("loss_chunks", int, 1, "the loss run over this many chunks of the logits (a chunked loss; linear_ce: of "
+          "its tokens, default its own chunk)"),
          ("inplace_loss", bool, False, "the loss's softmax and gradient computed in place on the fp32 logits "
           "(Megatron's vocab-parallel cross-entropy): no fp32 gradients of the logits beside the softmax"),
          ("fused_bias_dropout_add", bool, False, "dropout and the residual add in one kernel (Megatron-LM's "
@@ -121,7 +127,8 @@ def parse_args(argv, description):
                         choices=dict(precision=list(PRECISION), attn=["flash", "eager"], software=list(SOFTWARE),
                                      moments=["fp32", "bf16"], dp_overlap_style=["ddp", "mcore"],
                                      tp_overlap_style=list(TP_OVERLAP_STYLES),
-                                     grad_dtype=list(GRAD_DTYPES), pp_outputs_kept=list(PP_OUTPUTS_KEPT)).get(name))
+                                     grad_dtype=list(GRAD_DTYPES), loss=list(LOSS_NAMES[1:]),
+                                     pp_outputs_kept=list(PP_OUTPUTS_KEPT)).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
     return ap.parse_args(argv)
 
@@ -138,7 +145,7 @@ def check_flags(a):
     """Every number plan.py reads from its flags is in range (ConfigError naming the flag otherwise)."""
     for k in SHAPE:
         check(getattr(a, k) is None or getattr(a, k) > 0, f"--{k} must be a positive integer, got {getattr(a, k)}")
-    for k in ("gpus", "gpus_per_node", "seq", "top", "top_k"):
+    for k in ("gpus", "gpus_per_node", "seq", "top", "top_k", "loss_chunks"):
         check(getattr(a, k) > 0, f"--{k} must be a positive integer, got {getattr(a, k)}")
     check(a.gpus <= a.gpus_per_node or a.gpus % a.gpus_per_node == 0,
           f"--gpus {a.gpus} is not a whole number of nodes of --gpus_per_node {a.gpus_per_node}")
@@ -167,6 +174,7 @@ def build_job(a):
         if getattr(a, key) == defaults[key]:
             setattr(a, key, value)
     check(a.gpu in HARDWARE, f"unknown GPU {a.gpu!r}; known: {', '.join(HARDWARE)}")
+    measured_rates(a.gpu)                             # a rate table of this card that cannot be read: error here
     check(a.model is None or a.model in MODELS, f"unknown model {a.model!r}; known: {', '.join(MODELS)}")
     preset = dict(MODELS.get(a.model, {}))
     options = dict(n_kv_head=preset.pop("n_kv_head", 0), ffn_hidden=preset.pop("ffn_hidden", 0),
@@ -190,7 +198,7 @@ def build_job(a):
                causal=a.causal, moments=a.moments, attn_eff=a.attn_eff or 0.0, rope=a.rope, fused_loss=a.fused_loss,
                net_gbps=a.net_gbps or 0.0, bucket_mb_per_dp=a.bucket_mb_per_dp, dp_overlap_style=a.dp_overlap_style,
                grad_dtype=a.grad_dtype, inplace_loss=a.inplace_loss, fp32_residual=a.fp32_residual,
-               grads_freed=a.grads_freed, loss_parallel=a.loss_parallel, pp_outputs_kept=a.pp_outputs_kept,
+               grads_freed=a.grads_freed, loss_parallel=a.loss_parallel, loss=a.loss or "", loss_chunks=a.loss_chunks, pp_outputs_kept=a.pp_outputs_kept,
                pp_recv_per_micro_batch=a.pp_recv_per_micro_batch,
                fused_bias_dropout_add=a.fused_bias_dropout_add, tp_overlap_style=a.tp_overlap_style,
                tp_saves_gathered=a.tp_saves_gathered)

@@ -66,7 +66,10 @@ MODELS = {
 
 GRAD_DTYPES = ("param", "fp32", "both")    # model_state_bytes_per_param's gradient buffers
 PP_OUTPUTS_KEPT = ("none", "last", "all")  # the stage outputs a pipeline runtime keeps (planner/runtime_memory.py)
-TP_OVERLAP_STYLES = ("chunked", "torch")   # which SP collectives --tp_overlap pipelines (comm.sp_collectives)
+TP_OVERLAP_STYLES = ("chunked", "torch")
+# Job.loss: the loss code planner/head.py counts ("": read from the fused_loss / inplace_loss / loss_parallel flags)
+LOSS_NAMES = ("", "nanoscale", "cross_entropy", "loss_parallel", "vocab_parallel", "megatron", "nanotron", "fused",
+              "linear_ce")   # which SP collectives --tp_overlap pipelines (comm.sp_collectives)
 
 
 def model_state_bytes_per_param(recipe="fp32", moments="fp32", grad_dtype="param"):
@@ -161,6 +164,9 @@ class Job:
                                 # gradient in place on the saved softmax (no fp32 gradients beside it)
     loss_parallel: bool = False  # with tp > 1 the loss runs through torch's loss_parallel (DTensor's vocab-parallel
                                  # cross-entropy: 12 bytes per logit in its backward, planner/runtime_memory.py)
+    loss: str = ""            # the loss code the stack runs (planner/head.LOSSES, or nanoscale: model.LMHead / train_tp's
+                              # vocab-parallel one by tp); "": read from fused_loss, inplace_loss, loss_parallel
+    loss_chunks: int = 1      # the loss run over this many chunks of the logits (the fused head: of its tokens)
     pp_outputs_kept: str = "none"   # a PP_OUTPUTS_KEPT entry: the stage outputs of every micro-batch a pipeline
                                     # runtime keeps until the step ends (torch.distributed.pipelining before 2025: all)
     pp_recv_per_micro_batch: bool = False   # a pipeline receive buffer per micro-batch, for activations and for
@@ -250,6 +256,9 @@ def validate(job, lay):
           f"dualpipev needs micro-batches per step ({m}) >= 2 * pp = {2 * lay.pp}")
     check(job.pp_outputs_kept in PP_OUTPUTS_KEPT,
           f"unknown pp_outputs_kept {job.pp_outputs_kept!r}; known: {', '.join(PP_OUTPUTS_KEPT)}")
+    check(job.loss in LOSS_NAMES, f"unknown loss {job.loss!r}; known: {', '.join(LOSS_NAMES[1:])}")
+    check(job.loss != "linear_ce" or lay.tp == 1, "the fused linear cross-entropy head (linear_ce) needs the whole "
+                                                  "vocabulary on one rank: tp 1 (under TP the head is vocab-parallel)")
     check(lay.zero_stage in (0, 1, 2, 3), f"zero_stage {lay.zero_stage}: ZeRO has stages 0, 1, 2 and 3")
     check(lay.zero_stage < 3 or lay.dp * lay.cp > 1, "zero_stage 3 shards over dp x cp: dp*cp = 1 has none")
     check(lay.zero_stage < 3 or lay.schedule != "interleaved" or lay.pp > 1,

@@ -16,7 +16,8 @@ formula in the docstring, and the tests hold each against what the rungs count (
     on the device  = reserved + CUDA_CONTEXT + NCCL_COMM_BYTES per communicator   (what nvidia-smi shows)
     OOM            reserved > usable_bytes = the GPU's total capacity - CUDA_CONTEXT - NCCL_COMM_BYTES per communicator
                    (with the cap: the live tensors alone do not fit)
-    of the fuller of pipeline ranks 0 and p-1. Each constant and its source: below.
+    of the fuller of pipeline ranks 0 and p-1 (peak_rank says which). Those constants, their sources and the verdict
+    (fits, close, OOM): planner/device_memory.py.
 
 Stages are placed as pipeline_schedules.stage_of places them: round-robin (stage c*p + rank is chunk c of rank),
 or in a V for zbv and dualpipev (rank r holds stages r and 2p-1-r, so rank 0 holds both ends and the tied
@@ -29,34 +30,20 @@ from functools import lru_cache
 
 from model import activation_bytes_per_layer
 from pipeline.schedules import placement_of, rank_of, stage_of
+from planner.device_memory import (ALLOCATOR_RESERVE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES,  # noqa: F401
+                                    capacity_of, communicators, usable_bytes)
 from planner.inputs import PRECISION, model_state_bytes_per_param
-from planner.runtime_memory import loss_backward_bytes, pipeline_buffers_bytes, pipeline_outputs_bytes
+from planner.head import loss_of, loss_saved_bytes, loss_transient_bytes
+from planner.runtime_memory import pipeline_buffers_bytes, pipeline_outputs_bytes
 from planner.shape import (activation_delta_values, block_numels, embedding_numels, held_layers, job_of_shape,
                                kv_dim, op_recompute_values, stage_layer_counts)
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "reserved")
 
-# What a GPU's memory holds besides the tensors (memory and usable_bytes below; docs/plan.md):
-# DEVICE_SHARE: the share of the HBM the driver hands to a process, torch's "total capacity" in every CUDA OOM message
-# ("79.15 GiB total capacity" on an A100 80GB, "31.74 GiB" on a V100 32GB: NVIDIA/Megatron-LM #525).
-# CUDA_CONTEXT: the context and the loaded kernels, outside the caching allocator: "GPU memory occupied: 1343 MB" after
-# the first tensor (Hugging Face transformers docs, "Model training anatomy": "the kernels alone take up 1.3GB").
-# NCCL_COMM_BYTES: one communicator's buffers, outside the allocator: per channel a 10 MiB and a 2 MiB buffer, 32
-# channels on 8 x H100 (NVIDIA/nccl #1685, NCCL_DEBUG_SUBSYS=ALLOC); "a Ring ... only has 2 connections regardless of
-# the scale" and "memory usage is linearly tied to the number of channels" (#986): 32 x 12 MiB per communicator.
 # CUBLAS_WORKSPACE: torch's cuBLAS and cuBLASLt workspaces, through the caching allocator (counted as allocated): 32
-# MiB each on Hopper (torch's default CUBLAS_WORKSPACE_CONFIG ":4096:8", 8 x 4 MiB).
-# ALLOCATOR_RESERVE: what the caching allocator reserves beyond the peak of live tensors, as a share of the tensors
-# that come and go each step (activations, logits, buffers; model states are allocated once and do not fragment):
-# 16 GiB stranded over 77 GiB of stashed activations at their peak (93 GiB reserved), meta-pytorch/torchrec #4584's
-# study of HBM fragmentation, a measurement of the allocator, not of a run plan.py is compared with. The reserve is
-# soft: where a cudaMalloc fails the allocator frees its cached blocks and retries (torch.cuda.memory_stats'
-# num_alloc_retries), so reserved memory stops at what is usable and only the live tensors can run a GPU out.
-DEVICE_SHARE = 79.15 / 80
-CUDA_CONTEXT = 1343e6
-NCCL_COMM_BYTES = 32 * 12 * 2 ** 20
+# MiB each on Hopper (torch's default CUBLAS_WORKSPACE_CONFIG ":4096:8", 8 x 4 MiB). What a GPU's memory holds
+# besides the tensors, and the verdict: planner/device_memory.py.
 CUBLAS_WORKSPACE = 2 * 32 * 2 ** 20
-ALLOCATOR_RESERVE = 16 / 77
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -258,16 +245,15 @@ def residual_extra_bytes(job, lay, copies):
 
 
 def head_activation_bytes(job, lay):
-    """Last stage, per micro-batch: ln_f input and LM-head input (2sbh values, /t under SP), their stats and the
-    targets (16sb bytes), the fp32 softmax of the (vocab-parallel) cross-entropy (4*s*b*V/t; a fused loss,
-    job.fused_loss, keeps the 16-bit logits and an fp32 log-sum-exp per token instead: flash-attn's
-    losses/cross_entropy.py saves logits, lse and labels for its backward) and the RoPE table."""
+    """Last stage, per micro-batch: ln_f's input and the LM head's input (2sbh values, /t under SP; the fused head,
+    which saves dh instead, the first alone), their stats and the targets (16sb bytes), what the loss saves
+    (planner/head.loss_saved_bytes, each stack's own: the fp32 softmax of most, the 16-bit logits and their
+    log-sum-exp of a fused loss, dh and dW of the fused head) and the RoPE table."""
     cfg, bpv = job.cfg, PRECISION[job.precision][1]
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
-    loss = (bpv * s * b * cfg.padded_vocab_size / lay.tp + 4 * s * b if job.fused_loss
-            else 4 * s * b * cfg.padded_vocab_size / lay.tp)
-    return (2 * s * b * h * bpv / (lay.tp if lay.sp else 1) + 16 * s * b + loss + s * (h // cfg.n_head) * 4
-            + residual_extra_bytes(job, lay, 1))
+    inputs = 1 if loss_of(job, lay) == "linear_ce" else 2
+    return (inputs * s * b * h * bpv / (lay.tp if lay.sp else 1) + 16 * s * b + loss_saved_bytes(job, lay)
+            + s * (h // cfg.n_head) * 4 + residual_extra_bytes(job, lay, 1))
 
 
 def in_flight(schedule, p, m, v, rank):
@@ -297,8 +283,8 @@ def activation_bytes(job, lay, rank):
 
 
 def other_bytes(job, lay, rank, groups):
-    """Working sets beside states and activations at the start of the backward: the loss's (plan_runtime_memory, last
-    stage) and the stage outputs a pipeline runtime keeps (runtime_memory.pipeline_outputs_bytes); ZeRO-2's two
+    """Working sets beside states and activations at the start of the backward: the loss's (head.loss_transient_bytes,
+    last stage) and the stage outputs a pipeline runtime keeps (runtime_memory.pipeline_outputs_bytes); ZeRO-2's two
     gradient buffers in flight (2 * largest bucket * g); ZeRO-3's gathered current + prefetched unit and the unit's
     full gradient ((2p + g) * largest unit); amp's bf16 copies of the weights (2 bytes per rank parameter, which the
     matmuls save for their backward; under ZeRO-3 only those of the two gathered units; under full recompute none of
@@ -310,7 +296,7 @@ def other_bytes(job, lay, rank, groups):
     s, b = cfg.block_size // lay.cp, lay.micro_batch_size
     sizes = model_state_bytes_per_param(recipe, job.moments, job.grad_dtype)
     out = CUBLAS_WORKSPACE
-    loss = loss_backward_bytes(job, lay) if rank == end_ranks(lay)[1] else 0
+    loss = loss_transient_bytes(job, lay) if rank == end_ranks(lay)[1] else 0
     if lay.zero_stage == 2:
         out += 2 * max(groups) * sizes["grads"]
     if lay.zero_stage == 3:
@@ -345,27 +331,10 @@ def peak_bytes(job, lay, parts):
     return max(whole - parts["grads"], parts["params"] + parts["grads"] + parts["optimizer"] + CUBLAS_WORKSPACE)
 
 
-def communicators(dp, tp, cp, pp, ep):
-    """NCCL communicators a rank holds buffers for: one per group of more than one rank (tp, cp, dp x cp, pp, ep)."""
-    return (tp > 1) + (cp > 1) + (dp * cp > 1) + (pp > 1) + (ep > 1)
-
-
-def usable_bytes(capacity, n_communicators):
-    """What the caching allocator can reserve: the GPU's total capacity as torch reports it (HARDWARE's HBM x
-    DEVICE_SHARE; torch.cuda.get_device_properties().total_memory on a GPU) less the CUDA context and NCCL's
-    buffers, which live outside it."""
-    return capacity - CUDA_CONTEXT - NCCL_COMM_BYTES * n_communicators
-
-
-def capacity_of(job):
-    """The GPU's total capacity as torch reports it: its HBM x DEVICE_SHARE."""
-    return job.hw["mem"] * DEVICE_SHARE
-
-
 def memory(job, lay):
     """Memory parts of the fuller of pipeline ranks 0 and p-1 (bytes): the two ends (most in flight under afab,
     1f1b and interleaved on rank 0; the last stage's logits on p-1), in a V both ends and the turn (where zbv holds
-    the most with few micro-batches). total: what the tensors take at their peak (allocated); reserved: with the
+    the most with few micro-batches); peak_rank: which. total: what the tensors take at their peak (allocated); reserved: with the
     caching allocator's blocks beyond them (ALLOCATOR_RESERVE of the tensors that come and go); device: reserved +
     the CUDA context and NCCL's buffers (nvidia-smi's figure)."""
     best = None
@@ -381,7 +350,8 @@ def memory(job, lay):
             parts["reserved"] = min(parts["reserved"], usable)
         parts["padded_params"] = st["padded"]
         parts["groups"] = len(groups)        # buckets (ZeRO 0-2) or units (ZeRO-3): one collective each
-        if best is None or parts["reserved"] > best["reserved"]:
+        parts["peak_rank"] = rank
+        if best is None or (parts["reserved"], parts["total"]) > (best["reserved"], best["total"]):
             best = parts
     best["device"] = best["reserved"] + CUDA_CONTEXT + NCCL_COMM_BYTES * n
     best["usable"] = usable

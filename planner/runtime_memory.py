@@ -1,12 +1,8 @@
 """
-planner/runtime_memory.py: what the loss and a pipeline runtime keep beside a stage's activations, for planner/memory.py.
+planner/runtime_memory.py: what a pipeline runtime keeps beside a stage's activations, for planner/memory.py.
 Formulas only; each term says which software keeps it (a Job field that --software sets) and the source line.
 
-    loss's backward (last stage)     per logit of one micro-batch (s/cp x b x V/t):
-        F.cross_entropy                      8 bytes: nll_loss's dense fp32 gradient + log_softmax's backward output
-        torch's loss_parallel (tp > 1)      12 bytes: its zeros, exp of the saved log-softmax, their sum / product
-        fused (flash-attn) or in place (Megatron)   bpv bytes
-        + bpv where the caller holds the logits (job.logits_held)
+    (the LM head and the loss, each stack's own: planner/head.py)
     pipeline outputs kept (job.pp_outputs_kept, with pp > 1)
         all    every stage's output of every micro-batch until the step ends: v x m outputs per rank,
                b*s*h/t(SP) values each, the last stage's its logits (b*s*V/t values)
@@ -17,38 +13,8 @@ Formulas only; each term says which software keeps it (a Job field that --softwa
                buffers per stage but the last, less the activation buffers in flight (their first block's input)
         otherwise   2 messages in flight
 """
+from planner.head import logits_per_micro_batch
 from planner.inputs import PRECISION
-
-
-def logits_per_micro_batch(job, lay):
-    """Logits one rank computes per micro-batch: s/cp tokens x b sequences x V/t vocabulary columns (the LM head's
-    input is all-gathered over tp under SP, so every rank holds the whole sequence's slice of the vocabulary)."""
-    cfg = job.cfg
-    return cfg.block_size // lay.cp * lay.micro_batch_size * cfg.padded_vocab_size / lay.tp
-
-
-def loss_backward_bytes(job, lay):
-    """What the loss adds at the start of the backward, where the last stage's memory peaks (beside its saved softmax,
-    memory.head_activation_bytes): F.cross_entropy is log_softmax then nll_loss (torch.nn.functional); nll_loss's
-    backward returns a dense gradient of the log-probabilities' shape (aten nll_loss_backward: zeros, then -1/N at
-    each target) and log_softmax's backward allocates its own output (aten _log_softmax_backward_data: grad -
-    exp(out) * sum(grad)), both fp32 while the saved output is alive: 8 bytes per logit. torch's loss_parallel
-    (job.loss_parallel, with tp > 1: torchtitan's default under TP) runs both backwards as one DTensor handler on the
-    local shard (torch/distributed/tensor/parallel/loss.py, _nll_loss_and_log_softmax_backward: grad_input =
-    torch.zeros_like(x), then `(grad_input + torch.exp(x)) * grad_output`): the zeros, exp(x) and their sum are fp32
-    and alive together beside the saved log-softmax x, and the product replaces exp(x): 12 bytes per logit. The fused
-    loss computes the logits' gradient in one kernel, in their dtype (flash-attn's losses/cross_entropy.py: bpv
-    bytes); Megatron's (job.inplace_loss) turns the fp32 logits into the softmax in place and the softmax into the
-    gradient in place (megatron/core/tensor_parallel/cross_entropy.py, _VocabParallelCrossEntropy): bpv bytes, the
-    16-bit logits before it or their gradient after it. job.logits_held: the logits themselves (bpv bytes; the fp32
-    copy F.cross_entropy is given is not saved and is freed with the forward). Measured: torch's MemTracker on
-    model.py's step under CPU autocast, 14 bytes per logit at the peak with the logits held (10 before this term)."""
-    bpv = PRECISION[job.precision][1]
-    logits = logits_per_micro_batch(job, lay)
-    if job.fused_loss or job.inplace_loss:
-        return logits * bpv
-    working = 12 if job.loss_parallel and lay.tp > 1 else 8
-    return logits * (working + (bpv if job.logits_held else 0))
 
 
 def pipeline_outputs_bytes(job, lay, chunks, holds_last):

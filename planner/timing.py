@@ -21,6 +21,7 @@ import math
 from functools import lru_cache
 
 from planner import elementwise as plan_elementwise
+from planner import rates as plan_rates
 from planner import shape as plan_shape
 from planner.inputs import Job, Layout
 from model import GPTConfig
@@ -45,16 +46,16 @@ GEMM_EFF = {"a100": 267.9 / 312, "a100-40gb": 267.9 / 312,
 GEMM_SHAPE = dict(e0=9.55e5, a=1.9, k0=263, b=1.3)
 
 
-def gemm_shape_factor(m, n, k):
-    """How much longer an m x k x n GEMM takes per FLOP than at the measured ceiling (GEMM_SHAPE)."""
-    return (1 + (GEMM_SHAPE["e0"] / (m * n)) ** GEMM_SHAPE["a"]) * (1 + (GEMM_SHAPE["k0"] / k) ** GEMM_SHAPE["b"])
+def gemm_shape_factor(m, n, k, fit=GEMM_SHAPE):
+    """How much longer an m x k x n GEMM takes per FLOP than at the measured ceiling (a fit of GEMM_SHAPE's form)."""
+    return (1 + (fit["e0"] / (m * n)) ** fit["a"]) * (1 + (fit["k0"] / k) ** fit["b"])
 
 
-def linear_factor(rows, n_in, n_out):
+def linear_factor(rows, n_in, n_out, fit=GEMM_SHAPE):
     """gemm_shape_factor of one linear layer over a step's three GEMMs of equal FLOPs: forward (rows x n_in x n_out),
     input gradient (rows x n_out x n_in) and weight gradient (n_in x rows x n_out: the rows are its depth)."""
-    return (gemm_shape_factor(rows, n_out, n_in) + gemm_shape_factor(rows, n_in, n_out)
-            + gemm_shape_factor(n_in, n_out, rows)) / 3
+    return (gemm_shape_factor(rows, n_out, n_in, fit) + gemm_shape_factor(rows, n_in, n_out, fit)
+            + gemm_shape_factor(n_in, n_out, rows, fit)) / 3
 
 
 def gemm_rows_factor(job, tp, rows):
@@ -63,18 +64,20 @@ def gemm_rows_factor(job, tp, rows):
     how much longer its matmuls take than at the ceiling. 1 with job.eff (one efficiency for everything)."""
     if job.eff:
         return 1.0
-    return shape_factor(job.shape, tp, rows)
+    return shape_factor(job.shape, tp, rows, job.gpu)
 
 
 @lru_cache(maxsize=None)
-def shape_factor(shape, tp, rows):
-    """gemm_rows_factor of a Job.shape (cached: the search asks for it per layout)."""
+def shape_factor(shape, tp, rows, gpu):
+    """gemm_rows_factor of a Job.shape on `gpu` (its rates_of's fit; cached: the search asks for it per layout)."""
+    fit = rates_of(gpu)["gemm_shape"]
     job = plan_shape.job_of_shape(shape)
     cfg = job.cfg
     shapes = [(n_in, n_out, cfg.n_layer) for n_in, n_out in plan_shape.block_linears(job, tp)]
     shapes.append((cfg.n_embd, cfg.padded_vocab_size // tp, 1))
     flops = [n_in * n_out * count for n_in, n_out, count in shapes]
-    return sum(f * linear_factor(max(rows, 1), n_in, n_out) for f, (n_in, n_out, _) in zip(flops, shapes)) / sum(flops)
+    return sum(f * linear_factor(max(rows, 1), n_in, n_out, fit) for f, (n_in, n_out, _) in zip(flops, shapes)) / sum(
+        flops)
 
 
 # Fraction of peak a flash-attention kernel reaches, forward + backward, on the executed FLOPs of plan's count (4 h s
@@ -103,9 +106,33 @@ MPT7B = dict(n_layer=32, n_embd=4096, vocab=50432, seq=2048, micro_batch=6, mfu=
 A100_HBM = 2.039e12          # inputs.HARDWARE["a100"]["hbm"], the bandwidth of that measurement
 
 
-def kernel_time(matmul_flops, attention_flops, gpu, peak, attn_eff=0.0):
-    """Seconds of the GEMM and attention kernels alone at `gpu`'s measured ceilings (attention_flops: executed)."""
-    return (matmul_flops / GEMM_EFF[gpu] + attention_flops / (attn_eff or ATTN_EFF[gpu])) / peak
+def published_rates(gpu):
+    """The rates above for `gpu`: GEMM_EFF's ceiling, ATTN_EFF, GEMM_SHAPE (OpenXLA's H100 table, every card)."""
+    return dict(gemm_eff=GEMM_EFF[gpu], attn_eff=ATTN_EFF[gpu], gemm_shape=GEMM_SHAPE,
+                source="published: MAMF ceiling, FlashAttention utilization, OpenXLA's H100 GEMM table")
+
+
+def rates_of(gpu):
+    """What prices `gpu`'s compute: its measured table (planner/rates.py) where the card was measured, else
+    published_rates. Each carries its source, which plan.py prints."""
+    return card_rates(gpu, plan_rates.RATES_DIR)
+
+
+@lru_cache(maxsize=None)
+def card_rates(gpu, directory):
+    """rates_of with the tables' folder (cached: the search prices thousands of layouts)."""
+    return plan_rates.measured(gpu, directory) or published_rates(gpu)
+
+
+def priced_by(job):
+    """Which rates price a job's compute: --eff, or rates_of's source (a measured table, or the published rates)."""
+    return f"--eff {job.eff}" if job.eff else rates_of(job.gpu)["source"]
+
+
+def kernel_time(matmul_flops, attention_flops, rates, peak, attn_eff=0.0):
+    """Seconds of the GEMM and attention kernels alone at the ceilings of `rates` (rates_of; attention_flops:
+    executed)."""
+    return (matmul_flops / rates["gemm_eff"] + attention_flops / (attn_eff or rates["attn_eff"])) / peak
 
 
 def mpt7b_kernel_share():
@@ -119,7 +146,7 @@ def mpt7b_kernel_share():
               (h, V, V * h)]
     factor = sum(w * linear_factor(rows, n_in, n_out) for n_in, n_out, w in shapes) / sum(w for *_, w in shapes)
     measured = (matmul + attention) / MPT7B["mfu"]
-    return kernel_time(matmul * factor, attention / 2, "a100", 1.0) / measured, factor, measured / A100_PEAK
+    return kernel_time(matmul * factor, attention / 2, published_rates("a100"), 1.0) / measured, factor, measured / A100_PEAK
 
 
 def mpt7b_elementwise_seconds():
@@ -139,8 +166,9 @@ MEMORY_BOUND = (1 / KERNEL_SHARE - 1) * MPT7B_GEMM_FACTOR * (1 - ELEMENTWISE_SHA
 
 
 def compute_time(flops, attention_flops, job, gemm_factor, elementwise_bytes):
-    """Seconds of the FLOPs of one token (model count + recompute, `attention_flops` of them QK^T / AV) on job's GPU:
-    matmuls at peak * GEMM_EFF, slower by gemm_factor (gemm_rows_factor of the GEMMs' shapes), a flash kernel's
+    """Seconds of the FLOPs of one token (model count + recompute, `attention_flops` of them QK^T / AV) on job's GPU,
+    at rates_of(job.gpu) (its measured table where the card was measured, else the published rates): matmuls at peak *
+    GEMM_EFF, slower by gemm_factor (gemm_rows_factor of the GEMMs' shapes), a flash kernel's
     attention at peak * ATTN_EFF, half of it when causal (Dao 2023, FlashAttention-2 Sec. 3.1.1: blocks above the
     diagonal are skipped), eager attention as batched matmuls, all of it (the scores are computed, then masked); plus
     the memory-bound rest: `elementwise_bytes` (elementwise.bytes_per_token) at this GPU's HBM bandwidth, and
@@ -152,8 +180,8 @@ def compute_time(flops, attention_flops, job, gemm_factor, elementwise_bytes):
     attention = attention if flash else 0.0
     if job.eff:
         return (matmul + attention) / (job.peak * job.eff)
-    kernels = kernel_time(matmul * gemm_factor, attention, job.gpu, job.peak, job.attn_eff)
-    on_a100 = kernel_time(matmul, attention, "a100", A100_PEAK)
+    kernels = kernel_time(matmul * gemm_factor, attention, rates_of(job.gpu), job.peak, job.attn_eff)
+    on_a100 = kernel_time(matmul, attention, published_rates("a100"), A100_PEAK)
     return kernels + (MEMORY_BOUND * on_a100 * A100_HBM + elementwise_bytes) / job.hw["hbm"]
 
 

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 
 import plan
+from planner import head as plan_head
 from planner import memory as plan_memory
 from planner import runtime_memory as plan_runtime_memory
 from planner.cli import build_job, parse_args
@@ -76,7 +77,7 @@ def test_full_recompute_keeps_the_block_it_recomputes():
     extra = plan_memory.layer_activation_bytes(job, none) - plan_memory.layer_activation_bytes(job, full)
     for rank in (0, 1):
         base = plan_memory.other_bytes(job, replace(full, recompute="selective"), rank, [1])
-        loss = plan_memory.loss_backward_bytes(job, full) if rank == 1 else 0
+        loss = plan_memory.loss_transient_bytes(job, full) if rank == 1 else 0
         assert plan_memory.other_bytes(job, full, rank, [1]) - base == pytest.approx(max(loss, extra) - loss)
     assert extra > 0
 
@@ -91,10 +92,12 @@ def test_plan_sweep_reports_reserved(tmp_path):
     row = plan.evaluate(job_for(), Layout(dp=8))
     capacity = 80 * GIB * DEVICE_SHARE
     assert sweep.verdict(row, capacity) == ("OOM" if row["oom"] else "fits")
-    assert sweep.verdict(row, row["mem_bytes"]["reserved"]) == "OOM"            # less than the context and NCCL
+    assert sweep.verdict(row, 0.8 * row["mem_bytes"]["reserved"]) == "OOM"
+    exact = row["mem_bytes"]["total"] + CUDA_CONTEXT + NCCL_COMM_BYTES           # the tensors fill the usable memory
+    assert sweep.verdict(row, exact) == "close"
     text = "\n".join(sweep.summary([(row, dict(allocated=row["mem_bytes"]["total"],
                                                 reserved=row["mem_bytes"]["reserved"] * 1.25), "fits")], capacity))
-    assert "median: allocated 1.00, reserved 0.80" in text
+    assert "median: allocated 1.00, reserved 0.80" in text and "0 close calls apart" in text
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -154,15 +157,15 @@ def _loss_parallel_peak_per_logit(rank, world):
 def test_loss_parallel_backward_measured():
     """torch's loss_parallel (torchtitan's loss under TP) on a 1-rank mesh under torch's MemTracker: its backward's
     peak per logit is the 16-bit logits, the saved fp32 log-softmax and 12 bytes of fp32 working set (zeros, exp of
-    the log-softmax, their sum / product), where F.cross_entropy's is 8; runtime_memory.loss_backward_bytes counts
+    the log-softmax, their sum / product), where F.cross_entropy's is 8; head.loss_transient_bytes counts
     those 12 with --loss_parallel and tp > 1, the 8 otherwise."""
     from distributed_helper import run_workers
     per_logit = run_workers(_loss_parallel_peak_per_logit, 1)[0]
     job, lay = job_for(logits_held=True, loss_parallel=True), Layout(dp=4, tp=2)
-    logits_count = plan_runtime_memory.logits_per_micro_batch(job, lay)
-    assert per_logit == pytest.approx(4 + plan_runtime_memory.loss_backward_bytes(job, lay) / logits_count, abs=0.1)
-    assert plan_runtime_memory.loss_backward_bytes(job, lay) / logits_count == 12 + 2
-    assert plan_runtime_memory.loss_backward_bytes(job, Layout(dp=8)) / (2 * logits_count) == 8 + 2   # tp 1: F's
+    logits_count = plan_head.logits_per_micro_batch(job, lay)
+    assert per_logit == pytest.approx(4 + plan_head.loss_transient_bytes(job, lay) / logits_count, abs=0.1)
+    assert plan_head.loss_transient_bytes(job, lay) / logits_count == 12 + 2
+    assert plan_head.loss_transient_bytes(job, Layout(dp=8)) / (2 * logits_count) == 8 + 2   # tp 1: F's
 
 
 def test_torchtitan_pipeline_keeps_every_output():
@@ -190,3 +193,34 @@ def test_torchtitan_pipeline_keeps_every_output():
         (3 * m - held - 2) * hidden)
     titan = build_job(parse_args(["--model", "gpt2", "--software", "torchtitan"], ""))
     assert titan.pp_outputs_kept == "all" and titan.loss_parallel and titan.pp_recv_per_micro_batch
+
+
+def test_close_call_verdict():
+    """A prediction within device_memory.CLOSE_CALL (5%) of the usable memory either side is a close call, printed
+    with its side and counted apart; beyond it fits or OOM as the oom flag says."""
+    from planner.device_memory import CLOSE_CALL, verdict
+    usable = 70 * GIB
+    assert CLOSE_CALL == 0.05
+    assert verdict(0.96 * usable, usable) == verdict(1.04 * usable, usable) == "close"
+    assert (verdict(0.94 * usable, usable), verdict(1.06 * usable, usable)) == ("fits", "OOM")
+    said = []
+    for b, rc in ((1, "full"), (4, "none"), (8, "none")):
+        r = plan.evaluate(job_for(gpu="a100-40gb"), Layout(dp=8, micro_batch_size=b, recompute=rc))
+        said.append(r["verdict"])
+        m = r["mem_bytes"]
+        near = abs(m["total"] / m["usable"] - 1) <= CLOSE_CALL
+        assert r["verdict"] == ("close" if near else "OOM" if r["oom"] else "fits")
+        assert plan.format_row(1, dict(r, verdict="close")).endswith(f"close ({'OOM' if r['oom'] else 'fits'})")
+    assert said == ["fits", "close", "OOM"]         # 27%, 97% and 144% of a 40 GB A100's usable memory
+
+
+def test_peak_rank_names_the_fuller_end():
+    """The pipeline rank holding the peak: the last (the LM head and loss) with a large vocabulary and few micro-batches
+    in flight, the first (its in-flight micro-batches) with a small one; the printed summary says which."""
+    big = job_for(GPTConfig(vocab_size=256000, block_size=4096, n_layer=8, n_head=16, n_embd=1024), global_seqs=16)
+    small = job_for(GPTConfig(vocab_size=1024, block_size=4096, n_layer=8, n_head=16, n_embd=1024), global_seqs=16)
+    lay = Layout(dp=2, pp=4, micro_batch_size=1)
+    assert plan.evaluate(big, lay)["peak_rank"] == 3 and plan.evaluate(small, lay)["peak_rank"] == 0
+    from planner.report import peak_place
+    assert peak_place(plan.evaluate(big, lay)).endswith("the LM head and loss")
+    assert peak_place(plan.evaluate(small, lay)).endswith("micro-batches in flight")
