@@ -1,8 +1,9 @@
 """README.md's commands, read from README itself and run as written, each held to what README promises of it: the
 quick start's two lines, the ladder's launches, the GPU check's line and the plan.py lines. Three departures, each
 stated where it happens: a command that trains runs fewer steps (QUICK_STEPS, LADDER_STEPS); torchrun is replaced by
-this suite's gloo workers (the same environment variables, tests/distributed_helper.py); pip is not run (the test
-environment is the installed one). README's test command itself (`python -m pytest`) is this suite."""
+this suite's gloo workers (the same environment variables, tests/distributed_helper.py), and a python command runs
+on one thread (OMP_NUM_THREADS=1, as torchrun sets it: a shared machine's cores are not all this test's); pip is not
+run (the test environment is the installed one). README's test command itself (`python -m pytest`) is this suite."""
 import json
 import os
 import re
@@ -52,7 +53,8 @@ def run_line(line, cwd, max_steps=None):
         assert argv[0] == "python", argv
         if max_steps is not None and "--max_steps" in argv:
             argv[argv.index("--max_steps") + 1] = str(max_steps)
-        proc = subprocess.run([sys.executable] + argv[1:], cwd=cwd, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([sys.executable] + argv[1:], cwd=cwd, capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, (command, proc.stdout[-2000:], proc.stderr)
         out = proc.stdout
     return out
@@ -95,7 +97,7 @@ def test_every_ladder_launch_runs_cpu_sized_with_the_flags_readme_gives(sandbox)
     """Each launch of the ladder's table, with the CPU-sized flags README gives below it (and LADDER_STEPS of their
     200 steps), on as many gloo workers as its --nproc_per_node: it trains, its metrics are finite."""
     section = readme_section("The ladder")
-    cpu_flags = re.search(r"; `(--n_layer [^`]*)` makes any of them a CPU run", section).group(1).split()
+    cpu_flags = re.search(r";\s+`(--n_layer [^`]*)` makes any of them a CPU run", section).group(1).split()
     cpu_flags[cpu_flags.index("--max_steps") + 1] = str(LADDER_STEPS)
     launches = re.findall(r"^\| \d+ \| `[^`]+` \|.*\| `((?:torchrun|python) [^`]*)` \|$", section, re.M)
     assert len(launches) == 10, launches          # 2 to 11 but model.py's row ("imported")
