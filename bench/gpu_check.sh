@@ -9,13 +9,13 @@
 #
 # Its command line is read first, anywhere: --help, and a flag it does not know is one error (exit 2). It cannot
 # pass by accident. It skips (one line, exit 0, so CI can call it anywhere) only where no GPU exists: no nvidia-smi,
-# or an nvidia-smi that lists no GPU; there --dry still lists the rows (it runs nothing). The driver's tool is asked, not torch, because a broken
-# torch must not look like a machine without a GPU. Where a GPU exists, each missing piece is one "error:" line
-# and exit 1: no python, no torch, a CPU-only torch build, a torch that cannot use the GPU (a driver older than
-# its CUDA needs), no C compiler or no Python.h (Triton compiles a launcher with both), or a package the checks
-# import that is neither importable nor installable. It installs nothing that is importable already (a GPU
-# machine may have no network), and never torch or triton: a CUDA build of torch brings the triton it was built
-# with, and requirements.txt's pins would replace them.
+# or an nvidia-smi that lists no GPU; there --dry still lists the rows (it runs nothing). The driver's tool is
+# asked, not torch, because a broken torch must not look like a machine without a GPU. Where a GPU exists, each
+# missing piece is one "error:" line and exit 1: no python, no torch, a CPU-only torch build, a torch that cannot
+# use the GPU (a driver older than its CUDA needs), no C compiler or no Python.h (Triton compiles a launcher with
+# both), or a package the checks import that is neither importable nor installable. It installs nothing that is
+# importable already (a GPU machine may have no network), and never torch or triton: a CUDA build of torch brings
+# the triton it was built with, and requirements.txt's pins would replace them.
 set -uo pipefail
 here=${BASH_SOURCE[0]%/*}
 [ "$here" = "${BASH_SOURCE[0]}" ] && here=.
