@@ -96,7 +96,7 @@ def _rows(out_dir):
     return rows
 
 
-TIMED = ("step_time_s", "tokens_per_s", "mfu", "peak_mem_bytes")
+TIMED = ("step_time_s", "tokens_per_s", "mfu", "peak_mem_bytes", "peak_reserved_bytes")   # (on CPU both: the RSS)
 
 
 def test_resumed_mixture_equals_unbroken_run_bitwise(banded, tmp_path):
