@@ -33,7 +33,6 @@ Tolerances: bf16 keeps 8 significant bits, so two runs that round and reduce in 
 ~1e-3 of the loss over a few steps; a lost micro-batch or a wrong gradient scale moves it by far more than
 BF16_RTOL. FP8 GEMMs add quantization noise on top (FP8_RTOL). A NaN or inf loss fails its row.
 """
-import argparse
 import json
 import math
 import os
@@ -49,11 +48,11 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import torch  # noqa: E402
 
 from common.metrics import read_metrics  # noqa: E402
+from gpu_check_args import TIMED_FROM, parse_args  # noqa: E402
 from gpu_check_rows import GPT2_VOCAB, multi_gpu_rows, one_gpu_rows, predicted_single_gpu_peak  # noqa: E402
 
 BF16_RTOL = 2e-2     # max over steps of |loss - reference| / reference, bf16 runs
 FP8_RTOL = 5e-2      # the same for FP8 runs against bf16
-TIMED_FROM = 3       # steps before this one build caches and compile: not timed
 GIB = 2 ** 30
 
 
@@ -175,24 +174,7 @@ def format_table(machine, args, table):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--budget_s", type=float, default=480.0, help="seconds for all rows; rows that would not fit "
-                   "are listed as 'not run (budget)' (default 480: a 15-minute GPU lease with start-up and rerun)")
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps per training run")
-    p.add_argument("--out", default=os.path.join("out", "gpu_check"), help="table.md, gpu_check.log, each row's "
-                   "log and run directory")
-    p.add_argument("--timeout", type=int, default=900, help="seconds before one row counts as hung")
-    p.add_argument("--only", default="", help="comma-separated row-name prefixes to run (their references too)")
-    p.add_argument("--dry", action="store_true", help="run nothing: list the rows and which the budget admits, "
-                   "each at its estimate (works without a GPU)")
-    p.add_argument("--plan_sweep", action="store_true", help="instead of the checks: plan.py's predicted peak "
-                   "memory and OOM vs torch.cuda.max_memory_allocated and max_memory_reserved over train_5d layouts "
-                   "(bench/plan_sweep.py)")
-    p.add_argument("--plan_gpus", type=int, default=8, help="with --plan_sweep --dry and no GPU: GPUs to plan for")
-    p.add_argument("--plan_gpu", default="h100", help="with --plan_sweep --dry and no GPU: inputs.HARDWARE's GPU")
-    args = p.parse_args(argv)
-    if args.budget_s <= 0 or args.steps <= TIMED_FROM or args.timeout <= 0:
-        p.error(f"--budget_s and --timeout must be positive and --steps > {TIMED_FROM} (the untimed steps)")
+    args = parse_args(argv)
     if args.plan_sweep:
         return plan_sweep_main(args)
     if not args.dry and not torch.cuda.is_available():   # run directly where torch sees no GPU: fail, never pass

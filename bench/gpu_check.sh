@@ -7,14 +7,15 @@
 #   PYTHON=.venv/bin/python bash bench/gpu_check.sh                # the interpreter (default: python or python3,
 #                                                                  # the first that imports torch)
 #
-# It cannot pass by accident. It skips (one line, exit 0, so CI can call it anywhere) only where no GPU exists:
-# no nvidia-smi, or an nvidia-smi that lists no GPU. The driver's tool is asked, not torch, because a broken
-# torch must not look like a machine without a GPU. Where a GPU exists, each missing piece is one "error:" line
-# and exit 1: no python, no torch, a CPU-only torch build, a torch that cannot use the GPU (a driver older than
-# its CUDA needs), no C compiler or no Python.h (Triton compiles a launcher with both), or a package the checks
-# import that is neither importable nor installable. It installs nothing that is importable already (a GPU
-# machine may have no network), and never torch or triton: a CUDA build of torch brings the triton it was built
-# with, and requirements.txt's pins would replace them.
+# Its command line is read first, anywhere: --help, and a flag it does not know is one error (exit 2). It cannot
+# pass by accident. It skips (one line, exit 0, so CI can call it anywhere) only where no GPU exists: no nvidia-smi,
+# or an nvidia-smi that lists no GPU; there --dry still lists the rows (it runs nothing). The driver's tool is
+# asked, not torch, because a broken torch must not look like a machine without a GPU. Where a GPU exists, each
+# missing piece is one "error:" line and exit 1: no python, no torch, a CPU-only torch build, a torch that cannot
+# use the GPU (a driver older than its CUDA needs), no C compiler or no Python.h (Triton compiles a launcher with
+# both), or a package the checks import that is neither importable nor installable. It installs nothing that is
+# importable already (a GPU machine may have no network), and never torch or triton: a CUDA build of torch brings
+# the triton it was built with, and requirements.txt's pins would replace them.
 set -uo pipefail
 here=${BASH_SOURCE[0]%/*}
 [ "$here" = "${BASH_SOURCE[0]}" ] && here=.
@@ -34,10 +35,26 @@ fail() {
   exit 1
 }
 
+skip() {            # no GPU here: --dry still lists the rows (it needs torch, not a GPU); anything else skips
+  for arg in "$@"; do
+    [ "$arg" = --dry ] && exec "$PYTHON" bench/gpu_check.py "$@"
+  done
+  echo "gpu_check: skipped ($reason)"
+  exit 0
+}
+
+# 0. The command line, before anything is looked for: --help and a bad flag need no GPU (no python: the probe says)
+if command -v "$PYTHON" >/dev/null; then
+  for arg in "$@"; do
+    [[ $arg == -h || $arg == --help ]] && exec "$PYTHON" bench/gpu_check_args.py --help
+  done
+  "$PYTHON" bench/gpu_check_args.py "$@" || exit $?
+fi
+
 # 1. Is there a GPU? (bash builtins only from here to the python probe: nothing else is assumed on PATH)
 if ! command -v nvidia-smi >/dev/null; then
-  echo "gpu_check: skipped (no NVIDIA GPU here: nvidia-smi not found)"
-  exit 0
+  reason="no NVIDIA GPU here: nvidia-smi not found"
+  skip "$@"
 fi
 listing=$(nvidia-smi -L 2>&1)
 smi_rc=$?
@@ -47,8 +64,8 @@ while IFS= read -r line; do
 done <<< "$listing"
 if [ "$n_gpus" -eq 0 ]; then
   if [ "$smi_rc" -eq 0 ] || [[ $listing == *"No devices were found"* ]]; then
-    echo "gpu_check: skipped (nvidia-smi lists no GPU)"
-    exit 0
+    reason="nvidia-smi lists no GPU"
+    skip "$@"
   fi
   fail "nvidia-smi failed (exit $smi_rc): ${listing%%$'\n'*}"
 fi

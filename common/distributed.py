@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from common import comm
-from common.errors import FAILED, check, fail
+from common.errors import FAILED, check, fail, fail_after_another_rank
 
 
 @dataclass
@@ -324,7 +324,7 @@ def fail_together(error, env):
     if error is not None:
         fail(error, rank_local=True)
     if failed:
-        fail("another rank failed (its error line names it)")
+        fail_after_another_rank("another rank failed (its error line names it)")
 
 
 # Decisions every rank takes together (commit a checkpoint, stop together) run on a gloo group of the whole world,

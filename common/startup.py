@@ -1,7 +1,7 @@
 """
 startup.py: what a run checks and opens before its first step, on every rank alike: the out_dir lock, the corpus
-(prepared once per node), the deterministic loader, and whether the model can fit at all (one error line before any
-work, not an allocator's crash).
+(prepared once per node), the deterministic loader, whether the model can fit at all (one error line before any
+work, not an allocator's crash) and whether the end-of-run sample can be decoded.
 """
 import os
 
@@ -13,6 +13,7 @@ from common.data import GlobalBatchLoader, ensure_dataset
 from common.data_mix import MixtureLoader, parse_data_mix
 from common.distributed import decision_group, fail_together
 from common.errors import fail
+from common.evaluation import sample_problem
 from common.run_identity import ranks_disagree
 from common.precision import param_dtype, resolve_dtype
 
@@ -45,7 +46,7 @@ def prepare_data(cfg, env):
     loader = None
     try:
         loader = open_loader(cfg, env.device)
-        error = memory_problem(cfg, env, loader.vocab_size)
+        error = memory_problem(cfg, env, loader.vocab_size) or sample_problem(cfg, loader)
     except (OSError, ValueError) as e:
         error = str(e)
     fail_together(error, env)

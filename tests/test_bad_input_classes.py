@@ -142,6 +142,32 @@ def test_launcher_variables_torchrun_sets(monkeypatch):
     assert launch_env() == (1, 4, 1)
 
 
+def test_a_configuration_error_is_printed_by_every_rank_of_a_launch(monkeypatch, capsys):
+    """Under torchrun the first rank to exit gets the others killed, maybe before they print: so every rank prints
+    a configuration error itself (here README's ladder launch with a width its default 6 heads do not divide), and
+    the line reaches the terminal whichever rank exits first. A rank that stops because another failed (whose own
+    line says why) leaves the saying to rank 0. Then the launch itself, under torchrun: the line, none of our
+    frames (only torchrun's own ChildFailedError report)."""
+    import train_ddp
+    from common.errors import fail_after_another_rank
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        with pytest.raises(SystemExit) as e:
+            train_ddp.main(["--n_layer", "2", "--n_embd", "64"])
+        assert e.value.code == 2 and capsys.readouterr().err == "error: n_embd=64 is not divisible by n_head=6\n"
+        with pytest.raises(SystemExit) as e:
+            fail_after_another_rank("another rank failed")
+        assert e.value.code == 2 and capsys.readouterr().err == ("error: another rank failed\n" if rank == 0 else "")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train_ddp.py",
+                           "--n_layer", "2", "--n_embd", "64"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    both = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "error: n_embd=64 is not divisible by n_head=6\n" in both, both
+    assert f'File "{ROOT}' not in both and "ChildFailedError" in both, both
+
+
 # ----------------------------------------------------------------------------------------------------------
 # data files
 

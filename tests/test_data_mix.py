@@ -135,3 +135,21 @@ def test_refusals_are_one_line(banded, tmp_path, capsys, mix, message):
         train_single.main(argv)
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and err.startswith("error:") and message in err and "\n" not in err, err
+
+
+def test_a_mixture_prints_its_sample_and_an_undecodable_one_stops_before_the_first_step(banded, tmp_path, capsys):
+    """The end-of-run sample decodes with the sources' shared tokenizer (bytes here); a tokenizer whose files are
+    missing (an hf corpus without its tokenizer.json) is one error line before any step, not a sample saying so."""
+    run_single(tiny_argv(DEFAULT, str(tmp_path / "run"), data_mix=f"{banded[0]}:1,{banded[1]}:1", max_steps=1,
+                         sample_tokens=16))
+    out = capsys.readouterr().out
+    assert "---- sample ----\n" in out and "cannot decode" not in out, out
+    import train_single
+    hf = [_corpus(str(tmp_path / f"hf{k}"), np.arange(12_000) % 256, tokenizer="hf") for k in range(2)]
+    with pytest.raises(SystemExit) as exc:
+        train_single.main(tiny_argv(DEFAULT, str(tmp_path / "hf_run"), data_mix=f"{hf[0]}:1,{hf[1]}:1",
+                                    sample_tokens=16))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert "sample cannot be decoded" in err and "no tokenizer.json" in err and "--sample_tokens 0" in err, err
+    assert not (tmp_path / "hf_run" / "metrics.jsonl").exists()

@@ -60,15 +60,15 @@ def executable(path, text):
     return str(path)
 
 
-def run_gpu_check(tmp_path, nvidia_smi=None, python="python"):
-    """bash bench/gpu_check.sh with PATH = one fresh directory holding at most a fake nvidia-smi (a shell
+def run_gpu_check(tmp_path, nvidia_smi=None, python="python", args=()):
+    """bash bench/gpu_check.sh ARGS with PATH = one fresh directory holding at most a fake nvidia-smi (a shell
     script: `nvidia_smi` is its body), and PYTHON = `python`; returns (exit code, output lines)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     if nvidia_smi is not None:
         executable(bin_dir / "nvidia-smi", "#!/bin/sh\n" + nvidia_smi + "\n")
     env = dict(os.environ, PATH=str(bin_dir), PYTHON=python)
-    r = subprocess.run([shutil.which("bash"), "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
+    r = subprocess.run([shutil.which("bash"), "bench/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
     return r.returncode, (r.stdout + r.stderr).splitlines()
 
@@ -95,6 +95,17 @@ def test_gpu_check_skips_cleanly_without_a_gpu(tmp_path):
     code, lines = run_gpu_check(tmp_path, nvidia_smi=None, python="/nonexistent/python")
     assert code == 0
     assert lines == ["gpu_check: skipped (no NVIDIA GPU here: nvidia-smi not found)"]
+
+
+def test_gpu_check_reads_its_command_line_first_without_a_gpu(tmp_path):
+    """No GPU here, yet --help prints the usage (exit 0), a flag it does not know is an error (exit 2, not
+    "skipped"), and --dry lists the rows it would run (it runs nothing)."""
+    code, lines = run_gpu_check(tmp_path, python=sys.executable, args=["--help"])
+    assert code == 0 and lines[0].startswith("usage: bench/gpu_check.sh") and "--budget_s" in "\n".join(lines), lines
+    code, lines = run_gpu_check(tmp_path, python=sys.executable, args=["--budget", "480"])
+    assert code == 2 and lines[-1] == "bench/gpu_check.sh: error: unrecognized arguments: --budget 480", lines
+    code, lines = run_gpu_check(tmp_path, python=sys.executable, args=["--dry", "--out", str(tmp_path / "out")])
+    assert code == 0 and "(dry: nothing runs)" in lines[0] and not any("skipped" in x for x in lines), lines
 
 
 def test_gpu_check_skips_where_nvidia_smi_lists_no_gpu(tmp_path):

@@ -20,6 +20,7 @@ import transformers
 from common.hf import interop as hf
 from common.checkpoint import ModuleState, replicated, save, start_from
 from common.checkpoint.files import load_latest
+from common import evaluation
 from common.config import parse_config
 from common.hf.tokenizer import RANKS_FILE, read_ranks
 from common.optim import configure_optimizer
@@ -292,10 +293,11 @@ def stdlib_text(name, size):
     return open(os.path.join(sysconfig.get_paths()["stdlib"], name), encoding="utf-8").read()[:size]
 
 
-def test_a_gpt2_bpe_corpus_exports_gpt2_tokenizer_files(tmp_path, monkeypatch):
+def test_a_gpt2_bpe_corpus_exports_gpt2_tokenizer_files(tmp_path, monkeypatch, capsys):
     """A GPT-2-style BPE (tiktoken's Encoding of a small merge table trained here, standing in for GPT-2's, which
     tiktoken downloads) prepared by python -m common.data --tokenizer gpt2, which keeps its ranks with the corpus,
-    and exported with a run trained on it: AutoTokenizer gives tiktoken's ids and decodes them back."""
+    and exported with a run trained on it: AutoTokenizer gives tiktoken's ids and decodes them back. The run's
+    sample decodes with the corpus's ranks (tiktoken's GPT-2 file is never fetched)."""
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
     from common import data as prepare
@@ -308,7 +310,9 @@ def test_a_gpt2_bpe_corpus_exports_gpt2_tokenizer_files(tmp_path, monkeypatch):
     prepare.main(["--input", str(text), "--tokenizer", "gpt2", "--out_dir", data])
     assert read_ranks(os.path.join(data, RANKS_FILE)) == ranks      # the corpus's own BPE data
     out, hf_dir = str(tmp_path / "run"), str(tmp_path / "hf")
-    run_single(tiny_argv(data, out, max_steps=1, block_size=BLOCK))
+    run_single(tiny_argv(data, out, max_steps=1, block_size=BLOCK, sample_tokens=8))
+    assert "---- sample ----\n" in capsys.readouterr().out
+    assert evaluation.decode(enc.encode_ordinary("def f(x):\n"), dict(tokenizer="gpt2"), data) == "def f(x):\n"
     hf.main(["export", out, hf_dir])
     assert {"vocab.json", "merges.txt", "tokenizer.json"} <= set(os.listdir(hf_dir))
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
@@ -343,7 +347,7 @@ def test_data_with_a_hugging_face_tokenizer_trains_and_exports_it(trained, tmp_p
     assert ids.tolist() == expected["input_ids"] and meta["vocab_size"] == byte_tokenizer().get_vocab_size()
     out, exported = str(tmp_path / "run"), str(tmp_path / "hf")
     run_single(tiny_argv(corpus, out, max_steps=1, sample_tokens=8))
-    assert "<cannot decode" not in capsys.readouterr().out
+    assert "---- sample ----\n" in capsys.readouterr().out
     hf.main(["export", out, exported])
     assert open(os.path.join(exported, "tokenizer.json"), "rb").read() == \
         open(os.path.join(source, "tokenizer.json"), "rb").read()

@@ -67,6 +67,25 @@ def test_cpu_peak_at_fewer_threads_is_bounded_by_more_threads(tmp_path, monkeypa
     assert peaks.machine_cpu_peak_flops(path) == 1.4e11               # a larger count is never lowered
 
 
+def test_a_stale_cpu_peak_never_gives_an_mfu_above_100_percent(tmp_path, monkeypatch, capsys):
+    """A cached CPU peak measured under load (1e3 FLOP/s), and the machine still busy when measured again (2e3): a
+    step achieving 1e4 FLOP/s per device reports MFU 100%, not 1000%, the progress line says the peak is a CPU
+    estimate, and the file keeps the raised peak for later runs (which divide by it without measuring)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _, key = peaks.cpu_peak_key()
+    peaks.write_cpu_peaks(peaks.cpu_peak_file(), {key: 1e3})
+    measured = []
+    monkeypatch.setattr(peaks, "measure_cpu_matmul_flops", lambda repeats: measured.append(repeats) or 2e3)
+    cfg = types.SimpleNamespace(out_dir=str(tmp_path), log_interval=1, stop_step=0, max_steps=10, profile=0)
+    env = types.SimpleNamespace(rank=0, device=torch.device("cpu"))
+    logger = metrics.MetricsLogger(cfg, env, flops_per_token=100.0, n_devices=2, tokens_per_step=200)
+    assert logger.log_step(0, 1.0, 1e-3, 1.0, 1.0, 0)["mfu"] == 1.0 and len(measured) == 1   # 2e4 over 2 devices
+    assert logger.log_step(1, 1.0, 1e-3, 1.0, 2.0, 0)["mfu"] == 0.5 and len(measured) == 1   # the raised peak
+    logger.close()
+    assert "| MFU 100.0% (CPU peak est.) |" in capsys.readouterr().out
+    assert peaks.read_cpu_peaks(peaks.cpu_peak_file())[key] == 1e4 == peaks.machine_cpu_peak_flops()
+
+
 @pytest.mark.parametrize("script, flags", [("train_tp", dict(tp=1)), ("train_cp", dict(cp=1))])
 def test_saved_activations_are_counted_in_the_first_micro_batch_only(tiny_data, tmp_path, monkeypatch, script, flags):
     """The act_bytes of a step are one micro-batch's (all are alike): the saved-tensor hook, which runs on every

@@ -12,7 +12,8 @@ from common.metrics import read_metrics
 
 
 def make_tiny_dataset(path, vocab_size=64, n_train=20_000, n_val=4_000, seed=0):
-    """Random tokens with some structure (a noisy counting pattern) so the loss visibly falls."""
+    """Random tokens with some structure (a noisy counting pattern) so the loss visibly falls; meta.json's itos
+    shows each id as a printable character, so a run's end-of-run sample decodes."""
     import json
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -21,7 +22,7 @@ def make_tiny_dataset(path, vocab_size=64, n_train=20_000, n_val=4_000, seed=0):
         base.astype(np.uint16).tofile(os.path.join(path, f"{split}.bin"))
     with open(os.path.join(path, "meta.json"), "w") as f:
         json.dump(dict(vocab_size=vocab_size, tokenizer="synthetic", source="tests", train_tokens=n_train,
-                       val_tokens=n_val), f)
+                       val_tokens=n_val, itos=[chr(33 + i % 94) for i in range(vocab_size)]), f)
     return path
 
 

@@ -37,7 +37,7 @@ from common.checkpoint.files import (CKPT_DIR, FILE, LATEST, PART, SaveError, la
 from common.checkpoint.compat import compatibility_problem, model_config, rank_problem
 from common.comm import all_gather
 from common.distributed import agree, fail_together
-from common.errors import fail
+from common.errors import fail, fail_after_another_rank
 from common.checkpoint import fp8_state
 from common.checkpoint.rank_states import by_rank, own_rng_state, rng_state, set_rng_state
 from common.optim import configure_optimizer
@@ -58,8 +58,10 @@ def refuse_non_finite(cfg, state, next_step):
     what = f"the inf/NaN check of the save of step {next_step}"
     if not agree("inf/NaN" if bad else None, cfg.dist_timeout, what):      # every rank decides alike
         where = f"the weights hold inf/NaN ({', '.join(bad[:3])})" if bad else "another rank's weights hold inf/NaN"
-        fail(f"not saving step {next_step} to {cfg.out_dir}: {where}; the checkpoints on disk are kept",
-             rank_local=bool(bad))
+        message = f"not saving step {next_step} to {cfg.out_dir}: {where}; the checkpoints on disk are kept"
+        if bad:
+            fail(message, rank_local=True)
+        fail_after_another_rank(message)
 
 
 def save_step(cfg, state, next_step, part=None):
@@ -110,7 +112,8 @@ def commit_or_fail(cfg, next_step, error, what):
             remove_step_dir(cfg.out_dir, next_step)
         if error is not None:
             fail(error, rank_local=True)
-        fail(f"{what} failed on another rank (its error line says why); the previous checkpoint is kept")
+        fail_after_another_rank(f"{what} failed on another rank (its error line says why); the previous checkpoint "
+                                f"is kept")
 
 
 # ----------------------------------------------------------------------------------------------------------
