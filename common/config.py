@@ -10,10 +10,15 @@ import argparse
 import math
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass, fields
 
 from common.errors import ConfigError, check, fail  # noqa: F401 (the checks every script makes come from here)
 from common.checkpoint.files import CKPT_DIR, LATEST, LOCK, resolve_resume
+
+
+# The script being run (train_ddp for `torchrun train_ddp.py`): its runs default to out/<script>.
+SCRIPT = os.path.splitext(os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else ""))[0]
 
 
 @dataclass
@@ -48,7 +53,7 @@ class Config:
     # io and logging
     data_dir: str = os.path.join("data", "stdlib")
     data_mix: str = ""
-    out_dir: str = "out"
+    out_dir: str = os.path.join("out", SCRIPT) if SCRIPT.startswith("train_") else "out"   # out/train_ddp, ...
     eval_interval: int = 250
     eval_iters: int = 20
     log_interval: int = 10
@@ -107,7 +112,8 @@ HELP = dict(
     data_dir="directory with train.bin, val.bin, meta.json (the default corpus is prepared on first use)",
     data_mix="DIR:WEIGHT,DIR:WEIGHT,...: train on a weighted mixture of prepared corpora instead of --data_dir "
              "(common/data_mix.py; their tokenizers must agree)",
-    out_dir="metrics.jsonl and checkpoints go here",
+    out_dir="metrics.jsonl and checkpoints go here (default out/SCRIPT, e.g. out/train_ddp: each rung its own, as "
+            "a new run refuses a directory holding another run's checkpoint or metrics)",
     eval_interval="evaluate on val every N steps (0 disables)", eval_iters="micro-batches per evaluation",
     log_interval="print a progress line every N steps", save_interval="checkpoint every N steps (0: only at the end)",
     keep_checkpoints="step directories kept in OUT_DIR/ckpt (the newest; older ones are removed after each save)",
