@@ -113,15 +113,19 @@ class MixtureLoader:
 TOKENIZER_FILES = ("tokenizer.json", "gpt2.tiktoken")     # what data.py writes beside a corpus of those tokenizers
 
 
-def tokenizer_files_digest(directory):
-    """A digest of the tokenizer files a corpus keeps (two Hugging Face tokenizers are both 'hf' in meta.json)."""
-    digest = hashlib.sha256()
-    for name in TOKENIZER_FILES:
+def hash_files(digest, directory, names):
+    """digest fed with each of `names` that directory holds, its name then its bytes; returns digest."""
+    for name in names:
         path = os.path.join(directory, name)
         if os.path.isfile(path):
             with open(path, "rb") as f:
                 digest.update(name.encode() + b"\0" + f.read())
-    return digest.hexdigest()
+    return digest
+
+
+def tokenizer_files_digest(directory):
+    """A digest of the tokenizer files a corpus keeps (two Hugging Face tokenizers are both 'hf' in meta.json)."""
+    return hash_files(hashlib.sha256(), directory, TOKENIZER_FILES).hexdigest()
 
 
 def check_tokenizers_agree(names, metas):

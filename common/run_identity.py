@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from common.comm import all_gather
-from common.data_mix import parse_data_mix
+from common.data_mix import hash_files, parse_data_mix
 
 CORPUS_FILES = ("meta.json", "meta.pkl", "tokenizer.json", "tokenizer_config.json", "gpt2.tiktoken")
 TOKEN_FILES = ("train.bin", "val.bin")
@@ -30,12 +30,7 @@ PER_RANK = ("device", "data_dir", "data_mix", "init_from", "resume")
 
 @functools.lru_cache(maxsize=64)
 def _fingerprint(path, stamp):
-    digest = hashlib.sha256()
-    for name in CORPUS_FILES:
-        file = os.path.join(path, name)
-        if os.path.isfile(file):
-            with open(file, "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read())
+    digest = hash_files(hashlib.sha256(), path, CORPUS_FILES)
     for name in TOKEN_FILES:
         file = os.path.join(path, name)
         size = os.path.getsize(file) if os.path.isfile(file) else -1
