@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 GPT2_VOCAB = 50257
 GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, global_batch_size=16, micro_batch_size=16)
 GEMM_BOUND = dict(n_layer=2, n_head=32, n_embd=4096, block_size=1024, global_batch_size=8, micro_batch_size=8)
+GEMM_BOUND_8 = dict(GEMM_BOUND, n_layer=8)      # FP8's train rows: enough layers for the GEMMs to dominate
 MOE = dict(n_experts=8, top_k=2)
 RECIPES = ("rowwise", "tensorwise", "blockwise", "delayed")
 
@@ -87,6 +88,7 @@ def one_gpu_rows(out, steps, capability, bf16_rtol, fp8_rtol):
                         rtol, speed_peer, dict(flags) if plan else None))
 
     rows.append(Row("matmul", "bf16 8192^3 matmul (the measured ceiling)", 10, probe_command("matmul", out), "probe"))
+    perf_rows(rows, train, out, capability, bf16_rtol, fp8_rtol)
     rows.append(Row("rates", "plan.py's rate table of this card: GEMM shapes, causal attention (OUT/rates/<card>.json; "
                     "copied to bench/results/rates/ it prices this card)", 30,
                     [sys.executable, os.path.join("bench", "gemm_rows.py"), "--measure", "--save", "--rates_dir",
@@ -116,6 +118,33 @@ def one_gpu_rows(out, steps, capability, bf16_rtol, fp8_rtol):
                     [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_kernels.py", "tests/test_fp8.py"],
                     "tests"))
     return rows
+
+
+def perf_rows(rows, train, out, capability, bf16_rtol, fp8_rtol):
+    """Whether the kernels and FP8 make training faster (8 minutes of GPU time: bash bench/gpu_check.sh --only
+    timings,attention,fp8linear,perf --budget_s 480), first in every run: the kernels and Float8Linear timed
+    against their peers by CUDA-graph replays (bench/kernel_timings.py), then the train rows they should speed up,
+    each after its baseline in the same run."""
+    rows.append(Row("timings", "fused kernels vs eager / compiled torch, C 768 and 4096, CUDA graphs", 90,
+                    probe_command("timings", out), "probe"))
+    rows.append(Row("attention", "flash attention vs SDPA flash / cuDNN, T 1024 and 8192", 45,
+                    probe_command("attention", out), "probe"))
+    if capability >= (8, 9):
+        rows.append(Row("fp8linear", "Float8Linear vs nn.Linear at 4 shapes, casts and GEMMs apart", 40,
+                        probe_command("fp8linear", out), "probe"))
+    train("perf-eager", "GPT-2-small eager (baseline)", 20, kernels="torch", **GPT2_SMALL)
+    train("perf-triton", "GPT-2-small --kernels triton (fused head, attention, element-wise)", 25, "perf-eager",
+          bf16_rtol, "perf-eager", kernels="triton", **GPT2_SMALL)
+    train("perf-compile", "GPT-2-small --compile", 50, "perf-eager", bf16_rtol, "perf-eager", kernels="torch",
+          compile=True, **GPT2_SMALL)
+    if capability >= (8, 9):
+        train("perf-gemm8-bf16", "n_embd 4096, 8 layers, --compile, bf16", 70, kernels="torch", compile=True,
+              **GEMM_BOUND_8)
+        for recipe in ("tensorwise", "rowwise"):
+            train(f"perf-gemm8-fp8-{recipe}", f"the same --fp8 {recipe}", 70, "perf-gemm8-bf16", fp8_rtol,
+                  "perf-gemm8-bf16", kernels="torch", compile=True, fp8=recipe, **GEMM_BOUND_8)
+    train("perf-compile-mb32", "GPT-2-small --compile, micro-batch 32", 70, speed_peer="perf-compile",
+          kernels="torch", compile=True, **dict(GPT2_SMALL, micro_batch_size=32, global_batch_size=32))
 
 
 def multi_gpu_rows(P, out, steps, capability, bf16_rtol, fp8_rtol):

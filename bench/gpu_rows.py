@@ -6,6 +6,8 @@ that writes its sub-rows as JSON (gpu_check turns them into table rows):
     python3 bench/gpu_rows.py kernels OUT.json   # each Triton kernel forward+backward against its torch peer
     python3 bench/gpu_rows.py cp      OUT.json   # CP's block attention: ring / zigzag / allgather in one process
     python3 bench/gpu_rows.py syncs   OUT.json   # host syncs in a train_single step (torch.cuda.set_sync_debug_mode)
+    python3 bench/gpu_rows.py timings | attention | fp8linear OUT.json   # bench/kernel_timings.py: CUDA-graph
+                                                 # timings of the kernels and FP8 against their peers
 
 A sub-row is {"name", "ok", "check", "speed"}: ok a bool, check what was compared (an error against its bound),
 speed a time ratio against the peer (> 1: ours is faster). Errors are relative: max |got - want| / max |want|,
@@ -272,7 +274,9 @@ def syncs(out_dir):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    rows = dict(matmul=matmul, kernels=kernels, cp=cp, syncs=syncs)
+    from kernel_timings import attention, fp8linear, timings
+    rows = dict(matmul=matmul, kernels=kernels, cp=cp, syncs=syncs, timings=timings, attention=attention,
+                fp8linear=fp8linear)
     if len(argv) != 2 or argv[0] not in rows:
         sys.exit(f"usage: python3 bench/gpu_rows.py {{{'|'.join(rows)}}} OUT.json")
     if not torch.cuda.is_available():

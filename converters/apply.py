@@ -4,7 +4,10 @@ converters/apply.py: what a script's main applies to its model before training, 
 (converters/fp8_tp.py), ZeRO-3's units gathering FP8 weights (converters/fp8_gather.py), and --compile (whole, or block by
 block inside hooks). It lives in the wing because it reaches the techniques' layers; no rung's building blocks use it.
 """
+import re
+
 import torch
+import torch.nn as nn
 
 from common.errors import check, fail
 from converters.fp8_gather import attach_fp8_gathers
@@ -22,12 +25,31 @@ def apply_kernels_and_fp8(model, cfg, device, units=None):
         mode = apply_kernels(model, cfg.kernels)
         if getattr(cfg, "fp8", "none") != "none":
             check_fp8_support(device)
-            convert_to_float8(model, recipe=cfg.fp8)
+            report_fp8_layers(model, convert_to_float8(model, recipe=cfg.fp8, size_filter=True), cfg.fp8)
             convert_parallel_to_float8(model, recipe=cfg.fp8)
     except (ValueError, RuntimeError) as e:
         fail(str(e))
     gather_fp8_units(model, units or [], cfg)
     return mode
+
+
+def report_fp8_layers(model, swapped, recipe):
+    """One line at start (rank 0): which Linear layers run their GEMMs in FP8 and which stay in high precision
+    (the LM head and embedding by name; on a GPU those too small to gain, kernels/fp8.py's too_small_for_fp8).
+    Block indices are folded: h.0.mlp.c_fc ... h.11.mlp.c_fc print as 12 x h.*.mlp.c_fc."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    kept = [name for name, m in model.named_modules() if type(m) is nn.Linear and name not in swapped]
+    print(f"fp8 {recipe}: FP8 GEMMs in {len(swapped)} Linear layers ({_folded(swapped)}); "
+          f"high precision in {len(kept)} ({_folded(kept)})")
+
+
+def _folded(names):
+    counts = {}
+    for name in names:
+        key = re.sub(r"\.\d+\.", ".*.", name)
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} x {key}" if n > 1 else key for key, n in counts.items()) or "none"
 
 
 def compiled(model, cfg, blocks=()):

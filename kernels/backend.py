@@ -82,5 +82,16 @@ if HAS_TRITON:
         """pid * BLOCK + [0, BLOCK) in int64. Program ids and int arguments are int32 in Triton, so the plain
         product wraps around once a tensor has 2^31 elements (tokens * 4h of the MLP passes that at scale)."""
         return tl.cast(pid, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+
+    @triton.jit
+    def row_tile(M, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program (i, j) of a 2-D grid over a row-major [M, N] tensor: rows [i*ROWS, +ROWS), columns
+        [j*BLOCK_N, +BLOCK_N). Returns (start, offs, mask, cols): the tile's first element as one int64 scalar
+        (M*N may pass 2^31), the [ROWS, BLOCK_N] offsets from it in int32 (ROWS*N stays far below 2^31: no 64-bit
+        arithmetic per element, and no `% N` to find an element's column), the mask of [M, N], the columns."""
+        row0 = tl.cast(tl.program_id(0), tl.int64) * ROWS
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, ROWS)
+        return row0 * N, r[:, None] * N + cols[None, :], (r[:, None] < M - row0) & (cols[None, :] < N), cols
 else:
-    block_offsets = None
+    block_offsets, row_tile = None, None

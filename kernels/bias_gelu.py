@@ -11,7 +11,14 @@ Memory traffic for a tensor of E values of s bytes: eager does x + b (read 2 wri
 1) and keeps both x + b and the GeLU input for backward: 5E*s moved, 2E*s kept. Fused: read x, write y (2E*s),
 and only x is kept (z = x + b is recomputed in backward). bias_dropout_add: eager moves 3 + 2 + 3 = 8E*s and
 keeps a byte mask; fused moves 3E*s (read x and r, write y) and keeps nothing: the dropout mask is regenerated
-in backward from (seed, offset) by the Philox counter-based generator instead of stored.
+in backward from (seed, tile, offset) by the Philox counter-based generator instead of stored.
+
+Grid: 2-D, a program per tile of ROWS rows x BLOCK_N columns of x viewed as [M, N] (backend.row_tile): the bias
+slice is loaded once per program and broadcast over its rows, offsets inside a tile are int32 (no per-element
+64-bit `% N`). The bias gradient comes from the backward kernel itself: each program also writes the column sums
+of its dx tile (partials [M / ROWS, N] in fp32, 1/16 of dx's bytes or less), then one sum over the partials: no
+second pass over dx. The dropout seed is drawn on the device (a one-element tensor the kernels read), so a step
+never waits for the GPU to hand the host a number.
 
 Precision: computed in fp32 for 16-bit and fp32 tensors and in float64 when x is float64; the dropout rate is a
 constexpr so that 1 / (1 - p) is exact in a float64 kernel (a runtime float argument reaches a GPU kernel as fp32).
@@ -19,53 +26,84 @@ constexpr so that 1 / (1 - p) is exact in a float64 kernel (a runtime float argu
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import (HAS_TRITON, block_offsets, compute_dtype, compute_type, maybe_compiled, tl, triton,
+from kernels.backend import (HAS_TRITON, compute_dtype, compute_type, maybe_compiled, next_pow2, row_tile, tl, triton,
                              use_triton)
-
-BLOCK = 1024
 
 if HAS_TRITON:
     @triton.jit
-    def _bias_gelu_fwd(X, Bias, Y, numel, N, BLOCK: tl.constexpr, ACC: tl.constexpr):
-        offs = block_offsets(tl.program_id(0), BLOCK)
-        mask = offs < numel
-        z = tl.load(X + offs, mask=mask, other=0.0).to(ACC) + tl.load(Bias + offs % N, mask=mask, other=0.0).to(ACC)
-        y = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    def _gelu_parts(z):
+        """(Phi(z), z * phi(z)): gelu(z) = z * Phi(z), gelu'(z) = Phi(z) + z * phi(z)."""
+        return 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)), z * tl.exp(-0.5 * z * z) * 0.3989422804014327
 
     @triton.jit
-    def _bias_gelu_bwd(X, Bias, DY, DX, numel, N, BLOCK: tl.constexpr, ACC: tl.constexpr):
-        offs = block_offsets(tl.program_id(0), BLOCK)
-        mask = offs < numel
-        z = tl.load(X + offs, mask=mask, other=0.0).to(ACC) + tl.load(Bias + offs % N, mask=mask, other=0.0).to(ACC)
-        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
-        pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327          # 1 / sqrt(2 pi)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
-        tl.store(DX + offs, (dy * (cdf + z * pdf)).to(DX.dtype.element_ty), mask=mask)
+    def _bias_gelu_fwd(X, Bias, Y, M, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+        start, offs, mask, cols = row_tile(M, N, ROWS, BLOCK_N)
+        b = tl.load(Bias + cols, mask=cols < N, other=0.0).to(ACC)           # once per program, for ROWS rows
+        z = tl.load(X + start + offs, mask=mask, other=0.0).to(ACC) + b[None, :]
+        cdf, _ = _gelu_parts(z)
+        tl.store(Y + start + offs, (z * cdf).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bias_dropout_add_fwd(X, Bias, R, Y, numel, N, seed, P: tl.constexpr, BLOCK: tl.constexpr,
+    def _bias_gelu_bwd(X, Bias, DY, DX, DBp, M, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+        start, offs, mask, cols = row_tile(M, N, ROWS, BLOCK_N)
+        b = tl.load(Bias + cols, mask=cols < N, other=0.0).to(ACC)
+        z = tl.load(X + start + offs, mask=mask, other=0.0).to(ACC) + b[None, :]
+        cdf, zpdf = _gelu_parts(z)
+        dx = tl.load(DY + start + offs, mask=mask, other=0.0).to(ACC) * (cdf + zpdf)     # 0 outside [M, N]
+        tl.store(DX + start + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        _store_column_sums(DBp, dx, cols, N)
+
+    @triton.jit
+    def _store_column_sums(DBp, dx, cols, N):
+        """Row tile i's share of the bias gradient: DBp[i, cols] = sum over its rows of dx."""
+        tl.store(DBp + tl.cast(tl.program_id(0), tl.int64) * N + cols, tl.sum(dx, axis=0), mask=cols < N)
+
+    @triton.jit
+    def _keep(Seed, offs, P: tl.constexpr):
+        """The dropout mask of one tile: Philox counters (offset in the tile, row tile, column tile) are unique per
+        element, so the backward regenerates the same mask from the same seed on the same grid."""
+        c0 = offs.to(tl.uint32)
+        zero = c0 * 0
+        r, _, _, _ = tl.philox(tl.load(Seed), c0, zero + tl.program_id(0), zero + tl.program_id(1), zero)
+        return tl.uint_to_uniform_float(r) >= P
+
+    @triton.jit
+    def _bias_dropout_add_fwd(X, Bias, R, Y, Seed, M, N, P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                               DROPOUT: tl.constexpr, ACC: tl.constexpr):
-        offs = block_offsets(tl.program_id(0), BLOCK)
-        mask = offs < numel
-        z = tl.load(X + offs, mask=mask, other=0.0).to(ACC) + tl.load(Bias + offs % N, mask=mask, other=0.0).to(ACC)
+        start, offs, mask, cols = row_tile(M, N, ROWS, BLOCK_N)
+        b = tl.load(Bias + cols, mask=cols < N, other=0.0).to(ACC)
+        z = tl.load(X + start + offs, mask=mask, other=0.0).to(ACC) + b[None, :]
         if DROPOUT:
-            keep = tl.rand(seed, offs) >= P       # same (seed, offset) -> same mask in backward
-            z = tl.where(keep, z / (1.0 - P), 0.0)
-        y = tl.load(R + offs, mask=mask, other=0.0).to(ACC) + z
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+            z = tl.where(_keep(Seed, offs, P), z / (1.0 - P), 0.0)
+        y = tl.load(R + start + offs, mask=mask, other=0.0).to(ACC) + z
+        tl.store(Y + start + offs, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _dropout_bwd(DY, DX, numel, seed, P: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
-        offs = block_offsets(tl.program_id(0), BLOCK)
-        mask = offs < numel
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
-        keep = tl.rand(seed, offs) >= P
-        tl.store(DX + offs, tl.where(keep, dy / (1.0 - P), 0.0).to(DX.dtype.element_ty), mask=mask)
+    def _dropout_bwd(DY, DX, DBp, Seed, M, N, P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     ACC: tl.constexpr):
+        start, offs, mask, cols = row_tile(M, N, ROWS, BLOCK_N)
+        dy = tl.load(DY + start + offs, mask=mask, other=0.0).to(ACC)
+        dx = tl.where(_keep(Seed, offs, P), dy / (1.0 - P), 0.0)
+        tl.store(DX + start + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        _store_column_sums(DBp, dx, cols, N)
 
 
-def _grid(numel):
-    return (triton.cdiv(numel, BLOCK),)
+def _tiles(x2):
+    """(ROWS, BLOCK_N, launch options, grid) for x2 [M, N]: on a GPU 32 x 256 elements a program on 8 warps
+    (32 values a thread); under the interpreter, where each program costs Python time, 16 x 64."""
+    M, N = x2.shape
+    block_n = min(256 if x2.is_cuda else 64, next_pow2(N))
+    rows = 8192 // block_n if x2.is_cuda else 16
+    return rows, block_n, dict(num_warps=8 if x2.is_cuda else 4), (triton.cdiv(M, rows), triton.cdiv(N, block_n))
+
+
+def _rows(t, n):
+    return t.reshape(-1, n).contiguous()
+
+
+def _partials(x2, rows):
+    """The per-row-tile column sums a backward kernel writes: [row tiles, N] in the compute dtype."""
+    return torch.empty(triton.cdiv(x2.shape[0], rows), x2.shape[1], device=x2.device, dtype=compute_dtype(x2))
 
 
 def _sum_to_bias(g, bias):
@@ -75,46 +113,55 @@ def _sum_to_bias(g, bias):
 class BiasGeluFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias):
-        x = x.contiguous()
-        y = torch.empty_like(x)
-        _bias_gelu_fwd[_grid(x.numel())](x, bias, y, x.numel(), bias.numel(), BLOCK=BLOCK, ACC=compute_type(x))
-        ctx.save_for_backward(x, bias)        # z = x + b is recomputed, not stored
-        return y
+        x2 = _rows(x, bias.numel())
+        y = torch.empty_like(x2)
+        rows, block_n, options, grid = _tiles(x2)
+        _bias_gelu_fwd[grid](x2, bias, y, *x2.shape, ROWS=rows, BLOCK_N=block_n, ACC=compute_type(x2), **options)
+        ctx.save_for_backward(x2, bias)        # z = x + b is recomputed, not stored
+        ctx.shape = x.shape
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x, bias = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        _bias_gelu_bwd[_grid(x.numel())](x, bias, dy.contiguous(), dx, x.numel(), bias.numel(), BLOCK=BLOCK,
-                                         ACC=compute_type(x))
-        return dx, _sum_to_bias(dx, bias)
+        x2, bias = ctx.saved_tensors
+        dx = torch.empty_like(x2)
+        rows, block_n, options, grid = _tiles(x2)
+        db = _partials(x2, rows)
+        _bias_gelu_bwd[grid](x2, bias, _rows(dy, x2.shape[1]), dx, db, *x2.shape, ROWS=rows, BLOCK_N=block_n,
+                             ACC=compute_type(x2), **options)
+        return dx.view(ctx.shape), db.sum(0).to(bias.dtype)
 
 
 class BiasDropoutAddFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, p, training):
-        x, residual = x.contiguous(), residual.contiguous()
-        y = torch.empty_like(residual)
+        x2, r2 = _rows(x, bias.numel()), _rows(residual, bias.numel())
+        y = torch.empty_like(r2)
         dropout = training and p > 0
-        # a fresh seed from torch's generator: --seed makes runs reproducible, the mask is never stored
-        seed = int(torch.randint(0, 2 ** 31 - 1, (1,))) if dropout else 0
+        # a fresh seed from torch's generator on x's device (--seed makes runs reproducible; the mask is never
+        # stored), left there: the kernels read it, the host never waits for it
+        seed = torch.randint(0, 2 ** 31 - 1, (1,), device=x.device) if dropout else \
+            torch.zeros(1, device=x.device, dtype=torch.int64)
+        rows, block_n, options, grid = _tiles(x2)
         # computed in the residual stream's precision (fp32 under autocast, where x is 16-bit; float64 in float64)
-        _bias_dropout_add_fwd[_grid(x.numel())](x, bias, residual, y, x.numel(), bias.numel(), seed, P=float(p),
-                                                BLOCK=BLOCK, DROPOUT=dropout, ACC=compute_type(residual))
-        ctx.dropout, ctx.p, ctx.seed, ctx.x_dtype = dropout, p, seed, x.dtype
-        ctx.save_for_backward(bias)
-        return y
+        _bias_dropout_add_fwd[grid](x2, bias, r2, y, seed, *x2.shape, P=float(p), ROWS=rows, BLOCK_N=block_n,
+                                    DROPOUT=dropout, ACC=compute_type(residual), **options)
+        ctx.dropout, ctx.p, ctx.x_dtype, ctx.shape = dropout, p, x.dtype, residual.shape
+        ctx.save_for_backward(bias, seed)
+        return y.view(residual.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        bias, = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = dy
-        if ctx.dropout:
-            dx = torch.empty_like(dy)
-            _dropout_bwd[_grid(dy.numel())](dy, dx, dy.numel(), ctx.seed, P=float(ctx.p), BLOCK=BLOCK,
-                                            ACC=compute_type(dy))
-        return dx.to(ctx.x_dtype), _sum_to_bias(dx, bias), dy, None, None
+        bias, seed = ctx.saved_tensors
+        if not ctx.dropout:         # dx = dy: the bias gradient is the one pass there is to make
+            return dy.to(ctx.x_dtype), _sum_to_bias(dy, bias), dy, None, None
+        dy2 = _rows(dy, bias.numel())
+        dx = torch.empty(dy2.shape, device=dy.device, dtype=ctx.x_dtype)
+        rows, block_n, options, grid = _tiles(dy2)
+        db = _partials(dy2, rows)
+        _dropout_bwd[grid](dy2, dx, db, seed, *dy2.shape, P=float(ctx.p), ROWS=rows, BLOCK_N=block_n,
+                           ACC=compute_type(dy2), **options)
+        return dx.view(ctx.shape), db.sum(0).to(bias.dtype), dy, None, None
 
 
 def bias_gelu_reference(x, bias):

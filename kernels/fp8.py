@@ -25,7 +25,12 @@ Per forward + backward each operand (x, W, dy) is quantized once, amax and cast 
 two GEMMs read (kernels/fp8_cast.py; the GEMM call is kernels/fp8_gemm.py); the output comes in the autocast
 dtype, as nn.Linear's; only the forward GEMM asks for fast accumulation. docs/kernels.md has the op counts.
 What stays in high precision (playbook / DeepSeek-V3): embedding, LM head, LayerNorms, attention softmax,
-routers, master weights and the optimizer. The bias add is in high precision after the GEMM.
+routers, master weights and the optimizer. The bias is added by the forward GEMM's epilogue where its output is the
+Linear's 16-bit output (bf16 autocast on a GPU: kernels/fp8_gemm.takes_bias), else in high precision after it.
+Which layers: an FP8 GEMM pays only when its arithmetic outweighs quantizing x, W and dy (three memory passes).
+With size_filter (the training scripts' converter call), a GPU keeps the Linears too small to gain in high
+precision, by the thresholds of torchao's auto-filter, measured per recipe on H100 (too_small_for_fp8): at
+GPT-2-small (C = 768) every block Linear stays bf16 under row scales, all but MLP.c_proj under tensor scales.
 
 CUDA's _scaled_mm refuses what the CPU kernel takes (tests/cuda_scaled_mm.py checks every FP8 test against its
 rules): the contraction dim K and the output columns N multiples of 16, row scales only for e4m3 operands with a
@@ -40,9 +45,9 @@ import os
 import torch
 import torch.nn as nn
 
-from kernels.backend import HAS_TRITON
+from kernels.backend import HAS_TRITON, compute_dtype
 from kernels.fp8_cast import GROUPS, delayed_source, fp8_amax, fp8_cast
-from kernels.fp8_gemm import BLOCK, scaled_gemm, unpadded
+from kernels.fp8_gemm import BLOCK, scaled_gemm, takes_bias, unpadded
 from kernels.fp8_quant import AMAX_EPS, E4M3, E5M2, amax, dequantize, fp8_max, per_element, quantize  # noqa: F401
 
 RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
@@ -130,10 +135,12 @@ class _Float8LinearFunction(torch.autograd.Function):
     forward keeps x^T's and W^T's FP8 copies for dW and dx, instead of quantizing x and W again."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe, history, gathered=None):
-        """gathered: (W's Fp8Cast, W's amax) quantized already (ZeRO-3's FP8 all-gather, converters/fp8_gather.py)."""
+    def forward(ctx, x, weight, bias, recipe, history, gathered=None):
+        """gathered: (W's Fp8Cast, W's amax) quantized already (ZeRO-3's FP8 all-gather, converters/fp8_gather.py).
+        bias: None, or added by the GEMM where it can (takes_bias), else after it."""
         x2 = x.reshape(-1, x.shape[-1])
         M, N, kind = x2.shape[0], weight.shape[0], gemm_kind(x2)
+        in_gemm = bias is not None and takes_bias(out_dtype_of(x), recipe, kind)
         x_amax = w_amax = None
         if recipe == "delayed":
             x_amax = delayed_amax(history[0], x2)
@@ -144,17 +151,28 @@ class _Float8LinearFunction(torch.autograd.Function):
         else:
             qx = cast(x2, E4M3, recipe, "activation", x_amax)
             qw = cast(weight, E4M3, recipe, "weight", w_amax) if gathered is None else gathered[0]
-            y = unpadded(scaled_gemm(qx[:2], qw[:2], out_dtype_of(x), recipe, kind, fast_accum=True), M, N)
-            y = y.to(out_dtype_of(x))
+            y = scaled_gemm(qx[:2], qw[:2], out_dtype_of(x), recipe, kind, fast_accum=True,
+                            bias=bias if in_gemm else None)
+            y = unpadded(y, M, N).to(out_dtype_of(x))
             # a gathered W^T lives in ZeRO-3's unit, freed after this forward: dgrad keeps a copy
             ctx.save_for_backward(qx.qt, qx.inv_t, qw.qt if gathered is None else qw.qt.clone(), qw.inv_t)
+        if bias is not None and not in_gemm:
+            y = y + bias.to(y.dtype)
         ctx.recipe, ctx.history, ctx.shapes, ctx.dtypes = recipe, history, (x.shape, M, N), (x.dtype, weight.dtype)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], N)
 
     @staticmethod
     def backward(ctx, dy):
         dx, weight_grad = float8_backward_split(ctx, dy)
-        return dx, weight_grad(), None, None, None
+        return dx, weight_grad(), bias_grad(ctx, dy), None, None, None
+
+
+def bias_grad(ctx, dy):
+    """db = the sum of dy over tokens (None without a bias), accumulated in fp32 at least."""
+    if ctx.bias_dtype is None:
+        return None
+    return dy.reshape(-1, dy.shape[-1]).sum(0, dtype=compute_dtype(dy)).to(ctx.bias_dtype)
 
 
 def float8_backward_split(ctx, dy):
@@ -186,16 +204,16 @@ class _Float8LinearInputGradOnly(torch.autograd.Function):
     `store` is pipeline/weight_grads.WeightGradStore (Float8Linear.weight_grad_store)."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe, history, gathered, store):
+    def forward(ctx, x, weight, bias, recipe, history, gathered, store):
         ctx.weight, ctx.store = weight, store            # the Parameter itself, for W
-        return _Float8LinearFunction.forward(ctx, x, weight, recipe, history, gathered)
+        return _Float8LinearFunction.forward(ctx, x, weight, bias, recipe, history, gathered)
 
     @staticmethod
     def backward(ctx, dy):
         dx, weight_grad = float8_backward_split(ctx, dy)
         weight = ctx.weight
         ctx.store.defer(lambda: [(weight, weight_grad())])
-        return dx, None, None, None, None, None
+        return dx, None, bias_grad(ctx, dy), None, None, None, None
 
 
 def _apply(function, *args):
@@ -230,33 +248,48 @@ class Float8Linear(nn.Linear):
         new.amax_history = torch.zeros(3, history_len, device=linear.weight.device)
         return new
 
-    def matmul(self, x):
-        """x W^T in FP8, without the bias: for a fused kernel that adds the bias itself (kernels/apply.py's
+    def matmul(self, x, bias=None):
+        """x W^T (+ bias) in FP8; without the bias for a fused kernel that adds it itself (kernels/apply.py's
         FusedBlock), so FP8 and the fused kernels compose."""
         if self.weight_grad_store is not None:
-            return self.run(_Float8LinearInputGradOnly, x, self.weight, self.recipe, self.amax_history,
+            return self.run(_Float8LinearInputGradOnly, x, self.weight, bias, self.recipe, self.amax_history,
                             self.gathered_weight, self.weight_grad_store)
-        return self.run(_Float8LinearFunction, x, self.weight, self.recipe, self.amax_history, self.gathered_weight)
+        return self.run(_Float8LinearFunction, x, self.weight, bias, self.recipe, self.amax_history,
+                        self.gathered_weight)
 
     def forward(self, x):
-        y = self.matmul(x)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return self.matmul(x, self.bias)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
 
-def convert_to_float8(model, recipe="tensorwise", skip=("lm_head", "wte", "router", "gate")):
+def too_small_for_fp8(linear, recipe):
+    """True for a Linear whose FP8 GEMMs would not beat bf16 on an H100, by the thresholds of torchao's auto-filter
+    (its per-recipe benchmarks, on in_features K and out_features N): with one scale per tensor FP8 pays once K >
+    1024 or N > 4096; row (and block) scales cost more per GEMM, so they need K > 2048, N > 1024 and not both
+    K <= 4096 and N <= 2048."""
+    K, N = linear.in_features, linear.out_features
+    if recipe in ("tensorwise", "delayed"):
+        return K <= 1024 and N <= 4096
+    return K <= 2048 or N <= 1024 or (K <= 4096 and N <= 2048)
+
+
+def convert_to_float8(model, recipe="tensorwise", skip=("lm_head", "wte", "router", "gate"), size_filter=False):
     """Swap every nn.Linear whose name has no `skip` part for a Float8Linear, in place; returns the names.
     On GPU only layers with both dims multiples of 16 are swapped (cuBLASLt's FP8 requirement; fp8_matmul could
-    pad the others, but that would copy their weight at every GEMM)."""
+    pad the others, but that would copy their weight at every GEMM), and with size_filter only those big enough
+    to gain (too_small_for_fp8). A CPU has no FP8 speed to gain or lose: there every layer is swapped, so CPU runs
+    check the FP8 numerics of every layer."""
     swapped = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if type(child) is not nn.Linear or any(s in full for s in skip):
                 continue
-            if gemm_kind(child.weight) != "cpu" and (child.in_features % 16 or child.out_features % 16):
+            on_gpu = gemm_kind(child.weight) != "cpu"
+            if on_gpu and (child.in_features % 16 or child.out_features % 16 or
+                           size_filter and too_small_for_fp8(child, recipe)):
                 continue
             check_fp8_support(child.weight.device)
             setattr(module, child_name, Float8Linear.from_float(child, recipe))

@@ -21,13 +21,26 @@ def gemm_dtype(out_dtype, recipe, kind):
     return out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
-def scaled_gemm(a, b, out_dtype, recipe, kind, fast_accum=False):
+def takes_bias(out_dtype, recipe, kind):
+    """Whether the GEMM adds a Linear's bias in its epilogue (no separate pass over y): it returns the Linear's own
+    output dtype, 16-bit (CUDA's _scaled_mm refuses a bias with an fp32 output and wants it in the output's dtype),
+    in one _scaled_mm (not blockwise's K/128 slices)."""
+    out = gemm_dtype(out_dtype, recipe, kind)
+    return out == out_dtype and out in (torch.bfloat16, torch.float16) and not _by_slices(recipe, kind)
+
+
+def _by_slices(recipe, kind):
+    return recipe == "blockwise" and kind != "cuda_blocks"
+
+
+def scaled_gemm(a, b, out_dtype, recipe, kind, fast_accum=False, bias=None):
     """a = (qa [M, K], 1/scales) times b = (qb [N, K], 1/scales)^T, the scales as fp8_cast lays them out (an
     Fp8Cast's first two fields, or its last two: the transposed operand), accumulated in fp32,
     returned as gemm_dtype gives (padded rows and columns included). fast_accum: the Hopper FP8 tensor cores'
-    faster, less precise accumulation (the forward GEMM only; gradients keep full accumulation, as torchao)."""
+    faster, less precise accumulation (the forward GEMM only; gradients keep full accumulation, as torchao).
+    bias [N] (only where takes_bias): added to every row by the GEMM itself, zero-padded to qb's rows."""
     out = gemm_dtype(out_dtype, recipe, kind)
-    if recipe == "blockwise" and kind != "cuda_blocks":
+    if _by_slices(recipe, kind):
         return _blockwise_by_slices(a, b, out)
     (qa, inv_a), (qb, inv_b) = a, b
     inv_b = inv_b.t()
@@ -37,14 +50,16 @@ def scaled_gemm(a, b, out_dtype, recipe, kind, fast_accum=False):
         inv_a = inv_a.expand(qa.shape[0], 1).contiguous()
         inv_b = inv_b.expand(1, qb.shape[0]).contiguous()
     # no fast accumulation for blockwise: DeepSeek-V3's recipe exists to keep the accumulation accurate
-    return _scaled_mm(qa, qb, inv_a, inv_b, out, fast_accum and recipe != "blockwise")
+    if bias is not None:
+        bias = torch.nn.functional.pad(bias.to(out), (0, qb.shape[0] - bias.shape[0]))
+    return _scaled_mm(qa, qb, inv_a, inv_b, out, fast_accum and recipe != "blockwise", bias)
 
 
-def _scaled_mm(qa, qb, inv_a, inv_b, out_dtype, fast_accum=False):
+def _scaled_mm(qa, qb, inv_a, inv_b, out_dtype, fast_accum=False, bias=None):
     """qa [M, K] row-major times qb [N, K]^T (column-major, as cuBLASLt wants), scales passed as laid out by the
     caller: a thin wrapper that names the shapes when torch refuses them."""
     try:
-        return torch._scaled_mm(qa, qb.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype,
+        return torch._scaled_mm(qa, qb.t(), scale_a=inv_a, scale_b=inv_b, bias=bias, out_dtype=out_dtype,
                                 use_fast_accum=fast_accum)
     except RuntimeError as e:
         raise RuntimeError(f"torch._scaled_mm rejected {qa.dtype} {tuple(qa.shape)} x {qb.dtype} {tuple(qb.shape)}^T "

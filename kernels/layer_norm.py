@@ -2,7 +2,7 @@
 kernels/layer_norm.py: fused LayerNorm, forward in one pass over each row, backward with the weight and
 bias gradients reduced in Triton. Replaces model.py's nn.LayerNorm (ln_1, ln_2, ln_f) via apply_kernels.
 
-    y = (x - mean) * rstd * w + b,   rstd = 1 / sqrt(var + eps)        (a program per row(s) of x [M, N])
+    y = (x - mean) * rstd * w + b,   rstd = 1 / sqrt(var + eps)        (G programs looping over row tiles)
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * w,   xhat = (x - mean) * rstd
     dw = sum_rows dy * xhat,  db = sum_rows dy    (per-program partial sums [G, N], then a column reduction)
 
@@ -10,6 +10,9 @@ Memory traffic (bytes of M*N values, s bytes each): eager PyTorch's LayerNorm fo
 var and the affine into one kernel (read x, write y: 2s); the win of writing it by hand is the backward:
 one kernel reads x, dy once and writes dx (3s) while the G x N partials for dw/db stay tiny, instead of
 separate passes for dx, dw, db. Only the per-row mean and rstd (8 bytes a row) are saved for backward.
+Both kernels run G = 4 x SMs programs that loop over tiles of ROWS rows: w and b are loaded once per program (not
+once per row), and the backward's dw, db partials are per program ([G, N], reduced by one small kernel each).
+A tile's start is one int64 scalar and the offsets inside it int32: no 64-bit arithmetic per element.
 
     from kernels import layer_norm
     y = layer_norm(x, weight, bias, eps=1e-5)              # backend: auto | triton | torch | compile
@@ -26,25 +29,34 @@ from kernels.backend import (HAS_TRITON, block_offsets, compute_dtype, compute_t
 
 if HAS_TRITON:
     @triton.jit
-    def _ln_fwd(X, Y, W, B, Mean, Rstd, M, N, EPS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                ACC: tl.constexpr):
-        # ROWS rows per program (1 on a GPU for wide rows; more under the interpreter, where programs are costly)
-        rows = block_offsets(tl.program_id(0), ROWS)     # int64: rows * N passes 2^31 at scale
-        cols = tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        offs = rows[:, None] * N + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
-        mean = tl.sum(x, axis=1) / N
-        xc = tl.where(mask, x - mean[:, None], 0.0)       # the ragged tail must not count in the variance
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + EPS)
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
-        b = tl.load(B + cols, mask=cols < N, other=0.0).to(ACC)
-        tl.store(Y + offs, (xc * rstd[:, None] * w[None, :] + b[None, :]).to(Y.dtype.element_ty), mask=mask)
-        tl.store(Mean + rows, mean, mask=rows < M)
-        tl.store(Rstd + rows, rstd, mask=rows < M)
+    def _row_tile(X, tile, M, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Row tile `tile` of a row-major [M, N] tensor at X: (its pointers, the mask, the row indices). The tile's
+        start is one int64 scalar (rows * N passes 2^31 at scale), the offsets inside it int32."""
+        rows = block_offsets(tile, ROWS)
+        r, cols = tl.arange(0, ROWS), tl.arange(0, BLOCK_N)
+        ptrs = X + tl.cast(tile, tl.int64) * ROWS * N + r[:, None] * N + cols[None, :]
+        return ptrs, (rows[:, None] < M) & (cols[None, :] < N), rows
 
     @triton.jit
-    def _ln_bwd(X, DY, DX, W, Mean, Rstd, DWp, DBp, M, N, G, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _ln_fwd(X, Y, W, B, Mean, Rstd, M, N, EPS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                ACC: tl.constexpr):
+        # program p normalizes row tiles p, p + G, p + 2G, ... (G programs): w and b are loaded once per program
+        cols = tl.arange(0, BLOCK_N)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
+        b = tl.load(B + cols, mask=cols < N, other=0.0).to(ACC)
+        for tile in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
+            x_ptrs, mask, rows = _row_tile(X, tile, M, N, ROWS, BLOCK_N)
+            x = tl.load(x_ptrs, mask=mask, other=0.0).to(ACC)
+            mean = tl.sum(x, axis=1) / N
+            xc = tl.where(mask, x - mean[:, None], 0.0)       # the ragged tail must not count in the variance
+            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + EPS)
+            y_ptrs, _, _ = _row_tile(Y, tile, M, N, ROWS, BLOCK_N)
+            tl.store(y_ptrs, (xc * rstd[:, None] * w[None, :] + b[None, :]).to(Y.dtype.element_ty), mask=mask)
+            tl.store(Mean + rows, mean, mask=rows < M)
+            tl.store(Rstd + rows, rstd, mask=rows < M)
+
+    @triton.jit
+    def _ln_bwd(X, DY, DX, W, Mean, Rstd, DWp, DBp, M, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                 ACC: tl.constexpr):
         # program p handles row tiles p, p+G, p+2G, ... and keeps its share of dw, db in registers
         pid = tl.program_id(0)
@@ -52,12 +64,12 @@ if HAS_TRITON:
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
         dw = tl.zeros([BLOCK_N], dtype=ACC)
         db = tl.zeros([BLOCK_N], dtype=ACC)
-        for tile in range(pid, tl.cdiv(M, ROWS), G):
-            rows = block_offsets(tile, ROWS)
-            mask = (rows[:, None] < M) & (cols[None, :] < N)
-            offs = rows[:, None] * N + cols[None, :]
-            x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
-            dy = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
+        for tile in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
+            x_ptrs, mask, rows = _row_tile(X, tile, M, N, ROWS, BLOCK_N)
+            dy_ptrs, _, _ = _row_tile(DY, tile, M, N, ROWS, BLOCK_N)
+            dx_ptrs, _, _ = _row_tile(DX, tile, M, N, ROWS, BLOCK_N)
+            x = tl.load(x_ptrs, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(ACC)
             mean = tl.load(Mean + rows, mask=rows < M, other=0.0)
             rstd = tl.load(Rstd + rows, mask=rows < M, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
@@ -65,7 +77,7 @@ if HAS_TRITON:
             c1 = tl.sum(xhat * g, axis=1) / N
             c2 = tl.sum(g, axis=1) / N
             dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
-            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
             dw += tl.sum(dy * xhat, axis=0)
             db += tl.sum(dy, axis=0)
         tl.store(DWp + pid * N + cols, dw, mask=cols < N)
@@ -83,18 +95,21 @@ if HAS_TRITON:
         tl.store(Out + cols, acc.to(Out.dtype.element_ty), mask=cols < N)
 
 
-def _rows_per_program(x):
-    return 1 if x.is_cuda else 16
+def _rows_per_tile(x, block_n):
+    """Rows a program normalizes at once: 2048 values on a GPU (2 rows at C = 768, 1 from C = 2048 up); under the
+    interpreter, where each step costs Python time, 16."""
+    return max(1, 2048 // block_n) if x.is_cuda else 16
 
 
-def _num_warps(block_n):
-    """Warps sharing one row. A row is held in registers: with a fixed 4 warps, h = 4096 puts 32 values of each
-    live tensor in every thread, enough to spill; scaling the warps keeps it at 8 up to h = 4096 (16 at 8192)."""
-    return min(16, max(4, block_n // 256))
+def _num_warps(tile):
+    """Warps sharing one row tile. A tile is held in registers: with a fixed 4 warps, h = 4096 puts 32 values of
+    each live tensor in every thread, enough to spill; scaling the warps keeps it at 8 up to h = 4096 (16 at 8192)."""
+    return min(16, max(4, tile // 256))
 
 
-def _n_partials(n_tiles, device):
-    """Programs in the backward: enough to fill a GPU, few on the (serial) interpreter."""
+def _n_programs(n_tiles, device):
+    """Programs, each looping over row tiles: enough to fill a GPU (4 per SM), few on the (serial) interpreter;
+    w and b (forward) and the dw, db partials (backward) cost once per program, not once per row."""
     if device.type == "cuda":
         return max(1, min(n_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
     return max(1, min(n_tiles, 2))
@@ -109,10 +124,10 @@ class LayerNormFunction(torch.autograd.Function):
         y = torch.empty_like(x2)
         mean = torch.empty(M, device=x.device, dtype=compute_dtype(x))
         rstd = torch.empty(M, device=x.device, dtype=compute_dtype(x))
-        R = _rows_per_program(x2)
-        _ln_fwd[(triton.cdiv(M, R),)](x2, y, weight.contiguous(), bias.contiguous(), mean, rstd, M, N, EPS=eps,
-                                      ROWS=R, BLOCK_N=next_pow2(N), ACC=compute_type(x),
-                                      num_warps=_num_warps(next_pow2(N)))
+        R = _rows_per_tile(x2, next_pow2(N))
+        _ln_fwd[(_n_programs(triton.cdiv(M, R), x2.device),)](
+            x2, y, weight.contiguous(), bias.contiguous(), mean, rstd, M, N, EPS=eps, ROWS=R, BLOCK_N=next_pow2(N),
+            ACC=compute_type(x), num_warps=_num_warps(R * next_pow2(N)))
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.shape = shape
         return y.view(shape)
@@ -123,12 +138,12 @@ class LayerNormFunction(torch.autograd.Function):
         M, N = x2.shape
         dy2 = dy.reshape(-1, N).contiguous()
         dx = torch.empty_like(x2)
-        R = _rows_per_program(x2)
-        G = _n_partials(triton.cdiv(M, R), x2.device)
+        R = _rows_per_tile(x2, next_pow2(N))
+        G = _n_programs(triton.cdiv(M, R), x2.device)
         dw_part = torch.empty(G, N, device=x2.device, dtype=compute_dtype(x2))
         db_part = torch.empty(G, N, device=x2.device, dtype=compute_dtype(x2))
-        _ln_bwd[(G,)](x2, dy2, dx, weight.contiguous(), mean, rstd, dw_part, db_part, M, N, G,
-                      ROWS=R, BLOCK_N=next_pow2(N), ACC=compute_type(x2), num_warps=_num_warps(next_pow2(N)))
+        _ln_bwd[(G,)](x2, dy2, dx, weight.contiguous(), mean, rstd, dw_part, db_part, M, N,
+                      ROWS=R, BLOCK_N=next_pow2(N), ACC=compute_type(x2), num_warps=_num_warps(R * next_pow2(N)))
         dw, db = torch.empty_like(weight), torch.empty_like(weight)
         BLOCK_C = min(128, next_pow2(N))
         for part, out in ((dw_part, dw), (db_part, db)):

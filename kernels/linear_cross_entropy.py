@@ -5,19 +5,27 @@ Replaces model.py's LMHead (F.linear + F.cross_entropy) via apply_kernels.
 
     loss = linear_cross_entropy(h, weight, targets)    # h [N, C], weight [V, C], targets [N] -> mean CE (fp32)
 
-For each chunk of n tokens (n*V ~ N*C, so the chunk's logits are about as big as h itself; n >= 256):
+For each chunk of n tokens (n >= 2048, or all of them: a GEMM of thousands of rows keeps the tensor cores busy
+while streaming the [V, C] weight, which each chunk reads three times):
     z = h_c W^T                                 [n, V], the only vocab-sized buffer, reused in place:
-    loss_c = sum_i (logsumexp(z_i) - z_i[t_i])  a Triton program per row: online max/sum, then
+    loss_c = sum_i (logsumexp(z_i) - z_i[t_i])  the row kernel: online max/sum over vocabulary blocks, then
     z <- (softmax(z) - onehot(t)) / N_valid     the logit gradient written over the logits
-    dh_c = z W ;  dW += z^T h_c                 two matmuls, then the chunk's buffer is reused
+    dh_c = z W ;  dW += z^T h_c                 two GEMMs; the second writes straight into one fp32 dW buffer
+                                                (cuBLAS accumulates bf16 products into fp32 C: no per-chunk
+                                                [V, C] temporary or cast), cast to W's dtype once at the end
 backward only scales the stored dh, dW by the incoming gradient (the loss is the graph's end in training).
 Under a zero-bubble pipeline (defer=) the forward skips dW and the W step makes a second pass over the chunks for
 it: the same ops in the same order, so the same dW, for one more GEMM (docs/pipelines.md, "The W step").
 
 Memory (fp32, N tokens, vocab V): the unfused head keeps N*V logits, makes an fp32 copy for the loss, the
-softmax and the logit gradient: about 3-4 x 4*N*V bytes at peak. Fused: 4*n*V for one chunk plus dh (N*C)
-and dW (V*C). Measured on CPU, fp32, 4096 tokens, C = 768, V = 50304 (bench/kernels_lm_head.py): the step's
-working memory is 2413 MiB unfused vs 349 MiB fused (6.9x less), at ~0.8x the unfused speed.
+softmax and the logit gradient: about 3-4 x 4*N*V bytes at peak. Fused: n*V in h's dtype for one chunk plus dh
+(N*C) and an fp32 dW (4*V*C). Measured on CPU, fp32, 4096 tokens, C = 768, V = 50304, with 256-token chunks
+(bench/kernels_lm_head.py): 2413 MiB working memory unfused vs 349 MiB fused; 2048-token chunks add
+4*1792*V bytes (~344 MiB) to that in fp32, and in bf16 at GPT-2-small's 8192 tokens the fused head still keeps
+under a quarter of the unfused head's logits.
+The row kernel on a GPU: one row per program of 16 warps, 8192 vocabulary entries per step (a 50k row in
+7 steps, 16 values per thread per step), so a [2048, 50304] chunk is 2048 programs that stream it at memory
+speed (Liger-Kernel's cross-entropy sizes its row programs the same way).
 Targets equal to ignore_index (-100, as F.cross_entropy) count neither in the loss nor in the mean.
 Precision: the row kernel works in fp32 for 16-bit and fp32 logits and in float64 for float64 logits (the
 per-row losses too), so the float64 exactness runs keep the fused head in float64.
@@ -87,18 +95,20 @@ def _ce_grad_(z, targets, inv_n, ignore_index, backend):
         loss = torch.empty(z.shape[0], device=z.device, dtype=compute_dtype(z))
         M, V = z.shape
         R = 1 if z.is_cuda else 16        # rows per program: the interpreter pays per program
+        block_v, warps = (min(8192, next_pow2(V)), 16) if z.is_cuda else (min(64, next_pow2(V)), 4)
         _ce_grad_rows[(cdiv(M, R),)](z, targets, loss, inv_n, M, V, z.stride(0), ignore_index, ROWS=R,
-                                     BLOCK_V=min(4096 if z.is_cuda else 64, next_pow2(V)), ACC=compute_type(z))
+                                     BLOCK_V=block_v, ACC=compute_type(z), num_warps=warps)
         return loss
     loss, g = maybe_compiled(ce_grad_reference, backend)(z, targets, inv_n, ignore_index)
     z.copy_(g)
     return loss
 
 
-def default_chunk(n_tokens, vocab, channels, min_chunk=256):
+def default_chunk(n_tokens, vocab, channels, min_chunk=2048):
     """Tokens per chunk: a chunk's logits about the size of h (Liger-Kernel's heuristic), but at least
-    min_chunk tokens, or each chunk's three GEMMs stream the whole [V, C] weight for too little work
-    (16-token chunks run ~5x slower than unfused on a CPU)."""
+    min_chunk tokens, or each chunk's three GEMMs stream the whole [V, C] weight for too little work (16-token
+    chunks run ~5x slower than unfused on a CPU; on a GPU a 256-row GEMM against a 50k x 768 weight is bound by
+    reading the weight, a 2048-row one by its arithmetic)."""
     return min(n_tokens, max(min_chunk, next_pow2(cdiv(n_tokens, cdiv(vocab, channels)))))
 
 
@@ -117,11 +127,19 @@ def _chunk_pass(h, weight, targets, inv_n, ignore_index, chunk, backend, dh=None
         loss += _ce_grad_(z, tc, inv_n, ignore_index, backend).sum()
         if dh is not None:
             torch.mm(z, weight, out=dh[i:i + chunk])
-        if dw is not None and z.dtype == dw.dtype:
-            dw.addmm_(z.t(), hc)                             # in place: no [V, C] temporary per chunk
-        elif dw is not None:
-            dw += (z.t() @ hc).to(dw.dtype)                  # fp32 accumulation over chunks
+        if dw is not None:
+            _accumulate(dw, z.t(), hc)
     return loss
+
+
+def _accumulate(acc, a, b):
+    """acc += a @ b in acc's dtype (>= fp32) by one GEMM, in place: no [V, C] temporary per chunk."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.device.type == "cuda":        # bf16/fp16 operands, fp32 output: cuBLAS adds into the fp32 buffer
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:                                # CPU has no mixed-dtype GEMM (16-bit on CPU is a test path only)
+        acc += (a @ b).to(acc.dtype)
 
 
 def _acc_dtype(h):

@@ -85,12 +85,26 @@ def broken_rules(a, b, scale_a, scale_b, out_dtype, native_blocks=True):
     return broken
 
 
+def broken_bias_rules(bias, N, out_dtype):
+    """CUDA's rules for a bias added by _scaled_mm's epilogue: a 16-bit bias of the output's dtype, N values, and
+    no fp32 output (torch's ScaledBlas checks)."""
+    broken = []
+    if out_dtype == torch.float32:
+        broken.append("a bias with an fp32 output")
+    if bias.dtype != out_dtype or bias.dtype not in (torch.bfloat16, torch.float16):
+        broken.append(f"a {bias.dtype} bias for a {out_dtype} output (CUDA takes a bf16 or fp16 bias of the output's "
+                      f"dtype)")
+    if bias.shape != (N,):
+        broken.append(f"bias of shape {tuple(bias.shape)} for N = {N}")
+    return broken
+
+
 def dequantized_product(a, b, scale_a, scale_b, out_dtype):
-    """What CUDA computes for 1x128 block scales, by dequantizing (the CPU kernel takes no block scales)."""
+    """What CUDA computes for 1x128 block scales, by dequantizing (the CPU kernel takes no block scales), in fp32."""
     K = a.shape[1]
     a32 = a.float() * scale_a.repeat_interleave(BLOCK, dim=1)[:, :K]
     b32 = b.float() * scale_b.repeat_interleave(BLOCK, dim=0)[:K]
-    return (a32 @ b32).to(out_dtype)
+    return a32 @ b32
 
 
 def cuda_rules_scaled_mm(native_blocks=True):
@@ -109,17 +123,24 @@ def cuda_rules_scaled_mm(native_blocks=True):
                                  out_dtype=out_dtype, use_fast_accum=use_fast_accum)
         out_dtype = out_dtype or a.dtype
         broken = broken_rules(a, b, scale_a, scale_b, out_dtype, native_blocks)
-        if bias is not None or scale_result is not None:
-            broken.append("bias / scale_result (unchecked here: kernels/fp8.py passes neither)")
+        if bias is not None:
+            broken += broken_bias_rules(bias, b.shape[1], out_dtype)
+        if scale_result is not None:
+            broken.append("scale_result (unchecked here: kernels/fp8.py passes none)")
         if broken:
             raise RuntimeError("torch._scaled_mm on CUDA would refuse this: " + "; ".join(broken))
         kind = scaling_kind(a, b, scale_a, scale_b)
         if kind == "blockwise":
-            return dequantized_product(a, b, scale_a, scale_b, out_dtype)
-        if kind == "tensorwise":        # as row scales: the same product, and the CPU kernel's fast path
-            scale_a = scale_a.reshape(1, 1).expand(a.shape[0], 1).contiguous()
-            scale_b = scale_b.reshape(1, 1).expand(1, b.shape[1]).contiguous()
-        return REAL_SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+            product = dequantized_product(a, b, scale_a, scale_b, out_dtype)
+        else:
+            if kind == "tensorwise":        # as row scales: the same product, and the CPU kernel's fast path
+                scale_a = scale_a.reshape(1, 1).expand(a.shape[0], 1).contiguous()
+                scale_b = scale_b.reshape(1, 1).expand(1, b.shape[1]).contiguous()
+            if bias is None:
+                return REAL_SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+            product = REAL_SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+        # the epilogue adds the bias to the fp32 accumulator, then rounds once to the output dtype
+        return (product if bias is None else product + bias.float()).to(out_dtype)
     return scaled_mm
 
 

@@ -115,3 +115,30 @@ def test_output_in_the_autocast_dtype_and_fast_accumulation_forward_only(monkeyp
     y.backward(dy.bfloat16())
     assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
     assert calls == [(torch.bfloat16, True), (torch.float32, False), (torch.float32, False)], calls
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_bias_added_by_the_forward_gemm_under_autocast(recipe, monkeypatch):
+    """Under bf16 autocast the forward _scaled_mm adds the bias in its epilogue (checked against CUDA's bias rules:
+    a bf16 bias for a bf16 output); in fp32 it cannot (CUDA refuses a bias with an fp32 output) and the bias is
+    added after. Either way y and the bias gradient are nn.Linear's, to bf16 rounding."""
+    biases = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        biases.append(kwargs.get("bias"))
+        return scaled_mm(*args, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    torch.manual_seed(0)
+    layer = Float8Linear.from_float(nn.Linear(64, 32), recipe)
+    x, dy = torch.randn(2, 16, 64, requires_grad=True), torch.randn(2, 16, 32)
+    for autocast in (True, False):
+        biases.clear()
+        layer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(x)
+            unfused = layer.matmul(x.detach()) + layer.bias.detach().to(y.dtype)
+        y.backward(dy.to(y.dtype))
+        assert (biases[0] is not None) == autocast and all(b is None for b in biases[1:])
+        torch.testing.assert_close(y, unfused, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(layer.bias.grad, dy.to(y.dtype).sum((0, 1)).float(), rtol=1e-2, atol=1e-2)

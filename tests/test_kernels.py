@@ -319,3 +319,56 @@ def test_apply_kernels_keeps_parameters():
     assert type(model.transformer.ln_f).__name__ == "FusedLayerNorm"
     assert type(model.lm_head).__name__ == "FusedLMHead"
     assert type(model.transformer.h[0].attn.core).__name__ == "FlashAttentionCore"
+
+
+class OpInputs(TorchDispatchMode):
+    """Records (op name, largest input numel) of every op in the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        sizes = [a.numel() for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        self.ops.append((func.__name__, max(sizes, default=0)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_bias_gradients_come_from_the_backward_kernels_partials():
+    """bias_gelu's and dropout's bias gradients are sums of the backward kernel's per-tile partials: no op after
+    the kernel reads a tensor of dx's size (a second pass over dx), and drawing the dropout seed reads nothing back
+    to the host."""
+    torch.manual_seed(8)
+    x, b, r = randn(40, 48, requires_grad=True), randn(48, requires_grad=True), randn(40, 48)
+    for fn in (lambda: bias_gelu(x, b, backend="triton"), lambda: bias_dropout_add(x, b, r, 0.3, backend="triton")):
+        y = fn()
+        with OpInputs() as record, HostReads() as reads:
+            dx, db = torch.autograd.grad(y, (x, b), torch.ones_like(y))
+        sums = [n for name, n in record.ops if name.startswith("sum")]
+        assert sums and max(sums) < x.numel() // 8, record.ops
+        torch.testing.assert_close(db, dx.sum(0), rtol=1e-5, atol=1e-5)
+        assert reads.count == 0
+    with HostReads() as reads:
+        bias_dropout_add(x, b, r, 0.3, backend="triton")
+    assert reads.count == 0
+
+
+def test_flash_attention_reads_the_model_layout_without_copies():
+    """q, k, v and do in the model's [B, T, H, D] layout seen as [B, H, T, D]: the backward launches its kernels on
+    them as they are (no .contiguous() copy of do), and causal tiles past the diagonal (T = 50: an unmasked
+    stage in every loop) and Tq != Tk agree with the float64 reference."""
+    from triton_launches import recorded_launches
+    torch.manual_seed(9)
+    for Tq, Tk in ((50, 50), (35, 50)):
+        q = randn(1, Tq, 2, 16, dtype=torch.float64).transpose(1, 2)
+        k, v = (randn(1, Tk, 2, 16, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+        check_against_float64(lambda *a: flash_attention(*a, True, backend="triton"),
+                              lambda *a: attention_reference(*a, True), [q, k, v],
+                              randn(1, Tq, 2, 16, dtype=torch.float64).transpose(1, 2), rtol=F64_RTOL)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o, _ = flash_attention(q, k, v, True, backend="triton")
+    do = randn(1, Tq, 2, 16, dtype=torch.float64).transpose(1, 2)
+    with recorded_launches() as launches, OpInputs() as record:
+        torch.autograd.grad(o, (q, k, v), do)
+    assert [launch.kernel.split(":")[1] for launch in launches] == ["_attn_bwd_delta", "_attn_bwd"]
+    assert not [name for name, _ in record.ops if name in ("clone", "copy_", "contiguous")], record.ops
