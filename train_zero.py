@@ -135,8 +135,7 @@ class ShardedAdamW:
         for s in self.shards:        # decoupled decay, only on the runs of >= 2-D parameters inside the shard
             for a, b in s.decay_runs:
                 s.master[a:b].mul_(1 - lr * self.wd)
-        self.step_on_device.fill_(self.steps)     # a fill with a scalar argument: no host-to-device copy, no sync
-        steps = [self.step_on_device] * len(masters)                                           # read, not written
+        steps = [self.step_on_device.fill_(self.steps)] * len(masters)   # filled from a scalar: no copy; read only
         torch._fused_adamw_(masters, grads, m, v, [], steps, lr=lr, beta1=self.beta1, beta2=self.beta2,
                             weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False)
 
@@ -331,8 +330,7 @@ def install_zero3_hooks(model, blocks, shards, grads, prefetch=True, reshard_aft
         CastsFreedWithParams(units[i].params).register(block)     # autocast: 16-bit casts freed with the unit
     model.register_forward_pre_hook(root_pre_forward)
     model.register_forward_hook(root_post_forward)
-    refuse_empty_state_dict(model, "ZeRO-3 keeps no whole weights between forwards: on every rank gather them "
-                                   "(each shard's wait()), then state_dict(), then free(); or save each rank's shards")
+    refuse_empty_state_dict(model, "ZeRO-3 holds no whole weights between forwards: gather (every shard's wait())")
 
 
 # ----------------------------------------------------------------------------------------------------------
