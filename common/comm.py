@@ -117,8 +117,7 @@ def collective_failed(op, group, error):
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     cls = type(error) if isinstance(error, dist.DistError) else RuntimeError
     return cls(f"{op} over ranks {list(_ranks(group))} failed ({first_line}): every rank must run every forward of "
-               f"a sharded model (ZeRO-3, TP) and every collective, in the same order: evaluate (estimate_loss), "
-               f"generate and sample on every rank of the group, not on rank 0 alone")
+               f"a sharded model (ZeRO-3, TP) in the same order: evaluate and sample on every rank, not rank 0 alone")
 
 
 def wait_for(work, op, group):
