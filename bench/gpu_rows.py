@@ -16,6 +16,7 @@ two correct bf16 computations differ by ~1e-2 of the largest value): ok when our
 """
 import json
 import os
+import shutil
 import statistics
 import sys
 import warnings
@@ -260,6 +261,7 @@ def syncs(out_dir):
     for name, extra in (("dense", []), ("MoE dropless", ["--n_experts", "8", "--top_k", "2"]),
                         ("MoE capacity 1.0", ["--n_experts", "8", "--top_k", "2", "--capacity_factor", "1.0"])):
         run_dir = os.path.join(out_dir, "syncs-" + name.split()[-1].replace(".", ""))
+        shutil.rmtree(run_dir, ignore_errors=True)              # a rerun's: a new run refuses an earlier one's
         events = count_syncs(train_single.main, SYNC_ARGV + extra + ["--out_dir", run_dir])
         steady = [place for s, place in events if s == 2]          # step 2: caches built, nothing first-time
         stray = [p for p in steady if not any(a in p for a in LOGGED)]

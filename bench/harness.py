@@ -22,6 +22,7 @@ column saying whether that run's median paired ratio reaches R.
 import argparse
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def machine_description():
 
 
 def run_once(label, command, out_dir, warmup, timeout):
+    shutil.rmtree(out_dir, ignore_errors=True)      # the bench's own scratch: an earlier sweep's run would be refused
     os.makedirs(out_dir, exist_ok=True)
     cmd = command.replace("{out}", out_dir)
     t0 = time.time()
