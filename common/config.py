@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 
 from common.errors import ConfigError, check, fail  # noqa: F401 (the checks every script makes come from here)
 from common.checkpoint.files import CKPT_DIR, LATEST, LOCK, resolve_resume
+from common.model_setup import ARCHS
 
 
 @dataclass
@@ -24,6 +25,9 @@ class Config:
     n_embd: int = 384
     block_size: int = 256
     dropout: float = 0.0
+    arch: str = "gpt"
+    n_kv_head: int = 0
+    ffn_hidden: int = 0
     # batch: grad_acc = global_batch_size / (micro_batch_size * dp)
     global_batch_size: int = 32
     micro_batch_size: int = 8
@@ -83,6 +87,10 @@ class Config:
 HELP = dict(
     n_layer="transformer blocks", n_head="attention heads", n_embd="model width h",
     block_size="sequence length T", dropout="dropout probability (0 for parity tests)",
+    arch="the model family: gpt (GPT-2: LayerNorm, GeLU, biases, tied) | llama (RMSNorm, SwiGLU, no biases, untied) "
+         "| qwen2 (llama with q/k/v biases) | mixtral (llama's SwiGLU experts, gates renormalized; needs --n_experts)",
+    n_kv_head="key/value heads (grouped-query attention; 1: multi-query; 0: n_head)",
+    ffn_hidden="MLP (and expert) width (0: 4 * n_embd)",
     global_batch_size="sequences per optimizer step, the same in every layout",
     micro_batch_size="sequences per forward/backward on one rank",
     lr="peak learning rate", min_lr="learning rate at the end of the cosine decay",
@@ -132,7 +140,7 @@ HELP = dict(
                    "micro-batch (routing.py)", bucket_mb="gradient bucket size in MiB",
     capacity_factor="MoE expert capacity = ceil(cf * tokens * top_k / n_experts), overflow dropped (0: dropless)",
 )
-CHOICES = dict(recompute=["none", "selective", "full"], kernels=["auto", "triton", "torch", "compile"],
+CHOICES = dict(arch=list(ARCHS), recompute=["none", "selective", "full"], kernels=["auto", "triton", "torch", "compile"],
                fp8=["none", "tensorwise", "rowwise", "blockwise", "delayed"],
                dtype=["auto", "float32", "bfloat16", "float16", "float64"],
                cp_layout=["ring", "zigzag", "allgather"],
@@ -240,6 +248,10 @@ def validate_common(cfg, zero_means_auto=()):
     check(cfg.n_embd % cfg.n_head == 0, f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
     check((cfg.n_embd // cfg.n_head) % 2 == 0,
           f"head dim n_embd/n_head={cfg.n_embd // cfg.n_head} must be even for rotary embeddings")
+    check(cfg.n_kv_head >= 0 and cfg.ffn_hidden >= 0, "--n_kv_head and --ffn_hidden must be >= 0")
+    check(cfg.n_head % (cfg.n_kv_head or cfg.n_head) == 0,
+          f"--n_kv_head {cfg.n_kv_head} must divide n_head={cfg.n_head} (query heads share each key/value head)")
+    check(cfg.arch != "mixtral" or cfg.n_experts > 0, "--arch mixtral is a mixture of experts: give --n_experts")
     check(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
     check(cfg.warmup_steps >= 0, f"--warmup_steps must be >= 0, got {cfg.warmup_steps}")
     check(cfg.min_lr <= cfg.lr, f"--min_lr {cfg.min_lr:g} must not exceed --lr {cfg.lr:g}")

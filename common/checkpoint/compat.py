@@ -3,8 +3,8 @@ common/checkpoint/compat.py: whether a checkpoint can be resumed by this run, ch
 (checkpoint.load calls it on every rank). What defines the model must match the checkpoint; how it is trained may
 change:
 
-    must match      vocab_size (the dataset's), n_layer, n_head, n_embd, block_size, rope_base; and with experts
-                    n_experts, top_k, moe_every. The checkpoint's entries and the model's are the same set, and
+    must match      vocab_size (the dataset's), n_layer, n_head, n_embd, block_size, rope_base, the Llama family's
+                    fields (--arch, --n_kv_head, --ffn_hidden); and with experts n_experts, top_k, moe_every. The checkpoint's entries and the model's are the same set, and
                     AdamW's moments go to parameters by the names the checkpoint stores, never by position.
     may change      RESUMABLE below: batch, lr schedule, layout and world size, dtype, dropout, recompute...
 
@@ -15,8 +15,10 @@ from dataclasses import asdict
 import torch
 
 
-MODEL_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size", "rope_base")
-MOE_FIELDS = ("n_experts", "top_k", "moe_every")             # compared when either model has experts
+MODEL_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size", "rope_base",
+                # the Llama family's (model.GPTConfig; a checkpoint saved before them is model.py's GPT-2 defaults)
+                "rope_scaling", "norm", "norm_eps", "mlp", "ffn_hidden", "n_kv_head", "qkv_bias", "bias", "tied")
+MOE_FIELDS = ("n_experts", "top_k", "moe_every", "router_renorm")   # compared when either model has experts
 RESUMABLE = ("the batch (--global_batch_size, --micro_batch_size), the lr schedule (--lr, --min_lr, --warmup_steps, "
              "--max_steps, --weight_decay, --grad_clip), the layout (world size, --dp --tp --cp --pp --ep, "
              "--zero_stage, --pp_schedule), --dtype, --dropout, --recompute, --kernels, --fp8, --capacity_factor, "
