@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, fields
 
 from common.errors import ConfigError, check, fail  # noqa: F401 (the checks every script makes come from here)
 from common.checkpoint.files import CKPT_DIR, LATEST, LOCK, resolve_resume
-from common.model_setup import ARCHS
 
 
 @dataclass
@@ -28,6 +27,10 @@ class Config:
     arch: str = "gpt"
     n_kv_head: int = 0
     ffn_hidden: int = 0
+    tied: bool = True
+    rope_base: float = 10000.0
+    rope_scaling: str = ""
+    norm_eps: float = 1e-5
     # batch: grad_acc = global_batch_size / (micro_batch_size * dp)
     global_batch_size: int = 32
     micro_batch_size: int = 8
@@ -84,6 +87,11 @@ class Config:
     bucket_mb: float = 25.0
 
 
+# --arch: the model.GPTConfig fields of each family (sizes, heads, widths, tying and the rotary settings come from
+# their own flags; common/model_setup.gpt_config builds the model)
+LLAMA = dict(norm="rmsnorm", mlp="swiglu", qkv_bias=False, bias=False)
+ARCHS = dict(gpt={}, llama=LLAMA, qwen2=dict(LLAMA, qkv_bias=True), mixtral=dict(LLAMA, router_renorm=True))
+
 HELP = dict(
     n_layer="transformer blocks", n_head="attention heads", n_embd="model width h",
     block_size="sequence length T", dropout="dropout probability (0 for parity tests)",
@@ -91,6 +99,9 @@ HELP = dict(
          "| qwen2 (llama with q/k/v biases) | mixtral (llama's SwiGLU experts, gates renormalized; needs --n_experts)",
     n_kv_head="key/value heads (grouped-query attention; 1: multi-query; 0: n_head)",
     ffn_hidden="MLP (and expert) width (0: 4 * n_embd)",
+    tied="the LM head is the input embedding's weight (--no-tied: a head of its own)",
+    rope_base="the rotary base theta", norm_eps="the LayerNorms' / RMSNorms' epsilon",
+    rope_scaling="Llama 3's rotary scaling as FACTOR,LOW_FREQ_FACTOR,HIGH_FREQ_FACTOR,ORIGINAL_CONTEXT (empty: none)",
     global_batch_size="sequences per optimizer step, the same in every layout",
     micro_batch_size="sequences per forward/backward on one rank",
     lr="peak learning rate", min_lr="learning rate at the end of the cosine decay",
@@ -227,7 +238,7 @@ def parse_config(argv=None, techniques=(), description=None, extra_args=None, va
 
 
 FLOAT_FLAGS = ("lr", "min_lr", "weight_decay", "grad_clip", "dist_timeout", "dropout", "aux_loss_coef",
-               "capacity_factor", "bucket_mb")
+               "capacity_factor", "bucket_mb", "rope_base", "norm_eps")
 MAX_DIST_TIMEOUT = 10 ** 7                      # seconds (about 4 months): beyond it, timedelta and gloo overflow
 
 
@@ -252,6 +263,9 @@ def validate_common(cfg, zero_means_auto=()):
     check(cfg.n_head % (cfg.n_kv_head or cfg.n_head) == 0,
           f"--n_kv_head {cfg.n_kv_head} must divide n_head={cfg.n_head} (query heads share each key/value head)")
     check(cfg.arch != "mixtral" or cfg.n_experts > 0, "--arch mixtral is a mixture of experts: give --n_experts")
+    check(cfg.rope_base > 0 and cfg.norm_eps > 0, "--rope_base and --norm_eps must be positive")
+    check(rope_scaling(cfg.rope_scaling) is not None, f"--rope_scaling {cfg.rope_scaling!r}: give FACTOR,LOW_FREQ_FACTOR,"
+          f"HIGH_FREQ_FACTOR,ORIGINAL_CONTEXT (four positive numbers, low < high), or nothing")
     check(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
     check(cfg.warmup_steps >= 0, f"--warmup_steps must be >= 0, got {cfg.warmup_steps}")
     check(cfg.min_lr <= cfg.lr, f"--min_lr {cfg.min_lr:g} must not exceed --lr {cfg.lr:g}")
@@ -271,6 +285,17 @@ def validate_common(cfg, zero_means_auto=()):
     check_out_dir(cfg.out_dir)
     check_system_flags(cfg.device, cfg.dist_timeout)
     check_data_mix(cfg.data_mix, cfg.data_dir)
+
+
+def rope_scaling(text):
+    """--rope_scaling as model.GPTConfig's tuple (() for none), or None where it is not four positive numbers."""
+    if not text.strip():
+        return ()
+    parts = text.split(",")
+    if len(parts) != 4 or not all(FLOAT_TEXT.fullmatch(x) for x in parts):
+        return None
+    values = tuple(float(x) for x in parts)
+    return values if all(0 < v < math.inf for v in values) and values[1] < values[2] else None
 
 
 def check_data_mix(data_mix, data_dir):

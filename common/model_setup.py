@@ -5,14 +5,12 @@ for a model built on the meta device (materialize), the way every rung builds on
 import torch
 import torch.nn as nn
 
+from common.config import ARCHS, rope_scaling
 from common.errors import check
 from model import GPTConfig
 
 MOE_FLAGS = ("n_experts", "top_k", "moe_every", "aux_loss_coef", "aux_loss_scope", "capacity_factor")
-# --arch: the model.GPTConfig fields of each family (the sizes, n_kv_head and ffn_hidden come from their own flags)
-LLAMA = dict(norm="rmsnorm", norm_eps=1e-5, mlp="swiglu", qkv_bias=False, bias=False, tied=False)
-ARCHS = dict(gpt={}, llama=LLAMA, qwen2=dict(LLAMA, qkv_bias=True, norm_eps=1e-6),
-             mixtral=dict(LLAMA, router_renorm=True))
+FAMILY_FLAGS = ("n_kv_head", "ffn_hidden", "tied", "rope_base", "norm_eps")
 
 
 def materialize(module, device, dtype=torch.float32):
@@ -37,8 +35,9 @@ def materialize(module, device, dtype=torch.float32):
 
 def gpt_config(cfg, vocab_size):
     return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, dropout=cfg.dropout, recompute=cfg.recompute, n_kv_head=cfg.n_kv_head,
-                     ffn_hidden=cfg.ffn_hidden, **ARCHS[cfg.arch], **{name: getattr(cfg, name) for name in MOE_FLAGS})
+                     n_embd=cfg.n_embd, dropout=cfg.dropout, recompute=cfg.recompute,
+                     rope_scaling=rope_scaling(cfg.rope_scaling), **ARCHS[cfg.arch],
+                     **{name: getattr(cfg, name) for name in FAMILY_FLAGS + MOE_FLAGS})
 
 
 def check_moe(cfg):

@@ -104,7 +104,7 @@ def test_resume_is_exact(tiny_data, tmp_path):
 def test_a_llama_family_run_builds_its_fields_and_resumes_exactly(tiny_data, tmp_path):
     """--arch qwen2 --n_kv_head 2 --ffn_hidden 48: the checkpoint's model is the family's (RMSNorm, SwiGLU, q/k/v
     biases only, an untied head) and a resume from it is bit-identical."""
-    flags = dict(arch="qwen2", n_kv_head=2, ffn_hidden=48, max_steps=6)
+    flags = dict(arch="qwen2", n_kv_head=2, ffn_hidden=48, tied=False, max_steps=6)
     full, wf = run_single(tiny_argv(tiny_data, str(tmp_path / "full"), **flags))
     out = str(tmp_path / "split")
     run_single(tiny_argv(tiny_data, out, stop_step=3, **flags))
@@ -251,6 +251,7 @@ def test_tf32_enabled_in_every_script():
     (["--resume"], "--resume: no checkpoint at"),
     (["--n_kv_head", "3"], "--n_kv_head 3 must divide n_head=4"),
     (["--arch", "mixtral"], "--arch mixtral is a mixture of experts: give --n_experts"),
+    (["--rope_scaling", "8,4,1,8192"], "--rope_scaling '8,4,1,8192': give FACTOR"),
 ])
 def test_bad_values_are_one_clear_line(tiny_data, tmp_path, capsys, flags, message):
     argv = tiny_argv(tiny_data, str(tmp_path / "run"), max_steps=20)
