@@ -132,8 +132,9 @@ HELP = dict(
     keep_checkpoints="step directories kept in OUT_DIR/ckpt (the newest; older ones are removed after each save)",
     resume="continue from the latest checkpoint in OUT_DIR/ckpt, appending to metrics.jsonl; `--resume auto`: "
            "resume if a complete checkpoint exists, else start fresh (for restarts under torchrun --max-restarts)",
-    init_from="start from the weights of a Hugging Face GPTNeoXForCausalLM directory (config.json + safetensors; "
-              "python -m common.hf export writes one), AdamW fresh; ignored when resuming (docs/huggingface.md)",
+    init_from="start from the weights of a Hugging Face GPTNeoXForCausalLM (--arch gpt), LlamaForCausalLM, "
+              "Qwen2ForCausalLM or MixtralForCausalLM directory (config.json + safetensors; python -m common.hf export "
+              "writes one; the flags give its shape), AdamW fresh; ignored when resuming (docs/huggingface.md)",
     stop_step="stop before this step, keeping the --max_steps schedule (0: run to max_steps); for time-limited jobs",
     sample_tokens="tokens to generate as a sample at the end (0 disables)",
     profile="trace N optimizer steps with torch.profiler after 2 warm-up steps: out_dir/trace_rank{r}.json per "

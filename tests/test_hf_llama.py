@@ -3,13 +3,16 @@ built here from a small config (GQA, rope_theta 500000, untied, Llama 3's rotary
 Mixtral's top-2 of SwiGLU experts) converted to model.py gives transformers' logits to 1e-12 in float64, its loss, and
 its greedy tokens; converting back is bitwise. Every model is built here, offline."""
 import math
+import os
 
 import pytest
 import torch
 import transformers
 
-from common.hf import llama
+from common.checkpoint.files import latest_checkpoint, load_checkpoint
+from common.hf import interop, llama
 from model import GPT, GPTConfig
+from train_helpers import curves, run_single, text_argv
 
 transformers.logging.set_verbosity_error()
 SHAPE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
@@ -60,10 +63,10 @@ def float64_throughout(hf):
     return hf
 
 
-def build(case):
+def build(case, **changes):
     config_class, fields = CASES[case]
     torch.manual_seed(0)
-    hf = config_class(**SHAPE, **fields)
+    hf = config_class(**{**SHAPE, **changes}, **fields)
     model = transformers.AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa", experts_implementation="eager").double().eval()
     with torch.no_grad():                    # biases are zeros at init: make them count
         for name, p in model.named_parameters():
@@ -83,7 +86,7 @@ def model_py_of(hf, state):
     model = GPT(gcfg).double().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(llama.from_hf(name, [state[n] for n in llama.hf_names(name, mc)], mc))
+            p.copy_(llama.from_hf_pieces(name, [state[n] for n in llama.hf_names(name, mc)], mc))
     return model, mc
 
 
@@ -113,7 +116,7 @@ def test_model_py_gives_transformers_logits_loss_and_greedy_tokens(case, tmp_pat
         mine = torch.cat([mine, model(mine)[0][:, -1:].argmax(-1)], dim=1)
     assert torch.equal(greedy, mine)
     # back to transformers' names, bitwise
-    back = {n: t for name, p in model.named_parameters() for n, t in llama.to_hf(name, p.detach(), mc)}
+    back = {n: t for name, p in model.named_parameters() for n, t in llama.to_hf_pieces(name, p.detach(), mc)}
     assert set(back) == {n for n in state if not (n == "lm_head.weight" and mc["tied"])}
     assert all(torch.equal(back[n], state[n]) for n in back)
     assert llama.model_type_of(mc) == hf.config.model_type and llama.export_problem(mc) is None
@@ -128,3 +131,40 @@ def test_what_model_py_cannot_represent_is_named(field, value):
     problem = llama.architecture_problem(config)
     assert problem is not None and problem[0].split(".")[0] == field.split(".")[0].replace("rope_parameters",
                                                                                              "rope_parameters")
+
+
+# the flags that give each case's model (checked against its config.json by --init_from)
+FLAGS = dict(llama_gqa_llama3_untied=dict(arch="llama", n_kv_head=2, ffn_hidden=48, tied=False, rope_base=500000.0,
+                                          rope_scaling="8,1,4,16", norm_eps=1e-6),
+             mixtral_top2=dict(arch="mixtral", n_kv_head=2, ffn_hidden=24, n_experts=4, top_k=2, tied=False,
+                               rope_base=1e6, norm_eps=1e-5))
+
+
+@pytest.mark.parametrize("case", sorted(FLAGS))
+def test_init_from_gives_transformers_loss_and_exports_back(case, text_data, tmp_path):
+    """--init_from a saved transformers model: train_single's step-0 loss is the cross-entropy of transformers'
+    float64 logits on batch 0; three steps later, python -m common.hf export writes the same class, which
+    transformers loads and whose logits are the checkpoint's to 1e-12, its files the checkpoint's bitwise."""
+    from safetensors.torch import load_file
+    from common.data import GlobalBatchLoader
+    theirs, hf_dir, out, exported = build(case, vocab_size=256), str(tmp_path / "hf"), str(tmp_path / "run"), \
+        str(tmp_path / "exported")
+    theirs.save_pretrained(hf_dir)
+    run_single(text_argv(text_data, out, max_steps=3, micro_batch_size=8, init_from=hf_dir, **FLAGS[case]))
+    x, y = GlobalBatchLoader(text_data, 32, 8, seed=1).micro_batch(0, 0, 8)
+    with torch.no_grad():
+        loss = float(torch.nn.functional.cross_entropy(theirs(x).logits.flatten(0, 1), y.flatten()))
+    assert abs(curves(out)[0][0] - loss) <= 1e-12 * loss
+    interop.main(["export", out, exported, "--no_tokenizer"])
+    state = load_checkpoint(latest_checkpoint(out))
+    mc = state["model_config"]
+    ours = GPT(GPTConfig(**mc)).double().eval()
+    ours.load_state_dict(state["model"], strict=False)
+    back = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float64, attn_implementation="sdpa",
+                                                             experts_implementation="eager").eval()
+    assert type(back).__name__ == type(theirs).__name__
+    with torch.no_grad():
+        torch.testing.assert_close(float64_throughout(back)(x).logits, ours(x)[0], rtol=0, atol=1e-12)
+    files = load_file(os.path.join(exported, "model.safetensors"))
+    for name, p in ours.named_parameters():
+        assert torch.equal(llama.from_hf_pieces(name, [files[n] for n in llama.hf_names(name, mc)], mc), p), name

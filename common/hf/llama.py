@@ -1,7 +1,8 @@
 """
 common/hf/llama.py: model.py's Llama family as transformers' LlamaForCausalLM, Qwen2ForCausalLM and
 MixtralForCausalLM and back: the config, the parameter names and the permutations between them (convert.py does the
-same for the default GPT as GPT-NeoX). Pure functions of dicts and tensors; transformers is never imported.
+same for the default GPT as GPT-NeoX, with the same functions: hf_names, to_hf_pieces, from_hf_pieces, hf_config,
+export_problem, class_name). Pure functions of dicts and tensors; transformers is never imported.
 
     model.py                              Llama / Qwen2 / Mixtral (model.layers.{i}. before each block name)
     transformer.wte                       model.embed_tokens
@@ -39,7 +40,7 @@ EXPERT = {"c_fc": ["w1", "w3"], "c_proj": ["w2"]}
 # ----------------------------------------------------------------------------------------------------------
 # names and tensors
 
-def hf_names(name, mc=None):
+def hf_names(name, mc):
     """model.py's parameter name -> the names of the transformers tensors it is made of."""
     fixed = {"transformer.wte.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight",
              "transformer.ln_f.weight": "model.norm.weight"}
@@ -69,7 +70,7 @@ def kv_heads(mc):
     return mc.get("n_kv_head") or mc["n_head"]
 
 
-def to_hf(name, tensor, mc):
+def to_hf_pieces(name, tensor, mc):
     """[(transformers name, value)] of model.py's parameter `name` (c_attn and c_fc split, q and k re-ordered)."""
     names = hf_names(name, mc)
     if ".attn.c_attn." in name:
@@ -81,7 +82,7 @@ def to_hf(name, tensor, mc):
     return list(zip(names, parts))
 
 
-def from_hf(name, tensors, mc):
+def from_hf_pieces(name, tensors, mc):
     """model.py's value of parameter `name` from its transformers tensors (in hf_names' order)."""
     if ".attn.c_attn." in name:
         q, k, v = tensors
@@ -97,6 +98,10 @@ def model_type_of(mc):
     if mc.get("n_experts", 0):
         return "mixtral"
     return "qwen2" if mc.get("qkv_bias") and not mc.get("bias") else "llama"
+
+
+def class_name(mc):
+    return FAMILY[model_type_of(mc)]
 
 
 def export_problem(mc):
