@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 
 from common.errors import ConfigError, check, fail  # noqa: F401 (the checks every script makes come from here)
 from common.checkpoint.files import CKPT_DIR, LATEST, LOCK, resolve_resume
+from common.model_setup import ARCHS, rope_scaling
 
 
 @dataclass
@@ -86,11 +87,6 @@ class Config:
     capacity_factor: float = 0.0
     bucket_mb: float = 25.0
 
-
-# --arch: the model.GPTConfig fields of each family (sizes, heads, widths, tying and the rotary settings come from
-# their own flags; common/model_setup.gpt_config builds the model)
-LLAMA = dict(norm="rmsnorm", mlp="swiglu", qkv_bias=False, bias=False)
-ARCHS = dict(gpt={}, llama=LLAMA, qwen2=dict(LLAMA, qkv_bias=True), mixtral=dict(LLAMA, router_renorm=True))
 
 HELP = dict(
     n_layer="transformer blocks", n_head="attention heads", n_embd="model width h",
@@ -286,17 +282,6 @@ def validate_common(cfg, zero_means_auto=()):
     check_out_dir(cfg.out_dir)
     check_system_flags(cfg.device, cfg.dist_timeout)
     check_data_mix(cfg.data_mix, cfg.data_dir)
-
-
-def rope_scaling(text):
-    """--rope_scaling as model.GPTConfig's tuple (() for none), or None where it is not four positive numbers."""
-    if not text.strip():
-        return ()
-    parts = text.split(",")
-    if len(parts) != 4 or not all(FLOAT_TEXT.fullmatch(x) for x in parts):
-        return None
-    values = tuple(float(x) for x in parts)
-    return values if all(0 < v < math.inf for v in values) and values[1] < values[2] else None
 
 
 def check_data_mix(data_mix, data_dir):

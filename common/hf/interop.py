@@ -35,6 +35,7 @@ from common.errors import ConfigError, check, fail, require
 from common.hf import convert, llama
 from common.hf.convert import WTE, architecture_problem, shape_problem
 from common.hf.tokenizer import KINDS, export_tokenizer, tokenizers_module
+from common.model_setup import gpt_config
 from model import GPT, GPTConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -243,7 +244,6 @@ def check_init_from(cfg):
 def family_problem(hf, cfg):
     """(config.json field, its value, the run's flag, the flag's value) of the first Llama-family field of the
     run's model that differs from config.json's."""
-    from common.model_setup import gpt_config
     gcfg = gpt_config(cfg, 0)
     for field, (value, source) in llama.model_fields(hf).items():
         mine = {"n_kv_head": gcfg.kv_heads, "ffn_hidden": gcfg.ffn}.get(field, getattr(gcfg, field))
