@@ -3,8 +3,8 @@ common/checkpoint/compat.py: whether a checkpoint can be resumed by this run, ch
 (checkpoint.load calls it on every rank). What defines the model must match the checkpoint; how it is trained may
 change:
 
-    must match      vocab_size (the dataset's), n_layer, n_head, n_embd, block_size, rope_base, the Llama family's
-                    fields (--arch, --n_kv_head, --ffn_hidden); and with experts n_experts, top_k, moe_every. The checkpoint's entries and the model's are the same set, and
+    must match      vocab_size (the dataset's), n_layer, n_head, n_embd, block_size, rope_base; and with experts
+                    n_experts, top_k, moe_every. The checkpoint's entries and the model's are the same set, and
                     AdamW's moments go to parameters by the names the checkpoint stores, never by position.
     may change      RESUMABLE below: batch, lr schedule, layout and world size, dtype, dropout, recompute...
 
