@@ -9,6 +9,9 @@ A GPT-2-style pre-LayerNorm decoder in plain single-device PyTorch:
   no learned position table and a sequence chunk only needs its global positions (context parallelism);
 - MLP: Linear(h, 4h) -> exact erf GeLU -> Linear(4h, h), all linears with biases;
 - input and output embeddings tied; the vocabulary is padded up to a multiple of 64;
+- the Llama family by config fields, one place per module: RMSNorm (`norm`), a SwiGLU MLP of any width (`mlp`,
+  `ffn_hidden`), grouped-query attention (`n_kv_head`), q/k/v biases apart from the rest (`qkv_bias`, `bias`;
+  Qwen2), untied embeddings (`tied`), Llama 3's rope scaling, SwiGLU experts with renormalized gates (Mixtral);
 - optional mixture of experts (n_experts > 0) in every moe_every-th block: E GeLU MLPs, each token sent to its
   top_k by a softmax router, y = sum_k p_k(x) expert_k(x); dropless unless capacity_factor > 0 (an expert then
   keeps ceil(cf * tokens * top_k / E), first choices first). The Switch loss aux_loss_coef * E * sum_e f_e P_e
@@ -26,16 +29,18 @@ keeps its slice, so every layout starts from bit-identical weights without ever 
 
 Parameter count (the Ultra-Scale Playbook's formula, exact for this model, v = padded vocab):
     N = h*v + L*(12*h^2 + 13*h) + 2*h        (dense; each MoE block adds E*h + (E-1)*(8h^2 + 5h))
+and for the family (kv = n_kv_head * h / n_head, f = ffn_hidden, g = 3 SwiGLU / 2 GeLU, n = 2 LayerNorm / 1 RMS):
+    N = h*v (x 2 untied) + L*((2h + 2kv)*h + g*f*h + biases + 2*n*h) + n*h    (num_params)
 """
 import math
 import zlib
 from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from moe.router import collect_routing_stats, combine, count_per_expert, route
 
 
 @dataclass
@@ -48,12 +53,31 @@ class GPTConfig:
     dropout: float = 0.0
     recompute: str = "none"   # none | selective (attention core only) | full (whole block)
     rope_base: float = 10000.0
+    rope_scaling: tuple = ()      # Llama 3's (factor, low_freq_factor, high_freq_factor, original_max_position)
+    # the Llama family (docs/huggingface.md; presets: --arch in common/config.py); the defaults are GPT-2's
+    norm: str = "layernorm"       # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"             # gelu | swiglu (Llama: c_proj(silu(gate) * up), c_fc's rows [gate | up])
+    ffn_hidden: int = 0           # the MLP's (and each expert's) width; 0: 4 * n_embd
+    n_kv_head: int = 0            # key/value heads, each shared by n_head / n_kv_head query heads; 0: n_head
+    qkv_bias: bool = True         # biases on c_attn's q, k, v rows (Qwen2: on these alone)
+    bias: bool = True             # biases on every other linear (c_proj, the MLP's)
+    tied: bool = True             # the LM head is the input embedding's weight
+    router_renorm: bool = False   # a token's top_k gates divided by their sum (Mixtral)
     n_experts: int = 0            # experts per MoE block; 0: dense MLP everywhere
     top_k: int = 2                # experts each token is sent to
     moe_every: int = 1            # MoE in blocks moe_every-1, 2*moe_every-1, ... (2: every other block)
     aux_loss_coef: float = 0.01   # weight of the load-balancing loss
     aux_loss_scope: str = "global"  # its f over the previous step's global batch, or each micro-batch
     capacity_factor: float = 0.0  # 0: dropless (every routed token computed)
+
+    @property
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn(self):
+        return self.ffn_hidden or 4 * self.n_embd
 
     def is_moe_block(self, i):
         return self.n_experts > 0 and i % self.moe_every == self.moe_every - 1
@@ -67,14 +91,26 @@ class GPTConfig:
 # ----------------------------------------------------------------------------------------------------------
 # rotary position embedding
 
-def rope_cache(head_dim, positions, base=10000.0, param_dtype=torch.float32):
+def rope_cache(head_dim, positions, base=10000.0, param_dtype=torch.float32, scaling=()):
     """The rotations e^(i pos theta_j) for these (global) positions, as view_as_real stores them: [T, D/2, 2];
-    fp32 for fp32/16-bit models, float64 for a float64 model (angles of large positions need the bits)."""
+    fp32 for fp32/16-bit models, float64 for a float64 model (angles of large positions need the bits).
+    scaling: Llama 3's (factor, low_freq_factor, high_freq_factor, original context), or ()."""
     dtype = torch.promote_types(param_dtype, torch.float32)
     # built where the positions are: a table made on the host would be copied to the GPU every forward, a sync
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype, device=positions.device) / head_dim))
+    if scaling:
+        # Llama 3's longer context (Meta's reference code): wavelengths beyond context / low slowed down by
+        # `factor`, those below context / high kept, the ones between interpolated smoothly
+        factor, low, high, context = scaling
+        smooth = ((context * inv_freq / (2 * math.pi) - low) / (high - low)).clamp(0, 1)
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     angles = positions.to(dtype)[:, None] * inv_freq[None, :]
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def rope_of(cfg, positions, param_dtype):
+    """rope_cache of cfg's heads, base and scaling."""
+    return rope_cache(cfg.n_embd // cfg.n_head, positions, cfg.rope_base, param_dtype, tuple(cfg.rope_scaling))
 
 
 def apply_rope(x, rope):
@@ -100,16 +136,19 @@ class AttentionCore(nn.Module):
 
     def forward(self, q, k, v):
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        # grouped-query attention: k and v have fewer heads, each serving n_head / n_kv_head query heads
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         assert cfg.n_embd % cfg.n_head == 0, "n_embd must be divisible by n_head"
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)   # rows: [q | k | v]
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        assert cfg.n_head % cfg.kv_heads == 0, "n_kv_head must divide n_head"
+        self.q_per_kv = cfg.n_head // cfg.kv_heads
+        kv_width = cfg.kv_heads * (cfg.n_embd // cfg.n_head)
+        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv_width, bias=cfg.qkv_bias)   # rows: [q | k | v]
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.core = AttentionCore(cfg.dropout)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.selective_recompute = cfg.recompute == "selective"
@@ -117,11 +156,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope):
         qkv = self.c_attn(x)
         B, T, width = qkv.shape  # read after c_attn: under sequence parallelism c_attn gathers the full sequence
-        # n_head is read off the weight, so a tensor-parallel shard of c_attn just works with fewer heads
-        head_dim = rope.shape[-2] * 2
-        qk, v = (t.view(B, T, -1, head_dim) for t in qkv.split([2 * width // 3, width // 3], dim=-1))
+        # the heads are read off the weight (q is q_per_kv times k's width), so a tensor-parallel shard of c_attn
+        # just works with fewer heads
+        head_dim, kv_width = rope.shape[-2] * 2, width // (self.q_per_kv + 2)
+        qk, v = (t.view(B, T, -1, head_dim) for t in qkv.split([width - kv_width, kv_width], dim=-1))
         qk = apply_rope(qk, rope)                                     # the q and k heads, rotated in one go
-        (q, k), v = qk.transpose(1, 2).chunk(2, dim=1), v.transpose(1, 2)  # [B, H, T, D]
+        qk, v = qk.transpose(1, 2), v.transpose(1, 2)                 # [B, heads, T, D]
+        q, k = qk.split([qk.shape[1] - v.shape[1], v.shape[1]], dim=1)
         if self.selective_recompute and self.training:
             # keep q, k, v; recompute the T x T scores in backward (Korthikanti et al. 2022)
             y = checkpoint(self.core, q, k, v, use_reentrant=False)
@@ -132,77 +173,22 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gelu: c_proj(gelu(c_fc x)) (exact erf GeLU); swiglu: c_fc's rows are [gate | up], c_proj(silu(gate) * up)."""
+
     def __init__(self, cfg):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.gelu = nn.GELU()                                  # exact erf GeLU
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.gated = cfg.mlp == "swiglu"
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.gated else 1) * cfg.ffn, bias=cfg.bias)
+        self.act = nn.SiLU() if self.gated else nn.GELU()
+        self.c_proj = nn.Linear(cfg.ffn, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
-
-
-class Routing(NamedTuple):
-    token: torch.Tensor      # [N*k] token index of each assignment (token-major: token t's slots together)
-    expert: torch.Tensor     # [N*k] its expert, or E where the expert's capacity dropped it
-    gate: torch.Tensor       # [N*k] its router probability (fp32, or fp64 for an fp64 model)
-    counts: torch.Tensor     # [E] assignments routed to each expert, before any dropping
-    prob_sum: torch.Tensor   # [E] router probabilities summed over the tokens (no gradient)
-    n_tokens: int            # tokens routed
-
-    def stats(self):
-        """[assignments per expert (E), probability sums (E), dropped, tokens]: summed over a step's forwards."""
-        dropped = (self.expert == len(self.counts)).sum()
-        extra = torch.stack([dropped, torch.full_like(dropped, self.n_tokens)])
-        return torch.cat([self.counts.double(), self.prob_sum.double(), extra.double()])
-
-
-class BalanceGradient(torch.autograd.Function):
-    """Identity on the router probabilities [N, E]; backward adds `per_token` [E] (MoE.balance_gradient) to each row."""
-
-    @staticmethod
-    def forward(ctx, probs, per_token):
-        ctx.save_for_backward(per_token)
-        return probs.view_as(probs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (per_token,) = ctx.saved_tensors
-        return grad + per_token.to(grad.dtype), None
-
-
-def count_per_expert(expert, n_bins):
-    """[n_bins] how many entries of `expert` name each bin: a scatter-add, where torch.bincount would sync."""
-    return torch.zeros(n_bins, dtype=torch.long, device=expert.device).scatter_add_(0, expert, torch.ones_like(expert))
-
-
-def route(logits, top_k, capacity_factor=0.0, balance=None):
-    """Top-k softmax routing of N tokens ([N, E] router logits); balance(counts) -> [E]: the balancing gradient
-    per token (BalanceGradient), or None. Over capacity, an assignment goes to expert E, which no expert runs."""
-    N, E = logits.shape
-    probs = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-    expert = probs.topk(top_k, dim=-1).indices                    # [N, k], best first
-    counts = count_per_expert(expert.reshape(-1), E)
-    if balance is not None and probs.requires_grad:
-        probs = BalanceGradient.apply(probs, balance(counts))
-    gate = probs.gather(1, expert)
-    token = torch.arange(N, device=logits.device)[:, None].expand(N, top_k).reshape(-1)
-    expert, gate = expert.reshape(-1), gate.reshape(-1)
-    if capacity_factor > 0:
-        capacity = math.ceil(capacity_factor * N * top_k / E)
-        # queue position of each assignment at its expert, all first choices ahead of all second choices
-        slot_major = F.one_hot(expert.view(N, top_k).t().reshape(-1), E)
-        position = ((slot_major.cumsum(0) - 1) * slot_major).sum(-1)
-        keep = (position < capacity).view(top_k, N).t().reshape(-1)
-        expert = torch.where(keep, expert, E)
-    return Routing(token, expert, gate, counts, probs.detach().sum(0), N)
-
-
-def combine(n_tokens, token, gate, expert_out):
-    """y[t] = sum of gate * expert output over token t's assignments (a dropped one's output is 0)."""
-    y = expert_out.new_zeros(n_tokens, expert_out.shape[-1])
-    return y.index_add_(0, token, expert_out * gate[:, None].to(expert_out.dtype))
+        h = self.c_fc(x)
+        if self.gated:                     # (a tensor-parallel shard of c_fc holds its slice of each half)
+            gate, up = h.chunk(2, dim=-1)
+            return self.dropout(self.c_proj(self.act(gate) * up))
+        return self.dropout(self.c_proj(self.act(h)))
 
 
 class Experts(nn.ModuleList):
@@ -222,7 +208,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg, experts=None):
         super().__init__()
-        self.top_k, self.capacity_factor = cfg.top_k, cfg.capacity_factor
+        self.top_k, self.capacity_factor, self.renormalize = cfg.top_k, cfg.capacity_factor, cfg.router_renorm
         self.aux_loss_coef, self.aux_loss_scope = cfg.aux_loss_coef, cfg.aux_loss_scope
         self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
         self.experts = Experts([MLP(cfg) for _ in range(cfg.n_experts)]) if experts is None else experts
@@ -240,26 +226,26 @@ class MoE(nn.Module):
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])                          # [N, h]
-        r = self.routing = route(self.router(tokens), self.top_k, self.capacity_factor, self.balance_gradient)
+        r = self.routing = route(self.router(tokens), self.top_k, self.capacity_factor, self.balance_gradient,
+                                 self.renormalize)
         order = torch.argsort(r.expert, stable=True)                 # rows of expert 0, then 1, ..., dropped
         out = self.experts(tokens[r.token[order]], r.expert[order])
         return combine(tokens.shape[0], r.token[order], r.gate[order], out).view(x.shape)
 
 
-def collect_routing_stats(blocks):
-    """Add each MoE block's last routing to its step sums. Called once per forward of the whole model (or
-    pipeline stage), not in MoE.forward: a block recomputed in backward (--recompute full) counts once."""
-    for m in (block.mlp for block in blocks):
-        if getattr(m, "routing", None) is not None:
-            m.stats = m.routing.stats() + (0 if m.stats is None else m.stats)
+def norm(cfg):
+    """LayerNorm (GPT-2: weight and bias) or RMSNorm (Llama: x / rms(x) * weight), one per use."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
 
 
 class Block(nn.Module):
     def __init__(self, cfg, moe=False):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.ln_2 = norm(cfg)
         self.mlp = MoE(cfg) if moe else MLP(cfg)
 
     def forward(self, x, rope):
@@ -268,11 +254,12 @@ class Block(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Logits with the tied embedding weight, and the mean cross-entropy when targets are given."""
+    """Logits with the embedding weight (tied) or its own (untied), and the mean cross-entropy given targets."""
 
-    def __init__(self, wte):
+    def __init__(self, wte, tied=True):
         super().__init__()
-        self.weight = wte.weight                               # tied, not a second parameter
+        # tied: the embedding's parameter, not a second one
+        self.weight = wte.weight if tied else nn.Parameter(torch.empty_like(wte.weight))
 
     def forward(self, x, targets=None):
         logits = F.linear(x, self.weight)
@@ -291,16 +278,15 @@ class GPT(nn.Module):
             wte=nn.Embedding(cfg.padded_vocab_size, cfg.n_embd),
             drop=nn.Dropout(cfg.dropout),
             h=nn.ModuleList([Block(cfg, cfg.is_moe_block(i)) for i in range(cfg.n_layer)]),
-            ln_f=nn.LayerNorm(cfg.n_embd),
+            ln_f=norm(cfg),
         ))
-        self.lm_head = LMHead(self.transformer.wte)
+        self.lm_head = LMHead(self.transformer.wte, cfg.tied)
         init_weights(self, seed)
 
     def forward(self, idx, targets=None, pos=None):
         """idx, targets: [B, T] token ids. pos: [T] global positions (default 0..T-1; CP passes its chunk's)."""
         pos = torch.arange(idx.size(1), device=idx.device) if pos is None else pos
-        head_dim = self.cfg.n_embd // self.cfg.n_head
-        rope = rope_cache(head_dim, pos, self.cfg.rope_base, self.transformer.wte.weight.dtype)
+        rope = rope_of(self.cfg, pos, self.transformer.wte.weight.dtype)
         x = self.transformer.drop(self.transformer.wte(idx))
         for block in self.transformer.h:
             if self.cfg.recompute == "full" and self.training:
@@ -363,22 +349,30 @@ def init_weights(model, seed):
 def num_params(cfg, experts_per_token=None):
     """N = h*v + L*(12h^2 + 13h) + 2h: tied embedding, per-block attention/MLP/LayerNorms, final LayerNorm.
     An MoE block has a router (E*h) and E MLPs (8h^2 + 5h each) instead of one; experts_per_token=k counts
-    only the k experts a token uses (the 'active' parameters that set the FLOPs)."""
-    h, L, v = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size
+    only the k experts a token uses (the 'active' parameters that set the FLOPs). The family's fields change
+    each term: q, k, v (h + 2kv) wide, g matrices of f x h per MLP, biases where enabled, RMSNorm without one."""
+    h, L, v, f = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size, cfg.ffn
+    qkv, g = h + 2 * cfg.kv_heads * (h // cfg.n_head), 3 if cfg.mlp == "swiglu" else 2
+    norm = h * (1 if cfg.norm == "rmsnorm" else 2)
+    attention = qkv * h + qkv * cfg.qkv_bias + h * h + h * cfg.bias
+    mlp = g * f * h + ((g - 1) * f + h) * cfg.bias
     n_moe = sum(cfg.is_moe_block(i) for i in range(L))
     experts = cfg.n_experts if experts_per_token is None else experts_per_token
-    moe_extra = n_moe * (cfg.n_experts * h + (experts - 1) * (8 * h * h + 5 * h))
-    return h * v + L * (12 * h * h + 13 * h) + 2 * h + moe_extra
+    moe_extra = n_moe * (cfg.n_experts * h + (experts - 1) * mlp)
+    embeddings = h * v * (1 if cfg.tied else 2)
+    return embeddings + L * (attention + mlp + 2 * norm) + norm + moe_extra
 
 
 def flops_per_token(cfg, seq_len=None):
     """Training FLOPs per token, forward + backward: 6N + 12*L*h*T (N: active parameters for an MoE).
 
     Convention (PaLM appendix B, as nanoGPT): 6N for every matmul with a weight (embedding included, as its
-    tied weight is the LM head), plus 12*L*h*T for the attention scores QK^T and the weighted sum AV, counted
-    as if unmasked (the causal mask's skipped half is not subtracted)."""
+    tied weight is the LM head; an untied input embedding is a lookup, not a matmul, and is left out), plus
+    12*L*h*T for the attention scores QK^T and the weighted sum AV, counted as if unmasked (the causal mask's
+    skipped half is not subtracted)."""
     T = seq_len or cfg.block_size
-    return 6 * num_params(cfg, cfg.top_k if cfg.n_experts else None) + 12 * cfg.n_layer * cfg.n_embd * T
+    lookup = 0 if cfg.tied else cfg.padded_vocab_size * cfg.n_embd
+    return 6 * (num_params(cfg, cfg.top_k if cfg.n_experts else None) - lookup) + 12 * cfg.n_layer * cfg.n_embd * T
 
 
 def activation_bytes_per_layer(seq_len, batch, cfg, bytes_per_value=2, recompute="none", dropout=True):
@@ -391,10 +385,14 @@ def activation_bytes_per_layer(seq_len, batch, cfg, bytes_per_value=2, recompute
     bytes_per_value=4 (fp32): the stored values double, the masks do not: s*b*h*66 + 9*a*s^2*b.
     recompute='selective' (attention core recomputed): the a*s^2 term disappears.
     recompute='full': only the block input is stored: s*b*h*bytes_per_value.
-    dropout=False drops the mask bytes (no masks are stored when p = 0)."""
+    dropout=False drops the mask bytes (no masks are stored when p = 0).
+    The family's shapes change the stored values per token by 3(kv - h) (k and v kv wide, k kept once more after
+    RoPE) and by g*f - 8h (a SwiGLU MLP keeps gate, up and their product, 3f; a GeLU MLP of width f, 2f), as
+    planner/shape.py's activation_delta_values counts them."""
     s, b, h, a = seq_len, batch, cfg.n_embd, cfg.n_head
     if recompute == "full":
         return s * b * h * bytes_per_value
     per_sbh = 16 * bytes_per_value + 2 * int(dropout)
     per_as2b = 0 if recompute == "selective" else 2 * bytes_per_value + int(dropout)
-    return s * b * h * per_sbh + a * s * s * b * per_as2b
+    family = 3 * (cfg.kv_heads - a) * (h // a) + (3 if cfg.mlp == "swiglu" else 2) * cfg.ffn - 8 * h
+    return s * b * (h * per_sbh + family * bytes_per_value) + a * s * s * b * per_as2b

@@ -317,10 +317,10 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
         if isinstance(mlp, MoE):     # experts stay whole (train_5d shards them over ep); under SP the block
             partial.append(f"{name}.mlp")   # routes my sequence chunk: router and expert grads are partial sums
             continue
-        plan.update({f"{name}.mlp.c_fc": "column", f"{name}.mlp.c_proj": "row"})
+        plan.update({f"{name}.mlp.c_fc": ("column", 2 if mlp.gated else 1), f"{name}.mlp.c_proj": "row"})  # [gate|up]
         if sp:
             mlp.dropout = rng(mlp.dropout)
-    norms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]   # under SP: my chunk
+    norms = [n for n, m in model.named_modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm))]   # SP: my chunk
     model.lm_head = None                         # holds wte's weight (tied): rebuilt on wte's shard just below
     tensor_parallel(model, plan, group, sp, overlap, sequence_parallel=partial + norms, device=device)
     model.lm_head = VocabParallelLMHead(model.transformer.wte, group, sp, overlap)

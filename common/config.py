@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 
 from common.errors import ConfigError, check, fail  # noqa: F401 (the checks every script makes come from here)
 from common.checkpoint.files import CKPT_DIR, LATEST, LOCK, resolve_resume
+from common.model_setup import ARCHS, rope_scaling
 
 
 # The script being run (train_ddp for `torchrun train_ddp.py`): its runs default to out/<script>.
@@ -29,6 +30,13 @@ class Config:
     n_embd: int = 384
     block_size: int = 256
     dropout: float = 0.0
+    arch: str = "gpt"
+    n_kv_head: int = 0
+    ffn_hidden: int = 0
+    tied: bool = True
+    rope_base: float = 10000.0
+    rope_scaling: str = ""
+    norm_eps: float = 1e-5
     # batch: grad_acc = global_batch_size / (micro_batch_size * dp)
     global_batch_size: int = 32
     micro_batch_size: int = 8
@@ -88,6 +96,13 @@ class Config:
 HELP = dict(
     n_layer="transformer blocks", n_head="attention heads", n_embd="model width h",
     block_size="sequence length T", dropout="dropout probability (0 for parity tests)",
+    arch="the model family: gpt (GPT-2: LayerNorm, GeLU, biases, tied) | llama (RMSNorm, SwiGLU, no biases, untied) "
+         "| qwen2 (llama with q/k/v biases) | mixtral (llama's SwiGLU experts, gates renormalized; needs --n_experts)",
+    n_kv_head="key/value heads (grouped-query attention; 1: multi-query; 0: n_head)",
+    ffn_hidden="MLP (and expert) width (0: 4 * n_embd)",
+    tied="the LM head is the input embedding's weight (--no-tied: a head of its own)",
+    rope_base="the rotary base theta", norm_eps="the LayerNorms' / RMSNorms' epsilon",
+    rope_scaling="Llama 3's rotary scaling as FACTOR,LOW_FREQ_FACTOR,HIGH_FREQ_FACTOR,ORIGINAL_CONTEXT (empty: none)",
     global_batch_size="sequences per optimizer step, the same in every layout",
     micro_batch_size="sequences per forward/backward on one rank",
     lr="peak learning rate", min_lr="learning rate at the end of the cosine decay",
@@ -119,8 +134,9 @@ HELP = dict(
     keep_checkpoints="step directories kept in OUT_DIR/ckpt (the newest; older ones are removed after each save)",
     resume="continue from the latest checkpoint in OUT_DIR/ckpt, appending to metrics.jsonl; `--resume auto`: "
            "resume if a complete checkpoint exists, else start fresh (for restarts under torchrun --max-restarts)",
-    init_from="start from the weights of a Hugging Face GPTNeoXForCausalLM directory (config.json + safetensors; "
-              "python -m common.hf export writes one), AdamW fresh; ignored when resuming (docs/huggingface.md)",
+    init_from="start from the weights of a Hugging Face GPTNeoXForCausalLM (--arch gpt), LlamaForCausalLM, "
+              "Qwen2ForCausalLM or MixtralForCausalLM directory (config.json + safetensors; python -m common.hf export "
+              "writes one; the flags give its shape), AdamW fresh; ignored when resuming (docs/huggingface.md)",
     stop_step="stop before this step, keeping the --max_steps schedule (0: run to max_steps); for time-limited jobs",
     sample_tokens="tokens to generate as a sample at the end (0 disables)",
     profile="trace N optimizer steps with torch.profiler after 2 warm-up steps: out_dir/trace_rank{r}.json per "
@@ -138,7 +154,7 @@ HELP = dict(
                    "micro-batch (routing.py)", bucket_mb="gradient bucket size in MiB",
     capacity_factor="MoE expert capacity = ceil(cf * tokens * top_k / n_experts), overflow dropped (0: dropless)",
 )
-CHOICES = dict(recompute=["none", "selective", "full"], kernels=["auto", "triton", "torch", "compile"],
+CHOICES = dict(arch=list(ARCHS), recompute=["none", "selective", "full"], kernels=["auto", "triton", "torch", "compile"],
                fp8=["none", "tensorwise", "rowwise", "blockwise", "delayed"],
                dtype=["auto", "float32", "bfloat16", "float16", "float64"],
                cp_layout=["ring", "zigzag", "allgather"],
@@ -225,7 +241,7 @@ def parse_config(argv=None, techniques=(), description=None, extra_args=None, va
 
 
 FLOAT_FLAGS = ("lr", "min_lr", "weight_decay", "grad_clip", "dist_timeout", "dropout", "aux_loss_coef",
-               "capacity_factor", "bucket_mb")
+               "capacity_factor", "bucket_mb", "rope_base", "norm_eps")
 MAX_DIST_TIMEOUT = 10 ** 7                      # seconds (about 4 months): beyond it, timedelta and gloo overflow
 
 
@@ -246,6 +262,13 @@ def validate_common(cfg, zero_means_auto=()):
     check(cfg.n_embd % cfg.n_head == 0, f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
     check((cfg.n_embd // cfg.n_head) % 2 == 0,
           f"head dim n_embd/n_head={cfg.n_embd // cfg.n_head} must be even for rotary embeddings")
+    check(cfg.n_kv_head >= 0 and cfg.ffn_hidden >= 0, "--n_kv_head and --ffn_hidden must be >= 0")
+    check(cfg.n_head % (cfg.n_kv_head or cfg.n_head) == 0,
+          f"--n_kv_head {cfg.n_kv_head} must divide n_head={cfg.n_head} (query heads share each key/value head)")
+    check(cfg.arch != "mixtral" or cfg.n_experts > 0, "--arch mixtral is a mixture of experts: give --n_experts")
+    check(cfg.rope_base > 0 and cfg.norm_eps > 0, "--rope_base and --norm_eps must be positive")
+    check(rope_scaling(cfg.rope_scaling) is not None, f"--rope_scaling {cfg.rope_scaling!r}: give FACTOR,LOW_FREQ_FACTOR,"
+          f"HIGH_FREQ_FACTOR,ORIGINAL_CONTEXT (four positive numbers, low < high), or nothing")
     check(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
     check(cfg.warmup_steps >= 0, f"--warmup_steps must be >= 0, got {cfg.warmup_steps}")
     check(cfg.min_lr <= cfg.lr, f"--min_lr {cfg.min_lr:g} must not exceed --lr {cfg.lr:g}")

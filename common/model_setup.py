@@ -2,6 +2,8 @@
 model_setup.py: the GPT a run builds from its flags (gpt_config, the MoE flags and their checks), and real memory
 for a model built on the meta device (materialize), the way every rung builds only what a rank keeps.
 """
+import math
+
 import torch
 import torch.nn as nn
 
@@ -9,6 +11,11 @@ from common.errors import check
 from model import GPTConfig
 
 MOE_FLAGS = ("n_experts", "top_k", "moe_every", "aux_loss_coef", "aux_loss_scope", "capacity_factor")
+# --arch: the model.GPTConfig fields of each family (sizes, heads, widths, tying and the rotary settings come from
+# their own flags; gpt_config builds the model)
+LLAMA = dict(norm="rmsnorm", mlp="swiglu", qkv_bias=False, bias=False)
+ARCHS = dict(gpt={}, llama=LLAMA, qwen2=dict(LLAMA, qkv_bias=True), mixtral=dict(LLAMA, router_renorm=True))
+FAMILY_FLAGS = ("n_kv_head", "ffn_hidden", "tied", "rope_base", "norm_eps")
 
 
 def materialize(module, device, dtype=torch.float32):
@@ -34,7 +41,20 @@ def materialize(module, device, dtype=torch.float32):
 def gpt_config(cfg, vocab_size):
     return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                      n_embd=cfg.n_embd, dropout=cfg.dropout, recompute=cfg.recompute,
-                     **{name: getattr(cfg, name) for name in MOE_FLAGS})
+                     rope_scaling=rope_scaling(cfg.rope_scaling), **ARCHS[cfg.arch],
+                     **{name: getattr(cfg, name) for name in FAMILY_FLAGS + MOE_FLAGS})
+
+
+def rope_scaling(text):
+    """--rope_scaling as model.GPTConfig's tuple (() for none), or None where it is not four positive numbers."""
+    if not text.strip():
+        return ()
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        return None
+    ok = len(values) == 4 and all(0 < v < math.inf for v in values) and values[1] < values[2]
+    return values if ok else None
 
 
 def check_moe(cfg):

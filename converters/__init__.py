@@ -11,3 +11,25 @@ blocks never import it; it imports no rung (train_tp's layers are met by class n
     cp_kernels.py              CP's block attention on the fused kernels (aten's flash pair, Triton's, the CPU's)
     partition_activations.py   ZeRO-R's Pa under TP: 1/tp of each recomputed block's input kept, gathered back
 """
+import importlib.util
+import os
+import sys
+
+
+def _take_back_kernels_name():
+    """Hugging Face's `kernels` package (transformers >= 5.25) has our kernels/'s name. Where it was imported
+    before this repository's root was on sys.path, put ours in its place: ours answers for both (kernels/hub_name.py),
+    and keeps the loaded one as `kernels._hub`, whose classes transformers already holds."""
+    loaded = sys.modules.get("kernels")
+    if loaded is None or hasattr(loaded, "apply_kernels"):
+        return
+    sys.modules["kernels._hub"] = loaded
+    ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+    spec = importlib.util.spec_from_file_location("kernels", os.path.join(ours, "__init__.py"),
+                                                  submodule_search_locations=[ours])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+
+
+_take_back_kernels_name()

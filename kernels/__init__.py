@@ -7,7 +7,10 @@ kernels/: fused Triton kernels and FP8, each with a plain-torch reference path (
 
 Every function takes backend="auto" | "triton" | "torch" | "compile" (auto: torch until a Triton kernel is
 measured faster on a GPU; see apply.py).
+
+Hugging Face's `kernels` package has the same name; this package answers for it too (hub_name.py).
 """
+from kernels import hub_name
 from kernels.apply import MODES, apply_kernels, resolve_mode
 from kernels.backend import HAS_TRITON
 from kernels.bias_gelu import bias_dropout_add, bias_gelu
@@ -21,3 +24,12 @@ __all__ = ["MODES", "apply_kernels", "resolve_mode", "HAS_TRITON", "bias_dropout
            "attention_reference", "flash_attention", "flash_attention_backward", "flash_attention_forward",
            "RECIPES", "Float8Linear", "convert_to_float8", "fp8_matmul", "sqnr_db", "layer_norm",
            "linear_cross_entropy"]
+
+# Hugging Face's package of the same name, when installed: its files join this package's, its names are looked up
+_HUB = hub_name.hub_spec()
+if _HUB is not None:
+    __path__.extend(_HUB.submodule_search_locations)
+
+
+def __getattr__(name):
+    return hub_name.lookup(name, _HUB is not None)

@@ -134,9 +134,9 @@ def _has_matmul(linear):
 
 
 def _plain_mlp(mlp, mlp_class):
-    """A dense MLP of plain, FP8 or tensor-parallel Linears and a plain dropout (MoE blocks, other Linear kinds,
-    and SP's per-rank dropout streams keep their own forward)."""
-    if type(mlp) is not mlp_class:
+    """A dense GeLU MLP with biases, of plain, FP8 or tensor-parallel Linears and a plain dropout (MoE blocks, SwiGLU,
+    other Linear kinds, and SP's per-rank dropout streams keep their own forward)."""
+    if type(mlp) is not mlp_class or mlp.gated or mlp.c_fc.bias is None:    # the kernels fuse bias + GeLU
         return False
     fusable = [type(lin) is nn.Linear or _has_matmul(lin) for lin in (mlp.c_fc, mlp.c_proj)]
     return all(fusable) and type(mlp.dropout) is nn.Dropout
@@ -155,8 +155,9 @@ def apply_kernels(model, mode="auto"):
             if isinstance(child, nn.LayerNorm):
                 setattr(module, child_name, FusedLayerNorm(child, mode))
             elif isinstance(child, AttentionCore) and mode == "triton":
-                if child.dropout > 0:
-                    print(f"kernels: {name}.{child_name} keeps sdpa (attention dropout is not in the kernel)")
+                if child.dropout > 0 or getattr(module, "q_per_kv", 1) > 1:
+                    print(f"kernels: {name}.{child_name} keeps sdpa (attention dropout and grouped-query attention "
+                          f"are not in the kernel)")
                 else:
                     setattr(module, child_name, FlashAttentionCore(mode))
     # the blocks: a GPT's ModuleList, or a pipeline stage's blocks (pipeline.gpt_stages.StageBlocks, a ModuleDict)

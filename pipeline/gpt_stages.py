@@ -36,7 +36,7 @@ class PipelineStage(nn.Module):
         self.cfg, self.first, self.last = gpt.cfg, first, last
         self.pos = None                          # global positions of this rank's tokens (CP); None: 0..T-1
         self.transformer = nn.ModuleDict()
-        if first or last:
+        if first or (last and gpt.cfg.tied):      # untied: the last stage's LM head has a weight of its own
             self.transformer["wte"] = gpt.transformer.wte
         if first:
             self.transformer["drop"] = gpt.transformer.drop
@@ -48,14 +48,14 @@ class PipelineStage(nn.Module):
     @property
     def tied(self):
         """The tied embedding / LM-head weight where this stage holds it (pipeline/tied.py)."""
-        return [self.transformer["wte"].weight] if "wte" in self.transformer else []
+        return [self.transformer["wte"].weight] if "wte" in self.transformer and self.cfg.tied else []
 
     def body(self, x):
         """Token ids [b, T] (first stage) or the previous stage's activations [b, T, h] -> [b, T, h]."""
-        from model import collect_routing_stats, rope_cache
+        from model import collect_routing_stats, rope_of
         # RoPE needs only global positions: every stage rebuilds the same small table
         pos = torch.arange(x.shape[1], device=x.device) if self.pos is None else self.pos
-        rope = rope_cache(self.cfg.n_embd // self.cfg.n_head, pos, self.cfg.rope_base, next(self.parameters()).dtype)
+        rope = rope_of(self.cfg, pos, next(self.parameters()).dtype)
         if self.first:
             x = self.transformer["drop"](self.transformer["wte"](x))
         for block in self.transformer["h"]:

@@ -18,8 +18,8 @@ import torch
 from distributed_helper import run_workers
 from kernels.backend import HAS_TRITON
 from common.metrics import SavedActivationBytes
-from train_helpers import (EXACT, assert_exact, assert_same_losses, assert_same_weights, curves, losses, run_single,
-                           text_argv, tiny_argv)
+from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, losses,
+                           run_single, text_argv, tiny_argv)
 
 LAYOUTS = ("ring", "zigzag", "allgather")
 B, H, D = 2, 3, 4
@@ -172,14 +172,17 @@ def _float64_worker(rank, world_size, argvs):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_float64_parity_exact(text_reference, text_data, tmp_path, cp):
-    """float64 on real text across a gradient spike, clipping on: every layout (grad_acc 2) reproduces
-    train_single within 1e-9 per step (loss and grad norm) and in the final weights."""
-    argvs = [text_argv(text_data, str(tmp_path / layout), cp=cp, cp_layout=layout, micro_batch_size=4)
-             for layout in LAYOUTS]
-    for argv, weights in zip(argvs, run_workers(_float64_worker, cp, args=(argvs,), timeout=600)[0]):
-        assert_exact(text_reference[0], curves(argv[argv.index("--out_dir") + 1]))
-        assert_same_weights(text_reference[1], {n: torch.from_numpy(a) for n, a in weights.items()}, rtol=EXACT)
+def test_float64_parity_exact(text_reference_for, text_data, tmp_path, cp):
+    """float64 on real text across a gradient spike, clipping on: every layout (grad_acc 2; at cp=2 zig-zag also on
+    the family's GQA + untied model, k and v with fewer heads than q) reproduces train_single within 1e-9 per step
+    (loss and grad norm) and in the final weights."""
+    runs = [(layout, "L2") for layout in LAYOUTS] + ([("zigzag", "GQA")] if cp == 2 else [])
+    argvs = [text_argv(text_data, str(tmp_path / f"{layout}_{model}"), cp=cp, cp_layout=layout, micro_batch_size=4,
+                       **MODELS[model]) for layout, model in runs]
+    for (_, model), argv, weights in zip(runs, argvs, run_workers(_float64_worker, cp, args=(argvs,), timeout=600)[0]):
+        reference = text_reference_for(model)
+        assert_exact(reference[0], curves(argv[argv.index("--out_dir") + 1]))
+        assert_same_weights(reference[1], {n: torch.from_numpy(a) for n, a in weights.items()}, rtol=EXACT)
 
 
 def test_block_size_not_divisible_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys):

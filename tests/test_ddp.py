@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from distributed_helper import run_workers
-from train_helpers import (EXACT, assert_exact, assert_same_losses, assert_same_weights, curves, losses, run_single,
-                           text_argv, tiny_argv)
+from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, losses,
+                           run_single, text_argv, tiny_argv)
 
 GBS = 12          # divisible by micro x dp for dp 2 and 4 with grad_acc 1 and 3
 
@@ -85,16 +85,18 @@ def test_parity_and_comm_bytes(dp, reference, tiny_data, tmp_path):
             assert len(r0["buckets"]) > 2
 
 
-def test_float64_parity_exact(text_reference, text_data, tmp_path):
-    """float64 on real text across a gradient spike, clipping on: every mode with grad_acc 1 and 2 reproduces
-    train_single within 1e-9 per step (loss and grad norm) and in the final weights."""
-    (ref_curves, ref_state), runs = text_reference, []
-    for mode in ("naive", "overlap", "bucket"):
-        for grad_acc in (1, 2):
-            runs.append(text_argv(text_data, str(tmp_path / f"{mode}_{grad_acc}"), micro_batch_size=4 // grad_acc,
-                                  ddp_mode=mode, bucket_mb=0.008))
+def test_float64_parity_exact(text_reference_for, text_data, tmp_path):
+    """float64 on real text across a gradient spike, clipping on: every mode with grad_acc 1 and 2 (and buckets on
+    the family's GQA + untied model) reproduces train_single within 1e-9 per step (loss and grad norm) and in the
+    final weights."""
+    runs, refs = [], []
+    for mode, grad_acc, model in [(m, g, "L2") for m in ("naive", "overlap", "bucket") for g in (1, 2)] + [
+            ("bucket", 1, "GQA")]:
+        runs.append(text_argv(text_data, str(tmp_path / f"{mode}_{grad_acc}_{model}"), micro_batch_size=4 // grad_acc,
+                              ddp_mode=mode, bucket_mb=0.008, **MODELS[model]))
+        refs.append(text_reference_for(model))
     results = run_workers(_ddp_runs, 2, args=(runs,), timeout=600)
-    for argv, r0 in zip(runs, results[0]):
+    for argv, r0, (ref_curves, ref_state) in zip(runs, results[0], refs):
         assert_exact(ref_curves, curves(argv[argv.index("--out_dir") + 1]))
         assert_same_weights(ref_state, _torch_state(r0["state"]), rtol=EXACT)
         assert all(a.dtype.name == "float64" for a in r0["state"].values())

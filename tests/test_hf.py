@@ -373,7 +373,7 @@ REFUSED = [
     (dict(num_key_value_heads=2), "num_key_value_heads 2"),
     (dict(hidden_act="gelu_new"), 'hidden_act "gelu_new"'),
     (dict(layer_norm_eps=1e-6), "layer_norm_eps 1e-06"),
-    (dict(model_type="llama"), 'model_type "llama"'),
+    (dict(model_type="phi"), 'model_type "phi"'),
     (dict(num_experts=8), "num_experts 8"),
     (_rope("rope_theta", 500000.0), "rope_parameters.rope_theta 500000.0"),
     (_rope("rope_type", "linear"), 'rope_parameters.rope_type "linear"'),

@@ -10,7 +10,8 @@ import re
 from conftest import ROOT
 
 LESSONS = {"model", "plan", "collectives"}      # with the train_* rungs: what the root holds
-PACKAGES = ("common", "common/checkpoint", "common/hf", "planner", "pipeline", "converters", "compose", "kernels")
+PACKAGES = ("common", "common/checkpoint", "common/hf", "planner", "pipeline", "converters", "compose", "kernels",
+            "moe")
 
 
 def project_modules():
@@ -147,9 +148,10 @@ def test_files_within_budget():
 
 
 def test_model_and_kernels_import_no_plumbing():
-    """The floors below the plumbing: model.py (plain torch) and kernels/ (which imports only model.py)."""
+    """The floors below the plumbing: model.py (plain torch, and moe/'s routing math) and kernels/ (which imports only
+    model.py)."""
     modules = project_modules()
     for module, path in modules.items():
-        if module == "model" or module.split(".")[0] == "kernels":
+        if module == "model" or module.split(".")[0] in ("kernels", "moe"):
             bad = sorted(m for m in imports_of(path, modules) if m.split(".")[0] in PLUMBING)
             assert not bad, f"{module} imports {bad}"

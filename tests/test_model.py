@@ -16,6 +16,58 @@ def test_param_count_matches_playbook_formula(L, H, h, vocab):
     assert counted == num_params(cfg) == h * v + L * (12 * h * h + 13 * h) + 2 * h
 
 
+FAMILY = dict(   # model.py's family fields, each combination one layout (GPT-2 with GQA and SwiGLU, Llama, Qwen2, Mixtral)
+    gpt_gqa_swiglu=dict(n_kv_head=2, mlp="swiglu", ffn_hidden=40),
+    gpt_untied_moe=dict(tied=False, n_experts=4, moe_every=2, ffn_hidden=24, n_kv_head=1),
+    llama=dict(norm="rmsnorm", mlp="swiglu", ffn_hidden=40, n_kv_head=2, qkv_bias=False, bias=False, tied=False),
+    qwen2=dict(norm="rmsnorm", mlp="swiglu", n_kv_head=1, qkv_bias=True, bias=False),
+    mixtral=dict(norm="rmsnorm", mlp="swiglu", n_kv_head=2, qkv_bias=False, bias=False, tied=False, n_experts=4,
+                 router_renorm=True),
+)
+
+
+@pytest.mark.parametrize("family", FAMILY)
+def test_family_counts_are_the_parameters_and_plan_pys(family):
+    """num_params counts every parameter the family's fields build; where plan.py can hold the model (LayerNorm and
+    biases: its --n_kv_head --ffn_hidden --gated --tied), its parameters, per-block lists, FLOPs and extra activation
+    values are model.py's."""
+    from planner import shape as plan_shape
+    from planner.inputs import Job
+    cfg = GPTConfig(vocab_size=100, block_size=32, n_layer=4, n_head=4, n_embd=32, **FAMILY[family])
+    model = GPT(cfg)
+    assert sum(p.numel() for p in model.parameters()) == num_params(cfg)
+    active = num_params(cfg, cfg.top_k) if cfg.n_experts else num_params(cfg)
+    lookup = 0 if cfg.tied else cfg.padded_vocab_size * cfg.n_embd
+    assert flops_per_token(cfg) == 6 * (active - lookup) + 12 * 4 * 32 * 32
+    if cfg.norm == "layernorm" and cfg.bias and cfg.qkv_bias:
+        job = Job(GPTConfig(vocab_size=100, block_size=32, n_layer=4, n_head=4, n_embd=32, n_experts=cfg.n_experts,
+                            moe_every=cfg.moe_every), 8, 8, "h100", 8, n_kv_head=cfg.n_kv_head,
+                  ffn_hidden=cfg.ffn_hidden, gated=cfg.mlp == "swiglu", tied=cfg.tied)
+        assert plan_shape.num_params(job) == num_params(cfg)
+        assert plan_shape.flops_per_token(job) == flops_per_token(cfg)
+        for i, block in enumerate(model.transformer.h):
+            assert plan_shape.block_numels(job, 1, 1, cfg.is_moe_block(i)) == [p.numel() for p in block.parameters()]
+        gpt = GPTConfig(n_layer=4, n_head=4, n_embd=32)
+        extra = 16 * 2 * 2 * plan_shape.activation_delta_values(job)       # s * b * bytes_per_value * values
+        assert activation_bytes_per_layer(16, 2, cfg) == activation_bytes_per_layer(16, 2, gpt) + extra
+
+
+def test_grouped_query_attention_is_attention_with_repeated_kv_heads():
+    """n_kv_head=2 of 4 heads equals multi-head attention whose k and v heads repeat each shared head (float64)."""
+    shape = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, norm="rmsnorm", mlp="swiglu",
+                 qkv_bias=False, bias=False, tied=False)
+    gqa, mha = GPT(GPTConfig(n_kv_head=2, **shape)).double(), GPT(GPTConfig(**shape)).double()
+    state = gqa.state_dict()
+    for name, w in list(state.items()):
+        if name.endswith("c_attn.weight"):
+            q, k, v = w.split([32, 16, 16])
+            state[name] = torch.cat([q, k.view(2, 8, 32).repeat_interleave(2, 0).view(32, 32),
+                                     v.view(2, 8, 32).repeat_interleave(2, 0).view(32, 32)])
+    mha.load_state_dict(state)
+    idx = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(gqa(idx)[0], mha(idx)[0], rtol=0, atol=1e-12)
+
+
 def test_flops_per_token_hand_computed():
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
     n = 128 * 256 + 4 * (12 * 128 * 128 + 13 * 128) + 2 * 128   # = 826_112

@@ -101,6 +101,22 @@ def test_resume_is_exact(tiny_data, tmp_path):
     assert not any(k.startswith("_orig_mod.") for k in state["model"]) and state["step"] == 20
 
 
+def test_a_llama_family_run_builds_its_fields_and_resumes_exactly(tiny_data, tmp_path):
+    """--arch qwen2 --n_kv_head 2 --ffn_hidden 48: the checkpoint's model is the family's (RMSNorm, SwiGLU, q/k/v
+    biases only, an untied head) and a resume from it is bit-identical."""
+    flags = dict(arch="qwen2", n_kv_head=2, ffn_hidden=48, tied=False, max_steps=6)
+    full, wf = run_single(tiny_argv(tiny_data, str(tmp_path / "full"), **flags))
+    out = str(tmp_path / "split")
+    run_single(tiny_argv(tiny_data, out, stop_step=3, **flags))
+    resumed, wr = run_single(tiny_argv(tiny_data, out, resume=True, **flags))
+    assert resumed == full and all(torch.equal(wf[n], wr[n]) for n in wf)
+    mc = load_checkpoint(latest_checkpoint(out))["model_config"]
+    assert (mc["norm"], mc["mlp"], mc["n_kv_head"], mc["qkv_bias"], mc["bias"], mc["tied"]) == \
+        ("rmsnorm", "swiglu", 2, True, False, False)
+    assert wf["lm_head.weight"].shape == (64, 32) and wf["transformer.h.0.mlp.c_fc.weight"].shape == (96, 32)
+    assert "transformer.h.0.attn.c_attn.bias" in wf and "transformer.h.0.attn.c_proj.bias" not in wf
+
+
 def test_metrics_contract(tiny_data, tmp_path):
     run_single(tiny_argv(tiny_data, str(tmp_path), max_steps=3, eval_interval=2))
     rows = read_metrics(str(tmp_path))
@@ -233,6 +249,9 @@ def test_tf32_enabled_in_every_script():
     (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "cuda:99"], "cuda"),
     (["--resume"], "--resume: no checkpoint at"),
+    (["--n_kv_head", "3"], "--n_kv_head 3 must divide n_head=4"),
+    (["--arch", "mixtral"], "--arch mixtral is a mixture of experts: give --n_experts"),
+    (["--rope_scaling", "8,4,1,8192"], "--rope_scaling '8,4,1,8192': give FACTOR"),
 ])
 def test_bad_values_are_one_clear_line(tiny_data, tmp_path, capsys, flags, message):
     argv = tiny_argv(tiny_data, str(tmp_path / "run"), max_steps=20)

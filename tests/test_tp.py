@@ -233,7 +233,8 @@ def _float64_worker(rank, n, argvs):
 
 
 @pytest.mark.parametrize("n,runs", [
-    (2, [dict(), dict(sp=True), dict(sp=True, tp_overlap=True), dict(sp=True, grad_clip=0.0)]),
+    (2, [dict(), dict(sp=True), dict(sp=True, tp_overlap=True), dict(sp=True, grad_clip=0.0),
+         dict(sp=True, arch="qwen2", ffn_hidden=48)]),     # RMSNorm, SwiGLU's [gate | up] rows, q/k/v biases alone
     (3, [dict(sp=True, **MODELS["TP3"]), dict(sp=True, grad_clip=0.0, **MODELS["TP3"])])])  # 6 heads, T=48
 def test_float64_parity_exact(text_reference, text_data, tmp_path, n, runs):
     """float64 on real text across a gradient spike (23-51x), with and without clipping: TP, SP and SP with
@@ -324,6 +325,7 @@ def test_block_collectives_and_activation_memory(tp_runs, n):
     (3, dict(tp=3), "n_head=4 is not divisible by tp=3"),
     (2, dict(tp=2, sp=True, block_size=15), "block_size=15 is not divisible by tp=2"),
     (2, dict(tp=4), "must equal the number of processes (2)"),
+    (2, dict(tp=2, arch="llama", n_kv_head=2), "--n_kv_head 2 with tp=2: tensor parallelism of grouped-query"),
 ])
 def test_bad_input_fails_early(tiny_data, tmp_path, monkeypatch, capsys, world, overrides, message):
     import train_tp

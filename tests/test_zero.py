@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from distributed_helper import run_workers
-from train_helpers import (EXACT, assert_exact, assert_same_losses, assert_same_weights, curves, losses, run_single,
-                           text_argv, tiny_argv)
+from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, losses,
+                           run_single, text_argv, tiny_argv)
 
 GBS = 12
 # n_embd 42 (3 heads of 14): 13h = 546 is not a multiple of 4, so at dp=4 buckets and units need padding
@@ -56,14 +56,16 @@ def reference(tiny_data, tmp_path_factory):
     return run_single(tiny_argv(tiny_data, out, global_batch_size=GBS, micro_batch_size=GBS, **MODEL))
 
 
-def test_float64_parity_exact(text_reference, text_data, tmp_path):
+def test_float64_parity_exact(text_reference_for, text_data, tmp_path):
     """float64 on real text across a gradient spike, clipping on: ZeRO-1/2/3 (grad_acc 2; ZeRO-3 also 1, with
-    a bucket size that splits the model) reproduce train_single within 1e-9 per step and in the final weights."""
-    (ref_curves, ref_state), runs = text_reference, []
-    for stage, micro in ((1, 2), (2, 2), (3, 2), (3, 4)):
-        runs.append(text_argv(text_data, str(tmp_path / f"z{stage}_{micro}"), micro_batch_size=micro,
-                              zero_stage=stage, bucket_mb=0.02))
-    for argv, r0 in zip(runs, run_workers(_zero_runs, 2, args=(runs,), timeout=600)[0]):
+    a bucket size that splits the model, and on the family's GQA + untied model) reproduce train_single within 1e-9
+    per step and in the final weights."""
+    runs, refs = [], []
+    for stage, micro, model in ((1, 2, "L2"), (2, 2, "L2"), (3, 2, "L2"), (3, 4, "L2"), (3, 4, "GQA")):
+        runs.append(text_argv(text_data, str(tmp_path / f"z{stage}_{micro}_{model}"), micro_batch_size=micro,
+                              zero_stage=stage, bucket_mb=0.02, **MODELS[model]))
+        refs.append(text_reference_for(model))
+    for argv, r0, (ref_curves, ref_state) in zip(runs, run_workers(_zero_runs, 2, args=(runs,), timeout=600)[0], refs):
         assert r0["exit"] == 0
         assert_exact(ref_curves, curves(argv[argv.index("--out_dir") + 1]))
         assert_same_weights(ref_state, {n: torch.from_numpy(a) for n, a in r0["state"].items()}, rtol=EXACT)

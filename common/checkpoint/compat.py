@@ -17,8 +17,10 @@ import torch
 
 from common.run_identity import corpus_difference, corpus_of
 
-MODEL_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size", "rope_base")
-MOE_FIELDS = ("n_experts", "top_k", "moe_every")             # compared when either model has experts
+MODEL_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size", "rope_base",
+                # the Llama family's (model.GPTConfig; a checkpoint saved before them is model.py's GPT-2 defaults)
+                "rope_scaling", "norm", "norm_eps", "mlp", "ffn_hidden", "n_kv_head", "qkv_bias", "bias", "tied")
+MOE_FIELDS = ("n_experts", "top_k", "moe_every", "router_renorm")   # compared when either model has experts
 RESUMABLE = ("the batch (--global_batch_size, --micro_batch_size), the lr schedule (--lr, --min_lr, --warmup_steps, "
              "--max_steps, --weight_decay, --grad_clip), the layout (world size, --dp --tp --cp --pp --ep, "
              "--zero_stage, --pp_schedule), --dtype, --dropout, --recompute, --kernels, --fp8, --capacity_factor, "

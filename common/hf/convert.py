@@ -87,6 +87,43 @@ def from_hf(name, tensor, n_head):
     return qkv_from_neox(tensor, n_head) if is_fused_qkv(name) else tensor
 
 
+# the functions interop.py calls for either family (common/hf/llama.py has the same for the Llama family)
+
+def hf_names(name, mc):
+    return [hf_name(name)]
+
+
+def to_hf_pieces(name, tensor, mc):
+    return [to_hf(name, tensor, mc["n_head"])]
+
+
+def from_hf_pieces(name, tensors, mc):
+    return from_hf(name, tensors[0], mc["n_head"])
+
+
+def class_name(mc):
+    return "GPTNeoXForCausalLM"
+
+
+def export_problem(mc):
+    """(field, value, why) of the first model field GPTNeoXForCausalLM cannot hold (the Llama family's fields on a
+    LayerNorm + GeLU model), or None."""
+    h = mc["n_embd"]
+    checks = [("n_experts", mc.get("n_experts", 0), not mc.get("n_experts"), "GPT-NeoX has no mixture of experts"),
+              ("n_kv_head", mc.get("n_kv_head", 0), mc.get("n_kv_head", 0) in (0, mc["n_head"]),
+               "GPT-NeoX has as many key/value heads as query heads"),
+              ("ffn_hidden", mc.get("ffn_hidden", 0), mc.get("ffn_hidden", 0) in (0, 4 * h), "GPT-NeoX's MLP is 4h wide"),
+              ("bias", mc.get("bias", True), mc.get("bias", True) and mc.get("qkv_bias", True),
+               "GPT-NeoX's linears all have biases"),
+              ("tied", mc.get("tied", True), mc.get("tied", True), "this export ties GPT-NeoX's head to its embedding"),
+              ("rope_scaling", mc.get("rope_scaling", ()), not mc.get("rope_scaling"), "GPT-NeoX has no rope scaling")]
+    return next(((field, value, why) for field, value, ok, why in checks if not ok), None)
+
+
+def hf_config(mc, dtype, tokenizer_vocab, special=None):
+    return neox_config(mc, dtype, tokenizer_vocab, special)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # config.json
 
@@ -132,7 +169,7 @@ def architecture_problem(hf, rope_base):
     width = 4 * hf["hidden_size"] if type(hf.get("hidden_size")) is int else None
     checks = [
         ("model_type", hf.get("model_type"), hf.get("model_type") == "gpt_neox",
-         "model.py's GPT is a GPT-NeoX model; other families differ in norm, activation or attention"),
+         "model.py holds GPT-NeoX (--arch gpt) and the Llama family: llama, qwen2, mixtral (common/hf/llama.py)"),
         ("use_parallel_residual", full["use_parallel_residual"], full["use_parallel_residual"] is False,
          "model.py adds attention, then the MLP of the result (sequential); Pythia and GPT-NeoX-20B run them in "
          "parallel"),

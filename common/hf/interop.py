@@ -1,6 +1,7 @@
 """
 hf.py: a run's model out to a Hugging Face checkpoint, and a Hugging Face checkpoint in as a run's first weights
-(docs/huggingface.md). Names, permutations and the config are common/hf/convert.py's; tokenizer files common/hf/tokenizer.py's.
+(docs/huggingface.md). Names, permutations and the config are common/hf/convert.py's (GPT-NeoX, model.py's GPT) or
+common/hf/llama.py's (Llama, Qwen2, Mixtral: the --arch family); tokenizer files common/hf/tokenizer.py's.
 transformers is never imported: files are read with safetensors (and written by hand, below).
 
     python -m common.hf export OUT_DIR HF_DIR [--dtype float32] [--data_dir DIR] [--no_tokenizer]
@@ -22,6 +23,7 @@ import math
 import os
 import struct
 import sys
+from dataclasses import asdict
 
 import torch
 
@@ -30,14 +32,27 @@ from common.checkpoint.files import latest_checkpoint, load_checkpoint
 from common.data import read_meta
 from common.distributed import fail_together
 from common.errors import ConfigError, check, fail, require
-from common.hf.convert import (HF_WTE, WTE, architecture_problem, from_hf, hf_name, neox_config, shape_problem,
-                               to_hf)
+from common.hf import convert, llama
+from common.hf.convert import WTE, architecture_problem, shape_problem
 from common.hf.tokenizer import KINDS, export_tokenizer, tokenizers_module
+from common.model_setup import gpt_config
 from model import GPT, GPTConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def family_of(mc):
+    """The module that converts a model config: llama.py for the Llama family (RMSNorm, SwiGLU), convert.py's
+    GPT-NeoX for model.py's GPT."""
+    return llama if mc.get("norm") == "rmsnorm" or mc.get("mlp") == "swiglu" else convert
+
+
+def hf_entries(fam, mc, names):
+    """[(transformers name, shape)] of model.py's parameters `names` [(name, shape)], from meta tensors."""
+    return [(twin, tuple(t.shape)) for name, shape in names
+            for twin, t in fam.to_hf_pieces(name, torch.empty(shape, device="meta"), mc)]
 
 
 def parameter_names(gcfg):
@@ -82,7 +97,9 @@ def generation_config(config):
 
 def export_args(argv):
     p = argparse.ArgumentParser(prog="python -m common.hf", allow_abbrev=False,
-                                description="Export a run's latest checkpoint as a Hugging Face GPTNeoXForCausalLM.")
+                                description="Export a run's latest checkpoint as a Hugging Face GPTNeoXForCausalLM "
+                                            "(model.py's GPT) or LlamaForCausalLM, Qwen2ForCausalLM, "
+                                            "MixtralForCausalLM (the Llama family, --arch).")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", allow_abbrev=False, help="OUT_DIR's latest checkpoint -> HF_DIR")
     e.add_argument("out_dir", metavar="OUT_DIR", help="the run's --out_dir (its ckpt/ holds the checkpoints)")
@@ -104,8 +121,10 @@ def export_checks(args):
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e).removeprefix("--resume: ")) from None
     mc = saved_model_config(state)
-    check(mc.get("n_experts", 0) == 0, f"{path}: n_experts {mc.get('n_experts')}: GPTNeoXForCausalLM has no "
-                                       f"mixture of experts; only dense models export")
+    fam = family_of(mc)
+    problem = fam.export_problem(mc)
+    check(problem is None, f"{path}: {problem[0]} {json.dumps(problem[1])}: {fam.class_name(mc)} cannot hold it "
+                           f"({problem[2]})" if problem else "")
     missing = [name for name, _ in parameter_names(GPTConfig(**mc)) if name not in state["model"]]
     check(not missing, f"{path} lacks {missing[0] if missing else ''} (a damaged checkpoint)")
     check(not os.path.isfile(args.hf_dir), f"HF_DIR {args.hf_dir} is a file, not a directory")
@@ -142,10 +161,10 @@ def main(argv=None):
     weights = state["model"]
     dtype = DTYPES[args.dtype] if args.dtype else weights[WTE].dtype
     dtype_name = str(dtype).removeprefix("torch.")
-    names = parameter_names(GPTConfig(**mc))
-    entries = [(hf_name(name), shape) for name, shape in names]
-    converted = (to_hf(name, weights[name], mc["n_head"]) for name, _ in names)
-    config = neox_config(mc, dtype_name, mc["vocab_size"], special)
+    names, fam = parameter_names(GPTConfig(**mc)), family_of(mc)
+    entries = hf_entries(fam, mc, names)
+    converted = (piece for name, _ in names for piece in fam.to_hf_pieces(name, weights[name], mc))
+    config = fam.hf_config(mc, dtype_name, mc["vocab_size"], special)
     try:
         write_safetensors(os.path.join(args.hf_dir, WEIGHTS), entries, dtype, converted)
         with open(os.path.join(args.hf_dir, "config.json"), "w") as f:
@@ -155,7 +174,7 @@ def main(argv=None):
     except OSError as e:
         fail(f"cannot write to {args.hf_dir} ({e.strerror or e})")
     padding = f", padded to {config['vocab_size']} rows" if config["vocab_size"] != mc["vocab_size"] else ""
-    print(f"exported step {state['step']} of {args.out_dir} to {args.hf_dir}: GPTNeoXForCausalLM, "
+    print(f"exported step {state['step']} of {args.out_dir} to {args.hf_dir}: {fam.class_name(mc)}, "
           f"{sum(math.prod(s) for _, s in names):,} parameters in {dtype_name}, vocabulary {mc['vocab_size']}"
           f"{padding}; tokenizer: {tokenizer}", flush=True)
 
@@ -201,14 +220,21 @@ def check_init_from(cfg):
     model.py cannot represent, or a model shape that differs from the run's flags."""
     require("safetensors", "--init_from", "safetensors==0.8.0")
     hf = read_config(cfg.init_from)
-    problem = architecture_problem(hf, GPTConfig.rope_base)
+    kind = hf.get("model_type")
+    in_family = kind in llama.FAMILY
+    problem = llama.architecture_problem(hf) if in_family else architecture_problem(hf, cfg.rope_base)
     if problem is not None:
         field, value, why = problem
         raise ConfigError(f"--init_from {cfg.init_from}: {field} {json.dumps(value)} in its config.json cannot be "
                           f"represented by model.py ({why})")
-    check(cfg.n_experts == 0, f"--n_experts {cfg.n_experts}: --init_from {cfg.init_from} is a dense GPT-NeoX model "
-                              f"(no experts to start them from)")
-    shape = shape_problem(hf, cfg)
+    if in_family:
+        check(cfg.arch == kind, f"--init_from {cfg.init_from}: model_type {json.dumps(kind)} in its config.json vs "
+                                f"--arch {cfg.arch} in this run (give --arch {kind})")
+    else:
+        check(cfg.n_experts == 0, f"--n_experts {cfg.n_experts}: --init_from {cfg.init_from} is a dense GPT-NeoX "
+                                  f"model (no experts to start them from)")
+        check(cfg.arch == "gpt", f"--arch {cfg.arch}: --init_from {cfg.init_from} is a GPT-NeoX model (--arch gpt)")
+    shape = shape_problem(hf, cfg) or (family_problem(hf, cfg) if in_family else None)
     if shape is not None:
         field, value, flag, mine = shape
         raise ConfigError(f"--init_from {cfg.init_from}: {field} {json.dumps(value)} in its config.json vs --{flag} "
@@ -216,12 +242,25 @@ def check_init_from(cfg):
     weight_files(cfg.init_from)
 
 
+def family_problem(hf, cfg):
+    """(config.json field, its value, the run's flag, the flag's value) of the first Llama-family field of the
+    run's model that differs from config.json's."""
+    gcfg = gpt_config(cfg, 0)
+    for field, (value, source) in llama.model_fields(hf).items():
+        mine = {"n_kv_head": gcfg.kv_heads, "ffn_hidden": gcfg.ffn}.get(field, getattr(gcfg, field))
+        if mine != value:
+            flag = "arch" if field in ("qkv_bias", "bias") else field
+            return source, value, flag, getattr(cfg, flag)
+    return None
+
+
 class HFWeights:
     """The weights of HF_DIR as checkpoint.py's `saved` mapping: saved[name] -> (model.py's whole value, no AdamW
     moments), read from the memory-mapped file and converted when a rank asks for it. Buffers keep their values."""
 
     def __init__(self, hf_dir, gcfg, held):
-        self.files, self.n_head, self.gcfg = weight_files(hf_dir), gcfg.n_head, gcfg
+        self.files, self.gcfg, self.mc = weight_files(hf_dir), gcfg, asdict(gcfg)
+        self.family = family_of(self.mc)
         self.hf_dir, self.open = hf_dir, {}
         self.buffers = {name: b for m in held.modules for name, b in m.named_buffers()}
 
@@ -234,18 +273,17 @@ class HFWeights:
     def __getitem__(self, name):
         if name in self.buffers:
             return self.buffers[name], None
-        return from_hf(name, self.handle(hf_name(name)).get_tensor(hf_name(name)), self.n_head), None
+        twins = self.family.hf_names(name, self.mc)
+        return self.family.from_hf_pieces(name, [self.handle(t).get_tensor(t) for t in twins], self.mc), None
 
     def problem(self, shapes):
         """Why this rank cannot take its part (None if it can): a tensor it holds missing or shaped otherwise."""
-        for name, shape in shapes:
-            if name in self.buffers:
-                continue
-            twin = hf_name(name)
+        for twin, shape, name in [(t, s, name) for name, shape in shapes if name not in self.buffers
+                                  for (t, s) in hf_entries(self.family, self.mc, [(name, shape)])]:
             if twin not in self.files:
                 return f"--init_from {self.hf_dir}: its weights lack {twin} (model.py's {name})"
             found = tuple(self.handle(twin).get_slice(twin).get_shape())
-            if twin == HF_WTE and found != shape:
+            if name == WTE and found != shape:
                 return (f"--init_from {self.hf_dir}: vocab_size {found[0]} in its weights, but this run's embedding "
                         f"has {shape[0]} rows (the corpus's vocab_size {self.gcfg.vocab_size}, which model.py pads to "
                         f"a multiple of 64): prepare the corpus with its tokenizer (python -m common.data --input "
@@ -268,7 +306,8 @@ def init_from(cfg, env, gcfg, held):
     fail_together(error, env)
     held.restore(weights)
     if env.rank == 0:
-        print(f"init_from: weights of {cfg.init_from} (GPTNeoXForCausalLM), AdamW fresh, step 0", flush=True)
+        print(f"init_from: weights of {cfg.init_from} ({weights.family.class_name(weights.mc)}), AdamW fresh, step 0",
+              flush=True)
 
 
 if __name__ == "__main__":
