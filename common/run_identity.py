@@ -14,11 +14,10 @@ import hashlib
 import json
 import os
 
-import torch
 import torch.distributed as dist
 
-from common.comm import all_gather
 from common.data_mix import hash_files, parse_data_mix
+from common.distributed import decision_group
 
 CORPUS_FILES = ("meta.json", "meta.pkl", "tokenizer.json", "tokenizer_config.json", "gpt2.tiktoken")
 TOKEN_FILES = ("train.bin", "val.bin")
@@ -90,19 +89,18 @@ def identity(cfg):
 
 def ranks_disagree(cfg, env):
     """None if every rank's identity is rank 0's, else one line (the same on every rank) naming the first rank and
-    flag that differ. One all-gather of a digest; the identities themselves only when the digests differ."""
+    flag that differ. One gather of a digest on the gloo decision group (a start-up check, not the training
+    communicator's traffic); the identities themselves only when the digests differ."""
     if env.world_size == 1:
         return None
     mine = identity(cfg)
-    digest = int(hashlib.sha256(json.dumps(mine).encode()).hexdigest()[:15], 16)
-    device = env.device if dist.get_backend() == "nccl" else torch.device("cpu")
-    digests = torch.empty(env.world_size, dtype=torch.int64, device=device)
-    all_gather(digests, torch.tensor([digest], device=device))
-    if (digests == digests[0]).all():
+    digests = [None] * env.world_size
+    dist.all_gather_object(digests, hashlib.sha256(json.dumps(mine).encode()).hexdigest(), group=decision_group())
+    if all(d == digests[0] for d in digests):
         return None
     every = [None] * env.world_size
-    dist.all_gather_object(every, mine)
-    rank = next(r for r, d in enumerate(digests.tolist()) if d != digests[0])
+    dist.all_gather_object(every, mine, group=decision_group())
+    rank = next(r for r, d in enumerate(digests) if d != digests[0])
     key = next(k for k in sorted(set(every[0]) | set(every[rank])) if every[0].get(k) != every[rank].get(k))
     what = "the corpus (by content)" if key == "corpus" else f"--{key}"
     return (f"rank {rank} differs from rank 0 in {what}: {every[rank].get(key)} vs {every[0].get(key)}; every rank "

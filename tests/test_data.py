@@ -61,7 +61,8 @@ def _two_node_worker(rank, world, root, data_dir):
     os.chdir(os.path.join(root, f"node{rank // 2}"))
     stdlib_root, files = data.stdlib_text_files()
     data.stdlib_text_files = lambda: (stdlib_root, files[:30])      # a small default corpus: fast
-    cfg = Config(data_dir=data_dir, device="cpu", block_size=16, global_batch_size=4, dist_timeout=60)
+    cfg = Config(data_dir=data_dir, device="cpu", block_size=16, global_batch_size=4, dist_timeout=60,
+                 out_dir=os.path.join(root, "out"))            # the out_dir every node shares (data is per node)
     env = init_distributed(cfg)
     err, code = io.StringIO(), 0
     with contextlib.redirect_stderr(err):

@@ -285,13 +285,14 @@ def test_a_rank_that_never_starts_is_one_line_within_dist_timeout(tiny_data, tmp
 
 def test_a_single_device_script_refuses_a_world_of_several_ranks(tiny_data, tmp_path):
     """train_single under torchrun on 2 ranks would train twice on one out_dir: each rank exits 2 before any work,
-    one line in all. A WORLD_SIZE without RANK (a stray shell variable) is not a world: one process, the whole
+    each with the same line. A WORLD_SIZE without RANK (a stray shell variable) is not a world: one process, the whole
     batch, the same losses as without it; a parallel script refuses it (it would split the batch)."""
     procs = _launch("train_single.py", tiny_argv(tiny_data, str(tmp_path / "a"), max_steps=3), 2, [0, 1], free_port())
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [2, 2], outputs
     lines = [line for _, err in outputs for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "trains on one device" in lines[0] and "WORLD_SIZE=2" in lines[0], lines
+    assert len(lines) == 2 and lines[0] == lines[1], lines          # each rank says it (torchrun may kill one first)
+    assert "trains on one device" in lines[0] and "WORLD_SIZE=2" in lines[0], lines
     assert not os.path.exists(tmp_path / "a" / "metrics.jsonl")
     reference = run_single(tiny_argv(tiny_data, str(tmp_path / "b"), max_steps=3))[0]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}

@@ -291,7 +291,7 @@ def test_comm_bytes_and_params_per_rank_equal_theory(tp_runs):
                 assert row["comm_bytes"] == pytest.approx(want, rel=1e-12), f"tp={n} {name} step {row['step']}"
             sharded = h * TINY["vocab"] + L * (12 * h * h + 7 * h)   # wte, c_attn, c_proj W, c_fc, c_proj W
             replicated = L * 6 * h + 2 * h                           # 2 LayerNorms + 2 row biases, ln_f
-            assert sharded + replicated == num_params(GPTConfig(vocab_size=64, n_layer=L, n_embd=h))
+            assert sharded + replicated == num_params(GPTConfig(vocab_size=64, n_layer=L, n_embd=h, n_head=TINY["n_head"]))
             for r in run["ranks"]:
                 assert r["n_params"] == sharded // n + replicated
 
