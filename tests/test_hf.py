@@ -425,7 +425,7 @@ def test_an_export_that_cannot_be_made_is_one_line(trained, text_data, tmp_path,
         one_error_line(capsys, ["export", out, str(tmp_path / "hf"), "--data_dir", synthetic], hf)
     moe = str(tmp_path / "moe")
     run_single(tiny_argv(text_data, moe, max_steps=1, n_experts=2, top_k=1))
-    assert "n_experts 2: GPTNeoXForCausalLM has no mixture of experts" in \
+    assert "n_experts 2: GPTNeoXForCausalLM cannot hold it (GPT-NeoX has no mixture of experts)" in \
         one_error_line(capsys, ["export", moe, str(tmp_path / "hf")], hf)
     assert not os.path.exists(tmp_path / "hf")
 
