@@ -202,3 +202,4 @@ def test_a_killed_node_started_again_resumes_with_the_same_losses(text_reference
         steps = [row["step"] for row in map(json.loads, f) if "loss" in row]
     assert steps == list(range(7)) + list(range(6, 22)), steps            # step 6 ran before the crash and again
     assert_exact(text_reference[0], curves(out))
+    assert [r["step"] for r in read_metrics(out)] == list(range(22))       # read back, the later row of a step wins
