@@ -9,7 +9,10 @@ dp x cp, the printout, and the step's counted bytes by axis.
 """
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 from types import SimpleNamespace
+
+import torch.distributed as dist
 
 from common.comm import COMM, new_group
 
@@ -57,6 +60,7 @@ class Grid:
     members: dict      # name -> every group's global ranks (for the printout)
     ep: int = 1        # expert-parallel degree: experts sharded over ep ranks of each dp x cp group
     communicators: int = 0   # process groups made: one per distinct (axis, ranks) of size > 1, one per rank of size 1
+    creations: int = 0       # calls that made them (make_groups): one per name with new groups, one for the one-rank ones
 
 
 def expert_partition(sizes, ep):
@@ -67,27 +71,54 @@ def expert_partition(sizes, ep):
                 edp=[g[j::ep] for g in data_groups for j in range(ep)])
 
 
+def make_groups(rank_lists, rank, timeout_s):
+    """Every group of one name (disjoint lists of global ranks), made by one call on every rank; returns this rank's
+    group, or None. With the default group bound to a GPU (NCCL, init_distributed) that is one `dist.split_group`: a
+    single ncclCommSplit for the whole list, where `new_group` per group is one split of the whole world each (1,024
+    splits for the one-rank groups of 1,024 ranks). Elsewhere (gloo, where a group is a store prefix, not a split
+    communicator; the one-process default group) one `new_group` per group."""
+    if getattr(dist.group.WORLD, "bound_device_id", None) is not None:
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        return dist.split_group(split_ranks=[list(r) for r in rank_lists], timeout=timeout)
+    mine = None
+    for ranks in rank_lists:
+        group = new_group(list(ranks), timeout_s)
+        mine = group if rank in ranks else mine
+    return mine
+
+
 def build_grid(sizes, rank, timeout_s, ep=1, v_shaped=False):
     """Create every group (all ranks create all of them, in the same order) and keep this rank's. Names whose
     groups hold the same ranks and count under the same axis share one process group (dp_cp is dp when cp is 1; the
     tied pair is the pp group when pp is 2), and a rank's size-1 groups are one (a degree of 1 on several axes): under
-    NCCL each group made is a communicator, and with the default group bound to a GPU its creation is a split every
-    rank of the world joins (docs/nccl.md)."""
-    groups, members, made = {}, {}, {}
+    NCCL each group made is a communicator. Each name's new groups are made by one call (make_groups: one NCCL split
+    per name, not per group), and the one-rank groups of every rank by one more (docs/nccl.md)."""
+    members, splits = {}, {}                    # splits: creation call -> {(axis, ranks) made by it}
     layout = {name: partition(sizes, axes) for name, axes in GROUPS.items()}
     layout["tied"] = tied_pairs(sizes, v_shaped)
     if ep > 1:
         layout.update(expert_partition(sizes, ep))
+    seen = set()
     for name, rank_lists in layout.items():
         members[name] = rank_lists
         for ranks in rank_lists:
-            key = (AXIS_OF.get(name, name) if len(ranks) > 1 else "one rank", tuple(ranks))    # (sends no bytes)
-            if key not in made:
-                made[key] = new_group(ranks, timeout_s)
-            if rank in ranks:
-                groups[name] = made[key]
+            key = group_key(name, ranks)
+            if key not in seen:
+                seen.add(key)
+                splits.setdefault(name if len(ranks) > 1 else "one rank", []).append(key)
+    made = {}
+    for keys in splits.values():                # the same calls, in the same order, on every rank
+        mine = make_groups([ranks for _, ranks in keys], rank, timeout_s)
+        made.update({key: mine if rank in key[1] else None for key in keys})
+    groups = {name: made[group_key(name, r)] for name, lists in layout.items() for r in lists if rank in r}
     groups.setdefault("tied", None)              # middle stages, or pp == 1
-    return Grid(sizes, coords_of(rank, sizes), SimpleNamespace(**groups), members, ep, len(made))
+    return Grid(sizes, coords_of(rank, sizes), SimpleNamespace(**groups), members, ep, len(made), len(splits))
+
+
+def group_key(name, ranks):
+    """What makes two groups one: the same ranks, counted under the same axis (every one-rank group is this rank's
+    one; it sends no bytes)."""
+    return (AXIS_OF.get(name, name) if len(ranks) > 1 else "one rank", tuple(ranks))
 
 
 def print_grid(grid, cfg, act_shape, n_params_local):

@@ -127,28 +127,44 @@ def test_tp_overlap_sets_one_hardware_queue_before_the_device_is_picked(monkeypa
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and "CUDA_DEVICE_MAX_CONNECTIONS=8" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("sizes, ep, made, trivial", [   # made (and of size 1) before sharing: 30 (8), 48 (0), 18 (16), 40 (16)
-    (dict(tp=2, cp=1, dp=2, pp=2), 1, 22, 8),      # dp_cp is dp (cp 1), the tied pairs are the pp groups (pp 2)
-    (dict(tp=2, cp=2, dp=2, pp=2), 1, 40, 0),
-    (dict(tp=1, cp=1, dp=4, pp=1), 1, 5, 4),       # tp, cp, pp and mp of one rank each: one group per rank
-    (dict(tp=1, cp=1, dp=4, pp=2), 2, 26, 8)])     # with experts: ep and edp carved out of dp
-def test_each_layout_makes_one_communicator_per_distinct_group(monkeypatch, sizes, ep, made, trivial):
-    """The process groups the grid makes (each an NCCL communicator, each a world-wide split where the default group
-    is bound to a GPU): one per distinct (axis, ranks) of several ranks, and one per rank for every group of one
-    (which sends no bytes); size-1 groups are still made (docs/nccl.md)."""
+@pytest.mark.parametrize("sizes, ep, made, trivial, names", [  # made (and of size 1) before sharing: 30 (8), 48 (0), 18 (16), 40 (16)
+    (dict(tp=2, cp=1, dp=2, pp=2), 1, 22, 8, 5),   # dp_cp is dp (cp 1), the tied pairs are the pp groups (pp 2)
+    (dict(tp=2, cp=2, dp=2, pp=2), 1, 40, 0, 6),
+    (dict(tp=1, cp=1, dp=4, pp=1), 1, 5, 4, 2),    # tp, cp, pp and mp of one rank each: one group per rank
+    (dict(tp=1, cp=1, dp=4, pp=2), 2, 26, 8, 6)])  # with experts: ep and edp carved out of dp
+@pytest.mark.parametrize("bound", [False, True])
+def test_each_layout_makes_one_communicator_per_distinct_group(monkeypatch, sizes, ep, made, trivial, names, bound):
+    """The process groups the grid makes (each an NCCL communicator): one per distinct (axis, ranks) of several
+    ranks, and one per rank for every group of one (which sends no bytes). With the default group bound to a GPU
+    (NCCL) each name's groups come from one split_group call, and every rank's one-rank group from one more: `names`
+    world-wide splits in all, never one per group; on gloo one new_group per group (docs/nccl.md)."""
     import math
+    from types import SimpleNamespace
     from common import grid as G
-    calls = []
+    calls, caller = [], [0]
 
     def new_group(ranks, timeout_s=None):
-        calls.append(tuple(ranks))
+        calls.append([tuple(ranks)])
         return object()
 
+    def split_group(split_ranks, timeout=None):       # each rank's own group of the split, None where it is in none
+        calls.append([tuple(r) for r in split_ranks])
+        return object() if any(caller[0] in r for r in split_ranks) else None
+
     monkeypatch.setattr(G, "new_group", new_group)
+    monkeypatch.setattr(G.dist, "split_group", split_group)
+    monkeypatch.setattr(G.dist, "group", SimpleNamespace(WORLD=SimpleNamespace(bound_device_id="cuda:0" if bound else None)))
     world = math.prod(sizes.values())
-    grids = [G.build_grid(sizes, rank, 10, ep) for rank in range(world)]
-    assert len(calls) == world * made and all(g.communicators == made for g in grids)
-    assert sum(len(r) == 1 for r in calls[:made]) == trivial
+    grids = []
+    for rank in range(world):
+        caller[0] = rank
+        grids.append(G.build_grid(sizes, rank, 10, ep))
+    per_rank = names if bound else made
+    assert len(calls) == world * per_rank and all(g.communicators == made and g.creations == names for g in grids)
+    made_groups = [r for call in calls[:per_rank] for r in call]
+    assert len(made_groups) == made and sum(len(r) == 1 for r in made_groups) == trivial
+    for call in calls[:per_rank]:                     # a split's groups are disjoint (split_group's rule)
+        assert len({r for ranks in call for r in ranks}) == sum(map(len, call))
     for rank, g in enumerate(grids):                  # each name's group holds exactly its members, this rank among them
         for name, lists in g.members.items():
             mine = [r for r in lists if rank in r]
