@@ -19,6 +19,12 @@ communicator (comm.py: the group's global ranks; default "world"). The rules rep
 4. The first op of each connection (a's first send to b with b's first receive from a; a communicator's first
    collective) is a blocking setup on the host when its group is launched, buffered or not: the first ops
    alone, in launch order, must pass 1-3 unbuffered. (Implied by 1-3 when eager_bytes is 0.)
+5. Two ranks issue the operations they share (a collective of a communicator holding both, a message between them)
+   in the same order, whatever communicators they are on: NCCL's rule for communicators used concurrently (a kernel
+   waiting for its peers can hold the SMs another communicator's kernel needs). A DP all-reduce fired from a
+   gradient hook inside the pipeline schedule, between two stage boundaries' p2p, is such a pair. Rules 1-3
+   unbuffered imply it (a rank runs one group at a time); checked apart, it names the two operations, and holds
+   where buffering lets rules 1-3 pass.
 """
 from collections import defaultdict
 
@@ -131,6 +137,26 @@ def first_ops(launches):
     return out
 
 
+def interleaving(launches):
+    """Rule 5: for each pair of ranks, the first pair of operations they share that one issues in the other order
+    (by group index: ops in one group have no order)."""
+    keyed, _ = _keys(launches)
+    n, problems = len(launches), []
+    index = [{key: g for g, keys in enumerate(groups) for key in keys} for groups in keyed]
+    for a in range(n):
+        for b in range(a + 1, n):
+            shared = sorted(((g, index[b][key], key) for key, g in index[a].items()
+                             if key in index[b] and {a, b} <= _members(key, n)), key=lambda t: t[:2])
+            for (ga, gb, x), (ga2, gb2, y) in zip(shared, shared[1:]):
+                if gb2 < gb:
+                    problems.append(f"order: ranks {a} and {b} share {_describe(x, a)} and {_describe(y, a)}; "
+                                    f"rank {a} issues them in this order (groups {ga}, {ga2}), rank {b} in the "
+                                    f"other (groups {gb}, {gb2})")
+                    break
+    return problems
+
+
 def check(launches, eager_bytes=0):
-    """The problems NCCL would have with these launches (rules 1-3, then 4); [] when it would run through."""
-    return replay(launches, eager_bytes=eager_bytes) or replay(first_ops(launches), "connection setup")
+    """The problems NCCL would have with these launches (rules 1-3, then 4, then 5); [] when it would run through."""
+    return (replay(launches, eager_bytes=eager_bytes) or replay(first_ops(launches), "connection setup")
+            or interleaving(launches))

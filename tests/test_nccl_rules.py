@@ -170,3 +170,31 @@ def test_each_layout_makes_one_communicator_per_distinct_group(monkeypatch, size
             mine = [r for r in lists if rank in r]
             assert (getattr(g.groups, name) is None) == (not mine)
     assert grids[0].groups.dp_cp is grids[0].groups.dp if sizes["cp"] == 1 else grids[0].groups.dp_cp is not grids[0].groups.dp
+
+
+def test_two_communicators_interleave_in_the_same_order_on_every_rank(tiny_data, tmp_path):
+    """NCCL's rule for communicators in use together (nccl_check rule 5), on a real train_5d pattern: dp 2 x pp 2
+    interleaved, where the DP buckets of a chunk are launched by the schedule as its last backward ends, between the
+    p2p of the other chunk on the PP communicator. The recorded launches hold that pattern, and every pair of ranks issues what it shares in one
+    order; the same launches with rank 1's last dp all-reduce issued after the loss's are named (a bucket
+    moved past its next p2p group is not: a global order still exists, and the replay agrees)."""
+    from common.nccl_check import check, interleaving, replay
+    from distributed_helper import recorded_runs
+    from train_helpers import tiny_argv
+    argv = tiny_argv(tiny_data, str(tmp_path / "run"), dp=2, pp=2, pp_schedule="interleaved",
+                     pp_virtual=2, n_layer=4, global_batch_size=16, micro_batch_size=2, max_steps=1, bucket_mb=0.001)
+    launches = [log[0] for log in run_workers(recorded_runs, 4, args=("train_5d", [argv]), timeout=300)]
+    assert check(launches) == []
+    dp_ranks = ((0, 1), (2, 3))                      # stage 0's dp group, stage 1's
+    for r, groups in enumerate(launches):            # a dp all-reduce with pp p2p on both sides of it
+        kinds = [("dp" if g[0][3] in dp_ranks else "coll") if g[0][0] == "coll" else "p2p" for g in groups]
+        inside = [i for i in range(1, len(kinds) - 1) if kinds[i] == "dp" and "p2p" in kinds[:i] and "p2p" in kinds[i + 1:]]
+        assert inside, (r, kinds)
+    world = [i for i, g in enumerate(launches[1]) if g[0][0] == "coll" and g[0][3] == (0, 1, 2, 3)][0]
+    last = max(i for i, g in enumerate(launches[1][:world]) if g[0][3] == dp_ranks[0])
+    moved = [list(groups) for groups in launches]     # rank 1: its last dp all-reduce after the loss's
+    moved[1].insert(world, moved[1].pop(last))
+    problems = interleaving(moved)
+    assert len(problems) == 1 and problems[0].startswith("order: ranks 0 and 1 share collective #"), problems
+    assert "on (0, 1) and collective #" in problems[0] and "on (0, 1, 2, 3)" in problems[0]
+    assert any("deadlock" in p for p in check(moved))

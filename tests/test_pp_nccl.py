@@ -7,7 +7,7 @@ from collections import deque
 import pytest
 
 from distributed_helper import recorded_runs, run_workers
-from common.nccl_check import check, first_ops, replay
+from common.nccl_check import check, first_ops, interleaving, replay
 from pipeline.schedules import SCHEDULES, V_SHAPED, Exchange, comm_plan, message_order, recvs_of, sends_of
 from train_pp import make_schedule
 from train_helpers import tiny_argv
@@ -59,6 +59,10 @@ def test_checker_rules_on_hand_built_launches():
     ab = [("coll", None, 4, (0, 1))], [("coll", None, 4, (0, 1, 2))]
     assert any("deadlock" in p for p in check([[ab[0], ab[1]], [ab[1], ab[0]], [ab[1]]]))
     assert check([[ab[0], ab[1]], [ab[0], ab[1]], [ab[1]]]) == []
+    # rule 5: a buffered send and a collective two ranks share, in opposite orders: the replay passes, the order not
+    buffered = [[[("send", 1, 4, (0, 1, 2))], ab[0]], [ab[0], [("recv", 0, 4, (0, 1, 2))]], []]
+    assert replay(buffered, eager_bytes=8) == [] and interleaving(buffered)[0].startswith(
+        "order: ranks 0 and 1 share send #0 to 1 and collective #0 on (0, 1)")
     assert "no partner on rank(s) [2]" in check([[[("coll", None, 4)]], [[("coll", None, 4)]], []])[0]
 
 
