@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from common.comm import COMM, all_reduce, gather_seq, in_compute_dtype, reduce_scatter_seq
 from common.module_io import EDGES, check_tp_plan, sequence_parallel_edge, swap_keeping_ties
-from common.tp_grads import (all_reduce_sequence_parallel_grads, clip_tp_grads, mark_sequence_parallel,  # noqa: F401
+from common.tp_grads import (all_reduce_sequence_parallel_grads, clip_tp_grads, mark_tp_params,  # noqa: F401
                              tp_counts, vocab_parallel_loss)   # (tp_counts: train_5d's, through this rung)
 
 
@@ -269,8 +269,7 @@ def tensor_parallel(model, plan, group, sp=False, overlap=False, sequence_parall
     for name, style in plan.items():
         if style in EDGES and sp:
             sequence_parallel_edge(model.get_submodule(name), style, group)
-    if sp:
-        mark_sequence_parallel(model, sequence_parallel, replicated)
+    mark_tp_params(model, group, sp, sequence_parallel, replicated)
     return model
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from common.comm import (COMM, CastsFreedWithParams, all_gather_as, clip_grad_norm, compute_dtype, reduce_scatter,
-                         refuse_empty_state_dict, wait_for)
+                         refuse_empty_state_dict, refuse_torch_clip, wait_for)
 from train_ddp import (DataParallelGrads, GradBucket, assign_buckets, compare_checksums, mean_over_group,
                        weights_checksum)
 
@@ -141,8 +141,7 @@ class ShardedAdamW:
 
 
 class ReducedTwice(RuntimeError):
-    """A bucket reduced in place (ZeRO-1's reduce-scatter) asked to reduce again before zero_grad(): its other
-    slices still hold this rank's earlier micro-batches, which would be counted twice."""
+    """A ZeRO-1 bucket (reduced in place) asked to reduce again before zero_grad(): its earlier micro-batches twice."""
 
 
 class ShardBucket(GradBucket):
@@ -164,6 +163,8 @@ class ShardedGrads(DataParallelGrads):
         self.shards, self.stage = shards, stage         # for make_buckets: one bucket per shard
         super().__init__([p for s in shards for p in s.params], group, "bucket")
         self.communicate, self.in_flight = True, []
+        if stage >= 1:                                  # torch's would see unreduced slices (1) or no gradient (2-3)
+            refuse_torch_clip(self.params, "comm.clip_grad_norm(grads.grads(), max_norm, group=group)")
 
     def make_buckets(self, bucket_mb):
         """A bucket per shard, in the shards' order; each shard's gradient (stages 0-1: a slice of the bucket)."""
@@ -426,8 +427,7 @@ def main(argv=None):
             for s in shards:
                 s.publish()
         grads.zero_grad()
-        comm_bytes = COMM.bytes_sent
-        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, comm_bytes,
+        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent,
                         padded_params=padded, gathered_peak_bytes=gathered.peak,
                         **{f"state_bytes_{k}": v for k, v in state_bytes.items()})
 

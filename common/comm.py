@@ -23,9 +23,6 @@ n = group size, counting what *this rank sends*:
     all_to_all: the bytes of its input that go to other ranks (= (n-1)/n * S for even splits)
     send S (recv 0)             broadcast (n-1)/n * S (pipelined chain)
 So one convention holds everywhere and DP, ZeRO-1/2 and ZeRO-3 come out at 2P, 2P and 3P times (n-1)/n.
-
-Every subgroup is created with a timeout (--dist_timeout; new_group), so a dead or diverged rank raises an error
-instead of hanging forever.
 """
 import contextlib
 from collections import defaultdict
@@ -40,8 +37,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 class CommCounter:
-    """Bytes sent by this rank, in total, per operation and per process group, since the last reset()
-    (train_5d.py names its groups' bytes by grid axis)."""
+    """Bytes this rank sent since the last reset(): in total, per operation and per group (train_5d: by axis)."""
 
     def __init__(self):
         self.paused = False
@@ -74,25 +70,23 @@ class CommCounter:
 
 COMM = CommCounter()
 
-# Off (None) by default. Set to a list to record every launch of this process, in order, as NCCL would run it:
-# one entry per group (a batch_isend_irecv, a lone send or recv, a collective), each a list of
-# (kind, peer global rank, nbytes, the group's global ranks) with kind "send", "recv" or "coll" (peer None).
-# nccl_check.py replays such records under NCCL's rules; gloo alone cannot show an ordering NCCL deadlocks on.
+# Off (None) by default. A list records every launch of this process, in order, as NCCL would run it: one entry per
+# group (a batch_isend_irecv, a lone send or recv, a collective), each a list of (kind, peer global rank, nbytes, the
+# group's global ranks), kind "send", "recv" or "coll" (peer None), for nccl_check.py's replay under NCCL's rules.
 LAUNCH_LOG = None
 
 
 def _log(ops):
     """Append one group of (kind, peer, tensor, group) to LAUNCH_LOG; free when not recording."""
     if LAUNCH_LOG is not None:
-        LAUNCH_LOG.append([(kind, peer, _nbytes(t), _ranks(group)) for kind, peer, t, group in ops])
+        LAUNCH_LOG.append([(kind, peer, t.nbytes, _ranks(group)) for kind, peer, t, group in ops])
 
 
 PROFILE_PREFIX = "comm:"
 
 
 def label(name):
-    """A range `name` in the trace while a torch profiler records (the pipeline runner's actions, the ring
-    attention's steps), else nothing: no cost when profiling is off."""
+    """A range `name` in the trace while a torch profiler records (pipeline actions, ring steps), else nothing."""
     return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
@@ -111,9 +105,9 @@ class LabelledWork:
 
 
 def collective_failed(op, group, error):
-    """The error to raise from `error`, a failed `op` on `group` (timed out, or a peer made another call: most
-    often one rank ran a forward the others did not, an evaluation on rank 0 alone), its usual cause named; the
-    same class (torch's DistError stays one) and first words, the original chained."""
+    """The error to raise from `error`, a failed `op` on `group` (timed out, or a peer made another call: most often one
+    rank ran a forward the others did not, an evaluation on rank 0 alone), its usual cause named; the same class
+    (torch's DistError stays one) and first words, the original chained."""
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     cls = type(error) if isinstance(error, dist.DistError) else RuntimeError
     return cls(f"{op} over ranks {list(_ranks(group))} failed ({first_line}): every rank must run every forward of "
@@ -132,17 +126,13 @@ def _launch(op, group, fn, /, *args, peer=None, **kwargs):
     """fn(*args, **kwargs), the torch.distributed call; labelled (module docstring) only while a torch profiler
     records, so nothing is added when profiling is off. A failing call says its usual cause (collective_failed)."""
     try:
-        return _labelled(op, group, fn, *args, peer=peer, **kwargs)
+        if not torch.autograd._profiler_enabled():
+            return fn(*args, **kwargs)
+        name = f"{op} {list(_ranks(group))}" + ("" if peer is None else f" -> {peer}")
+        with torch.profiler.record_function(PROFILE_PREFIX + name):
+            works = fn(*args, **kwargs)
     except RuntimeError as e:
         raise collective_failed(op, group, e) from e
-
-
-def _labelled(op, group, fn, /, *args, peer=None, **kwargs):
-    if not torch.autograd._profiler_enabled():
-        return fn(*args, **kwargs)
-    name = f"{op} {list(_ranks(group))}" + ("" if peer is None else f" -> {peer}")
-    with torch.profiler.record_function(PROFILE_PREFIX + name):
-        works = fn(*args, **kwargs)
     if isinstance(works, list):                  # batch_isend_irecv
         return [LabelledWork(w, f"{PROFILE_PREFIX}wait {name}") for w in works]
     return None if works is None else LabelledWork(works, f"{PROFILE_PREFIX}wait {name}")
@@ -153,33 +143,25 @@ def _ranks(group):
     return tuple(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
 
 
-def _nbytes(t):
-    return t.numel() * t.element_size()
-
-
-def _group_size(group):
-    return dist.get_world_size(group)
-
-
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    n = _group_size(group)
-    COMM.add("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), group)
+    n = dist.get_world_size(group)
+    COMM.add("all_reduce", 2 * (n - 1) / n * tensor.nbytes, group)
     _log([("coll", None, tensor, group)])
     return _launch("all_reduce", group, dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather(output, input, group=None, async_op=False):
     """Gather equal-sized flat shards into `output` (n * input.numel() elements)."""
-    n = _group_size(group)
-    COMM.add("all_gather", (n - 1) / n * _nbytes(output), group)
+    n = dist.get_world_size(group)
+    COMM.add("all_gather", (n - 1) / n * output.nbytes, group)
     _log([("coll", None, output, group)])
     return _launch("all_gather", group, _all_gather_flat, output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
     """Sum `input` across the group and keep this rank's 1/n slice in `output`."""
-    n = _group_size(group)
-    COMM.add("reduce_scatter", (n - 1) / n * _nbytes(input), group)
+    n = dist.get_world_size(group)
+    COMM.add("reduce_scatter", (n - 1) / n * input.nbytes, group)
     _log([("coll", None, input, group)])
     return _launch("reduce_scatter", group, _reduce_scatter_flat, output, input, op=op, group=group,
                    async_op=async_op)
@@ -207,10 +189,10 @@ def reduce_scatter_seq(x, group, async_op=False):
 
 def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     """all_to_all_single along dim 0; counts the rows of `input` that leave this rank."""
-    n, rank = _group_size(group), dist.get_rank(group)
-    row_bytes = _nbytes(input) / max(input.shape[0], 1)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    row_bytes = input.nbytes / max(input.shape[0], 1)
     if input_split_sizes is None:
-        sent = (n - 1) / n * _nbytes(input)
+        sent = (n - 1) / n * input.nbytes
     else:
         sent = (sum(input_split_sizes) - input_split_sizes[rank]) * row_bytes
     COMM.add("all_to_all", sent, group)
@@ -220,14 +202,14 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
 
 
 def broadcast(tensor, src, group=None, async_op=False):
-    n = _group_size(group)
-    COMM.add("broadcast", (n - 1) / n * _nbytes(tensor), group)
+    n = dist.get_world_size(group)
+    COMM.add("broadcast", (n - 1) / n * tensor.nbytes, group)
     _log([("coll", None, tensor, group)])
     return _launch("broadcast", group, dist.broadcast, tensor, src=src, group=group, async_op=async_op)
 
 
 def send(tensor, dst, group=None):
-    COMM.add("send", _nbytes(tensor), group)
+    COMM.add("send", tensor.nbytes, group)
     _log([("send", dst, tensor, group)])
     return _launch("send", group, dist.send, tensor, dst=dst, group=group, peer=dst)
 
@@ -247,7 +229,7 @@ def batch_isend_irecv(ops):
     """Launch a batch of P2POps at once (sends and receives paired without deadlock); returns the works."""
     for op in ops:
         if op.op is dist.isend:
-            COMM.add("send", _nbytes(op.tensor), op.group)
+            COMM.add("send", op.tensor.nbytes, op.group)
     if not ops:
         return []
     _log([("send" if op.op is dist.isend else "recv", op.peer, op.tensor, op.group) for op in ops])
@@ -268,20 +250,18 @@ def new_group(ranks, timeout_s=None, backend=None):
 
 
 def compute_dtype(dtype, device_type):
-    """The dtype a matmul computes an fp32 `dtype` in: autocast's 16-bit dtype while autocast is on for the device
-    type ("cpu", "cuda"), else `dtype` itself (float64 runs, runs without autocast: unchanged). Read it where
-    autocast is on (a forward); a backward runs outside it, so what it sends is decided at the forward."""
+    """The dtype a matmul computes an fp32 `dtype` in: autocast's 16-bit dtype while autocast is on for the device type
+    ("cpu", "cuda"), else `dtype` itself (float64 runs, runs without autocast: unchanged). Read it where autocast is on
+    (a forward); a backward runs outside it, so what it sends is decided at the forward."""
     if dtype == torch.float32 and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return dtype
 
 
 def in_compute_dtype(x):
-    """x in autocast's 16-bit dtype when autocast is on for its device and x is fp32, else x itself: for an
-    activation about to be communicated on its way into a matmul, which would cast it anyway (a LayerNorm's output
-    is fp32 under autocast). The collective then moves 2 bytes per value instead of 4, and so does its backward twin
-    (the gradient takes the dtype of what was sent), as Megatron-LM's 16-bit activations do; the values the matmul
-    sees are the same. float64 runs and runs without autocast: unchanged."""
+    """x in compute_dtype, for an activation communicated on its way into a matmul that would cast it anyway (a
+    LayerNorm's output is fp32 under autocast): 2 bytes a value on the wire instead of 4, and in its backward twin
+    (the gradient takes the dtype of what was sent), as Megatron-LM's 16-bit activations; the same values."""
     return x.to(compute_dtype(x.dtype, x.device.type))
 
 
@@ -298,10 +278,10 @@ class _Widened:
 
 
 def all_gather_as(output, input, dtype, group=None, async_op=False):
-    """all_gather(output, input) with the values travelling in `dtype` (narrower than output's, e.g. bf16 into an
-    fp32 buffer): each rank sends its shard rounded to `dtype`, and the gathered values are widened into `output`
-    at wait() (exact). ZeRO-3 under autocast (FSDP2's param_dtype): half the bytes, and a matmul sees the weight it
-    would have cast anyway. dtype == output's: a plain all_gather."""
+    """all_gather(output, input) with the values travelling in `dtype` (narrower than output's, e.g. bf16 into an fp32
+    buffer): each rank sends its shard rounded to `dtype`, and the gathered values are widened into `output` at wait()
+    (exact). ZeRO-3 under autocast (FSDP2's param_dtype): half the bytes, and a matmul sees the weight it would have
+    cast anyway. dtype == output's: a plain all_gather."""
     if dtype == output.dtype:
         return all_gather(output, input, group=group, async_op=async_op)
     wire = torch.empty_like(output, dtype=dtype)
@@ -313,11 +293,11 @@ class CastsFreedWithParams:
     """Autocast's 16-bit casts of `params` (parameters gathered for a module's forward and freed after it, as ZeRO-3
     does) live no longer than the parameters. A matmul saves its weight's cast for backward, and autocast caches it
     until its outermost region exits: kept as they are, every block's cast would stay alive from its forward to its
-    backward, the whole model in 16 bits on every rank. register(module) makes the module's forward (1) cast
-    without autocast's cache and (2) save such a cast as (parameter, how it was cast), cast again when backward
-    unpacks it, by then from the parameters gathered again for backward (a saved-tensors hook). Without autocast
-    there is no cast: nothing changes. Under other saved-tensor hooks (a block recomputed in backward, whose saved
-    tensors are dropped anyway; offloading) only (1) applies: autograd runs one pair of hooks at a time."""
+    backward, the whole model in 16 bits on every rank. register(module) makes the module's forward (1) cast without
+    autocast's cache and (2) save such a cast as (parameter, how it was cast), cast again when backward unpacks it, by
+    then from the parameters gathered again for backward (a saved-tensors hook). Without autocast there is no cast:
+    nothing changes. Under other saved-tensor hooks (a block recomputed in backward, whose saved tensors are dropped
+    anyway; offloading) only (1) applies: autograd runs one pair of hooks at a time."""
 
     def __init__(self, params):
         self.ids, self.device = {id(p) for p in params}, next(iter(params)).device.type
@@ -374,16 +354,36 @@ def refuse_empty_state_dict(module, why):
     module.register_state_dict_post_hook(hook)
 
 
+def refuse_torch_clip(params, fix):
+    """torch.nn.utils.clip_grad_norm_ over any of `params` (gradients spread over a group: ZeRO's shards, TP's slices)
+    raises a ValueError naming `fix`, where torch would clip each rank by its own part's norm (ZeRO-2/3: 0, p.grad is
+    None). torch has no hook there: its function is wrapped, once; other parameters are clipped as before."""
+    for p in params:
+        p.clip_with = fix
+    torch_clip = torch.nn.utils.clip_grad_norm_
+    if hasattr(torch_clip, "unwrapped"):
+        return
+
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        fixes = sorted({p.clip_with for p in parameters if hasattr(p, "clip_with")})
+        if fixes:
+            raise ValueError(f"torch.nn.utils.clip_grad_norm_ sees only this rank's part of these gradients: "
+                             f"clip with {' or '.join(fixes)}")
+        return torch_clip(parameters, *args, **kwargs)
+    clip_grad_norm_.unwrapped = torch_clip
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+
+
 @torch.no_grad()
 def clip_grad_norm(grads, max_norm, group=None, device=None, dtype=torch.float32, replicas=()):
     """Global L2 norm of `grads` and, if max_norm > 0, scale them in place so it is at most max_norm.
 
-    With `group`, each rank passes only the gradients it owns (a shard, or a parameter held by one rank)
-    and the squared norms are summed across the group, so every rank gets the same global norm. A gradient
-    replicated on several ranks of the group must be passed by exactly one of them; the others pass it in
-    `replicas`: left out of the norm, scaled like the rest (tensor-parallel replicas, a tied weight's copy).
-    `dtype`: the norm's dtype on a rank that owns no gradients (it must match the other ranks' for the
-    all-reduce: float64 runs pass it)."""
+    With `group`, each rank passes only the gradients it owns (a shard, or a parameter held by one rank) and the squared
+    norms are summed across the group, so every rank gets the same global norm. A gradient replicated on several ranks
+    of the group must be passed by exactly one of them; the others pass it in `replicas`: left out of the norm, scaled
+    like the rest (tensor-parallel replicas, a tied weight's copy). `dtype`: the norm's dtype on a rank that owns no
+    gradients (it must match the other ranks' for the all-reduce: float64 runs pass it)."""
     grads = [g for g in grads if g is not None]
     if grads:
         norm = torch.nn.utils.get_total_norm(grads, 2.0)

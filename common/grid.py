@@ -60,7 +60,7 @@ class Grid:
     members: dict      # name -> every group's global ranks (for the printout)
     ep: int = 1        # expert-parallel degree: experts sharded over ep ranks of each dp x cp group
     communicators: int = 0   # process groups made: one per distinct (axis, ranks) of size > 1, one per rank of size 1
-    creations: int = 0       # calls that made them (make_groups): one per name with new groups, one for the one-rank ones
+    creations: int = 0       # calls that made them (make_groups): one per name with new groups, one for all one-rank
 
 
 def expert_partition(sizes, ep):

@@ -16,12 +16,22 @@ replicated parameters.
 import torch
 import torch.distributed as dist
 
-from common.comm import all_reduce, clip_grad_norm
+from common.comm import all_reduce, clip_grad_norm, refuse_torch_clip
 
 
 def is_norm(module):
     """LayerNorm, RMSNorm, GroupNorm, a fused or a user's own norm: by class name, with parameters of its own."""
     return "Norm" in type(module).__name__ and any(True for _ in module.parameters(recurse=False))
+
+
+def mark_tp_params(model, group, sp, sequence_parallel=(), replicated=()):
+    """What tensor_parallel marks once its layers are in: under SP the sequence-parallel parameters
+    (mark_sequence_parallel); on more than one rank every parameter, so that torch's clip_grad_norm_ over any of them
+    (each rank its own shards' norm, the replicas scaled apart) raises a ValueError naming clip_tp_grads."""
+    if sp:
+        mark_sequence_parallel(model, sequence_parallel, replicated)
+    if dist.get_world_size(group) > 1:
+        refuse_torch_clip(model.parameters(), "clip_tp_grads(model, max_norm, group)")
 
 
 def mark_sequence_parallel(model, names, replicated=()):

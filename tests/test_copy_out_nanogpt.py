@@ -9,7 +9,8 @@ with torch.multinomial), and runs the user's script (TRAIN below) on two gloo pr
 micro-batches per rank and clipping on, DDP, ZeRO-1/2/3 and TP + SP (wpe cut by sequence) give every step's loss
 and gradient norm of one process within 1e-12 relative, on targets with -1 among them. The habits, each once:
 nanoGPT's per-rank seed before building the model (ReplicaMismatch, DDP and ZeRO), an optimizer step without
-finish() (GradsNotFinished), ZeRO-3's state_dict() (a ValueError; gathered first it is one process's), c_attn
+finish() (GradsNotFinished), torch's clip_grad_norm_ under ZeRO-1/2/3 and TP (a ValueError naming comm.clip_grad_norm
+or clip_tp_grads), ZeRO-3's state_dict() (a ValueError; gathered first it is one process's), c_attn
 planned "column" (a ValueError naming ("column", 3)), a vocabulary tp does not divide (the same ValueError on every
 rank), generation under TP (the gathered vocabulary samples one process's tokens), and evaluation on rank 0 alone
 under ZeRO-3 and TP (stops within the group's timeout, saying every rank must run every forward).
@@ -228,6 +229,8 @@ def zero(stage):
             s.publish()
         grads.zero_grad()
         losses.append(mean_over_group(total, group))
+    # the habit: torch's clip over the model, which sees this rank's slices (1) or no gradient at all (2-3)
+    refused(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP), ValueError, "comm.clip_grad_norm")
     state = None
     if stage == 3:                                 # the habit: torch.save(model.state_dict()) on rank 0
         refused(model.state_dict, ValueError, "ZeRO-3", "wait()")
@@ -276,6 +279,8 @@ def tp():
         opt.step()
         opt.zero_grad()
         losses.append(total)
+    # the habit: torch's clip, each rank by its own shards' norm (the replicated wpe and norms would drift apart)
+    refused(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP), ValueError, "clip_tp_grads")
     generator = tensor_parallel(build(), tp_plan(sp=False), group)   # generation: TP without SP, untrained
     torch.manual_seed(7)                           # every TP rank samples alike: the same seed
     tokens = generator.generate(torch.zeros(1, 1, dtype=torch.long), 8,
@@ -356,8 +361,9 @@ def same_curve(got, ref, what):
 
 def test_nanogpt_fork_ddp_and_zero_train_like_one_process(tmp_path):
     """The ZeRO row's files (DDP's among them): DDP and ZeRO-1/2/3 on nanoGPT's model reach one process's curve; a
-    per-rank seed is a ReplicaMismatch, a step without finish() a GradsNotFinished, ZeRO-3's state_dict() a
-    ValueError (and, gathered on every rank first, one process's weights)."""
+    per-rank seed is a ReplicaMismatch, a step without finish() a GradsNotFinished, torch's clip_grad_norm_ under
+    ZeRO-1/2/3 a ValueError naming comm.clip_grad_norm, ZeRO-3's state_dict() a ValueError (and, gathered on every rank
+    first, one process's weights)."""
     result = run_user_project(nanogpt_project(tmp_path / "fork", ["ZeRO-1/2"]), "data_parallel")
     ref = result["reference"]
     same_curve(result["got"]["ddp"], ref["curve"], "DDP")
@@ -370,7 +376,8 @@ def test_nanogpt_fork_ddp_and_zero_train_like_one_process(tmp_path):
 def test_nanogpt_fork_tp_sp_trains_like_one_process(tmp_path):
     """The TP row's files: fused c_attn ("column", 3), wpe cut by sequence, the tied head's vocabulary split and
     ignore_index=-1 reach one process's curve; c_attn planned "column" and a vocabulary of 65 are refused (the same
-    error on both ranks); generation from the gathered vocabulary samples one process's tokens on every rank."""
+    error on both ranks), and so is torch's clip_grad_norm_ (naming clip_tp_grads); generation from the gathered
+    vocabulary samples one process's tokens on every rank."""
     result = run_user_project(nanogpt_project(tmp_path / "fork", ["TP + SP"]), "tp")
     got, ref = result["got"], result["reference"]
     same_curve(got["curve"], ref["curve"], "TP + SP")
