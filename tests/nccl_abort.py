@@ -9,7 +9,8 @@ TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (what common/distributed.py sets), does not: t
 communicator, the aborted kernel returns, and the call returns as if it had worked, its tensor holding this rank's
 own value (or garbage); only the *next* collective raises "NCCL communicator was aborted ... Original reason for
 failure was: ...". Under install(), every collective of the torch.distributed API behaves so, the *_object helpers
-and barrier included, except on a group made with an explicit backend="gloo" (a gloo side group stays gloo beside
+and barrier included, and so do send, recv and batch_isend_irecv (a receive whose sender never comes returns, its
+buffer as it was), except on a group made with an explicit backend="gloo" (a gloo side group stays gloo beside
 NCCL). The stand-in changes nothing while every collective works.
 """
 import functools
@@ -24,6 +25,7 @@ from torch.distributed import distributed_c10d as c10d
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
                "reduce_scatter_single", "reduce_scatter", "all_to_all_single", "all_to_all", "broadcast", "reduce",
                "gather", "scatter", "barrier")
+P2P = ("send", "recv", "batch_isend_irecv")     # (isend and irecv stay: batch_isend_irecv's works are wrapped)
 ABORTED = dict(reason=None)     # why this process's NCCL-like communicators were aborted, once one was
 GLOO_GROUPS = []                # groups made with backend="gloo": they raise, as gloo does
 
@@ -47,7 +49,8 @@ class AbortedLater:
 
     def wait(self, *args, **kwargs):
         try:
-            self.work.wait(*args, **kwargs)
+            if self.work is not None:                # (None: the launch itself failed)
+                self.work.wait(*args, **kwargs)
         except RuntimeError as e:
             abort(e)
         return True
@@ -82,8 +85,29 @@ def nccl_like(fn):
     return call
 
 
+def nccl_like_p2p(fn):
+    """fn (send, recv or batch_isend_irecv) as NCCL runs point-to-point under asynchronous error handling: the call
+    and its works' wait() return even when the peer never comes (a recv's buffer keeps what it held), and the abort
+    surfaces at the next call, as for a collective."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        ops = args[0] if args and isinstance(args[0], list) else None
+        group = ops[0].group if ops else kwargs.get("group")
+        if group is not None and any(group is g for g in GLOO_GROUPS):
+            return fn(*args, **kwargs)
+        if ABORTED["reason"] is not None:
+            raise aborted_error()
+        try:
+            works = fn(*args, **kwargs)
+        except RuntimeError as e:
+            abort(e)
+            return [AbortedLater(None) for _ in ops] if ops is not None else None
+        return [AbortedLater(w) for w in works] if ops is not None else works
+    return call
+
+
 def install():
-    """Every collective of torch.distributed (and common.comm's aliases of two of them) NCCL-like from now on."""
+    """Every collective and p2p call of torch.distributed (and common.comm's aliases of two) NCCL-like from now on."""
     new_group = c10d.new_group
 
     @functools.wraps(new_group)
@@ -99,6 +123,10 @@ def install():
             wrapped = nccl_like(getattr(c10d, name))
             setattr(c10d, name, wrapped)         # the *_object helpers call these through c10d's globals
             setattr(dist, name, wrapped)
+    for name in P2P:
+        wrapped = nccl_like_p2p(getattr(c10d, name))
+        setattr(c10d, name, wrapped)
+        setattr(dist, name, wrapped)
     comm = sys.modules.get("common.comm")        # bound when comm was imported: rebind them too
     if comm is not None:
         comm._all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -51,6 +51,35 @@ def test_the_stand_in_fails_as_nccl_does():
     assert side_call != "returned"         # the gloo side group raises itself (its peer is gone or late)
 
 
+def stand_in_p2p(rank, world_size):
+    """Rank 1 never sends: rank 0's batched receive is launched and waited for without a raise, its buffer as it was;
+    its next p2p call (a lone send) raises the aborted communicator's error."""
+    import nccl_abort
+    nccl_abort.install()
+    import torch.distributed as dist
+    from datetime import timedelta
+    from common import comm
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    if rank == 1:
+        time.sleep(STALL_S)
+        return None
+    buf = torch.tensor([7.0])
+    for work in comm.batch_isend_irecv([comm.p2p_op("recv", buf, 1)]):
+        work.wait()                                  # gloo would raise here
+    try:
+        comm.send(torch.tensor([1.0]), 1)
+        next_call = "returned"
+    except RuntimeError as e:
+        next_call = str(e)
+    return buf.item(), next_call
+
+
+def test_the_stand_in_aborts_p2p_as_nccl_does():
+    own, next_call = run_workers(stand_in_p2p, 2, timeout=60)[0]
+    assert own == 7.0                                # the receive's buffer untouched: no error where it was waited
+    assert "NCCL communicator was aborted" in next_call, next_call
+
+
 def stalled_save(rank, world_size, out_dir):
     """Step 1 saved by both ranks; step 2's part write stalls on rank 1 past --dist_timeout. Returns (exit code,
     stderr) of this rank's second save."""
