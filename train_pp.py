@@ -200,6 +200,8 @@ class PipelineRunner:
         # a view, not the leaf itself: autocast's cache (kept for the whole step) is meant for weights, not inputs
         with self.amp:
             out = stage(inp if stage.first else inp.view_as(inp).to(self.act_dtype), y if stage.last else None)
+        if not stage.first and inp.dtype != self.act_dtype:   # the stage took a widened copy: the 16-bit buffer's
+            inp.untyped_storage().resize_(0)                   # values are read no more (backward fills inp.grad)
         if stage.last:
             self.loss_sum += out.detach().to(self.act_dtype)
             out = out / self.n_micro             # mean over the global batch = mean of micro-batch means

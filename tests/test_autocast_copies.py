@@ -73,17 +73,25 @@ def pipeline_copies(rank, world_size, argv):
     import train_pp
     pad = (VOCAB + 63) // 64 * 64
     counter = LiveWeightCopies([(3 * H, H), (H, H), (4 * H, H), (H, 4 * H), (pad, H)])
+    forward, held = train_pp.PipelineRunner._forward, []
+
+    def received_bytes_kept(runner, *args):          # 16-bit received inputs held until their backward
+        forward(runner, *args)
+        held.append(sum(inp.untyped_storage().nbytes() for inp, _ in runner.saved.values() if inp.is_floating_point()))
+    train_pp.PipelineRunner._forward = received_bytes_kept
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         result = train_pp.main(argv)
-    return counter.peak, weight_shapes(result["chunks"].parameters())
+    return counter.peak, weight_shapes(result["chunks"].parameters()), held
 
 
 @pytest.mark.parametrize("schedule", ["afab", "1f1b"])
 def test_pipeline_keeps_one_bf16_copy_per_weight(schedule, tiny_data, tmp_path):
     argv = tiny_argv(tiny_data, str(tmp_path), dtype="bfloat16", n_embd=H, n_head=4, n_layer=2, pp=2,
                      pp_schedule=schedule, n_microbatches=4, global_batch_size=8, max_steps=2)
-    for rank, (peak, held) in enumerate(run_workers(pipeline_copies, 2, args=(argv,))):
+    for rank, (peak, held, received) in enumerate(run_workers(pipeline_copies, 2, args=(argv,))):
         assert peak, f"rank {rank}: no bf16 weight copy seen (is autocast on?)"
+        # stage 1's bf16 receive buffers: freed once the stage took its fp32 copy (backward needs only their .grad)
+        assert received and set(received) == {0}, (rank, received)
         for shape, n in peak.items():
             assert n <= held.get(shape, 0), (f"rank {rank}: {n} bf16 copies of the {shape} weights alive at once, "
                                              f"{held.get(shape, 0)} such weights held ({schedule}, 4 micro-batches)")
