@@ -91,10 +91,11 @@ class Shard:
         return full
 
     def gather(self, dtype=None):
-        """Stage 3: start the all-gather of the full parameters (async) in `dtype` (default theirs; bf16 under
-        autocast, widened into the fp32 `full` at wait(): comm.all_gather_as); `wait()` before use."""
+        """Stage 3: start the all-gather of the full parameters (async) in `dtype` (theirs; bf16 under autocast, widened
+        into `full` at wait(), which allocates it: a prefetched unit holds 2 bytes a value, not 6); wait() to use."""
         if self.handle is None and self.full.untyped_storage().nbytes() == 0:
-            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+            if (dtype or self.master_dtype) == self.master_dtype:
+                self.full.untyped_storage().resize_(self.padded * self.full.element_size())
             # into `.data` (same memory, own version counter): refilling saved parameters is no modification
             self.handle = self.all_gather(self.full.data, self.shard, dtype or self.master_dtype, self.group, True)
 
@@ -366,7 +367,6 @@ def main(argv=None):
     from common.startup import prepare_data
     from converters.apply import apply_kernels_and_fp8, compiled
     from common import checkpoint
-    from common.checkpoint import ShardState, replicated
     from model import GPT, flops_per_token, init_parameter
     cfg = parse_config(argv, techniques=("zero_stage", "bucket_mb", "fp8", "fp8_all_gather"), extra_args=add_args,
                        description=__doc__.split("\n\n")[0], validate=validate)
@@ -391,7 +391,7 @@ def main(argv=None):
     optimizer = ShardedAdamW(shards, cfg.weight_decay, BETAS, EPS)
     guard = NonFiniteGuard(cfg, env.is_main)
     torch.manual_seed(cfg.seed + env.rank)              # dropout: each rank masks its own sequences
-    held = ShardState(shards, optimizer, [model], replicated)   # what this rank holds, for checkpoints
+    held = checkpoint.ShardState(shards, optimizer, [model], checkpoint.replicated)   # what this rank holds
     start = checkpoint.start_from(cfg, env, model.cfg, held)   # each rank its own RNG
     train_model = compiled(model, cfg, list(model.transformer.h) if stage == 3 else ())   # ZeRO-3: by block
     amp = autocast_context(dtype, env.device)

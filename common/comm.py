@@ -59,8 +59,7 @@ class CommCounter:
 
     @contextlib.contextmanager
     def uncounted(self):
-        """Collectives inside are left out of the counts: reducing the loss for the log (and for optim's
-        NonFiniteGuard, before the optimizer step) is not the technique's traffic."""
+        """Collectives inside are left out of the counts: the loss reduced for the log and NonFiniteGuard is not."""
         self.paused = True
         try:
             yield
@@ -241,9 +240,8 @@ GROUP_TIMEOUT = dict(s=None)     # --dist_timeout, set by init_distributed for e
 
 
 def new_group(ranks, timeout_s=None, backend=None):
-    """A subgroup (every rank of the world must call this with the same ranks, in the same order), with the
-    run's --dist_timeout unless timeout_s says otherwise: a stuck collective on it raises, never hangs.
-    backend: the default group's (None), or "gloo" for a CPU side group beside NCCL."""
+    """A subgroup (every rank of the world calls this with the same ranks, in the same order), with --dist_timeout
+    unless timeout_s says otherwise: a stuck collective on it raises. backend: None, or "gloo" (a side group)."""
     timeout_s = GROUP_TIMEOUT["s"] if timeout_s is None else timeout_s
     kwargs = {} if timeout_s is None else dict(timeout=timedelta(seconds=timeout_s))
     return dist.new_group(ranks, backend=backend, **kwargs)
@@ -273,6 +271,8 @@ class _Widened:
 
     def wait(self):
         self.work.wait()
+        if self.output.untyped_storage().nbytes() == 0:      # (ZeRO-3's `full`: given its memory only now)
+            self.output.untyped_storage().resize_(self.output.nbytes)
         self.output.copy_(self.wire)
         self.wire = None
 

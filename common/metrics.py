@@ -306,13 +306,14 @@ def model_state_bytes(model, shards, buckets):
 
 class GatheredBytes:
     """ZeRO-3's gathered parameters: the bytes of whole units alive, at their peak. Wraps each shard's all_gather
-    (whatever gathers it at construction, an FP8 unit's own too) to sample right after each gather is launched:
-    memory only grows at a gather, so sampling there finds the peak."""
+    (whatever gathers it at construction, an FP8 unit's own too) and wait() to sample right after each: memory only
+    grows at a gather (or, for one in 16 bits, at its wait()), so sampling there finds the peak."""
 
     def __init__(self, shards):
         self.shards, self.peak = shards, 0
         for s in shards:
             s.all_gather = self.sampled(s.all_gather)
+            s.wait = self.sampled(s.wait)
 
     def sampled(self, all_gather):
         def gather(*args, **kwargs):

@@ -168,6 +168,8 @@ class _PackedGather:
         bytes a value of its own place in `full` (4 or 8 bytes a value, whose fp32 W nothing reads), so they are
         freed with the unit (the forward keeps its own copy of q^T for dgrad)."""
         self.work.wait()
+        if self.full.untyped_storage().nbytes() == 0:          # a 16-bit gather's `full` gets its memory here
+            self.full.untyped_storage().resize_(self.full.nbytes)
         plan, unit = self.plan, self.plan.unit
         raw, size = self.full.view(torch.uint8), unit.master_dtype.itemsize
         q = {i: raw[unit.offsets[i] * size:][:unit.params[i].numel()] for i in plan.modules}

@@ -119,9 +119,17 @@ class LiveCasts(TorchDispatchMode):
 def zero3_copies(rank, world_size, argv):
     """A worker: train_zero stage 3 under bf16 autocast; the peak number of live bf16 casts of c_attn's weight."""
     import train_zero
+    gather, in_flight = train_zero.Shard.gather, []
+
+    def gather_watched(shard, dtype=None):           # a 16-bit gather in flight holds no fp32 buffer yet
+        launched = shard.handle is None
+        gather(shard, dtype)
+        if launched and shard.handle is not None and dtype in (torch.bfloat16, torch.float16):
+            in_flight.append(shard.full.untyped_storage().nbytes())
+    train_zero.Shard.gather = gather_watched
     with LiveCasts((3 * H, H)) as casts:
         train_zero.main(argv)
-    return casts.peak
+    return casts.peak, in_flight
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -131,5 +139,6 @@ def test_zero3_keeps_bf16_copies_of_at_most_two_blocks(recompute, tiny_data, tmp
     the casts are not saved, but autocast's cache alone would hold every block's until the forward ends."""
     argv = tiny_argv(tiny_data, str(tmp_path), dtype="bfloat16", n_embd=H, n_head=4, n_layer=4, zero_stage=3,
                      global_batch_size=8, micro_batch_size=4, max_steps=1, recompute=recompute)
-    for rank, peak in enumerate(run_workers(zero3_copies, 2, args=(argv,))):
+    for rank, (peak, in_flight) in enumerate(run_workers(zero3_copies, 2, args=(argv,))):
         assert 0 < peak <= 2, f"rank {rank}: bf16 casts of {peak} blocks' c_attn weight alive at once (4 blocks)"
+        assert in_flight and set(in_flight) == {0}, (rank, in_flight)   # the fp32 buffer comes at wait()
