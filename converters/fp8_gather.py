@@ -61,6 +61,13 @@ def attach_fp8_gathers(model, units, fp8_all_gather=False):
     return out
 
 
+def with_memory(full):
+    """`full`, a unit's flat buffer, its storage given memory if it has none (ZeRO-3's at rest)."""
+    if full.untyped_storage().nbytes() == 0:
+        full.untyped_storage().resize_(full.nbytes)
+    return full
+
+
 class Float8UnitGather:
     """How one unit is gathered: whole in its parameters' dtype, or (quantized) its Float8Linear weights in FP8."""
 
@@ -95,9 +102,11 @@ class Float8UnitGather:
         return (b - a) * (1 if i in self.modules else self.unit.master_dtype.itemsize)
 
     def gather(self, full, shard, dtype, group, async_op=True):
-        """Start the unit's all-gather into `full` (its parameters' dtype; `dtype`, autocast's, is not used)."""
+        """Start the unit's all-gather into `full` (its parameters' dtype; `dtype`, autocast's, is not used).
+        Shard.gather leaves `full` without memory for a gather in 16 bits (widened into at wait()): this one fills it
+        now."""
         if not self.quantized:
-            return all_gather_as(full, shard, self.unit.master_dtype, group, async_op)
+            return all_gather_as(with_memory(full), shard, self.unit.master_dtype, group, async_op)
         return _PackedGather(self, full, shard, group)
 
 
@@ -168,8 +177,7 @@ class _PackedGather:
         bytes a value of its own place in `full` (4 or 8 bytes a value, whose fp32 W nothing reads), so they are
         freed with the unit (the forward keeps its own copy of q^T for dgrad)."""
         self.work.wait()
-        if self.full.untyped_storage().nbytes() == 0:          # a 16-bit gather's `full` gets its memory here
-            self.full.untyped_storage().resize_(self.full.nbytes)
+        with_memory(self.full)                       # (Shard.gather left it without: this gather is not in fp32)
         plan, unit = self.plan, self.plan.unit
         raw, size = self.full.view(torch.uint8), unit.master_dtype.itemsize
         q = {i: raw[unit.offsets[i] * size:][:unit.params[i].numel()] for i in plan.modules}
