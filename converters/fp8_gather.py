@@ -102,9 +102,8 @@ class Float8UnitGather:
         return (b - a) * (1 if i in self.modules else self.unit.master_dtype.itemsize)
 
     def gather(self, full, shard, dtype, group, async_op=True):
-        """Start the unit's all-gather into `full` (its parameters' dtype; `dtype`, autocast's, is not used).
-        Shard.gather leaves `full` without memory for a gather in 16 bits (widened into at wait()): this one fills it
-        now."""
+        """Start the unit's all-gather into `full` (its parameters' dtype; `dtype`, autocast's, is not used), given
+        memory first: Shard.gather leaves it without for a gather in 16 bits, which is widened into it at wait()."""
         if not self.quantized:
             return all_gather_as(with_memory(full), shard, self.unit.master_dtype, group, async_op)
         return _PackedGather(self, full, shard, group)
