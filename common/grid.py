@@ -93,7 +93,7 @@ def build_grid(sizes, rank, timeout_s, ep=1, v_shaped=False):
     tied pair is the pp group when pp is 2), and a rank's size-1 groups are one (a degree of 1 on several axes): under
     NCCL each group made is a communicator. Each name's new groups are made by one call (make_groups: one NCCL split
     per name, not per group), and the one-rank groups of every rank by one more (docs/nccl.md)."""
-    members, splits = {}, {}                    # splits: creation call -> {(axis, ranks) made by it}
+    members, splits = {}, {}                    # splits: creation call -> the (axis, ranks) keys it makes
     layout = {name: partition(sizes, axes) for name, axes in GROUPS.items()}
     layout["tied"] = tied_pairs(sizes, v_shaped)
     if ep > 1:

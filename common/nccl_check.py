@@ -21,10 +21,10 @@ communicator (comm.py: the group's global ranks; default "world"). The rules rep
    alone, in launch order, must pass 1-3 unbuffered. (Implied by 1-3 when eager_bytes is 0.)
 5. Two ranks issue the operations they share (a collective of a communicator holding both, a message between them)
    in the same order, whatever communicators they are on: NCCL's rule for communicators used concurrently (a kernel
-   waiting for its peers can hold the SMs another communicator's kernel needs). A DP all-reduce fired from a
-   gradient hook inside the pipeline schedule, between two stage boundaries' p2p, is such a pair. Rules 1-3
-   unbuffered imply it (a rank runs one group at a time); checked apart, it names the two operations, and holds
-   where buffering lets rules 1-3 pass.
+   waiting for its peers can hold the SMs another communicator's kernel needs): a DP bucket launched inside the
+   pipeline schedule and the loss's all-reduce after it, on two dp peers. Rules 1-3 unbuffered imply it (a rank
+   runs one group at a time, so a cycle through any number of ranks hangs there); checked apart, it names the two
+   operations, and holds where buffering lets rules 1-3 pass.
 """
 from collections import defaultdict
 
