@@ -10,6 +10,7 @@ replicated parameters.
     vocab_parallel_loss(logits, targets, group)      # logits [..., V/tp]: rank r holds vocabulary rows r*V/tp...
                                                      # (ignore_index= as F.cross_entropy's: -100, nanoGPT's -1)
     mark_sequence_parallel(model, norms)             # tensor_parallel does it under SP; refuses a norm left out
+    mark_tp_params(model, group, sp)                 # tensor_parallel's last step: that, and torch's clip refused
     all_reduce_sequence_parallel_grads(model, group)
     clip_tp_grads(model, max_norm, group)            # the global norm, every gradient scaled to at most max_norm
 """
