@@ -117,10 +117,9 @@ def apply_rope(x, rope):
     """Rotate each adjacent pair (a, b) = (x[2j], x[2j+1]) of x [B, T, heads, D] by its position's angle, to
     (a cos - b sin, a sin + b cos) (the GPT-J / Llama pairing): real arithmetic in x's dtype, the table cast to it
     as Llama's reference does (no complex numbers, which inductor cannot fuse, and no fp32 copy of q and k)."""
-    cos, sin = rope.to(x.dtype)[:, None].unbind(-1)                 # [T, 1, D/2] each
-    pairs = x.unflatten(-1, (-1, 2))                                # (a, b)
-    # (a, b) cos + (b, a) (-sin, sin): four passes over x (the pair-by-pair form takes seven)
-    return (pairs * cos[..., None] + pairs.flip(-1) * torch.stack([-sin, sin], -1)).flatten(-2)
+    cos, sin = rope.to(x.dtype)[:, None].unbind(-1)     # [T, 1, D/2] each: all that backward keeps
+    a, b = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from step_syncs import record_steps
 from train_helpers import tiny_argv
 
-PER_LAYER = 96     # one block, forward + backward of 2 micro-batches + the second one's gradient accumulation
+PER_LAYER = 102     # one block, forward + backward of 2 micro-batches + the second one's gradient accumulation
 PER_STEP = 92      # the rest: embedding, final norm, head and loss, clipping, AdamW, the guard, the loss sum
 
 
