@@ -92,7 +92,7 @@ class GPTConfig:
 # rotary position embedding
 
 def rope_cache(head_dim, positions, base=10000.0, param_dtype=torch.float32, scaling=()):
-    """The rotations e^(i pos theta_j) for these (global) positions, as view_as_real stores them: [T, D/2, 2];
+    """The rotations by pos * theta_j for these (global) positions as (cos, sin) pairs: [T, D/2, 2];
     fp32 for fp32/16-bit models, float64 for a float64 model (angles of large positions need the bits).
     scaling: Llama 3's (factor, low_freq_factor, high_freq_factor, original context), or ()."""
     dtype = torch.promote_types(param_dtype, torch.float32)
@@ -114,14 +114,12 @@ def rope_of(cfg, positions, param_dtype):
 
 
 def apply_rope(x, rope):
-    """Rotate each adjacent pair (x[2j], x[2j+1]) of x [B, T, heads, D] by its position's angle (the GPT-J /
-    Llama pairing), in fp32 or wider so that bf16 activations get an accurate rotation."""
-    if torch.compiler.is_compiling():   # inductor generates no code for complex ops; this real form fuses
-        (a, b), (c, s) = x.unflatten(-1, (-1, 2)).unbind(-1), rope[:, None].unbind(-1)
-        return torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2).to(x.dtype)
-    # eager: one complex multiply is one pass over x, where the real form takes six ops and a copy
-    pairs = torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * torch.view_as_complex(rope)[:, None]).flatten(-2).to(x.dtype)
+    """Rotate each adjacent pair (a, b) = (x[2j], x[2j+1]) of x [B, T, heads, D] by its position's angle, to
+    (a cos - b sin, a sin + b cos) (the GPT-J / Llama pairing): real arithmetic in x's dtype, the table cast to it
+    as Llama's reference does (no complex numbers, which inductor cannot fuse, and no fp32 copy of q and k)."""
+    cos, sin = rope.to(x.dtype)[:, None].unbind(-1)     # [T, 1, D/2] each: all that backward keeps
+    a, b = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
 
 
 # ----------------------------------------------------------------------------------------------------------

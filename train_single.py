@@ -34,14 +34,17 @@ from common.evaluation import evaluate, print_sample
 from common.model_setup import MOE_FLAGS, check_moe, gpt_config
 from common.precision import autocast_context, enable_tf32, param_dtype, resolve_dtype
 from common.startup import prepare_data
-from converters.apply import apply_kernels_and_fp8
+from common.sdpa import SdpaKernels, add_sdpa_flag
+from converters.apply import apply_kernels_and_fp8, compiled
 from model import GPT, flops_per_token
 
 
 def main(argv=None):
     cfg = parse_config(argv, techniques=MOE_FLAGS + ("fp8",), description=__doc__.split("\n\n")[0],
+                       extra_args=add_sdpa_flag,
                        validate=lambda c: (check_moe(c), check(grad_accum_steps(c, 1) > 0, "empty batch")))
     env = init_distributed(cfg, need_group=False)
+    attention = SdpaKernels(cfg.sdpa, env.device)      # SDPA's kernels, in the order to try (common/sdpa.py)
     grad_acc = grad_accum_steps(cfg, 1)
     loader = prepare_data(cfg, env)
     enable_tf32(env.device)
@@ -56,10 +59,10 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)                      # dropout stream, identical in every run with this seed
     held = ModuleState([model], optimizer, replicated, scaler=scaler)   # what this rank holds, for checkpoints
     start = checkpoint.start_from(cfg, env, model.cfg, held)
-    train_model = torch.compile(model) if cfg.compile else model
+    train_model = compiled(model, cfg)
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
-    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=1,
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=1, on_read=guard.step_ok,
                            tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
     print(f"train_single: {sum(p.numel() for p in model.parameters()):,} parameters, grad_acc {grad_acc}, "
           f"{dtype}, {env.device}, steps {start}..{last_step - 1}", flush=True)
@@ -69,29 +72,32 @@ def main(argv=None):
         lr = lr_at(step, cfg)
         set_lr(optimizer, lr)
         loss_sum = 0.0
-        for micro in range(grad_acc):
-            x, y = loader.micro_batch(step, micro, cfg.micro_batch_size)
-            with amp:
-                _, loss = train_model(x, y)
-            scaler.scale(loss / grad_acc).backward()   # mean over the global batch = mean of micro means
-            loss_sum += loss.detach()
+        with attention:                                # backward too: a recomputed attention core runs the same kernel
+            for micro in range(grad_acc):
+                x, y = loader.micro_batch(step, micro, cfg.micro_batch_size)
+                with amp:
+                    _, loss = train_model(x, y)
+                scaler.scale(loss / grad_acc).backward()   # mean over the global batch = mean of micro means
+                loss_sum += loss.detach()
+        step_loss = loss_sum / grad_acc
         scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm([p.grad for p in model.parameters()], cfg.grad_clip)
-        loss_value = float(loss_sum) / grad_acc        # the .item() also waits for the GPU: honest timing
-        if guard.step_ok(step, loss_value, grad_norm):  # inf/NaN: skip the step, weights untouched
-            scaler.step(optimizer)
+        guard.step(optimizer, scaler, step_loss, grad_norm)   # inf/NaN: skipped on the device
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        logger.log_step(step, loss_value, lr, float(grad_norm), time.perf_counter() - t0, COMM.bytes_sent,
+        # loss and grad norm stay on the device: the logger reads them once per log interval (no wait per step)
+        logger.log_step(step, step_loss, lr, grad_norm, time.perf_counter() - t0, COMM.bytes_sent,
                         **router_metrics(end_moe_step(model), cfg.top_k))
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
+            logger.read()                                # this step's row (and the guard's count) first
             model.eval()
-            with amp:
+            with amp, attention:
                 val = evaluate(lambda x, y: train_model(x, y)[1], loader, cfg)
             model.train()
             logger.log_eval(step, val)
         if checkpoint.should_save(cfg, step, last_step):
+            logger.read()                                # a diverged run stops here, before saving
             checkpoint.save(cfg, model.cfg, step + 1, held)
     logger.close()
     print_sample(model, loader, cfg, env)

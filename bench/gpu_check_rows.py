@@ -145,6 +145,11 @@ def perf_rows(rows, train, out, capability, bf16_rtol, fp8_rtol):
         for recipe in ("tensorwise", "rowwise"):
             train(f"perf-gemm8-fp8-{recipe}", f"the same --fp8 {recipe}", 70, "perf-gemm8-bf16", fp8_rtol,
                   "perf-gemm8-bf16", kernels="torch", compile=True, fp8=recipe, **GEMM_BOUND_8)
+    # the next three run in a second call (480 s ends before them): each against perf-eager or perf-compile
+    train("perf-head", "GPT-2-small eager with the fused LM head alone (--kernels head)", 20, "perf-eager",
+          bf16_rtol, "perf-eager", kernels="head", **GPT2_SMALL)
+    train("perf-sdpa-cudnn", "GPT-2-small eager, SDPA's cuDNN kernel (--sdpa cudnn; the baseline's auto: flash "
+          "first)", 20, "perf-eager", bf16_rtol, "perf-eager", kernels="torch", sdpa="cudnn", **GPT2_SMALL)
     train("perf-compile-mb32", "GPT-2-small --compile, micro-batch 32", 70, speed_peer="perf-compile",
           kernels="torch", compile=True, **dict(GPT2_SMALL, micro_batch_size=32, global_batch_size=32))
 

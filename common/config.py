@@ -116,8 +116,8 @@ HELP = dict(
           "exactness check of docs/parity.md, everything in float64)",
     compile="torch.compile the model", seed="seed of init, data order and dropout",
     recompute="activation recomputation: none | selective (attention core) | full (whole block)",
-    kernels="fused kernels (kernels/): triton | torch (model.py as is) | compile (torch.compile'd fusions) | "
-            "auto (torch until a Triton kernel is measured faster on a GPU)",
+    kernels="fused kernels (kernels/): triton | torch (model.py as is) | compile (torch.compile'd fusions) | head "
+            "(the Triton LM head alone) | auto (torch until a Triton kernel is measured faster on a GPU)",
     fp8="FP8 matmuls in the blocks' Linear layers (kernels/fp8.py): none | tensorwise | rowwise | blockwise | "
         "delayed; embedding, LM head, norms, softmax and router stay in high precision",
     fp8_all_gather="ZeRO-3 with --fp8 tensorwise | delayed | blockwise: gather each block's FP8 weights already "
@@ -154,7 +154,8 @@ HELP = dict(
                    "micro-batch (routing.py)", bucket_mb="gradient bucket size in MiB",
     capacity_factor="MoE expert capacity = ceil(cf * tokens * top_k / n_experts), overflow dropped (0: dropless)",
 )
-CHOICES = dict(arch=list(ARCHS), recompute=["none", "selective", "full"], kernels=["auto", "triton", "torch", "compile"],
+CHOICES = dict(arch=list(ARCHS), recompute=["none", "selective", "full"],
+               kernels=["auto", "triton", "torch", "compile", "head"],
                fp8=["none", "tensorwise", "rowwise", "blockwise", "delayed"],
                dtype=["auto", "float32", "bfloat16", "float16", "float64"],
                cp_layout=["ring", "zigzag", "allgather"],

@@ -193,9 +193,16 @@ def format_duration(seconds):
 class MetricsLogger:
     """Rank 0 appends one JSON row per optimizer step to out_dir/metrics.jsonl and prints a progress line
     every log_interval steps. Throughput and MFU are computed here, from the step time. With --profile N it also
-    drives profiling.StepProfiler on every rank (each script calls log_step once per optimizer step on all)."""
+    drives profiling.StepProfiler on every rank (each script calls log_step once per optimizer step on all).
 
-    def __init__(self, cfg, env, flops_per_token, n_devices, tokens_per_step, resume=False):
+    A step's loss and grad norm may be passed as device tensors (train_single): reading one stops the host until
+    the device has finished, so such rows wait and are read together, in one copy, at the next log step or
+    read() (before an evaluation or a checkpoint). `on_read(step, loss, grad_norm)` then sees each one, in step
+    order, on every rank (the non-finite guard's count and stop). The waiting rows share their window's time
+    evenly: their steps' host times plus the wait for the device, so tokens/s counts only finished work; their
+    peak memory is the window's."""
+
+    def __init__(self, cfg, env, flops_per_token, n_devices, tokens_per_step, resume=False, on_read=None):
         self.cfg, self.env, self.active = cfg, env, env.rank == 0
         self.flops_per_token, self.tokens_per_step = flops_per_token, tokens_per_step
         peak = device_peak_flops(env.device)
@@ -208,27 +215,54 @@ class MetricsLogger:
             os.makedirs(cfg.out_dir, exist_ok=True)
             self.file = open(self.path, "a" if resume else "w")
         self.step_times = []
+        self.waiting, self.on_read = [], on_read     # rows whose loss / grad norm are still on the device
         self.mixture = mixture_counts(cfg) if self.active else None
         self.profiler = make_profiler(cfg, env.rank, env.device)
         reset_peak_memory(env.device)                # step 0's peak: from here, not the setup's temporaries
 
     def log_step(self, step, loss, lr, grad_norm, step_time_s, comm_bytes, **extra):
+        """The step's row, written now (returned, on rank 0) or, holding device values, at the next read."""
         if self.profiler is not None:
             self.profiler.step()
-        if not self.active:
+        self.waiting.append((step, loss, lr, grad_norm, step_time_s, comm_bytes, extra))
+        last = self.cfg.stop_step or self.cfg.max_steps
+        on_device = isinstance(loss, torch.Tensor) or isinstance(grad_norm, torch.Tensor)
+        if not on_device or step % self.cfg.log_interval == 0 or step == last - 1:
+            return self.read()
+        return None
+
+    def read(self):
+        """Write the waiting rows, their device values read in one copy; returns the last row (rank 0)."""
+        if not self.waiting:
             return None
+        waiting, self.waiting = self.waiting, []
+        pairs = [(w[1], w[3]) for w in waiting]
+        start = time.perf_counter()
+        values = read_values(pairs)
+        on_device = any(isinstance(v, torch.Tensor) for pair in pairs for v in pair)
+        waited = time.perf_counter() - start if on_device else 0.0      # for the device to finish the window
+        step_time_s = (sum(w[4] for w in waiting) + waited) / len(waiting)
+        peak, reserved = peak_memory_bytes(self.env.device), peak_reserved_bytes(self.env.device)
+        row = None
+        for (step, _, lr, _, _, comm_bytes, extra), (loss, grad_norm) in zip(waiting, values):
+            if self.on_read is not None:
+                self.on_read(step, loss, grad_norm)
+            if self.active:
+                row = self.write_step(step, loss, lr, grad_norm, step_time_s, comm_bytes, peak, reserved, extra)
+        reset_peak_memory(self.env.device)
+        return row
+
+    def write_step(self, step, loss, lr, grad_norm, step_time_s, comm_bytes, peak, reserved, extra):
         tokens_per_s = self.tokens_per_step / step_time_s
         achieved = tokens_per_s * self.flops_per_token
         if self.cpu_estimate and achieved > self.peak_total:     # the CPU peak was measured under load: again
             self.peak_total = self.n_devices * raise_cpu_peak(achieved / self.n_devices)
         mfu = None if self.peak_total is None else achieved / self.peak_total
         row = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=(step + 1) * self.tokens_per_step,
-                   step_time_s=step_time_s, tokens_per_s=tokens_per_s, mfu=mfu,
-                   peak_mem_bytes=peak_memory_bytes(self.env.device),
-                   peak_reserved_bytes=peak_reserved_bytes(self.env.device), comm_bytes=comm_bytes, **extra)
+                   step_time_s=step_time_s, tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_bytes=peak,
+                   peak_reserved_bytes=reserved, comm_bytes=comm_bytes, **extra)
         if self.mixture is not None:                 # --data_mix: tokens and epochs per source
             row.update(self.mixture.metrics(step))
-        reset_peak_memory(self.env.device)
         self.write(row)
         self.step_times.append(step_time_s)
         last = self.cfg.stop_step or self.cfg.max_steps
@@ -237,7 +271,7 @@ class MetricsLogger:
             eta = recent[len(recent) // 2] * (last - step - 1)
             mfu_txt = "n/a" if mfu is None else f"{100 * mfu:.1f}%" + (" (CPU peak est.)" if self.cpu_estimate else "")
             print(f"step {step:5d}/{self.cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                  f"{tokens_per_s / 1e3:.1f}k tok/s | MFU {mfu_txt} | mem {format_bytes(row['peak_mem_bytes'])} | "
+                  f"{tokens_per_s / 1e3:.1f}k tok/s | MFU {mfu_txt} | mem {format_bytes(peak)} | "
                   f"ETA {format_duration(eta)}", flush=True)
         return row
 
@@ -255,11 +289,19 @@ class MetricsLogger:
         self.file.flush()
 
     def close(self):
+        self.read()
         if self.profiler is not None:
             self.profiler.close()
             self.profiler = None
         if self.file is not None:
             self.file.close()
+
+
+def read_values(pairs):
+    """[(loss, grad_norm)] of floats and device tensors -> floats; all the tensors read in one copy."""
+    tensors = [v.detach().to(torch.float64) for pair in pairs for v in pair if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else [])
+    return [[next(read) if isinstance(v, torch.Tensor) else float(v) for v in pair] for pair in pairs]
 
 
 def mixture_counts(cfg):

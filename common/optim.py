@@ -58,6 +58,26 @@ class NonFiniteGuard:
         self.max_bad, self.is_main, self.in_a_row = cfg.max_bad_steps, is_main, 0
         self.scaled = scaler is not None and scaler.is_enabled()
 
+    def step(self, optimizer, scaler, loss, grad_norm):
+        """scaler.step(optimizer), skipped on the device when this step's loss or gradient norm is not finite: a
+        fused AdamW skips its whole update, step count included, while its `found_inf` is 1 (as a GradScaler skips
+        an overflow), so nothing is read on the host. Pass the values to step_ok later, in step order, for the
+        warning, the count of bad steps in a row and the stop. Under an fp16 GradScaler its own found_inf decides
+        (a non-finite loss leaves non-finite gradients); an optimizer that is not fused is decided on the host."""
+        if self.scaled:
+            scaler.step(optimizer)
+            return
+        ok = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        if not optimizer.defaults.get("fused"):
+            if bool(ok):
+                optimizer.step()
+            return
+        optimizer.found_inf = (~ok).to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+
     def step_ok(self, step, loss, grad_norm):
         grad_norm = float(grad_norm)
         if math.isfinite(loss) and (math.isfinite(grad_norm) or self.scaled):

@@ -56,11 +56,17 @@ def compiled(model, cfg, blocks=()):
     """The model a step calls: itself, or with --compile compiled whole; given `blocks` (where hooks sit on them:
     ZeRO-3's gather, free and reduce-scatter; train_5d's stages always), each block's forward compiled inside the
     hooks instead (kernels/apply.py's compile_block) and the rest (embedding, final norm, head) eager, because
-    compiling the whole model would trace the hooks themselves into its graphs (docs/kernels.md)."""
+    compiling the whole model would trace the hooks themselves into its graphs (docs/kernels.md).
+
+    Settings, the same on a GPU and a CPU: inductor's default mode and dynamic=False: every step has the same
+    shapes, so kernels specialised to them, and a new shape recompiles rather than turning sizes symbolic; no
+    CUDA graphs (mode reduce-overhead): gradient accumulation keeps each backward's outputs alive in
+    .grad across replays, which graph replays would overwrite, and the clipping, optimizer and guard run outside
+    the graph anyway; no max-autotune: minutes of GEMM tuning for cuBLAS shapes a GPT already runs well."""
     if not cfg.compile:
         return model
     if not blocks:
-        return torch.compile(model)
+        return torch.compile(model, dynamic=False)
     for block in blocks:
         compile_block(block)
     return model

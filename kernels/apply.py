@@ -11,7 +11,8 @@ Parameter objects, so names, init and optimizer groups are unchanged):
 
 Modes (--kernels): triton (the Triton kernels), compile (the same fusions by torch.compile: each FusedBlock
 compiled whole, ln_f and the LM head's row kernel from their compiled torch references: a fused path on CPU),
-torch (model.py untouched: the reference), auto (= torch, on every device).
+head (the Triton LM head alone, the rest model.py's: what the fused head gains by itself), torch (model.py
+untouched: the reference), auto (= torch, on every device).
 
 Under tensor parallelism (train_tp's layers swapped in first) the same swaps apply where they keep TP's
 communication: LayerNorm runs on whatever it is given (replicated, or SP's sequence chunk); FusedBlock takes the
@@ -39,7 +40,7 @@ from kernels.flash_attention import flash_attention
 from kernels.layer_norm import layer_norm
 from kernels.linear_cross_entropy import linear_cross_entropy
 
-MODES = ("auto", "triton", "torch", "compile")
+MODES = ("auto", "triton", "torch", "compile", "head")
 
 
 def resolve_mode(mode, device):
@@ -49,10 +50,10 @@ def resolve_mode(mode, device):
         raise ValueError(f"--kernels must be one of {MODES}, got {mode!r}")
     if mode == "auto":
         return "torch"             # the measured-fastest path until a Triton kernel wins on a GPU (docstring)
-    if mode == "triton" and not HAS_TRITON:
-        raise ValueError("--kernels triton needs triton (pip install triton); use --kernels torch or compile")
-    if mode == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("--kernels triton on CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1 "
+    if mode in ("triton", "head") and not HAS_TRITON:
+        raise ValueError(f"--kernels {mode} needs triton (pip install triton); use --kernels torch or compile")
+    if mode in ("triton", "head") and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"--kernels {mode} on CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1 "
                          "(slow; for testing) or use --kernels compile")
     return mode
 
@@ -148,6 +149,10 @@ def apply_kernels(model, mode="auto"):
     device = next(model.parameters()).device
     mode = resolve_mode(mode, device)
     if mode == "torch":
+        return mode
+    if mode == "head":
+        if type(getattr(model, "lm_head", None)) is LMHead:
+            model.lm_head = FusedLMHead(model.lm_head, "triton")
         return mode
     # leaves first (LayerNorms, attention cores), then the blocks that hold them
     for name, module in list(model.named_modules()):

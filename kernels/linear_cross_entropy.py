@@ -132,11 +132,17 @@ def _chunk_pass(h, weight, targets, inv_n, ignore_index, chunk, backend, dh=None
     return loss
 
 
+MIXED_DTYPE_GEMM = ("cuda",)        # devices whose addmm takes 16-bit operands into an fp32 output (out_dtype)
+
+
 def _accumulate(acc, a, b):
     """acc += a @ b in acc's dtype (>= fp32) by one GEMM, in place: no [V, C] temporary per chunk."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif a.device.type == "cuda":        # bf16/fp16 operands, fp32 output: cuBLAS adds into the fp32 buffer
+    elif a.device.type in MIXED_DTYPE_GEMM:
+        # bf16/fp16 operands, fp32 output: cuBLAS adds into the fp32 buffer (C = AB + C, out being self as in
+        # addmm_). CUDA takes a self of out_dtype since pytorch/pytorch#167931 (Nov 2025; before, self had to be
+        # the operands' dtype); the rules it checks are checked on CPU (tests/test_kernels.py)
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:                                # CPU has no mixed-dtype GEMM (16-bit on CPU is a test path only)
         acc += (a @ b).to(acc.dtype)

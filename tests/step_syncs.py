@@ -22,7 +22,8 @@ device already filled in), tags host tensors and records:
 
 Each event names the innermost line of the repository (outside tests/) that led to it. The recorder runs from
 the MetricsLogger's creation (after the model, optimizer and checkpoint are set up) to its close, and numbers
-events by the optimizer step they fall in (log_step calls so far).
+events by the optimizer step they fall in: the step of the training batch read last (every loop reads its step's
+micro-batches first; the rows of a step may be logged later, train_single's at its log steps).
 """
 import dataclasses
 import linecache
@@ -141,30 +142,38 @@ class StepRecorder(TorchFunctionMode):
                 setattr(t, HOST, host)
 
 
-def record_steps(fn):
-    """fn() with a StepRecorder on from the MetricsLogger's creation to its close; returns (fn's result, events)."""
-    from common import metrics
-    recorder, logger_cls = StepRecorder(), metrics.MetricsLogger
-    init, log_step, close = logger_cls.__init__, logger_cls.log_step, logger_cls.close
+def record_steps(fn, recorder=None):
+    """fn() with a StepRecorder (or another mode with a `step` and `events`) on from the MetricsLogger's creation to
+    its close; returns (fn's result, the recorder's events)."""
+    from common import data, data_mix, metrics
+    recorder = StepRecorder() if recorder is None else recorder
+    logger_cls, loaders = metrics.MetricsLogger, (data.GlobalBatchLoader, data_mix.MixtureLoader)
+    init, close, reads = logger_cls.__init__, logger_cls.close, [cls.micro_batch for cls in loaders]
 
     def init_then_record(self, *args, **kwargs):
         init(self, *args, **kwargs)
         recorder.__enter__()
 
-    def log_and_count(self, *args, **kwargs):
-        row = log_step(self, *args, **kwargs)
-        recorder.step += 1
-        return row
+    def read_and_count(read):
+        def micro_batch(self, step, *args, **kwargs):
+            if kwargs.get("split", args[4] if len(args) > 4 else "train") == "train":   # not an evaluation's
+                recorder.step = step
+            return read(self, step, *args, **kwargs)
+        return micro_batch
 
     def stop_then_close(self):
+        close(self)             # the rows still waiting are read in close: inside the last step
         recorder.__exit__(None, None, None)
-        close(self)
 
-    logger_cls.__init__, logger_cls.log_step, logger_cls.close = init_then_record, log_and_count, stop_then_close
+    logger_cls.__init__, logger_cls.close = init_then_record, stop_then_close
+    for cls, read in zip(loaders, reads):
+        cls.micro_batch = read_and_count(read)
     try:
         result = fn()
     finally:
-        logger_cls.__init__, logger_cls.log_step, logger_cls.close = init, log_step, close
+        logger_cls.__init__, logger_cls.close = init, close
+        for cls, read in zip(loaders, reads):
+            cls.micro_batch = read
         if torch.overrides._get_current_function_mode() is recorder:     # fn failed with the recorder on
             recorder.__exit__(None, None, None)
     return result, recorder.events

@@ -246,7 +246,30 @@ def test_every_row_comes_after_the_rows_it_is_compared_with():
     assert gpu_check.selected(rows, "gemm-fp8-rowwise")[0].name == "gemm-bf16"     # its reference comes along
 
 
-def test_emulated_cp_ranks_equal_whole_sequence_attention():
+def test_every_single_gpu_train_row_parses_as_train_single_reads_it(monkeypatch):
+    """Each 1-GPU train row's command line (the perf rows' --kernels head and --sdpa cudnn among them) is one that
+    train_single's own parser and checks accept, with the row's flags: a typo would cost a GPU run."""
+    import train_single
+    gpu_check = load_gpu_check()
+
+    class Parsed(Exception):
+        pass
+
+    def stop(cfg, **kwargs):
+        raise Parsed(cfg)
+    monkeypatch.setattr(train_single, "init_distributed", stop)
+    rows = [r for r in gpu_check.one_gpu_rows("out", 6, (9, 0), 2e-2, 5e-2) if "train_single.py" in r.command]
+    assert {"perf-head", "perf-sdpa-cudnn"} <= {r.name for r in rows}
+    for row in rows:
+        with pytest.raises(Parsed) as parsed:
+            train_single.main(row.command[2:])
+        cfg, argv = parsed.value.args[0], row.command[2:]
+        flags = {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--") and not b.startswith("--")}
+        for flag in ("--kernels", "--sdpa", "--fp8", "--micro_batch_size"):
+            assert flag not in flags or str(getattr(cfg, flag[2:])) == flags[flag], (row.name, flag)
+
+
+def test_emulated_cp_ranks_equal_whole_sequence_attention(monkeypatch):
     """The GPU row 5 runs each CP layout's ranks in turn in one process; in float64 on CPU, with the plain-torch
     block attention, that emulation equals whole-sequence attention (so on the GPU only the kernel is tested)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -262,3 +285,7 @@ def test_emulated_cp_ranks_equal_whole_sequence_attention():
         for n in (2, 3, 4):
             got = gpu_rows.emulated_cp(layout, n, q, k, v, dout, train_cp.PLAIN_TORCH)
             assert max((a - b).abs().max().item() for a, b in zip(got, want)) < 1e-12, (layout, n)
+    # the row's time is the slowest rank's, each rank timed alone on inputs copied out beforehand
+    timed = []
+    monkeypatch.setattr(gpu_rows, "time_ms", lambda fn, reps, warmup: (timed.append(fn()), 10.0 * len(timed))[1])
+    assert gpu_rows.slowest_rank_ms("zigzag", 3, q, k, v, dout, train_cp.PLAIN_TORCH) == 30.0 and len(timed) == 3

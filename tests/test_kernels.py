@@ -296,7 +296,7 @@ def test_kernels_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch,
     assert e.value.code == 2 and "TRITON_INTERPRET" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mode", ["triton", "compile"])
+@pytest.mark.parametrize("mode", ["triton", "compile", "head"])
 def test_apply_kernels_trains_like_train_single(mode, tiny_data, tmp_path):
     """The swapped model (same parameter names and init) reproduces train_single's curve and weights."""
     from train_helpers import assert_same_losses, assert_same_weights, run_single, tiny_argv
@@ -319,6 +319,58 @@ def test_apply_kernels_keeps_parameters():
     assert type(model.transformer.ln_f).__name__ == "FusedLayerNorm"
     assert type(model.lm_head).__name__ == "FusedLMHead"
     assert type(model.transformer.h[0].attn.core).__name__ == "FlashAttentionCore"
+
+
+def cuda_addmm_dtype_out(self, mat1, mat2, *, out_dtype, out):
+    """torch.addmm(self, mat1, mat2, out_dtype=, out=) held to what CUDA's _addmm_dtype_out_cuda checks
+    (aten/src/ATen/native/cuda/Blas.cpp, with pytorch/pytorch#167931), then computed on the CPU. out may be self:
+    the in-place C = AB + C of addmm_; it must not overlap mat1 or mat2, and must have the result's shape (a
+    resized out is deprecated)."""
+    assert mat1.dim() == mat2.dim() == 2 and mat1.shape[1] == mat2.shape[0], "shapes cannot be multiplied"
+    assert mat1.dtype == mat2.dtype, "mat1 and mat2 must have the same dtype"
+    assert out_dtype == mat1.dtype or (out_dtype == torch.float32 and mat1.dtype in (torch.float16, torch.bfloat16)), \
+        "out_dtype must be the same as input dtype or fp32 for fp16/bf16 inputs"
+    assert out.dtype == out_dtype, "out_dtype must be the same as the dtype of the provided out tensor"
+    assert self.dtype in (out_dtype, mat1.dtype), "self dtype must match either out_dtype or mat1 dtype"
+    assert out.shape == (mat1.shape[0], mat2.shape[1]) and self.shape == out.shape
+    storages = {t.untyped_storage().data_ptr() for t in (mat1, mat2)}
+    assert out.untyped_storage().data_ptr() not in storages, "out overlaps an operand"
+    return out.copy_(self.to(out_dtype) + mat1.to(out_dtype) @ mat2.to(out_dtype))
+
+
+def test_lm_head_weight_gradient_gemm_meets_cuda_addmm_rules(monkeypatch):
+    """The fused head's dW on a GPU: bf16 chunks accumulated into one fp32 buffer by addmm(out_dtype=fp32, out=dw),
+    dw being self. CPU has no such kernel, so CUDA's path runs here with addmm held to CUDA's checks, and gives the
+    CPU path's dW (bf16 GEMM then fp32 add) within bf16 rounding; one GEMM per chunk, no weight-sized cast."""
+    import importlib
+    lce = importlib.import_module("kernels.linear_cross_entropy")     # (kernels exports a function of that name)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(64, 32, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (0.1 * torch.randn(96, 32, generator=g)).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 96, (64,), generator=g)
+    lce.linear_cross_entropy(h, w, targets, chunk=16, backend="torch").backward()
+    cpu_path = w.grad.clone()
+    calls = []
+
+    def checked(*args, **kwargs):
+        calls.append(None)
+        return cuda_addmm_dtype_out(*args, **kwargs)
+    monkeypatch.setattr(lce, "MIXED_DTYPE_GEMM", ("cuda", "cpu"))
+    monkeypatch.setattr(torch, "addmm", checked)
+    w.grad = None
+    lce.linear_cross_entropy(h, w, targets, chunk=16, backend="torch").backward()
+    assert len(calls) == 64 // 16
+    torch.testing.assert_close(w.grad.float(), cpu_path.float(), rtol=2e-2, atol=1e-3)
+
+
+def test_kernels_head_swaps_the_lm_head_alone():
+    """--kernels head: the Triton LM head and nothing else (what the fused head gains by itself, bench's perf-head)."""
+    from model import GPT, Block, GPTConfig
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)).to(DEVICE)
+    assert kernels.apply_kernels(model, "head") == "head"
+    assert type(model.lm_head).__name__ == "FusedLMHead" and model.lm_head.backend == "triton"
+    assert all(type(m) is Block for m in model.transformer.h) and type(model.transformer.ln_f) is torch.nn.LayerNorm
+    assert type(model.transformer.h[0].attn.core).__name__ == "AttentionCore"
 
 
 class OpInputs(TorchDispatchMode):

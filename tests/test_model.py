@@ -119,15 +119,18 @@ def test_rope_rotates_adjacent_pairs_and_keeps_relative_positions():
     angle = (pos[:, None] * theta)[:, None]                        # [T, 1, D/2]
     a, b = x[..., 0::2], x[..., 1::2]
     expected = torch.stack([a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()], -1).flatten(-2)
-    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)  # the table is complex64
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)  # the table's angles are fp32
     # q.k after rotation depends only on the distance between the two positions
     q, k = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
     rot = lambda v, p: apply_rope(v.view(1, 1, 1, D), rope_cache(D, torch.tensor([p]))).flatten()
     assert abs(rot(q, 7) @ rot(k, 3) - rot(q, 104) @ rot(k, 100)) < 1e-5
     assert abs(rot(q, 7) @ rot(k, 3) - rot(q, 7) @ rot(k, 5)) > 1e-3
-    # under torch.compile the same rotation is written without complex numbers (inductor has no complex codegen)
+    # one graph under torch.compile (no complex numbers, which inductor has no code for), the same numbers
     compiled = torch.compile(apply_rope, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x, rope_cache(D, pos)), y, rtol=1e-12, atol=1e-12)
+    # in a 16-bit dtype the rotation stays in it: no fp32 copy of q and k (the table is cast, as Llama's is)
+    half = apply_rope(x.to(torch.bfloat16), rope_cache(D, pos))
+    assert half.dtype == torch.bfloat16 and (half.double() - expected).abs().max() < 0.05
 
 
 def test_rope_positions_and_causality():

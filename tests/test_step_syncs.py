@@ -5,7 +5,8 @@ layer when it sits in the model. Checked on CPU by tests/step_syncs.py, which re
 would run on a GPU, on train_single in this process and on the distributed rungs (and train_5d) on 2 gloo ranks.
 
 The places that must read a device value, once per optimizer step: the logged loss and gradient norm, the
-non-finite guard (a skipped step must be decided on the host), the MoE routing statistics of the metrics row. And
+non-finite guard (a skipped step must be decided on the host), the MoE routing statistics of the metrics row. In
+train_single, once per log interval: its guard decides on the device and its rows wait for the next log step. And
 one that must per MoE block and forward: the rows per expert, where rows are split per expert (each expert's GEMM,
 and expert parallelism's all_to_all split sizes, are launched by the host with them). Routing itself reads nothing
 (no bincount, boolean mask or nonzero: each would size its output from device values).
@@ -85,14 +86,22 @@ def test_a_moe_step_reads_the_rows_per_expert_once_per_block(tiny_data, tmp_path
     assert moe_reads(events) == 2 * 4
 
 
-def test_single_step_has_no_host_copies_or_syncs(tiny_data, tmp_path):
+LOG_READ = ("metrics.py:read_values:",)   # train_single's loss and grad norm, read once per log interval
+
+
+def test_single_step_reads_nothing_outside_its_log_steps(tiny_data, tmp_path):
+    """train_single reads nothing on the host in a step that logs nothing (the non-finite guard decides on the
+    device), and at a log step reads the rows waiting since the last one in a single copy (before: 3 reads in
+    every step: loss, guard, logged norm)."""
     import train_single
     torch.set_num_threads(1)
-    argv = tiny_argv(tiny_data, str(tmp_path), max_steps=3, global_batch_size=8, micro_batch_size=2)
+    argv = tiny_argv(tiny_data, str(tmp_path), max_steps=6, global_batch_size=8, micro_batch_size=2, log_interval=3)
     _, events = record_steps(lambda: train_single.main(argv))
-    assert not unexpected(events), unexpected(events)
-    syncs = [e for e in events if e.step == 1 and e.kind == "sync"]
-    assert len(syncs) == 3, syncs          # loss, guard, logged norm: once per step, not per micro-batch
+    for step in range(1, 5):                # logged: 0, 3 (log_interval: it reads steps 1-3) and 5 (the last)
+        allowed = LOG_READ if step == 3 else ()
+        assert not unexpected(events, allowed, step), (step, unexpected(events, allowed, step))
+        reads = [e for e in events if e.step == step and e.kind == "sync"]
+        assert len(reads) == (1 if allowed else 0), (step, reads)
 
 
 RUNGS = {
