@@ -12,11 +12,8 @@ A GPT-2-style pre-LayerNorm decoder in plain single-device PyTorch:
 - the Llama family by config fields, one place per module: RMSNorm (`norm`), a SwiGLU MLP of any width (`mlp`,
   `ffn_hidden`), grouped-query attention (`n_kv_head`), q/k/v biases apart from the rest (`qkv_bias`, `bias`;
   Qwen2), untied embeddings (`tied`), Llama 3's rope scaling, SwiGLU experts with renormalized gates (Mixtral);
-- optional mixture of experts (n_experts > 0) in every moe_every-th block: E GeLU MLPs, each token sent to its
-  top_k by a softmax router, y = sum_k p_k(x) expert_k(x); dropless unless capacity_factor > 0 (an expert then
-  keeps ceil(cf * tokens * top_k / E), first choices first). The Switch loss aux_loss_coef * E * sum_e f_e P_e
-  (f_e: share of assignments to e, P_e: mean router probability) balances them through the router's gradient
-  only; the `global` scope takes f from the previous step's global batch (why: common/routing.py, docs/moe.md).
+- optional mixture of experts (n_experts > 0) in every moe_every-th block: E MLPs, each token sent to its top_k
+  by a softmax router, y = sum_k p_k(x) expert_k(x) (moe/layer.py: the MoE block; moe/router.py: its math);
 
 Parallelism is applied *to* this model by the train_*.py scripts (module swaps, sharding, wrapping), never
 written into it. To make those swaps one-liners, the pieces a technique replaces are modules of their own:
@@ -40,7 +37,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from moe.router import collect_routing_stats, combine, count_per_expert, route
+from moe.layer import Experts, MoE
+from moe.router import collect_routing_stats
 
 
 @dataclass
@@ -123,7 +121,7 @@ def apply_rope(x, rope):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the blocks: attention, MLP, the mixture of experts (routing, experts, MoE), Block, LM head, GPT
+# the blocks: attention, MLP, Block (an MLP or moe/layer.py's MoE), LM head, GPT
 
 class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask: the part context parallelism and kernels replace."""
@@ -189,48 +187,6 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.act(h)))
 
 
-class Experts(nn.ModuleList):
-    """The E expert MLPs, called on all routed rows at once: the part expert parallelism replaces (train_ep)."""
-
-    def forward(self, rows, expert):
-        """rows [A, h] grouped by expert (expert 0's, then 1's, ..., then E's: dropped by capacity), expert [A]
-        their experts -> [A, h], zeros for the dropped. Reads the rows per expert to the host: each GEMM's size."""
-        sizes = count_per_expert(expert, len(self) + 1).tolist()
-        out = torch.cat([mlp(chunk) for mlp, chunk in zip(self, rows.split(sizes))])
-        return torch.cat([out, out.new_zeros(sizes[-1], out.shape[1])]) if sizes[-1] else out
-
-
-class MoE(nn.Module):
-    """The reference mixture of experts: route, group the assignments by expert, run each expert on its
-    rows, scatter back weighted by the gates. train_ep.py passes experts that run on the ranks owning them."""
-
-    def __init__(self, cfg, experts=None):
-        super().__init__()
-        self.top_k, self.capacity_factor, self.renormalize = cfg.top_k, cfg.capacity_factor, cfg.router_renorm
-        self.aux_loss_coef, self.aux_loss_scope = cfg.aux_loss_coef, cfg.aux_loss_scope
-        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
-        self.experts = Experts([MLP(cfg) for _ in range(cfg.n_experts)]) if experts is None else experts
-        # share of the previous step's global batch routed to each expert (zeros: no step yet), in checkpoints
-        self.register_buffer("load", torch.zeros(cfg.n_experts))
-        self.tokens_per_step = None                  # tokens of this rank's step loss (None: this forward's)
-        self.routing, self.stats = None, None        # the last forward's Routing; per-step sums (GPT.forward)
-
-    def balance_gradient(self, counts):
-        """d(aux_loss_coef * aux) / d p_t[e] for each token: coef * E * f_e / tokens (BalanceGradient)."""
-        dtype = self.router.weight.dtype
-        share = counts.to(dtype) / counts.sum() if self.aux_loss_scope == "micro" else self.load.to(dtype)
-        tokens = self.tokens_per_step or int(counts.sum()) // self.top_k
-        return self.aux_loss_coef * len(share) * share / tokens
-
-    def forward(self, x):
-        tokens = x.reshape(-1, x.shape[-1])                          # [N, h]
-        r = self.routing = route(self.router(tokens), self.top_k, self.capacity_factor, self.balance_gradient,
-                                 self.renormalize)
-        order = torch.argsort(r.expert, stable=True)                 # rows of expert 0, then 1, ..., dropped
-        out = self.experts(tokens[r.token[order]], r.expert[order])
-        return combine(tokens.shape[0], r.token[order], r.gate[order], out).view(x.shape)
-
-
 def norm(cfg):
     """LayerNorm (GPT-2: weight and bias) or RMSNorm (Llama: x / rms(x) * weight), one per use."""
     if cfg.norm == "rmsnorm":
@@ -244,7 +200,7 @@ class Block(nn.Module):
         self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = norm(cfg)
-        self.mlp = MoE(cfg) if moe else MLP(cfg)
+        self.mlp = MoE(cfg, Experts(MLP(cfg) for _ in range(cfg.n_experts))) if moe else MLP(cfg)
 
     def forward(self, x, rope):
         x = x + self.attn(self.ln_1(x), rope)

@@ -1,1 +1,2 @@
-"""moe/: the mixture of experts' routing math that model.py's MoE block and train_ep.py share (router.py)."""
+"""moe/: the mixture of experts model.py's GPT uses: the MoE block (layer.py) and the routing math it shares with
+train_ep.py (router.py)."""

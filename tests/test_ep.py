@@ -29,13 +29,14 @@ def _dispatch_worker(rank, world, n_experts, top_k, dtype_name, idle, capacity_f
     from common.comm import COMM
     from common.distributed import init_distributed
     from common.config import Config
-    from model import GPTConfig, MoE, init_parameter
+    from model import MLP, Experts, GPTConfig, MoE, init_parameter
     from train_ep import expert_parallel_moe
     init_distributed(Config(device="cpu"))
     dtype = getattr(torch, dtype_name)
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=H, n_experts=n_experts, top_k=top_k,
                     capacity_factor=capacity_factor)
-    ref, ep = MoE(cfg), expert_parallel_moe(cfg, dist.group.WORLD)
+    ref = MoE(cfg, Experts(MLP(cfg) for _ in range(n_experts)))
+    ep = expert_parallel_moe(cfg, dist.group.WORLD)
     with torch.no_grad():
         for m in (ref, ep):                            # experts by their global index: the same values
             for name, p in m.named_parameters():

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from common.metrics import read_metrics
-from model import GPT, MLP, GPTConfig, MoE, flops_per_token, init_parameter, num_params, route
+from model import GPT, MLP, Experts, GPTConfig, MoE, flops_per_token, init_parameter, num_params
+from moe.router import route
 from common.routing import end_moe_step, moe_blocks, start_moe_training, switch_aux_loss
 from train_helpers import run_single, tiny_argv
 
@@ -14,7 +15,7 @@ def small_moe(n_experts=4, top_k=2, capacity_factor=0.0, h=8, seed=0):
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=h, n_experts=n_experts, top_k=top_k,
                     capacity_factor=capacity_factor)
     torch.manual_seed(seed)
-    moe = MoE(cfg).double()
+    moe = MoE(cfg, Experts(MLP(cfg) for _ in range(n_experts))).double()
     with torch.no_grad():                        # biases are 0 at init: make them count
         for p in moe.parameters():
             p.normal_(0, 0.5)
