@@ -75,6 +75,25 @@ def test_integers_no_run_can_use(tiny_data, tmp_path, capsys, flags, message):
     assert e.value.code == 2 and line.startswith("error: ") and message in line, line
 
 
+@pytest.mark.parametrize("flags, warnings", [
+    (dict(lr=0.5, weight_decay=2.0, min_lr=0.0), ["--lr 0.5 x --weight_decay 2 = 1 >= 1: AdamW multiplies each "
+                                                  "decayed weight by 1 - lr x weight_decay = 0 every step"]),
+    (dict(lr=1.0, weight_decay=1.5, min_lr=0.0), ["= -0.5 every step, zeroing it or flipping its sign"]),
+    (dict(warmup_steps=50, max_steps=10), ["--warmup_steps 50 is longer than the run (--max_steps 10): the learning "
+                                           "rate never reaches --lr 0.003 (it ends at 0.0006) and never decays"]),
+    (dict(warmup_steps=20, max_steps=20, lr=0.9, weight_decay=1.0), []),     # both just inside: nothing said
+])
+def test_degenerate_hyperparameters_are_warned_about_with_the_reason(tmp_path, capsys, monkeypatch, flags, warnings):
+    parse_config(tiny_argv(str(tmp_path / "data"), str(tmp_path / "out"), **flags))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == len(warnings) and all(line.startswith("warning: ") and text in line
+                                               for line, text in zip(lines, warnings)), lines
+    monkeypatch.setenv("RANK", "1")                 # the other ranks have the same flags: rank 0 says it once
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parse_config(tiny_argv(str(tmp_path / "data"), str(tmp_path / "out"), **flags))
+    assert capsys.readouterr().err == ""
+
+
 # ----------------------------------------------------------------------------------------------------------
 # memory known before work
 
