@@ -40,19 +40,19 @@ def lr_at(step, cfg):
 
 
 def warn_degenerate(cfg):
-    """Hyperparameters that train, but not as meant: one warning line each, with the reason (rank 0 alone: every
-    rank has the same flags)."""
+    """Hyperparameters that train, but not as meant: one warning line each, with the reason, at the top of the run's
+    log on stdout (the run goes on; stderr is for what stops it). Rank 0 alone: every rank has the same flags."""
     if launch_rank() != 0:
         return
     decay = cfg.lr * cfg.weight_decay
     if decay >= 1:
         print(f"warning: --lr {cfg.lr:g} x --weight_decay {cfg.weight_decay:g} = {decay:g} >= 1: AdamW multiplies each "
               f"decayed weight by 1 - lr x weight_decay = {1 - decay:g} every step, zeroing it or flipping its sign",
-              file=sys.stderr, flush=True)
+              flush=True)
     if cfg.warmup_steps > cfg.max_steps:
         print(f"warning: --warmup_steps {cfg.warmup_steps} is longer than the run (--max_steps {cfg.max_steps}): the "
               f"learning rate never reaches --lr {cfg.lr:g} (it ends at {cfg.lr * cfg.max_steps / cfg.warmup_steps:g}) "
-              f"and never decays", file=sys.stderr, flush=True)
+              f"and never decays", flush=True)
 
 
 def set_lr(optimizer, lr):

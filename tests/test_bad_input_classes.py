@@ -85,13 +85,13 @@ def test_integers_no_run_can_use(tiny_data, tmp_path, capsys, flags, message):
 ])
 def test_degenerate_hyperparameters_are_warned_about_with_the_reason(tmp_path, capsys, monkeypatch, flags, warnings):
     parse_config(tiny_argv(str(tmp_path / "data"), str(tmp_path / "out"), **flags))
-    lines = capsys.readouterr().err.splitlines()
+    lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(warnings) and all(line.startswith("warning: ") and text in line
                                                for line, text in zip(lines, warnings)), lines
     monkeypatch.setenv("RANK", "1")                 # the other ranks have the same flags: rank 0 says it once
     monkeypatch.setenv("WORLD_SIZE", "2")
     parse_config(tiny_argv(str(tmp_path / "data"), str(tmp_path / "out"), **flags))
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().out == ""
 
 
 # ----------------------------------------------------------------------------------------------------------
