@@ -4,6 +4,7 @@ startup.py: what a run checks and opens before its first step, on every rank ali
 work, not an allocator's crash) and whether the end-of-run sample can be decoded.
 """
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,8 @@ def prepare_data(cfg, env):
     loader = None
     try:
         loader = open_loader(cfg, env.device)
-        error = memory_problem(cfg, env, loader.vocab_size) or sample_problem(cfg, loader)
+        error = memory_problem(cfg, env, loader.vocab_size) or sample_problem(cfg, loader) or \
+            compiler_problem(cfg, env.device)
     except (OSError, ValueError) as e:
         error = str(e)
     fail_together(error, env)
@@ -54,6 +56,25 @@ def prepare_data(cfg, env):
     if disagree is not None:
         fail(disagree, rank_local=True)
     return loader
+
+
+def compiler_problem(cfg, device):
+    """--compile (or --kernels compile) where the compiler torch.compile calls is missing: inductor builds C++ with
+    g++ (or $CXX) on a CPU, Triton a C launcher with cc, gcc or clang (or $CC) on a GPU. Named before the model is
+    built, not by a traceback from the first step's compile."""
+    if not (cfg.compile or cfg.kernels == "compile"):
+        return None
+    flag = "--compile" if cfg.compile else "--kernels compile"
+    if device.type == "cpu":
+        from torch._inductor import config as inductor
+        candidates = [c for c in inductor.cpp.cxx if c] if isinstance(inductor.cpp.cxx, tuple) else [inductor.cpp.cxx]
+        if not any(shutil.which(c) for c in candidates):
+            return (f"{flag} on the CPU needs a C++ compiler: torch.compile's inductor runs {' or '.join(candidates)}, "
+                    f"which is not on PATH (install g++, set CXX to one, or run without {flag})")
+    elif not any(shutil.which(c) for c in (os.environ.get("CC", "cc"), "gcc", "clang")):
+        return (f"{flag} on the GPU needs a C compiler: Triton compiles a launcher per kernel with $CC, cc, gcc or "
+                f"clang, none of which is on PATH (install gcc, or run without {flag})")
+    return None
 
 
 def not_rank0s_out_dir(cfg, env):

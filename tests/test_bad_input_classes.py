@@ -133,6 +133,24 @@ def test_a_model_past_memory_stops_before_it_is_built(tiny_data, tmp_path):
     assert proc.stderr.startswith("error: the model and one micro-batch need at least"), proc.stderr
 
 
+def test_compile_without_its_compiler_is_named_before_the_model_is_built(tiny_data, tmp_path, capsys, monkeypatch):
+    """Before, the first step's compile died in a traceback from inductor's C++ build (after the model was built)."""
+    from torch._inductor import config as inductor
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "no-such-g++"))
+    line = one_error_line(capsys, tiny_argv(tiny_data, str(tmp_path / "out"), compile=True))
+    assert line == ("error: --compile on the CPU needs a C++ compiler: torch.compile's inductor runs no-such-g++, which "
+                    "is not on PATH (install g++, set CXX to one, or run without --compile)")
+    cfg = parse_config(tiny_argv(tiny_data, str(tmp_path / "out"), kernels="compile"))
+    assert startup.compiler_problem(cfg, torch.device("cpu")).startswith("--kernels compile on the CPU needs a C++")
+    monkeypatch.setenv("PATH", str(tmp_path))                   # a GPU host without cc, gcc or clang
+    monkeypatch.delenv("CC", raising=False)
+    assert startup.compiler_problem(cfg, torch.device("cuda")).startswith("--kernels compile on the GPU needs a C "
+                                                                          "compiler: Triton compiles a launcher")
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "g++"))
+    assert startup.compiler_problem(parse_config(tiny_argv(tiny_data, str(tmp_path / "out"))), torch.device("cpu")) \
+        is None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the launcher's environment
 
