@@ -1,7 +1,8 @@
 """
 optim.py: AdamW parameter groups, the learning-rate schedule (and a warning where it or AdamW's decay would train
-degenerately), and the guard that skips a step whose loss or gradients are not finite. Gradient-norm clipping that also works when gradients are sharded across ranks is
-comm.clip_grad_norm (imported here too): the rungs' building blocks use it, and comm.py is what they take along.
+degenerately), and the guard that skips a step whose loss or gradients are not finite. Gradient-norm clipping that
+also works when gradients are sharded across ranks is comm.clip_grad_norm (imported here too): the rungs' building
+blocks use it, and comm.py is what they take along.
 """
 import math
 import sys

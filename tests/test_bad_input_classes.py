@@ -16,7 +16,7 @@ import torch
 import plan
 from common import data, model_setup, startup
 from common.config import ConfigError, parse_collectives_args, parse_config
-from common.distributed import DistEnv, launch_env
+from common.distributed import DistEnv, launch_env, rendezvous_problem
 from test_failures import one_error_line
 from train_helpers import make_tiny_dataset, tiny_argv
 
@@ -138,8 +138,8 @@ def test_compile_without_its_compiler_is_named_before_the_model_is_built(tiny_da
     from torch._inductor import config as inductor
     monkeypatch.setattr(inductor.cpp, "cxx", (None, "no-such-g++"))
     line = one_error_line(capsys, tiny_argv(tiny_data, str(tmp_path / "out"), compile=True))
-    assert line == ("error: --compile on the CPU needs a C++ compiler: torch.compile's inductor runs no-such-g++, which "
-                    "is not on PATH (install g++, set CXX to one, or run without --compile)")
+    assert line == ("error: --compile on the CPU needs a C++ compiler: torch.compile's inductor runs no-such-g++, "
+                    "which is not on PATH (install g++, set CXX to one, or run without --compile)")
     cfg = parse_config(tiny_argv(tiny_data, str(tmp_path / "out"), kernels="compile"))
     assert startup.compiler_problem(cfg, torch.device("cpu")).startswith("--kernels compile on the CPU needs a C++")
     monkeypatch.setenv("PATH", str(tmp_path))                   # a GPU host without cc, gcc or clang
@@ -163,6 +163,47 @@ def test_launcher_variables_no_launcher_sets(monkeypatch, env, message):
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=message):
         launch_env()
+
+
+@pytest.mark.parametrize("env, message", [
+    (dict(RANK="0"), "RANK=0 is set but not MASTER_ADDR or MASTER_PORT: a RANK left in the shell, not a launch by "
+                     "torchrun (which sets them all); unset RANK, or launch with torchrun"),
+    (dict(RANK="0", MASTER_ADDR="localhost"), "RANK=0 is set but not MASTER_PORT: a RANK left"),
+    (dict(RANK="0", MASTER_ADDR="localhost", MASTER_PORT="29x"), "MASTER_PORT='29x' is not a port number (1..65535)"),
+    (dict(RANK="0", MASTER_ADDR="localhost", MASTER_PORT="70000"), "MASTER_PORT='70000' is not a port number"),
+])
+def test_a_stray_rank_or_master_port_is_named(monkeypatch, env, message):
+    """Before, a RANK left in the shell failed as a process group that could not be joined 'within --dist_timeout',
+    and a bad MASTER_PORT as int()'s complaint."""
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        rendezvous_problem(0, 5.0)
+    assert message in str(e.value)
+
+
+def test_a_rendezvous_that_never_answers_stops_within_dist_timeout(tiny_data, tmp_path, capsys, monkeypatch):
+    """Rank 1 of 2 with no rank 0 listening: one line after --dist_timeout (before, torch's store client printed
+    C++ stack frames at each retry); with something listening it goes on."""
+    import socket
+    import time
+    import train_ddp
+    from distributed_helper import free_port
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    t0 = time.monotonic()
+    line = one_error_line(capsys, tiny_argv(tiny_data, str(tmp_path / "out"), dist_timeout=1), train_ddp)
+    assert line.startswith(f"error: rank 1: nothing answers at MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port} within "
+                           f"--dist_timeout 1 s (") and line.endswith("rank 0 did not start, or MASTER_ADDR/"
+                                                                      "MASTER_PORT are wrong"), line
+    assert time.monotonic() - t0 < 30
+    with socket.create_server(("127.0.0.1", port)):
+        assert rendezvous_problem(1, 1.0) is None
 
 
 def test_collectives_checks_the_launcher_variables_too(monkeypatch, capsys):

@@ -483,7 +483,8 @@ def edited_neox(neox, hf_dir, edit):
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t.update({"embed_out.weight": t["gpt_neox.embed_in.weight"] + 1}),
      "its weights hold embed_out.weight, which this run's model has no place for"),
-    (lambda t: t.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in list(t.items()) if "layers.1." in k}),
+    (lambda t: t.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in list(t.items())
+                         if "layers.1." in k}),
      "its weights hold gpt_neox.layers.2.attention.dense.bias and 11 more, which"),
     (lambda t: t["gpt_neox.layers.1.mlp.dense_4h_to_h.weight"].view(-1).__setitem__(7, float("nan")),
      "gpt_neox.layers.1.mlp.dense_4h_to_h.weight (model.py's transformer.h.1.mlp.c_proj.weight) holds inf/NaN"),
