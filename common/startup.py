@@ -5,11 +5,12 @@ work, not an allocator's crash) and whether the end-of-run sample can be decoded
 """
 import os
 import shutil
+import sys
 
 import torch
 import torch.distributed as dist
 
-from common.checkpoint.files import lock_holder, lock_out_dir, remove_stale_temp_files
+from common.checkpoint.files import kept_checkpoint, lock_holder, lock_out_dir, remove_stale_temp_files
 from common.data import GlobalBatchLoader, ensure_dataset
 from common.data_mix import MixtureLoader, parse_data_mix
 from common.distributed import decision_group, fail_together
@@ -28,6 +29,7 @@ def prepare_data(cfg, env):
     a second one stops here naming the first) and then removes the temporary files of killed saves. Each node's
     local rank 0 prepares the default corpus on first use while the others wait; then every rank opens it. A rank
     that cannot (no dataset on its node) says so itself."""
+    report_interrupt(cfg, env)
     error = None
     if env.rank == 0:
         try:
@@ -56,6 +58,25 @@ def prepare_data(cfg, env):
     if disagree is not None:
         fail(disagree, rank_local=True)
     return loader
+
+
+RUN = {}                # the run a Ctrl-C reports on (report_interrupt)
+
+
+def report_interrupt(cfg, env):
+    """From here on, Ctrl-C (a KeyboardInterrupt reaching the top) prints one line, on rank 0, saying what the run
+    keeps (its latest complete checkpoint: a save cut short never replaces it), instead of a traceback per rank."""
+    RUN.update(out_dir=cfg.out_dir, rank=env.rank)
+    if sys.excepthook is not on_interrupt:
+        RUN["previous_hook"] = sys.excepthook
+        sys.excepthook = on_interrupt
+
+
+def on_interrupt(kind, value, traceback):
+    if not issubclass(kind, KeyboardInterrupt):
+        return RUN["previous_hook"](kind, value, traceback)
+    if RUN["rank"] == 0:
+        print(f"interrupted: {kept_checkpoint(RUN['out_dir'])}", file=sys.stderr, flush=True)
 
 
 def compiler_problem(cfg, device):

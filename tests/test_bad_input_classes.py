@@ -5,6 +5,7 @@ width, and bench.sh's arguments. In-process where the check is a function; a sub
 work it prevents would happen."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from common import data, model_setup, startup
 from common.config import ConfigError, parse_collectives_args, parse_config
 from common.distributed import DistEnv, launch_env, rendezvous_problem
 from test_failures import one_error_line
-from train_helpers import make_tiny_dataset, tiny_argv
+from train_helpers import make_tiny_dataset, run_single, tiny_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -338,3 +339,48 @@ def test_out_dir_files_that_are_pipes_or_dangling_links(tmp_path, capsys, what, 
         parse_config(["--out_dir", str(out)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: --out_dir") and message in err, err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a run stopped from outside: Ctrl-C, a full disk under metrics.jsonl
+
+@pytest.fixture(scope="module")
+def two_steps(tiny_data, tmp_path_factory):
+    """OUT_DIR of a finished 2-step run: its checkpoint is step 2's."""
+    out = str(tmp_path_factory.mktemp("two_steps") / "out")
+    run_single(tiny_argv(tiny_data, out, max_steps=2))
+    return out
+
+
+def test_ctrl_c_is_one_line_saying_what_the_run_keeps(two_steps, tmp_path):
+    """Before: a KeyboardInterrupt traceback, and no word on which checkpoint survived. A Ctrl-C anywhere in a run
+    after its start-up (prepare_data installs the report) reaches the top as this one does."""
+    script = (f"import sys, types; sys.path.insert(0, {ROOT!r}); from common.startup import report_interrupt\n"
+              f"report_interrupt(types.SimpleNamespace(out_dir={two_steps!r}), types.SimpleNamespace(rank=0))\n"
+              f"raise KeyboardInterrupt")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.stderr == (f"interrupted: {two_steps} keeps the checkpoint of step 2: run the same command with "
+                           f"--resume to continue from it\n") and proc.returncode != 0, proc.stderr
+    empty = script.replace(repr(two_steps), repr(str(tmp_path))).replace("rank=0", "rank=1")    # another rank: quiet
+    assert subprocess.run([sys.executable, "-c", empty], capture_output=True, text=True, timeout=120).stderr == ""
+
+
+def test_a_full_disk_under_metrics_is_one_line(two_steps, tiny_data, tmp_path, capsys, monkeypatch):
+    import errno
+    from common import metrics
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    out = str(tmp_path / "out")
+    shutil.copytree(two_steps, out)
+    real_init = metrics.MetricsLogger.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.file.close()
+        self.file = FullDisk()
+    monkeypatch.setattr(metrics.MetricsLogger, "__init__", init)
+    line = one_error_line(capsys, tiny_argv(tiny_data, out, max_steps=4, resume="yes"))
+    assert line == (f"error: cannot write {out}/metrics.jsonl (ENOSPC: No space left on device); {out} keeps the "
+                    f"checkpoint of step 2: run the same command with --resume to continue from it once there is space")

@@ -76,6 +76,16 @@ def per_rank_files(out_dir):
     return sorted(n for n in names if re.fullmatch(r"ckpt_rank\d+\.pt", n))
 
 
+def kept_checkpoint(out_dir):
+    """What a run stopped now (Ctrl-C, a full disk) leaves for --resume, in words."""
+    path = latest_checkpoint(out_dir)
+    if path is None:
+        return f"no checkpoint in {out_dir} yet: a new run starts from step 0"
+    step = STEP_DIR.fullmatch(os.path.basename(os.path.dirname(path)))
+    return (f"{out_dir} keeps the checkpoint {'of step ' + str(int(step.group(1))) if step else path}: run the same "
+            f"command with --resume to continue from it")
+
+
 def missing_checkpoint_message(out_dir):
     old = per_rank_files(out_dir)
     if old:
