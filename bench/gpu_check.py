@@ -298,7 +298,7 @@ def plan_sweep_main(args):
     gpu = gpu_kind(torch.cuda.get_device_name(0)) if N else args.plan_gpu
     if gpu not in HARDWARE:
         name = repr(torch.cuda.get_device_name(0)) if N else f"--plan_gpu {args.plan_gpu!r}"
-        print(f"gpu_check --plan_sweep: error: plan.py knows no GPU {name} (it knows {', '.join(HARDWARE)})")
+        print(f"gpu_check: error: --plan_sweep: plan.py knows no GPU {name} (it knows {', '.join(HARDWARE)})")
         return 2
     memory = torch.cuda.get_device_properties(0).total_memory if N else HARDWARE[gpu]["mem"] * DEVICE_SHARE
     lines = plan_sweep(world, gpu, memory, 256, os.path.join(ROOT, args.out), args.dry or not N)

@@ -133,7 +133,7 @@ def test_gpu_check_refuses_what_only_the_machine_can_tell(tmp_path, capsys):
     assert gpu_check.main(["--dry", "--only", "ddp-2", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().out.startswith("gpu_check: error: --only 'ddp-2' selects no row in a --dry run")
     assert gpu_check.main(["--plan_sweep", "--dry", "--plan_gpu", "v100", "--out", str(tmp_path)]) == 2
-    assert capsys.readouterr().out == ("gpu_check --plan_sweep: error: plan.py knows no GPU --plan_gpu 'v100' (it "
+    assert capsys.readouterr().out == ("gpu_check: error: --plan_sweep: plan.py knows no GPU --plan_gpu 'v100' (it "
                                        "knows a100, a100-40gb, h100, h100-hbm2e, h200, b200)\n")
     assert os.listdir(tmp_path) == []
 
