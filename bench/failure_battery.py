@@ -929,17 +929,19 @@ def export_killed(seed, box):
     the new one, whole; the next export leaves no temporary directory beside it."""
     out, hf_dir, ref = good_checkpoint(box, BY_NAME["train_single"]), box.path("hf"), box.path("ref")
     for target, dtype in ((ref, "float32"), (hf_dir, "bfloat16")):
-        run = Job([(export(out, target, f"--dtype={dtype}"), rank_env(0, 1, 0))], box.root, "ex").wait(box.timeout)
+        run = Job([(export(out, target, f"--dtype={dtype}", "--no_tokenizer"), rank_env(0, 1, 0))], box.root,
+                  "ex").wait(box.timeout)
         if run.codes[0] != 0:
             return BROKEN, f"the setup export failed: {run.errs[0].strip()[-200:]}"
     before, wanted = export_files(hf_dir), export_files(ref)
-    job = Job([(export(out, hf_dir, "--dtype=float32"), rank_env(0, 1, 0))], box.root, "kill")
+    job = Job([(export(out, hf_dir, "--dtype=float32", "--no_tokenizer"), rank_env(0, 1, 0))], box.root, "kill")
     time.sleep(random.Random(seed).uniform(0.5, 4.0))
     job.signal(0, signal.SIGKILL)
     job.wait(box.timeout)
     if export_files(hf_dir) not in (before, wanted):
         return LOST, f"HF_DIR is neither export whole: {sorted(export_files(hf_dir) or [])}"
-    run = Job([(export(out, hf_dir, "--dtype=float32"), rank_env(0, 1, 0))], box.root, "again").wait(box.timeout)
+    run = Job([(export(out, hf_dir, "--dtype=float32", "--no_tokenizer"), rank_env(0, 1, 0))], box.root,
+              "again").wait(box.timeout)
     left = sorted(n for n in os.listdir(box.root) if n.startswith("hf."))
     if run.codes[0] != 0 or left or export_files(hf_dir) != wanted:
         return SILENT, f"the next export: exit {run.codes[0]}, left {left}"

@@ -5,7 +5,9 @@ work, not an allocator's crash) and whether the end-of-run sample can be decoded
 """
 import os
 import shutil
+import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -64,16 +66,29 @@ RUN = {}                # the run a Ctrl-C reports on (report_interrupt)
 
 
 def report_interrupt(cfg, env):
-    """From here on, Ctrl-C (a KeyboardInterrupt reaching the top) prints one line, on rank 0, saying what the run
-    keeps (its latest complete checkpoint: a save cut short never replaces it), instead of a traceback per rank."""
-    RUN.update(out_dir=cfg.out_dir, rank=env.rank)
-    if sys.excepthook is not on_interrupt:
+    """From here on, Ctrl-C prints one line, on rank 0, saying what the run keeps (its latest complete checkpoint: a
+    save cut short never replaces it), instead of a traceback per rank. SIGINT still raises KeyboardInterrupt, and
+    is remembered: what reaches the top after it (a peer's Ctrl-C closing a collective) is the same interrupt."""
+    RUN.update(out_dir=cfg.out_dir, rank=env.rank, interrupted=False)
+    if sys.excepthook is not on_exit_exception:
         RUN["previous_hook"] = sys.excepthook
-        sys.excepthook = on_interrupt
+        sys.excepthook = on_exit_exception
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:    # (not where SIGINT is ignored)
+        signal.signal(signal.SIGINT, on_sigint)
 
 
-def on_interrupt(kind, value, traceback):
-    if not issubclass(kind, KeyboardInterrupt):
+def on_sigint(signum, frame):
+    RUN["interrupted"] = True
+    while frame is not None:                        # arrived while the exit is being reported: that says it
+        if frame.f_code is on_exit_exception.__code__:
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
+
+
+def on_exit_exception(kind, value, traceback):
+    if not (RUN.get("interrupted") or issubclass(kind, KeyboardInterrupt)):
         return RUN["previous_hook"](kind, value, traceback)
     if RUN["rank"] == 0:
         print(f"interrupted: {kept_checkpoint(RUN['out_dir'])}", file=sys.stderr, flush=True)

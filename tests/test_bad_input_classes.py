@@ -352,17 +352,29 @@ def two_steps(tiny_data, tmp_path_factory):
     return out
 
 
-def test_ctrl_c_is_one_line_saying_what_the_run_keeps(two_steps, tmp_path):
-    """Before: a KeyboardInterrupt traceback, and no word on which checkpoint survived. A Ctrl-C anywhere in a run
-    after its start-up (prepare_data installs the report) reaches the top as this one does."""
-    script = (f"import sys, types; sys.path.insert(0, {ROOT!r}); from common.startup import report_interrupt\n"
+def test_ctrl_c_is_one_line_saying_what_the_run_keeps(two_steps, tmp_path, capsys, monkeypatch):
+    """Before: a KeyboardInterrupt traceback per rank, and no word on which checkpoint survived. In a process (as
+    every run does from prepare_data on): SIGINT, then a collective failing because a peer stopped on its own
+    Ctrl-C, reaches the top; the line says what the run keeps. Then the hook alone: the same line for a plain
+    KeyboardInterrupt, nothing from rank 1, any other error left to the previous hook."""
+    script = (f"import os, signal, sys, time, types; sys.path.insert(0, {ROOT!r})\n"
+              f"from common.startup import report_interrupt\n"
               f"report_interrupt(types.SimpleNamespace(out_dir={two_steps!r}), types.SimpleNamespace(rank=0))\n"
-              f"raise KeyboardInterrupt")
+              f"try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n"
+              f"except KeyboardInterrupt:\n    raise RuntimeError('Connection closed by peer')")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert proc.stderr == (f"interrupted: {two_steps} keeps the checkpoint of step 2: run the same command with "
-                           f"--resume to continue from it\n") and proc.returncode != 0, proc.stderr
-    empty = script.replace(repr(two_steps), repr(str(tmp_path))).replace("rank=0", "rank=1")    # another rank: quiet
-    assert subprocess.run([sys.executable, "-c", empty], capture_output=True, text=True, timeout=120).stderr == ""
+    line = (f"interrupted: {two_steps} keeps the checkpoint of step 2: run the same command with --resume to "
+            f"continue from it\n")
+    assert proc.stderr == line and proc.returncode != 0, proc.stderr
+    others = []
+    monkeypatch.setattr(startup, "RUN", dict(out_dir=two_steps, rank=0, interrupted=False,
+                                             previous_hook=lambda *exc: others.append(exc[0])))
+    startup.on_exit_exception(KeyboardInterrupt, KeyboardInterrupt(), None)
+    startup.on_exit_exception(ValueError, ValueError(), None)
+    assert capsys.readouterr().err == line and others == [ValueError]
+    startup.RUN.update(rank=1, out_dir=str(tmp_path))
+    startup.on_exit_exception(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert capsys.readouterr().err == ""
 
 
 def test_a_full_disk_under_metrics_is_one_line(two_steps, tiny_data, tmp_path, capsys, monkeypatch):
