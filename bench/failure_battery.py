@@ -1,5 +1,5 @@
 """
-bench/failure_battery.py: the failure battery, kept so that it can be rerun. About 460 cases of bad input
+bench/failure_battery.py: the failure battery, kept so that it can be rerun. About 500 cases of bad input
 and bad luck over every script (train_single, ddp, zero stages 1-3, tp, cp, pp, ep, train_5d), each on a tiny
 model and tiny random-token data, CPU and gloo, each classified by what actually happened:
 
