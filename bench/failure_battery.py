@@ -1,5 +1,5 @@
 """
-bench/failure_battery.py: the failure battery, kept so that it can be rerun. About 460 cases of bad input
+bench/failure_battery.py: the failure battery, kept so that it can be rerun. About 500 cases of bad input
 and bad luck over every script (train_single, ddp, zero stages 1-3, tp, cp, pp, ep, train_5d), each on a tiny
 model and tiny random-token data, CPU and gloo, each classified by what actually happened:
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]   # run as a script
-from failure_runs import (BROKEN, CLASSES, CLEAN, GOOD, LOST, OK, REFUSED, SILENT, SKIPPED, UNCLEAR,  # noqa: E402
+from failure_runs import (BROKEN, CLASSES, CLEAN, GOOD, HANG, LOST, OK, REFUSED, SILENT, SKIPPED, UNCLEAR,  # noqa: E402
                           Job, checkpoint_files, checkpoint_problem, data_kept, first_bad, free_port, judge_error,
                           judge_ok, judge_result, kill_everything_left, latest_step_dir, losses_by_step,
                           metric_rows, rank_env, snapshot, steps_logged, temp_files, wait_until)
@@ -855,6 +855,179 @@ def input_class_cases():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# cases: what an export writes and an import reads, entry points' bounds, the environment (docs/failures.md's
+# classes 1, 4, 5 and 6)
+
+def tool_case(cmd, env, names, box):
+    """One command (`env` on top of this environment) that must end in one line naming one of `names`; stdout
+    counts too (bench/gpu_check.sh reports there)."""
+    run = Job([(cmd, {**rank_env(0, 1, 0), **env})], box.root, "tool").wait(box.timeout)
+    return judge_error(dataclasses.replace(run, errs=[o + e for o, e in zip(run.outs, run.errs)]), names)
+
+
+def gpu_check_case(argv, env, names, box):
+    return tool_case(["bash", "bench/gpu_check.sh", *argv], {"PYTHON": sys.executable, **env}, names, box)
+
+
+def warned(layout, names, box, **flags):
+    """Hyperparameters that train degenerately: the run goes on, with a warning line naming them."""
+    out = box.path("run")
+    run = box.run(layout, out, **flags)
+    verdict = judge_ok(run, out, TINY["max_steps"])
+    warnings = [line for line in run.outs[0].splitlines() if line.startswith("warning: ")]
+    if verdict[0] == OK and not any(name in line for line in warnings for name in names):
+        return SILENT, f"no warning naming {' or '.join(names)}"
+    return verdict
+
+
+def lone_rank(script, rank, env, names, box):
+    """One rank of two started alone (rank 0 never comes), or with a launch environment no launcher makes."""
+    out = box.path("run")
+    argv = argv_of({**TINY, "data_dir": box.data, "out_dir": out, "dist_timeout": 3})
+    run = Job([([sys.executable, script, *argv], {**rank_env(rank, 2, free_port()), **env})], box.root,
+              "lone").wait(box.timeout)
+    return judge_error(run, names, out_dir=out)
+
+
+def export(out, hf_dir, *flags):
+    return [sys.executable, "-m", "common.hf", "export", out, hf_dir, *flags]
+
+
+def export_case(what, box):
+    """python -m common.hf export of a good checkpoint: a weight past float16's range (--dtype float16), an HF_DIR
+    holding a file of the user's, a dangling HF_DIR link. One line; nothing written, the user's file kept."""
+    import torch
+    out, hf_dir = good_checkpoint(box, BY_NAME["train_single"]), box.path("hf")
+    flags = ["--no_tokenizer"]
+    if what == "float16 overflow":
+        path = os.path.join(latest_step_dir(out), "ckpt.pt")
+        state = torch.load(path, weights_only=True)
+        state["model"]["transformer.h.0.mlp.c_fc.weight"].view(-1)[0] = 1e6
+        torch.save(state, path)
+        flags.append("--dtype=float16")
+    elif what == "a user's file in HF_DIR":
+        os.makedirs(hf_dir)
+        with open(os.path.join(hf_dir, "notes.txt"), "w") as f:
+            f.write("mine")
+    else:
+        os.symlink(box.path("nowhere"), hf_dir)
+    verdict = tool_case(export(out, hf_dir, *flags), {}, ["float16", "HF_DIR"], box)
+    if what == "a user's file in HF_DIR" and os.listdir(hf_dir) != ["notes.txt"]:
+        return LOST, f"HF_DIR now holds {sorted(os.listdir(hf_dir))}"
+    if what == "float16 overflow" and os.path.exists(hf_dir):
+        return SILENT, "HF_DIR written"
+    return verdict
+
+
+def export_files(hf_dir):
+    return {n: open(os.path.join(hf_dir, n), "rb").read() for n in os.listdir(hf_dir)} if os.path.isdir(hf_dir) \
+        else None
+
+
+def export_killed(seed, box):
+    """An export over an earlier one (another dtype), SIGKILLed at a random moment: HF_DIR is the earlier export or
+    the new one, whole; the next export leaves no temporary directory beside it."""
+    out, hf_dir, ref = good_checkpoint(box, BY_NAME["train_single"]), box.path("hf"), box.path("ref")
+    for target, dtype in ((ref, "float32"), (hf_dir, "bfloat16")):
+        run = Job([(export(out, target, f"--dtype={dtype}", "--no_tokenizer"), rank_env(0, 1, 0))], box.root,
+                  "ex").wait(box.timeout)
+        if run.codes[0] != 0:
+            return BROKEN, f"the setup export failed: {run.errs[0].strip()[-200:]}"
+    before, wanted = export_files(hf_dir), export_files(ref)
+    job = Job([(export(out, hf_dir, "--dtype=float32", "--no_tokenizer"), rank_env(0, 1, 0))], box.root, "kill")
+    time.sleep(random.Random(seed).uniform(0.5, 4.0))
+    job.signal(0, signal.SIGKILL)
+    job.wait(box.timeout)
+    if export_files(hf_dir) not in (before, wanted):
+        return LOST, f"HF_DIR is neither export whole: {sorted(export_files(hf_dir) or [])}"
+    run = Job([(export(out, hf_dir, "--dtype=float32", "--no_tokenizer"), rank_env(0, 1, 0))], box.root,
+              "again").wait(box.timeout)
+    left = sorted(n for n in os.listdir(box.root) if n.startswith("hf."))
+    if run.codes[0] != 0 or left or export_files(hf_dir) != wanted:
+        return SILENT, f"the next export: exit {run.codes[0]}, left {left}"
+    return OK, "HF_DIR whole after the kill; nothing left after the next export"
+
+
+def init_from_case(what, box):
+    """--init_from an export of a good checkpoint with an extra tensor (an untied head the model would drop) or a
+    NaN weight: one line naming it, before any step."""
+    from safetensors.torch import load_file, save_file
+    out, hf_dir = good_checkpoint(box, BY_NAME["train_single"]), box.path("hf")
+    run = Job([(export(out, hf_dir, "--no_tokenizer"), rank_env(0, 1, 0))], box.root, "ex").wait(box.timeout)
+    if run.codes[0] != 0:
+        return BROKEN, f"the setup export failed: {run.errs[0].strip()[-200:]}"
+    path = os.path.join(hf_dir, "model.safetensors")
+    tensors = load_file(path)
+    if what == "an untied head":
+        tensors["embed_out.weight"] = tensors["gpt_neox.embed_in.weight"] + 1
+    else:
+        tensors["gpt_neox.layers.1.mlp.dense_4h_to_h.weight"].view(-1)[3] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    run_dir = box.path("run2")
+    return judge_error(box.run(BY_NAME["train_single"], run_dir, init_from=hf_dir), ["--init_from"], out_dir=run_dir)
+
+
+def interrupted(layout, box):
+    """Ctrl-C (SIGINT to every rank, as a terminal sends it) while training: rank 0 prints one `interrupted:` line
+    naming the checkpoint kept, which is consistent; no traceback."""
+    out = box.path("run")
+    job = running_job(box, layout, out, save_interval=2)
+    if not wait_until(lambda: latest_step_dir(out) is not None, job, box.timeout):
+        return BROKEN, "no checkpoint before the interrupt"
+    for rank in range(layout.world):
+        job.signal(rank, signal.SIGINT)
+    run = job.wait(DIST_TIMEOUT + MARGIN)
+    if run.hung:
+        return HANG, f"rank(s) {run.hung} still running after Ctrl-C"
+    lines = [line for err in run.errs for line in err.strip().splitlines()]
+    problem = checkpoint_problem(out)
+    if problem:
+        return LOST, problem
+    if len(lines) != 1 or not lines[0].startswith("interrupted: ") or "--resume" not in lines[0]:
+        return UNCLEAR, f"stderr: {lines[:3]}"
+    return CLEAN, lines[0]
+
+
+def round3_cases():
+    cases = []
+    for what, argv, env, names in (
+            ("--budget_s nan", ["--budget_s", "nan"], {}, ["--budget_s"]),
+            ("--only zzz (no row)", ["--only", "zzz"], {}, ["--only"]),
+            ("--dry --only ddp-2 (no such row on one GPU)", ["--dry", "--only", "ddp-2"], {}, ["--only"]),
+            ("--out README.md (a file)", ["--out", "README.md"], {}, ["--out"]),
+            ("--plan_sweep --dry --plan_gpus 0", ["--plan_sweep", "--dry", "--plan_gpus", "0"], {}, ["--plan_gpus"]),
+            ("--plan_sweep --dry --plan_gpu v100", ["--plan_sweep", "--dry", "--plan_gpu", "v100"], {}, ["--plan_gpu"]),
+            ("PYTHON=/bin/echo", [], dict(PYTHON="/bin/echo"), ["PYTHON"])):
+        cases.append((f"gpu_check.sh: {what}", functools.partial(gpu_check_case, argv, env, names)))
+    single = BY_NAME["train_single"]
+    cases += [("train_single: --lr 0.5 --weight_decay 2 (warned)", functools.partial(
+                  warned, single, ["--weight_decay"], lr=0.5, weight_decay=2.0, min_lr=0.0)),
+              ("train_ddp: --warmup_steps 10 > --max_steps 6 (warned)", functools.partial(
+                  warned, BY_NAME["train_ddp"], ["--warmup_steps"], warmup_steps=10)),
+              ("train_single: --compile with CXX=no-such-g++", functools.partial(
+                  env_case, Layout("train_single", "train_single.py", 1, dict(compile=True)),
+                  dict(CXX="no-such-g++"), ["--compile"])),
+              ("train_ddp: RANK=0 without MASTER_ADDR/MASTER_PORT", functools.partial(
+                  lone_rank, "train_ddp.py", 0, dict(WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="", MASTER_PORT=""),
+                  ["RANK"])),
+              ("train_ddp: MASTER_PORT=29x", functools.partial(env_case, BY_NAME["train_ddp"], dict(MASTER_PORT="29x"),
+                                                              ["MASTER_PORT"])),
+              ("train_ddp: rank 0 never starts (rank 1 alone)", functools.partial(
+                  lone_rank, "train_ddp.py", 1, {}, ["MASTER_ADDR"])),
+              ("train_5d: rank 0 never starts (rank 1 alone)", functools.partial(
+                  lone_rank, "train_5d.py", 1, {}, ["MASTER_ADDR"]))]
+    cases += [(f"common.hf export: {what}", functools.partial(export_case, what))
+              for what in ("float16 overflow", "a user's file in HF_DIR", "a dangling HF_DIR link")]
+    cases += [(f"common.hf export killed over an earlier one, run {i}", functools.partial(export_killed, i))
+              for i in range(1, 4)]
+    cases += [(f"train_single: --init_from with {what}", functools.partial(init_from_case, what))
+              for what in ("an untied head", "a NaN weight")]
+    cases += [(f"{name}: Ctrl-C", functools.partial(interrupted, BY_NAME[name])) for name in ("train_single",
+                                                                                             "train_ddp")]
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the case list
 
 def per_layout_cases(layout):
@@ -1011,7 +1184,7 @@ def selfcheck(kind, box):
 def all_cases(with_selfcheck=False):
     cases = [case for layout in LAYOUTS for case in per_layout_cases(layout)]
     cases += flag_cases() + layout_flag_cases() + data_cases() + crash_cases() + new_class_cases()
-    cases += input_class_cases() + nccl_abort_cases()
+    cases += input_class_cases() + round3_cases() + nccl_abort_cases()
     if with_selfcheck:
         cases += [(f"selfcheck: a script that {kind}", functools.partial(selfcheck, kind)) for kind in SELFCHECK]
     return cases

@@ -35,7 +35,7 @@ UNCLEAR, REFUSED, BROKEN = "unclear error", "refused", "battery error"
 GOOD = (CLEAN, OK, SKIPPED)
 CLASSES = GOOD + (TRACEBACK, HANG, SILENT, LOST, UNCLEAR, REFUSED, BROKEN)
 
-ERROR_LINE = re.compile(r"^(?:[\w.\-]+: )?error: ")          # ours, or argparse's "train_x.py: error: ..."
+ERROR_LINE = re.compile(r"^(?:[\w.\-/]+: )?error: ")         # ours, or argparse's "train_x.py: error: ..."
 NATIVE_CRASH = ("terminate called", "Segmentation fault", "Fatal Python error")
 LIVE = set()                                                   # every process started, for cleanup on exit
 

@@ -36,6 +36,7 @@ BF16_RTOL. FP8 GEMMs add quantization noise on top (FP8_RTOL). A NaN or inf loss
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,7 +49,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import torch  # noqa: E402
 
 from common.metrics import read_metrics  # noqa: E402
-from gpu_check_args import TIMED_FROM, parse_args  # noqa: E402
+from gpu_check_args import TIMED_FROM, only_problem, parse_args  # noqa: E402
 from gpu_check_rows import GPT2_VOCAB, multi_gpu_rows, one_gpu_rows, predicted_single_gpu_peak  # noqa: E402
 
 BF16_RTOL = 2e-2     # max over steps of |loss - reference| / reference, bf16 runs
@@ -184,6 +185,16 @@ def main(argv=None):
     gpu_name = torch.cuda.get_device_name(0) if not args.dry else "(dry run)"
     capability = torch.cuda.get_device_capability(0) if not args.dry else (9, 0)
     out = os.path.join(ROOT, args.out)
+    P = 1 << (min(n_gpus, 8).bit_length() - 1)
+    rows = one_gpu_rows(out, args.steps, capability, BF16_RTOL, FP8_RTOL)
+    if P > 1:
+        rows += multi_gpu_rows(P, out, args.steps, capability, BF16_RTOL, FP8_RTOL)
+    where = "in a --dry run (one GPU of capability 9.0)" if args.dry else f"on this machine ({n_gpus} x {gpu_name})"
+    problem = only_problem(args.only, {r.name for r in rows}, where)
+    if problem:                         # (a multi-GPU row's name on one GPU, an FP8 row's below capability 8.9)
+        print(f"gpu_check: error: {problem}")
+        return 2
+    rows = selected(rows, args.only)
     os.makedirs(out, exist_ok=True)
     log = open(os.path.join(out, "gpu_check.log"), "a")
 
@@ -193,11 +204,6 @@ def main(argv=None):
         log.flush()
 
     clock = Clock(args.budget_s, args.dry)
-    P = 1 << (min(n_gpus, 8).bit_length() - 1)
-    rows = one_gpu_rows(out, args.steps, capability, BF16_RTOL, FP8_RTOL)
-    if P > 1:
-        rows += multi_gpu_rows(P, out, args.steps, capability, BF16_RTOL, FP8_RTOL)
-    rows = selected(rows, args.only)
     machine = f"{n_gpus} x {gpu_name}, torch {torch.__version__}"
     say(f"gpu_check: {machine}; {len(rows)} rows, budget {args.budget_s:.0f} s" + (" (dry: nothing runs)" if args.dry
                                                                                    else ""))
@@ -231,6 +237,8 @@ def main(argv=None):
             say(f"  {row.name:<22} would run (~{row.est_s:.0f} s)")
             continue
         t0 = time.time()
+        if row.kind == "train":         # a rerun into the same OUT: this row's last run is not another run's
+            shutil.rmtree(os.path.join(out, row.name), ignore_errors=True)
         rc = 0 if row.kind == "plan" else run(row.command, os.path.join(out, f"{row.name}.log"),    # plan: in-process
                                               min(args.timeout, clock.left() + 0.1 * args.budget_s))
         seconds = time.time() - t0
@@ -288,9 +296,10 @@ def plan_sweep_main(args):
         return 0
     world = 1 << (min(N, 8).bit_length() - 1) if N else args.plan_gpus
     gpu = gpu_kind(torch.cuda.get_device_name(0)) if N else args.plan_gpu
-    if gpu is None:
-        print(f"gpu_check --plan_sweep: plan.py knows no GPU named {torch.cuda.get_device_name(0)!r}")
-        return 1
+    if gpu not in HARDWARE:
+        name = repr(torch.cuda.get_device_name(0)) if N else f"--plan_gpu {args.plan_gpu!r}"
+        print(f"gpu_check: error: --plan_sweep: plan.py knows no GPU {name} (it knows {', '.join(HARDWARE)})")
+        return 2
     memory = torch.cuda.get_device_properties(0).total_memory if N else HARDWARE[gpu]["mem"] * DEVICE_SHARE
     lines = plan_sweep(world, gpu, memory, 256, os.path.join(ROOT, args.out), args.dry or not N)
     print("\n".join(lines))

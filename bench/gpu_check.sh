@@ -43,21 +43,44 @@ skip() {            # no GPU here: --dry still lists the rows (it needs torch, n
   exit 0
 }
 
-# 0. The command line, before anything is looked for: --help and a bad flag need no GPU (no python: the probe says)
+# 0. The command line, before anything is looked for: --help and a bad flag need no GPU (no python: the probe says).
+#    A PYTHON that runs but is not Python 3 (echo, true, a shell script) would otherwise "pass" every step below.
 if command -v "$PYTHON" >/dev/null; then
+  answer=$("$PYTHON" -c 'import sys; print("python", sys.version_info[0])' 2>&1)
+  if [ "$answer" != "python 3" ]; then
+    echo "gpu_check: error: PYTHON=$PYTHON is not a Python 3 interpreter (asked for its version, it answered: ${answer%%$'\n'*})"
+    exit 2
+  fi
   for arg in "$@"; do
     [[ $arg == -h || $arg == --help ]] && exec "$PYTHON" bench/gpu_check_args.py --help
   done
   "$PYTHON" bench/gpu_check_args.py "$@" || exit $?
 fi
 
-# 1. Is there a GPU? (bash builtins only from here to the python probe: nothing else is assumed on PATH)
+# 1. Is there a GPU? (bash builtins only from here to the python probe: nothing else is assumed on PATH). A wedged
+#    driver can leave nvidia-smi waiting for ever: it gets NVIDIA_SMI_TIMEOUT seconds (default 30) per line.
 if ! command -v nvidia-smi >/dev/null; then
   reason="no NVIDIA GPU here: nvidia-smi not found"
   skip "$@"
 fi
-listing=$(nvidia-smi -L 2>&1)
-smi_rc=$?
+smi_timeout=${NVIDIA_SMI_TIMEOUT:-30}
+[[ $smi_timeout =~ ^[1-9][0-9]{0,4}$ ]] || fail "NVIDIA_SMI_TIMEOUT=$smi_timeout must be a whole number of seconds in 1..99999"
+exec {smi_fd}< <(nvidia-smi -L 2>&1; echo "nvidia-smi exit $?")
+smi_pid=$!
+listing=""
+smi_rc=""
+while IFS= read -r -t "$smi_timeout" -u "$smi_fd" line; do
+  if [[ $line =~ ^nvidia-smi\ exit\ ([0-9]+)$ ]]; then
+    smi_rc=${BASH_REMATCH[1]}
+    break
+  fi
+  listing+=$line$'\n'
+done
+exec {smi_fd}<&-
+if [ -z "$smi_rc" ]; then
+  kill "$smi_pid" 2>/dev/null
+  fail "nvidia-smi -L gave no answer within $smi_timeout s (NVIDIA_SMI_TIMEOUT): a wedged driver? (nvidia-smi -L alone shows it)"
+fi
 n_gpus=0
 while IFS= read -r line; do
   [[ $line == "GPU "* ]] && n_gpus=$((n_gpus + 1))

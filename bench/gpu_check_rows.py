@@ -63,9 +63,8 @@ def prepare_data(out):
 
 
 def train_command(script, out, name, steps, n_gpus=1, **flags):
-    """argv of one training run: bf16, `steps` steps, no eval or sample, into out/name (emptied here: a rerun of
-    the check into the same OUT would otherwise be refused as another run's out_dir)."""
-    shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    """argv of one training run: bf16, `steps` steps, no eval or sample, into out/name (gpu_check.py empties it
+    before the run: a rerun of the check into the same OUT would otherwise be refused as another run's out_dir)."""
     args = dict(max_steps=steps, warmup_steps=2, lr=6e-4, min_lr=6e-5, dtype="bfloat16", seed=1234, eval_interval=0,
                 sample_tokens=0, log_interval=max(1, steps // 2), dist_timeout=180, data_dir=data_dir(out),
                 out_dir=os.path.join(out, name))

@@ -34,7 +34,9 @@ fail() { echo "error: $*" >&2; exit 2; }
 [[ -f "$1" ]] || fail "$1: no such training script (run from the repository root)"
 
 nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
-head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# (not `| head -n 1`: under pipefail, scontrol killed by SIGPIPE after the first host would end the script with 141)
+hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") || fail "scontrol show hostnames $SLURM_JOB_NODELIST failed"
+head=${hosts%%$'\n'*}
 [[ -n "$head" ]] || fail "scontrol found no host in SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
 if [[ -n "${GPUS_PER_NODE:-}" ]]; then
     gpus=$GPUS_PER_NODE

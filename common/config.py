@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from common.errors import ConfigError, check, fail  # noqa: F401 (the checks every script makes come from here)
 from common.checkpoint.files import CKPT_DIR, LATEST, LOCK, resolve_resume
 from common.model_setup import ARCHS, rope_scaling
+from common.optim import warn_degenerate
 
 
 # The script being run (train_ddp for `torchrun train_ddp.py`): its runs default to out/<script>.
@@ -238,6 +239,7 @@ def parse_config(argv=None, techniques=(), description=None, extra_args=None, va
             check_init_from(cfg)
     except ValueError as e:                     # a ConfigError, or resolve_resume's
         fail(str(e))
+    warn_degenerate(cfg)
     return cfg
 
 

@@ -10,7 +10,9 @@ run into one error line instead of a traceback or a hang.
 import atexit
 import os
 import re
+import socket
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from common import comm
-from common.errors import FAILED, check, fail, fail_after_another_rank
+from common.errors import FAILED, ConfigError, check, fail, fail_after_another_rank
 
 
 @dataclass
@@ -139,11 +141,14 @@ def init_distributed(cfg, need_group=True):
         timeout = timedelta(seconds=cfg.dist_timeout)
         try:
             if "RANK" in os.environ:
+                rendezvous_problem(rank, cfg.dist_timeout)
                 dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                         device_id=device if device.type == "cuda" else None,
                                         store=restart_store(rank, world_size, timeout))
             else:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        except ConfigError as e:                # the launch's environment, or a rendezvous that never answered
+            fail(str(e), rank_local=True)
         except (RuntimeError, ValueError, TimeoutError, OSError) as e:    # DistError is a RuntimeError
             where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
             fail(f"could not join the process group of {world_size} rank(s) at {where} within --dist_timeout "
@@ -153,6 +158,29 @@ def init_distributed(cfg, need_group=True):
         atexit.unregister(destroy_at_exit)       # registered once, however often main() runs in one process
         atexit.register(destroy_at_exit)
     return DistEnv(rank, world_size, local_rank, device, backend)
+
+
+def rendezvous_problem(rank, timeout_s):
+    """Under a launch (RANK set): ConfigError for a RANK no launcher set (MASTER_ADDR or MASTER_PORT missing, a
+    port that is not one), and, on a rank other than 0, for a rendezvous that does not answer within --dist_timeout.
+    (torch's store client waits as long but prints C++ stack frames at every retry, so the address is probed here.)"""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name, "").strip()]
+    check(not missing, f"RANK={os.environ['RANK']} is set but not {' or '.join(missing)}: a RANK left in the "
+                       f"shell, not a launch by torchrun (which sets them all); unset RANK, or launch with torchrun")
+    address, port = os.environ["MASTER_ADDR"].strip(), os.environ["MASTER_PORT"].strip()
+    check(port.isascii() and port.isdigit() and 1 <= int(port) <= 65535,
+          f"MASTER_PORT={port!r} is not a port number (1..65535)")
+    deadline = time.monotonic() + timeout_s
+    while rank != 0:
+        try:
+            socket.create_connection((address, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
+                                     ).close()
+            return
+        except OSError as e:
+            check(time.monotonic() < deadline, f"nothing answers at MASTER_ADDR:MASTER_PORT = {address}:{port} "
+                                               f"within --dist_timeout {timeout_s:g} s ({e.strerror or e}): rank 0 "
+                                               f"did not start, or MASTER_ADDR/MASTER_PORT are wrong")
+            time.sleep(0.2)
 
 
 def launch_order_defaults(cfg, rank):

@@ -14,6 +14,7 @@ through /proc/self/clear_refs): model, optimizer, activations *and* the Python/t
 be reset (not Linux) it is the lifetime peak (ru_maxrss).
 """
 import contextlib
+import errno
 import json
 import math
 import os
@@ -22,6 +23,8 @@ import time
 
 import torch
 
+from common.checkpoint.files import kept_checkpoint
+from common.errors import fail
 from common.peaks import device_peak_flops, raise_cpu_peak
 from common.profiling import make_profiler
 
@@ -285,8 +288,12 @@ class MetricsLogger:
     def write(self, row):
         """One JSON line; inf / NaN (a skipped step's loss, optim.NonFiniteGuard) as null, which JSON has."""
         row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        except OSError as e:                         # a full disk (ENOSPC), a quota: one line, not a traceback
+            fail(f"cannot write {self.path} ({errno.errorcode.get(e.errno, 'error')}: {e.strerror or e}); "
+                 f"{kept_checkpoint(self.cfg.out_dir)} once there is space", rank_local=True)
 
     def close(self):
         self.read()

@@ -1,7 +1,8 @@
 """
-optim.py: AdamW parameter groups, the learning-rate schedule, and the guard that skips a step whose loss or
-gradients are not finite. Gradient-norm clipping that also works when gradients are sharded across ranks is
-comm.clip_grad_norm (imported here too): the rungs' building blocks use it, and comm.py is what they take along.
+optim.py: AdamW parameter groups, the learning-rate schedule (and a warning where it or AdamW's decay would train
+degenerately), and the guard that skips a step whose loss or gradients are not finite. Gradient-norm clipping that
+also works when gradients are sharded across ranks is comm.clip_grad_norm (imported here too): the rungs' building
+blocks use it, and comm.py is what they take along.
 """
 import math
 import sys
@@ -9,7 +10,7 @@ import sys
 import torch
 
 from common.comm import clip_grad_norm  # noqa: F401 (lives in comm.py so copied-out blocks have it; scripts import it here)
-from common.errors import fail
+from common.errors import fail, launch_rank
 
 
 BETAS, EPS = (0.9, 0.95), 1e-8      # AdamW hyperparameters of every script (GPT-3 paper, as nanoGPT)
@@ -37,6 +38,22 @@ def lr_at(step, cfg):
         return cfg.min_lr
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def warn_degenerate(cfg):
+    """Hyperparameters that train, but not as meant: one warning line each, with the reason, at the top of the run's
+    log on stdout (the run goes on; stderr is for what stops it). Rank 0 alone: every rank has the same flags."""
+    if launch_rank() != 0:
+        return
+    decay = cfg.lr * cfg.weight_decay
+    if decay >= 1:
+        print(f"warning: --lr {cfg.lr:g} x --weight_decay {cfg.weight_decay:g} = {decay:g} >= 1: AdamW multiplies each "
+              f"decayed weight by 1 - lr x weight_decay = {1 - decay:g} every step, zeroing it or flipping its sign",
+              flush=True)
+    if cfg.warmup_steps > cfg.max_steps:
+        print(f"warning: --warmup_steps {cfg.warmup_steps} is longer than the run (--max_steps {cfg.max_steps}): the "
+              f"learning rate never reaches --lr {cfg.lr:g} (it ends at {cfg.lr * cfg.max_steps / cfg.warmup_steps:g}) "
+              f"and never decays", flush=True)
 
 
 def set_lr(optimizer, lr):

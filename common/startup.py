@@ -4,11 +4,15 @@ startup.py: what a run checks and opens before its first step, on every rank ali
 work, not an allocator's crash) and whether the end-of-run sample can be decoded.
 """
 import os
+import shutil
+import signal
+import sys
+import threading
 
 import torch
 import torch.distributed as dist
 
-from common.checkpoint.files import lock_holder, lock_out_dir, remove_stale_temp_files
+from common.checkpoint.files import kept_checkpoint, lock_holder, lock_out_dir, remove_stale_temp_files
 from common.data import GlobalBatchLoader, ensure_dataset
 from common.data_mix import MixtureLoader, parse_data_mix
 from common.distributed import decision_group, fail_together
@@ -27,6 +31,7 @@ def prepare_data(cfg, env):
     a second one stops here naming the first) and then removes the temporary files of killed saves. Each node's
     local rank 0 prepares the default corpus on first use while the others wait; then every rank opens it. A rank
     that cannot (no dataset on its node) says so itself."""
+    report_interrupt(cfg, env)
     error = None
     if env.rank == 0:
         try:
@@ -46,7 +51,8 @@ def prepare_data(cfg, env):
     loader = None
     try:
         loader = open_loader(cfg, env.device)
-        error = memory_problem(cfg, env, loader.vocab_size) or sample_problem(cfg, loader)
+        error = memory_problem(cfg, env, loader.vocab_size) or sample_problem(cfg, loader) or \
+            compiler_problem(cfg, env.device)
     except (OSError, ValueError) as e:
         error = str(e)
     fail_together(error, env)
@@ -54,6 +60,57 @@ def prepare_data(cfg, env):
     if disagree is not None:
         fail(disagree, rank_local=True)
     return loader
+
+
+RUN = {}                # the run a Ctrl-C reports on (report_interrupt)
+
+
+def report_interrupt(cfg, env):
+    """From here on, Ctrl-C prints one line, on rank 0, saying what the run keeps (its latest complete checkpoint: a
+    save cut short never replaces it), instead of a traceback per rank. SIGINT still raises KeyboardInterrupt, and
+    is remembered: what reaches the top after it (a peer's Ctrl-C closing a collective) is the same interrupt."""
+    RUN.update(out_dir=cfg.out_dir, rank=env.rank, interrupted=False)
+    if sys.excepthook is not on_exit_exception:
+        RUN["previous_hook"] = sys.excepthook
+        sys.excepthook = on_exit_exception
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:    # (not where SIGINT is ignored)
+        signal.signal(signal.SIGINT, on_sigint)
+
+
+def on_sigint(signum, frame):
+    RUN["interrupted"] = True
+    while frame is not None:                        # arrived while the exit is being reported: that says it
+        if frame.f_code is on_exit_exception.__code__:
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
+
+
+def on_exit_exception(kind, value, traceback):
+    if not (RUN.get("interrupted") or issubclass(kind, KeyboardInterrupt)):
+        return RUN["previous_hook"](kind, value, traceback)
+    if RUN["rank"] == 0:
+        print(f"interrupted: {kept_checkpoint(RUN['out_dir'])}", file=sys.stderr, flush=True)
+
+
+def compiler_problem(cfg, device):
+    """--compile (or --kernels compile) where the compiler torch.compile calls is missing: inductor builds C++ with
+    g++ (or $CXX) on a CPU, Triton a C launcher with cc, gcc or clang (or $CC) on a GPU. Named before the model is
+    built, not by a traceback from the first step's compile."""
+    if not (cfg.compile or cfg.kernels == "compile"):
+        return None
+    flag = "--compile" if cfg.compile else "--kernels compile"
+    if device.type == "cpu":
+        from torch._inductor import config as inductor
+        candidates = [c for c in inductor.cpp.cxx if c] if isinstance(inductor.cpp.cxx, tuple) else [inductor.cpp.cxx]
+        if not any(shutil.which(c) for c in candidates):
+            return (f"{flag} on the CPU needs a C++ compiler: torch.compile's inductor runs {' or '.join(candidates)}, "
+                    f"which is not on PATH (install g++, set CXX to one, or run without {flag})")
+    elif not any(shutil.which(c) for c in (os.environ.get("CC", "cc"), "gcc", "clang")):
+        return (f"{flag} on the GPU needs a C compiler: Triton compiles a launcher per kernel with $CC, cc, gcc or "
+                f"clang, none of which is on PATH (install gcc, or run without {flag})")
+    return None
 
 
 def not_rank0s_out_dir(cfg, env):

@@ -5,6 +5,7 @@ width, and bench.sh's arguments. In-process where the check is a function; a sub
 work it prevents would happen."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -16,9 +17,9 @@ import torch
 import plan
 from common import data, model_setup, startup
 from common.config import ConfigError, parse_collectives_args, parse_config
-from common.distributed import DistEnv, launch_env
+from common.distributed import DistEnv, launch_env, rendezvous_problem
 from test_failures import one_error_line
-from train_helpers import make_tiny_dataset, tiny_argv
+from train_helpers import make_tiny_dataset, run_single, tiny_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,6 +76,25 @@ def test_integers_no_run_can_use(tiny_data, tmp_path, capsys, flags, message):
     assert e.value.code == 2 and line.startswith("error: ") and message in line, line
 
 
+@pytest.mark.parametrize("flags, warnings", [
+    (dict(lr=0.5, weight_decay=2.0, min_lr=0.0), ["--lr 0.5 x --weight_decay 2 = 1 >= 1: AdamW multiplies each "
+                                                  "decayed weight by 1 - lr x weight_decay = 0 every step"]),
+    (dict(lr=1.0, weight_decay=1.5, min_lr=0.0), ["= -0.5 every step, zeroing it or flipping its sign"]),
+    (dict(warmup_steps=50, max_steps=10), ["--warmup_steps 50 is longer than the run (--max_steps 10): the learning "
+                                           "rate never reaches --lr 0.003 (it ends at 0.0006) and never decays"]),
+    (dict(warmup_steps=20, max_steps=20, lr=0.9, weight_decay=1.0), []),     # both just inside: nothing said
+])
+def test_degenerate_hyperparameters_are_warned_about_with_the_reason(tmp_path, capsys, monkeypatch, flags, warnings):
+    parse_config(tiny_argv(str(tmp_path / "data"), str(tmp_path / "out"), **flags))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(warnings) and all(line.startswith("warning: ") and text in line
+                                               for line, text in zip(lines, warnings)), lines
+    monkeypatch.setenv("RANK", "1")                 # the other ranks have the same flags: rank 0 says it once
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parse_config(tiny_argv(str(tmp_path / "data"), str(tmp_path / "out"), **flags))
+    assert capsys.readouterr().out == ""
+
+
 # ----------------------------------------------------------------------------------------------------------
 # memory known before work
 
@@ -114,6 +134,24 @@ def test_a_model_past_memory_stops_before_it_is_built(tiny_data, tmp_path):
     assert proc.stderr.startswith("error: the model and one micro-batch need at least"), proc.stderr
 
 
+def test_compile_without_its_compiler_is_named_before_the_model_is_built(tiny_data, tmp_path, capsys, monkeypatch):
+    """Before, the first step's compile died in a traceback from inductor's C++ build (after the model was built)."""
+    from torch._inductor import config as inductor
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "no-such-g++"))
+    line = one_error_line(capsys, tiny_argv(tiny_data, str(tmp_path / "out"), compile=True))
+    assert line == ("error: --compile on the CPU needs a C++ compiler: torch.compile's inductor runs no-such-g++, "
+                    "which is not on PATH (install g++, set CXX to one, or run without --compile)")
+    cfg = parse_config(tiny_argv(tiny_data, str(tmp_path / "out"), kernels="compile"))
+    assert startup.compiler_problem(cfg, torch.device("cpu")).startswith("--kernels compile on the CPU needs a C++")
+    monkeypatch.setenv("PATH", str(tmp_path))                   # a GPU host without cc, gcc or clang
+    monkeypatch.delenv("CC", raising=False)
+    assert startup.compiler_problem(cfg, torch.device("cuda")).startswith("--kernels compile on the GPU needs a C "
+                                                                          "compiler: Triton compiles a launcher")
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "g++"))
+    assert startup.compiler_problem(parse_config(tiny_argv(tiny_data, str(tmp_path / "out"))), torch.device("cpu")) \
+        is None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the launcher's environment
 
@@ -126,6 +164,47 @@ def test_launcher_variables_no_launcher_sets(monkeypatch, env, message):
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=message):
         launch_env()
+
+
+@pytest.mark.parametrize("env, message", [
+    (dict(RANK="0"), "RANK=0 is set but not MASTER_ADDR or MASTER_PORT: a RANK left in the shell, not a launch by "
+                     "torchrun (which sets them all); unset RANK, or launch with torchrun"),
+    (dict(RANK="0", MASTER_ADDR="localhost"), "RANK=0 is set but not MASTER_PORT: a RANK left"),
+    (dict(RANK="0", MASTER_ADDR="localhost", MASTER_PORT="29x"), "MASTER_PORT='29x' is not a port number (1..65535)"),
+    (dict(RANK="0", MASTER_ADDR="localhost", MASTER_PORT="70000"), "MASTER_PORT='70000' is not a port number"),
+])
+def test_a_stray_rank_or_master_port_is_named(monkeypatch, env, message):
+    """Before, a RANK left in the shell failed as a process group that could not be joined 'within --dist_timeout',
+    and a bad MASTER_PORT as int()'s complaint."""
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        rendezvous_problem(0, 5.0)
+    assert message in str(e.value)
+
+
+def test_a_rendezvous_that_never_answers_stops_within_dist_timeout(tiny_data, tmp_path, capsys, monkeypatch):
+    """Rank 1 of 2 with no rank 0 listening: one line after --dist_timeout (before, torch's store client printed
+    C++ stack frames at each retry); with something listening it goes on."""
+    import socket
+    import time
+    import train_ddp
+    from distributed_helper import free_port
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    t0 = time.monotonic()
+    line = one_error_line(capsys, tiny_argv(tiny_data, str(tmp_path / "out"), dist_timeout=1), train_ddp)
+    assert line.startswith(f"error: rank 1: nothing answers at MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port} within "
+                           f"--dist_timeout 1 s (") and line.endswith("rank 0 did not start, or MASTER_ADDR/"
+                                                                      "MASTER_PORT are wrong"), line
+    assert time.monotonic() - t0 < 30
+    with socket.create_server(("127.0.0.1", port)):
+        assert rendezvous_problem(1, 1.0) is None
 
 
 def test_collectives_checks_the_launcher_variables_too(monkeypatch, capsys):
@@ -260,3 +339,60 @@ def test_out_dir_files_that_are_pipes_or_dangling_links(tmp_path, capsys, what, 
         parse_config(["--out_dir", str(out)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: --out_dir") and message in err, err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a run stopped from outside: Ctrl-C, a full disk under metrics.jsonl
+
+@pytest.fixture(scope="module")
+def two_steps(tiny_data, tmp_path_factory):
+    """OUT_DIR of a finished 2-step run: its checkpoint is step 2's."""
+    out = str(tmp_path_factory.mktemp("two_steps") / "out")
+    run_single(tiny_argv(tiny_data, out, max_steps=2))
+    return out
+
+
+def test_ctrl_c_is_one_line_saying_what_the_run_keeps(two_steps, tmp_path, capsys, monkeypatch):
+    """Before: a KeyboardInterrupt traceback per rank, and no word on which checkpoint survived. In a process (as
+    every run does from prepare_data on): SIGINT, then a collective failing because a peer stopped on its own
+    Ctrl-C, reaches the top; the line says what the run keeps. Then the hook alone: the same line for a plain
+    KeyboardInterrupt, nothing from rank 1, any other error left to the previous hook."""
+    script = (f"import os, signal, sys, time, types; sys.path.insert(0, {ROOT!r})\n"
+              f"from common.startup import report_interrupt\n"
+              f"report_interrupt(types.SimpleNamespace(out_dir={two_steps!r}), types.SimpleNamespace(rank=0))\n"
+              f"try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n"
+              f"except KeyboardInterrupt:\n    raise RuntimeError('Connection closed by peer')")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    line = (f"interrupted: {two_steps} keeps the checkpoint of step 2: run the same command with --resume to "
+            f"continue from it\n")
+    assert proc.stderr == line and proc.returncode != 0, proc.stderr
+    others = []
+    monkeypatch.setattr(startup, "RUN", dict(out_dir=two_steps, rank=0, interrupted=False,
+                                             previous_hook=lambda *exc: others.append(exc[0])))
+    startup.on_exit_exception(KeyboardInterrupt, KeyboardInterrupt(), None)
+    startup.on_exit_exception(ValueError, ValueError(), None)
+    assert capsys.readouterr().err == line and others == [ValueError]
+    startup.RUN.update(rank=1, out_dir=str(tmp_path))
+    startup.on_exit_exception(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_full_disk_under_metrics_is_one_line(two_steps, tiny_data, tmp_path, capsys, monkeypatch):
+    import errno
+    from common import metrics
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    out = str(tmp_path / "out")
+    shutil.copytree(two_steps, out)
+    real_init = metrics.MetricsLogger.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.file.close()
+        self.file = FullDisk()
+    monkeypatch.setattr(metrics.MetricsLogger, "__init__", init)
+    line = one_error_line(capsys, tiny_argv(tiny_data, out, max_steps=4, resume="yes"))
+    assert line == (f"error: cannot write {out}/metrics.jsonl (ENOSPC: No space left on device); {out} keeps the "
+                    f"checkpoint of step 2: run the same command with --resume to continue from it once there is space")

@@ -108,6 +108,49 @@ def test_gpu_check_reads_its_command_line_first_without_a_gpu(tmp_path):
     assert code == 0 and "(dry: nothing runs)" in lines[0] and not any("skipped" in x for x in lines), lines
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--budget_s", "nan"], "--budget_s and --timeout must be positive (and finite)"),
+    (["--budget_s", "inf"], "got inf, 900, 6"),
+    (["--only", "zzz"], "--only 'zzz' selects no row on any machine (rows: 5d-2, 5d-4, 5d-8, attention,"),
+    (["--only", "cp, syncs"], "--only ' syncs' selects no row"),
+    (["--only", ",,"], "--only ',,' names no row"),
+    (["--out", "README.md"], "--out README.md is a file, not a directory"),
+    (["--out", "README.md/run"], "--out README.md/run cannot be created: "),
+    (["--plan_sweep", "--dry", "--plan_gpus", "0"], "--plan_gpus must be one of 1, 2, 4, 8"),
+    (["--plan_sweep", "--dry", "--plan_gpus", "1024"], "got 1024"),
+])
+def test_gpu_check_refuses_values_out_of_range_before_looking_for_a_gpu(tmp_path, args, message):
+    """Before, a NaN budget admitted every row, an --only that matched nothing passed with an empty table, an --out
+    that is a file failed at the first log, and a sweep over 0 GPUs (or 1024, minutes of planning) ran."""
+    code, lines = run_gpu_check(tmp_path, python=sys.executable, args=args)
+    assert code == 2 and lines[-1].startswith("bench/gpu_check.sh: error: ") and message in lines[-1], lines
+
+
+def test_gpu_check_refuses_what_only_the_machine_can_tell(tmp_path, capsys):
+    """A row name of another machine (ddp-2 on one GPU) and a plan sweep for a GPU plan.py does not know: one line,
+    exit 2, nothing run."""
+    gpu_check = load_gpu_check()
+    assert gpu_check.main(["--dry", "--only", "ddp-2", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().out.startswith("gpu_check: error: --only 'ddp-2' selects no row in a --dry run")
+    assert gpu_check.main(["--plan_sweep", "--dry", "--plan_gpu", "v100", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().out == ("gpu_check: error: --plan_sweep: plan.py knows no GPU --plan_gpu 'v100' (it "
+                                       "knows a100, a100-40gb, h100, h100-hbm2e, h200, b200)\n")
+    assert os.listdir(tmp_path) == []
+
+
+def test_gpu_check_names_a_python_that_is_not_one_and_a_wedged_nvidia_smi(tmp_path):
+    code, lines = run_gpu_check(tmp_path, python="/bin/echo")   # echo would "pass" every step, the rows included
+    assert code == 2 and lines == ["gpu_check: error: PYTHON=/bin/echo is not a Python 3 interpreter (asked for its "
+                                   "version, it answered: -c import sys; print(\"python\", sys.version_info[0]))"]
+    bin_dir = tmp_path / "bin"
+    executable(bin_dir / "nvidia-smi", f'#!/bin/sh\necho "{GPU_LISTING}"\nexec /bin/sleep 30\n')
+    env = dict(os.environ, PATH=str(bin_dir), PYTHON=sys.executable, NVIDIA_SMI_TIMEOUT="1")
+    r = subprocess.run([shutil.which("bash"), "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=20)      # before: waited as long as nvidia-smi did
+    assert r.returncode == 1 and r.stdout == ("gpu_check: error: nvidia-smi -L gave no answer within 1 s "
+                                              "(NVIDIA_SMI_TIMEOUT): a wedged driver? (nvidia-smi -L alone shows it)\n")
+
+
 def test_gpu_check_skips_where_nvidia_smi_lists_no_gpu(tmp_path):
     code, lines = run_gpu_check(tmp_path, nvidia_smi='echo "No devices were found"; exit 6')
     assert code == 0 and lines == ["gpu_check: skipped (nvidia-smi lists no GPU)"]

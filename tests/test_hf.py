@@ -19,7 +19,7 @@ import transformers
 
 from common.hf import interop as hf
 from common.checkpoint import ModuleState, replicated, save, start_from
-from common.checkpoint.files import load_latest
+from common.checkpoint.files import latest_checkpoint, load_latest
 from common import evaluation
 from common.config import parse_config
 from common.hf.tokenizer import RANKS_FILE, read_ranks
@@ -465,3 +465,127 @@ print(json.dumps(codes))
     assert len(errors) == 2 and "needs the tokenizers package" in errors[0] and "pip install tokenizers" in errors[0]
     assert "--init_from needs the safetensors package" in errors[1] and "safetensors==0.8.0" in errors[1]
     assert "Traceback" not in result.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# what an import reads and an export writes: every tensor used, finite, in range; an export all or nothing
+
+def edited_neox(neox, hf_dir, edit):
+    """A copy of the NeoX directory whose tensors `edit` ({name: tensor}) changed in place."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(neox, hf_dir)
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    return hf_dir
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.update({"embed_out.weight": t["gpt_neox.embed_in.weight"] + 1}),
+     "its weights hold embed_out.weight, which this run's model has no place for"),
+    (lambda t: t.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in list(t.items())
+                         if "layers.1." in k}),
+     "its weights hold gpt_neox.layers.2.attention.dense.bias and 11 more, which"),
+    (lambda t: t["gpt_neox.layers.1.mlp.dense_4h_to_h.weight"].view(-1).__setitem__(7, float("nan")),
+     "gpt_neox.layers.1.mlp.dense_4h_to_h.weight (model.py's transformer.h.1.mlp.c_proj.weight) holds inf/NaN"),
+    (lambda t: t["gpt_neox.final_layer_norm.bias"].__setitem__(0, float("-inf")), "final_layer_norm.bias (model"),
+])
+def test_init_from_uses_every_tensor_and_only_finite_ones(neox, text_data, tmp_path, capsys, edit, message):
+    """Before, an extra layer or an untied head was dropped without a word, and a NaN weight started the run (its
+    steps then skipped as non-finite until the run stopped)."""
+    hf_dir = edited_neox(neox, str(tmp_path / "hf"), edit)
+    line = one_error_line(capsys, text_argv(text_data, str(tmp_path / "run"), init_from=hf_dir))
+    assert line.startswith(f"error: --init_from {hf_dir}: ") and message in line, line
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_init_from_takes_buffers_older_transformers_saved(neox, text_data, tmp_path):
+    hf_dir = edited_neox(neox, str(tmp_path / "hf"), lambda t: t.update({
+        "gpt_neox.layers.0.attention.rotary_emb.inv_freq": torch.ones(4),
+        "gpt_neox.layers.0.attention.bias": torch.ones(4, dtype=torch.bool)}))
+    assert hf.unused_tensors(hf.weight_files(hf_dir), GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_embd=32)) == []
+    assert parse_config(text_argv(text_data, str(tmp_path / "run"), init_from=hf_dir)).init_from == hf_dir
+
+
+def test_a_16_bit_export_refuses_values_beyond_its_range(trained, tmp_path, capsys):
+    """1e6 in one weight: float16 (largest 65504) would write inf there; bfloat16 holds it."""
+    out = str(tmp_path / "run")
+    shutil.copytree(trained("single"), out)
+    path = latest_checkpoint(out)
+    state = torch.load(path, weights_only=False)
+    state["model"]["transformer.h.1.attn.c_proj.weight"][3, 5] = -1e6
+    torch.save(state, path)
+    line = one_error_line(capsys, ["export", out, str(tmp_path / "hf"), "--dtype", "float16"], hf)
+    assert line == (f"error: {path}: transformer.h.1.attn.c_proj.weight holds 1e+06, beyond float16's largest 65504: "
+                    f"exported so it would be inf (export with --dtype float32 or bfloat16)")
+    assert not os.path.exists(tmp_path / "hf")
+    hf.main(["export", out, str(tmp_path / "hf"), "--dtype", "bfloat16", "--no_tokenizer"])
+
+
+def raising(exc):
+    def write(*args):
+        raise exc
+    return write
+
+
+def export_files(hf_dir):
+    return {name: open(os.path.join(hf_dir, name), "rb").read() for name in sorted(os.listdir(hf_dir))}
+
+
+def test_an_export_is_all_or_nothing(trained, tmp_path, capsys, monkeypatch):
+    """A full disk (or Ctrl-C) half-way through an export over an earlier one leaves the earlier one, byte for
+    byte, and no temporary directory; a killed export's directory is removed by the next; an export without the
+    tokenizer over one with it leaves no tokenizer of the other behind; a directory holding other files is refused
+    (replacing it would delete them)."""
+    import errno
+    out, hf_dir = trained("single"), str(tmp_path / "hf")
+    hf.main(["export", out, hf_dir])
+    before = export_files(hf_dir)
+    assert "tokenizer.json" in before
+    real = hf.write_safetensors
+
+    def full_disk(path, *args):
+        open(path, "wb").write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    for failure, ends in ((full_disk, SystemExit), (raising(KeyboardInterrupt()), KeyboardInterrupt)):
+        monkeypatch.setattr(hf, "write_safetensors", failure)
+        with pytest.raises(ends):
+            hf.main(["export", out, hf_dir, "--dtype", "float32"])
+        assert export_files(hf_dir) == before and os.listdir(tmp_path) == ["hf"]
+    assert capsys.readouterr().err == (f"error: cannot write the export to {hf_dir} (No space left on device); what "
+                                       f"was there is kept as it was\n")
+    monkeypatch.setattr(hf, "write_safetensors", real)
+    os.makedirs(tmp_path / "hf.tmp.99999999")               # a killed export's (no such process)
+    hf.main(["export", out, hf_dir, "--no_tokenizer"])
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+    assert set(os.listdir(hf_dir)) == {"config.json", "generation_config.json", "model.safetensors"}
+    open(os.path.join(hf_dir, "README.md"), "w").write("model card")
+    line = one_error_line(capsys, ["export", out, hf_dir], hf)
+    assert line == (f"error: HF_DIR {hf_dir} holds README.md, which an export does not write: an export replaces the "
+                    f"whole directory, so give a new or empty one, or an earlier export")
+    assert "README.md" in os.listdir(hf_dir)
+
+
+def test_an_export_killed_between_its_renames_keeps_the_earlier_one(trained, tmp_path, monkeypatch):
+    out, hf_dir = trained("single"), str(tmp_path / "hf")
+    hf.main(["export", out, hf_dir, "--no_tokenizer"])
+    before = export_files(hf_dir)
+    import errno
+    os.rename(hf_dir, tmp_path / "hf.old.99999999")       # the first rename done, then killed
+    monkeypatch.setattr(hf, "write_safetensors", raising(OSError(errno.EIO, "Input/output error")))
+    with pytest.raises(SystemExit):
+        hf.main(["export", out, hf_dir])
+    assert export_files(hf_dir) == before and os.listdir(tmp_path) == ["hf"]
+
+
+def test_a_symlinked_hf_dir(trained, tmp_path, capsys):
+    """A link to a directory: the export lands there and the link stays a link; a dangling link: one line."""
+    out, target, link = trained("single"), tmp_path / "target", str(tmp_path / "link")
+    os.makedirs(target)
+    os.symlink(str(target), link)
+    hf.main(["export", out, link, "--no_tokenizer"])
+    assert os.path.islink(link) and "model.safetensors" in os.listdir(target)
+    os.symlink(str(tmp_path / "nowhere"), tmp_path / "dangling")
+    line = one_error_line(capsys, ["export", out, str(tmp_path / "dangling")], hf)
+    assert line == (f"error: HF_DIR {tmp_path / 'dangling'} is a symbolic link to {tmp_path / 'nowhere'}, which does "
+                    f"not exist (remove the link, or create its directory)")

@@ -76,6 +76,16 @@ def per_rank_files(out_dir):
     return sorted(n for n in names if re.fullmatch(r"ckpt_rank\d+\.pt", n))
 
 
+def kept_checkpoint(out_dir):
+    """What a run stopped now (Ctrl-C, a full disk) leaves for --resume, in words."""
+    path = latest_checkpoint(out_dir)
+    if path is None:
+        return f"no checkpoint in {out_dir} yet: a new run starts from step 0"
+    step = STEP_DIR.fullmatch(os.path.basename(os.path.dirname(path)))
+    return (f"{out_dir} keeps the checkpoint {'of step ' + str(int(step.group(1))) if step else path}: run the same "
+            f"command with --resume to continue from it")
+
+
 def missing_checkpoint_message(out_dir):
     old = per_rank_files(out_dir)
     if old:
@@ -148,6 +158,58 @@ def write_atomically(path, write):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise save_error(directory, e) from None
+
+
+def write_directory_atomically(path, write):
+    """The commit-last rule for a directory (python -m common.hf export): write(tmp) fills a fresh directory beside
+    PATH (PATH.tmp.PID: the same filesystem), each file is flushed to disk, and then it takes PATH's place. A reader
+    sees the old directory whole or the new one whole, never a mixture of the two. A write that fails or is
+    interrupted leaves PATH untouched and removes its directory. A killed one leaves it behind, and the next write
+    to PATH removes it. Replacing an older PATH takes two renames (PATH -> PATH.old.PID, then the new one in). A
+    crash between them leaves that complete older copy as PATH.old.PID. Returns write's result."""
+    remove_stale_directories(path)
+    tmp, old = f"{path}.tmp.{os.getpid()}", f"{path}.old.{os.getpid()}"
+    try:
+        os.makedirs(tmp)
+        result = write(tmp)
+        for root, _, names in os.walk(tmp):
+            for name in names:
+                with open(os.path.join(root, name), "rb") as f:
+                    os.fsync(f.fileno())
+        if os.path.isdir(path) and os.listdir(path):
+            os.rename(path, old)                     # (rename replaces an empty directory, not a full one)
+        os.replace(tmp, path)
+    except BaseException:                            # a full disk, a bad tokenizer file, Ctrl-C: PATH as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.isdir(old) and not os.path.exists(path):
+            os.rename(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return result
+
+
+def remove_stale_directories(path):
+    """Remove PATH.tmp.PID and PATH.old.PID left by a killed write_directory_atomically whose process is gone; an
+    old copy that never got its successor (killed between the two renames) is put back as PATH instead."""
+    parent, base = os.path.split(os.path.abspath(path))
+    for name in sorted(os.listdir(parent)):
+        match = re.fullmatch(re.escape(base) + r"\.(tmp|old)\.(\d+)", name)
+        if match is None or process_alive(int(match.group(2))):
+            continue
+        if match.group(1) == "old" and not os.path.exists(path):
+            os.rename(os.path.join(parent, name), path)
+        else:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:                                  # (another user's process: alive)
+        return True
+    return True
 
 
 def write_file(path, state):

@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import re
 import struct
 import sys
 from dataclasses import asdict
@@ -28,13 +29,13 @@ from dataclasses import asdict
 import torch
 
 from common.checkpoint.compat import saved_model_config
-from common.checkpoint.files import latest_checkpoint, load_checkpoint
+from common.checkpoint.files import latest_checkpoint, load_checkpoint, write_directory_atomically
 from common.data import read_meta
 from common.distributed import fail_together
 from common.errors import ConfigError, check, fail, require
 from common.hf import convert, llama
 from common.hf.convert import WTE, architecture_problem, shape_problem
-from common.hf.tokenizer import KINDS, export_tokenizer, tokenizers_module
+from common.hf.tokenizer import KINDS, TOKENIZER_FILES, export_tokenizer, tokenizers_module
 from common.model_setup import gpt_config
 from model import GPT, GPTConfig
 
@@ -74,17 +75,11 @@ def write_safetensors(path, entries, dtype, tensors):
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(text)) + text)
-            for (name, shape), (written, tensor) in zip(entries, tensors, strict=True):
-                assert written == name and tuple(tensor.shape) == shape, (written, name)
-                f.write(tensor.to(dtype).contiguous().view(torch.uint8).numpy())
-        os.replace(tmp, path)                        # a reader sees the whole file or none
-    finally:
-        if os.path.exists(tmp):                      # (a full disk: no half-written file left behind)
-            os.remove(tmp)
+    with open(path, "wb") as f:                      # (into the export's fresh directory: write_directory_atomically)
+        f.write(struct.pack("<Q", len(text)) + text)
+        for (name, shape), (written, tensor) in zip(entries, tensors, strict=True):
+            assert written == name and tuple(tensor.shape) == shape, (written, name)
+            f.write(tensor.to(dtype).contiguous().view(torch.uint8).numpy())
 
 
 def generation_config(config):
@@ -125,9 +120,10 @@ def export_checks(args):
     problem = fam.export_problem(mc)
     check(problem is None, f"{path}: {problem[0]} {json.dumps(problem[1])}: {fam.class_name(mc)} cannot hold it "
                            f"({problem[2]})" if problem else "")
-    missing = [name for name, _ in parameter_names(GPTConfig(**mc)) if name not in state["model"]]
+    names = parameter_names(GPTConfig(**mc))
+    missing = [name for name, _ in names if name not in state["model"]]
     check(not missing, f"{path} lacks {missing[0] if missing else ''} (a damaged checkpoint)")
-    check(not os.path.isfile(args.hf_dir), f"HF_DIR {args.hf_dir} is a file, not a directory")
+    check_fits_dtype(path, state["model"], names, export_dtype(args, state["model"]))
     if args.no_tokenizer:
         return state, mc, None, None
     corpus = state.get("corpus") or [dict(path=(state.get("config") or {}).get("data_dir"))]   # older: config's
@@ -148,31 +144,76 @@ def export_checks(args):
     return state, mc, meta, data_dir
 
 
+def export_dtype(args, weights):
+    return DTYPES[args.dtype] if args.dtype else weights[WTE].dtype
+
+
+def check_fits_dtype(path, weights, names, dtype):
+    """A narrower dtype than the checkpoint's turns values beyond its range into inf: refused, naming the first
+    tensor that holds one (float16's largest is 65504)."""
+    for name, _ in names:
+        value = weights[name]
+        if torch.finfo(dtype).max < torch.finfo(value.dtype).max:
+            largest = float(value.abs().max())
+            check(largest <= torch.finfo(dtype).max,
+                  f"{path}: {name} holds {largest:g}, beyond {str(dtype).removeprefix('torch.')}'s largest "
+                  f"{torch.finfo(dtype).max:g}: exported so it would be inf (export with --dtype float32 or bfloat16)")
+
+
+EXPORT_FILES = {WEIGHTS, "config.json", "generation_config.json", "vocab.json", "merges.txt", *TOKENIZER_FILES}
+
+
+def export_target(hf_dir):
+    """The directory an export replaces as a whole (write_directory_atomically): HF_DIR, or the directory it is a
+    symbolic link to. ConfigError for a dangling link, a path that is not a directory, or a directory holding a file
+    an export does not write (replacing it would delete that file)."""
+    target = os.path.realpath(hf_dir)
+    link = f" (a symbolic link to {target})" if os.path.islink(hf_dir) else ""
+    check(not os.path.lexists(hf_dir) or os.path.exists(hf_dir),
+          f"HF_DIR {hf_dir} is a symbolic link to {os.readlink(hf_dir) if os.path.islink(hf_dir) else ''}, which does "
+          f"not exist (remove the link, or create its directory)")
+    check(not os.path.isfile(target), f"HF_DIR {hf_dir}{link} is a file, not a directory")
+    check(not os.path.exists(target) or os.path.isdir(target), f"HF_DIR {hf_dir}{link} is not a directory")
+    foreign = sorted(set(os.listdir(target)) - EXPORT_FILES) if os.path.isdir(target) else []
+    check(not foreign, f"HF_DIR {hf_dir}{link} holds {foreign[0] if foreign else ''}, which an export does not write: "
+                       f"an export replaces the whole directory, so give a new or empty one, or an earlier export")
+    return target
+
+
+def write_export(directory, state, mc, meta, data_dir, dtype):
+    """config.json, generation_config.json, model.safetensors and the tokenizer's files into `directory`; returns
+    (config, what the tokenizer is)."""
+    special, tokenizer = {}, "none (--no_tokenizer)"
+    if meta is not None:
+        tokenizer, special = export_tokenizer(meta, data_dir, directory, mc["block_size"])
+    weights, names, fam = state["model"], parameter_names(GPTConfig(**mc)), family_of(mc)
+    converted = (piece for name, _ in names for piece in fam.to_hf_pieces(name, weights[name], mc))
+    write_safetensors(os.path.join(directory, WEIGHTS), hf_entries(fam, mc, names), dtype, converted)
+    config = fam.hf_config(mc, str(dtype).removeprefix("torch."), mc["vocab_size"], special)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+        json.dump(generation_config(config), f, indent=1)
+    return config, tokenizer
+
+
 def main(argv=None):
     args = export_args(argv)
     try:
         state, mc, meta, data_dir = export_checks(args)
-        os.makedirs(args.hf_dir, exist_ok=True)
-        special, tokenizer = {}, "none (--no_tokenizer)"
-        if meta is not None:
-            tokenizer, special = export_tokenizer(meta, data_dir, args.hf_dir, mc["block_size"])
+        target = export_target(args.hf_dir)
     except (ValueError, OSError) as e:              # ConfigError is a ValueError
         fail(str(e))
-    weights = state["model"]
-    dtype = DTYPES[args.dtype] if args.dtype else weights[WTE].dtype
+    dtype = export_dtype(args, state["model"])
+    try:                    # all of it, or nothing: a full disk or a kill leaves HF_DIR's earlier export as it was
+        config, tokenizer = write_directory_atomically(target, lambda d: write_export(d, state, mc, meta, data_dir,
+                                                                                      dtype))
+    except ValueError as e:                         # a tokenizer that cannot be written (export_tokenizer)
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot write the export to {args.hf_dir} ({e.strerror or e}); what was there is kept as it was")
     dtype_name = str(dtype).removeprefix("torch.")
     names, fam = parameter_names(GPTConfig(**mc)), family_of(mc)
-    entries = hf_entries(fam, mc, names)
-    converted = (piece for name, _ in names for piece in fam.to_hf_pieces(name, weights[name], mc))
-    config = fam.hf_config(mc, dtype_name, mc["vocab_size"], special)
-    try:
-        write_safetensors(os.path.join(args.hf_dir, WEIGHTS), entries, dtype, converted)
-        with open(os.path.join(args.hf_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=1)
-        with open(os.path.join(args.hf_dir, "generation_config.json"), "w") as f:
-            json.dump(generation_config(config), f, indent=1)
-    except OSError as e:
-        fail(f"cannot write to {args.hf_dir} ({e.strerror or e})")
     padding = f", padded to {config['vocab_size']} rows" if config["vocab_size"] != mc["vocab_size"] else ""
     print(f"exported step {state['step']} of {args.out_dir} to {args.hf_dir}: {fam.class_name(mc)}, "
           f"{sum(math.prod(s) for _, s in names):,} parameters in {dtype_name}, vocabulary {mc['vocab_size']}"
@@ -239,7 +280,24 @@ def check_init_from(cfg):
         field, value, flag, mine = shape
         raise ConfigError(f"--init_from {cfg.init_from}: {field} {json.dumps(value)} in its config.json vs --{flag} "
                           f"{mine} in this run (the model's shape comes from the flags and must match)")
-    weight_files(cfg.init_from)
+    unused = unused_tensors(weight_files(cfg.init_from), gpt_config(cfg, 0))
+    check(not unused, f"--init_from {cfg.init_from}: its weights hold {unused[0] if unused else ''}"
+                      f"{f' and {len(unused) - 1} more' if len(unused) > 1 else ''}, which this run's model has no "
+                      f"place for (a layer past --n_layer, an output head of its own while the model ties it to the "
+                      f"embedding, ...): every tensor is used or the import is refused, as dropping one changes the "
+                      f"model")
+
+
+# Buffers that older transformers versions saved beside the weights and every version computes again at load
+RECOMPUTED = re.compile(r".*\.(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias)")
+
+
+def unused_tensors(files, gcfg):
+    """The tensors of an --init_from directory (`files`: weight_files') that no parameter of model.py's `gcfg`
+    takes, sorted; buffers that transformers recomputes (RECOMPUTED) aside."""
+    mc = asdict(gcfg)
+    used = {twin for twin, _ in hf_entries(family_of(mc), mc, parameter_names(gcfg))}
+    return sorted(name for name in files if name not in used and not RECOMPUTED.fullmatch(name))
 
 
 def family_problem(hf, cfg):
@@ -290,6 +348,10 @@ class HFWeights:
                         f"FILES --tokenizer {self.hf_dir})")
             if found != shape:
                 return f"--init_from {self.hf_dir}: {twin} has shape {found}, model.py's {name} {shape}"
+            value = self.handle(twin).get_tensor(twin)
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                return (f"--init_from {self.hf_dir}: {twin} (model.py's {name}) holds inf/NaN: these weights cannot "
+                        f"start a run")
         return None
 
 
