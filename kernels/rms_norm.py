@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import HAS_TRITON, compute_dtype, compute_type, maybe_compiled, next_pow2, tl, triton, use_triton
-from kernels.layer_norm import _n_programs, _num_warps, _row_tile, _rows_per_tile, _sum_rows
+from kernels.layer_norm import (_backward_tile, _n_programs, _num_warps, _row_tile, _rows_per_tile, backward_buffers,
+                                column_sums)
 
 if HAS_TRITON:
     @triton.jit
@@ -44,11 +45,7 @@ if HAS_TRITON:
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
         dw = tl.zeros([BLOCK_N], dtype=ACC)
         for tile in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
-            x_ptrs, mask, rows = _row_tile(X, tile, M, N, ROWS, BLOCK_N)
-            dy_ptrs, _, _ = _row_tile(DY, tile, M, N, ROWS, BLOCK_N)
-            dx_ptrs, _, _ = _row_tile(DX, tile, M, N, ROWS, BLOCK_N)
-            x = tl.load(x_ptrs, mask=mask, other=0.0).to(ACC)
-            dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(ACC)
+            x, dy, dx_ptrs, mask, rows = _backward_tile(X, DY, DX, tile, M, N, ROWS, BLOCK_N, ACC)
             rstd = tl.load(Rstd + rows, mask=rows < M, other=0.0)
             xhat = x * rstd[:, None]
             g = dy * w[None, :]
@@ -78,18 +75,10 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2, weight, rstd = ctx.saved_tensors
         M, N = x2.shape
-        dy2 = dy.reshape(-1, N).contiguous()
-        dx = torch.empty_like(x2)
-        R = _rows_per_tile(x2, next_pow2(N))
-        G = _n_programs(triton.cdiv(M, R), x2.device)
-        dw_part = torch.empty(G, N, device=x2.device, dtype=compute_dtype(x2))
+        dy2, dx, R, G, (dw_part,) = backward_buffers(x2, dy, 1)
         _rms_bwd[(G,)](x2, dy2, dx, weight.contiguous(), rstd, dw_part, M, N, ROWS=R, BLOCK_N=next_pow2(N),
                        ACC=compute_type(x2), num_warps=_num_warps(R * next_pow2(N)))
-        dw = torch.empty_like(weight)
-        BLOCK_C = min(128, next_pow2(N))
-        _sum_rows[(triton.cdiv(N, BLOCK_C),)](dw_part, dw, G, N, BLOCK_G=min(32, next_pow2(G)), BLOCK_C=BLOCK_C,
-                                             ACC=compute_type(x2))
-        return dx.view(ctx.shape), dw, None
+        return dx.view(ctx.shape), column_sums(dw_part, weight), None
 
 
 def rms_norm_reference(x, weight, eps=1e-5):
