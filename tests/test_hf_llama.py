@@ -178,18 +178,18 @@ def _main(rank, world, script, argv):
 
 @pytest.fixture(scope="module")
 def llama_import(text_data, tmp_path_factory):
-    """A saved LlamaForCausalLM (GQA 2 of 4 heads, Llama 3's rotary scaling, untied) and train_single's 6 float64
+    """A saved LlamaForCausalLM (GQA 2 of 4 heads, Llama 3's rotary scaling, untied) and train_single's 4 float64
     steps from it: (the run's flags, its (losses, grad norms))."""
     root = tmp_path_factory.mktemp("llama_import")
     hf_dir, out = str(root / "hf"), str(root / "single")
     build("llama_gqa_llama3_untied", vocab_size=256).save_pretrained(hf_dir)
-    flags = dict(max_steps=6, init_from=hf_dir, **FLAGS["llama_gqa_llama3_untied"])
+    flags = dict(max_steps=4, init_from=hf_dir, **FLAGS["llama_gqa_llama3_untied"])
     run_single(text_argv(text_data, out, micro_batch_size=8, **flags))
     return flags, curves(out)
 
 
-@pytest.mark.parametrize("script, world, layout", [("train_5d", 4, dict(tp=2, pp=2, sp=True, micro_batch_size=2)),
-                                                   ("train_zero", 2, dict(zero_stage=3, micro_batch_size=2))],
+@pytest.mark.parametrize("script, world, layout", [("train_5d", 4, dict(tp=2, pp=2, sp=True, micro_batch_size=4)),
+                                                   ("train_zero", 2, dict(zero_stage=3, micro_batch_size=4))],
                          ids=["tp2-pp2-sp", "zero3"])
 def test_an_imported_llama_trains_in_any_layout_as_in_train_single(llama_import, text_data, tmp_path, script, world,
                                                                    layout):
