@@ -35,9 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.comm import COMM, all_reduce, gather_seq, in_compute_dtype, reduce_scatter_seq
-from common.module_io import EDGES, check_tp_plan, sequence_parallel_edge, swap_keeping_ties
-from common.tp_grads import (all_reduce_sequence_parallel_grads, clip_tp_grads, mark_tp_params,  # noqa: F401
-                             tp_counts, vocab_parallel_loss)   # (tp_counts: train_5d's, through this rung)
+from common.module_io import EDGES, check_tp_plan, sequence_parallel_edge, swap_keeping_ties, tp_slice
+from common.tp_grads import (all_reduce_sequence_parallel_grads, clip_tp_grads, mark_tp_params,
+                             vocab_parallel_loss)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -127,9 +127,9 @@ def leave_tp_region(x, group, sp):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the parallel layers. A sharded parameter carries `tp_split = (dim, parts)`: the full tensor is `parts`
-# equal blocks along `dim` (3 for a fused q|k|v) and a rank keeps its 1/tp slice of each block
-# (tp_shards.py: a parameter's slice of its full tensor and back, init_tp_weights, gather_full_weights).
+# the parallel layers. A sharded parameter carries `tp_split = (dim, parts)`: the full tensor is blocks along `dim`
+# (module_io.fused_blocks: 3 equal ones for a fused q|k|v, or widths (q_per_kv, 1, 1) under grouped-query attention)
+# and a rank keeps its 1/tp slice of each block (module_io.tp_slice; tp_shards.py: init_tp_weights, the way back).
 
 def shard_param(shape, dim, parts, group, device=None, dtype=None):
     shape = [size // dist.get_world_size(group) if i == dim else size for i, size in enumerate(shape)]
@@ -141,12 +141,8 @@ def shard_param(shape, dim, parts, group, device=None, dtype=None):
 @torch.no_grad()
 def load_shard(p, full, group):
     """Fill parameter p with its slice of `full`, the whole tensor (tp_split and tp_pad say which; a replicated
-    parameter takes it all): the rule of tp_shards.tp_slice, which train_tp's checkpoints use."""
-    if hasattr(p, "tp_split"):
-        (dim, parts), n, r = p.tp_split, dist.get_world_size(group), dist.get_rank(group)
-        full = torch.cat([full, full.new_zeros(p.tp_pad, *full.shape[1:])])   # padding rows (dim 0): zeros
-        full = torch.cat([block.chunk(n, dim)[r] for block in full.chunk(parts, dim)], dim)
-    p.copy_(full)
+    parameter takes it all): module_io.tp_slice, the rule train_tp's initial weights and checkpoints use too."""
+    p.copy_(tp_slice(p, full, group))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -214,7 +210,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    """logits[:, my vocab rows] with the tied embedding shard, and the vocab-parallel cross-entropy."""
+    """logits[:, my vocab rows] with an embedding's shard (the tied wte's, or an untied head's own rows), and the
+    vocab-parallel cross-entropy."""
 
     def __init__(self, wte, group, sp=False, overlap=False):
         super().__init__()
@@ -241,7 +238,8 @@ class VocabParallelLMHead(nn.Module):
 def tensor_parallel(model, plan, group, sp=False, overlap=False, sequence_parallel=(), replicated=(), device=None):
     """Swap the modules `plan` names for tensor-parallel ones, in place. plan: {module name: style}:
         "column"            an nn.Linear whose output features are split (q, k, v; an MLP's gate and up; a head
-                            tied to an "embedding": logits [..., V/tp], vocab_parallel_loss): ("column", 3) for q|k|v
+                            tied to an "embedding": logits [..., V/tp], vocab_parallel_loss): ("column", 3) for q|k|v,
+                            ("column", (q_per_kv, 1, 1)) for grouped-query attention's (module_io.fused_blocks)
         "row"               an nn.Linear whose input features are split (attention's output, the MLP's down)
         "embedding"         an nn.Embedding split by vocabulary rows (under SP its output is my sequence chunk)
         "sp_begin"/"sp_end" under SP, a replicated module whose output is cut to my sequence chunk (a replicated
@@ -309,7 +307,7 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
     plan, partial = {"transformer.wte": "embedding"}, []
     for i, block in enumerate(model.transformer.h):
         attn, mlp, name = block.attn, block.mlp, f"transformer.h.{i}"
-        plan.update({f"{name}.attn.c_attn": ("column", 3), f"{name}.attn.c_proj": "row"})
+        plan.update({f"{name}.attn.c_attn": ("column", (attn.q_per_kv, 1, 1)), f"{name}.attn.c_proj": "row"})
         attn.core = rng(attn.core)                               # attention dropout: my heads
         if sp:                                                   # residual dropout: my sequence chunk
             attn.resid_dropout = rng(attn.resid_dropout)
@@ -320,9 +318,11 @@ def apply_tp(model, group, sp=False, overlap=False, device="cpu"):
         if sp:
             mlp.dropout = rng(mlp.dropout)
     norms = [n for n, m in model.named_modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm))]   # SP: my chunk
+    # the head multiplies by wte's shard (tied), or by vocabulary rows of its own split alike (untied)
+    own = None if model.cfg.tied else VocabParallelEmbedding(*model.lm_head.weight.shape, group, sp, device=device)
     model.lm_head = None                         # holds wte's weight (tied): rebuilt on wte's shard just below
     tensor_parallel(model, plan, group, sp, overlap, sequence_parallel=partial + norms, device=device)
-    model.lm_head = VocabParallelLMHead(model.transformer.wte, group, sp, overlap)
+    model.lm_head = VocabParallelLMHead(model.transformer.wte if own is None else own, group, sp, overlap)
     if sp:
         model.transformer.drop = rng(model.transformer.drop)
     # what is still on the meta device is replicated on every TP rank: the LayerNorms and row-parallel biases

@@ -42,7 +42,7 @@ from train_ddp import mean_over_group                                 # noqa: E4
 from common.model_setup import gpt_config
 from common.precision import resolve_dtype
 from common.startup import prepare_data  # noqa: E402
-from common.tp_shards import shard_of                                        # noqa: E402
+from common.module_io import shard_of                                       # noqa: E402
 from peer_tp_dtensor import apply_dtensor_tp, plan_comm_bytes         # noqa: E402
 
 

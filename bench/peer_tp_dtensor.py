@@ -37,7 +37,7 @@ from common.optim import configure_optimizer, lr_at, set_lr                  # n
 from common.model_setup import gpt_config
 from common.precision import autocast_context, resolve_dtype
 from common.startup import prepare_data  # noqa: E402
-from common.tp_shards import shard_of                                        # noqa: E402
+from common.module_io import shard_of                                       # noqa: E402
 from train_tp import extra_args, validate as validate_tp              # noqa: E402
 
 

@@ -13,6 +13,8 @@ out (docs/copy_out.md).
     on_first_output(module, fn)           a hook: its first output y becomes fn(y), a tuple keeping the rest
     sequence_parallel_edge(module, style, group)   SP: cut its output to my sequence chunk, or gather its input whole
     check_tp_plan(model, plan, n)         refuse a plan that tensor parallelism over n ranks would apply wrong
+    fused_blocks(t, dim, parts)           the fused projections (q|k|v, gate|up) a "column" plan's parts name
+    tp_slice(p, full, group)              a tensor-parallel parameter's slice of its whole value (unshard: back)
 """
 import inspect
 
@@ -158,7 +160,8 @@ def check_tp_plan(model, plan, n):
     """Raise ValueError, alike on every rank and before any swap, for a plan entry tensor parallelism over n ranks
     would apply wrong: an unknown style; an nn.Linear planned "column" that looks like fused projections (a known
     fused name, or out_features = 3 in_features: q|k|v), whose rank slices would be all of q and part of k, unless
-    its parts are given (("column", 3), or ("column", 1) for one projection); features a split does not divide."""
+    its parts are given (("column", 3), or ("column", 1) for one projection); features a split does not divide
+    (each fused block's, for parts given as widths: ("column", (q_per_kv, 1, 1)) under grouped-query attention)."""
     for name, style in plan.items():
         kind, parts = style if isinstance(style, tuple) else (style, None)
         if kind not in STYLES:
@@ -171,8 +174,49 @@ def check_tp_plan(model, plan, n):
                              f"looks like fused projections (q|k|v): split as one, each rank would get all of q and "
                              f"part of k; plan (\"column\", 3) (its number of fused parts), or (\"column\", 1) if "
                              f"it is one projection")
+        if kind == "column" and isinstance(parts, tuple):
+            widths = block_widths(module.out_features, parts)
+            if sum(widths) != module.out_features or any(w % n for w in widths):
+                raise ValueError(f"{name}: its {module.out_features} out_features do not split into blocks in "
+                                 f"proportion {parts}, each divisible by tp {n} (grouped-query attention: tp must "
+                                 f"divide the number of key/value heads)")
+            continue
         split = {"column": ("out_features", n * (parts or 1)), "row": ("in_features", n)}.get(kind)
         if split is not None and getattr(module, split[0]) % split[1]:
             raise ValueError(f"{name}: its {getattr(module, split[0])} {split[0]} do not split into {split[1]} "
                              f"equal parts (tp {n}): pad them to a multiple (a tied head's vocabulary too, as "
                              f"nanoGPT's 50304 for GPT-2's 50257)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a tensor-parallel parameter and its whole value (train_tp's layers load theirs; tp_shards.py inits, gathers and
+# checkpoints them): it carries `tp_split = (dim, parts)`, its whole value is fused blocks along dim, rank r of n
+# keeps the r-th 1/n of each; `tp_pad` zero rows are appended first (a vocabulary tp does not divide)
+
+def fused_blocks(t, dim, parts):
+    """The blocks of fused projections in t along dim, each split over the tp ranks on its own: `parts` equal
+    blocks (an int: 3 for q|k|v, 2 for gate|up), or blocks as wide as the widths `parts` in proportion (a tuple:
+    grouped-query attention's (q_per_kv, 1, 1) for q|k|v). Proportions hold in a rank's slice of t too."""
+    return t.split(block_widths(t.shape[dim], parts), dim)
+
+
+def block_widths(features, parts):
+    """The widths of the fused blocks of `features` features (they sum to `features` where the parts fit)."""
+    return [features // parts] * parts if isinstance(parts, int) else [features * w // sum(parts) for w in parts]
+
+
+def shard_of(full, dim, parts, rank, n):
+    return torch.cat([block.chunk(n, dim)[rank] for block in fused_blocks(full, dim, parts)], dim)
+
+
+def unshard(pieces, dim, parts):                                 # inverse of shard_of; pieces[r]: rank r's
+    blocks = [fused_blocks(piece, dim, parts) for piece in pieces]
+    return torch.cat([torch.cat(block, dim) for block in zip(*blocks)], dim)   # block j: every rank's part of it
+
+
+def tp_slice(p, full, group):
+    """This rank's part of `full` (a whole value of parameter p: its weight, or an optimizer moment)."""
+    if not hasattr(p, "tp_split"):                               # replicated: the whole value
+        return full
+    full = torch.cat([full, full.new_zeros(p.tp_pad, *full.shape[1:])])    # padding rows (dim 0) are zeros
+    return shard_of(full, *p.tp_split, dist.get_rank(group), dist.get_world_size(group))

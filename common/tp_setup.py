@@ -16,13 +16,19 @@ def check_tp(cfg, tp, positions, what="block_size"):
     check(cfg.n_head % tp == 0, f"n_head={cfg.n_head} is not divisible by tp={tp} (the heads, and so "
                                 f"the MLP width, are split over the TP ranks)")
     check((cfg.ffn_hidden or 4 * cfg.n_embd) % tp == 0, f"--ffn_hidden {cfg.ffn_hidden} is not divisible by tp={tp}")
-    # (not built yet: c_attn's q, k and v blocks of unequal width, and an LM head apart from the vocab-parallel wte)
-    check(tp == 1 or cfg.n_kv_head in (0, cfg.n_head), f"--n_kv_head {cfg.n_kv_head} with tp={tp}: tensor "
-          f"parallelism of grouped-query attention is not built yet (n_kv_head = n_head works)")
-    check(tp == 1 or cfg.tied, f"--no-tied with tp={tp}: tensor parallelism of an untied LM head is not built yet")
+    # grouped-query attention: each rank keeps n_kv_head / tp key/value heads with the q heads that share them
+    # (replicating a kv head over the ranks of its q heads, Megatron's way for tp > n_kv_head, is not built)
+    check(not cfg.n_kv_head or cfg.n_kv_head % tp == 0, f"--n_kv_head {cfg.n_kv_head} is not divisible by tp={tp} "
+          f"(the key/value heads are split over the TP ranks, each with the query heads that share it)")
     check(not cfg.sp or positions % tp == 0, f"--sp: sequence length {what}={positions} is not divisible by tp={tp}")
-    check(tp == 1 or cfg.fp8 != "blockwise" or (cfg.n_embd // tp) % 128 == 0, f"--fp8 blockwise with tp={tp} needs "
-          f"n_embd/tp ({cfg.n_embd}/{tp}) a multiple of 128: its 128-wide scale blocks must not straddle TP shards")
+    if tp > 1 and cfg.fp8 == "blockwise":
+        # each fused part of a shard (q, k, v; gate, up) whole 128-blocks, so that every scale block is one
+        # device's: a block straddling two parts (the Llama family's narrower k, v or MLP) would mix rows one
+        # device keeps in different blocks (converters/fp8_tp.py)
+        kv, ffn = (cfg.n_kv_head or cfg.n_head) * (cfg.n_embd // cfg.n_head), cfg.ffn_hidden or 4 * cfg.n_embd
+        for what, width in (("n_embd", cfg.n_embd), ("n_kv_head*head_dim", kv), ("ffn_hidden", ffn)):
+            check(width // tp % 128 == 0, f"--fp8 blockwise with tp={tp} needs {what}/tp ({width}/{tp}) a multiple "
+                                          f"of 128: its 128-wide scale blocks must not straddle TP shards")
 
 
 class RankRNG(nn.Module):

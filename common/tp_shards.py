@@ -1,11 +1,14 @@
 """
 tp_shards.py: how a tensor-parallel parameter of train_tp.py relates to the full tensor train_single.py holds.
 
-A sharded parameter carries `tp_split = (dim, parts)`: the full tensor is `parts` equal blocks along `dim`
-(3 for c_attn's q|k|v, 1 elsewhere) and rank r of n keeps the r-th 1/n of each block; `tp_pad` zero rows are
-appended first where the vocabulary does not divide by n. A parameter without `tp_split` is replicated whole.
+A sharded parameter carries `tp_split = (dim, parts)`: the full tensor is blocks along `dim` (3 equal ones for
+c_attn's q|k|v, 1 elsewhere, or of widths in proportion `parts`: (q_per_kv, 1, 1) for grouped-query attention's)
+and rank r of n keeps the r-th 1/n of each block; `tp_pad` zero rows are appended first where the vocabulary does
+not divide by n. A parameter without `tp_split` is replicated whole. That slicing rule (tp_slice and its inverse
+unshard) lives in module_io.py, as train_tp's layers load with it and a copied rung takes it along.
 
     c_attn.weight [3h, h], parts 3, n 2:   full  [ q0 q1 | k0 k1 | v0 v1 ]   rank 0 [ q0 k0 v0 ]  rank 1 [ q1 k1 v1 ]
+    GQA, 4 q heads, 2 kv heads, (2, 1, 1): full  [ q0 q1 q2 q3 | k0 k1 | v0 v1 ]     rank 0 [ q0 q1 k0 v0 ] ...
 
 Every layout starts from the same weights because init_tp_weights draws each full parameter from
 model.init_parameter and keeps its slice; gather_full_weights and tp_gather go back (checkpoints, parity tests).
@@ -14,16 +17,8 @@ import torch
 import torch.distributed as dist
 
 from common.comm import all_gather
+from common.module_io import tp_slice, unshard
 from model import init_parameter
-
-
-def shard_of(full, dim, parts, rank, n):
-    return torch.cat([block.chunk(n, dim)[rank] for block in full.chunk(parts, dim)], dim)
-
-
-def unshard(pieces, dim, parts):                                 # inverse of shard_of; pieces[r]: rank r's
-    blocks = [piece.chunk(parts, dim) for piece in pieces]
-    return torch.cat([torch.cat([b[j] for b in blocks], dim) for j in range(parts)], dim)
 
 
 def full_shape(p, group):
@@ -32,14 +27,6 @@ def full_shape(p, group):
         return tuple(p.shape)
     n, dim = dist.get_world_size(group), p.tp_split[0]
     return tuple(size * n - p.tp_pad if i == dim else size for i, size in enumerate(p.shape))
-
-
-def tp_slice(p, full, group):
-    """This rank's part of `full` (a whole value of parameter p: its weight, or an optimizer moment)."""
-    if not hasattr(p, "tp_split"):                               # replicated: the whole value
-        return full
-    full = torch.cat([full, full.new_zeros(p.tp_pad, *full.shape[1:])])    # padding rows (dim 0) are zeros
-    return shard_of(full, *p.tp_split, dist.get_rank(group), dist.get_world_size(group))
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from compose.grad_ready import GradsReadyBySchedule
 from pipeline.tied import tied_copy, tied_grads_sync, tied_weight
 from train_ddp import DataParallelGrads
 from train_ep import ExpertDataParallelGrads, is_expert_param
-from train_tp import tp_counts
+from common.tp_grads import tp_counts
 
 
 class DataParallelAxis:

@@ -22,8 +22,8 @@ What a scale spans, hence what must be reduced (all_reduce MAX over tp, counted 
         rows, no reduction; where it is split (row's y, column's dx) each rank holds a piece of every row, so the
         row amaxes of both operands (M + N or M + K values) are maxed over tp.
     blockwise  1x128 tiles along K, 128x128 weight blocks: when every shard edge is a multiple of 128
-        (n_embd / tp, hence also 4 n_embd / tp and each q|k|v part: common/tp_setup.check_tp requires it) each tile and
-        block lies inside one rank, so no reduction at all. A tile cut by a shard edge would need a scale shared
+        (n_embd / tp, each q|k|v part and the MLP width / tp, each gate|up part: common/tp_setup.check_tp requires it)
+        each tile and block lies inside one rank and one part, so no reduction at all. A tile cut by a shard edge would need a scale shared
         by two ranks' GEMMs, which one _scaled_mm per rank cannot take: refused.
 With these, every element is quantized to the same FP8 value on every layout. What differs from one device is
 the order of the sums where the contraction is split: tp partial products, each rounded to the GEMM's output

@@ -3,6 +3,8 @@ kernels/apply.py: swap model.py's modules for the fused ones in place, keeping e
 Parameter objects, so names, init and optimizer groups are unchanged):
 
     nn.LayerNorm (ln_1, ln_2, ln_f)          -> FusedLayerNorm              (layer_norm)
+    nn.RMSNorm (the Llama family's)          -> FusedRMSNorm                (rms_norm)
+    gated MLP: silu(gate) * up               -> FusedGatedMLP               (swiglu; experts' too)
     Block's MLP: c_fc bias + GeLU            -> bias_gelu
                  c_proj bias + dropout + x   -> bias_dropout_add            (FusedBlock)
     CausalSelfAttention.core (sdpa)          -> FlashAttentionCore          (flash_attention; triton only:
@@ -38,6 +40,8 @@ from kernels.backend import HAS_TRITON
 from kernels.bias_gelu import bias_dropout_add, bias_gelu
 from kernels.flash_attention import flash_attention
 from kernels.layer_norm import layer_norm
+from kernels.rms_norm import rms_norm
+from kernels.swiglu import swiglu
 from kernels.linear_cross_entropy import linear_cross_entropy
 
 MODES = ("auto", "triton", "torch", "compile", "head")
@@ -65,6 +69,28 @@ class FusedLayerNorm(nn.Module):
 
     def forward(self, x):
         return layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+
+
+class FusedRMSNorm(nn.Module):
+    def __init__(self, norm, backend):
+        super().__init__()
+        self.weight, self.eps, self.backend = norm.weight, norm.eps, backend
+
+    def forward(self, x):
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps     # nn.RMSNorm's default
+        return rms_norm(x, self.weight, eps, backend=self.backend)
+
+
+class FusedGatedMLP(nn.Module):
+    """model.MLP with mlp="swiglu": silu(gate) * up of c_fc's [gate | up] output in one kernel; same children, same
+    names. c_fc and c_proj are called as modules (their biases, FP8 GEMMs, tensor-parallel collectives kept)."""
+
+    def __init__(self, mlp, backend):
+        super().__init__()
+        self.c_fc, self.c_proj, self.dropout, self.backend = mlp.c_fc, mlp.c_proj, mlp.dropout, backend
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(swiglu(self.c_fc(x), backend=self.backend)))
 
 
 class FlashAttentionCore(nn.Module):
@@ -154,11 +180,15 @@ def apply_kernels(model, mode="auto"):
         if type(getattr(model, "lm_head", None)) is LMHead:
             model.lm_head = FusedLMHead(model.lm_head, "triton")
         return mode
-    # leaves first (LayerNorms, attention cores), then the blocks that hold them
+    # leaves first (norms, attention cores, gated MLPs), then the blocks that hold them
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.LayerNorm):
                 setattr(module, child_name, FusedLayerNorm(child, mode))
+            elif isinstance(child, nn.RMSNorm):
+                setattr(module, child_name, FusedRMSNorm(child, mode))
+            elif type(child) is MLP and child.gated:
+                setattr(module, child_name, FusedGatedMLP(child, mode))
             elif isinstance(child, AttentionCore) and mode == "triton":
                 if child.dropout > 0 or getattr(module, "q_per_kv", 1) > 1:
                     print(f"kernels: {name}.{child_name} keeps sdpa (attention dropout and grouped-query attention "

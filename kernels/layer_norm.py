@@ -38,6 +38,16 @@ if HAS_TRITON:
         return ptrs, (rows[:, None] < M) & (cols[None, :] < N), rows
 
     @triton.jit
+    def _backward_tile(X, DY, DX, tile, M, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+        """What a norm's backward reads of row tile `tile`: (x, dy in ACC, dx's pointers, the mask, the rows)."""
+        x_ptrs, mask, rows = _row_tile(X, tile, M, N, ROWS, BLOCK_N)
+        dy_ptrs, _, _ = _row_tile(DY, tile, M, N, ROWS, BLOCK_N)
+        dx_ptrs, _, _ = _row_tile(DX, tile, M, N, ROWS, BLOCK_N)
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(ACC)
+        return x, dy, dx_ptrs, mask, rows
+
+    @triton.jit
     def _ln_fwd(X, Y, W, B, Mean, Rstd, M, N, EPS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                 ACC: tl.constexpr):
         # program p normalizes row tiles p, p + G, p + 2G, ... (G programs): w and b are loaded once per program
@@ -65,11 +75,7 @@ if HAS_TRITON:
         dw = tl.zeros([BLOCK_N], dtype=ACC)
         db = tl.zeros([BLOCK_N], dtype=ACC)
         for tile in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
-            x_ptrs, mask, rows = _row_tile(X, tile, M, N, ROWS, BLOCK_N)
-            dy_ptrs, _, _ = _row_tile(DY, tile, M, N, ROWS, BLOCK_N)
-            dx_ptrs, _, _ = _row_tile(DX, tile, M, N, ROWS, BLOCK_N)
-            x = tl.load(x_ptrs, mask=mask, other=0.0).to(ACC)
-            dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(ACC)
+            x, dy, dx_ptrs, mask, rows = _backward_tile(X, DY, DX, tile, M, N, ROWS, BLOCK_N, ACC)
             mean = tl.load(Mean + rows, mask=rows < M, other=0.0)
             rstd = tl.load(Rstd + rows, mask=rows < M, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
@@ -136,20 +142,30 @@ class LayerNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2, weight, mean, rstd = ctx.saved_tensors
         M, N = x2.shape
-        dy2 = dy.reshape(-1, N).contiguous()
-        dx = torch.empty_like(x2)
-        R = _rows_per_tile(x2, next_pow2(N))
-        G = _n_programs(triton.cdiv(M, R), x2.device)
-        dw_part = torch.empty(G, N, device=x2.device, dtype=compute_dtype(x2))
-        db_part = torch.empty(G, N, device=x2.device, dtype=compute_dtype(x2))
+        dy2, dx, R, G, (dw_part, db_part) = backward_buffers(x2, dy, 2)
         _ln_bwd[(G,)](x2, dy2, dx, weight.contiguous(), mean, rstd, dw_part, db_part, M, N,
                       ROWS=R, BLOCK_N=next_pow2(N), ACC=compute_type(x2), num_warps=_num_warps(R * next_pow2(N)))
-        dw, db = torch.empty_like(weight), torch.empty_like(weight)
-        BLOCK_C = min(128, next_pow2(N))
-        for part, out in ((dw_part, dw), (db_part, db)):
-            _sum_rows[(triton.cdiv(N, BLOCK_C),)](part, out, G, N, BLOCK_G=min(32, next_pow2(G)), BLOCK_C=BLOCK_C,
-                                                 ACC=compute_type(x2))
-        return dx.view(ctx.shape), dw, db, None
+        return dx.view(ctx.shape), column_sums(dw_part, weight), column_sums(db_part, weight), None
+
+
+def backward_buffers(x2, dy, n_partials):
+    """What a norm's backward launches with (here and kernels/rms_norm.py): (dy as x2's [M, N] rows, dx, rows per
+    tile, programs G, n_partials per-program partial sums [G, N] in the compute dtype)."""
+    M, N = x2.shape
+    R = _rows_per_tile(x2, next_pow2(N))
+    G = _n_programs(triton.cdiv(M, R), x2.device)
+    partials = [torch.empty(G, N, device=x2.device, dtype=compute_dtype(x2)) for _ in range(n_partials)]
+    return dy.reshape(-1, N).contiguous(), torch.empty_like(x2), R, G, partials
+
+
+def column_sums(partials, like):
+    """The sum over programs of a backward's partials [G, N]: [N], like `like` (a weight), by one small kernel."""
+    G, N = partials.shape
+    out = torch.empty_like(like)
+    BLOCK_C = min(128, next_pow2(N))
+    _sum_rows[(triton.cdiv(N, BLOCK_C),)](partials, out, G, N, BLOCK_G=min(32, next_pow2(G)), BLOCK_C=BLOCK_C,
+                                         ACC=compute_type(partials))
+    return out
 
 
 def layer_norm_reference(x, weight, bias, eps=1e-5):

@@ -177,6 +177,10 @@ def test_default_layout_shows_more_than_one_axis(tiny_data, tmp_path):
     (2, dict(pp=2, pp_schedule="dualpipev", pp_virtual=2, n_layer=4, micro_batch_size=4), "dualpipev needs"),
     (2, dict(dp=2, zero_stage=3, pp_schedule="interleaved", pp_virtual=2, n_layer=4), "interleaved needs --pp > 1"),
     (2, dict(tp=2, fp8="blockwise"), "--fp8 blockwise with tp=2 needs n_embd/tp (32/2) a multiple of 128"),
+    (2, dict(tp=2, fp8="blockwise", arch="llama", n_embd=256, n_kv_head=2, ffn_hidden=512),   # k, v: 64 rows a rank
+     "--fp8 blockwise with tp=2 needs n_kv_head*head_dim/tp (128/2) a multiple of 128"),
+    (2, dict(tp=2, fp8="blockwise", arch="llama", n_embd=256, ffn_hidden=384),                # gate, up: 192 a rank
+     "--fp8 blockwise with tp=2 needs ffn_hidden/tp (384/2) a multiple of 128"),
     (2, dict(tp=2, zero_stage=3), "with dp*cp = 1 there is nothing to shard"),
     (4, dict(dp=2, tp=2, zero_stage=3, fp8="tensorwise", fp8_all_gather=True), "--fp8_all_gather with --tp > 1"),
     (2, dict(tp=2, sp=True, block_size=15, cp_layout="ring"), "block_size/cp=15 is not divisible by tp=2"),

@@ -230,18 +230,23 @@ def test_bad_input_is_one_clear_error(tiny_data, tmp_path, monkeypatch, capsys):
         assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
 
 
-@pytest.mark.parametrize("world,runs", [(2, [(2, 4, 2)]), (4, [(4, 8, 2), (2, 4, 1)])])   # (ep, n_experts, top_k)
+# Mixtral's layout: SwiGLU experts (c_fc rows [gate | up]) whose top-2 gates are renormalized, RMSNorm, GQA, untied
+MIXTRAL = dict(arch="mixtral", n_kv_head=2, ffn_hidden=24, tied=False)
+
+
+@pytest.mark.parametrize("world,runs", [(2, [(2, 4, 2, MIXTRAL)]), (4, [(4, 8, 2, {}), (2, 4, 1, {})])])
 def test_float64_parity_exact(text_data, tmp_path, world, runs):
     """float64 on real text, clipping on, 22 steps: expert parallelism (one EP group, or two with every expert
-    on 2 ranks) reproduces train_single's MoE within 1e-9 per step (loss and grad norm) and in the final
-    weights. Micro-batches of 2 on every rank, the whole batch of 8 in one micro-batch in train_single: with
-    global-batch load balancing (the default) the objective does not depend on how the batch is split."""
-    argvs = [text_argv(text_data, str(tmp_path / f"ep{i}"), micro_batch_size=2, n_experts=E, top_k=k, ep=ep)
-             for i, (ep, E, k) in enumerate(runs)]
+    on 2 ranks; GPT's GeLU experts, and Mixtral's SwiGLU ones) reproduces train_single's MoE within 1e-9 per step
+    (loss and grad norm) and in the final weights. Micro-batches of 2 on every rank, the whole batch of 8 in one
+    micro-batch in train_single: with global-batch load balancing (the default) the objective does not depend on
+    how the batch is split."""
+    argvs = [text_argv(text_data, str(tmp_path / f"ep{i}"), micro_batch_size=2, n_experts=E, top_k=k, ep=ep, **kw)
+             for i, (ep, E, k, kw) in enumerate(runs)]
     results = run_workers(_train_ep_runs, world, args=(argvs,), timeout=600)
-    for i, (ep, E, k) in enumerate(runs):
+    for i, (ep, E, k, kw) in enumerate(runs):
         ref, ref_state = run_single(text_argv(text_data, str(tmp_path / f"single{i}"), micro_batch_size=8,
-                                              n_experts=E, top_k=k), both_curves=True)
+                                              n_experts=E, top_k=k, **kw), both_curves=True)
         assert_exact(ref, curves(str(tmp_path / f"ep{i}")))
         got = {n: torch.from_numpy(a) for r in results[:ep] for n, a in r[i].items()}
         assert_same_weights(ref_state, got, rtol=EXACT)

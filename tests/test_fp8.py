@@ -89,6 +89,18 @@ def test_convert_to_float8_swaps_only_the_big_linears():
         Float8Linear.from_float(nn.Linear(16, 16), "per-channel")
 
 
+def test_the_gated_mlps_three_linears_run_fp8():
+    """The Llama family's SwiGLU MLP: c_fc holds gate and up ([gate | up] rows), c_proj is down; all three run in
+    FP8 (SwiGLU experts too), the router stays in high precision."""
+    from model import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, norm="rmsnorm", mlp="swiglu",
+                    ffn_hidden=48, n_kv_head=2, bias=False, qkv_bias=False, tied=False, n_experts=2, moe_every=2)
+    swapped = convert_to_float8(GPT(cfg), "rowwise")
+    assert sorted(swapped) == sorted([f"transformer.h.{i}.attn.{m}" for i in range(2) for m in ("c_attn", "c_proj")]
+                                     + [f"transformer.h.0.mlp.{m}" for m in ("c_fc", "c_proj")]
+                                     + [f"transformer.h.1.mlp.experts.{e}.{m}" for e in range(2) for m in ("c_fc", "c_proj")])
+
+
 @functools.lru_cache(maxsize=None)
 def train_toy_gpt(recipe, steps=100):
     """A 2-layer GPT on a learnable token pattern; returns (mean loss of the last 10 steps, first loss). The

@@ -10,9 +10,10 @@ import torch
 import transformers
 
 from common.checkpoint.files import latest_checkpoint, load_checkpoint
+from distributed_helper import run_workers
 from common.hf import interop, llama
 from model import GPT, GPTConfig
-from train_helpers import curves, run_single, text_argv
+from train_helpers import EXACT, assert_exact, curves, run_single, text_argv
 
 transformers.logging.set_verbosity_error()
 SHAPE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
@@ -168,3 +169,34 @@ def test_init_from_gives_transformers_loss_and_exports_back(case, text_data, tmp
     files = load_file(os.path.join(exported, "model.safetensors"))
     for name, p in ours.named_parameters():
         assert torch.equal(llama.from_hf_pieces(name, [files[n] for n in llama.hf_names(name, mc)], mc), p), name
+
+
+def _main(rank, world, script, argv):
+    import importlib
+    importlib.import_module(script).main(argv)
+
+
+@pytest.fixture(scope="module")
+def llama_import(text_data, tmp_path_factory):
+    """A saved LlamaForCausalLM (GQA 2 of 4 heads, Llama 3's rotary scaling, untied) and train_single's 4 float64
+    steps from it: (the run's flags, its (losses, grad norms))."""
+    root = tmp_path_factory.mktemp("llama_import")
+    hf_dir, out = str(root / "hf"), str(root / "single")
+    build("llama_gqa_llama3_untied", vocab_size=256).save_pretrained(hf_dir)
+    flags = dict(max_steps=4, init_from=hf_dir, **FLAGS["llama_gqa_llama3_untied"])
+    run_single(text_argv(text_data, out, micro_batch_size=8, **flags))
+    return flags, curves(out)
+
+
+@pytest.mark.parametrize("script, world, layout", [("train_5d", 4, dict(tp=2, pp=2, sp=True, micro_batch_size=4)),
+                                                   ("train_zero", 2, dict(zero_stage=3, micro_batch_size=4))],
+                         ids=["tp2-pp2-sp", "zero3"])
+def test_an_imported_llama_trains_in_any_layout_as_in_train_single(llama_import, text_data, tmp_path, script, world,
+                                                                   layout):
+    """Each rank takes its part of the imported weights (TP: the 2 key/value heads one per rank with their query
+    heads, the untied head's vocabulary rows; PP: its stages; ZeRO-3: its shards) and trains as train_single does,
+    1e-9 per step (loss and grad norm)."""
+    flags, ref = llama_import
+    out = str(tmp_path / "run")
+    run_workers(_main, world, args=(script, text_argv(text_data, out, **flags, **layout)))
+    assert_exact(ref, curves(out), EXACT)

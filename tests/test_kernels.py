@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("triton")
 import kernels  # noqa: E402
 from kernels import (attention_reference, bias_dropout_add, bias_gelu, flash_attention, layer_norm,  # noqa: E402
-                     linear_cross_entropy)
+                     linear_cross_entropy, rms_norm, swiglu)
+from kernels.swiglu import swiglu_reference  # noqa: E402
 from kernels.backend import block_offsets, tl, triton  # noqa: E402
 from kernels.flash_attention import _dense_head_start, _head_start  # noqa: E402
 from kernels.linear_cross_entropy import linear_cross_entropy_reference  # noqa: E402
@@ -71,6 +72,19 @@ def test_bias_gelu_fp32_and_bf16():
                           [x, b], randn(6, 49))
     check_bf16(lambda x, b: bias_gelu(x, b, backend="triton"), lambda x, b: F.gelu(x + b),
                [randn(7, 49) * 3, b])
+
+
+def test_rms_norm_and_swiglu_fp32_odd_shapes_and_bf16():
+    """The Llama family's kernels: RMSNorm on 15 non-contiguous rows of 37, SwiGLU on [gate | up] rows of 2 x 23."""
+    torch.manual_seed(8)
+    x, w = randn(37, 3, 5).transpose(0, 2), randn(37)
+    check_against_float64(lambda x, w: rms_norm(x, w, 1e-6, backend="triton"),
+                          lambda x, w: F.rms_norm(x, (37,), w, 1e-6), [x, w], randn(5, 3, 37))
+    check_bf16(lambda x, w: rms_norm(x, w, 1e-6, backend="triton"), lambda x, w: F.rms_norm(x, (37,), w, 1e-6),
+               [randn(19, 37), w])
+    h = randn(7, 50)[:, 2:48]                      # non-contiguous rows of 46: gate 23 | up 23
+    check_against_float64(lambda h: swiglu(h, backend="triton"), swiglu_reference, [h], randn(7, 23))
+    check_bf16(lambda h: swiglu(h, backend="triton"), swiglu_reference, [randn(9, 46) * 3])
 
 
 def test_bias_dropout_add():
@@ -156,6 +170,9 @@ F64_CASES = {
                    lambda x, w, b: F.layer_norm(x, (37,), w, b), [(15, 37), (37,), (37,)], (15, 37)),
     "bias_gelu": (lambda x, b: bias_gelu(x, b, backend="triton"), lambda x, b: F.gelu(x + b),
                   [(6, 49), (49,)], (6, 49)),
+    "rms_norm": (lambda x, w: rms_norm(x, w, 1e-6, backend="triton"), lambda x, w: F.rms_norm(x, (37,), w, 1e-6),
+                 [(15, 37), (37,)], (15, 37)),
+    "swiglu": (lambda h: swiglu(h, backend="triton"), swiglu_reference, [(6, 2 * 49)], (6, 49)),
     "bias_dropout_add": (lambda x, b, r: bias_dropout_add(x, b, r, 0.0, True, backend="triton"),
                          lambda x, b, r: r + x + b, [(5, 41), (41,), (5, 41)], (5, 41)),
     "flash_attention": (lambda q, k, v: flash_attention(q, k, v, True, backend="triton"),
@@ -196,6 +213,7 @@ def test_kernels_refuse_dtypes_they_do_not_compute(dtype):
     x = randn(4, 32).to(dtype)
     for call in (lambda: layer_norm(x, randn(32), randn(32), backend="triton"),
                  lambda: bias_gelu(x, randn(32), backend="triton"),
+                 lambda: rms_norm(x, randn(32), backend="triton"), lambda: swiglu(x, backend="triton"),
                  lambda: flash_attention(x[None, None], x[None, None], x[None, None], backend="triton")):
         with pytest.raises(ValueError, match=rf"{str(dtype).removeprefix('torch.')}.*backend='torch'"):
             call()
@@ -371,6 +389,31 @@ def test_kernels_head_swaps_the_lm_head_alone():
     assert type(model.lm_head).__name__ == "FusedLMHead" and model.lm_head.backend == "triton"
     assert all(type(m) is Block for m in model.transformer.h) and type(model.transformer.ln_f) is torch.nn.LayerNorm
     assert type(model.transformer.h[0].attn.core).__name__ == "AttentionCore"
+
+
+def test_apply_kernels_on_the_llama_family_is_the_same_model_in_float64():
+    """RMSNorm and the gated MLP (dense and experts) swapped for the fused kernels: the same parameters, and in
+    float64 the same loss and gradients as model.py's modules to float64 rounding."""
+    from model import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, norm="rmsnorm", norm_eps=1e-6,
+                    mlp="swiglu", ffn_hidden=40, n_kv_head=2, bias=False, qkv_bias=False, tied=False, n_experts=2,
+                    moe_every=2, router_renorm=True)
+    ref, ours = (GPT(cfg, seed=3).to(DEVICE, torch.float64) for _ in range(2))
+    before = dict(ours.named_parameters())
+    kernels.apply_kernels(ours, "triton")
+    assert dict(ours.named_parameters()) == before
+    assert type(ours.transformer.h[0].ln_1).__name__ == "FusedRMSNorm"
+    assert type(ours.transformer.ln_f).__name__ == "FusedRMSNorm"
+    assert type(ours.transformer.h[0].mlp).__name__ == "FusedGatedMLP"
+    assert {type(e).__name__ for e in ours.transformer.h[1].mlp.experts} == {"FusedGatedMLP"}
+    idx = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    losses = [model(idx[:, :-1], idx[:, 1:])[1] for model in (ref, ours)]
+    for loss in losses:
+        loss.backward()
+    a, b = (float(loss.detach()) for loss in losses)
+    assert abs(b - a) <= 1e-13 * a, (a, b)
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert rel_err(q.grad, p.grad) <= F64_RTOL, name
 
 
 class OpInputs(TorchDispatchMode):

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from distributed_helper import run_workers
 from model import GPTConfig, num_params
-from common.tp_shards import gather_full_weights, init_tp_weights, shard_of
+from common.module_io import shard_of
+from common.tp_shards import gather_full_weights, init_tp_weights
 from train_helpers import (EXACT, MODELS, assert_exact, assert_same_losses, assert_same_weights, curves, losses,
                            run_single, text_argv, tiny_argv)
 from common.metrics import read_metrics
@@ -234,7 +235,8 @@ def _float64_worker(rank, n, argvs):
 
 @pytest.mark.parametrize("n,runs", [
     (2, [dict(), dict(sp=True), dict(sp=True, tp_overlap=True), dict(sp=True, grad_clip=0.0),
-         dict(sp=True, arch="qwen2", ffn_hidden=48)]),     # RMSNorm, SwiGLU's [gate | up] rows, q/k/v biases alone
+         dict(sp=True, arch="qwen2", ffn_hidden=48, n_kv_head=2, tied=False)]),   # RMSNorm, SwiGLU's [gate | up]
+    # rows, q/k/v biases alone, 2 key/value heads for 4 query heads (q|k|v blocks of widths 2:1:1), an untied head
     (3, [dict(sp=True, **MODELS["TP3"]), dict(sp=True, grad_clip=0.0, **MODELS["TP3"])])])  # 6 heads, T=48
 def test_float64_parity_exact(text_reference, text_data, tmp_path, n, runs):
     """float64 on real text across a gradient spike (23-51x), with and without clipping: TP, SP and SP with
@@ -325,7 +327,7 @@ def test_block_collectives_and_activation_memory(tp_runs, n):
     (3, dict(tp=3), "n_head=4 is not divisible by tp=3"),
     (2, dict(tp=2, sp=True, block_size=15), "block_size=15 is not divisible by tp=2"),
     (2, dict(tp=4), "must equal the number of processes (2)"),
-    (2, dict(tp=2, arch="llama", n_kv_head=2), "--n_kv_head 2 with tp=2: tensor parallelism of grouped-query"),
+    (2, dict(tp=2, arch="llama", n_kv_head=1), "--n_kv_head 1 is not divisible by tp=2"),
 ])
 def test_bad_input_fails_early(tiny_data, tmp_path, monkeypatch, capsys, world, overrides, message):
     import train_tp

@@ -124,11 +124,17 @@ def recorded_launches():
         yield log
 
 
-def tiny_gpt(dtype, dropout=0.0):
-    """A 1-layer GPT with --kernels triton applied (float64 parameters for the float64 runs)."""
+# the Llama family's fields (--arch llama): RMSNorm and the gated MLP's kernels instead of LayerNorm and bias + GeLU
+LLAMA = dict(norm="rmsnorm", mlp="swiglu", ffn_hidden=48, bias=False, qkv_bias=False, tied=False)
+
+
+def tiny_gpt(dtype, dropout=0.0, family=None):
+    """A 1-layer GPT (family: model fields, LLAMA) with --kernels triton applied (float64 parameters for the float64
+    runs)."""
     from kernels import apply_kernels
     from model import GPT, GPTConfig
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=dropout), seed=0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=dropout,
+                          **(family or {})), seed=0)
     model = model.to(DEVICE, torch.float64 if dtype == "float64" else torch.float32)
     apply_kernels(model, "triton")
     return model
@@ -136,12 +142,13 @@ def tiny_gpt(dtype, dropout=0.0):
 
 def model_launches(dtype):
     """Every launch of one training micro-step of a tiny GPT under --dtype `dtype` with --kernels triton, once
-    without dropout (flash attention, the fused MLP) and once with (the dropout kernels; attention keeps sdpa).
+    without dropout (flash attention, the fused MLP), once with (the dropout kernels; attention keeps sdpa), and
+    once in the Llama family's layout (RMSNorm, the gated MLP).
     16-bit runs use autocast (on a CPU it casts this model's Linears as CUDA's autocast does)."""
     launches = []
     idx = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    for dropout in (0.0, 0.1):
-        model = tiny_gpt(dtype, dropout)
+    for dropout, family in ((0.0, None), (0.1, None), (0.0, LLAMA)):
+        model = tiny_gpt(dtype, dropout, family)
         low_precision = dtype in ("bfloat16", "float16")
         with recorded_launches() as log:
             with torch.autocast(DEVICE, dtype=getattr(torch, dtype), enabled=low_precision):

@@ -42,7 +42,8 @@ from common.checkpoint import fp8_state
 from common.checkpoint.rank_states import by_rank, own_rng_state, rng_state, set_rng_state
 from common.optim import configure_optimizer
 from common.run_identity import corpus_of
-from common.tp_shards import full_shape, tp_gather, tp_slice
+from common.module_io import tp_slice
+from common.tp_shards import full_shape, tp_gather
 from model import GPT
 
 
