@@ -22,7 +22,7 @@ from train_helpers import tiny_argv
 
 ONCE_PER_STEP = ("float(loss_sum)", "float(grad_norm)", "optim.py:step_ok:", "train_ddp.py:mean_over_group:",
                  "routing.py:router_metrics:")
-MOE_READS = ("model.py:forward: sizes = ", "train_ep.py:dispatch: sizes = ")   # the rows per expert, once per block
+MOE_READS = ("moe/layer.py:forward: sizes = ", "train_ep.py:dispatch: sizes = ")   # the rows per expert, once per block
 
 
 def unexpected(events, allowed=ONCE_PER_STEP, step=1):
