@@ -29,7 +29,7 @@ import copy
 import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import fields
 from itertools import product
 
 import torch
@@ -114,7 +114,7 @@ def evaluate(job, lay):
     time = step_time(job, lay, mem)
     tokens = job.global_seqs * job.cfg.block_size
     tps = tokens / time["total"]
-    return dict(asdict(lay), mem_bytes={k: mem[k] for k in MEM_PARTS + ("device", "usable")},
+    return dict({f.name: getattr(lay, f.name) for f in fields(lay)}, mem_bytes={k: mem[k] for k in MEM_PARTS + ("device", "usable")},
                 time_s=time, step_time_s=time["total"], tokens_per_s=tps,
                 mfu=tps * plan_shape.flops_per_token(job) / (job.gpus * job.peak),
                 oom=mem["reserved"] > mem["usable"], verdict=verdict(mem["total"], mem["usable"]),

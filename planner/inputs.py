@@ -17,7 +17,8 @@ A layout is valid when
     grad_acc >= pp except for afab, zbv and 1f1b, grad_acc >= 2*pp for dualpipev (as train_5d.py and train_pp.py);
     1f1b with fewer micro-batches than stages is all forwards then all backwards: as_run evaluates it as afab.
 """
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, fields, replace
+from functools import cached_property
 
 from common.errors import check
 from common.peaks import GPU_PEAK_TFLOPS
@@ -183,9 +184,21 @@ class Job:
                                 # and each block's sum are fp32), so the LayerNorms save 4-byte inputs; False where
                                 # the forward runs 16-bit weights (FSDP's param_dtype)
 
-    @property
+    def __hash__(self):
+        """A Job is a key of the search's caches (planner/memory.py): hashed by its fields, its GPTConfig's as a tuple
+        (the generated hash would refuse the mutable GPTConfig; equality stays the generated field by field)."""
+        return hash(self.key)
+
+    @cached_property
+    def key(self):
+        """Every field as one hashable tuple (built once: a Job is not changed after it is made)."""
+        return (astuple(self.cfg),) + tuple(getattr(self, f.name) for f in fields(self)[1:])
+
+    @cached_property
     def shape(self):
-        """The model as a hashable key (for the cached flat_groups): GPTConfig's fields, then the shape options."""
+        """The model as a hashable key (for the cached flat_groups): GPTConfig's fields, then the shape options.
+        Built once per Job (the search asks for it about ten times per layout); a Job is frozen and its cfg is not
+        changed after it is made (dataclasses.replace makes a new Job)."""
         return (tuple((k, getattr(self.cfg, k)) for k in ("vocab_size", "n_layer", "n_embd", "n_head", "n_experts",
                                                           "moe_every", "top_k"))
                 + tuple((k, getattr(self, k)) for k in SHAPE_OPTIONS))

@@ -16,7 +16,7 @@ formula in the docstring, and the tests hold each against what the rungs count (
     on the device  = reserved + CUDA_CONTEXT + NCCL_COMM_BYTES per communicator   (what nvidia-smi shows)
     OOM            reserved > usable_bytes = the GPU's total capacity - CUDA_CONTEXT - NCCL_COMM_BYTES per communicator
                    (with the cap: the live tensors alone do not fit)
-    of the fuller of pipeline ranks 0 and p-1 (peak_rank says which). Those constants, their sources and the verdict
+    of the fullest pipeline rank (peak_rank says which; memory.peak_candidates). Those constants, their sources and the verdict
     (fits, close, OOM): planner/device_memory.py.
 
 Stages are placed as pipeline_schedules.stage_of places them: round-robin (stage c*p + rank is chunk c of rank),
@@ -53,10 +53,36 @@ def stage_blocks(job, pp, v, rank, placement="loop"):
     """Global block indices on pipeline rank `rank`: its v chunks (stages stage_of(rank, c): rank, rank+p, ...
     round-robin; rank and 2p-1-rank in a V), stage k holding shape.stage_layer_counts' k-th share (L/(p*v)
     each when they divide and no end is cut), chunk 0 first."""
-    counts = stage_layer_counts(job, pp * v)
+    return rank_blocks(job.shape, pp, v, rank, placement)
+
+
+@lru_cache(maxsize=None)
+def rank_blocks(shape, pp, v, rank, placement):
+    """stage_blocks of a Job.shape, as a tuple (cached: the search asks for it several times per layout)."""
+    counts = stage_layer_counts(job_of_shape(shape), pp * v)
     starts = [sum(counts[:k]) for k in range(pp * v)]
     stages = [stage_of(rank, c, pp, placement) for c in range(v)]
-    return [i for s in stages for i in range(starts[s], starts[s] + counts[s])]
+    return tuple(i for s in stages for i in range(starts[s], starts[s] + counts[s]))
+
+
+@lru_cache(maxsize=None)
+def block_sizes(shape, tp, ep, pp, v, rank, placement):
+    """Parameters of each block on pipeline rank `rank` (shape.block_numels summed; a Job.shape)."""
+    job = job_of_shape(shape)
+    return tuple(sum(block_numels(job, tp, ep, job.cfg.is_moe_block(i)))
+                 for i in rank_blocks(shape, pp, v, rank, placement))
+
+
+def moe_blocks(job, pp, v, rank, placement="loop"):
+    """How many of stage_blocks' blocks are MoE blocks (cached with them)."""
+    return rank_moe_blocks(job.shape, pp, v, rank, placement)
+
+
+@lru_cache(maxsize=None)
+def rank_moe_blocks(shape, pp, v, rank, placement):
+    """moe_blocks of a Job.shape."""
+    cfg = job_of_shape(shape).cfg
+    return sum(cfg.is_moe_block(i) for i in rank_blocks(shape, pp, v, rank, placement))
 
 
 def end_ranks(lay):
@@ -109,7 +135,8 @@ def model_state(job, lay, rank):
     for experts, ranks in parts:
         these = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, bucket_mb(job, n),
                             placement, experts)
-        st = zero_state_bytes(these, ranks, lay.zero_stage, PRECISION[job.precision][0], job.moments, job.grad_dtype)
+        st = cached_state_bytes(these, ranks, lay.zero_stage, PRECISION[job.precision][0], job.moments,
+                                job.grad_dtype)
         total = {k: total[k] + st[k] for k in total}
         groups += these
     return total, groups
@@ -157,6 +184,10 @@ def zero_state_bytes(groups, n, stage, recipe, moments="fp32", grad_dtype="param
                 optimizer=b["optim"] * padded / (n if stage >= 1 else 1), padded=padded)
 
 
+# the search meets the same flat groups (a tuple) for every micro-batch size, recompute mode and schedule
+cached_state_bytes = lru_cache(maxsize=None)(zero_state_bytes)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # activations
 
@@ -198,6 +229,7 @@ def moe_extra_bytes(job, lay):
     return router + experts + combine - dense
 
 
+@lru_cache(maxsize=4096)     # asked for several times per layout (each pipeline rank, dense and MoE blocks)
 def layer_activation_bytes(job, lay, moe=False, extras=True):
     """Bytes one block keeps for backward for one micro-batch of b sequences of s = seq/cp tokens:
     tp_activation_bytes_per_layer (Korthikanti eq. 2 with TP: sbh(10 + 24/t + 5as/(ht)), TP+SP: /t; with flash
@@ -273,8 +305,9 @@ def activation_bytes(job, lay, rank):
     """shape.held_layers (in_flight(rank) x L/(p*v) blocks when the chunks are even) x layer_activation_bytes
     + head_activation_bytes on the last stage's rank (x m for afab, else 1: every other schedule runs a
     micro-batch's last-stage backward right after its forward)."""
-    blocks = stage_blocks(job, lay.pp, lay.v, rank, placement_of(lay.schedule))
-    moe_share = sum(job.cfg.is_moe_block(i) for i in blocks) / max(1, len(blocks))
+    placement = placement_of(lay.schedule)
+    blocks = stage_blocks(job, lay.pp, lay.v, rank, placement)
+    moe_share = moe_blocks(job, lay.pp, lay.v, rank, placement) / max(1, len(blocks))
     layer = (1 - moe_share) * layer_activation_bytes(job, lay) + moe_share * layer_activation_bytes(job, lay, True)
     total = held_layers(job, lay, rank, lay.grad_acc(job)) * layer
     if rank == end_ranks(lay)[1]:
@@ -303,8 +336,8 @@ def other_bytes(job, lay, rank, groups):
         out += max(groups) * (2 * sizes["params"] + sizes["grads"])
     recomputed = 0      # full recompute: the blocks' casts are not saved (each is made again in its recompute)
     if lay.recompute == "full" and lay.zero_stage < 3:
-        blocks = stage_blocks(job, lay.pp, lay.v, rank, placement_of(lay.schedule))
-        recomputed = [sum(block_numels(job, lay.tp, lay.ep, job.cfg.is_moe_block(i))) for i in blocks] or [0]
+        recomputed = list(block_sizes(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, placement_of(lay.schedule)))
+        recomputed = recomputed or [0]
     if job.precision == "amp":      # ZeRO-3 frees a unit's casts with its gathered weights: current + prefetched
         out += 2 * (2 * max(groups) if lay.zero_stage == 3 else sum(groups) - sum(recomputed or [0]))
     if lay.pp > 1:
@@ -331,26 +364,52 @@ def peak_bytes(job, lay, parts):
     return max(whole - parts["grads"], parts["params"] + parts["grads"] + parts["optimizer"] + CUBLAS_WORKSPACE)
 
 
+def peak_candidates(job, lay):
+    """The pipeline ranks memory evaluates, those whose memory can be the peak. Every rank where ranks differ in what
+    they hold beyond in-flight micro-batches: stages of uneven size (cut ends, ends_as_layers, p*v not dividing L),
+    MoE blocks falling differently on them, or a receive buffer per micro-batch (job.pp_recv_per_micro_batch: a
+    middle rank holds m more than the first, which can outweigh the first's embedding). Else the ends and the turn:
+    rank 0 (the first stage), the last stage's rank (the head) and p-1 (in a V the turn), as a middle rank holds the
+    same blocks as these and no more in flight than one of them (memory.in_flight falls with the rank under 1f1b and
+    interleaved, rises to p-1 in zbv's V, is even otherwise; tests/test_plan_memory.py holds the two equal)."""
+    return peak_ranks(job.shape, lay.pp, lay.v, placement_of(lay.schedule), job.pp_recv_per_micro_batch)
+
+
+@lru_cache(maxsize=None)
+def peak_ranks(shape, pp, v, placement, recv_per_micro_batch):
+    """peak_candidates of a Job.shape."""
+    job = job_of_shape(shape)
+    moe = {tuple(job.cfg.is_moe_block(i) for i in rank_blocks(shape, pp, v, r, placement)) for r in range(pp)}
+    if len(set(stage_layer_counts(job, pp * v))) > 1 or len(moe) > 1 or recv_per_micro_batch:
+        return tuple(range(pp))
+    return tuple(sorted({0, rank_of(pp * v - 1, pp, placement), pp - 1}))
+
+
+def rank_memory(job, lay, rank, usable):
+    """Memory parts of pipeline rank `rank` (bytes), as memory() describes them, and the flat groups' count."""
+    st, groups = model_state(job, lay, rank)
+    parts = dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
+                 activations=activation_bytes(job, lay, rank), other=other_bytes(job, lay, rank, groups))
+    parts["total"] = peak_bytes(job, lay, parts)
+    parts["reserved"] = parts["total"] + ALLOCATOR_RESERVE * (parts["activations"] + parts["other"])
+    if parts["total"] <= usable:                  # the cache yields to live tensors before a cudaMalloc fails
+        parts["reserved"] = min(parts["reserved"], usable)
+    parts["padded_params"] = st["padded"]
+    parts["groups"] = len(groups)        # buckets (ZeRO 0-2) or units (ZeRO-3): one collective each
+    parts["peak_rank"] = rank
+    return parts
+
+
 def memory(job, lay):
-    """Memory parts of the fuller of pipeline ranks 0 and p-1 (bytes): the two ends (most in flight under afab,
-    1f1b and interleaved on rank 0; the last stage's logits on p-1), in a V both ends and the turn (where zbv holds
-    the most with few micro-batches); peak_rank: which. total: what the tensors take at their peak (allocated); reserved: with the
-    caching allocator's blocks beyond them (ALLOCATOR_RESERVE of the tensors that come and go); device: reserved +
-    the CUDA context and NCCL's buffers (nvidia-smi's figure)."""
+    """Memory parts of the fullest pipeline rank (bytes), the max over peak_candidates (every rank, or the ends and
+    the turn where no middle rank can hold more); peak_rank: which (the lowest of equals). total: what the tensors
+    take at their peak (allocated); reserved: with the caching allocator's blocks beyond them (ALLOCATOR_RESERVE of
+    the tensors that come and go); device: reserved + the CUDA context and NCCL's buffers (nvidia-smi's figure)."""
     best = None
     n = communicators(lay.dp, lay.tp, lay.cp, lay.pp, lay.ep)
     usable = usable_bytes(capacity_of(job), n)
-    for rank in sorted({0, lay.pp - 1}):
-        st, groups = model_state(job, lay, rank)
-        parts = dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
-                     activations=activation_bytes(job, lay, rank), other=other_bytes(job, lay, rank, groups))
-        parts["total"] = peak_bytes(job, lay, parts)
-        parts["reserved"] = parts["total"] + ALLOCATOR_RESERVE * (parts["activations"] + parts["other"])
-        if parts["total"] <= usable:                  # the cache yields to live tensors before a cudaMalloc fails
-            parts["reserved"] = min(parts["reserved"], usable)
-        parts["padded_params"] = st["padded"]
-        parts["groups"] = len(groups)        # buckets (ZeRO 0-2) or units (ZeRO-3): one collective each
-        parts["peak_rank"] = rank
+    for rank in peak_candidates(job, lay):
+        parts = rank_memory(job, lay, rank, usable)
         if best is None or (parts["reserved"], parts["total"]) > (best["reserved"], best["total"]):
             best = parts
     best["device"] = best["reserved"] + CUDA_CONTEXT + NCCL_COMM_BYTES * n

@@ -79,7 +79,7 @@ def job_of_shape(shape):
     """A Job.shape (hashable) back as the fields this module's formulas read: cfg and the shape options."""
     items = dict(shape)
     options = {k: items.pop(k) for k in SHAPE_OPTIONS}
-    return SimpleNamespace(cfg=GPTConfig(**items), **options)
+    return SimpleNamespace(cfg=GPTConfig(**items), shape=shape, **options)
 
 
 def num_params(job, active=False):
