@@ -328,11 +328,16 @@ def main(argv=None):
     if a.json:
         for r in rows:
             print(json.dumps(r))
-        return rows
-    if searched:
-        print(f"--layout {a.layout}: the keys it leaves out searched (the fastest layout that fits, else the "
-              "smallest): " + ", ".join(f"{k}={rows[0][k]}" for k in searched))
-    print_table(job, rows, a.top)
+    else:
+        if searched:
+            print(f"--layout {a.layout}: the keys it leaves out searched (the fastest layout that fits, else the "
+                  "smallest): " + ", ".join(f"{k}={rows[0][k]}" for k in searched))
+        print_table(job, rows, a.top)
+    best = rows[0]
+    if best["oom"]:
+        fail(f"no layout fits: the smallest needs {best['mem_bytes']['reserved'] / GIB:.1f} GiB of the "
+             f"{best['mem_bytes']['usable'] / GIB:.1f} GiB usable per {job.gpu} (more GPUs, a smaller model, "
+             "micro-batch or sequence, ZeRO-3, recompute)")
     return rows
 
 

@@ -141,8 +141,17 @@ def parse_tokens(text):
     return int(float(number) * scale)
 
 
+# What plan.py searches within seconds (each layout costs O(layers), the grid O(divisors of gpus)): the deepest
+# published transformer has 1,000 layers (DeepNet, Wang et al. 2022), the largest clusters about 10^5 GPUs.
+MAX_LAYERS, MAX_GPUS = 1024, 2 ** 20
+
+
 def check_flags(a):
     """Every number plan.py reads from its flags is in range (ConfigError naming the flag otherwise)."""
+    check(a.n_layer is None or a.n_layer <= MAX_LAYERS, f"--n_layer {a.n_layer}: plan.py plans up to {MAX_LAYERS} "
+                                                        "layers (a search over more would not end in seconds)")
+    check(a.gpus <= MAX_GPUS, f"--gpus {a.gpus}: plan.py plans up to {MAX_GPUS} GPUs (a search over more would not "
+                              "end in seconds)")
     for k in SHAPE:
         check(getattr(a, k) is None or getattr(a, k) > 0, f"--{k} must be a positive integer, got {getattr(a, k)}")
     for k in ("gpus", "gpus_per_node", "seq", "top", "top_k", "loss_chunks"):

@@ -53,7 +53,8 @@ def peak_place(r):
         return "its one pipeline stage"
     last = r["peak_rank"] == (0 if r["schedule"] in V_SHAPED else r["pp"] - 1)
     holds = "both ends (in a V)" if last and r["peak_rank"] == 0 else "the LM head and loss" if last else \
-        "the first stage's micro-batches in flight"
+        "the first stage's micro-batches in flight" if r["peak_rank"] == 0 else \
+        "a middle stage's layers x micro-batches in flight"
     return f"pipeline rank {r['peak_rank']} of {r['pp']}, {holds}"
 
 
@@ -78,10 +79,13 @@ def print_table(job, rows, top):
            and not (job.first_stage_layers or job.last_stage_layers or job.ends_as_layers)
            and rows[0]["recompute"] != "op" and job.rope and not job.fused_loss)
     close = sum(r["verdict"] == "close" for r in rows)
-    print(("OOM: no layout fits (the smallest is first). " if rows[0]["oom"] else "")
-          + f"{sum(not r['oom'] for r in rows)} of {len(rows)} layouts fit"
-          + (f" ({close} a close call: within {100 * CLOSE_CALL:.0f}% of the usable memory)" if close else "")
-          + f"; the first's memory peaks on {peak_place(rows[0])}. Launch"
+    counts = (f"{sum(not r['oom'] for r in rows)} of {len(rows)} layouts fit"
+              + (f" ({close} a close call: within {100 * CLOSE_CALL:.0f}% of the usable memory)" if close else "")
+              + f"; the first's memory peaks on {peak_place(rows[0])}")
+    if rows[0]["oom"]:              # no launch line for a layout that does not fit (plan.main exits non-zero)
+        print(f"OOM: no layout fits (the smallest is first). {counts}.")
+        return
+    print(counts + ". Launch"
           + ("" if gpt else " (model.py's GPT of this depth and width: train_5d has no GQA, SwiGLU, untied embeddings, "
                             "stage sizes of its own, learned positions, a fused loss, nor recompute op)")
           + f":\n{launch_command(job, rows[0])}")

@@ -179,6 +179,9 @@ def even_split(L, first, last, stages, ends=False):
 GENERATORS = dict(afab=afab, zb1=zb_h1, zbv=zb_v, dualpipev=dualpipe_v)
 
 
+REPLAYED_ROUNDS = 4     # micro-batches replayed per stage at most (replayed_peak)
+
+
 def held_layers(job, lay, rank, m):
     """The most layers x micro-batches whose activations pipeline rank `rank` holds at once: its in-flight
     micro-batch-chunks (memory.in_flight), each weighted by its chunk's layers. Even chunks: in_flight x
@@ -187,14 +190,17 @@ def held_layers(job, lay, rank, m):
     releasing them."""
     counts, place = stage_layer_counts(job, lay.pp * lay.v), placement_of(lay.schedule)
     weights = tuple(counts[stage_of(rank, c, lay.pp, place)] for c in range(lay.v))
-    return replayed_peak(lay.schedule, lay.pp, m, lay.v, rank, weights)
+    if lay.schedule == "afab" or lay.pp == 1:       # every forward before the first backward: all m held at once
+        return (m if lay.pp > 1 else 1) * sum(weights)
+    return replayed_peak(lay.schedule, lay.pp, min(m, REPLAYED_ROUNDS * lay.pp), lay.v, rank, weights)
 
 
 @lru_cache(maxsize=None)
 def replayed_peak(schedule, p, m, v, rank, weights):
-    """held_layers for chunk weights `weights` (layers of each of the rank's chunks)."""
-    if p == 1:
-        return weights[0]
+    """held_layers for chunk weights `weights` (layers of each of the rank's chunks), m micro-batches. held_layers
+    replays at most REPLAYED_ROUNDS x p of them: the peak falls in the warm-up or the steady state, whose pattern
+    repeats every p x v forwards, so a longer step holds no more (tests/test_plan_shape.py replays up to 12p in full;
+    a step of a million micro-batches would otherwise replay millions of actions per rank)."""
     if schedule == "interleaved":
         actions = interleaved(p, m, rank, v)
     else:
