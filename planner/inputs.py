@@ -47,18 +47,19 @@ LINK_EFF = 0.8          # NCCL bus bandwidth / link rate (nccl-tests all_reduce 
 
 # Presets. gpt2*: model.py's GPT (Radford et al. 2019). llama3-*: Llama 3 as published (Dubey et al. 2024, "The Llama 3
 # Herd of Models", arXiv 2407.21783, Table 3: layers, model dimension, FFN dimension, attention heads, 8 key/value
-# heads, vocabulary 128K = 128,256 tokens; SwiGLU, untied embeddings); 405B's pipeline split as Sec. 3.3.2 gives it
-# (the embedding and the loss each in a layer's place: shape.even_split). gpt3-175b: Brown et al. 2020, Table 2.1
+# heads, vocabulary 128K = 128,256 tokens; SwiGLU, untied embeddings; RMSNorm and no biases: arch llama, 8,030,261,248
+# parameters for 8B, Meta's count); 405B's pipeline split as Sec. 3.3.2 gives it (the embedding and the loss each in a
+# layer's place: shape.even_split). gpt3-175b: Brown et al. 2020, Table 2.1
 # (GeLU MLP of 4h, full multi-head attention). A plain GPT of Llama's depth and width: --model llama3-8b-gpt.
 MODELS = {
     "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab=50257),
     "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25, vocab=50257),
-    "llama3-8b": dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256, n_kv_head=8, ffn_hidden=14336, gated=True,
-                      tied=False),
-    "llama3-70b": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256, n_kv_head=8, ffn_hidden=28672, gated=True,
-                       tied=False),
-    "llama3-405b": dict(n_layer=126, n_embd=16384, n_head=128, vocab=128256, n_kv_head=8, ffn_hidden=53248,
-                        gated=True, tied=False, ends_as_layers=True),
+    "llama3-8b": dict(arch="llama", n_layer=32, n_embd=4096, n_head=32, vocab=128256, n_kv_head=8, ffn_hidden=14336,
+                      gated=True, tied=False),
+    "llama3-70b": dict(arch="llama", n_layer=80, n_embd=8192, n_head=64, vocab=128256, n_kv_head=8, ffn_hidden=28672,
+                       gated=True, tied=False),
+    "llama3-405b": dict(arch="llama", n_layer=126, n_embd=16384, n_head=128, vocab=128256, n_kv_head=8,
+                        ffn_hidden=53248, gated=True, tied=False, ends_as_layers=True),
     "llama3-8b-gpt": dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256),
     "llama3-70b-gpt": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256),
     "gpt3-175b": dict(n_layer=96, n_embd=12288, n_head=96, vocab=51200),
@@ -200,7 +201,7 @@ class Job:
         Built once per Job (the search asks for it about ten times per layout); a Job is frozen and its cfg is not
         changed after it is made (dataclasses.replace makes a new Job)."""
         return (tuple((k, getattr(self.cfg, k)) for k in ("vocab_size", "n_layer", "n_embd", "n_head", "n_experts",
-                                                          "moe_every", "top_k"))
+                                                          "moe_every", "top_k", "norm", "qkv_bias", "bias"))
                 + tuple((k, getattr(self, k)) for k in SHAPE_OPTIONS))
 
     @property

@@ -35,8 +35,8 @@ from planner.device_memory import (ALLOCATOR_RESERVE, CUDA_CONTEXT, DEVICE_SHARE
 from planner.inputs import PRECISION, model_state_bytes_per_param
 from planner.head import loss_of, loss_saved_bytes, loss_transient_bytes
 from planner.runtime_memory import pipeline_buffers_bytes, pipeline_outputs_bytes
-from planner.shape import (activation_delta_values, block_numels, embedding_numels, held_layers, job_of_shape,
-                               kv_dim, op_recompute_values, stage_layer_counts)
+from planner.shape import (activation_delta_values, block_numels, embedding_numels, expert_start, held_layers,
+                           job_of_shape, kv_dim, norm_numels, op_recompute_values, stage_layer_counts)
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "reserved")
 
@@ -107,8 +107,9 @@ def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb, placement="loop", ex
     cfg = job.cfg
     moe = [cfg.is_moe_block(i) for i in stage_blocks(job, pp, v, rank, placement)]
     blocks = [block_numels(job, tp, ep, is_moe) for is_moe in moe]
-    if experts is not None:                   # block_numels lists an MoE block's experts after its 9 dense tensors
-        blocks = [(b[9:] if experts else b[:9]) if is_moe else ([] if experts else b) for b, is_moe in zip(blocks, moe)]
+    if experts is not None:                   # block_numels lists an MoE block's experts after its dense tensors
+        k = expert_start(job)
+        blocks = [(b[k:] if experts else b[:k]) if is_moe else ([] if experts else b) for b, is_moe in zip(blocks, moe)]
     if experts:
         if stage == 3:
             return tuple(sum(b) for b in reversed(blocks) if b)
@@ -117,11 +118,11 @@ def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb, placement="loop", ex
     embed = embedding_numels(job, tp, first, last)
     head = embed[-1:] if last and not job.tied else []          # untied: the LM head, after ln_f in backward
     embed = embed[:len(embed) - len(head)]
-    tail = head + ([cfg.n_embd, cfg.n_embd] if last else [])
+    tail = head + (norm_numels(job) if last else [])
     if stage == 3:
         roots = [embed, tail] if pp * v > 1 else [embed + tail]
         return tuple([sum(b) for b in reversed(blocks)] + [sum(r) for r in roots if r])
-    ordered = embed + [n for b in blocks for n in b] + ([cfg.n_embd, cfg.n_embd] if last else []) + head
+    ordered = embed + [n for b in blocks for n in b] + (norm_numels(job) if last else []) + head
     return bucket_numels(list(reversed(ordered)), bucket_mb * 2 ** 20 / 4)
 
 
