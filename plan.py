@@ -29,14 +29,14 @@ import copy
 import json
 import math
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 from itertools import product
 
 import torch
 
 from common.config import ConfigError, check, fail
+from common.model_setup import gpt_config
 from common.peaks import gpu_chip_and_board
-from model import GPTConfig
 from pipeline.schedules import theory_idle_fraction
 from planner.cli import build_job, parse_args, parse_layout
 from planner.inputs import GIB, HARDWARE, RECOMPUTE, Job, Layout, as_run, validate
@@ -264,11 +264,14 @@ def accepted_by(validate, cfg):
 
 
 def plan_job(cfg, vocab_size, world, gpus_per_node, gpu, precision):
-    """plan.py's Job for this run (its loss the project's own: model.LMHead, train_tp's vocab-parallel one under TP)."""
-    model = GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                      n_embd=cfg.n_embd, n_experts=cfg.n_experts, top_k=cfg.top_k, moe_every=cfg.moe_every)
-    return Job(model, world, gpus_per_node, gpu, cfg.global_batch_size, precision, "flash", cfg.bucket_mb,
-               loss="nanoscale")
+    """plan.py's Job for this run: the model the run builds (model_setup.gpt_config: its family's norm, MLP, biases,
+    key/value heads and tied head), its loss the project's own (model.LMHead, train_tp's vocab-parallel one under
+    TP)."""
+    model = gpt_config(cfg, vocab_size)
+    gpt = replace(model, mlp="gelu", n_kv_head=0, ffn_hidden=0)     # the Job's own fields hold these (family_config)
+    return Job(gpt, world, gpus_per_node, gpu, cfg.global_batch_size, precision, "flash", cfg.bucket_mb,
+               loss="nanoscale", n_kv_head=model.n_kv_head, ffn_hidden=model.ffn_hidden, gated=model.mlp == "swiglu",
+               tied=model.tied)
 
 
 def fits_in(row, capacity):

@@ -15,10 +15,9 @@ from common.errors import check, fail
 from common.model_setup import ARCHS
 from pipeline.schedules import V_SHAPED
 from planner.inputs import (GRAD_DTYPES, HARDWARE, LOSS_NAMES, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE,
-                            TP_OVERLAP_STYLES, Job, Layout)
+                            TP_OVERLAP_STYLES, Job, Layout, family_config)
 from planner.rates import measured as measured_rates
 from planner.timing import MCORE_BUCKET, SOFTWARE
-from model import GPTConfig
 
 FLAGS = [("arch", str, None, "the model family, as model.py's --arch: gpt (LayerNorm, GeLU, biases) | llama (RMSNorm, "
           "SwiGLU, no biases) | qwen2 (llama with q/k/v biases) | mixtral (default: the preset's, else gpt)"),
@@ -189,10 +188,10 @@ def build_job(a):
     measured_rates(a.gpu)                             # a rate table of this card that cannot be read: error here
     check(a.model is None or a.model in MODELS, f"unknown model {a.model!r}; known: {', '.join(MODELS)}")
     preset = dict(MODELS.get(a.model, {}))
-    family = ARCHS[a.arch or preset.pop("arch", "gpt")]
+    arch = a.arch or preset.get("arch", "gpt")
     preset.pop("arch", None)
     options = dict(n_kv_head=preset.pop("n_kv_head", 0), ffn_hidden=preset.pop("ffn_hidden", 0),
-                   gated=preset.pop("gated", family.get("mlp") == "swiglu"), tied=preset.pop("tied", True),
+                   gated=preset.pop("gated", ARCHS[arch].get("mlp") == "swiglu"), tied=preset.pop("tied", True),
                    ends_as_layers=preset.pop("ends_as_layers", False))
     options.update({k: getattr(a, k) for k in options if getattr(a, k) is not None})
     shape = {**preset, **{k: getattr(a, k) for k in SHAPE if getattr(a, k) is not None}}
@@ -203,11 +202,9 @@ def build_job(a):
           f"--n_kv_head {kv} must divide n_head={shape['n_head']} (query heads share each key/value head)")
     tokens = parse_tokens(a.global_batch_tokens)
     check(tokens % a.seq == 0 and tokens >= a.seq, f"global batch of {tokens} tokens is not a multiple of seq={a.seq}")
-    cfg = GPTConfig(vocab_size=shape["vocab"], block_size=a.seq, n_layer=shape["n_layer"], n_head=shape["n_head"],
-                    n_embd=shape["n_embd"], dropout=a.dropout, n_experts=a.n_experts, top_k=a.top_k,
-                    capacity_factor=a.capacity_factor, norm=family.get("norm", "layernorm"),
-                    mlp="swiglu" if options["gated"] else "gelu", qkv_bias=family.get("qkv_bias", True),
-                    bias=family.get("bias", True))
+    cfg = family_config(arch, vocab_size=shape["vocab"], block_size=a.seq, n_layer=shape["n_layer"],
+                        n_head=shape["n_head"], n_embd=shape["n_embd"], dropout=a.dropout, n_experts=a.n_experts,
+                        top_k=a.top_k, capacity_factor=a.capacity_factor)
     return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb,
                eff=a.eff or 0.0, dp_overlap=a.dp_overlap, pp_scatter_gather=a.pp_scatter_gather, **options, first_stage_layers=a.first_stage_layers,
                last_stage_layers=a.last_stage_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,

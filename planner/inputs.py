@@ -21,6 +21,7 @@ from dataclasses import astuple, dataclass, fields, replace
 from functools import cached_property
 
 from common.errors import check
+from common.model_setup import ARCHS
 from common.peaks import GPU_PEAK_TFLOPS
 from model import GPTConfig
 from pipeline.schedules import SCHEDULES, V_SHAPED
@@ -64,6 +65,15 @@ MODELS = {
     "llama3-70b-gpt": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256),
     "gpt3-175b": dict(n_layer=96, n_embd=12288, n_head=96, vocab=51200),
 }
+
+
+def family_config(arch, **fields):
+    """model.GPTConfig with the norm and biases of model.py's family `arch` (common.model_setup.ARCHS), the other
+    fields as given. Its MLP and key/value heads stay GPT-2's: a Job holds those as its own fields (gated, ffn_hidden,
+    n_kv_head), which shape.py's formulas add to model.py's GPT counts (activation_delta_values)."""
+    family = ARCHS[arch]
+    return GPTConfig(norm=family.get("norm", "layernorm"), qkv_bias=family.get("qkv_bias", True),
+                     bias=family.get("bias", True), **fields)
 
 
 GRAD_DTYPES = ("param", "fp32", "both")    # model_state_bytes_per_param's gradient buffers

@@ -226,3 +226,24 @@ def test_search_chooses_as_before_and_no_fit_exits_without_launch(capsys):
     out, err = capsys.readouterr()
     assert exit_.value.code == 2 and "OOM: no layout fits" in out and "torchrun" not in out
     assert err.startswith("error: no layout fits: the smallest needs") and err.count("\n") == 1
+
+
+def test_launch_line_and_layout_auto_build_the_planned_family():
+    """A Llama-family job's launch line names its family (--arch llama, --n_kv_head, --ffn_hidden, --no-tied where
+    untied), and train_5d's --layout auto plans the model its flags build: SmolLM2-135M's flags count 134,515,008
+    parameters in plan.py's Job as in model.py."""
+    from common.config import Config
+    from common.model_setup import gpt_config
+    from model import num_params
+    from planner.report import launch_command
+    from planner.shape import num_params as plan_params
+    smol = build_job(parse_args("--arch llama --n_layer 30 --n_head 9 --n_embd 576 --n_kv_head 3 --ffn_hidden 1536 "
+                                "--vocab 49152 --tied --gpus 2 --seq 2048 --global_batch_tokens 64K".split(), ""))
+    row = plan.evaluate(smol, plan.Layout(dp=2, zero_stage=3, micro_batch_size=4))
+    line = launch_command(smol, row)
+    assert "--arch llama --n_kv_head 3 --ffn_hidden 1536" in line and "--no-tied" not in line
+    assert launch_command(build_job(parse_args(["--model", "llama3-8b"], "")), row).endswith("--no-tied")
+    cfg = Config(arch="llama", n_layer=30, n_head=9, n_embd=576, n_kv_head=3, ffn_hidden=1536, tied=True,
+                 block_size=2048, global_batch_size=32)
+    job = plan.plan_job(cfg, 49152, 2, 2, "h100", "amp")
+    assert plan_params(job) == num_params(gpt_config(cfg, 49152)) == plan_params(smol) == 134_515_008
