@@ -114,8 +114,9 @@ def evaluate(job, lay):
     time = step_time(job, lay, mem)
     tokens = job.global_seqs * job.cfg.block_size
     tps = tokens / time["total"]
-    return dict({f.name: getattr(lay, f.name) for f in fields(lay)}, mem_bytes={k: mem[k] for k in MEM_PARTS + ("device", "usable")},
-                time_s=time, step_time_s=time["total"], tokens_per_s=tps,
+    layout = {f.name: getattr(lay, f.name) for f in fields(lay)}       # (dataclasses.asdict deep-copies: slower)
+    return dict(layout, mem_bytes={k: mem[k] for k in MEM_PARTS + ("device", "usable")}, time_s=time,
+                step_time_s=time["total"], tokens_per_s=tps,
                 mfu=tps * plan_shape.flops_per_token(job) / (job.gpus * job.peak),
                 oom=mem["reserved"] > mem["usable"], verdict=verdict(mem["total"], mem["usable"]),
                 peak_rank=mem["peak_rank"], priced_by=time_model.priced_by(job))

@@ -16,27 +16,31 @@ formula in the docstring, and the tests hold each against what the rungs count (
     on the device  = reserved + CUDA_CONTEXT + NCCL_COMM_BYTES per communicator   (what nvidia-smi shows)
     OOM            reserved > usable_bytes = the GPU's total capacity - CUDA_CONTEXT - NCCL_COMM_BYTES per communicator
                    (with the cap: the live tensors alone do not fit)
-    of the fullest pipeline rank (peak_rank says which; memory.peak_candidates). Those constants, their sources and the verdict
-    (fits, close, OOM): planner/device_memory.py.
+    of the fullest pipeline rank (peak_rank says which; stages.peak_candidates). Those constants, their sources and
+    the verdict (fits, close, OOM): planner/device_memory.py.
 
 Stages are placed as pipeline_schedules.stage_of places them: round-robin (stage c*p + rank is chunk c of rank),
 or in a V for zbv and dualpipev (rank r holds stages r and 2p-1-r, so rank 0 holds both ends and the tied
 embedding once); stage k holds shape.stage_layer_counts' k-th share of the layers (L/(p*v) unless the ends are
-cut or p*v does not divide L). The model's shape (GQA, MLP width, gated, untied) comes from plan_shape.
+cut or p*v does not divide L): planner/stages.py. The model's shape (GQA, MLP width, gated, untied) comes from
+plan_shape.
 """
 import math
 from dataclasses import replace
 from functools import lru_cache
 
 from model import activation_bytes_per_layer
-from pipeline.schedules import placement_of, rank_of, stage_of
+from pipeline.schedules import placement_of, rank_of
 from planner.device_memory import (ALLOCATOR_RESERVE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES,  # noqa: F401
                                     capacity_of, communicators, usable_bytes)
 from planner.inputs import PRECISION, model_state_bytes_per_param
 from planner.head import loss_of, loss_saved_bytes, loss_transient_bytes
 from planner.runtime_memory import pipeline_buffers_bytes, pipeline_outputs_bytes
+from planner.stages import (block_sizes, end_ranks, layers_per_rank, moe_blocks, peak_candidates,  # noqa: F401
+                             stage_blocks)          # where the stages are (planner/stages.py); plan.py's callers
+                                                    # and the tests reach them here too
 from planner.shape import (activation_delta_values, block_numels, embedding_numels, expert_start, held_layers,
-                           job_of_shape, kv_dim, norm_numels, op_recompute_values, stage_layer_counts)
+                           job_of_shape, kv_dim, norm_numels, op_recompute_values)
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "reserved")
 
@@ -44,50 +48,6 @@ MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "r
 # MiB each on Hopper (torch's default CUBLAS_WORKSPACE_CONFIG ":4096:8", 8 x 4 MiB). What a GPU's memory holds
 # besides the tensors, and the verdict: planner/device_memory.py.
 CUBLAS_WORKSPACE = 2 * 32 * 2 ** 20
-
-
-# ----------------------------------------------------------------------------------------------------------
-# where the stages are
-
-def stage_blocks(job, pp, v, rank, placement="loop"):
-    """Global block indices on pipeline rank `rank`: its v chunks (stages stage_of(rank, c): rank, rank+p, ...
-    round-robin; rank and 2p-1-rank in a V), stage k holding shape.stage_layer_counts' k-th share (L/(p*v)
-    each when they divide and no end is cut), chunk 0 first."""
-    return rank_blocks(job.shape, pp, v, rank, placement)
-
-
-@lru_cache(maxsize=None)
-def rank_blocks(shape, pp, v, rank, placement):
-    """stage_blocks of a Job.shape, as a tuple (cached: the search asks for it several times per layout)."""
-    counts = stage_layer_counts(job_of_shape(shape), pp * v)
-    starts = [sum(counts[:k]) for k in range(pp * v)]
-    stages = [stage_of(rank, c, pp, placement) for c in range(v)]
-    return tuple(i for s in stages for i in range(starts[s], starts[s] + counts[s]))
-
-
-@lru_cache(maxsize=None)
-def block_sizes(shape, tp, ep, pp, v, rank, placement):
-    """Parameters of each block on pipeline rank `rank` (shape.block_numels summed; a Job.shape)."""
-    job = job_of_shape(shape)
-    return tuple(sum(block_numels(job, tp, ep, job.cfg.is_moe_block(i)))
-                 for i in rank_blocks(shape, pp, v, rank, placement))
-
-
-def moe_blocks(job, pp, v, rank, placement="loop"):
-    """How many of stage_blocks' blocks are MoE blocks (cached with them)."""
-    return rank_moe_blocks(job.shape, pp, v, rank, placement)
-
-
-@lru_cache(maxsize=None)
-def rank_moe_blocks(shape, pp, v, rank, placement):
-    """moe_blocks of a Job.shape."""
-    cfg = job_of_shape(shape).cfg
-    return sum(cfg.is_moe_block(i) for i in rank_blocks(shape, pp, v, rank, placement))
-
-
-def end_ranks(lay):
-    """(rank holding the first stage, rank holding the last stage): (0, p-1), or (0, 0) in a V."""
-    return 0, rank_of(lay.pp * lay.v - 1, lay.pp, placement_of(lay.schedule))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -365,27 +325,6 @@ def peak_bytes(job, lay, parts):
     return max(whole - parts["grads"], parts["params"] + parts["grads"] + parts["optimizer"] + CUBLAS_WORKSPACE)
 
 
-def peak_candidates(job, lay):
-    """The pipeline ranks memory evaluates, those whose memory can be the peak. Every rank where ranks differ in what
-    they hold beyond in-flight micro-batches: stages of uneven size (cut ends, ends_as_layers, p*v not dividing L),
-    MoE blocks falling differently on them, or a receive buffer per micro-batch (job.pp_recv_per_micro_batch: a
-    middle rank holds m more than the first, which can outweigh the first's embedding). Else the ends and the turn:
-    rank 0 (the first stage), the last stage's rank (the head) and p-1 (in a V the turn), as a middle rank holds the
-    same blocks as these and no more in flight than one of them (memory.in_flight falls with the rank under 1f1b and
-    interleaved, rises to p-1 in zbv's V, is even otherwise; tests/test_plan_memory.py holds the two equal)."""
-    return peak_ranks(job.shape, lay.pp, lay.v, placement_of(lay.schedule), job.pp_recv_per_micro_batch)
-
-
-@lru_cache(maxsize=None)
-def peak_ranks(shape, pp, v, placement, recv_per_micro_batch):
-    """peak_candidates of a Job.shape."""
-    job = job_of_shape(shape)
-    moe = {tuple(job.cfg.is_moe_block(i) for i in rank_blocks(shape, pp, v, r, placement)) for r in range(pp)}
-    if len(set(stage_layer_counts(job, pp * v))) > 1 or len(moe) > 1 or recv_per_micro_batch:
-        return tuple(range(pp))
-    return tuple(sorted({0, rank_of(pp * v - 1, pp, placement), pp - 1}))
-
-
 def rank_memory(job, lay, rank, usable):
     """Memory parts of pipeline rank `rank` (bytes), as memory() describes them, and the flat groups' count."""
     st, groups = model_state(job, lay, rank)
@@ -416,15 +355,3 @@ def memory(job, lay):
     best["device"] = best["reserved"] + CUDA_CONTEXT + NCCL_COMM_BYTES * n
     best["usable"] = usable
     return best
-
-
-def layers_per_rank(job, lay):
-    """Blocks on each pipeline rank (its v chunks' stages), uneven stages included."""
-    return list(rank_layers(job.shape, lay.pp, lay.v, placement_of(lay.schedule)))
-
-
-@lru_cache(maxsize=None)
-def rank_layers(shape, pp, v, placement):
-    """layers_per_rank of a Job.shape (cached: the search asks for it several times per layout)."""
-    counts = stage_layer_counts(job_of_shape(shape), pp * v)
-    return tuple(sum(counts[stage_of(r, c, pp, placement)] for c in range(v)) for r in range(pp))

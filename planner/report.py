@@ -17,9 +17,9 @@ def family_of(job):
     gated MLP, say: no train_5d flag builds it)."""
     cfg = job.cfg
     have = dict(norm=cfg.norm, mlp="swiglu" if job.gated else "gelu", qkv_bias=cfg.qkv_bias, bias=cfg.bias)
-    for name, fields in ARCHS.items():
-        if name != "mixtral" and have == {**dict(norm="layernorm", mlp="gelu", qkv_bias=True, bias=True), **{
-                k: v for k, v in fields.items() if k in have}}:
+    gpt2 = dict(norm="layernorm", mlp="gelu", qkv_bias=True, bias=True)       # model.GPTConfig's defaults
+    for name, fields in ARCHS.items():             # (mixtral is llama's fields with renormalized gates: llama's)
+        if name != "mixtral" and have == {**gpt2, **{k: v for k, v in fields.items() if k in gpt2}}:
             return name
     return None
 
