@@ -29,14 +29,14 @@ import copy
 import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import fields, replace
 from itertools import product
 
 import torch
 
 from common.config import ConfigError, check, fail
+from common.model_setup import gpt_config
 from common.peaks import gpu_chip_and_board
-from model import GPTConfig
 from pipeline.schedules import theory_idle_fraction
 from planner.cli import build_job, parse_args, parse_layout
 from planner.inputs import GIB, HARDWARE, RECOMPUTE, Job, Layout, as_run, validate
@@ -114,8 +114,9 @@ def evaluate(job, lay):
     time = step_time(job, lay, mem)
     tokens = job.global_seqs * job.cfg.block_size
     tps = tokens / time["total"]
-    return dict(asdict(lay), mem_bytes={k: mem[k] for k in MEM_PARTS + ("device", "usable")},
-                time_s=time, step_time_s=time["total"], tokens_per_s=tps,
+    layout = {f.name: getattr(lay, f.name) for f in fields(lay)}       # (dataclasses.asdict deep-copies: slower)
+    return dict(layout, mem_bytes={k: mem[k] for k in MEM_PARTS + ("device", "usable")}, time_s=time,
+                step_time_s=time["total"], tokens_per_s=tps,
                 mfu=tps * plan_shape.flops_per_token(job) / (job.gpus * job.peak),
                 oom=mem["reserved"] > mem["usable"], verdict=verdict(mem["total"], mem["usable"]),
                 peak_rank=mem["peak_rank"], priced_by=time_model.priced_by(job))
@@ -264,11 +265,14 @@ def accepted_by(validate, cfg):
 
 
 def plan_job(cfg, vocab_size, world, gpus_per_node, gpu, precision):
-    """plan.py's Job for this run (its loss the project's own: model.LMHead, train_tp's vocab-parallel one under TP)."""
-    model = GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                      n_embd=cfg.n_embd, n_experts=cfg.n_experts, top_k=cfg.top_k, moe_every=cfg.moe_every)
-    return Job(model, world, gpus_per_node, gpu, cfg.global_batch_size, precision, "flash", cfg.bucket_mb,
-               loss="nanoscale")
+    """plan.py's Job for this run: the model the run builds (model_setup.gpt_config: its family's norm, MLP, biases,
+    key/value heads and tied head), its loss the project's own (model.LMHead, train_tp's vocab-parallel one under
+    TP)."""
+    model = gpt_config(cfg, vocab_size)
+    gpt = replace(model, mlp="gelu", n_kv_head=0, ffn_hidden=0)     # the Job's own fields hold these (family_config)
+    return Job(gpt, world, gpus_per_node, gpu, cfg.global_batch_size, precision, "flash", cfg.bucket_mb,
+               loss="nanoscale", n_kv_head=model.n_kv_head, ffn_hidden=model.ffn_hidden, gated=model.mlp == "swiglu",
+               tied=model.tied)
 
 
 def fits_in(row, capacity):
@@ -328,11 +332,16 @@ def main(argv=None):
     if a.json:
         for r in rows:
             print(json.dumps(r))
-        return rows
-    if searched:
-        print(f"--layout {a.layout}: the keys it leaves out searched (the fastest layout that fits, else the "
-              "smallest): " + ", ".join(f"{k}={rows[0][k]}" for k in searched))
-    print_table(job, rows, a.top)
+    else:
+        if searched:
+            print(f"--layout {a.layout}: the keys it leaves out searched (the fastest layout that fits, else the "
+                  "smallest): " + ", ".join(f"{k}={rows[0][k]}" for k in searched))
+        print_table(job, rows, a.top)
+    best = rows[0]
+    if best["oom"]:
+        fail(f"no layout fits: the smallest needs {best['mem_bytes']['reserved'] / GIB:.1f} GiB of the "
+             f"{best['mem_bytes']['usable'] / GIB:.1f} GiB usable per {job.gpu} (more GPUs, a smaller model, "
+             "micro-batch or sequence, ZeRO-3, recompute)")
     return rows
 
 

@@ -46,6 +46,7 @@ LAYOUTS = {
     "pp2 afab": dict(pp=2, pp_schedule="afab"),
     "pp2 1f1b": dict(pp=2, pp_schedule="1f1b"),
     "pp2 interleaved": dict(pp=2, pp_schedule="interleaved", pp_virtual=2),
+    "pp4 1f1b": dict(pp=4, pp_schedule="1f1b"),
     "dp2 ep2 moe": dict(dp=2, ep=2, n_experts=4, top_k=2),
     "dp2 ep2 moe cf1": dict(dp=2, ep=2, n_experts=4, top_k=2, capacity_factor=1.0),
     "dp4 zero2": dict(dp=4, zero_stage=2),

@@ -23,9 +23,8 @@ sys.path.insert(0, ROOT)
 
 from planner import shape as plan_shape  # noqa: E402
 from planner.inputs import MODELS  # noqa: E402
-from model import GPTConfig  # noqa: E402
 from plan import evaluate, rank_layouts  # noqa: E402
-from planner.inputs import GIB, Job, Layout  # noqa: E402
+from planner.inputs import GIB, Job, Layout, family_config  # noqa: E402
 
 A100, H100_SXM = 312e12, 989.5e12        # peaks.GPU_PEAK_TFLOPS: the peaks the publications' MFU used
 MEGATRON = "Narayanan et al. 2021 (SC'21, arXiv 2104.04473) Table 1"
@@ -125,8 +124,9 @@ def offered(system, row):
 def job_of(setup):
     """plan.py's Job for a setup: its shape (with the shape options of plan_shape: GQA, MLP width, gated, untied)."""
     shape = dict(setup.shape)
-    cfg = GPTConfig(vocab_size=shape.pop("vocab"), block_size=setup.seq, n_layer=shape.pop("n_layer"),
-                    n_head=shape.pop("n_head"), n_embd=shape.pop("n_embd"), dropout=shape.pop("dropout", 0.0))
+    cfg = family_config(shape.pop("arch", "gpt"), vocab_size=shape.pop("vocab"),
+                        block_size=setup.seq, n_layer=shape.pop("n_layer"), n_head=shape.pop("n_head"),
+                        n_embd=shape.pop("n_embd"), dropout=shape.pop("dropout", 0.0))
     return Job(cfg, setup.gpus, 8, setup.gpu, setup.global_seqs, "bf16", **shape, **setup.job)
 
 

@@ -12,14 +12,16 @@ import math
 from dataclasses import fields
 
 from common.errors import check, fail
+from common.model_setup import ARCHS
 from pipeline.schedules import V_SHAPED
 from planner.inputs import (GRAD_DTYPES, HARDWARE, LOSS_NAMES, MODELS, PP_OUTPUTS_KEPT, PRECISION, SHAPE,
-                            TP_OVERLAP_STYLES, Job, Layout)
+                            TP_OVERLAP_STYLES, Job, Layout, family_config)
 from planner.rates import measured as measured_rates
 from planner.timing import MCORE_BUCKET, SOFTWARE
-from model import GPTConfig
 
-FLAGS = [("n_kv_head", int, None, "key/value heads (grouped-query attention; default n_head)"),
+FLAGS = [("arch", str, None, "the model family, as model.py's --arch: gpt (LayerNorm, GeLU, biases) | llama (RMSNorm, "
+          "SwiGLU, no biases) | qwen2 (llama with q/k/v biases) | mixtral (default: the preset's, else gpt)"),
+         ("n_kv_head", int, None, "key/value heads (grouped-query attention; default n_head)"),
          ("ffn_hidden", int, None, "MLP width (default 4 * n_embd)"),
          ("gated", bool, None, "gated MLP (SwiGLU: gate, up, down matrices; default: the preset's, else plain)"),
          ("tied", bool, None, "input embedding tied to the LM head (default: the preset's, else tied)"),
@@ -128,7 +130,7 @@ def parse_args(argv, description):
                                      moments=["fp32", "bf16"], dp_overlap_style=["ddp", "mcore"],
                                      tp_overlap_style=list(TP_OVERLAP_STYLES),
                                      grad_dtype=list(GRAD_DTYPES), loss=list(LOSS_NAMES[1:]),
-                                     pp_outputs_kept=list(PP_OUTPUTS_KEPT)).get(name))
+                                     pp_outputs_kept=list(PP_OUTPUTS_KEPT), arch=list(ARCHS)).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
     return ap.parse_args(argv)
 
@@ -141,8 +143,17 @@ def parse_tokens(text):
     return int(float(number) * scale)
 
 
+# What plan.py searches within seconds (each layout costs O(layers), the grid O(divisors of gpus)): the deepest
+# published transformer has 1,000 layers (DeepNet, Wang et al. 2022), the largest clusters about 10^5 GPUs.
+MAX_LAYERS, MAX_GPUS = 1024, 2 ** 20
+
+
 def check_flags(a):
     """Every number plan.py reads from its flags is in range (ConfigError naming the flag otherwise)."""
+    check(a.n_layer is None or a.n_layer <= MAX_LAYERS, f"--n_layer {a.n_layer}: plan.py plans up to {MAX_LAYERS} "
+                                                        "layers (a search over more would not end in seconds)")
+    check(a.gpus <= MAX_GPUS, f"--gpus {a.gpus}: plan.py plans up to {MAX_GPUS} GPUs (a search over more would not "
+                              "end in seconds)")
     for k in SHAPE:
         check(getattr(a, k) is None or getattr(a, k) > 0, f"--{k} must be a positive integer, got {getattr(a, k)}")
     for k in ("gpus", "gpus_per_node", "seq", "top", "top_k", "loss_chunks"):
@@ -177,8 +188,10 @@ def build_job(a):
     measured_rates(a.gpu)                             # a rate table of this card that cannot be read: error here
     check(a.model is None or a.model in MODELS, f"unknown model {a.model!r}; known: {', '.join(MODELS)}")
     preset = dict(MODELS.get(a.model, {}))
+    arch = a.arch or preset.get("arch", "gpt")
+    preset.pop("arch", None)
     options = dict(n_kv_head=preset.pop("n_kv_head", 0), ffn_hidden=preset.pop("ffn_hidden", 0),
-                   gated=preset.pop("gated", False), tied=preset.pop("tied", True),
+                   gated=preset.pop("gated", ARCHS[arch].get("mlp") == "swiglu"), tied=preset.pop("tied", True),
                    ends_as_layers=preset.pop("ends_as_layers", False))
     options.update({k: getattr(a, k) for k in options if getattr(a, k) is not None})
     shape = {**preset, **{k: getattr(a, k) for k in SHAPE if getattr(a, k) is not None}}
@@ -189,9 +202,9 @@ def build_job(a):
           f"--n_kv_head {kv} must divide n_head={shape['n_head']} (query heads share each key/value head)")
     tokens = parse_tokens(a.global_batch_tokens)
     check(tokens % a.seq == 0 and tokens >= a.seq, f"global batch of {tokens} tokens is not a multiple of seq={a.seq}")
-    cfg = GPTConfig(vocab_size=shape["vocab"], block_size=a.seq, n_layer=shape["n_layer"], n_head=shape["n_head"],
-                    n_embd=shape["n_embd"], dropout=a.dropout, n_experts=a.n_experts, top_k=a.top_k,
-                    capacity_factor=a.capacity_factor)
+    cfg = family_config(arch, vocab_size=shape["vocab"], block_size=a.seq, n_layer=shape["n_layer"],
+                        n_head=shape["n_head"], n_embd=shape["n_embd"], dropout=a.dropout, n_experts=a.n_experts,
+                        top_k=a.top_k, capacity_factor=a.capacity_factor)
     return Job(cfg, a.gpus, a.gpus_per_node, a.gpu, tokens // a.seq, a.precision, a.attn, a.bucket_mb,
                eff=a.eff or 0.0, dp_overlap=a.dp_overlap, pp_scatter_gather=a.pp_scatter_gather, **options, first_stage_layers=a.first_stage_layers,
                last_stage_layers=a.last_stage_layers, tp_overlap=a.tp_overlap, pp_overlap=a.pp_overlap,

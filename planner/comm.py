@@ -10,7 +10,7 @@ from planner import shape as plan_shape
 from planner import timing as time_model
 from pipeline.schedules import placement_of
 from planner.inputs import LINK_EFF, PRECISION, model_state_bytes_per_param
-from planner.memory import layers_per_rank, stage_blocks
+from planner.memory import layers_per_rank, moe_blocks
 
 
 def link_bandwidth(job, lay, axis):
@@ -89,7 +89,7 @@ def comm_bytes(job, lay, padded):
         out["pp"] = 2 * m * lay.v * S / (t if split else 1)
         out["tp"] += 2 * m * lay.v * (t - 1) / t * S if job.pp_scatter_gather and not lay.sp else 0
     if lay.ep > 1:
-        moe = sum(cfg.is_moe_block(i) for i in stage_blocks(job, lay.pp, lay.v, 0, placement_of(lay.schedule)))
+        moe = moe_blocks(job, lay.pp, lay.v, 0, placement_of(lay.schedule))
         out["ep"] = m * moe * 4 * (lay.ep - 1) / lay.ep * cfg.top_k * b * s * h * bpv
     return out
 
@@ -134,7 +134,7 @@ def comm_latency(job, lay, groups):
         elif axis == "pp":
             out[axis] = 2 * m * lay.v * lat["send"]
         else:
-            moe = sum(job.cfg.is_moe_block(i) for i in stage_blocks(job, lay.pp, lay.v, 0, placement_of(lay.schedule)))
+            moe = moe_blocks(job, lay.pp, lay.v, 0, placement_of(lay.schedule))
             out[axis] = 4 * m * moe * lat["all_to_all"]
     return out
 

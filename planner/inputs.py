@@ -17,9 +17,11 @@ A layout is valid when
     grad_acc >= pp except for afab, zbv and 1f1b, grad_acc >= 2*pp for dualpipev (as train_5d.py and train_pp.py);
     1f1b with fewer micro-batches than stages is all forwards then all backwards: as_run evaluates it as afab.
 """
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, fields, replace
+from functools import cached_property
 
 from common.errors import check
+from common.model_setup import ARCHS
 from common.peaks import GPU_PEAK_TFLOPS
 from model import GPTConfig
 from pipeline.schedules import SCHEDULES, V_SHAPED
@@ -46,22 +48,32 @@ LINK_EFF = 0.8          # NCCL bus bandwidth / link rate (nccl-tests all_reduce 
 
 # Presets. gpt2*: model.py's GPT (Radford et al. 2019). llama3-*: Llama 3 as published (Dubey et al. 2024, "The Llama 3
 # Herd of Models", arXiv 2407.21783, Table 3: layers, model dimension, FFN dimension, attention heads, 8 key/value
-# heads, vocabulary 128K = 128,256 tokens; SwiGLU, untied embeddings); 405B's pipeline split as Sec. 3.3.2 gives it
-# (the embedding and the loss each in a layer's place: shape.even_split). gpt3-175b: Brown et al. 2020, Table 2.1
+# heads, vocabulary 128K = 128,256 tokens; SwiGLU, untied embeddings; RMSNorm and no biases: arch llama, 8,030,261,248
+# parameters for 8B, Meta's count); 405B's pipeline split as Sec. 3.3.2 gives it (the embedding and the loss each in a
+# layer's place: shape.even_split). gpt3-175b: Brown et al. 2020, Table 2.1
 # (GeLU MLP of 4h, full multi-head attention). A plain GPT of Llama's depth and width: --model llama3-8b-gpt.
 MODELS = {
     "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab=50257),
     "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25, vocab=50257),
-    "llama3-8b": dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256, n_kv_head=8, ffn_hidden=14336, gated=True,
-                      tied=False),
-    "llama3-70b": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256, n_kv_head=8, ffn_hidden=28672, gated=True,
-                       tied=False),
-    "llama3-405b": dict(n_layer=126, n_embd=16384, n_head=128, vocab=128256, n_kv_head=8, ffn_hidden=53248,
-                        gated=True, tied=False, ends_as_layers=True),
+    "llama3-8b": dict(arch="llama", n_layer=32, n_embd=4096, n_head=32, vocab=128256, n_kv_head=8, ffn_hidden=14336,
+                      gated=True, tied=False),
+    "llama3-70b": dict(arch="llama", n_layer=80, n_embd=8192, n_head=64, vocab=128256, n_kv_head=8, ffn_hidden=28672,
+                       gated=True, tied=False),
+    "llama3-405b": dict(arch="llama", n_layer=126, n_embd=16384, n_head=128, vocab=128256, n_kv_head=8,
+                        ffn_hidden=53248, gated=True, tied=False, ends_as_layers=True),
     "llama3-8b-gpt": dict(n_layer=32, n_embd=4096, n_head=32, vocab=128256),
     "llama3-70b-gpt": dict(n_layer=80, n_embd=8192, n_head=64, vocab=128256),
     "gpt3-175b": dict(n_layer=96, n_embd=12288, n_head=96, vocab=51200),
 }
+
+
+def family_config(arch, **fields):
+    """model.GPTConfig with the norm and biases of model.py's family `arch` (common.model_setup.ARCHS), the other
+    fields as given. Its MLP and key/value heads stay GPT-2's: a Job holds those as its own fields (gated, ffn_hidden,
+    n_kv_head), which shape.py's formulas add to model.py's GPT counts (activation_delta_values)."""
+    family = ARCHS[arch]
+    return GPTConfig(norm=family.get("norm", "layernorm"), qkv_bias=family.get("qkv_bias", True),
+                     bias=family.get("bias", True), **fields)
 
 
 GRAD_DTYPES = ("param", "fp32", "both")    # model_state_bytes_per_param's gradient buffers
@@ -183,11 +195,23 @@ class Job:
                                 # and each block's sum are fp32), so the LayerNorms save 4-byte inputs; False where
                                 # the forward runs 16-bit weights (FSDP's param_dtype)
 
-    @property
+    def __hash__(self):
+        """A Job is a key of the search's caches (planner/memory.py): hashed by its fields, its GPTConfig's as a tuple
+        (the generated hash would refuse the mutable GPTConfig; equality stays the generated field by field)."""
+        return hash(self.key)
+
+    @cached_property
+    def key(self):
+        """Every field as one hashable tuple (built once: a Job is not changed after it is made)."""
+        return (astuple(self.cfg),) + tuple(getattr(self, f.name) for f in fields(self)[1:])
+
+    @cached_property
     def shape(self):
-        """The model as a hashable key (for the cached flat_groups): GPTConfig's fields, then the shape options."""
+        """The model as a hashable key (for the cached flat_groups): GPTConfig's fields, then the shape options.
+        Built once per Job (the search asks for it about ten times per layout); a Job is frozen and its cfg is not
+        changed after it is made (dataclasses.replace makes a new Job)."""
         return (tuple((k, getattr(self.cfg, k)) for k in ("vocab_size", "n_layer", "n_embd", "n_head", "n_experts",
-                                                          "moe_every", "top_k"))
+                                                          "moe_every", "top_k", "norm", "qkv_bias", "bias"))
                 + tuple((k, getattr(self, k)) for k in SHAPE_OPTIONS))
 
     @property

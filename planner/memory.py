@@ -16,27 +16,31 @@ formula in the docstring, and the tests hold each against what the rungs count (
     on the device  = reserved + CUDA_CONTEXT + NCCL_COMM_BYTES per communicator   (what nvidia-smi shows)
     OOM            reserved > usable_bytes = the GPU's total capacity - CUDA_CONTEXT - NCCL_COMM_BYTES per communicator
                    (with the cap: the live tensors alone do not fit)
-    of the fuller of pipeline ranks 0 and p-1 (peak_rank says which). Those constants, their sources and the verdict
-    (fits, close, OOM): planner/device_memory.py.
+    of the fullest pipeline rank (peak_rank says which; stages.peak_candidates). Those constants, their sources and
+    the verdict (fits, close, OOM): planner/device_memory.py.
 
 Stages are placed as pipeline_schedules.stage_of places them: round-robin (stage c*p + rank is chunk c of rank),
 or in a V for zbv and dualpipev (rank r holds stages r and 2p-1-r, so rank 0 holds both ends and the tied
 embedding once); stage k holds shape.stage_layer_counts' k-th share of the layers (L/(p*v) unless the ends are
-cut or p*v does not divide L). The model's shape (GQA, MLP width, gated, untied) comes from plan_shape.
+cut or p*v does not divide L): planner/stages.py. The model's shape (GQA, MLP width, gated, untied) comes from
+plan_shape.
 """
 import math
 from dataclasses import replace
 from functools import lru_cache
 
 from model import activation_bytes_per_layer
-from pipeline.schedules import placement_of, rank_of, stage_of
+from pipeline.schedules import placement_of, rank_of
 from planner.device_memory import (ALLOCATOR_RESERVE, CUDA_CONTEXT, DEVICE_SHARE, NCCL_COMM_BYTES,  # noqa: F401
                                     capacity_of, communicators, usable_bytes)
 from planner.inputs import PRECISION, model_state_bytes_per_param
 from planner.head import loss_of, loss_saved_bytes, loss_transient_bytes
 from planner.runtime_memory import pipeline_buffers_bytes, pipeline_outputs_bytes
-from planner.shape import (activation_delta_values, block_numels, embedding_numels, held_layers, job_of_shape,
-                               kv_dim, op_recompute_values, stage_layer_counts)
+from planner.stages import (block_sizes, end_ranks, layers_per_rank, moe_blocks, peak_candidates,  # noqa: F401
+                             stage_blocks)          # where the stages are (planner/stages.py); plan.py's callers
+                                                    # and the tests reach them here too
+from planner.shape import (activation_delta_values, block_numels, embedding_numels, expert_start, held_layers,
+                           job_of_shape, kv_dim, norm_numels, op_recompute_values)
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "reserved")
 
@@ -44,24 +48,6 @@ MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "r
 # MiB each on Hopper (torch's default CUBLAS_WORKSPACE_CONFIG ":4096:8", 8 x 4 MiB). What a GPU's memory holds
 # besides the tensors, and the verdict: planner/device_memory.py.
 CUBLAS_WORKSPACE = 2 * 32 * 2 ** 20
-
-
-# ----------------------------------------------------------------------------------------------------------
-# where the stages are
-
-def stage_blocks(job, pp, v, rank, placement="loop"):
-    """Global block indices on pipeline rank `rank`: its v chunks (stages stage_of(rank, c): rank, rank+p, ...
-    round-robin; rank and 2p-1-rank in a V), stage k holding shape.stage_layer_counts' k-th share (L/(p*v)
-    each when they divide and no end is cut), chunk 0 first."""
-    counts = stage_layer_counts(job, pp * v)
-    starts = [sum(counts[:k]) for k in range(pp * v)]
-    stages = [stage_of(rank, c, pp, placement) for c in range(v)]
-    return [i for s in stages for i in range(starts[s], starts[s] + counts[s])]
-
-
-def end_ranks(lay):
-    """(rank holding the first stage, rank holding the last stage): (0, p-1), or (0, 0) in a V."""
-    return 0, rank_of(lay.pp * lay.v - 1, lay.pp, placement_of(lay.schedule))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -81,8 +67,9 @@ def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb, placement="loop", ex
     cfg = job.cfg
     moe = [cfg.is_moe_block(i) for i in stage_blocks(job, pp, v, rank, placement)]
     blocks = [block_numels(job, tp, ep, is_moe) for is_moe in moe]
-    if experts is not None:                   # block_numels lists an MoE block's experts after its 9 dense tensors
-        blocks = [(b[9:] if experts else b[:9]) if is_moe else ([] if experts else b) for b, is_moe in zip(blocks, moe)]
+    if experts is not None:                   # block_numels lists an MoE block's experts after its dense tensors
+        k = expert_start(job)
+        blocks = [(b[k:] if experts else b[:k]) if is_moe else ([] if experts else b) for b, is_moe in zip(blocks, moe)]
     if experts:
         if stage == 3:
             return tuple(sum(b) for b in reversed(blocks) if b)
@@ -91,11 +78,11 @@ def flat_groups(cfg, tp, ep, pp, v, rank, stage, bucket_mb, placement="loop", ex
     embed = embedding_numels(job, tp, first, last)
     head = embed[-1:] if last and not job.tied else []          # untied: the LM head, after ln_f in backward
     embed = embed[:len(embed) - len(head)]
-    tail = head + ([cfg.n_embd, cfg.n_embd] if last else [])
+    tail = head + (norm_numels(job) if last else [])
     if stage == 3:
         roots = [embed, tail] if pp * v > 1 else [embed + tail]
         return tuple([sum(b) for b in reversed(blocks)] + [sum(r) for r in roots if r])
-    ordered = embed + [n for b in blocks for n in b] + ([cfg.n_embd, cfg.n_embd] if last else []) + head
+    ordered = embed + [n for b in blocks for n in b] + (norm_numels(job) if last else []) + head
     return bucket_numels(list(reversed(ordered)), bucket_mb * 2 ** 20 / 4)
 
 
@@ -109,7 +96,8 @@ def model_state(job, lay, rank):
     for experts, ranks in parts:
         these = flat_groups(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, lay.zero_stage, bucket_mb(job, n),
                             placement, experts)
-        st = zero_state_bytes(these, ranks, lay.zero_stage, PRECISION[job.precision][0], job.moments, job.grad_dtype)
+        st = cached_state_bytes(these, ranks, lay.zero_stage, PRECISION[job.precision][0], job.moments,
+                                job.grad_dtype)
         total = {k: total[k] + st[k] for k in total}
         groups += these
     return total, groups
@@ -157,6 +145,10 @@ def zero_state_bytes(groups, n, stage, recipe, moments="fp32", grad_dtype="param
                 optimizer=b["optim"] * padded / (n if stage >= 1 else 1), padded=padded)
 
 
+# the search meets the same flat groups (a tuple) for every micro-batch size, recompute mode and schedule
+cached_state_bytes = lru_cache(maxsize=None)(zero_state_bytes)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # activations
 
@@ -198,6 +190,7 @@ def moe_extra_bytes(job, lay):
     return router + experts + combine - dense
 
 
+@lru_cache(maxsize=4096)     # asked for several times per layout (each pipeline rank, dense and MoE blocks)
 def layer_activation_bytes(job, lay, moe=False, extras=True):
     """Bytes one block keeps for backward for one micro-batch of b sequences of s = seq/cp tokens:
     tp_activation_bytes_per_layer (Korthikanti eq. 2 with TP: sbh(10 + 24/t + 5as/(ht)), TP+SP: /t; with flash
@@ -273,8 +266,9 @@ def activation_bytes(job, lay, rank):
     """shape.held_layers (in_flight(rank) x L/(p*v) blocks when the chunks are even) x layer_activation_bytes
     + head_activation_bytes on the last stage's rank (x m for afab, else 1: every other schedule runs a
     micro-batch's last-stage backward right after its forward)."""
-    blocks = stage_blocks(job, lay.pp, lay.v, rank, placement_of(lay.schedule))
-    moe_share = sum(job.cfg.is_moe_block(i) for i in blocks) / max(1, len(blocks))
+    placement = placement_of(lay.schedule)
+    blocks = stage_blocks(job, lay.pp, lay.v, rank, placement)
+    moe_share = moe_blocks(job, lay.pp, lay.v, rank, placement) / max(1, len(blocks))
     layer = (1 - moe_share) * layer_activation_bytes(job, lay) + moe_share * layer_activation_bytes(job, lay, True)
     total = held_layers(job, lay, rank, lay.grad_acc(job)) * layer
     if rank == end_ranks(lay)[1]:
@@ -303,8 +297,8 @@ def other_bytes(job, lay, rank, groups):
         out += max(groups) * (2 * sizes["params"] + sizes["grads"])
     recomputed = 0      # full recompute: the blocks' casts are not saved (each is made again in its recompute)
     if lay.recompute == "full" and lay.zero_stage < 3:
-        blocks = stage_blocks(job, lay.pp, lay.v, rank, placement_of(lay.schedule))
-        recomputed = [sum(block_numels(job, lay.tp, lay.ep, job.cfg.is_moe_block(i))) for i in blocks] or [0]
+        recomputed = list(block_sizes(job.shape, lay.tp, lay.ep, lay.pp, lay.v, rank, placement_of(lay.schedule)))
+        recomputed = recomputed or [0]
     if job.precision == "amp":      # ZeRO-3 frees a unit's casts with its gathered weights: current + prefetched
         out += 2 * (2 * max(groups) if lay.zero_stage == 3 else sum(groups) - sum(recomputed or [0]))
     if lay.pp > 1:
@@ -331,40 +325,33 @@ def peak_bytes(job, lay, parts):
     return max(whole - parts["grads"], parts["params"] + parts["grads"] + parts["optimizer"] + CUBLAS_WORKSPACE)
 
 
+def rank_memory(job, lay, rank, usable):
+    """Memory parts of pipeline rank `rank` (bytes), as memory() describes them, and the flat groups' count."""
+    st, groups = model_state(job, lay, rank)
+    parts = dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
+                 activations=activation_bytes(job, lay, rank), other=other_bytes(job, lay, rank, groups))
+    parts["total"] = peak_bytes(job, lay, parts)
+    parts["reserved"] = parts["total"] + ALLOCATOR_RESERVE * (parts["activations"] + parts["other"])
+    if parts["total"] <= usable:                  # the cache yields to live tensors before a cudaMalloc fails
+        parts["reserved"] = min(parts["reserved"], usable)
+    parts["padded_params"] = st["padded"]
+    parts["groups"] = len(groups)        # buckets (ZeRO 0-2) or units (ZeRO-3): one collective each
+    parts["peak_rank"] = rank
+    return parts
+
+
 def memory(job, lay):
-    """Memory parts of the fuller of pipeline ranks 0 and p-1 (bytes): the two ends (most in flight under afab,
-    1f1b and interleaved on rank 0; the last stage's logits on p-1), in a V both ends and the turn (where zbv holds
-    the most with few micro-batches); peak_rank: which. total: what the tensors take at their peak (allocated); reserved: with the
-    caching allocator's blocks beyond them (ALLOCATOR_RESERVE of the tensors that come and go); device: reserved +
-    the CUDA context and NCCL's buffers (nvidia-smi's figure)."""
+    """Memory parts of the fullest pipeline rank (bytes), the max over peak_candidates (every rank, or the ends and
+    the turn where no middle rank can hold more); peak_rank: which (the lowest of equals). total: what the tensors
+    take at their peak (allocated); reserved: with the caching allocator's blocks beyond them (ALLOCATOR_RESERVE of
+    the tensors that come and go); device: reserved + the CUDA context and NCCL's buffers (nvidia-smi's figure)."""
     best = None
     n = communicators(lay.dp, lay.tp, lay.cp, lay.pp, lay.ep)
     usable = usable_bytes(capacity_of(job), n)
-    for rank in sorted({0, lay.pp - 1}):
-        st, groups = model_state(job, lay, rank)
-        parts = dict(params=st["params"], grads=st["grads"], optimizer=st["optimizer"],
-                     activations=activation_bytes(job, lay, rank), other=other_bytes(job, lay, rank, groups))
-        parts["total"] = peak_bytes(job, lay, parts)
-        parts["reserved"] = parts["total"] + ALLOCATOR_RESERVE * (parts["activations"] + parts["other"])
-        if parts["total"] <= usable:                  # the cache yields to live tensors before a cudaMalloc fails
-            parts["reserved"] = min(parts["reserved"], usable)
-        parts["padded_params"] = st["padded"]
-        parts["groups"] = len(groups)        # buckets (ZeRO 0-2) or units (ZeRO-3): one collective each
-        parts["peak_rank"] = rank
+    for rank in peak_candidates(job, lay):
+        parts = rank_memory(job, lay, rank, usable)
         if best is None or (parts["reserved"], parts["total"]) > (best["reserved"], best["total"]):
             best = parts
     best["device"] = best["reserved"] + CUDA_CONTEXT + NCCL_COMM_BYTES * n
     best["usable"] = usable
     return best
-
-
-def layers_per_rank(job, lay):
-    """Blocks on each pipeline rank (its v chunks' stages), uneven stages included."""
-    return list(rank_layers(job.shape, lay.pp, lay.v, placement_of(lay.schedule)))
-
-
-@lru_cache(maxsize=None)
-def rank_layers(shape, pp, v, placement):
-    """layers_per_rank of a Job.shape (cached: the search asks for it several times per layout)."""
-    counts = stage_layer_counts(job_of_shape(shape), pp * v)
-    return tuple(sum(counts[stage_of(r, c, pp, placement)] for c in range(v)) for r in range(pp))

@@ -4,11 +4,24 @@ the verdict), the summary under it (how many fit, close calls, where the first r
 priced the compute) and the train_5d.py command of a row.
 """
 from common.config import Config
+from common.model_setup import ARCHS
 from pipeline.schedules import V_SHAPED
 from planner import shape as plan_shape
 from planner.device_memory import CLOSE_CALL
 from planner.inputs import GIB
 from planner.memory import MEM_PARTS, bucket_mb
+
+
+def family_of(job):
+    """The --arch (common.model_setup.ARCHS) whose norm, MLP and biases the job's model has, or None (a GPT with a
+    gated MLP, say: no train_5d flag builds it)."""
+    cfg = job.cfg
+    have = dict(norm=cfg.norm, mlp="swiglu" if job.gated else "gelu", qkv_bias=cfg.qkv_bias, bias=cfg.bias)
+    gpt2 = dict(norm="layernorm", mlp="gelu", qkv_bias=True, bias=True)       # model.GPTConfig's defaults
+    for name, fields in ARCHS.items():             # (mixtral is llama's fields with renormalized gates: llama's)
+        if name != "mixtral" and have == {**gpt2, **{k: v for k, v in fields.items() if k in gpt2}}:
+            return name
+    return None
 
 
 def launch_command(job, row):
@@ -18,6 +31,13 @@ def launch_command(job, row):
     flags.update(pp_schedule=row["schedule"], pp_virtual=row["v"], n_layer=cfg.n_layer, n_head=cfg.n_head,
                  n_embd=cfg.n_embd, block_size=cfg.block_size, global_batch_size=job.global_seqs,
                  dtype="float32" if job.precision == "fp32" else "bfloat16")
+    family = family_of(job)
+    if family not in (None, "gpt"):
+        flags.update(arch=family)
+    if job.n_kv_head and job.n_kv_head != cfg.n_head:
+        flags.update(n_kv_head=job.n_kv_head)
+    if job.ffn_hidden:
+        flags.update(ffn_hidden=job.ffn_hidden)
     if cfg.n_experts:
         flags.update(n_experts=cfg.n_experts, top_k=cfg.top_k)
     if cfg.capacity_factor:
@@ -27,7 +47,7 @@ def launch_command(job, row):
         flags.update(bucket_mb=f"{bucket:g}")
     uneven = cfg.n_layer % (row["pp"] * row["v"]) != 0       # train_5d's --pp_uneven: plan.py's even_split
     args = " ".join(f"--{k} {v}" for k, v in flags.items()) + (" --sp" if row["sp"] else "") + \
-        (" --pp_uneven" if uneven else "")
+        (" --pp_uneven" if uneven else "") + ("" if job.tied else " --no-tied")
     return (f"torchrun --nnodes {max(1, job.gpus // job.gpus_per_node)} --nproc_per_node "
             f"{min(job.gpus, job.gpus_per_node)} train_5d.py {args}")
 
@@ -53,7 +73,8 @@ def peak_place(r):
         return "its one pipeline stage"
     last = r["peak_rank"] == (0 if r["schedule"] in V_SHAPED else r["pp"] - 1)
     holds = "both ends (in a V)" if last and r["peak_rank"] == 0 else "the LM head and loss" if last else \
-        "the first stage's micro-batches in flight"
+        "the first stage's micro-batches in flight" if r["peak_rank"] == 0 else \
+        "a middle stage's layers x micro-batches in flight"
     return f"pipeline rank {r['peak_rank']} of {r['pp']}, {holds}"
 
 
@@ -74,14 +95,18 @@ def print_table(job, rows, top):
     print(f"compute priced by {rows[0]['priced_by']}")
     print(HEADER)
     print("\n".join(format_row(i + 1, r) for i, r in enumerate(rows[:top])))
-    gpt = (job.n_kv_head in (0, cfg.n_head) and plan_shape.ffn(job) == 4 * cfg.n_embd and not job.gated and job.tied
-           and not (job.first_stage_layers or job.last_stage_layers or job.ends_as_layers)
-           and rows[0]["recompute"] != "op" and job.rope and not job.fused_loss)
+    runs_as_planned = (family_of(job) is not None and rows[0]["recompute"] != "op" and job.rope
+                       and not job.fused_loss and not (job.first_stage_layers or job.last_stage_layers
+                                                       or job.ends_as_layers))
     close = sum(r["verdict"] == "close" for r in rows)
-    print(("OOM: no layout fits (the smallest is first). " if rows[0]["oom"] else "")
-          + f"{sum(not r['oom'] for r in rows)} of {len(rows)} layouts fit"
-          + (f" ({close} a close call: within {100 * CLOSE_CALL:.0f}% of the usable memory)" if close else "")
-          + f"; the first's memory peaks on {peak_place(rows[0])}. Launch"
-          + ("" if gpt else " (model.py's GPT of this depth and width: train_5d has no GQA, SwiGLU, untied embeddings, "
-                            "stage sizes of its own, learned positions, a fused loss, nor recompute op)")
+    counts = (f"{sum(not r['oom'] for r in rows)} of {len(rows)} layouts fit"
+              + (f" ({close} a close call: within {100 * CLOSE_CALL:.0f}% of the usable memory)" if close else "")
+              + f"; the first's memory peaks on {peak_place(rows[0])}")
+    if rows[0]["oom"]:              # no launch line for a layout that does not fit (plan.main exits non-zero)
+        print(f"OOM: no layout fits (the smallest is first). {counts}.")
+        return
+    print(counts + ". Launch"
+          + ("" if runs_as_planned else " (the nearest model.py builds: train_5d has no gated MLP outside --arch "
+                                        "llama, stage sizes of its own, learned positions, a fused loss, nor "
+                                        "recompute op)")
           + f":\n{launch_command(job, rows[0])}")

@@ -44,15 +44,35 @@ def mlp_matrices(job):
     return 3 if job.gated else 2
 
 
+def norm_numels(job):
+    """One norm's parameters: LayerNorm's weight and bias, RMSNorm's weight alone (model.py's cfg.norm)."""
+    return [job.cfg.n_embd] * (1 if job.cfg.norm == "rmsnorm" else 2)
+
+
+def linear_numels(n_in, n_out, bias, tp=1):
+    """A linear's weight (and bias where it has one), n_out / tp of its outputs on a tp rank."""
+    return [n_in * n_out // tp] + ([n_out // tp] if bias else [])
+
+
 def block_numels(job, tp, ep, moe):
     """One block's parameters on a tp rank, in model.parameters() order (model.py's GPT for the defaults).
     Column-parallel c_attn / c_fc (weights and biases / tp), row-parallel projections (weights / tp, biases whole),
-    LayerNorms whole; an MoE block has a whole router (E*h) and E/ep whole experts instead of the MLP."""
-    h, kv, f, up = job.cfg.n_embd, kv_dim(job), ffn(job), mlp_matrices(job) - 1
-    attn = [h, h, (h + 2 * kv) * h // tp, (h + 2 * kv) // tp, h * h // tp, h, h, h]
+    norms whole (LayerNorm: weight and bias; RMSNorm: weight), biases only where cfg.qkv_bias (c_attn) and cfg.bias
+    (the others) put them; an MoE block has a whole router (E*h) and E/ep whole experts instead of the MLP
+    (expert_start: where they begin)."""
+    cfg = job.cfg
+    h, kv, f, up = cfg.n_embd, kv_dim(job), ffn(job), mlp_matrices(job) - 1
+    attn = (norm_numels(job) + linear_numels(h, h + 2 * kv, cfg.qkv_bias, tp)
+            + [h * h // tp] + ([h] if cfg.bias else []) + norm_numels(job))
     if moe:
-        return attn + [job.cfg.n_experts * h] + [up * f * h, up * f, f * h, h] * (job.cfg.n_experts // ep)
-    return attn + [up * f * h // tp, up * f // tp, f * h // tp, h]
+        return attn + [cfg.n_experts * h] + (linear_numels(h, up * f, cfg.bias) + linear_numels(f, h, cfg.bias)) \
+            * (cfg.n_experts // ep)
+    return attn + linear_numels(h, up * f, cfg.bias, tp) + [f * h // tp] + ([h] if cfg.bias else [])
+
+
+def expert_start(job):
+    """Index in an MoE block's block_numels where its experts begin (after the attention, norms and router)."""
+    return len(block_numels(job, 1, 1, False)) - (2 + 2 * job.cfg.bias) + 1
 
 
 def block_linears(job, tp):
@@ -79,7 +99,7 @@ def job_of_shape(shape):
     """A Job.shape (hashable) back as the fields this module's formulas read: cfg and the shape options."""
     items = dict(shape)
     options = {k: items.pop(k) for k in SHAPE_OPTIONS}
-    return SimpleNamespace(cfg=GPTConfig(**items), **options)
+    return SimpleNamespace(cfg=GPTConfig(**items), shape=shape, **options)
 
 
 def num_params(job, active=False):
@@ -95,10 +115,10 @@ def count_params(shape, active):
     n_moe = sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
     dense, moe = sum(block_numels(job, 1, 1, False)), 0
     if n_moe:
-        numels = block_numels(job, 1, 1, True)
-        moe = sum(numels[:9]) + sum(numels[9:]) * (cfg.top_k / cfg.n_experts if active else 1)
+        numels, start = block_numels(job, 1, 1, True), expert_start(job)
+        moe = sum(numels[:start]) + sum(numels[start:]) * (cfg.top_k / cfg.n_experts if active else 1)
     embed = cfg.padded_vocab_size * cfg.n_embd * (1 if job.tied else 2)
-    return embed + (cfg.n_layer - n_moe) * dense + n_moe * round(moe) + 2 * cfg.n_embd
+    return embed + (cfg.n_layer - n_moe) * dense + n_moe * round(moe) + sum(norm_numels(job))
 
 
 def matmul_params(job):
@@ -111,7 +131,7 @@ def block_params(job):
     """Active parameters of the L blocks (what full recompute runs forward again)."""
     cfg = job.cfg
     return num_params(job, active=bool(cfg.n_experts)) - cfg.padded_vocab_size * cfg.n_embd * (1 if job.tied else 2) \
-        - 2 * cfg.n_embd
+        - sum(norm_numels(job))
 
 
 def attention_flops_per_token(job):
@@ -179,6 +199,9 @@ def even_split(L, first, last, stages, ends=False):
 GENERATORS = dict(afab=afab, zb1=zb_h1, zbv=zb_v, dualpipev=dualpipe_v)
 
 
+REPLAYED_ROUNDS = 4     # micro-batches replayed per stage at most (replayed_peak)
+
+
 def held_layers(job, lay, rank, m):
     """The most layers x micro-batches whose activations pipeline rank `rank` holds at once: its in-flight
     micro-batch-chunks (memory.in_flight), each weighted by its chunk's layers. Even chunks: in_flight x
@@ -187,14 +210,17 @@ def held_layers(job, lay, rank, m):
     releasing them."""
     counts, place = stage_layer_counts(job, lay.pp * lay.v), placement_of(lay.schedule)
     weights = tuple(counts[stage_of(rank, c, lay.pp, place)] for c in range(lay.v))
-    return replayed_peak(lay.schedule, lay.pp, m, lay.v, rank, weights)
+    if lay.schedule == "afab" or lay.pp == 1:       # every forward before the first backward: all m held at once
+        return (m if lay.pp > 1 else 1) * sum(weights)
+    return replayed_peak(lay.schedule, lay.pp, min(m, REPLAYED_ROUNDS * lay.pp), lay.v, rank, weights)
 
 
 @lru_cache(maxsize=None)
 def replayed_peak(schedule, p, m, v, rank, weights):
-    """held_layers for chunk weights `weights` (layers of each of the rank's chunks)."""
-    if p == 1:
-        return weights[0]
+    """held_layers for chunk weights `weights` (layers of each of the rank's chunks), m micro-batches. held_layers
+    replays at most REPLAYED_ROUNDS x p of them: the peak falls in the warm-up or the steady state, whose pattern
+    repeats every p x v forwards, so a longer step holds no more (tests/test_plan_shape.py replays up to 12p in full;
+    a step of a million micro-batches would otherwise replay millions of actions per rank)."""
     if schedule == "interleaved":
         actions = interleaved(p, m, rank, v)
     else:

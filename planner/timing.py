@@ -220,6 +220,7 @@ def tree_latency(n, nodes):
 
 
 @lru_cache(maxsize=None)
+@lru_cache(maxsize=None)      # the search asks for the same few groups' latencies for every layout
 def latency(kind, n, nodes):
     """Seconds of fixed cost of one collective `kind` over n ranks spread over `nodes` nodes (NCCL's model)."""
     if n <= 1:

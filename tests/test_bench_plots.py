@@ -105,6 +105,21 @@ def test_memory_counted_equals_plan(tmp_path, tiny_data):
     assert is_png(png)
 
 
+def test_memory_counted_equals_plan_on_every_stage(tmp_path, tiny_data):
+    """A 4-stage 1F1B pipeline, one layer a stage: every rank's states equal plan.py's to the byte and its activations
+    (4 - rank micro-batches in flight) within 2%, the middle stages included (plan.py takes the max over them)."""
+    measured = sum(run_workers(_measure_memory, 4, args=(["pp4 1f1b"], tiny_data, str(tmp_path / "runs")),
+                               timeout=300), [])
+    rows = memory_chart.compare(measured)
+    assert [r["pp_rank"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        for part in ("params", "grads", "optimizer"):
+            assert r["measured"][part] == r["predicted"][part] > 0, (r["pp_rank"], part)
+        assert r["measured"]["activations"] == pytest.approx(r["predicted"]["activations"], rel=0.02)
+    held = [r["measured"]["activations"] for r in rows[:3]]
+    assert held == sorted(held, reverse=True)                   # in flight: 4, 3, 2 (the last also holds the head)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # bench/bubble_chart.py: where a real pipeline run idles, against the simulator
 

@@ -452,7 +452,9 @@ def test_big_model_needs_sharded_states():
     """llama3-70b (70.6B parameters, 16 bytes each in states) cannot fit 8 H100s at all; on 32 the best layout
     fits, and every layout that shards nothing (tp = pp = 1, no ZeRO) is OOM."""
     argv = ["--model", "llama3-70b", "--gpu", "h100", "--seq", "4096", "--global_batch_tokens", "256K", "--json"]
-    assert all(r["oom"] for r in plan.main(argv + ["--gpus", "8"]))
+    with pytest.raises(SystemExit) as exit_:          # every row printed, then one error line and no launch line
+        plan.main(argv + ["--gpus", "8"])
+    assert exit_.value.code == 2
     rows = plan.main(argv + ["--gpus", "32"])
     assert not rows[0]["oom"] and (rows[0]["tp"] * rows[0]["pp"] > 1 or rows[0]["zero_stage"] > 0)
     assert all(r["oom"] for r in rows if r["tp"] * r["pp"] == 1 and r["zero_stage"] == 0)

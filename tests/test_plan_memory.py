@@ -224,3 +224,33 @@ def test_peak_rank_names_the_fuller_end():
     from planner.report import peak_place
     assert peak_place(plan.evaluate(big, lay)).endswith("the LM head and loss")
     assert peak_place(plan.evaluate(small, lay)).endswith("micro-batches in flight")
+
+
+def every_rank_peak(job, lay):
+    """The fullest pipeline rank by brute force: memory.rank_memory of every rank (ties: the lowest)."""
+    usable = plan.memory(job, lay)["usable"]
+    parts = [plan_memory.rank_memory(job, lay, r, usable) for r in range(lay.pp)]
+    return max(parts, key=lambda p: (p["reserved"], p["total"], -p["peak_rank"]))
+
+
+@pytest.mark.parametrize("recv", [False, True])
+def test_memory_is_the_fullest_of_every_rank(recv):
+    """memory evaluates only the ends and the turn where the stages are even (peak_candidates): for every schedule
+    its peak equals the brute-force max over all ranks. With a receive buffer per micro-batch (torch's pipelining)
+    a middle rank holds m more than the first; with uneven stages (first_stage_layers) a middle stage of 3 layers
+    holds more than the first's 1: every rank is evaluated, and the peak is on a middle rank."""
+    cfg = GPTConfig(vocab_size=1024, block_size=512, n_layer=16, n_head=4, n_embd=256)
+    for kw, expect_middle in ((dict(), recv), (dict(first_stage_layers=1, last_stage_layers=1), True)):
+        job = job_for(cfg, global_seqs=64, pp_recv_per_micro_batch=recv, **kw)
+        for schedule, v, mbs in (("1f1b", 1, 1), ("afab", 1, 8), ("interleaved", 2, 2), ("zb1", 1, 1), ("zbv", 2, 2),
+                                 ("dualpipev", 2, 1)):
+            lay = Layout(dp=2, pp=4, schedule=schedule, v=v, micro_batch_size=mbs, zero_stage=1)
+            if kw and v > 1:
+                continue                 # first/last_stage_layers cut stages, not chunks
+            mem, brute = plan.memory(job, lay), every_rank_peak(job, lay)
+            assert (mem["peak_rank"], mem["reserved"]) == (brute["peak_rank"], brute["reserved"]), (schedule, kw)
+            if kw or recv:
+                assert plan_memory.peak_candidates(job, lay) == tuple(range(4))
+            else:
+                assert len(plan_memory.peak_candidates(job, lay)) < 4
+        assert (0 < mem["peak_rank"] < 3) == expect_middle

@@ -83,7 +83,12 @@ def test_uneven_stages():
     assert plan_memory.layers_per_rank(cut, lay) == [1, 3, 3, 1]
     tb, tc = (plan.step_time(j, lay, plan_memory.memory(j, lay))["compute"] for j in (bal, cut))
     assert tc / tb == pytest.approx(3 / 2)                  # the busiest rank: 3 layers instead of 2
-    assert plan_memory.memory(cut, lay)["activations"] < plan_memory.memory(bal, lay)["activations"]   # rank 0: 1
+    # cut ends move 1F1B's peak to a middle stage: rank 1 holds 3 micro-batches of 3 layers (9), where the cut rank 0
+    # holds 4 of 1 and the balanced rank 0 4 of 2 (8)
+    layer = plan_memory.layer_activation_bytes(cut, lay)
+    assert plan_memory.memory(cut, lay)["peak_rank"] == 1
+    assert plan_memory.activation_bytes(cut, lay, 1) == 9 * layer
+    assert plan_memory.activation_bytes(cut, lay, 0) == 4 * layer == plan_memory.activation_bytes(bal, lay, 0) / 2
 
 
 def test_nccl_latency_model():
@@ -305,3 +310,49 @@ def test_net_gbps_replaces_the_network_per_gpu():
     lay = Layout(dp=16)
     assert plan.link_bandwidth(slow, lay, "dp") == pytest.approx(8 * 6.25e9 * 0.8)
     assert plan.link_bandwidth(job, lay, "dp") == pytest.approx(min(300e9, 8 * 25e9) * 0.8)
+
+
+def test_replay_stops_at_a_few_rounds_without_changing_the_peak():
+    """held_layers replays at most REPLAYED_ROUNDS x p micro-batches: for uneven chunk weights, every rank and up to
+    12p micro-batches, the full replay's peak is the capped one's (a longer step repeats the steady state)."""
+    cap = plan_shape.REPLAYED_ROUNDS
+    for schedule, v in (("1f1b", 1), ("zb1", 1), ("interleaved", 2), ("interleaved", 3), ("zbv", 2), ("dualpipev", 2)):
+        for p in (2, 3, 4):
+            step = p if schedule == "interleaved" else 1
+            for m in range(cap * p + step, 12 * p + 1, step):
+                for rank in range(p):
+                    weights = tuple((rank + 2 * c) % 4 for c in range(v))
+                    full = plan_shape.replayed_peak(schedule, p, m, v, rank, weights)
+                    assert full == plan_shape.replayed_peak(schedule, p, cap * p, v, rank, weights), (schedule, p, m)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama", "qwen2", "mixtral"])
+def test_plan_counts_each_family_as_model_py(arch):
+    """--arch as model.py's: plan.py's parameters (and each block's tensors, in order) are model.py's count and a meta
+    model's for a few shapes of each family (GQA, untied, MoE); SmolLM2-135M is 134,515,008 and Llama 3 8B
+    8,030,261,248 (Meta's count)."""
+    import torch
+    from model import GPT, num_params
+    from common.model_setup import ARCHS
+    shapes = [dict(n_kv_head=2, tied=True), dict(n_kv_head=4, tied=False, ffn_hidden=96)]
+    for extra in shapes:
+        moe = dict(n_experts=4, top_k=2, moe_every=2) if arch == "mixtral" else {}
+        gated = ARCHS[arch].get("mlp") == "swiglu"
+        cfg = GPTConfig(vocab_size=100, block_size=32, n_layer=4, n_head=4, n_embd=32, **ARCHS[arch], **moe, **extra)
+        argv = ["--arch", arch, "--n_layer", "4", "--n_head", "4", "--n_embd", "32", "--vocab", "100", "--n_kv_head",
+                str(extra["n_kv_head"]), "--tied" if extra["tied"] else "--no-tied", "--n_experts",
+                str(moe.get("n_experts", 0))] + (["--ffn_hidden", str(extra["ffn_hidden"])] if "ffn_hidden" in extra
+                                                  else [])
+        job = build_job(parse_args(argv, ""))
+        if moe:
+            job = replace(job, cfg=replace(job.cfg, moe_every=2))
+        assert job.gated == gated
+        with torch.device("meta"):
+            model = GPT(cfg)
+        assert plan_shape.num_params(job) == num_params(cfg) == sum(p.numel() for p in model.parameters())
+        for i, block in enumerate(model.transformer.h):
+            assert plan_shape.block_numels(job, 1, 1, cfg.is_moe_block(i)) == [p.numel() for p in block.parameters()]
+    smol = build_job(parse_args("--arch llama --n_layer 30 --n_head 9 --n_embd 576 --n_kv_head 3 --ffn_hidden 1536 "
+                                "--vocab 49152 --tied".split(), ""))
+    assert plan_shape.num_params(smol) == 134_515_008
+    assert plan_shape.num_params(build_job(parse_args(["--model", "llama3-8b"], ""))) == 8_030_261_248
