@@ -135,21 +135,24 @@ def test_a_model_past_memory_stops_before_it_is_built(tiny_data, tmp_path):
 
 
 def test_compile_without_its_compiler_is_named_before_the_model_is_built(tiny_data, tmp_path, capsys, monkeypatch):
-    """Before, the first step's compile died in a traceback from inductor's C++ build (after the model was built)."""
+    """Before, the first step's compile died in a traceback from inductor's C++ build (after the model was built).
+    The compiler is set through inductor's own config.patch: monkeypatch's undo would delete the entry (pytest 9
+    restores an instance attribute it did not find in __dict__ by deleting it), hiding it from later compiles."""
     from torch._inductor import config as inductor
-    monkeypatch.setattr(inductor.cpp, "cxx", (None, "no-such-g++"))
-    line = one_error_line(capsys, tiny_argv(tiny_data, str(tmp_path / "out"), compile=True))
-    assert line == ("error: --compile on the CPU needs a C++ compiler: torch.compile's inductor runs no-such-g++, "
-                    "which is not on PATH (install g++, set CXX to one, or run without --compile)")
-    cfg = parse_config(tiny_argv(tiny_data, str(tmp_path / "out"), kernels="compile"))
-    assert startup.compiler_problem(cfg, torch.device("cpu")).startswith("--kernels compile on the CPU needs a C++")
+    with inductor.patch({"cpp.cxx": (None, "no-such-g++")}):
+        line = one_error_line(capsys, tiny_argv(tiny_data, str(tmp_path / "out"), compile=True))
+        assert line == ("error: --compile on the CPU needs a C++ compiler: torch.compile's inductor runs no-such-g++, "
+                        "which is not on PATH (install g++, set CXX to one, or run without --compile)")
+        cfg = parse_config(tiny_argv(tiny_data, str(tmp_path / "out"), kernels="compile"))
+        assert startup.compiler_problem(cfg, torch.device("cpu")).startswith("--kernels compile on the CPU needs a C++")
     monkeypatch.setenv("PATH", str(tmp_path))                   # a GPU host without cc, gcc or clang
     monkeypatch.delenv("CC", raising=False)
     assert startup.compiler_problem(cfg, torch.device("cuda")).startswith("--kernels compile on the GPU needs a C "
                                                                           "compiler: Triton compiles a launcher")
-    monkeypatch.setattr(inductor.cpp, "cxx", (None, "g++"))
-    assert startup.compiler_problem(parse_config(tiny_argv(tiny_data, str(tmp_path / "out"))), torch.device("cpu")) \
-        is None
+    monkeypatch.undo()
+    with inductor.patch({"cpp.cxx": (None, "g++")}):
+        assert startup.compiler_problem(parse_config(tiny_argv(tiny_data, str(tmp_path / "out"))),
+                                        torch.device("cpu")) is None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -359,6 +362,7 @@ def test_ctrl_c_is_one_line_saying_what_the_run_keeps(two_steps, tmp_path, capsy
     KeyboardInterrupt, nothing from rank 1, any other error left to the previous hook."""
     script = (f"import os, signal, sys, time, types; sys.path.insert(0, {ROOT!r})\n"
               f"from common.startup import report_interrupt\n"
+              f"signal.signal(signal.SIGINT, signal.default_int_handler)\n"   # as Python sets it (a parent may ignore it)
               f"report_interrupt(types.SimpleNamespace(out_dir={two_steps!r}), types.SimpleNamespace(rank=0))\n"
               f"try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n"
               f"except KeyboardInterrupt:\n    raise RuntimeError('Connection closed by peer')")
