@@ -362,7 +362,7 @@ def test_ctrl_c_is_one_line_saying_what_the_run_keeps(two_steps, tmp_path, capsy
     KeyboardInterrupt, nothing from rank 1, any other error left to the previous hook."""
     script = (f"import os, signal, sys, time, types; sys.path.insert(0, {ROOT!r})\n"
               f"from common.startup import report_interrupt\n"
-              f"signal.signal(signal.SIGINT, signal.default_int_handler)\n"   # as Python sets it (a parent may ignore it)
+              f"signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # Python default (parent may ignore it)
               f"report_interrupt(types.SimpleNamespace(out_dir={two_steps!r}), types.SimpleNamespace(rank=0))\n"
               f"try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n"
               f"except KeyboardInterrupt:\n    raise RuntimeError('Connection closed by peer')")
