@@ -183,14 +183,34 @@ def test_gpu_check_fails_where_a_gpu_exists_but_the_check_cannot_run(tmp_path, c
         assert "driver on your system is too old" in lines[0]
 
 
-FAKE_CUDA = """import types
-import torch
-torch.version.cuda = "13.0"
-torch.cuda.is_available = lambda: True
-torch.cuda.device_count = lambda: 1
-torch.cuda.get_device_name = lambda *device: "NVIDIA H100 80GB HBM3"
-torch.cuda.get_device_capability = lambda *device: (9, 0)
-torch.cuda.get_device_properties = lambda *device: types.SimpleNamespace(total_memory=80 * 2 ** 30)
+FAKE_CUDA = """import importlib.machinery
+import sys
+import types
+
+
+def fake_cuda(torch):
+    torch.version.cuda = "13.0"
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.get_device_name = lambda *device: "NVIDIA H100 80GB HBM3"
+    torch.cuda.get_device_capability = lambda *device: (9, 0)
+    torch.cuda.get_device_properties = lambda *device: types.SimpleNamespace(total_memory=80 * 2 ** 30)
+
+
+class AfterTorch:
+    \"\"\"Fakes the GPU when torch is imported, not at start-up: the script's many interpreters that never import
+    torch (python3 -c 'import numpy', argument checks) start in a fraction of a second.\"\"\"
+    def find_spec(self, name, path, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+        spec.loader.exec_module = lambda module: (load(module), fake_cuda(module))
+        return spec
+
+
+sys.meta_path.insert(0, AfterTorch())
 """
 
 
