@@ -116,8 +116,8 @@ MEASURED = ([MemoryRun(SETUPS[4], 82.4, "reserved"), MemoryRun(SETUPS[5], 67.0, 
 def llama2_70b_oom():
     """torchtitan docs/performance.md (2024-04), Llama 2 70B on 64 A100 80GB, FSDP, seq 4096: "the 70B training with
     local batch size 2 will cause an OOM error when selective activation checkpointing is used" (selective op)."""
-    shape = dict(n_layer=80, n_embd=8192, n_head=64, vocab=32000, n_kv_head=8, ffn_hidden=28672, gated=True,
-                 tied=False)
+    shape = dict(arch="llama", n_layer=80, n_embd=8192, n_head=64, vocab=32000, n_kv_head=8, ffn_hidden=28672,
+                 gated=True, tied=False)
     layout = Layout(dp=64, zero_stage=3, micro_batch_size=2, recompute="op")
     return Setup("Llama 2 70B, local batch 2, selective op", TITAN_A100, shape, 64, "a100", 4096, 128, layout, 0.0,
                  "OOM", "torchtitan-2024-04")

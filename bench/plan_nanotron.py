@@ -31,7 +31,8 @@ SOURCE = "huggingface/nanotron docs/benchmark_summary.svg (c252843)"
 
 # The sweep's shapes, scripts/scaling_benchmarks.py (e24d248, "used in" the playbook): (layers, hidden, heads,
 # intermediate) of its 1B / 3B / 8B / 70B, vocabulary 131,072, key/value heads = heads (NUM_KEY_VALUE_HEADS None),
-# embeddings tied where the intermediate size is under 10,000, SwiGLU (the Llama config's silu MLP). Their parameter
+# embeddings tied where the intermediate size is under 10,000, SwiGLU (the Llama config's silu MLP), RMSNorm and no
+# biases (nanotron's Llama: arch llama). Their parameter
 # counts by the script's estimate_num_params are the figure's 1.34 / 3.57 / 8.86 / 80.0B, which identifies them.
 SHAPES = {"1.34B": (16, 2048, 32, 8192), "3.57B": (28, 3072, 32, 8192), "8.86B": (32, 4096, 32, 14336),
           "80B": (80, 8192, 64, 28672)}
@@ -77,7 +78,8 @@ ALL_REDUCE = "timing.all_reduce_seconds: NCCL's tree and ring plateau"
 def setup(model, nodes, dp, tp, pp, accumulation, mbs, zero, mfu, gib):
     """The cell as a validation Setup."""
     L, h, a, ffn = SHAPES[model]
-    shape = dict(n_layer=L, n_embd=h, n_head=a, vocab=131072, ffn_hidden=ffn, gated=True, tied=ffn < 10_000)
+    shape = dict(arch="llama", n_layer=L, n_embd=h, n_head=a, vocab=131072, ffn_hidden=ffn, gated=True,
+                 tied=ffn < 10_000)
     lay = Layout(dp=dp, tp=tp, pp=pp, sp=tp > 1, zero_stage=zero, micro_batch_size=mbs, schedule="1f1b")
     return Setup(model, SOURCE, shape, 8 * nodes, "h100", 4096, dp * accumulation * mbs, lay, mfu / 100,
                  f"{mfu}% MFU, {gib} GB", "nanotron", dict(JOB), seen=(ALL_REDUCE,))

@@ -264,10 +264,11 @@ def nemotron_340b():
 
 # Llama 2 as torchtitan's llama2_configs build it (torchtitan/models/llama/__init__.py of 2024: 13B dim 5120, 40
 # layers, 40 heads, SwiGLU 13,824; 70B dim 8192, 80 layers, 64 heads, 8 KV heads, SwiGLU 28,672), untied, Llama 2's
-# 32,000-token vocabulary
-LLAMA2_13B = dict(n_layer=40, n_embd=5120, n_head=40, vocab=32000, ffn_hidden=13824, gated=True, tied=False)
-LLAMA2_70B = dict(n_layer=80, n_embd=8192, n_head=64, vocab=32000, n_kv_head=8, ffn_hidden=28672, gated=True,
+# 32,000-token vocabulary; RMSNorm and no biases (its model.py): arch llama
+LLAMA2_13B = dict(arch="llama", n_layer=40, n_embd=5120, n_head=40, vocab=32000, ffn_hidden=13824, gated=True,
                   tied=False)
+LLAMA2_70B = dict(arch="llama", n_layer=80, n_embd=8192, n_head=64, vocab=32000, n_kv_head=8, ffn_hidden=28672,
+                  gated=True, tied=False)
 
 
 def titan_llama2(name, shape, mbs, recompute, wps, mfu_text):
