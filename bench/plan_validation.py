@@ -44,7 +44,7 @@ from planner.inputs import GIB, HARDWARE, MODELS, Layout  # noqa: E402
 from planner.timing import SOFTWARE  # noqa: E402
 from plan import evaluate  # noqa: E402
 from planner.report import verdict_text  # noqa: E402
-from plan_memory_runs import MEASURED, PUBLISHED_OOM  # noqa: E402
+from plan_memory_runs import MEASURED, PUBLISHED_OOM, PUBLISHED_RAN  # noqa: E402
 from plan_mfu_runs import HELD_OUT  # noqa: E402
 from plan_tables import (A100, H100_SXM, SETUPS, TITAN_A100, Setup, describe, job_of, megatron, tp_rows_seen,  # noqa: E402
                          titan_mfu, write_report)
@@ -412,8 +412,9 @@ def median(values):
 
 def memory_table(results):
     """The memory section: each run with a measured peak (plan.py's prediction of the same quantity / the measured),
-    each run published to run out of memory, and the OOM verdicts over every run with a known outcome (the MFU table's
-    runs all ran), close calls apart, with and without the runs rules were written on."""
+    each run published to run out of memory, each published to run with no peak stated, and the OOM verdicts over
+    every run with a known outcome (the MFU table's runs all ran), close calls apart, with and without the runs rules
+    were written on."""
     lines = ["| run | source | GPUs | seq | layout | measured | predicted | ratio | verdict | rules written on it |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     ratios, modelled = [], []
@@ -427,14 +428,16 @@ def memory_table(results):
         lines.append(f"| {s.name} | {s.source} | {s.gpus} {s.gpu} | {s.seq} | {describe(r['row'])} | "
                      f"{run.measured_gib} GiB {run.metric}{'' if run.modelled else ' (compile, Float8)'} | "
                      f"{predicted:.1f} GiB | {ratios[-1]:.2f} | {verdict_cell(r['row'], True)} | {seen_cell(s)} |")
-    for setup in PUBLISHED_OOM:
+    outcomes = [(s, False, "out of memory") for s in PUBLISHED_OOM]
+    outcomes += [(s, True, f"ran ({s.published_text}; no peak published)") for s in PUBLISHED_RAN]
+    for setup, ran, outcome in outcomes:
         r = predict(setup)
         lines.append(f"| {setup.name} | {setup.source} | {setup.gpus} {setup.gpu} | {setup.seq} | {describe(r['row'])} "
-                     f"| out of memory | {r['row']['mem_bytes']['total'] / GIB:.1f} GiB allocated | - | "
-                     f"{verdict_cell(r['row'], False)} | {seen_cell(setup)} |")
+                     f"| {outcome} | {r['row']['mem_bytes']['total'] / GIB:.1f} GiB allocated | - | "
+                     f"{verdict_cell(r['row'], ran)} | {seen_cell(setup)} |")
     known = ([(r["row"], True, r["setup"]) for r in results] + [(predict(m.setup)["row"], True, m.setup)
                                                                  for m in MEASURED]
-             + [(predict(s)["row"], False, s) for s in PUBLISHED_OOM])
+             + [(predict(s)["row"], ran, s) for s, ran, _ in outcomes])
     verdicts = verdict_counts([verdict_of(row, ran) for row, ran, _ in known], [s for *_, s in known])
     head = (f"**Predicted / measured memory, median: {median(ratios):.2f} over {len(ratios)} runs "
             f"({median(modelled):.2f} over the {len(modelled)} without torch.compile or Float8). OOM verdicts over "
@@ -460,7 +463,8 @@ torch.cuda.max_memory_reserved (plan_memory: the tensors' peak, cuBLAS's workspa
 reserve, at most the GPU's usable memory), "device" nvidia-smi's figure (reserved + the CUDA context + NCCL's
 buffers). The verdict is OOM where the reserved memory is above the usable (the GPU's capacity less the CUDA context
 and NCCL's buffers); every run in the MFU table and every measured run ran, the configurations listed as "out of
-memory" did not. Nothing in plan.py was fitted to these runs.
+memory" did not, and those listed as "ran" (the float8 rows of torchtitan's 2025 async TP benchmark, which publish no
+memory: bench/plan_memory_runs.py, PUBLISHED_RAN) did. Nothing in plan.py was fitted to these runs.
 """
 
 NOTES = """
