@@ -11,6 +11,7 @@ import dataclasses
 
 from planner.inputs import MODELS, Layout
 from planner.timing import SOFTWARE
+from plan_mfu_runs import HELD_OUT
 from plan_tables import SETUPS, TITAN_A100, TITAN_H100, Setup
 
 LLAMA3_8B, LLAMA3_70B = MODELS["llama3-8b"], MODELS["llama3-70b"]
@@ -116,8 +117,8 @@ MEASURED = ([MemoryRun(SETUPS[4], 82.4, "reserved"), MemoryRun(SETUPS[5], 67.0, 
 def llama2_70b_oom():
     """torchtitan docs/performance.md (2024-04), Llama 2 70B on 64 A100 80GB, FSDP, seq 4096: "the 70B training with
     local batch size 2 will cause an OOM error when selective activation checkpointing is used" (selective op)."""
-    shape = dict(n_layer=80, n_embd=8192, n_head=64, vocab=32000, n_kv_head=8, ffn_hidden=28672, gated=True,
-                 tied=False)
+    shape = dict(arch="llama", n_layer=80, n_embd=8192, n_head=64, vocab=32000, n_kv_head=8, ffn_hidden=28672,
+                 gated=True, tied=False)
     layout = Layout(dp=64, zero_stage=3, micro_batch_size=2, recompute="op")
     return Setup("Llama 2 70B, local batch 2, selective op", TITAN_A100, shape, 64, "a100", 4096, 128, layout, 0.0,
                  "OOM", "torchtitan-2024-04")
@@ -133,3 +134,22 @@ def llama31_405b_fsdp_oom():
 
 
 PUBLISHED_OOM = [llama2_70b_oom(), llama31_405b_fsdp_oom()]
+
+
+def async_tp_float8(bf16, recipe, tps):
+    """A float8 row of torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (tensorwise or rowwise, plain
+    or async TP): the run of its bf16 row (plan_mfu_runs.titan_async_tp: the same heading's layout, local batch,
+    activation checkpointing and software; its sources there) with Float8 GEMMs. The page states tokens/s and no
+    memory; it ran, so its OOM verdict is checked. Float8 is not modelled (plan.py predicts the bf16 run's memory, which
+    Float8 would lower) and its MFU is left out (plan.py prices 16-bit GEMMs). Marked as its bf16 row is: the same
+    configuration, whose errors DTensor's kept gathers (a memory term) were written while looking at."""
+    return dataclasses.replace(bf16, name=f"{bf16.name}, float8 {recipe}", published_mfu=0.0,
+                               published_text=f"{tps} tokens/s/GPU, float8 {recipe}")
+
+
+# the runs of torchtitan's 2025 benchmark files that the MFU table lacks, as runs that ran (verdicts only): the async
+# TP page's float8 rows, in HELD_OUT's order (70B plain, 70B async, 8B plain, 8B async). The Trainy H200 page's runs
+# are in MEASURED (their memory; their TPS/GPU is Float8's)
+FLOAT8_TPS = {"tensorwise": (809.8, 942.4, 5078.1, 5570.1), "rowwise": (599.6, 624.8, 3708.5, 3914.9)}
+PUBLISHED_RAN = [async_tp_float8(bf16, recipe, tps) for recipe, speeds in FLOAT8_TPS.items()
+                 for bf16, tps in zip(HELD_OUT, speeds)]

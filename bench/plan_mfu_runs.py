@@ -12,7 +12,8 @@ the publication is silent. Left out of this file, with the reason:
 - torchtitan's float8 rows (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md's float8 tensorwise and rowwise
   rows, benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md's TPS/GPU): Float8 GEMMs, where plan.py models
   16-bit ones (the rule bench/plan_validation.py applies to torchtitan's 2024-12 70B / 405B rows). The Trainy runs'
-  memory is in bench/plan_memory_runs.py.
+  memory is in bench/plan_memory_runs.py, and so are the float8 rows as runs that ran (PUBLISHED_RAN: their OOM
+  verdicts).
 """
 import os
 import sys

@@ -44,7 +44,7 @@ from planner.inputs import GIB, HARDWARE, MODELS, Layout  # noqa: E402
 from planner.timing import SOFTWARE  # noqa: E402
 from plan import evaluate  # noqa: E402
 from planner.report import verdict_text  # noqa: E402
-from plan_memory_runs import MEASURED, PUBLISHED_OOM  # noqa: E402
+from plan_memory_runs import MEASURED, PUBLISHED_OOM, PUBLISHED_RAN  # noqa: E402
 from plan_mfu_runs import HELD_OUT  # noqa: E402
 from plan_tables import (A100, H100_SXM, SETUPS, TITAN_A100, Setup, describe, job_of, megatron, tp_rows_seen,  # noqa: E402
                          titan_mfu, write_report)
@@ -69,14 +69,17 @@ def llama3_405b(name, gpus, cp, seq, tflops):
     16M tokens per batch, 430 / 400 / 380 TFLOP/s, 43 / 41 / 38% MFU). Its 128K row lists DP 4, which contradicts
     that row's own 16,384 GPUs (8 x 16 x 16 x 4 = 8,192) and 16M tokens (16 x 4 x 131,072 = 8M); DP 8 agrees with
     both and is taken. Micro-batch 1 (not in the table: assumed), SP with TP, optimizer states sharded over
-    dp (ZeRO-1 here; the paper's FSDP shards gradients too), no recompute at 8K ("we could pre-train Llama 3 on
+    dp (ZeRO-1 here; the paper's FSDP shards gradients too, with fp32 accumulation over micro-batches: its readings
+    are printed below the table, llama3_gradient_readings), no recompute at 8K ("we could pre-train Llama 3 on
     sequences of 8K tokens without activation checkpointing"; not stated at 128K: the same assumed). Stages
     (Sec. 3.3.2): the interleaved schedule with the embedding and the loss each in a layer's place ("we reduce one
     Transformer layer each from the first and the last stages ... the first model chunk on the first stage has only
     the embedding, and the last model chunk on the last stage has only output projection and loss"): chunks of one
     layer, so (126 + 2) / 16 = 8 chunks per rank. The paper's schedule groups N micro-batches per chunk, N between
     PP (Megatron's depth-first order, what plan.py models) and M; the in-flight count is Megatron's at N = PP, the
-    fewest of that range. Software: planner/timing.SOFTWARE["llama3"] (FSDP prefetching, asynchronous pipeline sends).
+    fewest of that range (Megatron-Core's interleaved warm-up with N micro-batches per group,
+    microbatch_group_size_per_vp_stage, is 2(p - r - 1) + (v - 1)N forwards: each N above PP holds v - 1 more
+    chunks). Software: planner/timing.SOFTWARE["llama3"] (FSDP prefetching, asynchronous pipeline sends).
     Its MFU is over H100 SXM's 989 TFLOP/s; the paper does not state its FLOP count (plan.py's
     counts the attention scores unmasked: at 131,072 tokens that is 1.4x what a causal count gives)."""
     dp = gpus // (8 * cp * 16)
@@ -264,10 +267,11 @@ def nemotron_340b():
 
 # Llama 2 as torchtitan's llama2_configs build it (torchtitan/models/llama/__init__.py of 2024: 13B dim 5120, 40
 # layers, 40 heads, SwiGLU 13,824; 70B dim 8192, 80 layers, 64 heads, 8 KV heads, SwiGLU 28,672), untied, Llama 2's
-# 32,000-token vocabulary
-LLAMA2_13B = dict(n_layer=40, n_embd=5120, n_head=40, vocab=32000, ffn_hidden=13824, gated=True, tied=False)
-LLAMA2_70B = dict(n_layer=80, n_embd=8192, n_head=64, vocab=32000, n_kv_head=8, ffn_hidden=28672, gated=True,
+# 32,000-token vocabulary; RMSNorm and no biases (its model.py): arch llama
+LLAMA2_13B = dict(arch="llama", n_layer=40, n_embd=5120, n_head=40, vocab=32000, ffn_hidden=13824, gated=True,
                   tied=False)
+LLAMA2_70B = dict(arch="llama", n_layer=80, n_embd=8192, n_head=64, vocab=32000, n_kv_head=8, ffn_hidden=28672,
+                  gated=True, tied=False)
 
 
 def titan_llama2(name, shape, mbs, recompute, wps, mfu_text):
@@ -392,7 +396,7 @@ def table(results):
 
 def beside_the_table():
     """The runs left out for an input not stated, with what plan.py predicts under each value that input may have
-    had."""
+    had; and Llama 3 405B's wrong verdict under each reading of its paper's gradients."""
     lines = ["", "Left out, inputs not stated: Nemotron-4 15B's stages (the script's nemotron_15b says which), "
              "plan.py's MFU error by micro-batch and gradient bucket:", ""]
     for dp, seqs, seconds in NEMOTRON_15B_STAGES:
@@ -400,6 +404,26 @@ def beside_the_table():
                   f"{100 * predict(nemotron_15b(dp, seqs, seconds, mbs, bucket))['error']:+.0f}%"
                   for name, bucket in (("25 MiB", False), ("Megatron-Core's", True)) for mbs in (1, 4)]
         lines.append(f"- {8 * dp} H100 (dp {dp}, {seconds} s/iteration): " + "; ".join(errors))
+    return lines + llama3_gradient_readings()
+
+
+def llama3_gradient_readings():
+    """Llama 3 405B's 8K run on 8,192 GPUs (the verdict the table gets wrong) under each reading of what Sec. 3.3.2
+    says of its gradients ("shards optimizer states and gradients", "FP32 gradient accumulation during backward
+    computation over multiple micro-batches", "reduce-scatter gradients in FP32"): none is chosen over the table's."""
+    run = LLAMA3_405B[0]
+    lines = ["", f"{run.name} on {run.gpus:,} GPUs, under each reading of Sec. 3.3.2's gradient sharding and fp32 "
+             "accumulation (allocated of usable memory, verdict, MFU error):", ""]
+    readings = (("the table's: optimizer states sharded (ZeRO-1), 16-bit gradients", 1, "param"),
+                ("one whole fp32 gradient buffer, reduce-scattered after the last micro-batch (ZeRO-1, fp32)", 1,
+                 "fp32"),
+                ("fp32 gradients sharded, reduce-scattered after every micro-batch (ZeRO-2, fp32)", 2, "fp32"))
+    for text, zero, grads in readings:
+        r = predict(dataclasses.replace(run, layout=dataclasses.replace(run.layout, zero_stage=zero),
+                                        job=dict(run.job, grad_dtype=grads)))
+        mem = r["row"]["mem_bytes"]
+        lines.append(f"- {text}: {mem['total'] / GIB:.1f} of {mem['usable'] / GIB:.1f} GiB, "
+                     f"{verdict_text(r['row'])}, MFU {100 * r['error']:+.1f}%")
     return lines
 
 
@@ -411,8 +435,9 @@ def median(values):
 
 def memory_table(results):
     """The memory section: each run with a measured peak (plan.py's prediction of the same quantity / the measured),
-    each run published to run out of memory, and the OOM verdicts over every run with a known outcome (the MFU table's
-    runs all ran), close calls apart, with and without the runs rules were written on."""
+    each run published to run out of memory, each published to run with no peak stated, and the OOM verdicts over
+    every run with a known outcome (the MFU table's runs all ran), close calls apart, with and without the runs rules
+    were written on."""
     lines = ["| run | source | GPUs | seq | layout | measured | predicted | ratio | verdict | rules written on it |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     ratios, modelled = [], []
@@ -426,14 +451,16 @@ def memory_table(results):
         lines.append(f"| {s.name} | {s.source} | {s.gpus} {s.gpu} | {s.seq} | {describe(r['row'])} | "
                      f"{run.measured_gib} GiB {run.metric}{'' if run.modelled else ' (compile, Float8)'} | "
                      f"{predicted:.1f} GiB | {ratios[-1]:.2f} | {verdict_cell(r['row'], True)} | {seen_cell(s)} |")
-    for setup in PUBLISHED_OOM:
+    outcomes = [(s, False, "out of memory") for s in PUBLISHED_OOM]
+    outcomes += [(s, True, f"ran ({s.published_text}; no peak published)") for s in PUBLISHED_RAN]
+    for setup, ran, outcome in outcomes:
         r = predict(setup)
         lines.append(f"| {setup.name} | {setup.source} | {setup.gpus} {setup.gpu} | {setup.seq} | {describe(r['row'])} "
-                     f"| out of memory | {r['row']['mem_bytes']['total'] / GIB:.1f} GiB allocated | - | "
-                     f"{verdict_cell(r['row'], False)} | {seen_cell(setup)} |")
+                     f"| {outcome} | {r['row']['mem_bytes']['total'] / GIB:.1f} GiB allocated | - | "
+                     f"{verdict_cell(r['row'], ran)} | {seen_cell(setup)} |")
     known = ([(r["row"], True, r["setup"]) for r in results] + [(predict(m.setup)["row"], True, m.setup)
                                                                  for m in MEASURED]
-             + [(predict(s)["row"], False, s) for s in PUBLISHED_OOM])
+             + [(predict(s)["row"], ran, s) for s, ran, _ in outcomes])
     verdicts = verdict_counts([verdict_of(row, ran) for row, ran, _ in known], [s for *_, s in known])
     head = (f"**Predicted / measured memory, median: {median(ratios):.2f} over {len(ratios)} runs "
             f"({median(modelled):.2f} over the {len(modelled)} without torch.compile or Float8). OOM verdicts over "
@@ -459,7 +486,8 @@ torch.cuda.max_memory_reserved (plan_memory: the tensors' peak, cuBLAS's workspa
 reserve, at most the GPU's usable memory), "device" nvidia-smi's figure (reserved + the CUDA context + NCCL's
 buffers). The verdict is OOM where the reserved memory is above the usable (the GPU's capacity less the CUDA context
 and NCCL's buffers); every run in the MFU table and every measured run ran, the configurations listed as "out of
-memory" did not. Nothing in plan.py was fitted to these runs.
+memory" did not, and those listed as "ran" (the float8 rows of torchtitan's 2025 async TP benchmark, which publish no
+memory: bench/plan_memory_runs.py, PUBLISHED_RAN) did. Nothing in plan.py was fitted to these runs.
 """
 
 NOTES = """
@@ -531,6 +559,16 @@ with 1F1B at 8K (82.5 GiB) and at 32K with CP 1 (75.3 GiB) ran the same layout w
 micro-batch: 10% apart, where plan.py predicts both alike (0.88, 0.97). The two H200 runs of 2025 (Trainy,
 torch.compile and Float8) are predicted 1.20-1.21: torchtitan compiled the loss by then (fused_loss), and the
 blocks' compilation, not modelled, is what remains.
+
+The wrong verdict, Llama 3 405B at 8K on 8,192 GPUs, is on pipeline rank 1: with the first and last stages a layer
+short (Sec. 3.3.2), a middle rank holds Megatron's 2(p - 2) + (v - 1)p + 1 = 141 one-layer chunks of micro-batches at
+its peak, rank 0 112 (its embedding chunk holds none). Sec. 3.3.2 was read for a term that would lower it: its
+schedule's N micro-batches per group lie between PP and M (32 here), and each N above PP holds more (the row's
+docstring); the embedding alone in the first chunk and the output projection and loss alone in the last are what
+plan.py models; the stage inputs and outputs it frees are not counted for its stack (--software llama3); its
+gradients, read either way (the list under the MFU table), leave the run OOM. So the verdict stays, wrong: the
+micro-batch size (assumed 1) and Meta's own allocator and memory estimator are not published, and nothing is fitted
+to the run.
 """
 
 

@@ -40,7 +40,7 @@ from planner.stages import (block_sizes, end_ranks, layers_per_rank, moe_blocks,
                              stage_blocks)          # where the stages are (planner/stages.py); plan.py's callers
                                                     # and the tests reach them here too
 from planner.shape import (activation_delta_values, block_numels, embedding_numels, expert_start, held_layers,
-                           job_of_shape, kv_dim, norm_numels, op_recompute_values)
+                           job_of_shape, kv_dim, norm_numels, norm_saved_bytes, op_recompute_values)
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "reserved")
 
@@ -197,9 +197,10 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
     attention the 5as/h scores term is not stored, as with selective recompute), plus what this model keeps beyond
     the paper's count: q and k before and after RoPE (+2sbh/t values; none without RoPE, job.rope False: learned or
     ALiBi positions), the fp32 log-sum-exp of the fused attention (a*s*b*4/t bytes, gone with selective recompute),
-    two LayerNorms' mean and rstd (16sb bytes, /t under SP), c_attn's and c_fc's inputs whole where autograd keeps
-    them gathered under SP (job.tp_saves_gathered: +2sbh(1 - 1/t) values), an MoE block's moe_extra_bytes
-    (extras=False: the paper's count alone), and residual_extra_bytes (the fp32 residual stream under amp).
+    the two norms' fp32 statistics (shape.norm_saved_bytes: LayerNorm's mean and rstd, 16sb bytes; RMSNorm's rstd
+    alone, 8sb; /t under SP), c_attn's and c_fc's inputs whole where autograd keeps them gathered under SP
+    (job.tp_saves_gathered: +2sbh(1 - 1/t) values), an MoE block's moe_extra_bytes (extras=False: the paper's count
+    alone), and residual_extra_bytes (the fp32 residual stream under amp).
     train_cp's attention output is laid out as SDPA's, so c_proj's input is a view of the one saved copy under cp."""
     cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
     s, b, h = job.cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
@@ -216,7 +217,8 @@ def layer_activation_bytes(job, lay, moe=False, extras=True):
         return base + residual_extra_bytes(job, lay, 1)
     lse = cfg.n_head * s * b * 4 / t if (lay.recompute == "none" and job.attn == "flash") else 0
     rotated = 2 * h if job.rope else h - kv_dim(job)        # without RoPE no rotated q (h) and k (kv) copies
-    extra = s * b * bpv * (rotated + activation_delta_values(job)) / t + lse + 16 * s * b / (t if lay.sp else 1)
+    stats = 2 * norm_saved_bytes(job) * s * b / (t if lay.sp else 1)
+    extra = s * b * bpv * (rotated + activation_delta_values(job)) / t + lse + stats
     extra += 2 * s * b * h * bpv * (1 - 1 / t) if lay.sp and job.tp_saves_gathered else 0
     if moe:
         extra += moe_extra_bytes(job, lay)
@@ -239,14 +241,14 @@ def residual_extra_bytes(job, lay, copies):
 
 def head_activation_bytes(job, lay):
     """Last stage, per micro-batch: ln_f's input and the LM head's input (2sbh values, /t under SP; the fused head,
-    which saves dh instead, the first alone), their stats and the targets (16sb bytes), what the loss saves
-    (planner/head.loss_saved_bytes, each stack's own: the fp32 softmax of most, the 16-bit logits and their
-    log-sum-exp of a fused loss, dh and dW of the fused head) and the RoPE table."""
+    which saves dh instead, the first alone), ln_f's statistics (shape.norm_saved_bytes) and the int64 targets (8sb
+    bytes), what the loss saves (planner/head.loss_saved_bytes, each stack's own: the fp32 softmax of most, the
+    16-bit logits and their log-sum-exp of a fused loss, dh and dW of the fused head) and the RoPE table."""
     cfg, bpv = job.cfg, PRECISION[job.precision][1]
     s, b, h = cfg.block_size // lay.cp, lay.micro_batch_size, cfg.n_embd
     inputs = 1 if loss_of(job, lay) == "linear_ce" else 2
-    return (inputs * s * b * h * bpv / (lay.tp if lay.sp else 1) + 16 * s * b + loss_saved_bytes(job, lay)
-            + s * (h // cfg.n_head) * 4 + residual_extra_bytes(job, lay, 1))
+    return (inputs * s * b * h * bpv / (lay.tp if lay.sp else 1) + (norm_saved_bytes(job) + 8) * s * b
+            + loss_saved_bytes(job, lay) + s * (h // cfg.n_head) * 4 + residual_extra_bytes(job, lay, 1))
 
 
 def in_flight(schedule, p, m, v, rank):

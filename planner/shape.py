@@ -49,6 +49,15 @@ def norm_numels(job):
     return [job.cfg.n_embd] * (1 if job.cfg.norm == "rmsnorm" else 2)
 
 
+def norm_saved_bytes(job):
+    """Bytes per token one norm keeps for its backward beside its input: its fp32 statistics, one value per row.
+    LayerNorm its mean and rstd (8: torch's native_layer_norm, kernels/layer_norm.py); RMSNorm its rstd alone (4:
+    torch's _fused_rms_norm, which F.rms_norm runs on a GPU where the weight and the input share a dtype, as in every
+    stack here; kernels/rms_norm.py). On CPU torch composes rms_norm from element-wise ops instead, whose autograd also
+    keeps the normalized input (h values per token): not a GPU's count, so not plan.py's."""
+    return 4 if job.cfg.norm == "rmsnorm" else 8
+
+
 def linear_numels(n_in, n_out, bias, tp=1):
     """A linear's weight (and bias where it has one), n_out / tp of its outputs on a tp rank."""
     return [n_in * n_out // tp] + ([n_out // tp] if bias else [])
