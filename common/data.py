@@ -19,7 +19,9 @@ Loading (docs/parity.md): the global batch of optimizer step s is a fixed functi
 `global_batch_offsets` draws global_batch_size start offsets from a generator seeded by (seed, s). A DP rank's
 micro-batch is a fixed slice of it (`micro_batch`), so every layout sees exactly the same tokens per step.
 """
-import argparse
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import json
 import math
 import os
@@ -109,10 +111,12 @@ def write_dataset(out_dir, tokens, vocab_size, tokenizer, source, val_fraction=0
             write_tokenizer_files(out_dir, tokenizer_from)
         with open(temps[2], "w") as f:
             json.dump(meta, f, indent=1)
-    except OSError as e:                             # a full disk: the dataset there (if any) stays as it was
+    except BaseException as e:                       # a full disk, a Ctrl-C: the dataset there (if any) stays as it was
         for tmp in temps:
             if os.path.exists(tmp):
                 os.remove(tmp)
+        if not isinstance(e, OSError):
+            raise
         raise OSError(f"cannot write the dataset to {out_dir} ({e.strerror or e}); nothing there was changed") \
             from None
     for name, tmp in zip(("train.bin", "val.bin", "meta.json"), temps):
@@ -345,53 +349,6 @@ def inputs_and_targets(arrays, offsets, block_size, device, vocab_size):
     return seqs[:, :-1], seqs[:, 1:]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Prepare a dataset as train.bin / val.bin / meta.json.",
-                                allow_abbrev=False)         # a prefix of a flag is not the flag
-    p.add_argument("--out_dir", default=None, help="where to write (default data/stdlib, data/<name>)")
-    p.add_argument("--input", nargs="+", default=None, help="text files to tokenize instead of the stdlib")
-    p.add_argument("--shakespeare", action="store_true", help="download tiny-shakespeare (needs internet)")
-    p.add_argument("--tokenizer", default="byte",
-                   help="byte: raw bytes, vocab 256 (offline); gpt2: tiktoken BPE (downloads its file once); or a "
-                        "directory holding a Hugging Face tokenizer.json (the tokenizers library, offline)")
-    a = p.parse_args(argv)
-    from common.errors import fail
-    try:
-        check_out_dir_arg(a.out_dir)
-        if a.tokenizer not in ("byte", "gpt2"):
-            from common.hf.tokenizer import hf_tokenizer
-            hf_tokenizer(a.tokenizer)               # a readable tokenizer.json there, before any work
-        if a.shakespeare and a.input:
-            raise ValueError("--shakespeare and --input both name the text: pick one")
-        if a.shakespeare:
-            meta = prepare_shakespeare(a.out_dir or os.path.join("data", "shakespeare"), a.tokenizer)
-        elif a.input:
-            meta = prepare_text_files(a.input, a.out_dir or os.path.join("data", "custom"), a.tokenizer)
-        else:
-            if a.tokenizer != "byte":
-                raise ValueError("the default stdlib corpus is byte-level; use --input FILES with another --tokenizer")
-            meta = prepare_stdlib(a.out_dir or DEFAULT_DATA_DIR)
-    except (ValueError, OSError) as e:
-        fail(str(e))
-    print(json.dumps(meta, indent=1))
-
-
-def check_out_dir_arg(out_dir):
-    """--out_dir is a directory, or can be made one (not a file, nor under one)."""
-    if out_dir is None:
-        return
-    if out_dir.strip() == "":
-        raise ValueError("--out_dir must name a directory")
-    existing = os.path.abspath(out_dir)
-    while not os.path.exists(existing):
-        if os.path.islink(existing):
-            raise ValueError(f"--out_dir {out_dir}: {not_a_file(existing)}")
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"--out_dir {out_dir}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--out_dir {out_dir}: {existing} is not writable")
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":          # python -m common.data: its command line is common/data_cli.py's
+    from common.data_cli import main
     main()

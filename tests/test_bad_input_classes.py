@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import plan
-from common import data, model_setup, startup
+from common import data, data_cli, errors, model_setup, startup
 from common.config import ConfigError, parse_collectives_args, parse_config
 from common.distributed import DistEnv, launch_env, rendezvous_problem
 from test_failures import one_error_line
@@ -306,7 +306,7 @@ def test_prepare_refuses_a_pipe_and_dangling_links(tmp_path, capsys):
                           (["--input", str(tmp_path / "link")], "a symbolic link to"),
                           (["--input", "README.md", "--out_dir", str(tmp_path / "link")], "--out_dir")):
         with pytest.raises(SystemExit) as e:
-            data.main(argv)
+            data_cli.main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("error: ") and message in err, err
 
@@ -359,11 +359,13 @@ def test_ctrl_c_is_one_line_saying_what_the_run_keeps(two_steps, tmp_path, capsy
     """Before: a KeyboardInterrupt traceback per rank, and no word on which checkpoint survived. In a process (as
     every run does from prepare_data on): SIGINT, then a collective failing because a peer stopped on its own
     Ctrl-C, reaches the top; the line says what the run keeps. Then the hook alone: the same line for a plain
-    KeyboardInterrupt, nothing from rank 1, any other error left to the previous hook."""
-    script = (f"import os, signal, sys, time, types; sys.path.insert(0, {ROOT!r})\n"
-              f"from common.startup import report_interrupt\n"
+    KeyboardInterrupt, nothing from rank 1, any other error left to the previous hook. (Ctrl-C at each start-up
+    phase of each entry point: tests/test_ctrl_c.py.)"""
+    script = (f"import functools, os, signal, sys, time; sys.path.insert(0, {ROOT!r})\n"
+              f"from common.checkpoint.files import kept_checkpoint\n"
+              f"from common.errors import report_interrupts\n"
               f"signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # Python default (parent may ignore it)
-              f"report_interrupt(types.SimpleNamespace(out_dir={two_steps!r}), types.SimpleNamespace(rank=0))\n"
+              f"report_interrupts(kept=functools.partial(kept_checkpoint, {two_steps!r}), rank=0)\n"
               f"try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n"
               f"except KeyboardInterrupt:\n    raise RuntimeError('Connection closed by peer')")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -371,14 +373,14 @@ def test_ctrl_c_is_one_line_saying_what_the_run_keeps(two_steps, tmp_path, capsy
             f"continue from it\n")
     assert proc.stderr == line and proc.returncode != 0, proc.stderr
     others = []
-    monkeypatch.setattr(startup, "RUN", dict(out_dir=two_steps, rank=0, interrupted=False,
-                                             previous_hook=lambda *exc: others.append(exc[0])))
-    startup.on_exit_exception(KeyboardInterrupt, KeyboardInterrupt(), None)
-    startup.on_exit_exception(ValueError, ValueError(), None)
+    monkeypatch.setattr(errors, "INTERRUPT", dict(kept=lambda: line[len("interrupted: "):-1], rank=0,
+                                                  interrupted=False))
+    errors.on_exit_exception(lambda *exc: others.append(exc[0]), KeyboardInterrupt, KeyboardInterrupt(), None)
+    errors.on_exit_exception(lambda *exc: others.append(exc[0]), ValueError, ValueError(), None)
     assert capsys.readouterr().err == line and others == [ValueError]
-    startup.RUN.update(rank=1, out_dir=str(tmp_path))
-    startup.on_exit_exception(KeyboardInterrupt, KeyboardInterrupt(), None)
-    assert capsys.readouterr().err == ""
+    errors.INTERRUPT.update(rank=1)
+    errors.on_exit_exception(lambda *exc: others.append(exc[0]), KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert capsys.readouterr().err == "" and others == [ValueError]
 
 
 def test_a_full_disk_under_metrics_is_one_line(two_steps, tiny_data, tmp_path, capsys, monkeypatch):

@@ -332,14 +332,14 @@ def test_a_gpt2_bpe_corpus_exports_gpt2_tokenizer_files(tmp_path, monkeypatch, c
 def test_data_with_a_hugging_face_tokenizer_trains_and_exports_it(trained, tmp_path, capsys):
     """python -m common.data --tokenizer HF_DIR: AutoTokenizer's ids, meta.json names the tokenizer, the sample
     decodes with it, and an export carries the same tokenizer.json."""
-    from common import data
+    from common import data_cli
     from common.hf.tokenizer import byte_tokenizer
     source = str(tmp_path / "tok")
     hf.main(["export", trained("single"), source])     # any tokenizer.json: the byte one
     text = tmp_path / "text.txt"
     text.write_text(stdlib_text("tarfile.py", 60_000) + "\nnaïve 🙂")
     corpus = str(tmp_path / "corpus")
-    data.main(["--input", str(text), "--tokenizer", source, "--out_dir", corpus])
+    data_cli.main(["--input", str(text), "--tokenizer", source, "--out_dir", corpus])
     meta = json.load(open(os.path.join(corpus, "meta.json")))
     assert meta["tokenizer"] == "hf" and meta["tokenizer_from"] == os.path.abspath(source)
     ids = np.concatenate([np.fromfile(os.path.join(corpus, f"{s}.bin"), dtype=np.uint16) for s in ("train", "val")])
