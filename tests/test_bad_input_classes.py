@@ -311,6 +311,20 @@ def test_prepare_refuses_a_pipe_and_dangling_links(tmp_path, capsys):
         assert e.value.code == 2 and err.startswith("error: ") and message in err, err
 
 
+def test_data_mix_refuses_an_out_dir_it_cannot_use(tmp_path, capsys):
+    """python -m common.data_mix, an entry point of its own: an --out_dir that is empty, a file, under a file or a
+    dangling link is one error line naming it, before any of its three corpora is prepared."""
+    from common import data_mix
+    (tmp_path / "file").write_text("x")
+    os.symlink(str(tmp_path / "nowhere"), tmp_path / "link")
+    for out_dir in ("", str(tmp_path / "file"), str(tmp_path / "file" / "under"), str(tmp_path / "link")):
+        with pytest.raises(SystemExit) as e:
+            data_mix.main(["--out_dir", out_dir])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: --out_dir") and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["file", "link"]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # bench.sh: its arguments and knobs before it installs, prepares or runs anything
 

@@ -75,7 +75,10 @@ CASES = {"imports": ("train_zero.py", "import:torch", "RUN", NOTHING),
          "argument checks": ("plan.py", "argparse:ArgumentParser.parse_args", ["--gpus", "8"], NOTHING),
          "rendezvous": ("collectives.py", "common.distributed:init_distributed", ["--numel", "1000"], NOTHING),
          "corpus preparation": ("train_single.py", "common.data:prepare_stdlib", "DEFAULT CORPUS", FRESH),
-         "model build": ("train_ddp.py", "model:GPT.__init__", "RUN", FRESH)}
+         "model build": ("train_ddp.py", "model:GPT.__init__", "RUN", FRESH),
+         "imports of python -m": ("-mcommon.hf", "import:torch", ["export", "out", "hf"], NOTHING),
+         "a mixture's corpora": ("-mcommon.data_mix", "common.data:prepare_stdlib", ["--out_dir", "mix"],
+                                 "no dataset was written to mix/stdlib")}
 
 
 @pytest.mark.parametrize("phase", list(CASES))
@@ -86,7 +89,7 @@ def test_ctrl_c_at_start_up_is_one_line(phase, corpus, tmp_path):
         argv = tiny_argv(corpus if argv == "RUN" else "data/stdlib", out, max_steps=2)
     lines, code = interrupted(where, entry, argv, cwd=str(tmp_path))
     assert lines == [f"interrupted: {kept.format(out=out)}"] and code == -signal.SIGINT, (lines, code)
-    assert os.listdir(tmp_path) in (["out"], []), os.listdir(tmp_path)    # no corpus half-prepared
+    assert os.listdir(tmp_path) in (["out"], ["mix"], []), os.listdir(tmp_path)    # no corpus half-prepared
 
 
 def test_ctrl_c_while_a_dataset_is_written_keeps_the_one_there(tmp_path):

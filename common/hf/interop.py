@@ -32,7 +32,7 @@ from common.checkpoint.compat import saved_model_config
 from common.checkpoint.files import latest_checkpoint, load_checkpoint, write_directory_atomically
 from common.data import read_meta
 from common.distributed import fail_together
-from common.errors import ConfigError, check, fail, require
+from common.errors import ConfigError, check, fail, report_interrupts, require
 from common.hf import convert, llama
 from common.hf.convert import WTE, architecture_problem, shape_problem
 from common.hf.tokenizer import KINDS, TOKENIZER_FILES, export_tokenizer, tokenizers_module
@@ -205,6 +205,7 @@ def main(argv=None):
     except (ValueError, OSError) as e:              # ConfigError is a ValueError
         fail(str(e))
     dtype = export_dtype(args, state["model"])
+    report_interrupts(kept=lambda: f"{args.hf_dir} is as it was (an export takes its place only once whole)")
     try:                    # all of it, or nothing: a full disk or a kill leaves HF_DIR's earlier export as it was
         config, tokenizer = write_directory_atomically(target, lambda d: write_export(d, state, mc, meta, data_dir,
                                                                                       dtype))
@@ -212,6 +213,7 @@ def main(argv=None):
         fail(str(e))
     except OSError as e:
         fail(f"cannot write the export to {args.hf_dir} ({e.strerror or e}); what was there is kept as it was")
+    report_interrupts(kept=lambda: f"{args.hf_dir} holds the new export")
     dtype_name = str(dtype).removeprefix("torch.")
     names, fam = parameter_names(GPTConfig(**mc)), family_of(mc)
     padding = f", padded to {config['vocab_size']} rows" if config["vocab_size"] != mc["vocab_size"] else ""
