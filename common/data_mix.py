@@ -241,8 +241,7 @@ def main(argv=None):
     p.add_argument("--out_dir", default="data", help="the corpora go to OUT_DIR/stdlib, OUT_DIR/docstrings and "
                                                      "OUT_DIR/stdlib_text (one prepared before is kept)")
     a = p.parse_args(argv)
-    from common.data import prepare_stdlib
-    from common.data_cli import changes_to, check_out_dir_arg
+    from common.data import check_out_dir_arg, dataset_kept, prepare_stdlib
     from common.errors import fail, report_interrupts
     try:
         check_out_dir_arg(a.out_dir)
@@ -252,7 +251,7 @@ def main(argv=None):
             if os.path.exists(os.path.join(out_dir, "meta.json")):          # prepared before (meta.json is last)
                 print(f"data_mix: {out_dir} is prepared", flush=True)
             else:
-                report_interrupts(kept=changes_to(out_dir))     # (the corpora before it stay prepared)
+                report_interrupts(kept=dataset_kept(out_dir))     # (the corpora before it stay prepared)
                 prepare(out_dir)
     except (ValueError, OSError) as e:
         fail(str(e))

@@ -77,9 +77,9 @@ def report_interrupts(kept=None, rank=None):
     traceback. Every entry point calls it first, before torch's import; a run again once it knows what it keeps
     (`kept`, its `rank`), and init_distributed after torch's process-group init, whose own excepthook would
     otherwise buffer and prefix the line. SIGINT still raises KeyboardInterrupt where it lands (`finally` blocks and
-    the cleanup of temporary files run), and the process still ends as Python ends on it, by SIGINT (a shell says
+    the cleanup of temporary files run), and the process still ends as Python ends on one, by SIGINT (a shell says
     130, and a loop over runs stops too). It is remembered: what reaches the top after it (a collective closed by
-    a peer's own Ctrl-C) is the same interrupt."""
+    a peer's own Ctrl-C, which then ends the process with status 1) is reported as the same interrupt."""
     if kept is not None:
         INTERRUPT["kept"] = kept
     INTERRUPT["rank"] = launch_rank() if rank is None else rank

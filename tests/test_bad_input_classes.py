@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import plan
-from common import data, data_cli, errors, model_setup, startup
+from common import data, errors, model_setup, startup
 from common.config import ConfigError, parse_collectives_args, parse_config
 from common.distributed import DistEnv, launch_env, rendezvous_problem
 from test_failures import one_error_line
@@ -306,7 +306,7 @@ def test_prepare_refuses_a_pipe_and_dangling_links(tmp_path, capsys):
                           (["--input", str(tmp_path / "link")], "a symbolic link to"),
                           (["--input", "README.md", "--out_dir", str(tmp_path / "link")], "--out_dir")):
         with pytest.raises(SystemExit) as e:
-            data_cli.main(argv)
+            data.main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("error: ") and message in err, err
 

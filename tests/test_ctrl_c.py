@@ -1,9 +1,10 @@
 """
-A Ctrl-C at every start-up phase of every kind of entry point: one `interrupted:` line saying what was kept, no
-traceback, and the end Python gives an uncaught KeyboardInterrupt (death by SIGINT: a shell says 130). Each case
-sends the SIGINT itself at a chosen point (the import of torch, the argument parser, the rendezvous, the corpus's
-preparation, the model's build, a dataset's write), not after a guessed sleep. Before, each was a traceback:
-report_interrupts was first called in prepare_data.
+A Ctrl-C in start-up phases of each kind of entry point (a rung, plan.py, collectives.py, train_single, python -m
+common.data, common.data_mix, common.hf): one `interrupted:` line saying what was kept, no traceback, and the end
+Python gives an uncaught KeyboardInterrupt (death by SIGINT: a shell says 130). Each case sends the SIGINT itself at
+a chosen point (the import of torch, the rendezvous, the corpus's preparation, a dataset's write), not after a
+guessed sleep. Before, a Ctrl-C before prepare_data (where the report began) was a traceback, and so was one in
+the data and export command lines.
 """
 import os
 import signal
@@ -71,12 +72,11 @@ NOTHING = "nothing was written"
 FRESH = "no checkpoint in {out} yet: a new run starts from step 0"     # once the run has taken its out_dir
 
 # entry point, where the SIGINT lands (the phase), its arguments (RUN: a tiny run on the test corpus), the line's end
-CASES = {"imports": ("train_zero.py", "import:torch", "RUN", NOTHING),
-         "argument checks": ("plan.py", "argparse:ArgumentParser.parse_args", ["--gpus", "8"], NOTHING),
+CASES = {"imports of a rung": ("train_zero.py", "import:torch", "RUN", NOTHING),
+         "imports of plan.py": ("plan.py", "import:torch", ["--gpus", "8"], NOTHING),
+         "imports of python -m": ("-mcommon.hf", "import:torch", ["export", "out", "hf"], NOTHING),
          "rendezvous": ("collectives.py", "common.distributed:init_distributed", ["--numel", "1000"], NOTHING),
          "corpus preparation": ("train_single.py", "common.data:prepare_stdlib", "DEFAULT CORPUS", FRESH),
-         "model build": ("train_ddp.py", "model:GPT.__init__", "RUN", FRESH),
-         "imports of python -m": ("-mcommon.hf", "import:torch", ["export", "out", "hf"], NOTHING),
          "a mixture's corpora": ("-mcommon.data_mix", "common.data:prepare_stdlib", ["--out_dir", "mix"],
                                  "no dataset was written to mix/stdlib")}
 

@@ -98,10 +98,10 @@ def test_every_node_prepares_its_own_data(tmp_path):
 
 def _prepare(argv, capsys):
     """python -m common.data argv in this process: (exit code, stderr lines)."""
-    from common import data_cli
+    from common import data
     code = 0
     try:
-        data_cli.main(argv)
+        data.main(argv)
     except SystemExit as e:
         code = e.code
     return code, capsys.readouterr().err.strip().splitlines()

@@ -301,10 +301,11 @@ def test_a_gpt2_bpe_corpus_exports_gpt2_tokenizer_files(tmp_path, monkeypatch, c
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
     from common import data as prepare
+    from common.hf import tokenizer
     ranks = train_bpe(stdlib_text("argparse.py", 20_000), 100, r50k_pat_str)
     enc = tiktoken.Encoding("small", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                             special_tokens={"<|endoftext|>": len(ranks)})
-    monkeypatch.setattr(prepare, "gpt2_encoding", lambda: enc)
+    monkeypatch.setattr(tokenizer, "gpt2_encoding", lambda: enc)
     text, data = tmp_path / "text.txt", str(tmp_path / "data")
     text.write_text(stdlib_text("inspect.py", 200_000))
     prepare.main(["--input", str(text), "--tokenizer", "gpt2", "--out_dir", data])
@@ -332,14 +333,14 @@ def test_a_gpt2_bpe_corpus_exports_gpt2_tokenizer_files(tmp_path, monkeypatch, c
 def test_data_with_a_hugging_face_tokenizer_trains_and_exports_it(trained, tmp_path, capsys):
     """python -m common.data --tokenizer HF_DIR: AutoTokenizer's ids, meta.json names the tokenizer, the sample
     decodes with it, and an export carries the same tokenizer.json."""
-    from common import data_cli
+    from common import data
     from common.hf.tokenizer import byte_tokenizer
     source = str(tmp_path / "tok")
     hf.main(["export", trained("single"), source])     # any tokenizer.json: the byte one
     text = tmp_path / "text.txt"
     text.write_text(stdlib_text("tarfile.py", 60_000) + "\nnaïve 🙂")
     corpus = str(tmp_path / "corpus")
-    data_cli.main(["--input", str(text), "--tokenizer", source, "--out_dir", corpus])
+    data.main(["--input", str(text), "--tokenizer", source, "--out_dir", corpus])
     meta = json.load(open(os.path.join(corpus, "meta.json")))
     assert meta["tokenizer"] == "hf" and meta["tokenizer_from"] == os.path.abspath(source)
     ids = np.concatenate([np.fromfile(os.path.join(corpus, f"{s}.bin"), dtype=np.uint16) for s in ("train", "val")])

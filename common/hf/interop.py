@@ -144,6 +144,18 @@ def export_checks(args):
     return state, mc, meta, data_dir
 
 
+def export_kept(hf_dir, target):
+    """What a Ctrl-C during an export leaves in HF_DIR, in words: as it was, until the new export takes its place."""
+    from common.checkpoint.files import replaced_later
+    replaced = replaced_later(target)
+
+    def kept():
+        if replaced():
+            return f"{hf_dir} holds the new export"
+        return f"{hf_dir} is as it was (an export is renamed into place only once whole)"
+    return kept
+
+
 def export_dtype(args, weights):
     return DTYPES[args.dtype] if args.dtype else weights[WTE].dtype
 
@@ -205,7 +217,7 @@ def main(argv=None):
     except (ValueError, OSError) as e:              # ConfigError is a ValueError
         fail(str(e))
     dtype = export_dtype(args, state["model"])
-    report_interrupts(kept=lambda: f"{args.hf_dir} is as it was (an export takes its place only once whole)")
+    report_interrupts(kept=export_kept(args.hf_dir, target))
     try:                    # all of it, or nothing: a full disk or a kill leaves HF_DIR's earlier export as it was
         config, tokenizer = write_directory_atomically(target, lambda d: write_export(d, state, mc, meta, data_dir,
                                                                                       dtype))
@@ -213,7 +225,6 @@ def main(argv=None):
         fail(str(e))
     except OSError as e:
         fail(f"cannot write the export to {args.hf_dir} ({e.strerror or e}); what was there is kept as it was")
-    report_interrupts(kept=lambda: f"{args.hf_dir} holds the new export")
     dtype_name = str(dtype).removeprefix("torch.")
     names, fam = parameter_names(GPTConfig(**mc)), family_of(mc)
     padding = f", padded to {config['vocab_size']} rows" if config["vocab_size"] != mc["vocab_size"] else ""
