@@ -14,6 +14,9 @@ Ring all-reduce of S bytes over n ranks, the one picture to remember:
     all-gather, n-1 more steps: the finished chunks go round once more, copied instead of added
     each rank sends 2(n-1) chunks of S/n = 2(n-1)/n * S: almost flat in n, which is why rings scale.
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import math
 import time
 from collections import namedtuple

@@ -25,6 +25,9 @@ flags that build them planner/cli.py; the memory formulas are planner/memory.py;
 measurements under it planner/timing.py; each axis's bytes, link, latency and overlap planner/comm.py; model shapes
 planner/shape.py. This file adds up the step time, searches the layouts and prints the table.
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import copy
 import json
 import math

@@ -56,6 +56,9 @@ What exists only because two axes meet is in compose/: the dp x cp axis as one o
 (dp_axis.py: replicas; zero_pipeline.py: ZeRO-1/2 shards and ZeRO-3 units inside the pipeline), experts on the
 grid (ep_grid.py: router metrics, checkpoint writers), the whole model gathered for the sample (whole_model.py).
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import argparse
 import functools
 import time
@@ -251,8 +254,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed + grid.coords["pp"] * dp + dp_rank)   # dropout: own stream per stage and batch slice
     start = checkpoint.start_from(cfg, env, gcfg, dp_axis.held)
     last_step = cfg.stop_step or cfg.max_steps
-    logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=env.world_size,
-                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=env.world_size, resume=cfg.resume)
     if env.is_main:
         print_grid(grid, cfg, act_shape, sum(p.numel() for p in chunks.parameters()))
         print(f"  schedule {cfg.pp_schedule}, {m} micro-batches of {micro} per dp rank, simulated bubble "

@@ -24,6 +24,9 @@ Block attention: any (forward, backward) pair of PLAIN_TORCH's signatures (--ker
 converters/cp_kernels.py). K/V may have fewer heads than Q (grouped-query attention): they travel with their own
 heads. Any model (docs/copy_out.md): swap_modules puts the core in place of the modules named.
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import time
 
 import torch
@@ -370,8 +373,7 @@ def main(argv=None):
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
-    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=cp,
-                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=cp, resume=cfg.resume)
     activations = SavedActivationBytes(model)
     # attention score elements this rank computes per step: every layer of every micro-batch, twice when
     # recomputed in backward (--recompute selective or full runs the attention forward again)

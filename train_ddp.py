@@ -26,6 +26,9 @@ Two of ZeRO-R's memory lessons (Rajbhandari et al. 2020, section 6) are already 
        view of one; backward writes gradients into them instead of allocating a tensor each between its short-lived
        temporaries, the holes that fragment a caching allocator (bench/fragmentation.py measures both).
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import time
 import weakref
 
@@ -338,8 +341,7 @@ def main(argv=None):
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
-    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=dp,
-                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=dp, resume=cfg.resume)
     if env.is_main:
         print(f"train_ddp: dp {dp}, mode {cfg.ddp_mode}, {len(grads.buckets)} buckets, grad_acc {grad_acc}, "
               f"{dtype}, {env.device}, steps {start}..{last_step - 1}", flush=True)

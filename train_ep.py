@@ -28,6 +28,9 @@ Any MoE whose experts are one module called on all routed rows (model.Experts; d
 ExpertParallelExperts in their place; experts stored as one [E, ...] tensor per weight and called on each token's
 top-k (Hugging Face's MoE models) take ExpertParallelStackedExperts.
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import functools
 import time
 
@@ -333,8 +336,7 @@ def main(argv=None):
     train_model = torch.compile(model) if cfg.compile else model
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
-    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=world,
-                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=world, resume=cfg.resume)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if env.is_main:
         print(f"train_ep: world {world}, ep {cfg.ep}, {cfg.n_experts // cfg.ep} of {cfg.n_experts} experts per "

@@ -49,6 +49,9 @@ loader, never sent. Dropout draws from each rank's own RNG stream, so runs with 
 train_single bit for bit. Any model (docs/copy_out.md): PipelineRunner runs any stage modules; pipeline/stages.py
 cuts a chain of modules.
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import contextlib
 import time
 
@@ -385,8 +388,7 @@ def main(argv=None):
     held = ModuleState(chunks, optimizer, only_mine)     # my stages: every rank writes its own
     start = checkpoint.start_from(cfg, env, gcfg, held)   # my stages' parts
     last_step = cfg.stop_step or cfg.max_steps
-    logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=p,
-                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    logger = MetricsLogger(cfg, env, flops_per_token(gcfg), n_devices=p, resume=cfg.resume)
     if env.is_main:
         if cfg.pp_print_schedule:
             print(render(sim, v), flush=True)

@@ -18,6 +18,9 @@ Memory levers here: gradient accumulation (activations of one micro-batch at a t
 recomputation (--recompute selective: recompute the T x T attention scores; full: recompute every block from
 its input). Precision: bf16 autocast on GPU, fp16 autocast with a GradScaler, fp32 on CPU.
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import time
 
 import torch
@@ -62,8 +65,7 @@ def main(argv=None):
     train_model = compiled(model, cfg)
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
-    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=1, on_read=guard.step_ok,
-                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=1, on_read=guard.step_ok, resume=cfg.resume)
     print(f"train_single: {sum(p.numel() for p in model.parameters()):,} parameters, grad_acc {grad_acc}, "
           f"{dtype}, {env.device}, steps {start}..{last_step - 1}", flush=True)
 

@@ -25,6 +25,9 @@ Any model (docs/copy_out.md): tensor_parallel(model, plan, group, sp) swaps the 
 that plan for model.py's GPT. Later chapters extend these layers from their own files (kernels/apply.py,
 converters/), and main() applies them where their flags ask.
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import argparse
 import math
 import time
@@ -361,8 +364,7 @@ def validate(cfg):
                            f"combine with data parallelism in train_5d.py")
     check_tp(cfg, cfg.tp, cfg.block_size)
     check_partition_args(cfg, cfg.tp)
-    check(cfg.dtype != "float16", "train_tp supports float32, bfloat16 and float64 (no fp16 loss scaling across TP "
-                                  "ranks)")
+    check(cfg.dtype != "float16", "train_tp supports float32, bfloat16 and float64 (fp16: no loss scaling over TP)")
     grad_accum_steps(cfg, 1)
 
 
@@ -399,8 +401,7 @@ def main(argv=None):
     train_model = torch.compile(model) if cfg.compile else model
     amp, activations = autocast_context(dtype, env.device), SavedActivationBytes(model)
     last_step = cfg.stop_step or cfg.max_steps
-    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=cfg.tp,
-                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=cfg.tp, resume=cfg.resume)
     if env.is_main:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"train_tp: tp={cfg.tp} sp={cfg.sp} overlap={cfg.tp_overlap}, {n_params:,} parameters per rank, "

@@ -28,6 +28,9 @@ ZeRO-R's CB and MD are train_ddp's (its docstring): fixed --bucket_mb buffers, a
 views are the parameters and gradients; a ZeRO-3 unit is gathered as one contiguous allocation, not one per tensor.
 Any model (docs/copy_out.md): shard_model(..., blocks=) and install_zero3_hooks take the blocks (main's: GPT's).
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import argparse
 import time
 from itertools import accumulate
@@ -39,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 from common.comm import (COMM, CastsFreedWithParams, all_gather_as, clip_grad_norm, compute_dtype, reduce_scatter,
                          refuse_empty_state_dict, refuse_torch_clip, wait_for)
 from train_ddp import (DataParallelGrads, GradBucket, assign_buckets, compare_checksums, mean_over_group,
-                       weights_checksum)
+                       weights_checksum, validate as validate_ddp)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -344,11 +347,9 @@ def add_args(parser):
 
 
 def validate(cfg):
-    from common.config import check, grad_accum_steps
-    from common.distributed import world_size_from_env
+    from common.config import check
     from converters.apply import check_fp8_all_gather
-    check(grad_accum_steps(cfg, world_size_from_env()) > 0, "empty batch")
-    check(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
+    validate_ddp(cfg)                                   # the batch over the ranks and --bucket_mb, as DDP's
     check(cfg.dtype in ("auto", "float32", "bfloat16", "float64"),
           f"train_zero.py supports --dtype float32, bfloat16 (autocast over fp32 parameters) or float64, got "
           f"{cfg.dtype} (fp16 needs a GradScaler whose overflow check spans the gradient shards)")
@@ -396,8 +397,7 @@ def main(argv=None):
     train_model = compiled(model, cfg, list(model.transformer.h) if stage == 3 else ())   # ZeRO-3: by block
     amp = autocast_context(dtype, env.device)
     last_step = cfg.stop_step or cfg.max_steps
-    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=dp,
-                           tokens_per_step=cfg.global_batch_size * cfg.block_size, resume=cfg.resume)
+    logger = MetricsLogger(cfg, env, flops_per_token(model.cfg), n_devices=dp, resume=cfg.resume)
     padded = sum(s.padded for s in shards)
     if env.is_main:
         print(f"train_zero: ZeRO-{stage}, dp {dp}, {len(shards)} {'units' if stage == 3 else 'buckets'}, {padded:,} "

@@ -7,7 +7,7 @@ detail is done.
     comm.py          every collective, each one's bytes counted, the gradient norm over a group and profiler
                      labels (torch and the stdlib only: what a copied rung takes along, docs/copy_out.md)
     distributed.py   the process group of a run (torchrun's environment, gloo / NCCL, timeouts, failing together)
-    errors.py        the one `error:` line and exit code 2 of every entry point
+    errors.py        the one `error:` line and exit code 2 of every entry point; a Ctrl-C's one `interrupted:` line
     data.py          corpus preparation (python -m common.data) and deterministic global batches
     data_mix.py      --data_mix: weighted corpora in one deterministic batch, per-source metrics, offline corpora
     optim.py         AdamW groups, warmup + cosine, the non-finite guard

@@ -19,6 +19,9 @@ Loading (docs/parity.md): the global batch of optimizer step s is a fixed functi
 `global_batch_offsets` draws global_batch_size start offsets from a generator seeded by (seed, s). A DP rank's
 micro-batch is a fixed slice of it (`micro_batch`), so every layout sees exactly the same tokens per step.
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import argparse
 import json
 import math
@@ -32,7 +35,7 @@ import urllib.request
 import numpy as np
 import torch
 
-from common.errors import fail
+from common.errors import fail, report_interrupts
 
 DEFAULT_DATA_DIR = os.path.join("data", "stdlib")
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -54,32 +57,13 @@ def stdlib_text_files():
 def encode(text_bytes, tokenizer):
     if tokenizer == "byte":
         return np.frombuffer(text_bytes, dtype=np.uint8).astype(np.uint16), 256
+    from common.hf.tokenizer import encode_with, gpt2_encoding     # (the tokenizers' own module)
     if tokenizer == "gpt2":
         enc = gpt2_encoding()
         ids = enc.encode_ordinary(text_bytes.decode("utf-8", errors="replace"))
         return np.array(ids, dtype=np.uint16), enc.n_vocab          # 50257 < 2^16
-    from common.hf.tokenizer import encode_with                     # a Hugging Face tokenizer.json
-    ids, vocab = encode_with(tokenizer, text_bytes)
+    ids, vocab = encode_with(tokenizer, text_bytes)                 # a Hugging Face tokenizer.json
     return np.array(ids, dtype=np.uint16), vocab
-
-
-def gpt2_encoding():
-    import tiktoken
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # no network: tiktoken downloads its BPE file on first use
-        raise ValueError(f"tiktoken could not load the GPT-2 BPE file ({type(e).__name__}: {e}); it is "
-                         f"downloaded on first use: without internet use --tokenizer byte") from None
-
-
-def write_tokenizer_files(out_dir, tokenizer):
-    """The tokenizer goes with the corpus (its samples decode with it, python -m common.hf export carries it): a
-    gpt2 corpus keeps GPT-2's BPE ranks (gpt2.tiktoken), a Hugging Face one its tokenizer files."""
-    from common.hf.tokenizer import RANKS_FILE, copy_tokenizer, write_ranks
-    if tokenizer == "gpt2":
-        write_ranks(os.path.join(out_dir, RANKS_FILE), gpt2_encoding()._mergeable_ranks)   # token bytes -> id
-    elif tokenizer != "byte":
-        copy_tokenizer(tokenizer, out_dir)
 
 
 MIN_SPLIT_TOKENS = 3        # block_size 1 needs block_size + 2 tokens in a split (GlobalBatchLoader)
@@ -89,7 +73,7 @@ def write_dataset(out_dir, tokens, vocab_size, tokenizer, source, val_fraction=0
     """Split tokens (last val_fraction for validation) and write train.bin / val.bin / meta.json. Too few tokens
     for a usable dataset is a ValueError before anything is written (a good dataset there stays as it was); a
     failed write removes its temporary files and raises OSError naming the directory. tokenizer_from: byte, gpt2
-    or a Hugging Face tokenizer's directory, whose files are written next to meta.json (write_tokenizer_files)."""
+    or a Hugging Face tokenizer's directory, whose files are written next to meta.json (hf/tokenizer.py)."""
     n_val = max(int(len(tokens) * val_fraction), 1)
     if len(tokens) - n_val < MIN_SPLIT_TOKENS or n_val < MIN_SPLIT_TOKENS:
         raise ValueError(f"{source}: {len(tokens)} token(s), too few for a dataset (train and val need at least "
@@ -106,13 +90,16 @@ def write_dataset(out_dir, tokens, vocab_size, tokenizer, source, val_fraction=0
         for split, tmp in zip(splits, temps):
             splits[split].astype(np.uint16).tofile(tmp)
         if tokenizer_from is not None:
+            from common.hf.tokenizer import write_tokenizer_files
             write_tokenizer_files(out_dir, tokenizer_from)
         with open(temps[2], "w") as f:
             json.dump(meta, f, indent=1)
-    except OSError as e:                             # a full disk: the dataset there (if any) stays as it was
+    except BaseException as e:                       # a full disk, a Ctrl-C: the dataset there (if any) stays as it was
         for tmp in temps:
             if os.path.exists(tmp):
                 os.remove(tmp)
+        if not isinstance(e, OSError):
+            raise
         raise OSError(f"cannot write the dataset to {out_dir} ({e.strerror or e}); nothing there was changed") \
             from None
     for name, tmp in zip(("train.bin", "val.bin", "meta.json"), temps):
@@ -355,7 +342,6 @@ def main(argv=None):
                    help="byte: raw bytes, vocab 256 (offline); gpt2: tiktoken BPE (downloads its file once); or a "
                         "directory holding a Hugging Face tokenizer.json (the tokenizers library, offline)")
     a = p.parse_args(argv)
-    from common.errors import fail
     try:
         check_out_dir_arg(a.out_dir)
         if a.tokenizer not in ("byte", "gpt2"):
@@ -363,14 +349,17 @@ def main(argv=None):
             hf_tokenizer(a.tokenizer)               # a readable tokenizer.json there, before any work
         if a.shakespeare and a.input:
             raise ValueError("--shakespeare and --input both name the text: pick one")
+        if not (a.shakespeare or a.input) and a.tokenizer != "byte":
+            raise ValueError("the default stdlib corpus is byte-level; use --input FILES with another --tokenizer")
+        out_dir = a.out_dir or (os.path.join("data", "shakespeare") if a.shakespeare else
+                                os.path.join("data", "custom") if a.input else DEFAULT_DATA_DIR)
+        report_interrupts(kept=dataset_kept(out_dir))
         if a.shakespeare:
-            meta = prepare_shakespeare(a.out_dir or os.path.join("data", "shakespeare"), a.tokenizer)
+            meta = prepare_shakespeare(out_dir, a.tokenizer)
         elif a.input:
-            meta = prepare_text_files(a.input, a.out_dir or os.path.join("data", "custom"), a.tokenizer)
+            meta = prepare_text_files(a.input, out_dir, a.tokenizer)
         else:
-            if a.tokenizer != "byte":
-                raise ValueError("the default stdlib corpus is byte-level; use --input FILES with another --tokenizer")
-            meta = prepare_stdlib(a.out_dir or DEFAULT_DATA_DIR)
+            meta = prepare_stdlib(out_dir)
     except (ValueError, OSError) as e:
         fail(str(e))
     print(json.dumps(meta, indent=1))
@@ -391,6 +380,20 @@ def check_out_dir_arg(out_dir):
         raise ValueError(f"--out_dir {out_dir}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--out_dir {out_dir}: {existing} is not writable")
+
+
+def dataset_kept(out_dir):
+    """What a Ctrl-C while out_dir is prepared leaves there, in words (for errors.report_interrupts): the dataset it
+    had, or the new one once its meta.json, renamed into place last, has been replaced."""
+    from common.checkpoint.files import replaced_later
+    meta = os.path.join(out_dir, "meta.json")
+    had, replaced = os.path.exists(meta), replaced_later(meta)
+
+    def kept():
+        if replaced():
+            return f"{out_dir} holds the newly prepared dataset"
+        return f"nothing in {out_dir} was changed" if had else f"no dataset was written to {out_dir}"
+    return kept
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ same slice of the global batch as with one corpus (data.rank_slice), so every la
 float64 parity holds with a mixture; the per-source counts are a function of (seed, s) too, so a resumed run counts
 exactly what an unbroken one does. At each eval (training.evaluate) every source's val split is scored as well.
 """
+if __name__ == "__main__":      # run as a script: from here on, torch's import included, a Ctrl-C is one line
+    from common.errors import report_interrupts
+    report_interrupts()
 import argparse
 import ast
 import hashlib
@@ -27,8 +30,8 @@ import sys
 import numpy as np
 
 from common.errors import check
-from common.data import (DEFAULT_DATA_DIR, GlobalBatchLoader, check_out_dir_arg, encode, inputs_and_targets,
-                         rank_slice, stdlib_text_files, write_dataset)
+from common.data import (DEFAULT_DATA_DIR, GlobalBatchLoader, encode, inputs_and_targets, rank_slice,
+                         stdlib_text_files, write_dataset)
 
 WEIGHT_TEXT = re.compile(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*")   # no sign, nan, inf, "1_0"
 MIX_STREAM = 2          # a third generator key beside train (0) and val (1): mixture draws never reuse one-corpus ones
@@ -238,8 +241,8 @@ def main(argv=None):
     p.add_argument("--out_dir", default="data", help="the corpora go to OUT_DIR/stdlib, OUT_DIR/docstrings and "
                                                      "OUT_DIR/stdlib_text (one prepared before is kept)")
     a = p.parse_args(argv)
-    from common.data import prepare_stdlib
-    from common.errors import fail
+    from common.data import check_out_dir_arg, dataset_kept, prepare_stdlib
+    from common.errors import fail, report_interrupts
     try:
         check_out_dir_arg(a.out_dir)
         for name, prepare in (("stdlib", prepare_stdlib), ("docstrings", prepare_docstrings),
@@ -248,6 +251,7 @@ def main(argv=None):
             if os.path.exists(os.path.join(out_dir, "meta.json")):          # prepared before (meta.json is last)
                 print(f"data_mix: {out_dir} is prepared", flush=True)
             else:
+                report_interrupts(kept=dataset_kept(out_dir))     # (the corpora before it stay prepared)
                 prepare(out_dir)
     except (ValueError, OSError) as e:
         fail(str(e))

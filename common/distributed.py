@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from common import comm
-from common.errors import FAILED, ConfigError, check, fail, fail_after_another_rank
+from common.errors import FAILED, ConfigError, check, fail, fail_after_another_rank, report_interrupts
 
 
 @dataclass
@@ -154,7 +154,8 @@ def init_distributed(cfg, need_group=True):
             fail(f"could not join the process group of {world_size} rank(s) at {where} within --dist_timeout "
                  f"{cfg.dist_timeout:g} s ({first_line(e)}): a rank did not start or exited early, or "
                  f"MASTER_ADDR/MASTER_PORT are wrong; launch every rank with torchrun", rank_local=True)
-        report_collective_failures(rank)         # outermost: torch's own hook, installed by init, buffers output
+        report_collective_failures(rank)         # over torch's own hook (installed by init: it buffers output)
+        report_interrupts(rank=rank)             # outermost of all: a Ctrl-C's line, then a peer's closed link
         atexit.unregister(destroy_at_exit)       # registered once, however often main() runs in one process
         atexit.register(destroy_at_exit)
     return DistEnv(rank, world_size, local_rank, device, backend)

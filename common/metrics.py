@@ -203,11 +203,12 @@ class MetricsLogger:
     read() (before an evaluation or a checkpoint). `on_read(step, loss, grad_norm)` then sees each one, in step
     order, on every rank (the non-finite guard's count and stop). The waiting rows share their window's time
     evenly: their steps' host times plus the wait for the device, so tokens/s counts only finished work; their
-    peak memory is the window's."""
+    peak memory is the window's. tokens_per_step: the tokens of an optimizer step (default: the global batch's)."""
 
-    def __init__(self, cfg, env, flops_per_token, n_devices, tokens_per_step, resume=False, on_read=None):
+    def __init__(self, cfg, env, flops_per_token, n_devices, tokens_per_step=None, resume=False, on_read=None):
         self.cfg, self.env, self.active = cfg, env, env.rank == 0
-        self.flops_per_token, self.tokens_per_step = flops_per_token, tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.tokens_per_step = cfg.global_batch_size * cfg.block_size if tokens_per_step is None else tokens_per_step
         peak = device_peak_flops(env.device)
         self.peak_total = None if peak is None else peak * n_devices
         self.n_devices = n_devices

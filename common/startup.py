@@ -3,11 +3,9 @@ startup.py: what a run checks and opens before its first step, on every rank ali
 (prepared once per node), the deterministic loader, whether the model can fit at all (one error line before any
 work, not an allocator's crash) and whether the end-of-run sample can be decoded.
 """
+import functools
 import os
 import shutil
-import signal
-import sys
-import threading
 
 import torch
 import torch.distributed as dist
@@ -16,7 +14,7 @@ from common.checkpoint.files import kept_checkpoint, lock_holder, lock_out_dir, 
 from common.data import GlobalBatchLoader, ensure_dataset
 from common.data_mix import MixtureLoader, parse_data_mix
 from common.distributed import decision_group, fail_together
-from common.errors import fail
+from common.errors import fail, report_interrupts
 from common.evaluation import sample_problem
 from common.run_identity import ranks_disagree
 from common.precision import param_dtype, resolve_dtype
@@ -30,8 +28,9 @@ def prepare_data(cfg, env):
     """The out_dir lock, then the deterministic loader. Rank 0 takes the lock of --out_dir (one run writes there:
     a second one stops here naming the first) and then removes the temporary files of killed saves. Each node's
     local rank 0 prepares the default corpus on first use while the others wait; then every rank opens it. A rank
-    that cannot (no dataset on its node) says so itself."""
-    report_interrupt(cfg, env)
+    that cannot (no dataset on its node) says so itself. From here on a Ctrl-C's line names the checkpoint the run
+    keeps (a save cut short never replaces it)."""
+    report_interrupts(kept=functools.partial(kept_checkpoint, cfg.out_dir), rank=env.rank)
     error = None
     if env.rank == 0:
         try:
@@ -60,38 +59,6 @@ def prepare_data(cfg, env):
     if disagree is not None:
         fail(disagree, rank_local=True)
     return loader
-
-
-RUN = {}                # the run a Ctrl-C reports on (report_interrupt)
-
-
-def report_interrupt(cfg, env):
-    """From here on, Ctrl-C prints one line, on rank 0, saying what the run keeps (its latest complete checkpoint: a
-    save cut short never replaces it), instead of a traceback per rank. SIGINT still raises KeyboardInterrupt, and
-    is remembered: what reaches the top after it (a peer's Ctrl-C closing a collective) is the same interrupt."""
-    RUN.update(out_dir=cfg.out_dir, rank=env.rank, interrupted=False)
-    if sys.excepthook is not on_exit_exception:
-        RUN["previous_hook"] = sys.excepthook
-        sys.excepthook = on_exit_exception
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is signal.default_int_handler:    # (not where SIGINT is ignored)
-        signal.signal(signal.SIGINT, on_sigint)
-
-
-def on_sigint(signum, frame):
-    RUN["interrupted"] = True
-    while frame is not None:                        # arrived while the exit is being reported: that says it
-        if frame.f_code is on_exit_exception.__code__:
-            return
-        frame = frame.f_back
-    raise KeyboardInterrupt
-
-
-def on_exit_exception(kind, value, traceback):
-    if not (RUN.get("interrupted") or issubclass(kind, KeyboardInterrupt)):
-        return RUN["previous_hook"](kind, value, traceback)
-    if RUN["rank"] == 0:
-        print(f"interrupted: {kept_checkpoint(RUN['out_dir'])}", file=sys.stderr, flush=True)
 
 
 def compiler_problem(cfg, device):

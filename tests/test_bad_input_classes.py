@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import plan
-from common import data, model_setup, startup
+from common import data, errors, model_setup, startup
 from common.config import ConfigError, parse_collectives_args, parse_config
 from common.distributed import DistEnv, launch_env, rendezvous_problem
 from test_failures import one_error_line
@@ -311,6 +311,20 @@ def test_prepare_refuses_a_pipe_and_dangling_links(tmp_path, capsys):
         assert e.value.code == 2 and err.startswith("error: ") and message in err, err
 
 
+def test_data_mix_refuses_an_out_dir_it_cannot_use(tmp_path, capsys):
+    """python -m common.data_mix, an entry point of its own: an --out_dir that is empty, a file, under a file or a
+    dangling link is one error line naming it, before any of its three corpora is prepared."""
+    from common import data_mix
+    (tmp_path / "file").write_text("x")
+    os.symlink(str(tmp_path / "nowhere"), tmp_path / "link")
+    for out_dir in ("", str(tmp_path / "file"), str(tmp_path / "file" / "under"), str(tmp_path / "link")):
+        with pytest.raises(SystemExit) as e:
+            data_mix.main(["--out_dir", out_dir])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: --out_dir") and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["file", "link"]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # bench.sh: its arguments and knobs before it installs, prepares or runs anything
 
@@ -359,11 +373,13 @@ def test_ctrl_c_is_one_line_saying_what_the_run_keeps(two_steps, tmp_path, capsy
     """Before: a KeyboardInterrupt traceback per rank, and no word on which checkpoint survived. In a process (as
     every run does from prepare_data on): SIGINT, then a collective failing because a peer stopped on its own
     Ctrl-C, reaches the top; the line says what the run keeps. Then the hook alone: the same line for a plain
-    KeyboardInterrupt, nothing from rank 1, any other error left to the previous hook."""
-    script = (f"import os, signal, sys, time, types; sys.path.insert(0, {ROOT!r})\n"
-              f"from common.startup import report_interrupt\n"
+    KeyboardInterrupt, nothing from rank 1, any other error left to the previous hook. (Ctrl-C at each start-up
+    phase of each entry point: tests/test_ctrl_c.py.)"""
+    script = (f"import functools, os, signal, sys, time; sys.path.insert(0, {ROOT!r})\n"
+              f"from common.checkpoint.files import kept_checkpoint\n"
+              f"from common.errors import report_interrupts\n"
               f"signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # Python default (parent may ignore it)
-              f"report_interrupt(types.SimpleNamespace(out_dir={two_steps!r}), types.SimpleNamespace(rank=0))\n"
+              f"report_interrupts(kept=functools.partial(kept_checkpoint, {two_steps!r}), rank=0)\n"
               f"try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n"
               f"except KeyboardInterrupt:\n    raise RuntimeError('Connection closed by peer')")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -371,14 +387,14 @@ def test_ctrl_c_is_one_line_saying_what_the_run_keeps(two_steps, tmp_path, capsy
             f"continue from it\n")
     assert proc.stderr == line and proc.returncode != 0, proc.stderr
     others = []
-    monkeypatch.setattr(startup, "RUN", dict(out_dir=two_steps, rank=0, interrupted=False,
-                                             previous_hook=lambda *exc: others.append(exc[0])))
-    startup.on_exit_exception(KeyboardInterrupt, KeyboardInterrupt(), None)
-    startup.on_exit_exception(ValueError, ValueError(), None)
+    monkeypatch.setattr(errors, "INTERRUPT", dict(kept=lambda: line[len("interrupted: "):-1], rank=0,
+                                                  interrupted=False))
+    errors.on_exit_exception(lambda *exc: others.append(exc[0]), KeyboardInterrupt, KeyboardInterrupt(), None)
+    errors.on_exit_exception(lambda *exc: others.append(exc[0]), ValueError, ValueError(), None)
     assert capsys.readouterr().err == line and others == [ValueError]
-    startup.RUN.update(rank=1, out_dir=str(tmp_path))
-    startup.on_exit_exception(KeyboardInterrupt, KeyboardInterrupt(), None)
-    assert capsys.readouterr().err == ""
+    errors.INTERRUPT.update(rank=1)
+    errors.on_exit_exception(lambda *exc: others.append(exc[0]), KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert capsys.readouterr().err == "" and others == [ValueError]
 
 
 def test_a_full_disk_under_metrics_is_one_line(two_steps, tiny_data, tmp_path, capsys, monkeypatch):

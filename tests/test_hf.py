@@ -301,10 +301,11 @@ def test_a_gpt2_bpe_corpus_exports_gpt2_tokenizer_files(tmp_path, monkeypatch, c
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
     from common import data as prepare
+    from common.hf import tokenizer
     ranks = train_bpe(stdlib_text("argparse.py", 20_000), 100, r50k_pat_str)
     enc = tiktoken.Encoding("small", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                             special_tokens={"<|endoftext|>": len(ranks)})
-    monkeypatch.setattr(prepare, "gpt2_encoding", lambda: enc)
+    monkeypatch.setattr(tokenizer, "gpt2_encoding", lambda: enc)
     text, data = tmp_path / "text.txt", str(tmp_path / "data")
     text.write_text(stdlib_text("inspect.py", 200_000))
     prepare.main(["--input", str(text), "--tokenizer", "gpt2", "--out_dir", data])

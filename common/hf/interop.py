@@ -32,7 +32,7 @@ from common.checkpoint.compat import saved_model_config
 from common.checkpoint.files import latest_checkpoint, load_checkpoint, write_directory_atomically
 from common.data import read_meta
 from common.distributed import fail_together
-from common.errors import ConfigError, check, fail, require
+from common.errors import ConfigError, check, fail, report_interrupts, require
 from common.hf import convert, llama
 from common.hf.convert import WTE, architecture_problem, shape_problem
 from common.hf.tokenizer import KINDS, TOKENIZER_FILES, export_tokenizer, tokenizers_module
@@ -144,6 +144,18 @@ def export_checks(args):
     return state, mc, meta, data_dir
 
 
+def export_kept(hf_dir, target):
+    """What a Ctrl-C during an export leaves in HF_DIR, in words: as it was, until the new export takes its place."""
+    from common.checkpoint.files import replaced_later
+    replaced = replaced_later(target)
+
+    def kept():
+        if replaced():
+            return f"{hf_dir} holds the new export"
+        return f"{hf_dir} is as it was (an export is renamed into place only once whole)"
+    return kept
+
+
 def export_dtype(args, weights):
     return DTYPES[args.dtype] if args.dtype else weights[WTE].dtype
 
@@ -205,6 +217,7 @@ def main(argv=None):
     except (ValueError, OSError) as e:              # ConfigError is a ValueError
         fail(str(e))
     dtype = export_dtype(args, state["model"])
+    report_interrupts(kept=export_kept(args.hf_dir, target))
     try:                    # all of it, or nothing: a full disk or a kill leaves HF_DIR's earlier export as it was
         config, tokenizer = write_directory_atomically(target, lambda d: write_export(d, state, mc, meta, data_dir,
                                                                                       dtype))

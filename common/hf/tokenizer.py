@@ -1,7 +1,8 @@
 """
 common/hf/tokenizer.py: the tokenizer a run trained with, as files `transformers.AutoTokenizer` loads (hf.py's export),
-and Hugging Face tokenizers for corpus preparation (python -m common.data --tokenizer HF_DIR). Built with the
-`tokenizers` library (Rust; offline), never with transformers. docs/huggingface.md.
+the files a corpus keeps of its tokenizer, and the gpt2 and Hugging Face tokenizers of corpus preparation (python -m
+common.data --tokenizer gpt2 or HF_DIR). Built with the `tokenizers` library (Rust; offline), never with
+transformers. docs/huggingface.md.
 
 A corpus names its tokenizer in meta.json; each gets the files that give exactly the ids it trained on:
 
@@ -107,6 +108,24 @@ def write_ranks(path, ranks):
     with open(path, "wb") as f:
         for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
             f.write(base64.b64encode(token) + b" %d\n" % rank)
+
+
+def gpt2_encoding():
+    import tiktoken
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # no network: tiktoken downloads its BPE file on first use
+        raise ValueError(f"tiktoken could not load the GPT-2 BPE file ({type(e).__name__}: {e}); it is "
+                         f"downloaded on first use: without internet use --tokenizer byte") from None
+
+
+def write_tokenizer_files(out_dir, tokenizer):
+    """The tokenizer goes with the corpus (its samples decode with it, python -m common.hf export carries it): a
+    gpt2 corpus keeps GPT-2's BPE ranks (gpt2.tiktoken), a Hugging Face one its tokenizer files."""
+    if tokenizer == "gpt2":
+        write_ranks(os.path.join(out_dir, RANKS_FILE), gpt2_encoding()._mergeable_ranks)   # token bytes -> id
+    elif tokenizer != "byte":
+        copy_tokenizer(tokenizer, out_dir)
 
 
 def gpt2_ranks(data_dir):
