@@ -341,12 +341,12 @@ def activation_bytes_per_layer(seq_len, batch, cfg, bytes_per_value=2, recompute
     recompute='full': only the block input is stored: s*b*h*bytes_per_value.
     dropout=False drops the mask bytes (no masks are stored when p = 0).
     The family's shapes change the stored values per token by 3(kv - h) (k and v kv wide, k kept once more after
-    RoPE) and by g*f - 8h (a SwiGLU MLP keeps gate, up and their product, 3f; a GeLU MLP of width f, 2f), as
-    planner/shape.py's activation_delta_values counts them."""
+    RoPE) and by m*f - 8h, m the MLP's saved tensors of width f: SwiGLU 4 (c_fc's gate and up, silu(gate), their
+    product), GeLU 2, as planner/shape.py's activation_delta_values counts them (eager; fused SwiGLU keeps 3)."""
     s, b, h, a = seq_len, batch, cfg.n_embd, cfg.n_head
     if recompute == "full":
         return s * b * h * bytes_per_value
     per_sbh = 16 * bytes_per_value + 2 * int(dropout)
     per_as2b = 0 if recompute == "selective" else 2 * bytes_per_value + int(dropout)
-    family = 3 * (cfg.kv_heads - a) * (h // a) + (3 if cfg.mlp == "swiglu" else 2) * cfg.ffn - 8 * h
+    family = 3 * (cfg.kv_heads - a) * (h // a) + (4 if cfg.mlp == "swiglu" else 2) * cfg.ffn - 8 * h
     return s * b * (h * per_sbh + family * bytes_per_value) + a * s * s * b * per_as2b

@@ -270,12 +270,13 @@ def accepted_by(validate, cfg):
 def plan_job(cfg, vocab_size, world, gpus_per_node, gpu, precision):
     """plan.py's Job for this run: the model the run builds (model_setup.gpt_config: its family's norm, MLP, biases,
     key/value heads and tied head), its loss the project's own (model.LMHead, train_tp's vocab-parallel one under
-    TP)."""
+    TP), its SwiGLU fused where --kernels triton / compile or --compile runs it so (model.py's eager one otherwise)."""
     model = gpt_config(cfg, vocab_size)
     gpt = replace(model, mlp="gelu", n_kv_head=0, ffn_hidden=0)     # the Job's own fields hold these (family_config)
+    fused = cfg.compile or cfg.kernels in ("triton", "compile")
     return Job(gpt, world, gpus_per_node, gpu, cfg.global_batch_size, precision, "flash", cfg.bucket_mb,
                loss="nanoscale", n_kv_head=model.n_kv_head, ffn_hidden=model.ffn_hidden, gated=model.mlp == "swiglu",
-               tied=model.tied)
+               tied=model.tied, fused_swiglu=fused)
 
 
 def fits_in(row, capacity):

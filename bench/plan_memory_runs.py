@@ -39,9 +39,10 @@ def titan_h100(name, shape, gpus, seq, global_seqs, layout, gib, modelled=False,
     and 6 ran torch.compile and Float8 (plan.py models neither: modelled False); Tables 1 and 3's first rows ran
     neither. Software: timing.SOFTWARE["torchtitan"] (its loss_parallel under TP, torch's pipeline stages keeping
     every micro-batch's output and a receive buffer per micro-batch), the benchmark's torchtitan commit 9dec370
-    (2024-12-26) and torch's of 2024-12-23."""
+    (2024-12-26) and torch's of 2024-12-23; compiled blocks, whose SwiGLU recomputes silu(gate) (fused_swiglu; with
+    these rows' full recompute it changes nothing)."""
     setup = Setup(name, TITAN_H100, shape, gpus, "h100-hbm2e", seq, global_seqs, layout, 0.0, f"{gib} GiB",
-                  "torchtitan-2024-12", dict(SOFTWARE["torchtitan"], **(job or {})), seen=seen)
+                  "torchtitan-2024-12", dict(SOFTWARE["torchtitan"], fused_swiglu=True, **(job or {})), seen=seen)
     return MemoryRun(setup, gib, "reserved", modelled)
 
 
@@ -98,11 +99,12 @@ def trainy_h200(nodes, gib):
     modelled False). That torchtitan compiles the loss under --training.compile (torchtitan/components/loss.py,
     build_cross_entropy_loss: loss_fn = torch.compile(loss_fn)), where torch's min-cut partitioner with inductor's
     decompositions saves the bf16 logits and a per-token max and log-sum-exp, not the fp32 log-softmax, and computes
-    the gradient pointwise from them: plan.py's fused_loss."""
+    the gradient pointwise from them: plan.py's fused_loss (its compiled blocks' SwiGLU, fused_swiglu, is recomputed
+    under the op policy anyway)."""
     gpus = 8 * nodes
     setup = Setup(f"Llama 3.1 8B, {gpus} H200", TRAINY_H200, LLAMA3_8B, gpus, "h200", 8192, 2 * gpus,
                   Layout(dp=gpus, zero_stage=3, micro_batch_size=2, recompute="op"), 0.0, f"{gib} GiB",
-                  "torchtitan-2024-12", dict(SOFTWARE["torchtitan"], fused_loss=True), seen=("fused_loss: its compiled loss",))
+                  "torchtitan-2024-12", dict(SOFTWARE["torchtitan"], fused_loss=True, fused_swiglu=True), seen=("fused_loss: its compiled loss",))
     return MemoryRun(setup, gib, "reserved", False)
 
 

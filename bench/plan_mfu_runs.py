@@ -44,9 +44,10 @@ def titan_async_tp(name, shape, fsdp, local_batch, recompute, tps, async_tp, n_p
     collectives torch's pass fuses), vanilla TP 0. The page's
     column "tokens/sec" is read as torchtitan's logged tps, per GPU (the metric of its 2024-12 benchmark's
     "TPS/GPU"; the page does not say): assumed. MFU as the 2024-12 rows' (plan_tables.titan_mfu) over H100 SXM's
-    989.5 TFLOP/s; what torch.compile fuses is not modelled."""
+    989.5 TFLOP/s; what torch.compile fuses is not modelled in time, and in memory only its SwiGLU (fused_swiglu,
+    which these rows' full and op recompute leave without effect)."""
     lay = Layout(dp=fsdp, tp=8, sp=True, zero_stage=3, micro_batch_size=local_batch, recompute=recompute)
-    job = dict(SOFTWARE["torchtitan"], tp_overlap=TP_OVERLAP["nemo-te"] if async_tp else 0.0)
+    job = dict(SOFTWARE["torchtitan"], tp_overlap=TP_OVERLAP["nemo-te"] if async_tp else 0.0, fused_swiglu=True)
     return Setup(name + (", async TP" if async_tp else ", TP"), TITAN_ASYNC_TP, shape, 8 * fsdp, "h100-hbm2e", 8192,
                  fsdp * local_batch, lay, titan_mfu(tps, n_params, L, h, 8192, 128256, H100_SXM),
                  f"{tps} tokens/s/GPU", "torchtitan-2025-06", job, seen=(SP_COLLECTIVES,))

@@ -43,6 +43,8 @@ FLAGS = [("arch", str, None, "the model family, as model.py's --arch: gpt (Layer
           "(Megatron's vocab-parallel cross-entropy): no fp32 gradients of the logits beside the softmax"),
          ("fused_bias_dropout_add", bool, False, "dropout and the residual add in one kernel (Megatron-LM's "
           "--bias-dropout-fusion): fewer element-wise bytes (planner/elementwise.py)"),
+         ("fused_swiglu", bool, False, "the gated MLP's silu(gate) * up in one kernel or a compiled graph (kernels/"
+          "swiglu.py, Megatron-Core's bias-swiglu fusion, torch.compile): 3f kept per token, not eager's 4f"),
          ("loss_parallel", bool, False, "with tp > 1 the loss runs through torch's loss_parallel (torchtitan): "
           "12 bytes per logit in its backward beside the saved log-softmax, not 8"),
          ("pp_outputs_kept", str, "none", "stage outputs a pipeline runtime keeps until the step ends: none | last "
@@ -213,7 +215,7 @@ def build_job(a):
                grad_dtype=a.grad_dtype, inplace_loss=a.inplace_loss, fp32_residual=a.fp32_residual,
                grads_freed=a.grads_freed, loss_parallel=a.loss_parallel, loss=a.loss or "", loss_chunks=a.loss_chunks, pp_outputs_kept=a.pp_outputs_kept,
                pp_recv_per_micro_batch=a.pp_recv_per_micro_batch,
-               fused_bias_dropout_add=a.fused_bias_dropout_add, tp_overlap_style=a.tp_overlap_style,
+               fused_bias_dropout_add=a.fused_bias_dropout_add, fused_swiglu=a.fused_swiglu, tp_overlap_style=a.tp_overlap_style,
                tp_saves_gathered=a.tp_saves_gathered)
 
 

@@ -167,6 +167,8 @@ class Job:
     moments: str = "fp32"     # AdamW m and v precision (bf16: 2 + 2 bytes instead of 4 + 4)
     fused_bias_dropout_add: bool = False   # dropout fused with the residual add in one kernel (Megatron-LM's
                                            # --bias-dropout-fusion, on by default): planner/elementwise.py
+    fused_swiglu: bool = False   # the gated MLP's silu(gate) * up in one kernel or a compiled graph, which recompute
+                                 # silu(gate) in the backward: 3f kept per token, eager 4f (shape.mlp_saved_values)
     rope: bool = True         # rotary positions: q and k kept again after the rotation (model.py, Llama); False:
                               # learned or ALiBi positions (GPT-2, MPT, BLOOM), nothing rotated kept
     net_gbps: float = 0.0     # the cluster's network per GPU, Gb/s per direction (0: the GPU row's, a DGX's NICs)

@@ -154,13 +154,25 @@ def flops_per_token(job):
     return 6 * matmul_params(job) + attention_flops_per_token(job)
 
 
+def mlp_saved_values(job):
+    """Values per token an MLP of width f keeps for its backward beside its input. Plain: c_fc's and GeLU's outputs
+    (2f). Gated, eager (`F.silu(gate) * up`: model.py's MLP, Hugging Face's Llama, nanotron, torchtitan uncompiled):
+    c_fc's [gate | up] (silu and the product keep views of it), silu's output (the product keeps it) and the product
+    (c_proj keeps it), 4f. Gated and fused (job.fused_swiglu: kernels/swiglu.py, Megatron-Core's bias_swiglu_impl,
+    torch.compile's min-cut partition of the block): [gate | up] and the product, silu(gate) recomputed in the
+    backward, 3f (tests/test_plan.py counts both from autograd's saved tensors)."""
+    if not job.gated:
+        return 2 * ffn(job)
+    return (3 if job.fused_swiglu else 4) * ffn(job)
+
+
 def activation_delta_values(job):
     """Activation values per token and layer a block keeps beyond model.py's GPT count (which is Korthikanti's 34
     sbh with q, k, v of h each and an MLP keeping c_fc's and GeLU's outputs of 4h each): k and v of kv each (and k
-    once more, after RoPE), a gated MLP's gate, up and product (3f) or a plain one's two (2f). All of it sits
-    inside the tensor-parallel region: / t on a tp rank."""
-    h, kv, f = job.cfg.n_embd, kv_dim(job), ffn(job)
-    return 3 * (kv - h) + mlp_matrices(job) * f - 8 * h
+    once more, after RoPE) and the MLP's mlp_saved_values. All of it sits inside the tensor-parallel region: / t on
+    a tp rank."""
+    h, kv = job.cfg.n_embd, kv_dim(job)
+    return 3 * (kv - h) + mlp_saved_values(job) - 8 * h
 
 
 def op_recompute_values(job):

@@ -325,10 +325,12 @@ SOFTWARE = {
     # "Communication Overlap"): data-parallel reduce-scatters per bucket under the backward and the parameter
     # all-gathers under the next forward (--overlap-grad-reduce --overlap-param-gather), TP all-gathers and
     # reduce-scatters pipelined with their GEMMs (userbuffers; with SP), pipeline sends under the interleaved chunks;
-    # fp32 main gradients beside bf16 parameters (Megatron-LM README: "bf16 param, fp32 grads: 18 bytes").
+    # fp32 main gradients beside bf16 parameters (Megatron-LM README: "bf16 param, fp32 grads: 18 bytes"). A gated MLP
+    # runs megatron/core/fusions/fused_bias_swiglu.py, whose autograd Function saves its input alone (on unless
+    # --no-bias-swiglu-fusion, an argparse store_false).
     "megatron-core": dict(attn="flash", dp_overlap=True, pp_scatter_gather=False, tp_overlap=TP_OVERLAP["nemo-te"],
                           pp_overlap=True, dp_overlap_style="mcore", grad_dtype="fp32", inplace_loss=True,
-                          fused_bias_dropout_add=True, **MCORE_BUCKET),
+                          fused_bias_dropout_add=True, fused_swiglu=True, **MCORE_BUCKET),
     # Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's fused softmax, DeepSpeed's pipeline engine reducing the gradients
     # after the last micro-batch, its BF16_Optimizer's fp32 gradient buffer beside the bf16 gradients ("4 bytes *
     # params", bigscience tr11-176B-ml README).

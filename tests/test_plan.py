@@ -145,35 +145,41 @@ def test_activation_bytes_equal_saved_tensors(recompute, shape):
     assert abs(predicted / saved.bytes - 1) < 0.02
 
 
-def test_rmsnorm_saves_its_rstd_alone():
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_rmsnorm_and_swiglu_saves_are_plans(kernels):
     """The Llama family's RMSNorm keeps its input and one fp32 rstd per token, LayerNorm a mean beside it. A GPU runs
     torch's fused rms_norm, whose saves kernels/rms_norm.py's FusedRMSNorm repeats (interpreted here: torch's CPU
-    rms_norm is element-wise ops, which also keep the normalized input). model.py's llama GPT with it, and with
-    kernels/' SwiGLU (gate and up kept, silu(gate) recomputed, as plan.py counts a gated MLP), keeps for backward what
-    plan.py counts but the loss's one saved scalar; the LayerNorm count (4 bytes per token more in each of the 2L + 1
-    norms) is told apart."""
+    rms_norm is element-wise ops, which also keep the normalized input). model.py's llama GPT with it keeps for
+    backward what plan.py counts for the run's --kernels but the loss's one saved scalar: its eager SwiGLU keeps
+    c_fc's [gate | up], silu(gate) and the product (4f per token), kernels/' fused one (--kernels triton) recomputes
+    silu(gate) (3f). The LayerNorm count (4 bytes per token more in each of the 2L + 1 norms) and the other MLP's
+    count (f values per token and layer) are told apart."""
     from common.config import Config
     from common.metrics import SavedActivationBytes
     from common.model_setup import gpt_config
     from kernels.apply import FusedGatedMLP, FusedRMSNorm
     from model import MLP
     cfg = Config(arch="llama", n_layer=2, n_head=2, n_embd=16, ffn_hidden=24, tied=False, block_size=32,
-                 global_batch_size=2)
+                 global_batch_size=2, kernels=kernels)
     model = GPT(gpt_config(cfg, 64))
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, torch.nn.RMSNorm):
                 setattr(module, name, FusedRMSNorm(child, "triton"))
-            elif isinstance(child, MLP):
+            elif isinstance(child, MLP) and kernels == "triton":
                 setattr(module, name, FusedGatedMLP(child, "triton"))
     idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
     with SavedActivationBytes(model) as saved:
         model(idx, idx)
     job = plan.plan_job(cfg, 64, 1, 1, "h100", "fp32")
+    assert job.fused_swiglu == (kernels == "triton")
     predicted = plan_memory.activation_bytes(job, plan.Layout(dp=1, micro_batch_size=2), 0)
     assert saved.bytes - predicted == 4
     layernorm_count = predicted + 4 * 2 * 32 * (2 * cfg.n_layer + 1)
     assert saved.bytes - layernorm_count < -1000
+    other_mlp = plan_memory.activation_bytes(replace(job, fused_swiglu=not job.fused_swiglu), plan.Layout(dp=1,
+                                             micro_batch_size=2), 0)
+    assert abs(other_mlp - predicted) == 4 * 2 * 32 * 24 * cfg.n_layer
 
 
 def test_moe_rows_even_share_or_capacity_bound():

@@ -49,7 +49,8 @@ def test_llama3_presets_have_the_published_parameter_counts(name, published):
 
 def test_gqa_swiglu_untied_change_their_terms():
     """Per block q,k,v = (h + 2 kv) h and f h per MLP matrix (3 gated); untied adds the LM head on the last stage
-    and drops the input lookup from 6N; CP ring bytes and KV buffers scale with kv / h."""
+    and drops the input lookup from 6N; CP ring bytes and KV buffers scale with kv / h; an eager SwiGLU keeps 4f
+    values per token (gate, up, silu(gate), product), a fused one f fewer."""
     cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=8, n_embd=64)
     gpt, llama = job_for(cfg, global_seqs=4), job_for(cfg, global_seqs=4, n_kv_head=2, ffn_hidden=96, gated=True,
                                                       tied=False)
@@ -61,8 +62,10 @@ def test_gqa_swiglu_untied_change_their_terms():
     assert plan.comm_bytes(llama, lay, 0)["cp"] == pytest.approx(plan.comm_bytes(gpt, lay, 0)["cp"] * kv / h)
     first, last = (sum(plan_memory.flat_groups(llama.shape, 1, 1, 2, 1, r, 0, 25.0)) for r in (0, 1))
     assert first + last == plan_shape.num_params(llama)        # untied: each end holds its own matrix, once
-    mem_gpt, mem_llama = (plan_memory.layer_activation_bytes(j, Layout(dp=8)) for j in (gpt, llama))
-    assert mem_llama - mem_gpt == 64 * 1 * (3 * (kv - h) + 3 * f - 8 * h) * 2
+    fused = replace(llama, fused_swiglu=True)
+    mem_gpt, mem_llama, mem_fused = (plan_memory.layer_activation_bytes(j, Layout(dp=8)) for j in (gpt, llama, fused))
+    assert mem_llama - mem_gpt == 64 * 1 * (3 * (kv - h) + 4 * f - 8 * h) * 2
+    assert mem_llama - mem_fused == 64 * 1 * f * 2
 
 
 def test_uneven_stages():
