@@ -262,13 +262,14 @@ def comm_plan(schedules, p, v):
 # ----------------------------------------------------------------------------------------------------------
 # the simulator
 
-def simulate(schedules, p, v=1, f=1, b=1, w=1):
+def simulate(schedules, p, v=1, f=1, b=1, w=1, latency=0):
     """Replay the action lists with costs F=f, B=b, W=w per chunk (a B with no W in the schedule costs b+w)
-    and free, instant communication: each rank runs its list in order, an action starting as soon as the
-    rank is free and what it receives has been produced. Returns a dict with per-rank `timeline`
-    [(start, end, action)], `makespan`, `idle` per rank (and `idle_share`, idle / makespan) and `peak_in_flight`
-    (micro-batch-chunks whose activations are held: forward done, weight gradient not yet). Measured costs give
-    the bubble those costs leave (train_pp logs it per step, at its actions' median F, B and W)."""
+    and a message from another rank arriving `latency` after its producer ends (default: free, instant
+    communication): each rank runs its list in order, an action starting as soon as the rank is free and what it
+    receives has arrived. Returns a dict with per-rank `timeline` [(start, end, action)], `makespan`, `idle` per
+    rank (and `idle_share`, idle / makespan) and `peak_in_flight` (micro-batch-chunks whose activations are
+    held: forward done, weight gradient not yet). Measured costs give the bubble those costs leave (train_pp logs
+    it per step, at its actions' median F, B and W); a latency, what every message crossing ranks adds."""
     split = any(a.kind == "W" for acts in schedules for a in acts)
     cost, place = dict(F=f, B=b if split else b + w, W=w), schedule_placement(schedules)
     done = {}                                   # (kind, mb, stage) -> end time
@@ -281,13 +282,13 @@ def simulate(schedules, p, v=1, f=1, b=1, w=1):
             while pos[r] < len(schedules[r]):
                 a = schedules[r][pos[r]]
                 s = stage_of(r, a.chunk, p, place)
-                deps = [("F", a.mb, s)] if a.kind != "F" else []
-                deps += [("B", a.mb, s)] if a.kind == "W" else []
-                deps += [(("F", m_, st - 1) if what == "act" else ("B", m_, st + 1))
-                         for _, (what, m_, st) in recvs_of(a, r, p, v, place)]
-                if any(d not in done for d in deps):
+                deps = [(("F", a.mb, s), 0)] if a.kind != "F" else []      # (what it waits for, its delay)
+                deps += [(("B", a.mb, s), 0)] if a.kind == "W" else []
+                deps += [((("F", m_, st - 1) if what == "act" else ("B", m_, st + 1)), latency if src != r else 0)
+                         for src, (what, m_, st) in recvs_of(a, r, p, v, place)]
+                if any(d not in done for d, _ in deps):
                     break
-                start = max([free[r]] + [done[d] for d in deps])
+                start = max([free[r]] + [done[d] + delay for d, delay in deps])
                 free[r] = done[(a.kind, a.mb, s)] = start + cost[a.kind]
                 timeline[r].append((start, free[r], a))
                 pos[r] += 1
