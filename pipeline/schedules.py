@@ -234,9 +234,10 @@ def comm_plan(schedules, p, v):
     Where between the actions a batch goes does not change that order, only how early a receive is posted: each
     batch goes out as soon as it can, right after the action that produced its send, and a batch of receives
     only right after the rank's batch before it. Every action before a round's batch then ends by the round in
-    the simulation and needs only earlier rounds, so every rank still reaches each round. gloo moves a message only once its receive is posted, so a
-    receive posted just before the action that needs it would put the transfer on the critical path; posted
-    early, it arrives while the rank computes (NCCL runs the groups in the same order wherever they are launched)."""
+    the simulation and needs only earlier rounds, so every rank still reaches each round. gloo moves a message
+    only once its receive is posted, so a receive posted just before the action that needs it would put the
+    transfer on the critical path; posted early, it arrives while the rank computes (NCCL runs the groups in the
+    same order wherever they are launched)."""
     sim, place = simulate(schedules, p, v), schedule_placement(schedules)
     rounds = [defaultdict(list) for _ in range(p)]      # rank -> round -> its ops
     ready = [{} for _ in range(p)]                       # rank -> round -> index of the action after its send
