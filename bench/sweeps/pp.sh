@@ -32,7 +32,7 @@ print("\n".join(lines))
 PY
 }
 
-pp_table() {  # name title --run ...: one alternating table, the load sampled while it runs, then its idle shares
+pp_table() {  # NAME, then harness arguments: one alternating table, the load sampled meanwhile, then its idle shares
   local name=$1; shift
   sample_load "bench/runs/$name"
   harness --name "$name" "$@"
