@@ -126,9 +126,9 @@ class PipelineRunner:
     Sends and receives go out in the batches of pipeline.schedules.comm_plan: a message's sender and receiver put
     it in their batch of the same round, so NCCL, which runs a rank's batches one after another and pairs the k-th
     send a->b with the k-th receive on b, never waits on a batch its partner has not reached (nccl_check.py
-    replays the launches). A batch goes out right after the action that produced its sends; an action waits only
-    for its own receives. A sent activation's storage is freed once its send completes: backward needs only its
-    autograd graph."""
+    replays the launches). A batch goes out right after the action that produced its sends, one of receives only
+    right after the batch before it (posted early, a message arrives while the rank computes); an action waits only
+    for its own receives. A sent activation's storage is freed once sent (backward needs only its autograd graph)."""
 
     def __init__(self, chunks, group, schedules, n_micro, act_shape, device, store=None, amp=None, act_dtype=None):
         self.chunks, self.group, self.schedules, self.n_micro = chunks, group, schedules, n_micro
@@ -393,7 +393,7 @@ def main(argv=None):
         if cfg.pp_print_schedule:
             print(render(sim, v), flush=True)
         print(f"train_pp: {p} stages x {v} chunks, schedule {cfg.pp_schedule}, {m} micro-batches of {micro}, "
-              f"simulated bubble {sim['idle'][0] / sim['makespan']:.3f}, {dtype}, steps {start}..{last_step - 1}",
+              f"simulated bubble {sim['idle_share'][0]:.3f}, {dtype}, steps {start}..{last_step - 1}",
               flush=True)
     dist.barrier(group=group)                    # every pipeline rank is up before the first send
     idle_fracs, timer = [], ActionTimer(env.device)   # per step: the schedule's share of time spent waiting
@@ -419,8 +419,8 @@ def main(argv=None):
         step_time = time.perf_counter() - t0
         idle_fracs.append(timer.idle_fraction())
         logger.log_step(step, loss_value, lr, float(grad_norm), step_time, step_bytes := COMM.bytes_sent,
-                        p2p_bytes=p2p_bytes, idle_frac=idle_fracs[-1],
-                        bubble_sim=sim["idle"][rank] / sim["makespan"])
+                        p2p_bytes=p2p_bytes, idle_frac=idle_fracs[-1], bubble_sim=sim["idle_share"][rank],
+                        bubble_sim_run=simulate(schedules, p, v, **timer.costs())["idle_share"][rank])
 
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_steps - 1):
             chunks.eval()
@@ -437,7 +437,7 @@ def main(argv=None):
     comm.all_gather(idle_all, torch.tensor([steady[len(steady) // 2]], device=env.device), group=group)
     if env.is_main:
         print("idle per rank, measured " + " ".join(f"{x:.3f}" for x in idle_all.tolist()) + " | simulated "
-              + " ".join(f"{i / sim['makespan']:.3f}" for i in sim["idle"]), flush=True)
+              + " ".join(f"{i:.3f}" for i in sim["idle_share"]), flush=True)
     # the sample runs through the pipeline (every rank its own stages), never gathering the model on one rank
     print_sample(PipelineSampler(runner, chunks, gcfg), loader, cfg, env, collective=True)
     return dict(chunks=chunks, cfg=cfg, gcfg=gcfg, group=group, p2p_bytes=p2p_bytes, comm_bytes=step_bytes,

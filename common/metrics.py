@@ -94,7 +94,8 @@ class ActionTimer:
     """The share of a pipeline step a rank spends idle (waiting for messages): installed as PipelineRunner's
     action_hook it times each action's compute; idle = 1 - busy / the step's span. On a GPU the times are CUDA
     events on the compute stream, read once the step is over (a host clock would time only the kernel launches);
-    on CPU, host clocks."""
+    on CPU, host clocks. costs() gives the step's median F, B and W durations: the ratio to simulate the
+    schedule at (pipeline.schedules.simulate), so measured idle is compared with the bubble of the same costs."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -116,14 +117,27 @@ class ActionTimer:
     def __call__(self, action):
         begin = self.mark()
         yield
-        self.spans.append((begin, self.mark()))
+        self.spans.append((action.kind, begin, self.mark()))
+
+    def elapsed(self, begin, end):
+        """Seconds between two marks (of a step that has ended)."""
+        return begin.elapsed_time(end) / 1e3 if self.cuda else end - begin
 
     def idle_fraction(self):
         if self.cuda:
             self.end.synchronize()
-            busy = sum(a.elapsed_time(b) for a, b in self.spans)
-            return 1.0 - busy / self.begin.elapsed_time(self.end)
-        return 1.0 - sum(b - a for a, b in self.spans) / (self.end - self.begin)
+        busy = sum(self.elapsed(a, b) for _, a, b in self.spans)
+        return 1.0 - busy / self.elapsed(self.begin, self.end)
+
+    def costs(self):
+        """{"f", "b", "w"}: median seconds of this step's F, B and W actions (0 for a kind it has none of)."""
+        if self.cuda:
+            self.end.synchronize()
+        out = {}
+        for kind in "FBW":
+            times = sorted(self.elapsed(a, b) for k, a, b in self.spans if k == kind)
+            out[kind.lower()] = times[len(times) // 2] if times else 0.0
+        return out
 
 
 class _Held:

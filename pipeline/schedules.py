@@ -227,39 +227,51 @@ def comm_plan(schedules, p, v):
     NCCL runs each batch as one group, a rank's groups one after another, and a group ends only when each op
     has met its partner in the partner's running group (nccl_check.py). So every message gets a round: the
     simulated time its producer ends. The sender sends it, and the receiver posts its receive, in the batch
-    of that round; a rank launches its rounds in time order, each just before its first action starting at
-    or after the round. The earliest unfinished round then runs on every rank that has it, holding both sides
-    of all its messages, and ends: no group ever waits on one its partner has not reached. The sender's batch
-    follows the producing action at once (overlap); the receiver's comes before the action that needs it.
-    A rank sends at most one message per round, so each pair sees its messages in the same order."""
+    of that round, and every rank launches its rounds in time order. The earliest unfinished round then runs on
+    every rank that has it, holding both sides of all its messages, and ends: no group ever waits on one its
+    partner has not reached. A rank sends at most one message per round, so each pair sees its messages in the
+    same order.
+    Where between the actions a batch goes does not change that order, only how early a receive is posted: each
+    batch goes out as soon as it can, right after the action that produced its send, and a batch of receives
+    only right after the rank's batch before it. Every action before a round's batch then ends by the round in
+    the simulation and needs only earlier rounds, so every rank still reaches each round. gloo moves a message
+    only once its receive is posted, so a receive posted just before the action that needs it would put the
+    transfer on the critical path; posted early, it arrives while the rank computes (NCCL runs the groups in the
+    same order wherever they are launched)."""
     sim, place = simulate(schedules, p, v), schedule_placement(schedules)
     rounds = [defaultdict(list) for _ in range(p)]      # rank -> round -> its ops
+    ready = [{} for _ in range(p)]                       # rank -> round -> index of the action after its send
     for r, timeline in enumerate(sim["timeline"]):
-        for _, end, a in timeline:
+        for i, (_, end, a) in enumerate(timeline):
             for dst, msg in sends_of(a, r, p, v, place):
                 if dst != r:                             # a message to this rank's own next chunk: no p2p
                     rounds[r][end].append(("send", dst, msg))
                     rounds[dst][end].append(("recv", r, msg))
+                    ready[r][end] = i + 1
     plans = []
     for r, timeline in enumerate(sim["timeline"]):
-        todo, plan = sorted(rounds[r].items()), []
-        for start, _, a in timeline:
-            while todo and todo[0][0] <= start:
-                plan.append(Exchange(tuple(todo.pop(0)[1])))
-            plan.append(a)
-        plans.append(plan + [Exchange(tuple(ops)) for _, ops in todo])
+        before, at = defaultdict(list), 0                # action index -> the batches launched just before it
+        for t, ops in sorted(rounds[r].items()):
+            at = max(at, ready[r].get(t, 0))
+            before[at].append(Exchange(tuple(ops)))
+        plan = []
+        for i, (_, _, a) in enumerate(timeline):
+            plan += before[i] + [a]
+        plans.append(plan + before[len(timeline)])
     return plans
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the simulator
 
-def simulate(schedules, p, v=1, f=1, b=1, w=1):
+def simulate(schedules, p, v=1, f=1, b=1, w=1, latency=0):
     """Replay the action lists with costs F=f, B=b, W=w per chunk (a B with no W in the schedule costs b+w)
-    and free, instant communication: each rank runs its list in order, an action starting as soon as the
-    rank is free and what it receives has been produced. Returns a dict with per-rank `timeline`
-    [(start, end, action)], `makespan`, `idle` per rank and `peak_in_flight` (micro-batch-chunks whose
-    activations are held: forward done, weight gradient not yet)."""
+    and a message from another rank arriving `latency` after its producer ends (default: free, instant
+    communication): each rank runs its list in order, an action starting as soon as the rank is free and what it
+    receives has arrived. Returns a dict with per-rank `timeline` [(start, end, action)], `makespan`, `idle` per
+    rank (and `idle_share`, idle / makespan) and `peak_in_flight` (micro-batch-chunks whose activations are
+    held: forward done, weight gradient not yet). Measured costs give the bubble those costs leave (train_pp logs
+    it per step, at its actions' median F, B and W); a latency, what every message crossing ranks adds."""
     split = any(a.kind == "W" for acts in schedules for a in acts)
     cost, place = dict(F=f, B=b if split else b + w, W=w), schedule_placement(schedules)
     done = {}                                   # (kind, mb, stage) -> end time
@@ -272,13 +284,13 @@ def simulate(schedules, p, v=1, f=1, b=1, w=1):
             while pos[r] < len(schedules[r]):
                 a = schedules[r][pos[r]]
                 s = stage_of(r, a.chunk, p, place)
-                deps = [("F", a.mb, s)] if a.kind != "F" else []
-                deps += [("B", a.mb, s)] if a.kind == "W" else []
-                deps += [(("F", m_, st - 1) if what == "act" else ("B", m_, st + 1))
-                         for _, (what, m_, st) in recvs_of(a, r, p, v, place)]
-                if any(d not in done for d in deps):
+                deps = [(("F", a.mb, s), 0)] if a.kind != "F" else []      # (what it waits for, its delay)
+                deps += [(("B", a.mb, s), 0)] if a.kind == "W" else []
+                deps += [((("F", m_, st - 1) if what == "act" else ("B", m_, st + 1)), latency if src != r else 0)
+                         for src, (what, m_, st) in recvs_of(a, r, p, v, place)]
+                if any(d not in done for d, _ in deps):
                     break
-                start = max([free[r]] + [done[d] for d in deps])
+                start = max([free[r]] + [done[d] + delay for d, delay in deps])
                 free[r] = done[(a.kind, a.mb, s)] = start + cost[a.kind]
                 timeline[r].append((start, free[r], a))
                 pos[r] += 1
@@ -290,6 +302,7 @@ def simulate(schedules, p, v=1, f=1, b=1, w=1):
     makespan = max(free)
     busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
     return dict(timeline=timeline, makespan=makespan, idle=[makespan - x for x in busy],
+                idle_share=[1 - x / makespan for x in busy],
                 peak_in_flight=[peak_in_flight(acts) for acts in schedules])
 
 

@@ -98,3 +98,26 @@ def test_saved_activations_are_counted_in_the_first_micro_batch_only(tiny_data, 
     importlib.import_module(script).main(argv)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(entered) == 2 and all(r["act_bytes"] > 0 for r in rows if "loss" in r), (entered, rows)
+
+
+def test_action_timer_idle_share_and_median_costs():
+    """The pipeline timer on a host clock: busy = the actions' spans, idle = the rest of the step, and costs() the
+    median duration of each kind (the F:B:W the bubble is simulated at), 0 for a kind the step has none of."""
+    from pipeline.schedules import Action, simulate
+    from train_pp import make_schedule
+    clock = iter([0.0,                                     # start
+                  1.0, 2.0, 2.5, 5.5, 6.0, 7.0, 7.0, 10.0,  # F (1 s), B (3 s), F (1 s), B (3 s), waits between
+                  12.0])                                   # stop
+    timer = metrics.ActionTimer(torch.device("cpu"))
+    timer.mark = lambda: next(clock)                      # the host clock's readings, in order
+    timer.start()
+    for kind in "FBFB":
+        with timer(Action(kind, 0, 0)):
+            pass
+    timer.stop()
+    assert timer.idle_fraction() == pytest.approx(1 - 8 / 12)
+    assert timer.costs() == dict(f=1.0, b=3.0, w=0.0)
+    # at F:B = 1:3 (no W: B is the whole backward) 1f1b's bubble is still (p-1)/(m+p-1): the ratio moves where
+    # the idle falls, not its share
+    sim = simulate(make_schedule("1f1b", 2, 4), 2, 1, **timer.costs())
+    assert sim["idle_share"] == [pytest.approx(1 / 5)] * 2 and sim["makespan"] == 4 * 4 + 4

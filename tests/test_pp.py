@@ -110,6 +110,7 @@ def _check_against_single(tmp_path, tiny_data, world, cases):
             assert res["comm"] == pytest.approx(_expected_total(r, world, v, m, micro, v_shaped), rel=1e-12), \
                 (name, r)
         assert all(row["p2p_bytes"] == _expected_bytes(0, world, v, m, micro, v_shaped) for row in rows)
+        assert all(0 <= row["bubble_sim_run"] < 1 for row in rows)     # simulated at the step's own F:B:W
         # the tied embedding: the copy on the last stage is bit-identical to the first stage's (in a V both
         # stages are rank 0's, one Parameter)
         last_rank = rank_of(world * v - 1, world, placement_of(kw["pp_schedule"]))

@@ -1,7 +1,8 @@
 """train_pp.py's point-to-point traffic is NCCL-safe: nccl_check.py catches known-bad orderings (hand-built, and
 the launch order of the runner before comm_plan, which hung interleaved 1F1B), every schedule's comm_plan passes
-for p = 2..8 and a range of V and m (replayed in pure python), and real gloo runs of train_pp launch exactly
-the plan, recorded at the comm.py layer, and pass the checker with their collectives and evaluation included."""
+for p = 2..8 and a range of V and m (replayed in pure python) and posts each receive as early as its round allows,
+and real gloo runs of train_pp launch exactly the plan, recorded at the comm.py layer, and pass the checker with
+their collectives and evaluation included."""
 from collections import deque
 
 import pytest
@@ -100,6 +101,24 @@ def test_every_schedule_is_nccl_safe(name):
                        for kind, peer, msg in item.ops if kind == "recv" and peer == src]
                 assert got == (message_order(scheds, src, r, p, v) if src != r else []), (name, p, v, m, r)
         assert check(plan_launches(plans)) == [], (name, p, v, m)
+        for r in range(p):
+            assert_batches_go_out_early(plans[r], r, p, v, scheds.placement)
+
+
+def assert_batches_go_out_early(plan, rank, p, v, placement):
+    """Each batch right after what it waits for: one holding a send after the action producing it (other batches
+    between them at most), one of receives only after the rank's batch before it (or first in the step), so a
+    receive is posted as early as the order of the rounds allows (gloo moves a message only once it is posted)."""
+    for i, item in enumerate(plan):
+        if not isinstance(item, Exchange):
+            continue
+        before = [x for x in plan[:i] if not isinstance(x, Exchange)]
+        sent = [msg for kind, _, msg in item.ops if kind == "send"]
+        if sent:
+            produced = [msg for _, msg in sends_of(before[-1], rank, p, v, placement)]
+            assert all(msg in produced for msg in sent), (rank, i, item, before[-1])
+        else:
+            assert i == 0 or isinstance(plan[i - 1], Exchange), (rank, i, item, plan[i - 1])
 
 
 # (world, schedule, virtual, micro-batches, layers, eval_interval): the case that deadlocked, every schedule, m not a

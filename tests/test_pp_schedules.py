@@ -72,6 +72,20 @@ def test_bubble_in_time_units(f, b, w):
             assert zb["makespan"] < simulate(make_schedule("1f1b", p, m), p, f=f, b=b, w=w)["makespan"]
 
 
+def test_message_latency():
+    """Messages crossing ranks that arrive `latency` after their producer ends: AFAB's step grows by the 2(p-1)
+    crossings of its fill and drain, (m+p-1)(F+B) + 2(p-1)L; 1F1B's steady state has no slack, so there every
+    micro-batch waits for its messages too and the step grows more. Latency 0 is the default's free messages."""
+    for p in (2, 3, 4):
+        for m in (2 * p, 3 * p):
+            for lat in (0.5, 3):
+                afab = simulate(make_schedule("afab", p, m), p, f=1, b=2, w=0, latency=lat)
+                assert afab["makespan"] == (m + p - 1) * 3 + 2 * (p - 1) * lat, (p, m, lat)
+                assert simulate(make_schedule("1f1b", p, m), p, f=1, b=2, w=0, latency=lat)["makespan"] > \
+                    afab["makespan"], (p, m, lat)
+            assert simulate(make_schedule("1f1b", p, m), p, latency=0) == simulate(make_schedule("1f1b", p, m), p)
+
+
 def test_peak_in_flight_micro_batches():
     """afab holds all m; 1f1b p - rank (Korthikanti et al.); zb1 at most p on every rank (Qi et al.: the same
     peak as 1f1b), though its late weight gradients fill the later ranks up to it."""
