@@ -85,33 +85,33 @@ def write_dataset(out_dir, tokens, vocab_size, tokenizer, source, val_fraction=0
                 train_tokens=int(len(splits["train"])), val_tokens=int(len(splits["val"])))
     if tokenizer == "hf":
         meta["tokenizer_from"] = os.path.abspath(tokenizer_from)
-    temps = [temporary_name(out_dir, name) for name in ("train.bin", "val.bin", "meta.json")]
+    staged = []                                      # (temporary, final) paths, renamed into place at the end
+
+    def stage(name):
+        """A temporary path for out_dir/name that no other writer uses: nodes sharing a filesystem may each prepare
+        the same corpus at once, each renaming its own files into place (the same bytes: the last changes nothing)."""
+        staged.append((os.path.join(out_dir, f"{name}.{socket.gethostname()}.{os.getpid()}.tmp"),
+                       os.path.join(out_dir, name)))
+        return staged[-1][0]
     try:
-        for split, tmp in zip(splits, temps):
-            splits[split].astype(np.uint16).tofile(tmp)
-        if tokenizer_from is not None:
+        for split in splits:
+            splits[split].astype(np.uint16).tofile(stage(f"{split}.bin"))
+        if tokenizer_from is not None:               # its files too: never one tokenizer's ids beside another's
             from common.hf.tokenizer import write_tokenizer_files
-            write_tokenizer_files(out_dir, tokenizer_from)
-        with open(temps[2], "w") as f:
+            write_tokenizer_files(tokenizer_from, stage)
+        with open(stage("meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
     except BaseException as e:                       # a full disk, a Ctrl-C: the dataset there (if any) stays as it was
-        for tmp in temps:
+        for tmp, _ in staged:
             if os.path.exists(tmp):
                 os.remove(tmp)
         if not isinstance(e, OSError):
             raise
         raise OSError(f"cannot write the dataset to {out_dir} ({e.strerror or e}); nothing there was changed") \
             from None
-    for name, tmp in zip(("train.bin", "val.bin", "meta.json"), temps):
-        os.replace(tmp, os.path.join(out_dir, name))   # meta.json last: a meta.json means the .bin files are complete
+    for tmp, final in staged:
+        os.replace(tmp, final)      # meta.json last: a meta.json means the .bin and tokenizer files are complete
     return meta
-
-
-def temporary_name(out_dir, name):
-    """A temporary file name no other writer uses: nodes that share a filesystem may each prepare the same
-    corpus at once (one writer per node); each writes its own file and renames it into place atomically, and
-    as they write the same bytes, whichever rename lands last changes nothing."""
-    return os.path.join(out_dir, f"{name}.{socket.gethostname()}.{os.getpid()}.tmp")
 
 
 def prepare_stdlib(out_dir=DEFAULT_DATA_DIR):

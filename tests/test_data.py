@@ -153,3 +153,29 @@ def test_too_few_tokens_for_block_size_says_how_many_are_needed(tmp_path):
         GlobalBatchLoader(str(tmp_path), 19, 2, seed=0)         # val.bin holds 20 tokens: 19 + 2 = 21 needed
     assert "has 20 tokens; --block_size 19 needs at least block_size + 2 = 21" in str(e.value)
     GlobalBatchLoader(str(tmp_path), 18, 2, seed=0)
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
+def test_a_write_stopped_half_way_keeps_the_dataset_and_its_tokenizer_files(tmp_path, monkeypatch, stop):
+    """A corpus prepared again with another tokenizer's files (tokenizer.json), stopped while its meta.json is written
+    (a Ctrl-C, a full disk): the directory is byte for byte what it was, the tokenizer files included, never the new
+    tokenizer beside the old ids; written whole, the new files are all there and no temporary file is left."""
+    old_tok, new_tok, out = tmp_path / "old_tok", tmp_path / "new_tok", tmp_path / "corpus"
+    for directory, text in ((old_tok, '{"old": 1}'), (new_tok, '{"new": 2}')):
+        directory.mkdir()
+        (directory / "tokenizer.json").write_text(text)
+    write_dataset(str(out), np.arange(300, dtype=np.uint16) % 64, 64, "hf", "old", tokenizer_from=str(old_tok))
+    before = {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
+    assert before["tokenizer.json"] == b'{"old": 1}'
+    real_dump = json.dump
+
+    def dump(*args, **kwargs):
+        raise stop(28, "No space left on device") if stop is OSError else stop()
+    monkeypatch.setattr(json, "dump", dump)
+    with pytest.raises(stop):
+        write_dataset(str(out), np.arange(400, dtype=np.uint16) % 32, 32, "hf", "new", tokenizer_from=str(new_tok))
+    assert {name: (out / name).read_bytes() for name in sorted(os.listdir(out))} == before
+    monkeypatch.setattr(json, "dump", real_dump)
+    write_dataset(str(out), np.arange(400, dtype=np.uint16) % 32, 32, "hf", "new", tokenizer_from=str(new_tok))
+    assert sorted(os.listdir(out)) == sorted(before) and (out / "tokenizer.json").read_bytes() == b'{"new": 2}'
+    assert json.loads((out / "meta.json").read_text())["source"] == "new"

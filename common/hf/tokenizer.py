@@ -119,13 +119,15 @@ def gpt2_encoding():
                          f"downloaded on first use: without internet use --tokenizer byte") from None
 
 
-def write_tokenizer_files(out_dir, tokenizer):
+def write_tokenizer_files(tokenizer, path_of):
     """The tokenizer goes with the corpus (its samples decode with it, python -m common.hf export carries it): a
-    gpt2 corpus keeps GPT-2's BPE ranks (gpt2.tiktoken), a Hugging Face one its tokenizer files."""
+    gpt2 corpus keeps GPT-2's BPE ranks (gpt2.tiktoken), a Hugging Face one its tokenizer files. Each file is
+    written where path_of(its name) says: a dataset's writer stages it there and renames it into place with the
+    corpus (data.write_dataset), so the ids of one tokenizer never sit beside another's files."""
     if tokenizer == "gpt2":
-        write_ranks(os.path.join(out_dir, RANKS_FILE), gpt2_encoding()._mergeable_ranks)   # token bytes -> id
+        write_ranks(path_of(RANKS_FILE), gpt2_encoding()._mergeable_ranks)   # token bytes -> id
     elif tokenizer != "byte":
-        copy_tokenizer(tokenizer, out_dir)
+        copy_tokenizer(tokenizer, path_of)
 
 
 def gpt2_ranks(data_dir):
@@ -156,7 +158,7 @@ def export_tokenizer(meta, data_dir, hf_dir, block_size):
     config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=block_size,
                   clean_up_tokenization_spaces=False)
     if kind == "hf":
-        copy_tokenizer(data_dir, hf_dir)
+        copy_tokenizer(data_dir, lambda name: os.path.join(hf_dir, name))
         return f"the corpus's tokenizer.json ({meta.get('tokenizer_from', data_dir)})", {}
     if kind == "byte":
         byte_tokenizer().save(os.path.join(hf_dir, "tokenizer.json"))
@@ -207,13 +209,12 @@ def encode_with(directory, text_bytes):
     return ids, vocab
 
 
-def copy_tokenizer(directory, out_dir):
-    """The tokenizer files go with the corpus: samples decode with them and an export carries them."""
-    if os.path.realpath(directory) == os.path.realpath(out_dir):
-        return
+def copy_tokenizer(directory, path_of):
+    """The tokenizer files go with the corpus: samples decode with them and an export carries them. Each file
+    found in directory is copied to path_of(its name)."""
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(directory, name)):
-            shutil.copyfile(os.path.join(directory, name), os.path.join(out_dir, name))
+            shutil.copyfile(os.path.join(directory, name), path_of(name))
 
 
 def decode_with(data_dir, ids):
