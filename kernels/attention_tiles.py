@@ -22,8 +22,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def tile_configs(shapes, small):
     """Tile shapes (BLOCK_M, BLOCK_N, warps, stages) to try: on a GPU the autotuner times each once per (Tq and Tk
     rounded up to a power of two, D, causal, dtypes) and keeps the fastest (a shape that exceeds shared memory or
-    registers is skipped, not fatal); the interpreter, which runs programs one by one in Python, gets one small
-    tile."""
+    registers is skipped, not fatal); the interpreter, which runs programs one by one in Python and pays per
+    operation, not per element, gets one 32 x 32 tile: a float64 test's 32 positions in one program per head
+    (tests/test_kernels.py's longer sequences take every masked and unmasked stage)."""
     shapes = [small] if INTERPRET else shapes
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
 

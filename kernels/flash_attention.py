@@ -61,7 +61,7 @@ if HAS_TRITON:
             m_i = m_new
         return acc, l_i, m_i
 
-    @triton.autotune(configs=tile_configs(FWD_SHAPES, (16, 16, 4, 1)), key=KEY)
+    @triton.autotune(configs=tile_configs(FWD_SHAPES, (32, 32, 4, 1)), key=KEY)
     @triton.jit
     def _attn_fwd(Q, K, V, O, LSE, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, H, Tq, Tk, D, Tq_bucket, Tk_bucket,
                   SCALE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -28,7 +28,7 @@ from kernels.backend import HAS_TRITON, compute_dtype, tl, triton
 
 # BLOCK_M per step, BLOCK_N keys (dK, dV) and queries (dQ) per program (a multiple of BLOCK_M), warps, stages
 BWD_SHAPES = ((32, 128, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (16, 64, 4, 2))
-DELTA_ROWS = 16 if INTERPRET else 64        # the pre-pass's rows per program
+DELTA_ROWS = 32 if INTERPRET else 64        # the pre-pass's rows per program
 
 if HAS_TRITON:
     from kernels.attention_tiles import (KEY, LOG2E, _dense_head_start, _dot, _head_start, _key_range, _offsets,
@@ -86,7 +86,7 @@ if HAS_TRITON:
             dq += _dot(ds.to(k.dtype), k, PREC, UPCAST)
         return dq
 
-    @triton.autotune(configs=tile_configs(BWD_SHAPES, (16, 32, 4, 1)), key=KEY)
+    @triton.autotune(configs=tile_configs(BWD_SHAPES, (32, 32, 4, 1)), key=KEY)
     @triton.jit
     def _attn_bwd(Q, K, V, DO, LSE, Delta, DQ, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                   H, Tq, Tk, D, Tq_bucket, Tk_bucket, SCALE: tl.constexpr, CAUSAL: tl.constexpr,

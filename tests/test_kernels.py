@@ -61,6 +61,9 @@ def test_layer_norm_fp32_odd_shapes_noncontiguous():
     w, b = randn(37), randn(37)
     check_against_float64(lambda *a: layer_norm(*a, backend="triton"), lambda *a: layer_norm(*a, backend="torch"),
                           [x, w, b], randn(5, 3, 37))
+    x = randn(150, 37)                              # several row tiles per program, a ragged last one
+    check_against_float64(lambda *a: layer_norm(*a, backend="triton"), lambda *a: layer_norm(*a, backend="torch"),
+                          [x, w, b], randn(150, 37))
     check_bf16(lambda x, w, b: layer_norm(x, w, b, backend="triton"),
                lambda x, w, b: F.layer_norm(x, (37,), w, b), [randn(19, 37), w, b])
 
@@ -70,6 +73,9 @@ def test_bias_gelu_fp32_and_bf16():
     x, b = randn(6, 53)[:, 1:50], randn(49)    # non-contiguous rows of 49
     check_against_float64(lambda *a: bias_gelu(*a, backend="triton"), lambda x, b: F.gelu(x + b),
                           [x, b], randn(6, 49))
+    wide = [randn(70, 200), randn(200)]              # several row and column tiles, ragged in both
+    check_against_float64(lambda *a: bias_gelu(*a, backend="triton"), lambda x, b: F.gelu(x + b),
+                          wide, randn(70, 200))
     check_bf16(lambda x, b: bias_gelu(x, b, backend="triton"), lambda x, b: F.gelu(x + b),
                [randn(7, 49) * 3, b])
 
@@ -106,8 +112,11 @@ def test_bias_dropout_add():
     torch.testing.assert_close(dr, g)
 
 
+# (100, 100): on the interpreter's 32 x 32 tile, every stage of both kernels runs (the forward's unmasked key
+# blocks, the backward's diagonal, unmasked and ragged query tiles)
 @pytest.mark.parametrize("B,H,Tq,Tk,D,causal", [(1, 2, 37, 37, 32, True), (1, 1, 21, 45, 64, False),
-                                                (1, 1, 19, 19, 128, True), (2, 1, 23, 23, 24, False)])
+                                                (1, 1, 19, 19, 128, True), (2, 1, 23, 23, 24, False),
+                                                (1, 1, 100, 100, 16, True)])
 def test_flash_attention_fp32(B, H, Tq, Tk, D, causal):
     torch.manual_seed(3)
     q = randn(B, Tq, H, D).transpose(1, 2)           # the model's layout: a non-contiguous view
