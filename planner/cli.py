@@ -134,7 +134,10 @@ def parse_args(argv, description):
                                      grad_dtype=list(GRAD_DTYPES), loss=list(LOSS_NAMES[1:]),
                                      pp_outputs_kept=list(PP_OUTPUTS_KEPT), arch=list(ARCHS)).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    a.given = {name for name, _, _, _ in FLAGS for token in argv or ()     # what --software must not override,
+               if token in (f"--{name}", f"--no-{name}") or token.startswith(f"--{name}=")}  # its default too
+    return a
 
 
 def parse_tokens(text):
@@ -180,11 +183,10 @@ def check_flags(a):
 
 def build_job(a):
     """The Job of plan.py's parsed command line: a --model preset, any of whose shape flags override it; --software's
-    fields where their flags keep the default."""
+    fields where their flags were not given (given at its default value, a flag still wins)."""
     check_flags(a)
-    defaults = {name: default for name, _, default, _ in FLAGS}
     for key, value in SOFTWARE.get(a.software, {}).items():
-        if getattr(a, key) == defaults[key]:
+        if key not in a.given:
             setattr(a, key, value)
     check(a.gpu in HARDWARE, f"unknown GPU {a.gpu!r}; known: {', '.join(HARDWARE)}")
     measured_rates(a.gpu)                             # a rate table of this card that cannot be read: error here

@@ -301,8 +301,8 @@ def eager_attention_time(job, lay):
 MCORE_BUCKET = dict(bucket_mb=4e7 * 4 / 2 ** 20, bucket_mb_per_dp=1e6 * 4 / 2 ** 20)
 
 
-# --software: what the software a run used does by default, as Job fields (a flag given beside it, other than its
-# default, wins). Each entry names its source.
+# --software: what the software a run used does by default, as Job fields (a flag given beside it wins, even at its
+# own default value). Each entry names its source.
 SOFTWARE = {
     # Megatron-LM as Narayanan et al. 2021 ran it (SC'21; NVIDIA/Megatron-LM examples/sc21/run_table_1.sh): the
     # attention unfused through HBM (fused scale-mask-softmax, no flash kernel), gradients all-reduced after the

@@ -176,6 +176,12 @@ def test_software_sets_its_stack_unless_a_flag_says_otherwise():
     assert (job.attn, job.dp_overlap, job.pp_scatter_gather, job.tp_overlap) == ("eager", False, True, 0.0)
     job = build_job(parse_args(BASE + ["--software", "megatron-core", "--tp_overlap", "0.5"], ""))
     assert (job.tp_overlap, job.pp_overlap, job.dp_overlap) == (0.5, True, True)
+    # a flag given at its own default value still wins over the stack's (megatron-2021: no dp overlap, eager
+    # attention, pipeline messages scattered)
+    for given, want in ((["--dp_overlap"], (True, "eager", True)), (["--attn", "flash"], (False, "flash", True)),
+                        (["--no-pp_scatter_gather"], (False, "eager", False))):
+        job = build_job(parse_args(BASE + ["--software", "megatron-2021", *given], ""))
+        assert (job.dp_overlap, job.attn, job.pp_scatter_gather) == want, given
     plain = build_job(parse_args(BASE, ""))
     assert (plain.attn, plain.tp_overlap, plain.pp_overlap) == ("flash", 0.0, False)
 
