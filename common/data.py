@@ -385,15 +385,10 @@ def check_out_dir_arg(out_dir):
 def dataset_kept(out_dir):
     """What a Ctrl-C while out_dir is prepared leaves there, in words (for errors.report_interrupts): the dataset it
     had, or the new one once its meta.json, renamed into place last, has been replaced."""
-    from common.checkpoint.files import replaced_later
+    from common.checkpoint.files import kept_words
     meta = os.path.join(out_dir, "meta.json")
-    had, replaced = os.path.exists(meta), replaced_later(meta)
-
-    def kept():
-        if replaced():
-            return f"{out_dir} holds the newly prepared dataset"
-        return f"nothing in {out_dir} was changed" if had else f"no dataset was written to {out_dir}"
-    return kept
+    before = f"nothing in {out_dir} was changed" if os.path.exists(meta) else f"no dataset was written to {out_dir}"
+    return kept_words(meta, f"{out_dir} holds the newly prepared dataset", before)
 
 
 if __name__ == "__main__":

@@ -202,17 +202,17 @@ def remove_stale_directories(path):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
-def replaced_later(path):
-    """A function telling whether `path`, which only a rename into place replaces (the commit-last rule: a dataset's
-    meta.json, an export's directory), has been replaced since this call; for a Ctrl-C's line saying what was kept
-    (errors.report_interrupts). A new file or directory has another inode."""
+def kept_words(path, if_replaced, otherwise):
+    """A function saying what a Ctrl-C leaves (errors.report_interrupts' `kept`): `if_replaced` once `path`, which
+    only a rename into place replaces (the commit-last rule: a dataset's meta.json, an export's directory), has been
+    replaced since this call, else `otherwise`. A new file or directory has another inode."""
     def identity():
         try:
             return os.stat(path).st_ino
         except OSError:                              # none there
             return None
     before = identity()
-    return lambda: identity() != before
+    return lambda: if_replaced if identity() != before else otherwise
 
 
 def process_alive(pid):

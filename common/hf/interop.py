@@ -146,14 +146,9 @@ def export_checks(args):
 
 def export_kept(hf_dir, target):
     """What a Ctrl-C during an export leaves in HF_DIR, in words: as it was, until the new export takes its place."""
-    from common.checkpoint.files import replaced_later
-    replaced = replaced_later(target)
-
-    def kept():
-        if replaced():
-            return f"{hf_dir} holds the new export"
-        return f"{hf_dir} is as it was (an export is renamed into place only once whole)"
-    return kept
+    from common.checkpoint.files import kept_words
+    return kept_words(target, f"{hf_dir} holds the new export",
+                      f"{hf_dir} is as it was (an export is renamed into place only once whole)")
 
 
 def export_dtype(args, weights):
