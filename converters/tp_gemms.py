@@ -73,9 +73,16 @@ class ColumnLinearGemmsFn(torch.autograd.Function):
         return grad_in, grad_w, grad_b, None, None, None, None, None
 
 
-@torch.compiler.disable      # collectives run eagerly under --compile, as train_tp's column_parallel
 def column_parallel_gemms(x, weight, bias, group, sp, overlap, store, gemm):
     return ColumnLinearGemmsFn.apply(in_compute_dtype(x), weight, bias, group, sp, overlap, store, gemm)
+
+
+@functools.cache
+def eager_gemms():
+    """column_parallel_gemms run eagerly under --compile (its collectives, as train_tp's column_parallel), made when
+    a layer first gets the slots (with_slots), not by a decorator at import: torch.compiler.disable imports
+    torch._dynamo, 2.5 s, which every script importing converters/ (train_single too) would pay."""
+    return torch.compiler.disable(column_parallel_gemms)
 
 
 class ColumnGemmSlots:
@@ -86,8 +93,7 @@ class ColumnGemmSlots:
     def matmul(self, x, bias=None):
         if self.gathered or (self.weight_grad_store is None and self.gemm is None):
             return super().matmul(x, bias)       # (inside an sp_gather module: a local matmul, as train_tp's)
-        return column_parallel_gemms(x, self.weight, bias, self.group, self.sp, self.overlap,
-                                     self.weight_grad_store, self.gemm)
+        return self.gemms(x, self.weight, bias, self.group, self.sp, self.overlap, self.weight_grad_store, self.gemm)
 
 
 class RowGemmSlots:
@@ -112,8 +118,7 @@ class LMHeadGemmSlots:
     def matmul(self, x):
         if self.weight_grad_store is None:
             return super().matmul(x)
-        return column_parallel_gemms(x, self.weight, None, self.group, self.sp, self.overlap,
-                                     self.weight_grad_store, None)
+        return self.gemms(x, self.weight, None, self.group, self.sp, self.overlap, self.weight_grad_store, None)
 
 
 # by class name: run as a script, train_tp's classes are __main__'s, a copy of the importable module's
@@ -124,7 +129,7 @@ SLOTS = {"ColumnParallelLinear": ColumnGemmSlots, "RowParallelLinear": RowGemmSl
 @functools.cache
 def with_slots(cls, slots):
     """cls with the slots' matmul in front of its own: isinstance(layer, cls) stays true."""
-    return type(f"{cls.__name__}WithGemmSlots", (slots, cls), {})
+    return type(f"{cls.__name__}WithGemmSlots", (slots, cls), {"gemms": staticmethod(eager_gemms())})
 
 
 def with_gemm_slots(model):
