@@ -144,6 +144,15 @@ def test_bad_config_is_one_clear_error(tiny_data, tmp_path, args, message):
     assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))    # no work started
 
 
+def test_scripts_start_without_torch_dynamo():
+    """torch._dynamo costs seconds to import (a refused run took twice as long with it): only --compile's code and the
+    lessons whose collectives are marked eager at import (train_tp, and train_5d built on it) may load it."""
+    code = ("import sys, train_single, train_ddp, train_zero, train_cp, train_pp, train_ep, plan, collectives; "
+            "print('torch._dynamo' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr
+
+
 def test_bf16_autocast_runs(tiny_data, tmp_path):
     out, _ = run_single(tiny_argv(tiny_data, str(tmp_path), max_steps=2, dtype="bfloat16"))
     assert len(out) == 2 and all(torch.isfinite(torch.tensor(out)))
