@@ -9,6 +9,7 @@ one `error:` line and exit 2, before any work (tests/test_plan_inputs.py).
 """
 import argparse
 import math
+import sys
 from dataclasses import fields
 
 from common.errors import check, fail
@@ -134,8 +135,9 @@ def parse_args(argv, description):
                                      grad_dtype=list(GRAD_DTYPES), loss=list(LOSS_NAMES[1:]),
                                      pp_outputs_kept=list(PP_OUTPUTS_KEPT), arch=list(ARCHS)).get(name))
     ap.add_argument("--json", action="store_true", help="one JSON object per layout (OOM ones included)")
+    argv = sys.argv[1:] if argv is None else argv
     a = ap.parse_args(argv)
-    a.given = {name for name, _, _, _ in FLAGS for token in argv or ()     # what --software must not override,
+    a.given = {name for name, _, _, _ in FLAGS for token in argv           # what --software must not override,
                if token in (f"--{name}", f"--no-{name}") or token.startswith(f"--{name}=")}  # its default too
     return a
 

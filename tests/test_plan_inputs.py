@@ -167,7 +167,7 @@ def test_partial_interleaved_layout_searches_deep_interleaving():
         assert other["oom"] or other["tokens_per_s"] <= row["tokens_per_s"]
 
 
-def test_software_sets_its_stack_unless_a_flag_says_otherwise():
+def test_software_sets_its_stack_unless_a_flag_says_otherwise(monkeypatch):
     """--software fills the Job fields of timing.SOFTWARE's entry; a flag given beside it with another value wins."""
     from dataclasses import fields
     from planner.timing import SOFTWARE
@@ -182,6 +182,8 @@ def test_software_sets_its_stack_unless_a_flag_says_otherwise():
                         (["--no-pp_scatter_gather"], (False, "eager", False))):
         job = build_job(parse_args(BASE + ["--software", "megatron-2021", *given], ""))
         assert (job.dp_overlap, job.attn, job.pp_scatter_gather) == want, given
+    monkeypatch.setattr(sys, "argv", ["plan.py", *BASE, "--software", "megatron-2021", "--dp_overlap"])
+    assert build_job(parse_args(None, "")).dp_overlap          # from the command line alike
     plain = build_job(parse_args(BASE, ""))
     assert (plain.attn, plain.tp_overlap, plain.pp_overlap) == ("flash", 0.0, False)
 
