@@ -160,7 +160,7 @@ def test_bubbles_where_the_simulator_says(tmp_path, tiny_data):
                 assert [(k, mb, c) for _, _, k, mb, c in acts] == [tuple(a) for a in schedule[rank]], (name, rank)
             assert bubble_chart.early_starts(step, name, 2, 0.0) == [], name
             measured |= set(bubble_chart.bubble_slots(step, 0.1 * forward))
-        assert set(idle_slots) <= measured, (name, sorted(idle_slots), sorted(measured))
+        assert set(idle_slots) <= measured, (name, "never idle:", sorted(set(idle_slots) - measured))
 
     rows = [bubble_chart.row_for(name, 2, m, out, [0.1, 0.2]) for name, out in runs.items()]
     rows.append(bubble_chart.row_for("1f1b", 4, 8))

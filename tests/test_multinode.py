@@ -167,8 +167,10 @@ def test_a_killed_node_started_again_resumes_with_the_same_losses(text_reference
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
-           "--rdzv_conf", "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
+           "--rdzv_conf", "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,read_timeout=300",
            "--max-restarts", "2", "--monitor-interval", "0.2", str(script)]
+    # read_timeout: how long an agent's store read waits (torch's default 60 s). The restarted agent reads the new
+    # round's MASTER_ADDR while its peer is still stopping its rank; on a loaded 2-core machine that took over 60 s.
     cmd += text_argv(text_data, out, resume="auto", dist_timeout=60, micro_batch_size=4, save_interval=3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"     # as bench/slurm.sh sets it: a node that replaces one hangs
