@@ -25,7 +25,6 @@ from types import SimpleNamespace
 from common.errors import check
 from pipeline.schedules import dualpipe_v, interleaved, placement_of, stage_of, zb_h1, zb_v
 from model import GPTConfig
-from train_pp import afab, one_f_one_b
 
 
 def kv_dim(job):
@@ -217,7 +216,7 @@ def even_split(L, first, last, stages, ends=False):
     return tuple(([first] if first else []) + share + ([last] if last else []))
 
 
-GENERATORS = dict(afab=afab, zb1=zb_h1, zbv=zb_v, dualpipev=dualpipe_v)
+GENERATORS = dict(zb1=zb_h1, zbv=zb_v, dualpipev=dualpipe_v)     # (interleaved takes v too)
 
 
 REPLAYED_ROUNDS = 4     # micro-batches replayed per stage at most (replayed_peak)
@@ -233,6 +232,8 @@ def held_layers(job, lay, rank, m):
     weights = tuple(counts[stage_of(rank, c, lay.pp, place)] for c in range(lay.v))
     if lay.schedule == "afab" or lay.pp == 1:       # every forward before the first backward: all m held at once
         return (m if lay.pp > 1 else 1) * sum(weights)
+    if lay.schedule == "1f1b":     # p - rank - 1 warm-up forwards, then one more before each backward (train_pp.py)
+        return min(lay.pp - rank, m) * weights[0]
     return replayed_peak(lay.schedule, lay.pp, min(m, REPLAYED_ROUNDS * lay.pp), lay.v, rank, weights)
 
 
@@ -242,10 +243,7 @@ def replayed_peak(schedule, p, m, v, rank, weights):
     replays at most REPLAYED_ROUNDS x p of them: the peak falls in the warm-up or the steady state, whose pattern
     repeats every p x v forwards, so a longer step holds no more (tests/test_plan_shape.py replays up to 12p in full;
     a step of a million micro-batches would otherwise replay millions of actions per rank)."""
-    if schedule == "interleaved":
-        actions = interleaved(p, m, rank, v)
-    else:
-        actions = GENERATORS.get(schedule, one_f_one_b)(p, m, rank)
+    actions = interleaved(p, m, rank, v) if schedule == "interleaved" else GENERATORS[schedule](p, m, rank)
     release = "W" if schedule in ("zb1", "zbv", "dualpipev") else "B"
     held = peak = 0
     for a in actions:
