@@ -68,12 +68,13 @@ MODELS = {
 
 
 def family_config(arch, **fields):
-    """model.GPTConfig with the norm and biases of model.py's family `arch` (common.model_setup.ARCHS), the other
-    fields as given. Its MLP and key/value heads stay GPT-2's: a Job holds those as its own fields (gated, ffn_hidden,
-    n_kv_head), which shape.py's formulas add to model.py's GPT counts (activation_delta_values)."""
+    """model.GPTConfig with the norm, biases and MoE gate renormalization of model.py's family `arch`
+    (common.model_setup.ARCHS), the other fields as given. Its MLP and key/value heads stay GPT-2's: a Job holds those
+    as its own fields (gated, ffn_hidden, n_kv_head), which shape.py's formulas add to model.py's GPT counts
+    (activation_delta_values)."""
     family = ARCHS[arch]
     return GPTConfig(norm=family.get("norm", "layernorm"), qkv_bias=family.get("qkv_bias", True),
-                     bias=family.get("bias", True), **fields)
+                     bias=family.get("bias", True), router_renorm=family.get("router_renorm", False), **fields)
 
 
 GRAD_DTYPES = ("param", "fp32", "both")    # model_state_bytes_per_param's gradient buffers

@@ -40,7 +40,8 @@ from planner.stages import (block_sizes, end_ranks, layers_per_rank, moe_blocks,
                              stage_blocks)          # where the stages are (planner/stages.py); plan.py's callers
                                                     # and the tests reach them here too
 from planner.shape import (activation_delta_values, block_numels, embedding_numels, expert_start, held_layers,
-                           job_of_shape, kv_dim, norm_numels, norm_saved_bytes, op_recompute_values)
+                           job_of_shape, kv_dim, mlp_saved_values, norm_numels, norm_saved_bytes,
+                           op_recompute_values)
 
 MEM_PARTS = ("params", "grads", "optimizer", "activations", "other", "total", "reserved")
 
@@ -173,20 +174,25 @@ def moe_extra_bytes(job, lay):
     """Bytes an MoE block keeps beyond the dense block's count (whose MLP input, the router's input here, stays),
     as model.MoE with train_ep.ExpertParallelExperts saves them, (N, R, K) = moe_routed_rows, experts whole (not
     split over tp):
-        router   N*E fp32 probabilities + N*k int64 top-k (+ N*k bool kept flags with a capacity)
-        experts  R * (9h values: the gathered input rows, c_fc out, GeLU out; + h mask bytes with dropout
-                 + 2 int64 indices: the regrouping permutation and its inverse)
+        router   N*E fp32 probabilities + N*k int64 top-k (+ N*k bool kept flags with a capacity; + N*k fp32
+                 gates and their N sums where they are renormalized, Mixtral's router_renorm)
+        experts  R * (h + m values: the gathered input rows and an expert MLP's shape.mlp_saved_values m, 8h for
+                 4h GeLU experts, 4f for eager SwiGLU ones of width f; + h mask bytes with dropout + 2 int64
+                 indices: the regrouping permutation and its inverse)
         combine  K * (2h values: the returned rows, kept by the gate multiply, and their product, which
                  index_add_ keeps though its backward needs only the shape; + 3 int64 indices + 1 fp32 gate)
-        less the dense MLP's c_fc and GeLU outputs (b*s*8h/t values) and its dropout mask (b*s*h bytes, /t under SP)"""
+        less the dense MLP's m values (b*s*m/t) and its dropout mask (b*s*h bytes, /t under SP), which the dense
+        count holds (Korthikanti's 8h with activation_delta_values' m - 8h)"""
     cfg, bpv, t = job.cfg, PRECISION[job.precision][1], lay.tp
     h, mask = cfg.n_embd, cfg.dropout > 0
     tokens = lay.micro_batch_size * cfg.block_size // lay.cp
     n, rows, back = moe_routed_rows(job, lay)
-    router = n * (4 * cfg.n_experts + 8 * cfg.top_k + cfg.top_k * (cfg.capacity_factor > 0))
-    experts = rows * (9 * h * bpv + h * mask + 16)
+    router = n * (4 * cfg.n_experts + 8 * cfg.top_k + cfg.top_k * (cfg.capacity_factor > 0)
+                  + (4 * cfg.top_k + 4) * cfg.router_renorm)
+    m = mlp_saved_values(job)
+    experts = rows * ((h + m) * bpv + h * mask + 16)
     combine = back * (2 * h * bpv + 28)
-    dense = tokens * 8 * h * bpv / t + tokens * h * mask / (t if lay.sp else 1)
+    dense = tokens * m * bpv / t + tokens * h * mask / (t if lay.sp else 1)
     return router + experts + combine - dense
 
 

@@ -28,6 +28,37 @@ def job_for(cfg, **kw):
 # ----------------------------------------------------------------------------------------------------------
 # model states
 
+@pytest.mark.parametrize("arch", ["gpt", "mixtral"])
+def test_moe_block_saves_are_plans(arch):
+    """An MoE block keeps what plan.py's moe_extra_bytes counts beyond a dense block, for 4h GeLU experts and for
+    Mixtral's SwiGLU experts of width f (4f a routed row, gates renormalized) alike: measured as model.py's saves
+    (fp32) with and without the experts. The count is train_ep's experts', which keep two int64 regrouping indices per
+    routed row that model.py's one-device Experts do not; it leaves out the router's E fp32 balancing weights. (SwiGLU
+    experts were counted as GeLU's 9h a row, 9,456 bytes a block too many here.)"""
+    from common.config import Config
+    from common.metrics import SavedActivationBytes
+    from common.model_setup import gpt_config
+    shape = dict(arch=arch, n_layer=2, n_head=2, n_embd=16, block_size=32, global_batch_size=2,
+                 **(dict(ffn_hidden=24) if arch == "mixtral" else {}))
+    moe, dense = Config(**shape, n_experts=4, top_k=2), Config(**shape)
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    saved = []
+    for cfg in (moe, dense):
+        model = GPT(gpt_config(cfg, 64))
+        with SavedActivationBytes(model) as tracker:
+            model(idx, idx)
+        saved.append(tracker.bytes)
+    job, lay = plan.plan_job(moe, 64, 1, 1, "h100", "fp32"), plan.Layout(dp=1, micro_batch_size=2)
+    assert job.cfg.router_renorm == (arch == "mixtral")
+    _, rows, _ = plan_memory.moe_routed_rows(job, lay)
+    per_block = (saved[0] - saved[1]) / moe.n_layer
+    assert plan_memory.moe_extra_bytes(job, lay) - per_block == 16 * rows - 4 * moe.n_experts
+    argv = ["--arch", arch, "--n_layer", "2", "--n_embd", "16", "--n_head", "2", "--vocab", "64", "--n_experts", "4",
+            "--gpus", "1", "--seq", "32", "--global_batch_tokens", "64", "--precision", "fp32"]
+    cli = plan.build_job(plan.parse_args(argv + (["--ffn_hidden", "24"] if arch == "mixtral" else []), ""))
+    assert plan_memory.moe_extra_bytes(cli, lay) == plan_memory.moe_extra_bytes(job, lay)     # plan.py's command line
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_paper_table(stage):
     """ZeRO (Rajbhandari et al. 2020), Figure 1: 7.5B parameters, 64 GPUs, K = 12: 120 / 31.4 / 16.6 / 1.9 GB."""
