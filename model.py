@@ -301,10 +301,8 @@ def init_weights(model, seed):
 # accounting: parameters, FLOPs, memory
 
 def num_params(cfg, experts_per_token=None):
-    """N = h*v + L*(12h^2 + 13h) + 2h: tied embedding, per-block attention/MLP/LayerNorms, final LayerNorm.
-    An MoE block has a router (E*h) and E MLPs (8h^2 + 5h each) instead of one; experts_per_token=k counts
-    only the k experts a token uses (the 'active' parameters that set the FLOPs). The family's fields change
-    each term: q, k, v (h + 2kv) wide, g matrices of f x h per MLP, biases where enabled, RMSNorm without one."""
+    """The module docstring's N, exact for every config (an MoE block: a router and E MLPs instead of one);
+    experts_per_token=k counts only the k experts a token uses (the 'active' parameters that set the FLOPs)."""
     h, L, v, f = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size, cfg.ffn
     qkv, g = h + 2 * cfg.kv_heads * (h // cfg.n_head), 3 if cfg.mlp == "swiglu" else 2
     norm = h * (1 if cfg.norm == "rmsnorm" else 2)
