@@ -14,7 +14,8 @@ For afab, 1f1b, interleaved (v = 2), zb1, zbv and dualpipev at each (p, m) of CO
                    ranks); and train_pp's own figure (runner: 1 - busy/elapsed per rank, median over steps)
 The gap between "run's costs" and "measured" is what the simulator leaves out: message latency and the Python
 between actions. Timings, unlike counted bytes, move with the machine's load: the table names the machine.
-bubble_slots compares where the idle falls (which rank waits before which action) with the simulator's.
+bubble_slots compares where the idle falls (which rank waits before which action) with the simulator's;
+posted_with_a_send says where the plan lets it fall one action earlier.
 """
 import argparse
 import json
@@ -27,8 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from pipeline.schedules import (Action, placement_of, recvs_of, simulate, stage_of,  # noqa: E402
-                                theory_idle_fraction)
+from pipeline.schedules import (Action, Exchange, comm_plan, placement_of, recvs_of, simulate,  # noqa: E402
+                                stage_of, theory_idle_fraction)
 from train_pp import make_schedule                                                 # noqa: E402
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb1", "zbv", "dualpipev")
@@ -107,6 +108,23 @@ def early_starts(timeline, name, p, tolerance):
                 producer = ("F", mb, stage - 1) if what == "act" else ("B", mb, stage + 1)
                 if src != r and start < ends[producer] - tolerance:
                     out.append((r, Action(kind, mb, chunk), ends[producer] - start))
+    return out
+
+
+def posted_with_a_send(name, p, m):
+    """{(rank, i)}: the rank's i-th action receives a message whose receive the NCCL-safe plan (comm_plan) launches
+    in one batch with a send, so only once the action producing that send has ended. Both messages end in the same
+    simulated round; where two ranks send each other one, one of them must post its receive after its send, or
+    NCCL's in-order groups would deadlock. gloo moves a message only once its receive is posted: the rank may wait
+    for the transfer before that action, the idle the simulator puts after it."""
+    v, place = chunks_of(name), placement_of(name)
+    out = set()
+    for r, plan in enumerate(comm_plan(make_schedule(name, p, m, v), p, v)):
+        with_send = {msg for x in plan if isinstance(x, Exchange) and any(k == "send" for k, _, _ in x.ops)
+                     for k, _, msg in x.ops if k == "recv"}
+        actions = [a for a in plan if not isinstance(a, Exchange)]
+        out |= {(r, i) for i, a in enumerate(actions)
+                if any(msg in with_send for _, msg in recvs_of(a, r, p, v, place))}
     return out
 
 

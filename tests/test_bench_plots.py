@@ -133,24 +133,6 @@ def _profiled_pipeline(rank, world, argvs):
         train_pp.main(argv)
 
 
-def receives_posted_with_a_send(name, p, m):
-    """{(rank, i)}: the rank's i-th action receives a message whose receive the NCCL-safe plan (pipeline/schedules.py's
-    comm_plan) launches in one batch with a send, so only once the action producing that send has ended (both
-    messages end in the same simulated round: in a round where two ranks send each other one, one of them must post
-    its receive after its send, or NCCL's in-order groups would deadlock)."""
-    from pipeline.schedules import Exchange, comm_plan, recvs_of
-    v = bubble_chart.chunks_of(name)
-    schedule = bubble_chart.make_schedule(name, p, m, v)
-    out = set()
-    for r, plan in enumerate(comm_plan(schedule, p, v)):
-        with_send = {msg for x in plan if isinstance(x, Exchange) and any(k == "send" for k, _, _ in x.ops)
-                     for k, _, msg in x.ops if k == "recv"}
-        actions = [a for a in plan if not isinstance(a, Exchange)]
-        out |= {(r, i) for i, a in enumerate(actions)
-                if any(msg in with_send for _, msg in recvs_of(a, r, p, v, schedule.placement))}
-    return out
-
-
 def test_bubbles_where_the_simulator_says(tmp_path, tiny_data):
     """2-rank train_pp runs under --profile (1f1b, zb1, interleaved; m = 4), read from their traces: in each
     recorded step every rank runs its schedule's actions in order; no action starts before the action whose message
@@ -160,7 +142,7 @@ def test_bubbles_where_the_simulator_says(tmp_path, tiny_data):
     deschedules for one action arrives after the message it waits for, so its gap closes; the exact claim, that it
     never starts before the message, is early_starts'. The converse, no idle where the simulator has none, is not
     asserted: on a shared 2-core machine other processes open gaps anywhere (bench/results/bubble.md measures how
-    much). Where the action before the slot receives a message posted with a send (receives_posted_with_a_send), the
+    much). Where the action before the slot receives a message posted with a send (bubble_chart.posted_with_a_send), the
     idle may stand one slot earlier: gloo moves a message only once its receive is posted, so the rank waits there
     for the transfer, and starts late by it. So interleaved's rank 0, whose B(1, 0) gradient is posted after F(3, 1)
     with its send, waited before B(1, 0) instead of before B(2, 1) in a third of the runs on a quiet 2-core machine
@@ -186,7 +168,7 @@ def test_bubbles_where_the_simulator_says(tmp_path, tiny_data):
                 assert [(k, mb, c) for _, _, k, mb, c in acts] == [tuple(a) for a in schedule[rank]], (name, rank)
             assert bubble_chart.early_starts(step, name, 2, 0.0) == [], name
             measured |= set(bubble_chart.bubble_slots(step, 0.1 * forward))
-        late = receives_posted_with_a_send(name, 2, m)
+        late = bubble_chart.posted_with_a_send(name, 2, m)
         missing = [(r, i) for r, i in idle_slots
                    if (r, i) not in measured and not ((r, i - 1) in late and (r, i - 1) in measured)]
         assert not missing, (name, "never idle:", missing)

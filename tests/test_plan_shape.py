@@ -323,13 +323,15 @@ def test_replay_stops_at_a_few_rounds_without_changing_the_peak():
     not replayed: its closed form, min(p - rank, m), is the peak of train_pp's action list at every m."""
     from train_pp import one_f_one_b
     for p in (2, 3, 4):
+        lay = Layout(dp=1, pp=p, schedule="1f1b")
         for m in range(1, 12 * p + 1):
+            job = job_for(GPTConfig(vocab_size=64, block_size=64, n_layer=3 * p, n_head=4, n_embd=64), gpus=p,
+                          global_seqs=m)
             for rank in range(p):
-                held = [a.kind == "F" for a in one_f_one_b(p, m, rank)]
-                peak = max(sum(held[:i + 1]) - (i + 1 - sum(held[:i + 1])) for i in range(len(held)))
-                lay = Layout(dp=1, pp=p, schedule="1f1b")
-                job = job_for(GPTConfig(vocab_size=64, block_size=64, n_layer=3 * p, n_head=4, n_embd=64), gpus=p,
-                              global_seqs=m)
+                held = peak = 0
+                for a in one_f_one_b(p, m, rank):
+                    held += 1 if a.kind == "F" else -1
+                    peak = max(peak, held)
                 assert plan_shape.held_layers(job, lay, rank, m) == 3 * peak, (p, m, rank)
     cap = plan_shape.REPLAYED_ROUNDS
     for schedule, v in (("zb1", 1), ("interleaved", 2), ("interleaved", 3), ("zbv", 2), ("dualpipev", 2)):
